@@ -1,0 +1,211 @@
+"""The ``stalwart`` command: thin click commands over the public API."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import click
+
+from stalwart import __version__
+from stalwart.errors import StalwartError, StoreError
+from stalwart.events import RecordedEvent
+from stalwart.state import aggregate_for
+from stalwart.store import EventStore, load_state
+from stalwart.store import open as open_store
+
+from ._logging import configure_logging
+from ._render import event_json, event_line, fmt_ts, state_lines, to_json
+
+DEFAULT_STORE = "./.stalwart"
+
+
+class _Group(click.Group):
+    """Turns every stalwart error into one line on stderr and exit code 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except StalwartError as exc:
+            click.echo(f"stalwart: error: {exc}", err=True)
+            ctx.exit(1)
+        except BrokenPipeError:
+            # the reader went away (``stalwart tail | head``): that is not an error
+            sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+            ctx.exit(0)
+
+
+class _State:
+    def __init__(self, location: str) -> None:
+        self.location = location
+
+    def store(self) -> EventStore:
+        """The store named by --store; it must exist (read commands never create one)."""
+        return open_store(self.location, create=False)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--store",
+    "location",
+    envvar="STALWART_STORE",
+    default=DEFAULT_STORE,
+    show_default=True,
+    help="The event store: a directory (env STALWART_STORE).",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="warning",
+    show_default=True,
+    help="Diagnostics on stderr at this level and above.",
+)
+@click.version_option(__version__, prog_name="stalwart")
+@click.pass_context
+def cli(ctx: click.Context, location: str, log_level: str) -> None:
+    """stalwart keeps long-running LLM agents from going quietly stuck.
+
+    Every fact and decision is an event in one durable log; these commands show it.
+    """
+    configure_logging(log_level)
+    ctx.obj = _State(location)
+
+
+def _matcher(pattern: str | None) -> Callable[[str], bool]:
+    if not pattern:
+        return lambda _: True
+    return re.compile(fnmatch.translate(pattern)).match  # type: ignore[return-value]
+
+
+def _print_events(
+    records: Iterable[RecordedEvent], as_json: bool, keep: Callable[[RecordedEvent], bool]
+) -> None:
+    render = event_json if as_json else event_line
+    for record in records:
+        if keep(record):
+            click.echo(render(record))
+            sys.stdout.flush()
+
+
+@cli.command()
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new events until Ctrl-C.")
+@click.option("--stream", "stream_glob", metavar="GLOB", help="Only streams matching GLOB.")
+@click.option("--type", "type_glob", metavar="GLOB", help="Only event types matching GLOB.")
+@click.option(
+    "--since",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="POSITION",
+    help="Only events after POSITION (0: from the start).",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.pass_obj
+def tail(
+    state: _State,
+    follow: bool,
+    stream_glob: str | None,
+    type_glob: str | None,
+    since: int,
+    as_json: bool,
+) -> None:
+    """Print the event log, optionally following it live."""
+    stream_ok, type_ok = _matcher(stream_glob), _matcher(type_glob)
+
+    def keep(record: RecordedEvent) -> bool:
+        return bool(stream_ok(record.stream)) and bool(type_ok(record.type))
+
+    store = state.store()
+    try:
+        if not follow:
+            _print_events(store.read_all(since + 1), as_json, keep)
+            return
+        subscription = store.subscribe(since + 1)
+        try:
+            _print_events(subscription, as_json, keep)
+        except KeyboardInterrupt:
+            subscription.close()
+    finally:
+        store.close()
+
+
+@cli.command()
+@click.argument("stream")
+@click.option(
+    "--until",
+    type=click.IntRange(min=1),
+    metavar="POSITION",
+    help="The state as it was at global POSITION (time travel).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the state as one JSON object.")
+@click.option("--no-snapshots", is_flag=True, help="Fold every event; ignore saved snapshots.")
+@click.pass_obj
+def replay(
+    state: _State, stream: str, until: int | None, as_json: bool, no_snapshots: bool
+) -> None:
+    """Fold STREAM's events and print the resulting state."""
+    store = state.store()
+    try:
+        if store.stream_version(stream) == 0:
+            raise StoreError(f"no stream named {stream!r} in {store.location}")
+        folded = load_state(
+            store,
+            stream,
+            aggregate_for(stream),
+            until_position=until,
+            snapshot_every=0,
+            use_snapshots=not no_snapshots,
+        )
+    finally:
+        store.close()
+    if as_json:
+        click.echo(to_json(folded))
+    else:
+        for line in state_lines(folded):
+            click.echo(line)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per stream.")
+@click.pass_obj
+def streams(state: _State, as_json: bool) -> None:
+    """List the streams with their versions and last event time."""
+    store = state.store()
+    try:
+        infos = store.streams()
+    finally:
+        store.close()
+    if as_json:
+        for info in infos:
+            click.echo(to_json(info))
+        return
+    if not infos:
+        click.echo("no streams yet")
+        return
+    width = max(len(info.stream) for info in infos)
+    click.echo(f"{'STREAM':<{width}}  {'VERSION':>7}  {'LAST POS':>8}  LAST EVENT")
+    for info in infos:
+        click.echo(
+            f"{info.stream:<{width}}  {info.version:>7}  {info.last_position:>8}  "
+            f"{fmt_ts(info.last_ts)}"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``stalwart`` script: usage errors are one line and exit 1 too."""
+    try:
+        code = cli.main(args=argv, prog_name="stalwart", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        click.echo(f"stalwart: error: {exc.format_message()}", err=True)
+        sys.exit(1)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -1,0 +1,82 @@
+"""How events and states look on a terminal and as JSON."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+import msgspec
+
+from stalwart.events import RecordedEvent, UnknownEvent, event_data
+
+_COLOURS = {"debug": "bright_black", "info": None, "warning": "yellow", "error": "red"}
+_MAX_VALUE = 60
+_json = msgspec.json.Encoder()
+
+
+def fmt_ts(ts: float) -> str:
+    """UTC time with milliseconds: ``2026-11-22T14:03:05.123Z``."""
+    stamp = datetime.fromtimestamp(ts, tz=UTC)
+    return stamp.strftime("%Y-%m-%dT%H:%M:%S.") + f"{stamp.microsecond // 1000:03d}Z"
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else _json.encode(value).decode()
+    text = text.replace("\n", "\\n")
+    if len(text) > _MAX_VALUE:
+        text = text[: _MAX_VALUE - 1] + "…"
+    if isinstance(value, str) and (" " in text or not text):
+        text = '"' + text + '"'
+    return text
+
+
+def event_line(record: RecordedEvent) -> str:
+    """One human line: position, time, stream, type, then the fields that say something."""
+    event = record.event
+    fields = " ".join(
+        f"{key}={_short(value)}"
+        for key, value in event_data(event).items()
+        if value not in (None, "", [], {}, ()) and not key.startswith("_raw")
+    )
+    severity = event.severity
+    kind = record.type + (" (unknown type)" if isinstance(event, UnknownEvent) else "")
+    text = f"{record.position:>8}  {fmt_ts(record.ts)}  {record.stream}  {kind}"
+    if fields:
+        text += "  " + fields
+    colour = _COLOURS.get(severity)
+    return click.style(text, fg=colour) if colour else text
+
+
+def event_json(record: RecordedEvent) -> str:
+    """One JSON object: position, stream, version, type, ts, data."""
+    return _json.encode(
+        {
+            "position": record.position,
+            "stream": record.stream,
+            "version": record.version,
+            "type": record.type,
+            "ts": record.ts,
+            "data": event_data(record.event),
+        }
+    ).decode()
+
+
+def state_lines(state: Any) -> list[str]:
+    """A folded state as aligned ``key  value`` lines."""
+    data = msgspec.to_builtins(state)
+    width = max((len(k) for k in data), default=0)
+    lines = []
+    for key, value in data.items():
+        if isinstance(value, float) and key.endswith(("_at", "_ts")):
+            shown = fmt_ts(value)
+        elif isinstance(value, dict | list):
+            shown = _json.encode(value).decode()
+        else:
+            shown = "-" if value is None else str(value)
+        lines.append(f"{key:<{width}}  {shown}")
+    return lines
+
+
+def to_json(value: Any) -> str:
+    return _json.encode(value).decode()

@@ -1,0 +1,53 @@
+"""Announcement and dead-letter events (streams ``session:<id>`` and ``deadletter``)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from ._base import Event, Severity
+
+
+class AnnouncementQueued(Event, frozen=True, tag="announcement:queued"):
+    announcement_id: str
+    channel: str
+    kind: Literal["completion", "failure_notice", "static_reply"] = "completion"
+    text: str = ""
+
+
+class AnnouncementDelivered(Event, frozen=True, tag="announcement:delivered"):
+    announcement_id: str
+    path: Literal["announce", "direct"] = "announce"
+
+
+class AnnouncementSendFailed(Event, frozen=True, tag="announcement:send_failed"):
+    announcement_id: str
+    error_class: str
+    severity: ClassVar[Severity] = "warning"
+
+
+class AnnouncementFallbackDirect(Event, frozen=True, tag="announcement:fallback_direct"):
+    announcement_id: str
+    timeout_ms: int
+    severity: ClassVar[Severity] = "warning"
+
+
+class AnnouncementDeadLettered(Event, frozen=True, tag="announcement:dead_lettered"):
+    entry_id: str
+    announcement_id: str
+    channel: str
+    text: str
+    reason: str
+    severity: ClassVar[Severity] = "warning"
+
+
+class AnnouncementDeadLetterDelivered(Event, frozen=True, tag="announcement:dead_letter_delivered"):
+    entry_id: str
+    attempts: int
+
+
+class AnnouncementDeadLetterExpired(Event, frozen=True, tag="announcement:dead_letter_expired"):
+    entry_id: str
+    age_ms: int
+    max_age_ms: int
+    attempts: int = 0
+    severity: ClassVar[Severity] = "error"

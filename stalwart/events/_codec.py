@@ -1,0 +1,262 @@
+"""The tagged union of every event, the recorded envelope, and the codec.
+
+A stored record is one msgpack array: ``[position, stream, version, ts, id, causation_id,
+correlation_id, schema, event]`` where ``event`` is the event's tagged map and ``schema``
+the version of that event's payload when it was written. Decoding takes one msgspec pass
+in the common case; a record written at an older schema goes through the upcasters, and
+a record whose tag this version does not know becomes an :class:`UnknownEvent` holding
+its raw bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Union
+
+import msgspec
+
+from stalwart.errors import CorruptRecordError, EventError, UnknownEventTypeError
+
+from . import (  # noqa: F401  (imported for their Event subclasses)
+    _activation,
+    _announcement,
+    _context,
+    _prompt,
+    _provider,
+    _runtime,
+    _session,
+    _subagent,
+)
+from ._base import Event, UnknownEvent
+
+Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def _collect(root: type[Event]) -> dict[str, type[Event]]:
+    found: dict[str, type[Event]] = {}
+    stack = list(root.__subclasses__())
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        tag = cls.__struct_config__.tag
+        if not isinstance(tag, str) or ":" not in tag:
+            raise EventError(
+                f"{cls.__qualname__} needs an explicit 'domain:name' tag, found {tag!r}"
+            )
+        if tag in found and found[tag] is not cls:
+            raise EventError(
+                f"tag {tag!r} is used by {found[tag].__qualname__} and {cls.__qualname__}"
+            )
+        found[tag] = cls
+    return found
+
+
+#: Every event type this version knows, by tag (``stalwart:unknown`` included).
+EVENT_TYPES: Mapping[str, type[Event]] = _collect(Event)
+
+if TYPE_CHECKING:
+    AnyEvent = Event
+else:
+    AnyEvent = Union[tuple(EVENT_TYPES[t] for t in sorted(EVENT_TYPES))]  # noqa: UP007
+
+#: Upcasters of the built-in vocabulary: ``(tag, from_schema) -> fn(payload) -> payload``.
+UPCASTERS: Mapping[tuple[str, int], Upcaster] = {}
+
+
+class RecordedEvent(msgspec.Struct, frozen=True, array_like=True):
+    """An event as the log holds it: where it is, when it happened, and what caused it."""
+
+    position: int
+    stream: str
+    version: int
+    ts: float
+    id: str
+    causation_id: str | None
+    correlation_id: str | None
+    schema: int
+    event: AnyEvent
+
+    @property
+    def type(self) -> str:
+        """The event's tag (for an unknown event, the tag it was written with)."""
+        event = self.event
+        if isinstance(event, UnknownEvent):
+            return event.tag
+        return event_tag(event)
+
+
+class _RawRecord(msgspec.Struct, frozen=True, array_like=True):
+    position: int
+    stream: str
+    version: int
+    ts: float
+    id: str
+    causation_id: str | None
+    correlation_id: str | None
+    schema: int
+    event: msgspec.Raw
+
+
+class _Tagged(msgspec.Struct):
+    type: str
+
+
+def event_tag(event: Event) -> str:
+    """The wire tag of an event instance."""
+    tag = type(event).__struct_config__.tag
+    assert isinstance(tag, str)
+    return tag
+
+
+class Codec:
+    """Encodes recorded events and decodes them back, upcasting old payloads.
+
+    ``extra_types`` adds event classes outside the built-in vocabulary (a plugin's);
+    ``versions`` and ``upcasters`` override the current schema version of a tag and add
+    upcasters, which is how a schema change is made and tested. The default codec decodes
+    in a single msgspec pass.
+    """
+
+    def __init__(
+        self,
+        *,
+        extra_types: Iterable[type[Event]] = (),
+        versions: Mapping[str, int] | None = None,
+        upcasters: Mapping[tuple[str, int], Upcaster] | None = None,
+    ) -> None:
+        types = dict(EVENT_TYPES)
+        extra = tuple(extra_types)
+        for cls in extra:
+            tag = cls.__struct_config__.tag
+            if not isinstance(tag, str) or ":" not in tag:
+                raise EventError(f"{cls.__qualname__} needs an explicit 'domain:name' tag")
+            types[tag] = cls
+        self._types = types
+        self._versions = {tag: cls.schema_version for tag, cls in types.items()}
+        self._versions.update(versions or {})
+        self._by_class = {types[tag]: v for tag, v in self._versions.items() if tag in types}
+        self._upcasters = {**UPCASTERS, **(upcasters or {})}
+        self._encoder = msgspec.msgpack.Encoder()
+        self._raw_decoder = msgspec.msgpack.Decoder(_RawRecord)
+        self._tag_decoder = msgspec.msgpack.Decoder(_Tagged)
+        if extra:
+            union: Any = Union[tuple(types[t] for t in sorted(types))]  # noqa: UP007
+            self._fast: msgspec.msgpack.Decoder[RecordedEvent] | None = None
+            self._event_decoder: Any = msgspec.msgpack.Decoder(union)
+        else:
+            union = AnyEvent
+            self._fast = msgspec.msgpack.Decoder(RecordedEvent)
+            self._event_decoder = msgspec.msgpack.Decoder(union)
+        self._union = union
+
+    # -- the vocabulary -------------------------------------------------------------------
+
+    def knows(self, event: object) -> bool:
+        """Whether ``event`` is an instance of a type this codec can write."""
+        return type(event) in self._by_class and not isinstance(event, UnknownEvent)
+
+    def schema_of(self, event: Event) -> int:
+        """The current schema version of ``event``'s type."""
+        try:
+            return self._by_class[type(event)]
+        except KeyError:
+            raise UnknownEventTypeError(
+                f"{type(event).__qualname__} is not a registered event type"
+            ) from None
+
+    # -- records ----------------------------------------------------------------------------
+
+    def encode(self, record: RecordedEvent) -> bytes:
+        """The stored bytes of a record."""
+        return self._encoder.encode(record)
+
+    def decode(self, data: bytes | memoryview, position: int = -1) -> RecordedEvent:
+        """Decode stored bytes; raises :class:`CorruptRecordError` when they cannot be read."""
+        fast = self._fast
+        if fast is not None:
+            try:
+                record = fast.decode(data)
+            except msgspec.DecodeError:
+                return self._decode_slow(data, position)
+            if record.schema == self._by_class.get(type(record.event)):
+                return record
+        return self._decode_slow(data, position)
+
+    def _decode_slow(self, data: bytes | memoryview, position: int) -> RecordedEvent:
+        try:
+            raw = self._raw_decoder.decode(data)
+        except msgspec.DecodeError as exc:
+            raise CorruptRecordError(position, f"not a stalwart record ({exc})") from exc
+        try:
+            tag = self._tag_decoder.decode(raw.event).type
+        except msgspec.DecodeError as exc:
+            raise CorruptRecordError(raw.position, f"event payload has no tag ({exc})") from exc
+        current = self._versions.get(tag)
+        if current is None or tag == "stalwart:unknown":
+            event: Event = UnknownEvent(tag=tag, schema=raw.schema, raw=bytes(raw.event))
+        else:
+            event = self._upcast(raw, tag, current)
+        return RecordedEvent(
+            position=raw.position,
+            stream=raw.stream,
+            version=raw.version,
+            ts=raw.ts,
+            id=raw.id,
+            causation_id=raw.causation_id,
+            correlation_id=raw.correlation_id,
+            schema=raw.schema,
+            event=event,
+        )
+
+    def _upcast(self, raw: _RawRecord, tag: str, current: int) -> Event:
+        try:
+            if raw.schema >= current:
+                event: Event = self._event_decoder.decode(raw.event)
+                return event
+            payload: dict[str, Any] = msgspec.msgpack.decode(raw.event)
+            for version in range(raw.schema, current):
+                upcaster = self._upcasters.get((tag, version))
+                if upcaster is None:
+                    raise CorruptRecordError(
+                        raw.position, f"no upcaster for {tag!r} from schema {version}"
+                    )
+                payload = upcaster(payload)
+                payload["type"] = tag
+            upcast: Event = msgspec.convert(payload, self._union)
+            return upcast
+        except msgspec.DecodeError as exc:
+            raise CorruptRecordError(raw.position, f"{tag!r} payload: {exc}") from exc
+        except msgspec.ValidationError as exc:
+            raise CorruptRecordError(raw.position, f"{tag!r} payload: {exc}") from exc
+
+
+def event_data(event: Event) -> dict[str, Any]:
+    """An event's fields as JSON-ready builtins, without its tag.
+
+    An unknown event shows what can be read of its raw payload, plus ``_unknown``,
+    ``_schema`` and ``_raw_b64`` so nothing about it is hidden.
+    """
+    if isinstance(event, UnknownEvent):
+        data: dict[str, Any] = {}
+        try:
+            decoded = msgspec.msgpack.decode(event.raw)
+            if isinstance(decoded, dict):
+                data = msgspec.to_builtins(
+                    {k: v for k, v in decoded.items() if k != "type"},
+                    enc_hook=repr,
+                    builtin_types=(),
+                )
+        except (msgspec.DecodeError, TypeError):
+            data = {}
+        data["_unknown"] = True
+        data["_schema"] = event.schema
+        data["_raw_b64"] = base64.b64encode(event.raw).decode("ascii")
+        return data
+    built: dict[str, Any] = msgspec.to_builtins(event)
+    built.pop("type", None)
+    return built
+
+
+#: The codec every store uses unless given another.
+DEFAULT_CODEC = Codec()

@@ -1,0 +1,83 @@
+"""Provider-call events inside a session (stream ``session:<id>``)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from ._base import Event, Severity
+
+TimeoutLimit = Literal["stall", "makespan", "retry_deadline"]
+
+
+class PromptStarted(Event, frozen=True, tag="prompt:started"):
+    call_id: str
+    provider: str
+    model: str
+    attempt: int = 1
+    deadline_kind: Literal["stall", "whole_call"] = "stall"
+    timeout_ms: int = 0
+    turn_id: str | None = None
+
+
+class PromptActivity(Event, frozen=True, tag="prompt:activity"):
+    """Throttled evidence that a call is alive (text, thinking or a tool completion)."""
+
+    call_id: str
+    kind: Literal["text", "thinking", "tool_call", "tool_result"] = "text"
+    tokens: int = 0
+    severity: ClassVar[Severity] = "debug"
+
+
+class PromptCompleted(Event, frozen=True, tag="prompt:completed"):
+    call_id: str
+    input_tokens: int = 0
+    output_tokens: int = 0
+    finish_reason: str = "stop"
+
+
+class PromptFailed(Event, frozen=True, tag="prompt:failed"):
+    call_id: str
+    error_class: str
+    status: int | None = None
+    retryable: bool = False
+    severity: ClassVar[Severity] = "warning"
+
+
+class PromptTimeout(Event, frozen=True, tag="execution:prompt_timeout"):
+    """A call aborted by its deadline: which limit, the knob that bound it, the elapsed time."""
+
+    call_id: str
+    limit: TimeoutLimit
+    knob: str
+    limit_ms: int
+    elapsed_ms: int
+    severity: ClassVar[Severity] = "warning"
+
+
+class PromptRetryScheduled(Event, frozen=True, tag="prompt:retry_scheduled"):
+    call_id: str
+    attempt: int
+    delay_ms: int
+    reason: str
+
+
+class ModelFallbackAttempt(Event, frozen=True, tag="model:fallback_attempt"):
+    from_model: str
+    to_model: str
+    attempt: int
+    reason: str
+    severity: ClassVar[Severity] = "warning"
+
+
+class ModelFallbackExhausted(Event, frozen=True, tag="model:fallback_exhausted"):
+    models: tuple[str, ...]
+    reason: str
+    severity: ClassVar[Severity] = "error"
+
+
+class ExecutionAborted(Event, frozen=True, tag="execution:aborted"):
+    reason: Literal["pipeline_timeout", "interrupted", "provider_degraded", "failed"]
+    turn_id: str | None = None
+    limit_ms: int = 0
+    elapsed_ms: int = 0
+    severity: ClassVar[Severity] = "error"

@@ -1,0 +1,36 @@
+"""Runtime and supervisor events (stream ``runtime``)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from ._base import Event, Severity
+
+
+class RuntimeStarted(Event, frozen=True, tag="runtime:started"):
+    """A runtime started; carries the config in force so replay can re-run decisions."""
+
+    config: dict[str, Any]
+    stalwart_version: str
+    host: str = ""
+    pid: int = 0
+
+
+class RuntimeStopped(Event, frozen=True, tag="runtime:stopped"):
+    reason: str = "shutdown"
+
+
+class SupervisorRestarted(Event, frozen=True, tag="supervisor:restarted"):
+    actor: str
+    restarts: int
+    backoff_ms: int
+    reason: str
+    severity: ClassVar[Severity] = "warning"
+
+
+class SupervisorGaveUp(Event, frozen=True, tag="supervisor:gave_up"):
+    actor: str
+    restarts: int
+    window_ms: int
+    session: str | None = None
+    severity: ClassVar[Severity] = "error"

@@ -1,0 +1,94 @@
+"""Session events (stream ``session:<id>``): the conversation and its turns."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import msgspec
+
+from ._base import Event, Severity
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """A tool call as the model asked for it; ``arguments`` is the JSON text verbatim."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+
+class SessionCreated(Event, frozen=True, tag="session:created"):
+    agent: str = "default"
+    parent: str | None = None
+    channel: str | None = None
+    tenant: str | None = None
+    title: str = ""
+
+
+class MessageAppended(Event, frozen=True, tag="message:appended"):
+    """One message of the conversation, stored verbatim."""
+
+    message_id: str
+    role: Role
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+    turn_id: str | None = None
+
+
+class TurnStarted(Event, frozen=True, tag="turn:started"):
+    turn_id: str
+    trigger: str = "user"
+
+
+class TurnCompleted(Event, frozen=True, tag="turn:completed"):
+    turn_id: str
+    outcome: Literal["answered", "failed", "aborted", "paused"] = "answered"
+
+
+class ToolStarted(Event, frozen=True, tag="tool:started"):
+    call_id: str
+    tool: str
+    arguments: str = "{}"
+    idempotency_key: str | None = None
+    turn_id: str | None = None
+
+
+class ToolCompleted(Event, frozen=True, tag="tool:completed"):
+    call_id: str
+    tool: str
+    output: str = ""
+    duration_ms: int = 0
+
+
+class ToolFailed(Event, frozen=True, tag="tool:failed"):
+    call_id: str
+    tool: str
+    error_class: str
+    retryable: bool = False
+    timed_out: bool = False
+    severity: ClassVar[Severity] = "warning"
+
+
+class SessionRequiresAction(Event, frozen=True, tag="session:requires_action"):
+    request_id: str
+    kind: Literal["approval", "custom_tool"]
+    tool: str
+    arguments: str = "{}"
+
+
+class ToolBlocked(Event, frozen=True, tag="tool:blocked"):
+    call_id: str
+    tool: str
+    rule: Literal["same_call", "same_tool", "error_pattern"]
+    failures: int
+    threshold: int
+    severity: ClassVar[Severity] = "warning"
+
+
+class SessionClosed(Event, frozen=True, tag="session:closed"):
+    reason: str = "closed"
+    details: dict[str, Any] = msgspec.field(default_factory=dict)

@@ -1,0 +1,74 @@
+"""A live feed over any EventStore: read what is there, wait for more, never skip."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from stalwart.events import RecordedEvent
+
+if TYPE_CHECKING:
+    from ._protocol import EventStore
+
+_WAIT_SLICE = 0.25
+
+
+class Subscription:
+    """Events from a position on, in order, blocking for new ones until closed.
+
+    Positions have no gaps, so remembering the next position to read is enough to see
+    every event exactly once. Iterate it, or call :meth:`poll` to wait with a timeout.
+    """
+
+    def __init__(self, store: EventStore, from_position: int = 1, batch: int = 1024) -> None:
+        self._store = store
+        self._next = max(1, from_position)
+        self._batch = batch
+        self._closed = threading.Event()
+
+    @property
+    def position(self) -> int:
+        """The position of the next event this subscription will return."""
+        return self._next
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def poll(self, timeout: float | None = None) -> list[RecordedEvent]:
+        """The next events, waiting up to ``timeout`` seconds (None: until some arrive)."""
+        events = self._read()
+        if events or self.closed:
+            return events
+        remaining = timeout
+        while not self.closed:
+            wait = _WAIT_SLICE if remaining is None else min(_WAIT_SLICE, remaining)
+            if self._store.wait_for(self._next, wait) >= self._next:
+                return self._read()
+            if remaining is not None:
+                remaining -= wait
+                if remaining <= 0:
+                    break
+        return []
+
+    def _read(self) -> list[RecordedEvent]:
+        end = self._next + self._batch - 1
+        events = list(self._store.read_all(self._next, end))
+        if events:
+            self._next = events[-1].position + 1
+        return events
+
+    def __iter__(self) -> Iterator[RecordedEvent]:
+        while not self.closed:
+            yield from self.poll(None)
+
+    def close(self) -> None:
+        """Stop the feed; an iteration in another thread ends within a fraction of a second."""
+        self._closed.set()
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
