@@ -15,12 +15,13 @@ about one fsync per batch. LMDB's own writer lock serializes writers across proc
 
 from __future__ import annotations
 
+import abc
 import os
 import queue
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import lmdb
 import msgspec
@@ -30,6 +31,7 @@ from stalwart import ids
 from stalwart.clock import Clock, SystemClock
 from stalwart.errors import (
     ConcurrencyError,
+    CorruptRecordError,
     StoreClosedError,
     StoreError,
     StoreNotFoundError,
@@ -55,22 +57,67 @@ def _key(position: int) -> bytes:
     return position.to_bytes(_POS, "big")
 
 
-class _Request:
-    __slots__ = ("error", "events", "expected", "lock", "result", "stream", "stream_key")
+def _at_key(exc: CorruptRecordError, key: bytes | memoryview) -> CorruptRecordError:
+    """The same error, naming the position the record is stored at."""
+    return CorruptRecordError(int.from_bytes(key, "big"), exc.reason)
 
-    def __init__(
-        self, stream: str, stream_key: bytes, events: list[NewEvent], expected: int | None
-    ) -> None:
-        self.stream = stream
-        self.stream_key = stream_key
-        self.events = events
-        self.expected = expected
-        self.result: list[RecordedEvent] = []
+
+class _Job(abc.ABC):
+    """A unit of work for the writer thread; the caller waits on ``lock``."""
+
+    __slots__ = ("error", "lock", "result")
+
+    def __init__(self) -> None:
+        self.result: Any = None
         self.error: BaseException | None = None
         self.lock = threading.Lock()
         self.lock.acquire()
 
+    @abc.abstractmethod
+    def run(self, env: _Environment, txn: Any, head: list[int]) -> None:
+        """Do the job inside the batch's write transaction; ``head`` is the last position."""
 
+
+class _Append(_Job):
+    __slots__ = ("events", "expected", "stream", "stream_key")
+
+    def __init__(
+        self, stream: str, stream_key: bytes, events: list[NewEvent], expected: int | None
+    ) -> None:
+        super().__init__()
+        self.stream = stream
+        self.stream_key = stream_key
+        self.events = events
+        self.expected = expected
+
+    def run(self, env: _Environment, txn: Any, head: list[int]) -> None:
+        env.append_in(txn, self, head)
+
+
+class _PutSnapshot(_Job):
+    __slots__ = ("prefix", "value", "version")
+
+    def __init__(self, prefix: bytes, version: int, value: bytes) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.version = version
+        self.value = value
+
+    def run(self, env: _Environment, txn: Any, head: list[int]) -> None:
+        prefix = self.prefix
+        txn.put(prefix + _key(self.version), self.value, db=env.snapshot_db)
+        cursor = txn.cursor(db=env.snapshot_db)
+        keys = []
+        if cursor.set_range(prefix):
+            for key in cursor.iternext(values=False):
+                if not bytes(key).startswith(prefix):
+                    break
+                keys.append(bytes(key))
+        for key in keys[:-SNAPSHOTS_KEPT]:
+            txn.delete(key, db=env.snapshot_db)
+
+
+_T = TypeVar("_T")
 _STOP = object()
 _REAL_TIME = SystemClock()
 
@@ -103,7 +150,7 @@ class _Environment:
                 raise StoreError(
                     f"{path} holds store format {bytes(marker)!r}, this version reads {FORMAT!r}"
                 )
-        self._queue: queue.SimpleQueue[_Request | object] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Job | object] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="stalwart-lmdb-writer")
         self._writer.daemon = True
         self._writer.start()
@@ -111,25 +158,54 @@ class _Environment:
 
     # -- transactions under the resize lock --------------------------------------------------
 
-    def run(self, fn: Callable[[Any], Any], *, write: bool = False) -> Any:
-        """Run ``fn(txn)`` in a transaction, growing or re-adopting the map as needed."""
+    def read(self, fn: Callable[[Any], _T]) -> _T:
+        """Run ``fn(txn)`` in a read transaction (buffers: values are valid inside only)."""
         while True:
             try:
                 with self.rw.shared():
                     if self.closed:
                         raise StoreClosedError(f"the store at {self.path} is closed")
-                    if write:
-                        with self.env.begin(write=True) as txn:
-                            return fn(txn)
                     with self.env.begin(buffers=True) as txn:
                         return fn(txn)
-            except lmdb.MapFullError:
-                self._resize(grow=True)
             except lmdb.MapResizedError:
-                self._resize(grow=False)
+                self._resize(grow=False, failed=None)
 
-    def _resize(self, *, grow: bool) -> None:
+    def _write(self, fn: Callable[[Any], None]) -> None:
+        """Run ``fn(txn)`` in a durable write transaction. Only the writer thread writes.
+
+        A transaction that fails is aborted while no reader is active: py-lmdb >= 2.1
+        drains in-flight operations on abort, which never ends under steady readers.
+        """
+        while True:
+            failed: Any = None
+            error: BaseException | None = None
+            with self.rw.shared():
+                if self.closed:
+                    raise StoreClosedError(f"the store at {self.path} is closed")
+                try:
+                    txn = self.env.begin(write=True)
+                except lmdb.MapResizedError:
+                    txn = None
+                if txn is not None:
+                    try:
+                        fn(txn)
+                        txn.commit()
+                        return
+                    except BaseException as exc:
+                        failed, error = txn, exc
+            if isinstance(error, lmdb.MapFullError):
+                self._resize(grow=True, failed=failed)
+            elif error is None:
+                self._resize(grow=False, failed=None)
+            else:
+                with self.rw.exclusive():
+                    failed.abort()
+                raise error
+
+    def _resize(self, *, grow: bool, failed: Any) -> None:
         with self.rw.exclusive():
+            if failed is not None:
+                failed.abort()
             if grow:
                 size = self.env.info()["map_size"] * 2
                 log.info("store.map_grown", path=self.path, map_size=size)
@@ -139,16 +215,16 @@ class _Environment:
 
     # -- the writer ----------------------------------------------------------------------------
 
-    def submit(self, request: _Request) -> list[RecordedEvent]:
+    def submit(self, job: _Job) -> Any:
         if self.closed:
             raise StoreClosedError(f"the store at {self.path} is closed")
-        self._queue.put(request)
-        while not request.lock.acquire(timeout=1.0):
+        self._queue.put(job)
+        while not job.lock.acquire(timeout=1.0):
             if not self._writer.is_alive():
-                raise StoreClosedError(f"the store at {self.path} closed during the append")
-        if request.error is not None:
-            raise request.error
-        return request.result
+                raise StoreClosedError(f"the store at {self.path} closed during the write")
+        if job.error is not None:
+            raise job.error
+        return job.result
 
     def _write_loop(self) -> None:
         get = self._queue.get
@@ -157,7 +233,7 @@ class _Environment:
             item = get()
             if item is _STOP:
                 return
-            batch: list[_Request] = [item]  # type: ignore[list-item]
+            batch: list[_Job] = [item]  # type: ignore[list-item]
             stop = False
             while len(batch) < MAX_BATCH:
                 try:
@@ -172,62 +248,68 @@ class _Environment:
             if stop:
                 return
 
-    def _commit(self, batch: list[_Request]) -> None:
+    def _commit(self, batch: list[_Job]) -> None:
         try:
-            self.run(lambda txn: self._write_batch(txn, batch), write=True)
+            self._write(lambda txn: self._write_batch(txn, batch))
         except BaseException as exc:
             error = exc
             if not isinstance(exc, StoreError):
-                error = StoreError(f"append to {self.path} failed: {type(exc).__name__}: {exc}")
+                error = StoreError(f"write to {self.path} failed: {type(exc).__name__}: {exc}")
                 error.__cause__ = exc
-            for request in batch:
-                request.error = error
-                request.result = []
-        for request in batch:
-            request.lock.release()
+            for job in batch:
+                job.error = error
+                job.result = None
+        for job in batch:
+            job.lock.release()
         with self.appended:
             self.appended.notify_all()
 
-    def _write_batch(self, txn: Any, batch: list[_Request]) -> None:
+    def _write_batch(self, txn: Any, batch: list[_Job]) -> None:
         cursor = txn.cursor(db=self.log)
-        position = int.from_bytes(cursor.key(), "big") if cursor.last() else 0
+        head = [int.from_bytes(cursor.key(), "big") if cursor.last() else 0]
+        for job in batch:
+            job.error = None
+            job.result = None
+            job.run(self, txn, head)
+
+    def append_in(self, txn: Any, request: _Append, head: list[int]) -> None:
+        """Write one append request inside the batch transaction."""
+        raw = txn.get(request.stream_key, db=self.stream_db)
+        version = msgspec.msgpack.decode(raw)[0] if raw is not None else 0
+        if request.expected is not None and request.expected != version:
+            request.error = ConcurrencyError(request.stream, request.expected, version)
+            return
         encode = self.codec.encode
         schema_of = self.codec.schema_of
-        for request in batch:
-            request.error = None
-            request.result = []
-            raw = txn.get(request.stream_key, db=self.stream_db)
-            version = msgspec.msgpack.decode(raw)[0] if raw is not None else 0
-            if request.expected is not None and request.expected != version:
-                request.error = ConcurrencyError(request.stream, request.expected, version)
-                continue
-            recorded = request.result
-            now = self.clock.now()
-            prefix = request.stream_key + b"\x00"
-            for new in request.events:
-                position += 1
-                version += 1
-                record = RecordedEvent(
-                    position=position,
-                    stream=request.stream,
-                    version=version,
-                    ts=now if new.ts is None else new.ts,
-                    id=new.id or ids.new_id(),
-                    causation_id=new.causation_id,
-                    correlation_id=new.correlation_id,
-                    schema=schema_of(new.event),
-                    event=new.event,
-                )
-                key = _key(position)
-                txn.put(key, encode(record), db=self.log, append=True)
-                txn.put(prefix + _key(version), key, db=self.index)
-                recorded.append(record)
-            last = recorded[-1]
-            txn.put(
-                request.stream_key,
-                msgspec.msgpack.encode((version, position, last.ts)),
-                db=self.stream_db,
+        position = head[0]
+        now = self.clock.now()
+        prefix = request.stream_key + b"\x00"
+        recorded: list[RecordedEvent] = []
+        for new in request.events:
+            position += 1
+            version += 1
+            record = RecordedEvent(
+                position=position,
+                stream=request.stream,
+                version=version,
+                ts=now if new.ts is None else new.ts,
+                id=new.id or ids.new_id(),
+                causation_id=new.causation_id,
+                correlation_id=new.correlation_id,
+                schema=schema_of(new.event),
+                event=new.event,
             )
+            key = _key(position)
+            txn.put(key, encode(record), db=self.log, append=True)
+            txn.put(prefix + _key(version), key, db=self.index)
+            recorded.append(record)
+        txn.put(
+            request.stream_key,
+            msgspec.msgpack.encode((version, position, recorded[-1].ts)),
+            db=self.stream_db,
+        )
+        head[0] = position
+        request.result = recorded
 
     def close(self) -> None:
         if self.closed:
@@ -329,7 +411,10 @@ class LmdbEventStore:
             if expected_version is not None and expected_version != version:
                 raise ConcurrencyError(stream, expected_version, version)
             return []
-        return env.submit(_Request(stream, stream_key, news, expected_version))
+        recorded: list[RecordedEvent] = env.submit(
+            _Append(stream, stream_key, news, expected_version)
+        )
+        return recorded
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -346,17 +431,19 @@ class LmdbEventStore:
             out: list[RecordedEvent] = []
             if not cursor.set_range(_key(position)):
                 return out
+            want = min(READ_BATCH, last - position + 1)  # positions have no gaps
+            append = out.append
             for key, value in cursor.iternext():
-                record = decode(value, int.from_bytes(key, "big"))
-                if record.position > last:
-                    break
-                out.append(record)
-                if len(out) >= READ_BATCH:
+                try:
+                    append(decode(value))
+                except CorruptRecordError as exc:
+                    raise _at_key(exc, key) from exc
+                if len(out) >= want:
                     break
             return out
 
         while position <= last:
-            records: list[RecordedEvent] = env.run(chunk)
+            records = env.read(chunk)
             yield from records
             if len(records) < READ_BATCH:
                 return
@@ -382,14 +469,16 @@ class LmdbEventStore:
                 if int.from_bytes(key[len(prefix) :], "big") > last:
                     break
                 position_key = bytes(pos)
-                value = txn.get(position_key, db=env.log)
-                out.append(decode(value, int.from_bytes(position_key, "big")))
+                try:
+                    out.append(decode(txn.get(position_key, db=env.log)))
+                except CorruptRecordError as exc:
+                    raise _at_key(exc, position_key) from exc
                 if len(out) >= READ_BATCH:
                     break
             return out
 
         while version <= last:
-            records: list[RecordedEvent] = env.run(chunk)
+            records = env.read(chunk)
             yield from records
             if len(records) < READ_BATCH:
                 return
@@ -402,8 +491,7 @@ class LmdbEventStore:
             cursor = txn.cursor(db=env.log)
             return int.from_bytes(cursor.key(), "big") if cursor.last() else 0
 
-        result: int = env.run(last)
-        return result
+        return env.read(last)
 
     def wait_for(self, position: int, timeout: float | None) -> int:
         env = self._live()
@@ -439,8 +527,7 @@ class LmdbEventStore:
             raw = txn.get(key, db=env.stream_db)
             return int(msgspec.msgpack.decode(raw)[0]) if raw is not None else 0
 
-        result: int = env.run(get)
-        return result
+        return env.read(get)
 
     def streams(self) -> list[StreamInfo]:
         env = self._live()
@@ -459,8 +546,7 @@ class LmdbEventStore:
                 )
             return out
 
-        result: list[StreamInfo] = env.run(scan)
-        return result
+        return env.read(scan)
 
     # -- snapshots -----------------------------------------------------------------------------
 
@@ -470,20 +556,7 @@ class LmdbEventStore:
         value = msgspec.msgpack.encode(
             (snapshot.position, zlib.crc32(snapshot.data), snapshot.data)
         )
-
-        def put(txn: Any) -> None:
-            txn.put(prefix + _key(snapshot.version), value, db=env.snapshot_db)
-            cursor = txn.cursor(db=env.snapshot_db)
-            keys = []
-            if cursor.set_range(prefix):
-                for key in cursor.iternext(values=False):
-                    if not bytes(key).startswith(prefix):
-                        break
-                    keys.append(bytes(key))
-            for key in keys[:-SNAPSHOTS_KEPT]:
-                txn.delete(key, db=env.snapshot_db)
-
-        env.run(put, write=True)
+        env.submit(_PutSnapshot(prefix, snapshot.version, value))
 
     def snapshots(self, stream: str, name: str) -> Iterator[Snapshot]:
         env = self._live()
@@ -499,7 +572,7 @@ class LmdbEventStore:
                     found.append((bytes(key), bytes(value)))
             return found
 
-        entries: list[tuple[bytes, bytes]] = env.run(scan)
+        entries = env.read(scan)
         for key, value in reversed(entries):
             version = int.from_bytes(key[len(prefix) :], "big")
             try:
