@@ -9,9 +9,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+import msgspec
 import pytest
 
-from stalwart.errors import ConcurrencyError, InvalidStreamError, StoreClosedError, UnknownEventTypeError
+from stalwart.errors import (
+    ConcurrencyError,
+    EventError,
+    InvalidStreamError,
+    StoreClosedError,
+    UnknownEventTypeError,
+)
 from stalwart.events import (
     MessageAppended,
     RecordedEvent,
@@ -87,7 +94,12 @@ class EventStoreContract:
         )
         [read] = store.read_all()
         assert read == recorded
-        assert (read.ts, read.id, read.causation_id, read.correlation_id) == (12.5, "e1", "c1", "k1")
+        assert (read.ts, read.id, read.causation_id, read.correlation_id) == (
+            12.5,
+            "e1",
+            "c1",
+            "k1",
+        )
 
     def test_store_stamps_time_from_its_clock_and_makes_ids(self, store: EventStore) -> None:
         a, b = store.append("session:a", [msg(1), msg(2)])
@@ -188,6 +200,15 @@ class EventStoreContract:
             store.append("s:1", [object()])  # type: ignore[list-item]
         assert store.head() == 0
 
+    def test_unencodable_event_fails_alone(self, store: EventStore) -> None:
+        too_big = MessageAppended(message_id="m", role="user", content="x", turn_id=None)
+        too_big = msgspec.structs.replace(too_big, tool_calls=((2**70),))  # type: ignore[arg-type]
+        with pytest.raises(EventError):
+            store.append("s:1", [msg(1), too_big])
+        assert store.head() == 0
+        store.append("s:1", [msg(2)])
+        assert [r.version for r in store.read_stream("s:1")] == [1]
+
     # -- tailing ---------------------------------------------------------------------------------
 
     def test_subscription_sees_existing_then_new_events(self, store: EventStore) -> None:
@@ -242,7 +263,13 @@ class EventStoreContract:
     def test_snapshots_newest_first_and_pruned(self, store: EventStore) -> None:
         for version in (10, 20, 30, 40):
             store.put_snapshot(
-                Snapshot(stream="session:a", name="f@v1", version=version, position=version, data=b"%d" % version)
+                Snapshot(
+                    stream="session:a",
+                    name="f@v1",
+                    version=version,
+                    position=version,
+                    data=b"%d" % version,
+                )
             )
         found = list(store.snapshots("session:a", "f@v1"))
         assert [s.version for s in found] == [40, 30, 20]

@@ -148,9 +148,11 @@ def test_record_with_wrong_payload_shape_is_corrupt_not_a_crash(store_dir: Path)
         [1, "s:1", 1, 1.0, "id", None, None, 1, {"type": "message:appended", "role": 42}]
     )
     _overwrite_record(store_dir, 1, bad)
-    with store_module.open(store_dir) as store:  # type: ignore[attr-defined]
-        with pytest.raises(CorruptRecordError, match="message:appended"):
-            list(store.read_all())
+    with (
+        store_module.open(store_dir) as store,  # type: ignore[attr-defined]
+        pytest.raises(CorruptRecordError, match="message:appended"),
+    ):
+        list(store.read_all())
 
 
 def test_message_content_is_stored_verbatim(lmdb_store: EventStore) -> None:

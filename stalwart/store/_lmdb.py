@@ -32,6 +32,7 @@ from stalwart.clock import Clock, SystemClock
 from stalwart.errors import (
     ConcurrencyError,
     CorruptRecordError,
+    EventError,
     StoreClosedError,
     StoreError,
     StoreNotFoundError,
@@ -279,37 +280,44 @@ class _Environment:
         if request.expected is not None and request.expected != version:
             request.error = ConcurrencyError(request.stream, request.expected, version)
             return
-        encode = self.codec.encode
-        schema_of = self.codec.schema_of
         position = head[0]
         now = self.clock.now()
-        prefix = request.stream_key + b"\x00"
-        recorded: list[RecordedEvent] = []
+        records: list[RecordedEvent] = []
         for new in request.events:
             position += 1
             version += 1
-            record = RecordedEvent(
-                position=position,
-                stream=request.stream,
-                version=version,
-                ts=now if new.ts is None else new.ts,
-                id=new.id or ids.new_id(),
-                causation_id=new.causation_id,
-                correlation_id=new.correlation_id,
-                schema=schema_of(new.event),
-                event=new.event,
+            records.append(
+                RecordedEvent(
+                    position=position,
+                    stream=request.stream,
+                    version=version,
+                    ts=now if new.ts is None else new.ts,
+                    id=new.id or ids.new_id(),
+                    causation_id=new.causation_id,
+                    correlation_id=new.correlation_id,
+                    schema=self.codec.schema_of(new.event),
+                    event=new.event,
+                )
             )
-            key = _key(position)
-            txn.put(key, encode(record), db=self.log, append=True)
-            txn.put(prefix + _key(version), key, db=self.index)
-            recorded.append(record)
+        try:
+            encoded = [self.codec.encode(record) for record in records]
+        except (TypeError, ValueError, OverflowError) as exc:
+            # this request alone fails; the rest of the batch is written
+            request.error = EventError(f"cannot encode an event for {request.stream!r}: {exc}")
+            return
+        prefix = request.stream_key + b"\x00"
+        log_db, index_db = self.log, self.index
+        for record, value in zip(records, encoded, strict=True):
+            key = _key(record.position)
+            txn.put(key, value, db=log_db, append=True)
+            txn.put(prefix + _key(record.version), key, db=index_db)
         txn.put(
             request.stream_key,
-            msgspec.msgpack.encode((version, position, recorded[-1].ts)),
+            msgspec.msgpack.encode((version, position, records[-1].ts)),
             db=self.stream_db,
         )
         head[0] = position
-        request.result = recorded
+        request.result = records
 
     def close(self) -> None:
         if self.closed:

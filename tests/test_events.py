@@ -1,0 +1,216 @@
+"""The event vocabulary and its codec: tags, round trips, unknown types, upcasting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stalwart.errors import CorruptRecordError, EventError, UnknownEventTypeError
+from stalwart.events import (
+    DEFAULT_CODEC,
+    EVENT_TYPES,
+    Codec,
+    Event,
+    RecordedEvent,
+    RuntimeStarted,
+    SessionClosed,
+    UnknownEvent,
+    event_data,
+)
+
+SEED_TAGS = {
+    "execution:prompt_timeout",
+    "execution:aborted",
+    "provider:degraded",
+    "provider:recovered",
+    "announcement:dead_lettered",
+    "announcement:dead_letter_delivered",
+    "announcement:dead_letter_expired",
+    "context:dag_degraded",
+    "subagent:watchdog_timeout",
+    "subagent:ghost_swept",
+    "session:requires_action",
+    "activation:leased",
+    "activation:requeued",
+    "runtime:started",
+}
+
+
+def test_tags_are_explicit_domain_names() -> None:
+    for tag, cls in EVENT_TYPES.items():
+        domain, _, name = tag.partition(":")
+        assert domain, tag
+        assert name, tag
+        assert tag == tag.lower(), tag
+        assert cls.__struct_config__.tag == tag
+
+
+def test_seed_named_tags_exist() -> None:
+    assert set(EVENT_TYPES) >= SEED_TAGS
+
+
+def test_every_event_is_frozen() -> None:
+    for cls in EVENT_TYPES.values():
+        assert cls.__struct_config__.frozen, cls
+
+
+# msgpack carries 64-bit integers; larger ones are refused at append (see the store tests)
+st.register_type_strategy(int, st.integers(min_value=-(2**63), max_value=2**63 - 1))
+
+
+def _strategy(cls: type[Event]) -> st.SearchStrategy[Event]:
+    if cls is RuntimeStarted:
+        value = st.integers(min_value=-(2**63), max_value=2**63 - 1) | st.text(max_size=5)
+        config = st.dictionaries(st.text(max_size=5), value)
+        return st.builds(RuntimeStarted, config=config, stalwart_version=st.text(max_size=8))
+    if cls is SessionClosed:
+        return st.builds(SessionClosed, reason=st.text(max_size=10))
+    return st.from_type(cls)
+
+
+ALL_EVENTS = st.one_of(
+    [_strategy(cls) for tag, cls in sorted(EVENT_TYPES.items()) if cls is not UnknownEvent]
+)
+
+
+def _record(event: Event, position: int = 1, schema: int | None = None) -> RecordedEvent:
+    return RecordedEvent(
+        position=position,
+        stream="session:x",
+        version=position,
+        ts=1.25,
+        id="id",
+        causation_id=None,
+        correlation_id="corr",
+        schema=type(event).schema_version if schema is None else schema,
+        event=event,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(ALL_EVENTS)
+def test_every_event_round_trips_through_the_codec(event: Event) -> None:
+    encoded = DEFAULT_CODEC.encode(_record(event))
+    decoded = DEFAULT_CODEC.decode(encoded)
+    # compare encodings: NaN floats are never equal to themselves
+    assert DEFAULT_CODEC.encode(decoded) == encoded
+    assert type(decoded.event) is type(event)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ALL_EVENTS)
+def test_event_data_is_json_ready(event: Event) -> None:
+    data = event_data(event)
+    assert "type" not in data
+    msgspec.json.encode(data)
+
+
+def test_schema_of_refuses_unregistered_types() -> None:
+    class Stray(Event, frozen=True, tag="test:stray"):
+        pass
+
+    with pytest.raises(UnknownEventTypeError):
+        DEFAULT_CODEC.schema_of(Stray())
+
+
+def test_codec_refuses_extra_types_without_a_domain_tag() -> None:
+    class Untagged(Event, frozen=True, tag="untagged"):
+        pass
+
+    with pytest.raises(EventError, match="domain:name"):
+        Codec(extra_types=[Untagged])
+
+
+# -- unknown event types: kept, shown, never dropped ------------------------------------------
+
+
+class FutureThing(Event, frozen=True, tag="future:thing"):
+    """An event from a newer version of stalwart (or a plugin this process lacks)."""
+
+    size: int
+    label: str = ""
+
+
+def test_unknown_tag_decodes_to_unknown_event_with_raw_bytes() -> None:
+    newer = Codec(extra_types=[FutureThing])
+    encoded = newer.encode(_record(FutureThing(size=3, label="big")))
+    decoded = DEFAULT_CODEC.decode(encoded)
+    assert isinstance(decoded.event, UnknownEvent)
+    assert decoded.type == "future:thing"
+    assert decoded.event.tag == "future:thing"
+    assert msgspec.msgpack.decode(decoded.event.raw) == {
+        "type": "future:thing",
+        "size": 3,
+        "label": "big",
+    }
+    data = event_data(decoded.event)
+    assert data["size"] == 3
+    assert data["_unknown"] is True
+    # and the newer codec still reads its own event back
+    assert newer.decode(encoded).event == FutureThing(size=3, label="big")
+
+
+def test_unknown_event_with_undecodable_payload_is_still_shown() -> None:
+    event = UnknownEvent(tag="x:y", schema=1, raw=b"\xc1")
+    data = event_data(event)
+    assert data["_unknown"] is True
+    assert data["_raw_b64"] == "wQ=="
+
+
+def test_newer_payload_with_extra_fields_decodes() -> None:
+    payload = {"type": "provider:recovered", "provider": "p", "rule": "probe", "new": [1, 2]}
+    raw = msgspec.msgpack.encode([1, "provider:p", 1, 1.0, "id", None, None, 2, payload])
+    decoded = DEFAULT_CODEC.decode(raw)
+    assert decoded.event.provider == "p"  # type: ignore[attr-defined]
+
+
+# -- schema evolution through upcasters ---------------------------------------------------------
+
+
+class GreetingV1(Event, frozen=True, tag="test:greeting"):
+    text: str
+
+
+class GreetingV2(Event, frozen=True, tag="test:greeting"):
+    content: str
+    language: str
+    schema_version = 2
+
+
+def _rename(payload: dict[str, Any]) -> dict[str, Any]:
+    payload["content"] = payload.pop("text")
+    payload.setdefault("language", "en")
+    return payload
+
+
+def test_old_payloads_are_upcast_on_read() -> None:
+    old = Codec(extra_types=[GreetingV1])
+    new = Codec(extra_types=[GreetingV2], upcasters={("test:greeting", 1): _rename})
+    stored = old.encode(_record(GreetingV1(text="hello")))
+    record = new.decode(stored)
+    assert record.event == GreetingV2(content="hello", language="en")
+    assert record.schema == 1  # the schema it was written with
+    current = new.encode(msgspec.structs.replace(record, schema=2))
+    assert new.decode(current).event == GreetingV2(content="hello", language="en")
+
+
+def test_missing_upcaster_is_a_corrupt_record_not_a_guess() -> None:
+    old = Codec(extra_types=[GreetingV1])
+    new = Codec(extra_types=[GreetingV2])
+    stored = old.encode(_record(GreetingV1(text="hello"), position=7))
+    with pytest.raises(CorruptRecordError, match="no upcaster") as info:
+        new.decode(stored)
+    assert info.value.position == 7
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"\xc1", b"\x93\x01\x02\x03", msgspec.msgpack.encode({"a": 1})],
+)
+def test_garbage_is_a_corrupt_record(data: bytes) -> None:
+    with pytest.raises(CorruptRecordError):
+        DEFAULT_CODEC.decode(data, 5)
