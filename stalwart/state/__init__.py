@@ -3,9 +3,8 @@
 This package imports only :mod:`stalwart.events`; nothing here does I/O or reads time.
 """
 
-from typing import Any
-
 from ._aggregate import Aggregate, fold
+from ._by_stream import aggregate_for
 from ._session import (
     SESSION,
     LastMessage,
@@ -16,14 +15,6 @@ from ._session import (
     apply_session,
 )
 from ._summary import SUMMARY, StreamSummary, StreamSummaryAggregate
-
-
-def aggregate_for(stream: str) -> Aggregate[Any]:
-    """The fold ``replay`` uses for a stream: by its prefix, else the summary fold."""
-    if stream.startswith("session:"):
-        return SESSION
-    return SUMMARY
-
 
 __all__ = [
     "SESSION",

@@ -119,6 +119,7 @@ class _PutSnapshot(_Job):
 
 
 _T = TypeVar("_T")
+_Chunk = tuple[list[RecordedEvent], CorruptRecordError | None]
 _STOP = object()
 _REAL_TIME = SystemClock()
 
@@ -434,25 +435,27 @@ class LmdbEventStore:
         decode = env.codec.decode
         last = to_position if to_position is not None else (1 << 64) - 1
 
-        def chunk(txn: Any) -> list[RecordedEvent]:
+        def chunk(txn: Any) -> _Chunk:
             cursor = txn.cursor(db=env.log)
             out: list[RecordedEvent] = []
             if not cursor.set_range(_key(position)):
-                return out
+                return out, None
             want = min(READ_BATCH, last - position + 1)  # positions have no gaps
             append = out.append
             for key, value in cursor.iternext():
                 try:
                     append(decode(value))
                 except CorruptRecordError as exc:
-                    raise _at_key(exc, key) from exc
+                    return out, _at_key(exc, key)
                 if len(out) >= want:
                     break
-            return out
+            return out, None
 
         while position <= last:
-            records = env.read(chunk)
+            records, error = env.read(chunk)
             yield from records
+            if error is not None:
+                raise error  # after every good record before it
             if len(records) < READ_BATCH:
                 return
             position = records[-1].position + 1
@@ -466,11 +469,11 @@ class LmdbEventStore:
         last = to_version if to_version is not None else (1 << 64) - 1
         decode = env.codec.decode
 
-        def chunk(txn: Any) -> list[RecordedEvent]:
+        def chunk(txn: Any) -> _Chunk:
             cursor = txn.cursor(db=env.index)
             out: list[RecordedEvent] = []
             if not cursor.set_range(prefix + _key(version)):
-                return out
+                return out, None
             for key, pos in cursor.iternext():
                 if bytes(key[: len(prefix)]) != prefix:
                     break
@@ -480,14 +483,16 @@ class LmdbEventStore:
                 try:
                     out.append(decode(txn.get(position_key, db=env.log)))
                 except CorruptRecordError as exc:
-                    raise _at_key(exc, position_key) from exc
+                    return out, _at_key(exc, position_key)
                 if len(out) >= READ_BATCH:
                     break
-            return out
+            return out, None
 
         while version <= last:
-            records = env.read(chunk)
+            records, error = env.read(chunk)
             yield from records
+            if error is not None:
+                raise error  # after every good record before it
             if len(records) < READ_BATCH:
                 return
             version = records[-1].version + 1

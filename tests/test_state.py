@@ -1,0 +1,267 @@
+"""Folds: the session fold's rules, fold algebra, and snapshot rebuilds from a real store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lmdb
+import msgspec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stalwart import store as store_module
+from stalwart.events import (
+    Event,
+    ExecutionAborted,
+    MessageAppended,
+    ProviderDegraded,
+    RecordedEvent,
+    SessionClosed,
+    SessionCreated,
+    SessionRequiresAction,
+    ToolFailed,
+    ToolStarted,
+    TurnCompleted,
+    TurnStarted,
+    UserInterrupt,
+    UserToolConfirmation,
+)
+from stalwart.state import SESSION, SUMMARY, SessionState, aggregate_for, apply_session, fold
+from stalwart.store import EventStore, Snapshot, load_state, snapshot_name
+
+
+def records(events: list[Event], stream: str = "session:s") -> list[RecordedEvent]:
+    return [
+        RecordedEvent(
+            position=i,
+            stream=stream,
+            version=i,
+            ts=100.0 + i,
+            id=f"e{i}",
+            causation_id=None,
+            correlation_id=None,
+            schema=1,
+            event=event,
+        )
+        for i, event in enumerate(events, start=1)
+    ]
+
+
+def session(events: list[Event]) -> SessionState:
+    return fold(SESSION, "session:s", records(events))
+
+
+def test_a_conversation_turn() -> None:
+    state = session(
+        [
+            SessionCreated(agent="helper", channel="chat:1", title="t"),
+            TurnStarted(turn_id="t1"),
+            MessageAppended(message_id="m1", role="user", content="hello"),
+            MessageAppended(message_id="m2", role="assistant", content="hi"),
+        ]
+    )
+    assert state.status == "running"
+    assert state.current_turn == "t1"
+    assert (state.messages, state.user_messages, state.assistant_messages) == (2, 1, 1)
+    assert state.last_message is not None
+    assert state.last_message.excerpt == "hi"
+    assert (state.agent, state.channel, state.created_at, state.version) == (
+        "helper",
+        "chat:1",
+        101.0,
+        4,
+    )
+    done = apply_session(state, records([*[SessionCreated()] * 4, TurnCompleted(turn_id="t1")])[-1])
+    assert done.status == "idle"
+    assert done.last_turn_outcome == "answered"
+    assert done.current_turn is None
+
+
+def test_approval_pause_and_resume() -> None:
+    paused = session(
+        [
+            SessionCreated(),
+            TurnStarted(turn_id="t1"),
+            SessionRequiresAction(request_id="r1", kind="approval", tool="rm", arguments="{}"),
+            TurnCompleted(turn_id="t1", outcome="paused"),
+        ]
+    )
+    assert paused.status == "requires_action"
+    assert paused.pending is not None
+    assert paused.pending.request_id == "r1"
+    wrong = apply_session(
+        paused,
+        records([SessionCreated()] * 4 + [UserToolConfirmation(request_id="nope", allow=True)])[-1],
+    )
+    assert wrong.status == "requires_action"
+    right = apply_session(
+        paused,
+        records([SessionCreated()] * 4 + [UserToolConfirmation(request_id="r1", allow=True)])[-1],
+    )
+    assert right.status == "idle"
+    assert right.pending is None
+
+
+def test_interrupt_abort_close_and_tool_counts() -> None:
+    state = session(
+        [
+            SessionCreated(),
+            TurnStarted(turn_id="t1"),
+            ToolStarted(call_id="c1", tool="search"),
+            ToolFailed(call_id="c1", tool="search", error_class="timeout"),
+            ExecutionAborted(reason="pipeline_timeout", turn_id="t1"),
+        ]
+    )
+    assert (state.status, state.last_turn_outcome, state.tool_calls, state.tool_failures) == (
+        "idle",
+        "aborted",
+        1,
+        1,
+    )
+    interrupted = session([SessionCreated(), TurnStarted(turn_id="t"), UserInterrupt()])
+    assert interrupted.status == "idle"
+    assert interrupted.current_turn is None
+    closed = session([SessionCreated(), SessionClosed(reason="done")])
+    assert (closed.status, closed.closed_reason) == ("closed", "done")
+
+
+def test_unrelated_events_only_move_version() -> None:
+    state = session([SessionCreated(), ProviderDegraded(provider="p", rule="agents")])
+    assert state.version == 2
+    assert state.status == "idle"
+
+
+def test_replay_picks_a_fold_by_stream() -> None:
+    assert aggregate_for("session:abc") is SESSION
+    assert aggregate_for("provider:openai") is SUMMARY
+    summary = fold(
+        SUMMARY, "provider:p", records([SessionCreated(), SessionCreated()], "provider:p")
+    )
+    assert summary.counts == {"session:created": 2}
+    assert (summary.first_ts, summary.last_ts) == (101.0, 102.0)
+
+
+# -- fold algebra ---------------------------------------------------------------------------------
+
+SESSION_EVENTS = st.one_of(
+    st.builds(SessionCreated, agent=st.sampled_from(["a", "b"])),
+    st.builds(
+        MessageAppended,
+        message_id=st.text(max_size=3),
+        role=st.sampled_from(["user", "assistant", "tool"]),
+        content=st.text(max_size=20),
+    ),
+    st.builds(TurnStarted, turn_id=st.sampled_from(["t1", "t2"])),
+    st.builds(TurnCompleted, turn_id=st.sampled_from(["t1", "t2"])),
+    st.builds(
+        SessionRequiresAction,
+        request_id=st.sampled_from(["r1", "r2"]),
+        kind=st.just("approval"),
+        tool=st.just("x"),
+    ),
+    st.builds(UserToolConfirmation, request_id=st.sampled_from(["r1", "r2"]), allow=st.booleans()),
+    st.builds(UserInterrupt),
+    st.builds(ToolStarted, call_id=st.just("c"), tool=st.just("t")),
+    st.builds(ToolFailed, call_id=st.just("c"), tool=st.just("t"), error_class=st.just("e")),
+    st.builds(ExecutionAborted, reason=st.just("pipeline_timeout")),
+    st.builds(ProviderDegraded, provider=st.just("p"), rule=st.just("agents")),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(SESSION_EVENTS, max_size=40), st.integers(min_value=0, max_value=40))
+def test_fold_of_prefix_then_rest_equals_fold_of_all(events: list[Event], cut: int) -> None:
+    recs = records(events)
+    cut = min(cut, len(recs))
+    whole = fold(SESSION, "session:s", recs)
+    prefix = fold(SESSION, "session:s", recs[:cut])
+    assert fold(SESSION, "session:s", recs[cut:], prefix) == whole
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(SESSION_EVENTS, max_size=40))
+def test_session_state_survives_snapshot_encoding(events: list[Event]) -> None:
+    state = session(events)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(state), type=SessionState) == state
+
+
+# -- snapshots against a real store ---------------------------------------------------------------
+
+
+def _fill(store: EventStore, n: int) -> None:
+    store.append("session:s", [SessionCreated()])
+    batch: list[Event] = [
+        MessageAppended(message_id=str(i), role="user", content=f"m{i}") for i in range(n - 1)
+    ]
+    for start in range(0, len(batch), 200):
+        store.append("session:s", batch[start : start + 200])
+
+
+def test_rebuild_saves_snapshots_every_n_events(lmdb_store: EventStore) -> None:
+    _fill(lmdb_store, 1200)
+    full = load_state(lmdb_store, "session:s", SESSION, use_snapshots=False, snapshot_every=0)
+    first = load_state(lmdb_store, "session:s", SESSION, snapshot_every=500)
+    assert first == full
+    [snap] = lmdb_store.snapshots("session:s", snapshot_name(SESSION))
+    assert snap.version == 1200
+    lmdb_store.append("session:s", [TurnStarted(turn_id="t")])
+    again = load_state(lmdb_store, "session:s", SESSION, snapshot_every=500)
+    assert again.version == 1201
+    assert again.status == "running"
+    assert [s.version for s in lmdb_store.snapshots("session:s", snapshot_name(SESSION))] == [1200]
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(n=st.integers(min_value=1, max_value=60), every=st.integers(min_value=1, max_value=25))
+def test_snapshot_rebuild_equals_full_fold(tmp_path: Path, n: int, every: int) -> None:
+    with store_module.open(tmp_path / f"s-{n}-{every}") as store:  # type: ignore[attr-defined]
+        for i in range(n):
+            store.append("session:s", [MessageAppended(message_id=str(i), role="user")])
+            load_state(store, "session:s", SESSION, snapshot_every=every)
+        full = load_state(store, "session:s", SESSION, use_snapshots=False, snapshot_every=0)
+        assert load_state(store, "session:s", SESSION, snapshot_every=0) == full
+
+
+def test_time_travel_ignores_newer_snapshots(lmdb_store: EventStore) -> None:
+    _fill(lmdb_store, 600)
+    load_state(lmdb_store, "session:s", SESSION, snapshot_every=100)
+    past = load_state(lmdb_store, "session:s", SESSION, until_position=10)
+    assert past.version == 10
+    assert past.messages == 9
+
+
+def test_undecodable_snapshot_falls_back_to_the_full_fold(lmdb_store: EventStore) -> None:
+    _fill(lmdb_store, 50)
+    lmdb_store.put_snapshot(
+        Snapshot(
+            stream="session:s",
+            name=snapshot_name(SESSION),
+            version=40,
+            position=40,
+            data=b"\xc1junk",
+        )
+    )
+    full = load_state(lmdb_store, "session:s", SESSION, use_snapshots=False, snapshot_every=0)
+    assert load_state(lmdb_store, "session:s", SESSION, snapshot_every=0) == full
+
+
+def test_bit_rot_in_a_snapshot_is_caught_by_its_checksum(store_dir: Path) -> None:
+    with store_module.open(store_dir) as store:  # type: ignore[attr-defined]
+        _fill(store, 30)
+        load_state(store, "session:s", SESSION, snapshot_every=10)  # snapshot at 30
+        store.append("session:s", [MessageAppended(message_id="x", role="user")] * 15)
+        load_state(store, "session:s", SESSION, snapshot_every=10)  # snapshot at 45
+        full = load_state(store, "session:s", SESSION, use_snapshots=False, snapshot_every=0)
+    env = lmdb.open(str(store_dir), max_dbs=8)
+    db = env.open_db(b"snapshots")
+    with env.begin(write=True) as txn:
+        key, value = list(txn.cursor(db=db))[-1]  # the newest snapshot
+        damaged = bytearray(value)
+        damaged[-3] ^= 0xFF
+        txn.put(key, bytes(damaged), db=db)
+    env.close()
+    with store_module.open(store_dir) as store:  # type: ignore[attr-defined]
+        assert [s.version for s in store.snapshots("session:s", snapshot_name(SESSION))] == [30]
+        assert load_state(store, "session:s", SESSION, snapshot_every=0) == full
