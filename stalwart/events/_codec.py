@@ -136,6 +136,7 @@ class Codec:
         self._versions = {tag: cls.schema_version for tag, cls in types.items()}
         self._versions.update(versions or {})
         self._by_class = {types[tag]: v for tag, v in self._versions.items() if tag in types}
+        self._all_v1 = all(v == 1 for v in self._versions.values())
         self._upcasters = {**UPCASTERS, **(upcasters or {})}
         self._encoder = msgspec.msgpack.Encoder()
         self._raw_decoder = msgspec.msgpack.Decoder(_RawRecord)
@@ -179,7 +180,8 @@ class Codec:
                 record = fast.decode(data)
             except msgspec.DecodeError:
                 return self._decode_slow(data, position)
-            if record.schema == self._by_class.get(type(record.event)):
+            schema = record.schema
+            if (schema == 1 and self._all_v1) or schema == self._by_class.get(type(record.event)):
                 return record
         return self._decode_slow(data, position)
 

@@ -442,11 +442,11 @@ class LmdbEventStore:
                 return out, None
             want = min(READ_BATCH, last - position + 1)  # positions have no gaps
             append = out.append
-            for key, value in cursor.iternext():
+            for value in cursor.iternext(keys=False):
                 try:
                     append(decode(value))
                 except CorruptRecordError as exc:
-                    return out, _at_key(exc, key)
+                    return out, _at_key(exc, cursor.key())
                 if len(out) >= want:
                     break
             return out, None
