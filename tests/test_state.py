@@ -26,7 +26,15 @@ from stalwart.events import (
     UserInterrupt,
     UserToolConfirmation,
 )
-from stalwart.state import SESSION, SUMMARY, SessionState, aggregate_for, apply_session, fold
+from stalwart.state import (
+    SESSION,
+    SUMMARY,
+    SessionState,
+    aggregate_for,
+    apply_session,
+    fold,
+    fold_streams,
+)
 from stalwart.store import EventStore, Snapshot, load_state, snapshot_name
 
 
@@ -183,6 +191,53 @@ def test_fold_of_prefix_then_rest_equals_fold_of_all(events: list[Event], cut: i
 def test_session_state_survives_snapshot_encoding(events: list[Event]) -> None:
     state = session(events)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(state), type=SessionState) == state
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(SESSION_EVENTS, max_size=40), st.integers(min_value=0, max_value=40))
+def test_a_folder_equals_applying_event_by_event(events: list[Event], peek: int) -> None:
+    recs = records(events)
+    one_by_one = SESSION.initial("session:s")
+    for record in recs:
+        one_by_one = SESSION.apply(one_by_one, record)
+    folder = SESSION.folder(SESSION.initial("session:s"))
+    for i, record in enumerate(recs):
+        if i == peek:
+            folder.state()  # looking at the state mid-way changes nothing
+        folder.add(record)
+    assert folder.state() == one_by_one
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["session:a", "session:b", "provider:p"]), SESSION_EVENTS),
+        max_size=60,
+    )
+)
+def test_fold_streams_equals_folding_each_stream(tagged: list[tuple[str, Event]]) -> None:
+    versions: dict[str, int] = {}
+    log = []
+    for position, (stream, event) in enumerate(tagged, start=1):
+        versions[stream] = versions.get(stream, 0) + 1
+        log.append(
+            RecordedEvent(
+                position=position,
+                stream=stream,
+                version=versions[stream],
+                ts=float(position),
+                id=str(position),
+                causation_id=None,
+                correlation_id=None,
+                schema=1,
+                event=event,
+            )
+        )
+    states = fold_streams(log, aggregate_for)
+    assert set(states) == set(versions)
+    for stream, state in states.items():
+        own = [r for r in log if r.stream == stream]
+        assert state == fold(aggregate_for(stream), stream, own)
 
 
 # -- snapshots against a real store ---------------------------------------------------------------

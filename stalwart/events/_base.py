@@ -9,13 +9,17 @@ import msgspec
 Severity = Literal["debug", "info", "warning", "error"]
 
 
-class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=False):
     """Base of every event: a frozen msgspec Struct with an explicit ``domain:name`` tag.
 
     Subclasses declare ``tag="domain:name"``; the tag is the wire name and never changes.
     ``schema_version`` grows when a payload changes incompatibly; an upcaster then turns
     older payloads into the current shape on read. Events accept unknown fields, so a
     payload written by a newer version with extra fields still decodes.
+
+    Events are immutable values that cannot form reference cycles, so they are not
+    tracked by the cyclic garbage collector (``gc=False``): replaying millions of them
+    does not trigger collections.
     """
 
     schema_version: ClassVar[int] = 1

@@ -64,7 +64,7 @@ else:
 UPCASTERS: Mapping[tuple[str, int], Upcaster] = {}
 
 
-class RecordedEvent(msgspec.Struct, frozen=True, array_like=True):
+class RecordedEvent(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """An event as the log holds it: where it is, when it happened, and what caused it."""
 
     position: int
@@ -86,7 +86,7 @@ class RecordedEvent(msgspec.Struct, frozen=True, array_like=True):
         return event_tag(event)
 
 
-class _RawRecord(msgspec.Struct, frozen=True, array_like=True):
+class _RawRecord(msgspec.Struct, frozen=True, array_like=True, gc=False):
     position: int
     stream: str
     version: int
@@ -184,6 +184,36 @@ class Codec:
             if (schema == 1 and self._all_v1) or schema == self._by_class.get(type(record.event)):
                 return record
         return self._decode_slow(data, position)
+
+    def decode_many(
+        self, values: Iterable[bytes | memoryview], out: list[RecordedEvent], limit: int
+    ) -> CorruptRecordError | None:
+        """Decode up to ``limit`` values into ``out``; stop at the first corrupt one.
+
+        The hot loop of every read: one msgspec call per record in the common case. A
+        corrupt record ends the loop and is returned (not raised) so the caller can hand
+        over every good record before it first; its position is unknown here (-1).
+        """
+        fast = self._fast.decode if self._fast is not None and self._all_v1 else None
+        append = out.append
+        for count, value in enumerate(values, 1):
+            record: RecordedEvent | None = None
+            if fast is not None:
+                try:
+                    record = fast(value)
+                except msgspec.DecodeError:
+                    record = None
+                if record is not None and record.schema != 1:
+                    record = None
+            if record is None:
+                try:
+                    record = self.decode(value)
+                except CorruptRecordError as exc:
+                    return exc
+            append(record)
+            if count >= limit:
+                break
+        return None
 
     def _decode_slow(self, data: bytes | memoryview, position: int) -> RecordedEvent:
         try:

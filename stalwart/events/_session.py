@@ -11,7 +11,7 @@ from ._base import Event, Severity
 Role = Literal["system", "user", "assistant", "tool"]
 
 
-class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A tool call as the model asked for it; ``arguments`` is the JSON text verbatim."""
 
     id: str

@@ -1,13 +1,33 @@
-"""What a fold is: an initial state and a pure ``apply(state, record) -> state``."""
+"""What a fold is: an initial state, a pure ``apply(state, record) -> state``, and a folder.
+
+A *folder* is the same fold as a mutable accumulator: ``aggregate.folder(state)`` returns
+an object whose ``add(record)`` takes events one by one and whose ``state()`` gives the
+frozen state, equal to applying each record in turn. Replaying a million events through a
+folder avoids building a new frozen state per event; ``apply`` stays the pure,
+one-event interface. Nothing escapes a folder but frozen states, so folds stay pure.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, Protocol, TypeVar
 
 from stalwart.events import RecordedEvent
 
 S = TypeVar("S")
+S_co = TypeVar("S_co", covariant=True)
+
+
+class Folder(Protocol[S_co]):
+    """A fold in progress."""
+
+    def add(self, record: RecordedEvent) -> None:
+        """Fold one more event in."""
+        ...
+
+    def state(self) -> S_co:
+        """The frozen state so far; folding may go on afterwards."""
+        ...
 
 
 class Aggregate(Protocol[S]):
@@ -30,13 +50,48 @@ class Aggregate(Protocol[S]):
         """The state after one more event. Pure: no I/O, no clock, no randomness."""
         ...
 
+    def folder(self, state: S) -> Folder[S]:
+        """A folder starting at ``state``, equivalent to applying each record in turn."""
+        ...
+
+
+class ApplyFolder(Generic[S]):
+    """The plain folder: ``apply`` per event (for folds with no faster one)."""
+
+    __slots__ = ("_apply", "_state")
+
+    def __init__(self, apply: Callable[[S, RecordedEvent], S], state: S) -> None:
+        self._apply = apply
+        self._state = state
+
+    def add(self, record: RecordedEvent) -> None:
+        self._state = self._apply(self._state, record)
+
+    def state(self) -> S:
+        return self._state
+
 
 def fold(
     aggregate: Aggregate[S], stream: str, records: Iterable[RecordedEvent], state: S | None = None
 ) -> S:
     """Fold ``records`` into ``state`` (or the aggregate's initial state)."""
-    current = aggregate.initial(stream) if state is None else state
-    apply = aggregate.apply
+    folder = aggregate.folder(aggregate.initial(stream) if state is None else state)
+    add = folder.add
     for record in records:
-        current = apply(current, record)
-    return current
+        add(record)
+    return folder.state()
+
+
+def fold_streams(
+    records: Iterable[RecordedEvent], aggregate_for: Callable[[str], Aggregate[Any]]
+) -> dict[str, Any]:
+    """Fold an interleaved log (``read_all``) into one state per stream."""
+    folders: dict[str, Folder[Any]] = {}
+    get = folders.get
+    for record in records:
+        folder = get(record.stream)
+        if folder is None:
+            aggregate = aggregate_for(record.stream)
+            folder = folders[record.stream] = aggregate.folder(aggregate.initial(record.stream))
+        folder.add(record)
+    return {stream: folder.state() for stream, folder in folders.items()}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -28,21 +28,21 @@ SessionStatus = Literal["new", "idle", "running", "requires_action", "closed"]
 EXCERPT_CHARS = 120
 
 
-class LastMessage(msgspec.Struct, frozen=True, kw_only=True):
+class LastMessage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     message_id: str
     role: Role
     excerpt: str
     tool_calls: int = 0
 
 
-class PendingRequest(msgspec.Struct, frozen=True, kw_only=True):
+class PendingRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     request_id: str
     kind: Literal["approval", "custom_tool"]
     tool: str
     arguments: str
 
 
-class SessionState(msgspec.Struct, frozen=True, kw_only=True):
+class SessionState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A session as its events say it is."""
 
     stream: str
@@ -70,115 +70,100 @@ class SessionState(msgspec.Struct, frozen=True, kw_only=True):
     closed_reason: str | None = None
 
 
-_replace = msgspec.structs.replace
+_ROLE_COUNTER = {
+    "user": "user_messages",
+    "assistant": "assistant_messages",
+    "tool": "tool_messages",
+}
 
 
-def _message(state: SessionState, event: MessageAppended, version: int, ts: float) -> SessionState:
-    role = event.role
-    return _replace(
-        state,
-        version=version,
-        updated_at=ts,
-        messages=state.messages + 1,
-        user_messages=state.user_messages + (role == "user"),
-        assistant_messages=state.assistant_messages + (role == "assistant"),
-        tool_messages=state.tool_messages + (role == "tool"),
-        last_message=LastMessage(
-            message_id=event.message_id,
-            role=role,
-            excerpt=event.content[:EXCERPT_CHARS],
-            tool_calls=len(event.tool_calls),
-        ),
-    )
+class SessionFolder:
+    """The session fold. Its rules live here once; ``apply_session`` uses it for one event.
+
+    The draft is a plain dict of the state's fields, so a replay mutates a few keys per
+    event and builds the frozen :class:`SessionState` only when asked.
+    """
+
+    __slots__ = ("_draft", "_last")
+
+    def __init__(self, state: SessionState) -> None:
+        self._draft: dict[str, Any] = msgspec.structs.asdict(state)
+        self._last: MessageAppended | None = None
+
+    def add(self, record: RecordedEvent) -> None:
+        draft = self._draft
+        draft["version"] = record.version
+        draft["updated_at"] = record.ts
+        event = record.event
+        match event:
+            case MessageAppended():
+                draft["messages"] += 1
+                counter = _ROLE_COUNTER.get(event.role)
+                if counter is not None:
+                    draft[counter] += 1
+                self._last = event
+            case SessionCreated():
+                draft.update(
+                    created_at=record.ts,
+                    status="idle",
+                    agent=event.agent,
+                    parent=event.parent,
+                    channel=event.channel,
+                    tenant=event.tenant,
+                    title=event.title,
+                )
+            case TurnStarted():
+                draft.update(status="running", turns=draft["turns"] + 1, current_turn=event.turn_id)
+            case TurnCompleted():
+                draft["status"] = "requires_action" if draft["pending"] else "idle"
+                draft["current_turn"] = None
+                draft["last_turn_outcome"] = event.outcome
+            case ExecutionAborted():
+                draft.update(status="idle", current_turn=None, last_turn_outcome="aborted")
+            case ToolStarted():
+                draft["tool_calls"] += 1
+            case ToolFailed():
+                draft["tool_failures"] += 1
+            case ToolBlocked():
+                draft["tools_blocked"] += 1
+            case SessionRequiresAction():
+                draft["status"] = "requires_action"
+                draft["pending"] = PendingRequest(
+                    request_id=event.request_id,
+                    kind=event.kind,
+                    tool=event.tool,
+                    arguments=event.arguments,
+                )
+            case UserToolConfirmation() | UserCustomToolResult():
+                pending = draft["pending"]
+                if pending is not None and pending.request_id == event.request_id:
+                    draft.update(status="idle", pending=None)
+            case UserInterrupt():
+                draft.update(status="idle", pending=None, current_turn=None)
+            case SessionClosed():
+                draft.update(status="closed", closed_reason=event.reason)
+            case _:
+                pass
+
+    def state(self) -> SessionState:
+        draft = self._draft
+        last = self._last
+        if last is not None:
+            draft["last_message"] = LastMessage(
+                message_id=last.message_id,
+                role=last.role,
+                excerpt=last.content[:EXCERPT_CHARS],
+                tool_calls=len(last.tool_calls),
+            )
+            self._last = None
+        return SessionState(**draft)
 
 
 def apply_session(state: SessionState, record: RecordedEvent) -> SessionState:
-    """The session after ``record``; other events only move its version and time."""
-    event = record.event
-    version = record.version
-    ts = record.ts
-    match event:
-        case MessageAppended():
-            return _message(state, event, version, ts)
-        case SessionCreated():
-            return _replace(
-                state,
-                version=version,
-                updated_at=ts,
-                created_at=ts,
-                status="idle",
-                agent=event.agent,
-                parent=event.parent,
-                channel=event.channel,
-                tenant=event.tenant,
-                title=event.title,
-            )
-        case TurnStarted():
-            return _replace(
-                state,
-                version=version,
-                updated_at=ts,
-                status="running",
-                turns=state.turns + 1,
-                current_turn=event.turn_id,
-            )
-        case TurnCompleted():
-            return _replace(
-                state,
-                version=version,
-                updated_at=ts,
-                status="requires_action" if state.pending else "idle",
-                current_turn=None,
-                last_turn_outcome=event.outcome,
-            )
-        case ExecutionAborted():
-            return _replace(
-                state,
-                version=version,
-                updated_at=ts,
-                status="idle",
-                current_turn=None,
-                last_turn_outcome="aborted",
-            )
-        case ToolStarted():
-            return _replace(state, version=version, updated_at=ts, tool_calls=state.tool_calls + 1)
-        case ToolFailed():
-            return _replace(
-                state, version=version, updated_at=ts, tool_failures=state.tool_failures + 1
-            )
-        case ToolBlocked():
-            return _replace(
-                state, version=version, updated_at=ts, tools_blocked=state.tools_blocked + 1
-            )
-        case SessionRequiresAction():
-            pending = PendingRequest(
-                request_id=event.request_id,
-                kind=event.kind,
-                tool=event.tool,
-                arguments=event.arguments,
-            )
-            return _replace(
-                state, version=version, updated_at=ts, status="requires_action", pending=pending
-            )
-        case UserToolConfirmation() | UserCustomToolResult():
-            if state.pending is None or state.pending.request_id != event.request_id:
-                return _replace(state, version=version, updated_at=ts)
-            return _replace(state, version=version, updated_at=ts, status="idle", pending=None)
-        case UserInterrupt():
-            return _replace(
-                state,
-                version=version,
-                updated_at=ts,
-                status="idle",
-                pending=None,
-                current_turn=None,
-            )
-        case SessionClosed():
-            return _replace(
-                state, version=version, updated_at=ts, status="closed", closed_reason=event.reason
-            )
-        case _:
-            return _replace(state, version=version, updated_at=ts)
+    """The session after ``record``; events that do not concern it only move version and time."""
+    folder = SessionFolder(state)
+    folder.add(record)
+    return folder.state()
 
 
 class SessionAggregate:
@@ -193,6 +178,9 @@ class SessionAggregate:
 
     def apply(self, state: SessionState, record: RecordedEvent) -> SessionState:
         return apply_session(state, record)
+
+    def folder(self, state: SessionState) -> SessionFolder:
+        return SessionFolder(state)
 
 
 SESSION = SessionAggregate()

@@ -27,16 +27,35 @@ class StreamSummaryAggregate:
         return StreamSummary(stream=stream)
 
     def apply(self, state: StreamSummary, record: RecordedEvent) -> StreamSummary:
-        counts = dict(state.counts)
+        folder = self.folder(state)
+        folder.add(record)
+        return folder.state()
+
+    def folder(self, state: StreamSummary) -> SummaryFolder:
+        return SummaryFolder(state)
+
+
+class SummaryFolder:
+    """The summary fold over a mutable draft."""
+
+    __slots__ = ("_counts", "_draft")
+
+    def __init__(self, state: StreamSummary) -> None:
+        self._draft = msgspec.structs.asdict(state)
+        self._counts = dict(state.counts)
+
+    def add(self, record: RecordedEvent) -> None:
+        draft = self._draft
+        if draft["first_ts"] is None:
+            draft["first_ts"] = record.ts
+        draft["version"] = record.version
+        draft["last_ts"] = record.ts
+        draft["last_position"] = record.position
+        counts = self._counts
         counts[record.type] = counts.get(record.type, 0) + 1
-        return msgspec.structs.replace(
-            state,
-            version=record.version,
-            first_ts=record.ts if state.first_ts is None else state.first_ts,
-            last_ts=record.ts,
-            last_position=record.position,
-            counts=counts,
-        )
+
+    def state(self) -> StreamSummary:
+        return StreamSummary(**{**self._draft, "counts": dict(self._counts)})
 
 
 SUMMARY = StreamSummaryAggregate()

@@ -61,13 +61,15 @@ def load_state(
                 continue
             base_version = snapshot.version
             break
-    apply = aggregate.apply
+    folder = aggregate.folder(state)
+    add = folder.add
     last_version, last_position = base_version, 0
     for record in store.read_stream(stream, base_version + 1):
         if until_position is not None and record.position > until_position:
             break
-        state = apply(state, record)
+        add(record)
         last_version, last_position = record.version, record.position
+    state = folder.state()
     if (
         snapshot_every > 0
         and until_position is None
