@@ -11,6 +11,10 @@ expected, what was found and where; they never contain secrets or payload conten
     ├── ConfigError              malformed or out-of-range configuration
     ├── EventError               the event vocabulary
     │   └── UnknownEventTypeError   encoding a tag this version does not know
+    ├── ProviderError            an LLM provider call failed (retryable, status, kind)
+    │   ├── ContextOverflowError    the prompt does not fit the model's window
+    │   ├── BreakerOpenError        the provider's circuit breaker refused the call
+    │   └── PromptTimeoutError      a stall, makespan or retry deadline aborted the call
     └── StoreError               the durable log
         ├── StoreNotFoundError      no store at the location (and create=False)
         ├── StoreClosedError        the store was closed
@@ -40,6 +44,57 @@ class EventError(StalwartError):
 
 class UnknownEventTypeError(EventError):
     """An attempt to encode an object that is not a registered event."""
+
+
+class ProviderError(StalwartError):
+    """A provider call that failed.
+
+    ``kind`` is a stable, content-free class name (``rate_limited``, ``overloaded``,
+    ``server_error``, ``connect``, ``read``, ``stream_cut``, ``malformed``, ``auth``,
+    ``bad_request``, ``not_found``, ``content_policy``, ``context_overflow``, ...) that
+    events and incident reports use; ``retryable`` says whether trying again may help;
+    ``retry_after`` is the server's hint in seconds. The message never holds a secret
+    or the provider's raw response body.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: str,
+        retryable: bool,
+        status: int | None = None,
+        retry_after: float | None = None,
+        provider: str | None = None,
+        model: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.retryable = retryable
+        self.status = status
+        self.retry_after = retry_after
+        self.provider = provider
+        self.model = model
+
+
+class ContextOverflowError(ProviderError):
+    """The prompt is longer than the model's context window: shrink it, do not retry it."""
+
+
+class BreakerOpenError(ProviderError):
+    """The provider's circuit breaker is open (or half-open with its probe in flight)."""
+
+
+class PromptTimeoutError(ProviderError):
+    """A prompt deadline fired: ``limit`` is ``stall``, ``makespan`` or ``retry_deadline``."""
+
+    def __init__(
+        self, message: str, *, limit: str, provider: str | None = None, model: str | None = None
+    ) -> None:
+        super().__init__(
+            message, kind=f"timeout_{limit}", retryable=True, provider=provider, model=model
+        )
+        self.limit = limit
 
 
 class StoreError(StalwartError):
