@@ -75,6 +75,7 @@ class ProviderError(StalwartError):
         self.retry_after = retry_after
         self.provider = provider
         self.model = model
+        self.call_id: str | None = None  # the prompt:started call it ended, once known
 
 
 class ContextOverflowError(ProviderError):

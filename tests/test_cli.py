@@ -21,6 +21,7 @@ from stalwart.events import (
     Event,
     MessageAppended,
     ProviderDegraded,
+    RuntimeStopped,
     SessionCreated,
     TurnStarted,
 )
@@ -156,10 +157,19 @@ def test_replay_until_travels_in_time(filled: Path) -> None:
     assert json.loads(out)["status"] == "idle"
 
 
-def test_replay_of_another_stream_shows_counts(filled: Path) -> None:
+def test_replay_of_a_provider_stream_shows_its_breaker(filled: Path) -> None:
     code, out, _ = run("--store", str(filled), "replay", "provider:openai", "--json")
     assert code == 0
-    assert json.loads(out)["counts"] == {"provider:degraded": 1}
+    state = json.loads(out)
+    assert (state["provider"], state["status"], state["version"]) == ("openai", "closed", 1)
+
+
+def test_replay_of_another_stream_shows_counts(store_dir: Path) -> None:
+    with store_module.open(store_dir) as store:  # type: ignore[attr-defined]
+        store.append("runtime", [RuntimeStopped(), RuntimeStopped()])
+    code, out, _ = run("--store", str(store_dir), "replay", "runtime", "--json")
+    assert code == 0
+    assert json.loads(out)["counts"] == {"runtime:stopped": 2}
 
 
 def test_unknown_events_are_shown_not_dropped(store_dir: Path) -> None:

@@ -27,6 +27,7 @@ from stalwart.events import (
     UserToolConfirmation,
 )
 from stalwart.state import (
+    BREAKER,
     SESSION,
     SUMMARY,
     SessionState,
@@ -141,10 +142,9 @@ def test_unrelated_events_only_move_version() -> None:
 
 def test_replay_picks_a_fold_by_stream() -> None:
     assert aggregate_for("session:abc") is SESSION
-    assert aggregate_for("provider:openai") is SUMMARY
-    summary = fold(
-        SUMMARY, "provider:p", records([SessionCreated(), SessionCreated()], "provider:p")
-    )
+    assert aggregate_for("provider:openai") is BREAKER
+    assert aggregate_for("runtime") is SUMMARY
+    summary = fold(SUMMARY, "runtime", records([SessionCreated(), SessionCreated()], "runtime"))
     assert summary.counts == {"session:created": 2}
     assert (summary.first_ts, summary.last_ts) == (101.0, 102.0)
 

@@ -16,6 +16,7 @@ class PromptStarted(Event, frozen=True, tag="prompt:started"):
     attempt: int = 1
     deadline_kind: Literal["stall", "whole_call"] = "stall"
     timeout_ms: int = 0
+    makespan_ms: int = 0
     turn_id: str | None = None
 
 

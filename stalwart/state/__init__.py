@@ -4,7 +4,23 @@ This package imports only :mod:`stalwart.events`; nothing here does I/O or reads
 """
 
 from ._aggregate import Aggregate, ApplyFolder, Folder, fold, fold_streams
+from ._breaker import (
+    BREAKER,
+    BreakerAggregate,
+    BreakerState,
+    BreakerStatus,
+    apply_breaker,
+    decide_breaker,
+)
 from ._by_stream import aggregate_for
+from ._prompt import (
+    KNOBS,
+    PromptWindow,
+    decide_prompt_timeout,
+    next_deadline,
+    window_started,
+    window_touched,
+)
 from ._session import (
     SESSION,
     LastMessage,
@@ -18,13 +34,19 @@ from ._session import (
 from ._summary import SUMMARY, StreamSummary, StreamSummaryAggregate, SummaryFolder
 
 __all__ = [
+    "BREAKER",
+    "KNOBS",
     "SESSION",
     "SUMMARY",
     "Aggregate",
     "ApplyFolder",
+    "BreakerAggregate",
+    "BreakerState",
+    "BreakerStatus",
     "Folder",
     "LastMessage",
     "PendingRequest",
+    "PromptWindow",
     "SessionAggregate",
     "SessionFolder",
     "SessionState",
@@ -33,7 +55,13 @@ __all__ = [
     "StreamSummaryAggregate",
     "SummaryFolder",
     "aggregate_for",
+    "apply_breaker",
     "apply_session",
+    "decide_breaker",
+    "decide_prompt_timeout",
     "fold",
     "fold_streams",
+    "next_deadline",
+    "window_started",
+    "window_touched",
 ]

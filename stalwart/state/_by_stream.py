@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._aggregate import Aggregate
+from ._breaker import BREAKER
 from ._session import SESSION
 from ._summary import SUMMARY
 
@@ -13,4 +14,6 @@ def aggregate_for(stream: str) -> Aggregate[Any]:
     """The fold ``replay`` uses for a stream: by its prefix, else the summary fold."""
     if stream.startswith("session:"):
         return SESSION
+    if stream.startswith("provider:"):
+        return BREAKER
     return SUMMARY

@@ -1,0 +1,44 @@
+"""LLM provider calls that cannot hang: clients, classification, deadlines, fallback, breaker."""
+
+from ._breaker import Breaker
+from ._caller import ModelCaller, backoff_delay
+from ._classify import classify_status, classify_transport, parse_retry_after
+from ._client import Accumulator, ProviderClient
+from ._sink import EventSink
+from ._sse import SseEvent, SseParser
+from ._types import (
+    Done,
+    Message,
+    ProviderRequest,
+    ProviderResponse,
+    StreamEvent,
+    TextDelta,
+    ThinkingDelta,
+    ToolCallDelta,
+    ToolSpec,
+    Usage,
+)
+
+__all__ = [
+    "Accumulator",
+    "Breaker",
+    "Done",
+    "EventSink",
+    "Message",
+    "ModelCaller",
+    "ProviderClient",
+    "ProviderRequest",
+    "ProviderResponse",
+    "SseEvent",
+    "SseParser",
+    "StreamEvent",
+    "TextDelta",
+    "ThinkingDelta",
+    "ToolCallDelta",
+    "ToolSpec",
+    "Usage",
+    "backoff_delay",
+    "classify_status",
+    "classify_transport",
+    "parse_retry_after",
+]

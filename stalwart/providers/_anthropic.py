@@ -1,0 +1,221 @@
+"""The Anthropic Messages wire format."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from stalwart.errors import ProviderError
+from stalwart.events import ToolCall
+
+from ._classify import stream_error
+from ._sse import SseEvent
+from ._types import (
+    Done,
+    Message,
+    ProviderRequest,
+    StreamEvent,
+    TextDelta,
+    ThinkingDelta,
+    ToolCallDelta,
+    Usage,
+)
+
+API_VERSION = "2023-06-01"
+_json_decode = msgspec.json.decode
+_RETRYABLE_STREAM_ERRORS = {"overloaded_error", "api_error", "rate_limit_error", "timeout_error"}
+
+
+def _image(url: str) -> dict[str, Any]:
+    if url.startswith("data:") and ";base64," in url:
+        media, _, data = url[5:].partition(";base64,")
+        return {"type": "image", "source": {"type": "base64", "media_type": media, "data": data}}
+    return {"type": "image", "source": {"type": "url", "url": url}}
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return _json_decode(text or "{}")
+    except msgspec.DecodeError:
+        return {"_raw": text}
+
+
+def _blocks(message: Message) -> list[dict[str, Any]]:
+    if message.role == "tool":
+        return [
+            {"type": "tool_result", "tool_use_id": message.tool_call_id, "content": message.content}
+        ]
+    blocks: list[dict[str, Any]] = []
+    if message.content:
+        blocks.append({"type": "text", "text": message.content})
+    blocks += [_image(url) for url in message.images]
+    blocks += [
+        {"type": "tool_use", "id": c.id, "name": c.name, "input": _arguments(c.arguments)}
+        for c in message.tool_calls
+    ]
+    return blocks
+
+
+def _messages(messages: tuple[Message, ...]) -> tuple[str, list[dict[str, Any]]]:
+    """The system text, and the turns with consecutive same-role blocks merged."""
+    system = "\n\n".join(m.content for m in messages if m.role == "system")
+    turns: list[dict[str, Any]] = []
+    for message in messages:
+        if message.role == "system":
+            continue
+        role = "assistant" if message.role == "assistant" else "user"
+        if turns and turns[-1]["role"] == role:
+            turns[-1]["content"] += _blocks(message)
+        else:
+            turns.append({"role": role, "content": _blocks(message)})
+    return system, turns
+
+
+class AnthropicWire:
+    """Builds requests and reads replies of ``POST {base_url}/v1/messages``."""
+
+    api = "anthropic"
+
+    def url(self, base_url: str) -> str:
+        base = base_url.rstrip("/")
+        return base + ("/messages" if base.endswith("/v1") else "/v1/messages")
+
+    def headers(self, api_key: str | None) -> dict[str, str]:
+        headers = {"anthropic-version": API_VERSION}
+        if api_key:
+            headers["x-api-key"] = api_key
+        return headers
+
+    def body(self, model: str, request: ProviderRequest, *, stream: bool) -> dict[str, Any]:
+        system, turns = _messages(request.messages)
+        body: dict[str, Any] = {
+            "model": model,
+            "max_tokens": request.max_tokens,
+            "messages": turns,
+            "stream": stream,
+        }
+        if system:
+            body["system"] = system
+        if request.temperature is not None:
+            body["temperature"] = request.temperature
+        if request.tools:
+            body["tools"] = [
+                {"name": t.name, "description": t.description, "input_schema": t.parameters}
+                for t in request.tools
+            ]
+        return body
+
+    def stream_decoder(self, provider: str, model: str) -> AnthropicStream:
+        return AnthropicStream(provider, model)
+
+    def response(self, data: dict[str, Any]) -> tuple[str, str, tuple[ToolCall, ...], str, Usage]:
+        """(text, thinking, tool calls, stop reason, usage) of a non-streamed reply."""
+        text, thinking, calls = [], [], []
+        for block in data.get("content") or ():
+            kind = block.get("type")
+            if kind == "text":
+                text.append(block.get("text", ""))
+            elif kind == "thinking":
+                thinking.append(block.get("thinking", ""))
+            elif kind == "tool_use":
+                arguments = msgspec.json.encode(block.get("input") or {}).decode()
+                calls.append(
+                    ToolCall(
+                        id=block.get("id", ""), name=block.get("name", ""), arguments=arguments
+                    )
+                )
+        usage = data.get("usage") or {}
+        return (
+            "".join(text),
+            "".join(thinking),
+            tuple(calls),
+            data.get("stop_reason") or "end_turn",
+            Usage(
+                input_tokens=usage.get("input_tokens", 0),
+                output_tokens=usage.get("output_tokens", 0),
+            ),
+        )
+
+
+class AnthropicStream:
+    """Turns Messages stream frames into neutral stream events."""
+
+    def __init__(self, provider: str, model: str) -> None:
+        self.provider = provider
+        self.model = model
+        self.done = False
+        self._finish = "end_turn"
+        self._tool_index: dict[int, int] = {}
+
+    def feed(self, frame: SseEvent) -> list[StreamEvent]:
+        try:
+            data = _json_decode(frame.data)
+        except msgspec.DecodeError:
+            raise stream_error(
+                "malformed",
+                "an event-stream frame is not valid JSON",
+                provider=self.provider,
+                model=self.model,
+            ) from None
+        if not isinstance(data, dict):
+            raise stream_error(
+                "malformed",
+                "an event-stream frame is not a JSON object",
+                provider=self.provider,
+                model=self.model,
+            )
+        kind = data.get("type") or frame.event
+        if kind == "content_block_delta":
+            return self._delta(data)
+        if kind == "content_block_start":
+            return self._start(data)
+        if kind == "message_start":
+            usage = (data.get("message") or {}).get("usage") or {}
+            return [Usage(input_tokens=usage.get("input_tokens") or 0)]
+        if kind == "message_delta":
+            self._finish = (data.get("delta") or {}).get("stop_reason") or self._finish
+            usage = data.get("usage") or {}
+            return [Usage(output_tokens=usage.get("output_tokens") or 0)] if usage else []
+        if kind == "message_stop":
+            self.done = True
+            return [Done(self._finish)]
+        if kind == "error":
+            raise self._error(data.get("error") or {})
+        return []
+
+    def _start(self, data: dict[str, Any]) -> list[StreamEvent]:
+        block = data.get("content_block") or {}
+        if block.get("type") == "tool_use":
+            index = len(self._tool_index)
+            self._tool_index[data.get("index", 0)] = index
+            return [ToolCallDelta(index=index, id=block.get("id"), name=block.get("name"))]
+        if block.get("type") == "text" and block.get("text"):
+            return [TextDelta(block["text"])]
+        return []
+
+    def _delta(self, data: dict[str, Any]) -> list[StreamEvent]:
+        delta = data.get("delta") or {}
+        kind = delta.get("type")
+        if kind == "text_delta":
+            return [TextDelta(delta.get("text", ""))]
+        if kind == "thinking_delta":
+            return [ThinkingDelta(delta.get("thinking", ""))]
+        if kind == "input_json_delta":
+            index = self._tool_index.get(data.get("index", 0), 0)
+            return [ToolCallDelta(index=index, arguments=delta.get("partial_json", ""))]
+        return []
+
+    def _error(self, error: dict[str, Any]) -> ProviderError:
+        kind = error.get("type")
+        retryable = kind in _RETRYABLE_STREAM_ERRORS
+        name = {"overloaded_error": "overloaded", "rate_limit_error": "rate_limited"}.get(
+            str(kind), "stream_error"
+        )
+        return ProviderError(
+            f"{self.provider}/{self.model}: the stream reported an error ({name})",
+            kind=name,
+            retryable=retryable,
+            provider=self.provider,
+            model=self.model,
+        )

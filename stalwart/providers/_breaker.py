@@ -1,0 +1,62 @@
+"""The live breaker of one provider: the pure fold and decision, plus the probe slot."""
+
+from __future__ import annotations
+
+from stalwart.config import ProviderSettings
+from stalwart.errors import BreakerOpenError
+from stalwart.events import Event, RecordedEvent
+from stalwart.state import BreakerState, apply_breaker, decide_breaker
+
+
+class Breaker:
+    """Admits or refuses calls to one provider; every change of state is an event.
+
+    The state is a fold of the provider stream (so it survives restarts: build it with
+    ``load_state(store, "provider:NAME", BREAKER)``). Half-open admits exactly one probe;
+    callers that arrive while it is in flight are refused at once, not queued.
+    """
+
+    def __init__(self, settings: ProviderSettings, state: BreakerState) -> None:
+        self._threshold = settings.breaker_failure_threshold
+        self._reset_ms = settings.breaker_reset_timeout_ms
+        self.state = state
+        self._probe_in_flight = False
+
+    @property
+    def provider(self) -> str:
+        return self.state.provider
+
+    def _decide(self, now: float) -> list[Event]:
+        return decide_breaker(
+            self.state, now, threshold=self._threshold, reset_timeout_ms=self._reset_ms
+        )
+
+    def fold(self, records: list[RecordedEvent]) -> None:
+        """Fold events that were appended to the provider stream."""
+        for record in records:
+            self.state = apply_breaker(self.state, record)
+
+    def due(self, now: float) -> list[Event]:
+        """Decisions due at ``now`` (open -> half_open after the reset timeout)."""
+        return self._decide(now)
+
+    def admit(self) -> bool:
+        """Take a slot for one call, or raise BreakerOpenError. True when it is the probe."""
+        status = self.state.status
+        if status == "closed":
+            return False
+        if status == "half_open" and not self._probe_in_flight:
+            self._probe_in_flight = True
+            return True
+        raise BreakerOpenError(
+            f"the circuit breaker of {self.provider} is {status.replace('_', '-')}",
+            kind="breaker_open",
+            retryable=False,
+            provider=self.provider,
+        )
+
+    def settled(self, probe: bool, now: float) -> list[Event]:
+        """A call ended (its outcome already folded): the decisions that follow."""
+        if probe:
+            self._probe_in_flight = False
+        return self._decide(now)

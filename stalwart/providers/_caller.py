@@ -1,0 +1,354 @@
+"""One model call that cannot hang: deadlines, retries, the fallback chain, the breaker.
+
+For each model of the chain (the primary, then ``fallback_models``; a vision request uses
+``vision_fallback_models``) the caller makes attempts. The primary's first attempt has the
+stall budget and the makespan ceiling; every retry and fallback attempt has the shorter
+whole-call limit. A retryable failure retries the same model with exponential backoff and
+full jitter (at least the server's Retry-After), up to ``max_retries``; a 429 retries the
+same model once only when its Retry-After is short, otherwise the chain moves on. Every
+step is an event: session events in the caller's stream, outcomes and breaker changes in
+``provider:<name>``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+import anyio
+import structlog
+
+from stalwart.clock import Clock
+from stalwart.config import AgentSettings
+from stalwart.errors import (
+    BreakerOpenError,
+    ContextOverflowError,
+    PromptTimeoutError,
+    ProviderError,
+)
+from stalwart.events import (
+    Event,
+    ModelFallbackAttempt,
+    ModelFallbackExhausted,
+    PromptActivity,
+    PromptCompleted,
+    PromptFailed,
+    PromptRetryScheduled,
+    PromptStarted,
+    ProviderCallFailed,
+    ProviderCallSucceeded,
+)
+from stalwart.ids import new_id
+from stalwart.state import decide_prompt_timeout, next_deadline, window_started, window_touched
+
+from ._breaker import Breaker
+from ._client import Accumulator, ProviderClient
+from ._sink import EventSink
+from ._types import (
+    ProviderRequest,
+    ProviderResponse,
+    StreamEvent,
+    TextDelta,
+    ThinkingDelta,
+    ToolCallDelta,
+)
+
+log = structlog.get_logger(__name__)
+
+OnEvent = Callable[[StreamEvent], None]
+_ACTIVITY: dict[type, Literal["text", "thinking", "tool_call"]] = {
+    TextDelta: "text",
+    ThinkingDelta: "thinking",
+    ToolCallDelta: "tool_call",
+}
+
+
+def backoff_delay(attempt: int, base_ms: int, cap_ms: int, rng: random.Random) -> float:
+    """Full jitter: uniform in [0, min(cap, base x 2^(attempt-1))] seconds."""
+    ceiling = min(cap_ms, base_ms * 2 ** max(attempt - 1, 0)) / 1000
+    return rng.uniform(0, ceiling)
+
+
+class _Live:
+    """The running attempt's deadline window, and the cancel scope that enforces it."""
+
+    def __init__(self, started: PromptStarted, ts: float) -> None:
+        self.window = window_started(started, ts)
+        self.last_recorded = ts
+
+    def arm(self, scope: anyio.CancelScope, now: float) -> None:
+        """Move the scope's deadline to the window's next one (the event loop's clock)."""
+        when, _, _ = next_deadline(self.window)
+        scope.deadline = anyio.current_time() + (when - now)
+
+
+class ModelCaller:
+    """Calls an agent's model through its chain; safe to share by the agent's calls."""
+
+    def __init__(
+        self,
+        agent: AgentSettings,
+        clients: Mapping[str, ProviderClient],
+        breakers: Mapping[str, Breaker],
+        sink: EventSink,
+        clock: Clock,
+        *,
+        agent_name: str = "default",
+        rng: random.Random | None = None,
+    ) -> None:
+        self.agent = agent
+        self._clients = clients
+        self._breakers = breakers
+        self._sink = sink
+        self._clock = clock
+        self._agent_name = agent_name
+        self._rng = rng or random.Random()
+
+    def chain(self, request: ProviderRequest) -> list[tuple[str, str]]:
+        """(provider, model) pairs in the order they are tried."""
+        fallbacks = (
+            self.agent.vision_fallback_models if request.needs_vision else ()
+        ) or self.agent.fallback_models
+        pairs = [(self.agent.provider, self.agent.model)]
+        for entry in fallbacks:
+            provider, _, model = entry.partition(":")
+            pairs.append((provider, model))
+        return pairs
+
+    async def call(
+        self, stream: str, request: ProviderRequest, on_event: OnEvent | None = None
+    ) -> ProviderResponse:
+        """The reply, or the last error after every model of the chain failed."""
+        chain = self.chain(request)
+        last: ProviderError | None = None
+        for index, (provider, model) in enumerate(chain):
+            if index and last is not None:
+                previous = f"{chain[index - 1][0]}:{chain[index - 1][1]}"
+                await self._emit(
+                    stream,
+                    ModelFallbackAttempt(
+                        from_model=previous,
+                        to_model=f"{provider}:{model}",
+                        attempt=index,
+                        reason=last.kind,
+                    ),
+                )
+            try:
+                return await self._model(stream, provider, model, request, index == 0, on_event)
+            except ContextOverflowError:
+                raise  # a bigger prompt than the window: the context engine must shrink it
+            except ProviderError as exc:
+                last = exc
+        assert last is not None
+        await self._emit(
+            stream,
+            ModelFallbackExhausted(
+                models=tuple(f"{p}:{m}" for p, m in chain),
+                reason=last.kind,
+            ),
+        )
+        raise last
+
+    async def _model(
+        self,
+        stream: str,
+        provider: str,
+        model: str,
+        request: ProviderRequest,
+        primary: bool,
+        on_event: OnEvent | None,
+    ) -> ProviderResponse:
+        attempt = 0
+        rate_limit_retried = False
+        while True:
+            attempt += 1
+            kind: Literal["stall", "whole_call"] = (
+                "stall" if primary and attempt == 1 else "whole_call"
+            )
+            try:
+                return await self._attempt(
+                    stream, provider, model, request, attempt, kind, on_event
+                )
+            except BreakerOpenError:
+                raise
+            except ProviderError as exc:
+                if not exc.retryable:
+                    raise
+                delay = self._retry_delay(exc, attempt, rate_limit_retried)
+                if delay is None:
+                    raise
+                rate_limit_retried = rate_limit_retried or exc.status == 429
+                await self._emit(
+                    stream,
+                    PromptRetryScheduled(
+                        call_id="",
+                        attempt=attempt + 1,
+                        delay_ms=round(delay * 1000),
+                        reason=exc.kind,
+                    ),
+                )
+                await anyio.sleep(delay)
+
+    def _retry_delay(
+        self, exc: ProviderError, attempt: int, rate_limit_retried: bool
+    ) -> float | None:
+        """Seconds to wait before retrying the same model, or None to move down the chain."""
+        agent = self.agent
+        if exc.status == 429:
+            limit = agent.rate_limit_same_model_max_retry_after_ms / 1000
+            if rate_limit_retried or exc.retry_after is None or exc.retry_after > limit:
+                return None
+            return exc.retry_after
+        if attempt > agent.max_retries:
+            return None
+        delay = backoff_delay(attempt, agent.retry_base_ms, agent.retry_cap_ms, self._rng)
+        return max(delay, exc.retry_after or 0.0)
+
+    async def _attempt(
+        self,
+        stream: str,
+        provider: str,
+        model: str,
+        request: ProviderRequest,
+        attempt: int,
+        kind: Literal["stall", "whole_call"],
+        on_event: OnEvent | None,
+    ) -> ProviderResponse:
+        breaker = self._breakers[provider]
+        await self._provider_events(breaker, breaker.due(self._clock.now()))
+        probe = breaker.admit()
+        agent = self.agent
+        timeout_ms = agent.prompt_timeout_ms if kind == "stall" else agent.retry_prompt_timeout_ms
+        started = PromptStarted(
+            call_id=new_id(),
+            provider=provider,
+            model=model,
+            attempt=attempt,
+            deadline_kind=kind,
+            timeout_ms=timeout_ms,
+            makespan_ms=timeout_ms * agent.stall_ceiling_multiplier if kind == "stall" else 0,
+        )
+        now = self._clock.now()
+        await self._emit(stream, started, now)
+        try:
+            response = await self._run(stream, started, request, now, on_event)
+        except ProviderError as exc:
+            exc.call_id = started.call_id
+            await self._settle(stream, breaker, probe, started, exc)
+            raise
+        await self._settle(stream, breaker, probe, started, None, response)
+        return response
+
+    async def _run(
+        self,
+        stream: str,
+        started: PromptStarted,
+        request: ProviderRequest,
+        ts: float,
+        on_event: OnEvent | None,
+    ) -> ProviderResponse:
+        live = _Live(started, ts)
+        client = self._clients[started.provider]
+        accumulator = Accumulator(started.provider, started.model)
+        response: ProviderResponse | None = None
+        with anyio.CancelScope() as scope:
+            live.arm(scope, self._clock.now())
+            if self.agent.stream:
+                async for event in client.stream(started.model, request):
+                    accumulator.add(event)
+                    if on_event is not None:
+                        on_event(event)
+                    await self._activity(stream, live, event, scope)
+                response = accumulator.response()
+            else:
+                response = await client.complete(started.model, request)
+        if response is not None:
+            return response
+        # the scope's deadline passed: the pure decision says which limit, and when
+        when, _, _ = next_deadline(live.window)
+        at = max(self._clock.now(), when)
+        timeout = decide_prompt_timeout(live.window, at)
+        assert timeout is not None
+        await self._emit(stream, timeout, at)
+        raise PromptTimeoutError(
+            f"{started.provider}/{started.model}: aborted by the {timeout.limit} limit",
+            limit=timeout.limit,
+            provider=started.provider,
+            model=started.model,
+        )
+
+    async def _activity(
+        self, stream: str, live: _Live, event: StreamEvent, scope: anyio.CancelScope
+    ) -> None:
+        """Record activity at most once per interval; only recorded activity resets the budget."""
+        kind = _ACTIVITY.get(type(event))
+        if kind is None:
+            return
+        now = self._clock.now()
+        if now - live.last_recorded < self.agent.activity_interval_ms / 1000:
+            return
+        live.last_recorded = now
+        live.window = window_touched(live.window, now)
+        live.arm(scope, now)
+        await self._emit(stream, PromptActivity(call_id=live.window.call_id, kind=kind), now)
+
+    async def _settle(
+        self,
+        stream: str,
+        breaker: Breaker,
+        probe: bool,
+        started: PromptStarted,
+        error: ProviderError | None,
+        response: ProviderResponse | None = None,
+    ) -> None:
+        now = self._clock.now()
+        provider, model = started.provider, started.model
+        if error is None:
+            assert response is not None
+            await self._emit(
+                stream,
+                PromptCompleted(
+                    call_id=started.call_id,
+                    input_tokens=response.input_tokens,
+                    output_tokens=response.output_tokens,
+                    finish_reason=response.finish_reason,
+                ),
+                now,
+            )
+            outcome: Event = ProviderCallSucceeded(
+                provider=provider,
+                model=model,
+                agent=self._agent_name,
+            )
+        else:
+            await self._emit(
+                stream,
+                PromptFailed(
+                    call_id=started.call_id,
+                    error_class=error.kind,
+                    status=error.status,
+                    retryable=error.retryable,
+                ),
+                now,
+            )
+            outcome = ProviderCallFailed(
+                provider=provider,
+                model=model,
+                agent=self._agent_name,
+                error_class=error.kind,
+                status=error.status,
+            )
+            log.warning("provider.call_failed", provider=provider, model=model, kind=error.kind)
+        await self._provider_events(breaker, [outcome])
+        await self._provider_events(breaker, breaker.settled(probe, now))
+
+    async def _provider_events(self, breaker: Breaker, events: list[Event]) -> None:
+        if events:
+            recorded = await self._sink.emit(
+                f"provider:{breaker.provider}", events, self._clock.now()
+            )
+            breaker.fold(recorded)
+
+    async def _emit(self, stream: str, event: Event, ts: float | None = None) -> None:
+        await self._sink.emit(stream, [event], self._clock.now() if ts is None else ts)

@@ -1,0 +1,135 @@
+"""Which failures are worth retrying: HTTP statuses, error bodies, transport errors.
+
+Bodies are read only to tell a context overflow or a content-policy refusal from another
+400; they never reach an error message, a log line or an event.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+
+import httpx
+
+from stalwart.errors import ContextOverflowError, ProviderError
+
+_RETRYABLE_STATUS = {
+    408: "request_timeout",
+    409: "conflict",
+    429: "rate_limited",
+    500: "server_error",
+    502: "bad_gateway",
+    503: "unavailable",
+    504: "gateway_timeout",
+    529: "overloaded",
+}
+_FINAL_STATUS = {
+    400: "bad_request",
+    401: "auth",
+    403: "forbidden",
+    404: "not_found",
+    413: "context_overflow",
+    422: "bad_request",
+}
+_OVERFLOW_MARKERS = (
+    b"context_length_exceeded",
+    b"maximum context length",
+    b"prompt is too long",
+    b"context window",
+    b"too many tokens",
+)
+_POLICY_MARKERS = (b"content_policy", b"content_filter", b"safety", b"moderation")
+
+
+def parse_retry_after(value: str | None, now: float) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header: delta-seconds or an HTTP date."""
+    if not value:
+        return None
+    text = value.strip()
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        pass
+    try:
+        when = parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, when.timestamp() - datetime.fromtimestamp(now, tz=UTC).timestamp())
+
+
+def classify_status(
+    status: int,
+    body: bytes,
+    retry_after: str | None,
+    *,
+    provider: str,
+    model: str,
+    now: float,
+) -> ProviderError:
+    """The typed error for a non-2xx answer."""
+    wait = parse_retry_after(retry_after, now)
+    lowered = body[:65536].lower()
+    kind = _RETRYABLE_STATUS.get(status)
+    retryable = kind is not None
+    if kind is None:
+        kind = _FINAL_STATUS.get(status)
+        if kind is None:
+            retryable = status >= 500
+            kind = "server_error" if retryable else "client_error"
+    if not retryable and (
+        kind == "context_overflow" or any(m in lowered for m in _OVERFLOW_MARKERS)
+    ):
+        return ContextOverflowError(
+            f"{provider}/{model}: the prompt does not fit the model's context window "
+            f"(HTTP {status})",
+            kind="context_overflow",
+            retryable=False,
+            status=status,
+            provider=provider,
+            model=model,
+        )
+    if not retryable and any(m in lowered for m in _POLICY_MARKERS):
+        kind = "content_policy"
+    return ProviderError(
+        f"{provider}/{model} answered HTTP {status} ({kind})",
+        kind=kind,
+        retryable=retryable,
+        status=status,
+        retry_after=wait,
+        provider=provider,
+        model=model,
+    )
+
+
+def classify_transport(exc: httpx.TransportError, *, provider: str, model: str) -> ProviderError:
+    """The typed error for a connection that failed or broke; always retryable."""
+    if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError):
+        kind = "connect"
+    elif isinstance(exc, httpx.ReadTimeout):
+        kind = "read_timeout"
+    elif isinstance(exc, httpx.RemoteProtocolError):
+        kind = "stream_cut"
+    elif isinstance(exc, httpx.ReadError | httpx.WriteError):
+        kind = "connection_reset"
+    else:
+        kind = "transport"
+    return ProviderError(
+        f"{provider}/{model}: {kind.replace('_', ' ')} ({type(exc).__name__})",
+        kind=kind,
+        retryable=True,
+        provider=provider,
+        model=model,
+    )
+
+
+def stream_error(kind: str, detail: str, *, provider: str, model: str) -> ProviderError:
+    """A stream that broke its protocol: cut before its end, or a frame we cannot read."""
+    return ProviderError(
+        f"{provider}/{model}: {detail}",
+        kind=kind,
+        retryable=True,
+        provider=provider,
+        model=model,
+    )

@@ -1,0 +1,231 @@
+"""One HTTP client per configured provider: streams replies as neutral events.
+
+The API key is read from the environment variable the config names, once, and kept in a
+private attribute: it is sent in a header and nowhere else (not in reprs, errors, events
+or logs). Transport errors, error statuses and broken streams all become ProviderError.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import httpx
+import msgspec
+
+from stalwart.clock import Clock, SystemClock
+from stalwart.config import ProviderSettings
+from stalwart.errors import ProviderError
+from stalwart.events import ToolCall
+
+from ._anthropic import AnthropicWire
+from ._classify import classify_status, classify_transport, stream_error
+from ._openai import OpenAIWire
+from ._sse import SseEvent, SseParser
+from ._types import (
+    Done,
+    ProviderRequest,
+    ProviderResponse,
+    StreamEvent,
+    TextDelta,
+    ThinkingDelta,
+    ToolCallDelta,
+    Usage,
+)
+
+_ERROR_BODY_LIMIT = 64 * 1024
+
+
+class _Decoder(Protocol):
+    done: bool
+
+    def feed(self, frame: SseEvent) -> list[StreamEvent]: ...
+
+
+class _Wire(Protocol):
+    api: str
+
+    def url(self, base_url: str) -> str: ...
+    def headers(self, api_key: str | None) -> dict[str, str]: ...
+    def body(self, model: str, request: ProviderRequest, *, stream: bool) -> dict[str, Any]: ...
+    def stream_decoder(self, provider: str, model: str) -> _Decoder: ...
+    def response(self, data: dict[str, Any]) -> tuple[str, str, Any, str, Usage]: ...
+
+
+WIRES: dict[str, _Wire] = {"openai": OpenAIWire(), "anthropic": AnthropicWire()}
+
+
+class ProviderClient:
+    """Talks to one provider. Share one per provider: it holds a connection pool."""
+
+    def __init__(
+        self,
+        name: str,
+        settings: ProviderSettings,
+        *,
+        clock: Clock | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.name = name
+        self.settings = settings
+        self._wire = WIRES[settings.kind]
+        self._url = self._wire.url(settings.base_url)
+        self._api_key = os.environ.get(settings.api_key_env) if settings.api_key_env else None
+        self._clock = clock or SystemClock()
+        self._http = httpx.AsyncClient(
+            transport=transport,
+            timeout=httpx.Timeout(None, connect=settings.connect_timeout_ms / 1000),
+            limits=httpx.Limits(max_connections=settings.max_in_flight),
+        )
+
+    def __repr__(self) -> str:
+        return f"ProviderClient({self.name!r}, kind={self.settings.kind!r}, url={self._url!r})"
+
+    @property
+    def has_api_key(self) -> bool:
+        return bool(self._api_key)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def _headers(self) -> dict[str, str]:
+        return {"content-type": "application/json", **self._wire.headers(self._api_key)}
+
+    async def _fail(self, response: httpx.Response, model: str) -> ProviderError:
+        body = b""
+        async for chunk in response.aiter_bytes():
+            body += chunk
+            if len(body) >= _ERROR_BODY_LIMIT:
+                break
+        return classify_status(
+            response.status_code,
+            body,
+            response.headers.get("retry-after"),
+            provider=self.name,
+            model=model,
+            now=self._clock.now(),
+        )
+
+    async def stream(self, model: str, request: ProviderRequest) -> AsyncIterator[StreamEvent]:
+        """The reply as it arrives; ends with :class:`Done` or raises ProviderError.
+
+        Closing the iterator (or cancelling its consumer) closes the connection: nothing
+        more is read and the server sees the client go.
+        """
+        body = msgspec.json.encode(self._wire.body(model, request, stream=True))
+        try:
+            async with self._http.stream(
+                "POST", self._url, content=body, headers=self._headers()
+            ) as response:
+                if response.status_code != 200:
+                    raise await self._fail(response, model)
+                content_type = response.headers.get("content-type", "")
+                if "text/event-stream" not in content_type:
+                    raise stream_error(
+                        "malformed",
+                        f"expected an event stream, got {content_type or 'nothing'}",
+                        provider=self.name,
+                        model=model,
+                    )
+                async for event in self._events(response, model):
+                    yield event
+        except httpx.TransportError as exc:
+            raise classify_transport(exc, provider=self.name, model=model) from exc
+
+    async def _events(self, response: httpx.Response, model: str) -> AsyncIterator[StreamEvent]:
+        parser = SseParser()
+        decoder = self._wire.stream_decoder(self.name, model)
+        async for chunk in response.aiter_raw():
+            for frame in parser.feed(chunk):
+                for event in decoder.feed(frame):
+                    yield event
+                if decoder.done:
+                    return
+        detail = "a frame was cut mid-way" if parser.pending else "it ended before its final event"
+        raise stream_error(
+            "stream_cut", f"the stream was cut: {detail}", provider=self.name, model=model
+        )
+
+    async def complete(self, model: str, request: ProviderRequest) -> ProviderResponse:
+        """A whole reply without streaming."""
+        body = msgspec.json.encode(self._wire.body(model, request, stream=False))
+        try:
+            response = await self._http.post(self._url, content=body, headers=self._headers())
+        except httpx.TransportError as exc:
+            raise classify_transport(exc, provider=self.name, model=model) from exc
+        if response.status_code != 200:
+            raise classify_status(
+                response.status_code,
+                response.content,
+                response.headers.get("retry-after"),
+                provider=self.name,
+                model=model,
+                now=self._clock.now(),
+            )
+        try:
+            data = msgspec.json.decode(response.content)
+        except msgspec.DecodeError:
+            data = None
+        if not isinstance(data, dict):
+            raise stream_error(
+                "malformed", "the reply is not a JSON object", provider=self.name, model=model
+            )
+        text, thinking, calls, finish, usage = self._wire.response(data)
+        return ProviderResponse(
+            provider=self.name,
+            model=model,
+            text=text,
+            thinking=thinking,
+            tool_calls=calls,
+            finish_reason=finish,
+            input_tokens=usage.input_tokens,
+            output_tokens=usage.output_tokens,
+        )
+
+
+class Accumulator:
+    """Builds the whole reply from stream events (tool-call arguments joined per index)."""
+
+    def __init__(self, provider: str, model: str) -> None:
+        self.provider = provider
+        self.model = model
+        self.text: list[str] = []
+        self.thinking: list[str] = []
+        self.calls: dict[int, list[str]] = {}
+        self.finish: str | None = None
+        self.input_tokens = 0
+        self.output_tokens = 0
+
+    def add(self, event: StreamEvent) -> None:
+        match event:
+            case TextDelta():
+                self.text.append(event.text)
+            case ThinkingDelta():
+                self.thinking.append(event.text)
+            case ToolCallDelta():
+                parts = self.calls.setdefault(event.index, ["", "", ""])
+                parts[0] = event.id or parts[0]
+                parts[1] = event.name or parts[1]
+                parts[2] += event.arguments
+            case Usage():
+                self.input_tokens = max(self.input_tokens, event.input_tokens)
+                self.output_tokens = max(self.output_tokens, event.output_tokens)
+            case Done():
+                self.finish = event.finish_reason
+
+    def response(self) -> ProviderResponse:
+        calls = tuple(
+            ToolCall(id=parts[0], name=parts[1], arguments=parts[2] or "{}")
+            for _, parts in sorted(self.calls.items())
+        )
+        return ProviderResponse(
+            provider=self.provider,
+            model=self.model,
+            text="".join(self.text),
+            thinking="".join(self.thinking),
+            tool_calls=calls,
+            finish_reason=self.finish or "stop",
+            input_tokens=self.input_tokens,
+            output_tokens=self.output_tokens,
+        )
