@@ -136,7 +136,7 @@ class ProviderClient:
     async def _events(self, response: httpx.Response, model: str) -> AsyncIterator[StreamEvent]:
         parser = SseParser()
         decoder = self._wire.stream_decoder(self.name, model)
-        async for chunk in response.aiter_raw():
+        async for chunk in response.aiter_bytes():
             for frame in parser.feed(chunk):
                 for event in decoder.feed(frame):
                     yield event

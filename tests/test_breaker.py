@@ -1,0 +1,119 @@
+"""The provider circuit breaker: fold + pure decision on a FakeClock, and the probe slot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stalwart import store as store_module
+from stalwart.clock import FakeClock
+from stalwart.config import ProviderSettings
+from stalwart.errors import BreakerOpenError
+from stalwart.events import Event, ProviderCallFailed, ProviderCallSucceeded
+from stalwart.providers import Breaker
+from stalwart.state import BREAKER
+from stalwart.store import EventStore, NewEvent, load_state
+
+SETTINGS = ProviderSettings(
+    kind="openai", base_url="http://x", breaker_failure_threshold=5, breaker_reset_timeout_ms=60_000
+)
+
+
+class Harness:
+    """A breaker whose events really go to a store, as the caller records them."""
+
+    def __init__(self, store: EventStore, clock: FakeClock) -> None:
+        self.store = store
+        self.clock = clock
+        self.breaker = Breaker(SETTINGS, load_state(store, "provider:p", BREAKER))
+
+    def record(self, events: list[Event]) -> None:
+        if events:
+            now = self.clock.now()
+            recorded = self.store.append("provider:p", [NewEvent(event=e, ts=now) for e in events])
+            self.breaker.fold(recorded)
+
+    def call(self, ok: bool) -> None:
+        self.record(self.breaker.due(self.clock.now()))
+        probe = self.breaker.admit()
+        outcome: Event = (
+            ProviderCallSucceeded(provider="p", model="m", agent="a")
+            if ok
+            else ProviderCallFailed(provider="p", model="m", agent="a", error_class="server_error")
+        )
+        self.record([outcome])
+        self.record(self.breaker.settled(probe, self.clock.now()))
+
+
+@pytest.fixture
+def harness(lmdb_store: EventStore, clock: FakeClock) -> Harness:
+    return Harness(lmdb_store, clock)
+
+
+def test_opens_after_five_consecutive_failures(harness: Harness) -> None:
+    for _ in range(4):
+        harness.call(ok=False)
+    assert harness.breaker.state.status == "closed"
+    harness.call(ok=True)  # a success resets the streak
+    for _ in range(4):
+        harness.call(ok=False)
+    assert harness.breaker.state.status == "closed"
+    harness.call(ok=False)
+    assert harness.breaker.state.status == "open"
+    with pytest.raises(BreakerOpenError) as info:
+        harness.call(ok=True)
+    assert info.value.kind == "breaker_open"
+    assert not info.value.retryable
+
+
+def test_rejected_calls_do_not_count(harness: Harness) -> None:
+    for _ in range(5):
+        harness.call(ok=False)
+    failures = harness.breaker.state.consecutive_failures
+    for _ in range(10):
+        with pytest.raises(BreakerOpenError):
+            harness.call(ok=False)
+    assert harness.breaker.state.consecutive_failures == failures
+
+
+def test_half_open_exactly_at_the_reset_timeout_with_one_probe(harness: Harness) -> None:
+    for _ in range(5):
+        harness.call(ok=False)
+    harness.clock.advance(60 - 0.001)
+    with pytest.raises(BreakerOpenError):
+        harness.call(ok=True)
+    harness.clock.advance(0.001)
+    harness.record(harness.breaker.due(harness.clock.now()))
+    assert harness.breaker.state.status == "half_open"
+    assert harness.breaker.admit() is True  # the probe
+    with pytest.raises(BreakerOpenError, match="half-open"):
+        harness.breaker.admit()  # a concurrent caller is refused at once
+    harness.record([ProviderCallSucceeded(provider="p", model="m", agent="a")])
+    harness.record(harness.breaker.settled(True, harness.clock.now()))
+    assert harness.breaker.state.status == "closed"
+    assert harness.breaker.admit() is False
+
+
+def test_a_failed_probe_opens_again(harness: Harness) -> None:
+    for _ in range(5):
+        harness.call(ok=False)
+    harness.clock.advance(60)
+    harness.call(ok=False)
+    assert harness.breaker.state.status == "open"
+    assert harness.breaker.state.opened_at == harness.clock.now()
+
+
+def test_breaker_state_is_rebuilt_from_the_log(store_dir: Path, clock: FakeClock) -> None:
+    with store_module.open(store_dir, clock=clock) as store:  # type: ignore[attr-defined]
+        harness = Harness(store, clock)
+        for _ in range(5):
+            harness.call(ok=False)
+    with store_module.open(store_dir, clock=clock) as store:  # type: ignore[attr-defined]
+        again = Harness(store, clock)
+        assert again.breaker.state.status == "open"
+        with pytest.raises(BreakerOpenError):
+            again.call(ok=True)
+        types = [r.type for r in store.read_stream("provider:p")]
+    assert types.count("breaker:opened") == 1
+    assert types[-1] == "breaker:opened"
