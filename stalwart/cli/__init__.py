@@ -1,6 +1,6 @@
 """The ``stalwart`` command line."""
 
-from . import _check  # noqa: F401  (registers the check command)
+from . import _check, _run  # noqa: F401  (they register their commands)
 from ._app import cli, main
 
 __all__ = ["cli", "main"]

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from stalwart import __version__
+from stalwart.config import Config
 from stalwart.errors import StalwartError, StoreError
 from stalwart.events import RecordedEvent
 from stalwart.state import aggregate_for
@@ -41,12 +42,16 @@ class _Group(click.Group):
 
 
 class _State:
-    def __init__(self, location: str) -> None:
+    def __init__(self, location: str | None) -> None:
         self.location = location
 
     def store(self) -> EventStore:
         """The store named by --store; it must exist (read commands never create one)."""
-        return open_store(self.location, create=False)
+        return open_store(self.location or DEFAULT_STORE, create=False)
+
+    def store_for(self, config: Config, *, create: bool) -> EventStore:
+        """--store (or STALWART_STORE) when given, else the config's store location."""
+        return open_store(self.location or config.store.location, create=create)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -54,9 +59,9 @@ class _State:
     "--store",
     "location",
     envvar="STALWART_STORE",
-    default=DEFAULT_STORE,
-    show_default=True,
-    help="The event store: a directory (env STALWART_STORE).",
+    default=None,
+    help="The event store: a directory (env STALWART_STORE; default ./.stalwart, or the "
+    "config's store.location for commands that take --config).",
 )
 @click.option(
     "--log-level",
@@ -67,7 +72,7 @@ class _State:
 )
 @click.version_option(__version__, prog_name="stalwart")
 @click.pass_context
-def cli(ctx: click.Context, location: str, log_level: str) -> None:
+def cli(ctx: click.Context, location: str | None, log_level: str) -> None:
     """stalwart keeps long-running LLM agents from going quietly stuck.
 
     Every fact and decision is an event in one durable log; these commands show it.

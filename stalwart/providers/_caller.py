@@ -56,7 +56,8 @@ from ._types import (
 
 log = structlog.get_logger(__name__)
 
-OnEvent = Callable[[StreamEvent], None]
+#: Sees each attempt's ``prompt:started``, then that attempt's stream events as they come.
+OnEvent = Callable[[StreamEvent | PromptStarted], None]
 _ACTIVITY: dict[type, Literal["text", "thinking", "tool_call"]] = {
     TextDelta: "text",
     ThinkingDelta: "thinking",
@@ -75,7 +76,7 @@ class _Live:
 
     def __init__(self, started: PromptStarted, ts: float) -> None:
         self.window = window_started(started, ts)
-        self.last_recorded = ts
+        self.last_recorded = float("-inf")  # the first sign of life is always recorded
 
     def arm(self, scope: anyio.CancelScope, now: float) -> None:
         """Move the scope's deadline to the window's next one (the event loop's clock)."""
@@ -182,7 +183,7 @@ class ModelCaller:
                 await self._emit(
                     stream,
                     PromptRetryScheduled(
-                        call_id="",
+                        call_id=exc.call_id or "",
                         attempt=attempt + 1,
                         delay_ms=round(delay * 1000),
                         reason=exc.kind,
@@ -231,13 +232,15 @@ class ModelCaller:
         )
         now = self._clock.now()
         await self._emit(stream, started, now)
+        if on_event is not None:
+            on_event(started)
         try:
             response = await self._run(stream, started, request, now, on_event)
         except ProviderError as exc:
             exc.call_id = started.call_id
-            await self._settle(stream, breaker, probe, started, exc)
+            await self._settle(stream, breaker, probe, started, now, exc)
             raise
-        await self._settle(stream, breaker, probe, started, None, response)
+        await self._settle(stream, breaker, probe, started, now, None, response)
         return response
 
     async def _run(
@@ -299,6 +302,7 @@ class ModelCaller:
         breaker: Breaker,
         probe: bool,
         started: PromptStarted,
+        started_at: float,
         error: ProviderError | None,
         response: ProviderResponse | None = None,
     ) -> None:
@@ -320,6 +324,7 @@ class ModelCaller:
                 provider=provider,
                 model=model,
                 agent=self._agent_name,
+                latency_ms=round((now - started_at) * 1000),
             )
         else:
             await self._emit(

@@ -1,0 +1,161 @@
+"""``stalwart run``: one user turn through the provider layer, every step in the log."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import anyio
+import click
+
+from stalwart import __version__
+from stalwart.clock import SystemClock
+from stalwart.config import Config, load_config
+from stalwart.errors import ContextOverflowError, ProviderError, StalwartError
+from stalwart.events import (
+    MessageAppended,
+    PromptStarted,
+    RuntimeStarted,
+    RuntimeStopped,
+    SessionCreated,
+    TurnCompleted,
+    TurnStarted,
+)
+from stalwart.ids import new_id
+from stalwart.providers import Message, ProviderRequest, StreamEvent, TextDelta
+from stalwart.runtime import ProviderLayer
+from stalwart.store import EventStore
+
+from ._app import _State, cli
+
+FAILED = "the model did not answer: every configured model failed or timed out"
+TOO_LONG = "the conversation is too long for the model's context window"
+
+
+def _history(store: EventStore, stream: str) -> list[Message]:
+    messages = []
+    for record in store.read_stream(stream):
+        event = record.event
+        if isinstance(event, MessageAppended):
+            messages.append(
+                Message(
+                    role=event.role,
+                    content=event.content,
+                    tool_calls=event.tool_calls,
+                    tool_call_id=event.tool_call_id,
+                )
+            )
+    return messages
+
+
+class _Printer:
+    """Prints the reply as it streams; says so when an attempt is retried or replaced."""
+
+    def __init__(self) -> None:
+        self.printed = False
+
+    def __call__(self, event: StreamEvent | PromptStarted) -> None:
+        if isinstance(event, PromptStarted):
+            if self.printed:
+                sys.stdout.write("\n")
+                click.secho(
+                    f"[stalwart: that answer broke off; trying again with {event.model}]",
+                    err=True,
+                    dim=True,
+                )
+                self.printed = False
+        elif isinstance(event, TextDelta):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+            self.printed = True
+
+
+async def _turn(
+    layer: ProviderLayer, store: EventStore, agent: str, session: str, prompt: str
+) -> str:
+    stream = f"session:{session}"
+    sink, clock = layer.sink, layer.clock
+    if store.stream_version(stream) == 0:
+        await sink.emit(stream, [SessionCreated(agent=agent)], clock.now())
+    turn = new_id()
+    await sink.emit(
+        stream,
+        [
+            TurnStarted(turn_id=turn),
+            MessageAppended(message_id=new_id(), role="user", content=prompt, turn_id=turn),
+        ],
+        clock.now(),
+    )
+    settings = layer.config.agent(agent)
+    request = ProviderRequest(
+        messages=tuple(_history(store, stream)), max_tokens=settings.max_tokens
+    )
+    try:
+        reply = await layer.caller(agent).call(stream, request, on_event=_Printer())
+    except ProviderError:
+        await sink.emit(stream, [TurnCompleted(turn_id=turn, outcome="failed")], clock.now())
+        raise
+    await sink.emit(
+        stream,
+        [
+            MessageAppended(
+                message_id=new_id(),
+                role="assistant",
+                content=reply.text,
+                tool_calls=reply.tool_calls,
+                turn_id=turn,
+            ),
+            TurnCompleted(turn_id=turn),
+        ],
+        clock.now(),
+    )
+    return reply.text
+
+
+async def _main(config: Config, store: EventStore, agent: str, session: str, prompt: str) -> None:
+    layer = ProviderLayer(config, store, clock=SystemClock())
+    config_data = {"store": {"snapshot_every": config.store.snapshot_every}}
+    config_data.update(__import__("msgspec").to_builtins(config))
+    started = RuntimeStarted(
+        config=config_data,
+        stalwart_version=__version__,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+    )
+    await layer.sink.emit("runtime", [started], layer.clock.now())
+    try:
+        await _turn(layer, store, agent, session, prompt)
+    finally:
+        await layer.sink.emit("runtime", [RuntimeStopped(reason="run finished")], layer.clock.now())
+        await layer.aclose()
+
+
+@cli.command()
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="The TOML or YAML config with providers and agents.",
+)
+@click.option("--agent", default="default", show_default=True, help="Which configured agent.")
+@click.option("--session", help="Continue this session (a new one when omitted).")
+@click.argument("prompt")
+@click.pass_obj
+def run(state: _State, config_path: str, agent: str, session: str | None, prompt: str) -> None:
+    """Send PROMPT as one user turn and print the reply as it streams."""
+    config = load_config(config_path)
+    config.agent(agent)  # fail early, naming the configured agents
+    store = state.store_for(config, create=True)
+    session = session or new_id()
+    try:
+        anyio.run(_main, config, store, agent, session, prompt)
+    except ContextOverflowError:
+        raise StalwartError(TOO_LONG) from None
+    except ProviderError:
+        raise StalwartError(FAILED) from None
+    finally:
+        store.close()
+    click.echo()
+    click.echo(f"session {session}", err=True)
