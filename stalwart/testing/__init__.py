@@ -1,0 +1,47 @@
+"""Test doubles for agents built on stalwart: a fault-injecting loopback provider.
+
+``FakeProvider`` is a real HTTP server on 127.0.0.1 that speaks the OpenAI Chat
+Completions and Anthropic Messages APIs and plays a script of faults, so an agent's
+timeouts, retries and fallbacks can be tested end to end without a network or a key.
+"""
+
+from ._script import (
+    Answer,
+    Cut,
+    ErrorEvent,
+    Fail,
+    FakeToolCall,
+    Hang,
+    Malformed,
+    Reset,
+    Script,
+    Stall,
+    Step,
+    Trickle,
+    Truncated,
+    WrongContentType,
+    load_script,
+    parse_script,
+)
+from ._server import FakeProvider, RecordedRequest
+
+__all__ = [
+    "Answer",
+    "Cut",
+    "ErrorEvent",
+    "Fail",
+    "FakeProvider",
+    "FakeToolCall",
+    "Hang",
+    "Malformed",
+    "RecordedRequest",
+    "Reset",
+    "Script",
+    "Stall",
+    "Step",
+    "Trickle",
+    "Truncated",
+    "WrongContentType",
+    "load_script",
+    "parse_script",
+]
