@@ -344,7 +344,7 @@ class ModelCaller:
                 error_class=error.kind,
                 status=error.status,
             )
-            log.warning("provider.call_failed", provider=provider, model=model, kind=error.kind)
+            log.info("provider.call_failed", provider=provider, model=model, kind=error.kind)
         await self._provider_events(breaker, [outcome])
         await self._provider_events(breaker, breaker.settled(probe, now))
 
