@@ -104,6 +104,7 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # as real servers do: small frames go out at once
     server: _Server
     record: RecordedRequest
 
