@@ -172,6 +172,27 @@ class _Environment:
                         return fn(txn)
             except lmdb.MapResizedError:
                 self._resize(grow=False, failed=None)
+            except lmdb.ReadersFullError as exc:
+                self._reap_dead_readers(exc)
+
+    def _reap_dead_readers(self, exc: lmdb.Error) -> None:
+        """Free the reader slots of processes that died inside a read transaction.
+
+        LMDB frees them only when asked (or when a process opens the store while nobody
+        else has it open), so processes killed mid-read would fill the reader table and
+        refuse every new reader, here and in every process that opens the store.
+        """
+        with self.rw.shared():
+            if self.closed:
+                raise StoreClosedError(f"the store at {self.path} is closed")
+            reaped = self.env.reader_check()
+            slots = self.env.max_readers()
+        if not reaped:
+            raise StoreError(
+                f"cannot read the store at {self.path}: all {slots} reader slots "
+                "are held by live processes"
+            ) from exc
+        log.warning("store.dead_readers_reaped", path=self.path, count=reaped)
 
     def _write(self, fn: Callable[[Any], None]) -> None:
         """Run ``fn(txn)`` in a durable write transaction. Only the writer thread writes.
