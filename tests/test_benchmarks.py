@@ -1,0 +1,60 @@
+"""The benchmark runner's smoke run: ``python -m benchmarks append --quick --json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_quick_append_benchmark_prints_one_json_result_per_line(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "append", "--quick", "--json"],
+        cwd=ROOT,
+        env={**os.environ, "STALWART_BENCH_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r["name"] for r in results] == ["append"]
+    [result] = results
+    assert set(result) == {"name", "figures", "ratios", "goals", "machine"}
+    figures = result["figures"]
+    for n in (1, 8, 64):
+        assert figures[f"stalwart_n{n}_events_per_s"] > 0
+        assert figures[f"raw_lmdb_{n}_per_txn_events_per_s"] > 0
+        assert result["ratios"][f"vs_raw_lmdb_n{n}"] > 0
+    assert figures["fsync_per_s"] > 0
+    for goal in result["goals"].values():
+        assert set(goal) == {"op", "target", "value", "met"}
+        assert isinstance(goal["met"], bool)
+    machine = result["machine"]
+    assert machine["quick"] is True
+    assert machine["scratch_dir"] == str(tmp_path)
+    assert {"cpu_count", "python", "lmdb", "platform", "scratch_fs"} <= set(machine)
+    assert list(tmp_path.iterdir()) == []  # scratch stores are removed
+
+
+def test_unknown_benchmark_names_the_known_ones() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "no_such_benchmark"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "unknown benchmark 'no_such_benchmark'" in done.stderr
+    assert "append" in done.stderr
