@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import anyio
+
 from stalwart.config import ProviderSettings
 from stalwart.errors import BreakerOpenError
 from stalwart.events import Event, RecordedEvent
@@ -14,6 +16,10 @@ class Breaker:
     The state is a fold of the provider stream (so it survives restarts: build it with
     ``load_state(store, "provider:NAME", BREAKER)``). Half-open admits exactly one probe;
     callers that arrive while it is in flight are refused at once, not queued.
+
+    ``lock`` serializes what is recorded in the provider stream: a decision is taken on
+    the state every earlier event was folded into, so callers that fail together open
+    the breaker once, and callers that arrive together after the reset share one probe.
     """
 
     def __init__(self, settings: ProviderSettings, state: BreakerState) -> None:
@@ -21,6 +27,7 @@ class Breaker:
         self._reset_ms = settings.breaker_reset_timeout_ms
         self.state = state
         self._probe_in_flight = False
+        self.lock = anyio.Lock()
 
     @property
     def provider(self) -> str:
@@ -57,6 +64,10 @@ class Breaker:
 
     def settled(self, probe: bool, now: float) -> list[Event]:
         """A call ended (its outcome already folded): the decisions that follow."""
+        self.release(probe)
+        return self._decide(now)
+
+    def release(self, probe: bool) -> None:
+        """Free the probe slot of a call that ended without an outcome (it was cancelled)."""
         if probe:
             self._probe_in_flight = False
-        return self._decide(now)

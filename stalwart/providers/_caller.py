@@ -5,7 +5,9 @@ For each model of the chain (the primary, then ``fallback_models``; a vision req
 stall budget and the makespan ceiling; every retry and fallback attempt has the shorter
 whole-call limit. A retryable failure retries the same model with exponential backoff and
 full jitter (at least the server's Retry-After), up to ``max_retries``; a 429 retries the
-same model once only when its Retry-After is short, otherwise the chain moves on. Every
+same model once only when its Retry-After is short, otherwise the chain moves on. A
+Retry-After longer than ``rate_limit_same_model_max_retry_after_ms`` moves the chain on
+whatever the status (nothing bounds a backoff sleep, so the caller never sits in one). Every
 step is an event: session events in the caller's stream, outcomes and breaker changes in
 ``provider:<name>``.
 """
@@ -196,9 +198,11 @@ class ModelCaller:
     ) -> float | None:
         """Seconds to wait before retrying the same model, or None to move down the chain."""
         agent = self.agent
+        limit = agent.rate_limit_same_model_max_retry_after_ms / 1000
+        if exc.retry_after is not None and exc.retry_after > limit:
+            return None  # no deadline covers the wait: a long one goes down the chain instead
         if exc.status == 429:
-            limit = agent.rate_limit_same_model_max_retry_after_ms / 1000
-            if rate_limit_retried or exc.retry_after is None or exc.retry_after > limit:
+            if rate_limit_retried or exc.retry_after is None:
                 return None
             return exc.retry_after
         if attempt > agent.max_retries:
@@ -217,8 +221,9 @@ class ModelCaller:
         on_event: OnEvent | None,
     ) -> ProviderResponse:
         breaker = self._breakers[provider]
-        await self._provider_events(breaker, breaker.due(self._clock.now()))
-        probe = breaker.admit()
+        async with breaker.lock:
+            await self._provider_events(breaker, breaker.due(self._clock.now()))
+            probe = breaker.admit()
         agent = self.agent
         timeout_ms = agent.prompt_timeout_ms if kind == "stall" else agent.retry_prompt_timeout_ms
         started = PromptStarted(
@@ -231,17 +236,20 @@ class ModelCaller:
             makespan_ms=timeout_ms * agent.stall_ceiling_multiplier if kind == "stall" else 0,
         )
         now = self._clock.now()
-        await self._emit(stream, started, now)
-        if on_event is not None:
-            on_event(started)
         try:
+            await self._emit(stream, started, now)
+            if on_event is not None:
+                on_event(started)
             response = await self._run(stream, started, request, now, on_event)
         except ProviderError as exc:
             exc.call_id = started.call_id
             await self._settle(stream, breaker, probe, started, now, exc)
             raise
-        await self._settle(stream, breaker, probe, started, now, None, response)
-        return response
+        else:
+            await self._settle(stream, breaker, probe, started, now, None, response)
+            return response
+        finally:
+            breaker.release(probe)  # a cancelled call must not hold the probe slot for ever
 
     async def _run(
         self,
@@ -345,8 +353,9 @@ class ModelCaller:
                 status=error.status,
             )
             log.info("provider.call_failed", provider=provider, model=model, kind=error.kind)
-        await self._provider_events(breaker, [outcome])
-        await self._provider_events(breaker, breaker.settled(probe, now))
+        async with breaker.lock:
+            await self._provider_events(breaker, [outcome])
+            await self._provider_events(breaker, breaker.settled(probe, now))
 
     async def _provider_events(self, breaker: Breaker, events: list[Event]) -> None:
         if events:
