@@ -743,7 +743,7 @@ def test_trickle_stops_when_the_client_closes(http: httpx.Client, api: str) -> N
 
 WHOLE_FAULTS: list[tuple[Step, str, str]] = [
     (Reset(), "connection_reset", "reset"),
-    (Cut(), "connection_reset", "reset"),
+    (Cut(), "stream_cut", "completed"),  # the body ends before its promised length
     (Truncated(), "malformed", "completed"),
     (Malformed(), "malformed", "completed"),
     (WrongContentType(), "malformed", "completed"),
@@ -845,3 +845,37 @@ def test_housekeeping(http: httpx.Client) -> None:
     assert isinstance(record, RecordedRequest)
     record.deltas_sent = 99  # a copy: the fake's own record is untouched
     assert fake.requests[0].deltas_sent == 0
+
+
+# -- regressions ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_refused_request_does_not_use_up_a_step(http: httpx.Client, api: str) -> None:
+    key = "sk-fake-regression-0001"
+    header = {"authorization": f"Bearer {key}"} if api == "openai" else {"x-api-key": key}
+    with FakeProvider([Fail(status=503)], api_key=key) as fake:
+        assert post(http, fake, api).status_code == 401
+        assert post(http, fake, api, headers=header).status_code == 503
+        first, second = fake.wait_for(lambda rs: len(rs) == 2 and rs[1].outcome != "running")
+    assert first.action == "unauthorized"
+    assert second.action == "fail"
+
+
+def test_malformed_tool_arguments_still_make_a_whole_anthropic_reply(http: httpx.Client) -> None:
+    step = Answer(text="", tool_calls=(FakeToolCall(name="t", arguments='{"cut'),))
+    with FakeProvider(script=Script(default=step)) as fake:
+        reply = post(http, fake, "anthropic")
+        record = fake.wait_finished(0)
+    assert reply.status_code == 200
+    assert reply.json()["content"][0]["input"] == {"_raw": '{"cut'}
+    assert record.outcome == "completed"
+
+
+def test_a_stopped_fake_can_start_again(http: httpx.Client) -> None:
+    fake = FakeProvider()
+    fake.start()
+    fake.stop()
+    with fake:
+        assert post(http, fake, "openai").status_code == 200
+        assert fake.wait_finished(0).outcome == "completed"

@@ -24,6 +24,14 @@ def _call_id(call: FakeToolCall, index: int, prefix: str) -> str:
     return call.id or f"{prefix}_{index:04d}"
 
 
+def _input(call: FakeToolCall) -> Any:
+    """A tool call's input as an object (malformed argument text is kept under ``_raw``)."""
+    try:
+        return json.loads(call.arguments_text() or "{}")
+    except ValueError:
+        return {"_raw": call.arguments_text()}
+
+
 class Frames(Protocol):
     """Renders one streamed reply, piece by piece."""
 
@@ -222,7 +230,7 @@ class AnthropicFrames:
                     "type": "tool_use",
                     "id": _call_id(call, index, "toolu"),
                     "name": call.name,
-                    "input": json.loads(call.arguments_text() or "{}"),
+                    "input": _input(call),
                 }
             )
         stop = step.finish_reason or ("tool_use" if step.tool_calls else "end_turn")

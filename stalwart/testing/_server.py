@@ -47,7 +47,9 @@ __all__ = ["FakeProvider", "RecordedRequest"]
 
 log = structlog.get_logger(__name__)
 
-Outcome = Literal["running", "completed", "client_closed", "server_stopped", "reset", "rejected"]
+Outcome = Literal[
+    "running", "completed", "client_closed", "server_stopped", "reset", "rejected", "error"
+]
 _WATCH_SLICE = 0.02
 _WORDS = re.compile(r"\S+\s*|\s+")
 
@@ -200,18 +202,28 @@ class _Handler(BaseHTTPRequestHandler):
             return
         fake = self.server.fake
         self.record = fake._begin(api, body, self._authorized(api))
-        step = fake._take(self.record)
         try:
-            if not self.record.authorized:
-                self._plain_error(401, api, None)
-            elif self.record.stream:
-                self._stream(step, frames_for(api, self.record.model, f"{self.record.index:06d}"))
-            else:
-                self._complete(step, frames_for(api, self.record.model, f"{self.record.index:06d}"))
+            self._play(api)
             fake._end(self.record, "completed" if self.record.status < 400 else "rejected")
         except _ClientGone as gone:
             self.close_connection = True
             fake._end(self.record, gone.outcome)
+        except Exception:  # a bug in a step must not leave its request "running"
+            self.close_connection = True
+            fake._end(self.record, "error")
+            log.exception("fake_provider.step_failed", index=self.record.index)
+
+    def _play(self, api: str) -> None:
+        if not self.record.authorized:  # a refused request does not use up a step
+            self.record.action = "unauthorized"
+            self._plain_error(401, api, None)
+            return
+        step = self.server.fake._take(self.record)
+        frames = frames_for(api, self.record.model, f"{self.record.index:06d}")
+        if self.record.stream:
+            self._stream(step, frames)
+        else:
+            self._complete(step, frames)
 
     def _authorized(self, api: str) -> bool:
         key = self.server.fake.api_key
@@ -329,8 +341,10 @@ class _Handler(BaseHTTPRequestHandler):
                 length = len(whole) if isinstance(step, Cut) else len(whole) // 2
                 self._send_head(200, "application/json", length)
                 self._write(whole[: len(whole) // 2], chunked=False)
-                if isinstance(step, Cut):
-                    self._reset()
+                if isinstance(step, Cut):  # a clean close before the promised length
+                    self.close_connection = True
+                    with contextlib.suppress(OSError):
+                        self.connection.shutdown(socket.SHUT_WR)
             case Malformed():
                 page = b"this is not json at all"
                 self._send_head(200, "application/json", len(page))
@@ -388,6 +402,7 @@ class FakeProvider:
     # -- lifecycle ----------------------------------------------------------------------
 
     def start(self) -> FakeProvider:
+        self.stopping.clear()
         server = _Server((self._host, self._port), _Handler)
         server.fake = self
         self._server = server
@@ -487,7 +502,12 @@ class FakeProvider:
 
     @property
     def requests(self) -> list[RecordedRequest]:
-        """Copies of every request so far, in arrival order."""
+        """Copies of every request so far, in arrival order.
+
+        A request's ``outcome`` is set just after its reply is written, so a client can
+        hold the whole reply while it still says ``running``: wait with
+        :meth:`wait_finished` or :meth:`wait_for` before asserting on it.
+        """
         with self._changed:
             return [msgspec.structs.replace(r) for r in self._requests]
 
