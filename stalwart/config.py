@@ -19,9 +19,14 @@ from .errors import ConfigError
 
 __all__ = [
     "AgentSettings",
+    "ClassTimeouts",
     "Config",
+    "DeadLetterSettings",
+    "HealthSettings",
     "ProviderSettings",
     "StoreSettings",
+    "SubagentSettings",
+    "SupervisionSettings",
     "load_config",
     "parse_config",
 ]
@@ -72,12 +77,106 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     stream: bool = True
 
 
+def _ordered(section: str, low: str, low_value: int, high: str, high_value: int) -> None:
+    """ConfigError naming ``section.high`` unless ``low_value <= high_value``."""
+    if low_value > high_value:
+        raise ConfigError(
+            f"key '{section}.{high}': must be >= {section}.{low} ({low_value}), found {high_value}",
+            key=f"{section}.{high}",
+        )
+
+
+class ClassTimeouts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Seed 002's timeout table by task class (ms): every spawn names one or a custom one."""
+
+    formatting: Positive = 120_000
+    code: Positive = 300_000
+    research: Positive = 600_000
+    deep: Positive = 900_000
+
+
+class SubagentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Sub-agent timeouts (seeds 000 and 002).
+
+    A run's limit is its class timeout, a custom timeout (``<= custom_max_ms``, with a
+    reason) or ``max_run_timeout_ms``; the watchdog fires at ``min(max_steps x
+    per_step_timeout_ms, limit)``; a run still running at ``limit + ghost_grace_ms`` is
+    swept (every ``ghost_sweep_interval_ms``). The heartbeat sweep (every
+    ``heartbeat_interval_ms``) flags a run suspicious once it has run ``expected_fraction``
+    of its watchdog limit with no token growth for a whole interval; it never kills.
+    A failed run is escalated from attempt ``recovery_max_attempts`` on.
+    """
+
+    per_step_timeout_ms: Positive = 60_000
+    max_run_timeout_ms: Positive = 600_000
+    ghost_grace_ms: NonNegative = 120_000
+    ghost_sweep_interval_ms: Positive = 60_000
+    heartbeat_interval_ms: Positive = 60_000
+    expected_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
+    class_timeouts_ms: ClassTimeouts = msgspec.field(default_factory=ClassTimeouts)
+    custom_max_ms: Positive = 1_800_000
+    recovery_max_attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 2
+
+    def __post_init__(self) -> None:
+        _ordered(
+            "subagents", "max_run_timeout_ms", self.max_run_timeout_ms, "custom_max_ms",
+            self.custom_max_ms,
+        )  # fmt: skip
+
+
+class HealthSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Seed 000's provider health monitor: within ``window_ms``, failures from
+    ``min_agents`` agents or ``consecutive_failures`` in a row from one agent degrade it."""
+
+    window_ms: Positive = 60_000
+    min_agents: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 2
+    consecutive_failures: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
+
+
+class DeadLetterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The announcement path (seed 000): ``announce_timeout_ms`` before a direct send, then
+    the dead-letter queue: ``max_retries`` with deterministic exponential backoff
+    (``min(retry_cap_ms, retry_base_ms x 2**n)``), expiry at ``max_age_ms``."""
+
+    announce_timeout_ms: Positive = 30_000
+    max_retries: Annotated[int, msgspec.Meta(ge=0, le=100)] = 5
+    max_age_ms: Positive = 3_600_000
+    retry_base_ms: Positive = 30_000
+    retry_cap_ms: Positive = 600_000
+
+    def __post_init__(self) -> None:
+        _ordered(
+            "dead_letters", "retry_base_ms", self.retry_base_ms, "retry_cap_ms", self.retry_cap_ms
+        )
+
+
+class SupervisionSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """one_for_one restart intensity (more than ``max_restarts`` in ``within_ms`` gives up),
+    restart backoff ``min(cap, base x 2**n)``, and seed 000's execution backstop."""
+
+    max_restarts: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 3
+    within_ms: Positive = 5_000
+    restart_backoff_base_ms: Positive = 100
+    restart_backoff_cap_ms: Positive = 1_000
+    execution_timeout_ms: Positive = 600_000
+
+    def __post_init__(self) -> None:
+        _ordered(
+            "supervision", "restart_backoff_base_ms", self.restart_backoff_base_ms,
+            "restart_backoff_cap_ms", self.restart_backoff_cap_ms,
+        )  # fmt: skip
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole runtime configuration; recorded in ``runtime:started``."""
 
     store: StoreSettings = msgspec.field(default_factory=StoreSettings)
     providers: dict[str, ProviderSettings] = msgspec.field(default_factory=dict)
     agents: dict[str, AgentSettings] = msgspec.field(default_factory=dict)
+    subagents: SubagentSettings = msgspec.field(default_factory=SubagentSettings)
+    health: HealthSettings = msgspec.field(default_factory=HealthSettings)
+    dead_letters: DeadLetterSettings = msgspec.field(default_factory=DeadLetterSettings)
+    supervision: SupervisionSettings = msgspec.field(default_factory=SupervisionSettings)
 
     def __post_init__(self) -> None:
         for name, agent in self.agents.items():

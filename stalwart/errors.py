@@ -15,6 +15,7 @@ expected, what was found and where; they never contain secrets or payload conten
     │   ├── ContextOverflowError    the prompt does not fit the model's window
     │   ├── BreakerOpenError        the provider's circuit breaker refused the call
     │   └── PromptTimeoutError      a stall, makespan or retry deadline aborted the call
+    ├── SpawnRefusedError        a sub-agent spawn with no valid timeout (class or custom)
     └── StoreError               the durable log
         ├── StoreNotFoundError      no store at the location (and create=False)
         ├── StoreClosedError        the store was closed
@@ -96,6 +97,19 @@ class PromptTimeoutError(ProviderError):
             message, kind=f"timeout_{limit}", retryable=True, provider=provider, model=model
         )
         self.limit = limit
+
+
+class SpawnRefusedError(StalwartError):
+    """A sub-agent spawn refused because it has no valid timeout.
+
+    Every spawn has a timeout, no exceptions: a known task class, or a custom timeout up
+    to the configured maximum with a stated reason. ``field`` names what was wrong
+    (``task_class``, ``custom_timeout_ms`` or ``reason``).
+    """
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class StoreError(StalwartError):

@@ -22,6 +22,8 @@ class AnnouncementDelivered(Event, frozen=True, tag="announcement:delivered"):
 class AnnouncementSendFailed(Event, frozen=True, tag="announcement:send_failed"):
     announcement_id: str
     error_class: str
+    #: the dead-letter entry this was a retry of (None: a first send, not a retry)
+    entry_id: str | None = None
     severity: ClassVar[Severity] = "warning"
 
 
@@ -50,4 +52,6 @@ class AnnouncementDeadLetterExpired(Event, frozen=True, tag="announcement:dead_l
     age_ms: int
     max_age_ms: int
     attempts: int = 0
+    reason: Literal["max_age", "retries_exhausted"] = "max_age"
+    max_retries: int = 0
     severity: ClassVar[Severity] = "error"

@@ -25,6 +25,8 @@ class SupervisorRestarted(Event, frozen=True, tag="supervisor:restarted"):
     restarts: int
     backoff_ms: int
     reason: str
+    window_ms: int = 0
+    max_restarts: int = 0
     severity: ClassVar[Severity] = "warning"
 
 
@@ -33,4 +35,6 @@ class SupervisorGaveUp(Event, frozen=True, tag="supervisor:gave_up"):
     restarts: int
     window_ms: int
     session: str | None = None
+    max_restarts: int = 0
+    reason: str = ""
     severity: ClassVar[Severity] = "error"

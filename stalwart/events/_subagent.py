@@ -17,6 +17,9 @@ class SubagentSpawned(Event, frozen=True, tag="subagent:spawned"):
     timeout_reason: str | None = None
     max_steps: int | None = None
     attempt: int = 1
+    #: the config knob that bound ``timeout_ms`` (``class_timeouts_ms.code``,
+    #: ``custom_timeout_ms``, ``max_run_timeout_ms``); empty in logs written before it
+    timeout_knob: str = ""
 
 
 class SubagentProgress(Event, frozen=True, tag="subagent:progress"):
@@ -30,6 +33,8 @@ class SubagentArtifact(Event, frozen=True, tag="subagent:artifact"):
     sha256: str
     size: int = 0
     description: str = ""
+    #: the run's finished work product: a force-failed run with one is delivered, not redone
+    final: bool = False
 
 
 class SubagentCompleted(Event, frozen=True, tag="subagent:completed"):
@@ -49,6 +54,8 @@ class SubagentGhostSwept(Event, frozen=True, tag="subagent:ghost_swept"):
     started_at: float
     grace_ms: int
     elapsed_ms: int
+    limit_ms: int = 0
+    deadline: float = 0.0
     severity: ClassVar[Severity] = "error"
 
 
@@ -56,6 +63,9 @@ class SubagentSuspicious(Event, frozen=True, tag="subagent:suspicious"):
     tokens: int
     elapsed_ms: int
     expected_ms: int
+    #: how long the token count had not grown, and the sweep interval it was compared with
+    frozen_ms: int = 0
+    interval_ms: int = 0
     severity: ClassVar[Severity] = "warning"
 
 
@@ -63,3 +73,7 @@ class SubagentRecoveryDecided(Event, frozen=True, tag="subagent:recovery_decided
     action: Literal["deliver", "respawn_continue", "respawn", "escalate", "split"]
     reason: str
     attempt: int = 1
+    #: what the next attempt is told ("The last attempt completed steps 1-3 ...")
+    context: str = ""
+    steps_done: int = 0
+    artifacts: tuple[str, ...] = ()

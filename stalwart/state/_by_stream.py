@@ -6,14 +6,21 @@ from typing import Any
 
 from ._aggregate import Aggregate
 from ._breaker import BREAKER
+from ._deadletter import DEADLETTER
 from ._session import SESSION
 from ._summary import SUMMARY
 
 
 def aggregate_for(stream: str) -> Aggregate[Any]:
-    """The fold ``replay`` uses for a stream: by its prefix, else the summary fold."""
+    """The fold ``replay`` uses for a stream: by its name, else the summary fold.
+
+    A sub-agent run is a ``session:`` stream and replays with the session fold; its run
+    fold (``RUN``) and a provider's health fold (``HEALTH``) are applied by name.
+    """
     if stream.startswith("session:"):
         return SESSION
     if stream.startswith("provider:"):
         return BREAKER
+    if stream == "deadletter":
+        return DEADLETTER
     return SUMMARY

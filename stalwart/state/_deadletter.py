@@ -1,0 +1,192 @@
+"""The dead-letter queue: a fold of the ``deadletter`` stream and its pure retry policy.
+
+Seed 000: an announcement that could not be delivered is queued
+(``announcement:dead_lettered``), retried up to ``max_retries`` (5) times, expired after
+``max_age_ms`` (1 h), and drained at once, every entry, on ``provider:recovered``. Every
+drop is an event (``announcement:dead_letter_expired`` with its ``reason``), none silent.
+
+A retry's outcome is recorded in the same stream: ``announcement:send_failed`` with the
+``entry_id`` (one more attempt) or ``announcement:dead_letter_delivered`` (the entry goes).
+Backoff is exponential and deterministic (no jitter), so replay agrees: retry ``n + 1`` is
+due ``min(retry_cap_ms, retry_base_ms x 2**n)`` after the last attempt (or the enqueue).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Literal
+
+import msgspec
+
+from stalwart.events import (
+    AnnouncementDeadLetterDelivered,
+    AnnouncementDeadLettered,
+    AnnouncementDeadLetterExpired,
+    AnnouncementSendFailed,
+    Event,
+    RecordedEvent,
+)
+
+from ._aggregate import ApplyFolder
+
+
+class DeadLetterEntry(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    entry_id: str
+    announcement_id: str
+    channel: str
+    text: str
+    reason: str
+    enqueued_at: float
+    attempts: int = 0
+    last_attempt_at: float | None = None
+    last_error: str | None = None
+
+
+class DeadLetterState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """The queue in enqueue order, and what left it."""
+
+    stream: str = "deadletter"
+    version: int = 0
+    entries: tuple[DeadLetterEntry, ...] = ()
+    delivered: int = 0
+    expired: int = 0
+
+
+def _failed(state: DeadLetterState, event: AnnouncementSendFailed, ts: float) -> DeadLetterState:
+    """One more attempt on the entry named (by ``entry_id``, else the announcement's)."""
+    for index, entry in enumerate(state.entries):
+        if (event.entry_id is not None and entry.entry_id == event.entry_id) or (
+            event.entry_id is None and entry.announcement_id == event.announcement_id
+        ):
+            tried = msgspec.structs.replace(
+                entry, attempts=entry.attempts + 1, last_attempt_at=ts, last_error=event.error_class
+            )
+            entries = (*state.entries[:index], tried, *state.entries[index + 1 :])
+            return msgspec.structs.replace(state, entries=entries)
+    return state
+
+
+def _without(state: DeadLetterState, entry_id: str) -> tuple[DeadLetterEntry, ...] | None:
+    kept = tuple(e for e in state.entries if e.entry_id != entry_id)
+    return None if len(kept) == len(state.entries) else kept
+
+
+def apply_deadletter(state: DeadLetterState, record: RecordedEvent) -> DeadLetterState:
+    """The queue after one more event of the ``deadletter`` stream."""
+    state = msgspec.structs.replace(state, version=record.version)
+    event = record.event
+    replace = msgspec.structs.replace
+    match event:
+        case AnnouncementDeadLettered():
+            entry = DeadLetterEntry(
+                entry_id=event.entry_id,
+                announcement_id=event.announcement_id,
+                channel=event.channel,
+                text=event.text,
+                reason=event.reason,
+                enqueued_at=record.ts,
+            )
+            return replace(state, entries=(*state.entries, entry))
+        case AnnouncementSendFailed():
+            return _failed(state, event, record.ts)
+        case AnnouncementDeadLetterDelivered():
+            kept = _without(state, event.entry_id)
+            if kept is None:
+                return state
+            return replace(state, entries=kept, delivered=state.delivered + 1)
+        case AnnouncementDeadLetterExpired():
+            kept = _without(state, event.entry_id)
+            if kept is None:
+                return state
+            return replace(state, entries=kept, expired=state.expired + 1)
+        case _:
+            return state
+
+
+def retry_at(entry: DeadLetterEntry, *, base_ms: int, cap_ms: int) -> float:
+    """When the entry's next retry is due: ``min(cap, base x 2**attempts)`` after the last."""
+    since = entry.enqueued_at if entry.last_attempt_at is None else entry.last_attempt_at
+    return since + min(cap_ms, base_ms << min(entry.attempts, 62)) / 1000
+
+
+def _retryable(state: DeadLetterState, max_retries: int) -> Iterator[DeadLetterEntry]:
+    return (e for e in state.entries if e.attempts < max_retries)
+
+
+def due_retries(
+    state: DeadLetterState, now: float, *, max_retries: int, base_ms: int, cap_ms: int
+) -> list[str]:
+    """The entry ids whose retry is due at ``now``, in enqueue order."""
+    return [
+        e.entry_id
+        for e in _retryable(state, max_retries)
+        if now >= retry_at(e, base_ms=base_ms, cap_ms=cap_ms)
+    ]
+
+
+def next_retry_at(
+    state: DeadLetterState, *, max_retries: int, base_ms: int, cap_ms: int
+) -> float | None:
+    """The earliest moment a retry falls due, or None when none is left to retry."""
+    return min(
+        (retry_at(e, base_ms=base_ms, cap_ms=cap_ms) for e in _retryable(state, max_retries)),
+        default=None,
+    )
+
+
+def expiry_at(state: DeadLetterState, *, max_age_ms: int) -> float | None:
+    """The earliest moment an entry reaches ``max_age_ms``, or None for an empty queue."""
+    return min((e.enqueued_at + max_age_ms / 1000 for e in state.entries), default=None)
+
+
+def decide_expiry(
+    state: DeadLetterState, now: float, *, max_age_ms: int, max_retries: int
+) -> list[Event]:
+    """``announcement:dead_letter_expired`` for each entry past ``max_age_ms`` (reason
+    ``max_age``) or with ``max_retries`` attempts spent (``retries_exhausted``)."""
+    expired: list[Event] = []
+    for entry in state.entries:
+        age_ms = round((now - entry.enqueued_at) * 1000)
+        reason: Literal["max_age", "retries_exhausted"]
+        if now >= entry.enqueued_at + max_age_ms / 1000:
+            reason = "max_age"
+        elif entry.attempts >= max_retries:
+            reason = "retries_exhausted"
+        else:
+            continue
+        expired.append(
+            AnnouncementDeadLetterExpired(
+                entry_id=entry.entry_id,
+                age_ms=age_ms,
+                max_age_ms=max_age_ms,
+                attempts=entry.attempts,
+                reason=reason,
+                max_retries=max_retries,
+            )
+        )
+    return expired
+
+
+def drain(state: DeadLetterState) -> list[str]:
+    """Every entry id, in enqueue order: what ``provider:recovered`` sends at once."""
+    return [e.entry_id for e in state.entries]
+
+
+class DeadLetterAggregate:
+    """The dead-letter fold for the ``deadletter`` stream."""
+
+    name = "deadletter"
+    version = 1
+    state_type = DeadLetterState
+
+    def initial(self, stream: str) -> DeadLetterState:
+        return DeadLetterState(stream=stream)
+
+    def apply(self, state: DeadLetterState, record: RecordedEvent) -> DeadLetterState:
+        return apply_deadletter(state, record)
+
+    def folder(self, state: DeadLetterState) -> ApplyFolder[DeadLetterState]:
+        return ApplyFolder(apply_deadletter, state)
+
+
+DEADLETTER = DeadLetterAggregate()

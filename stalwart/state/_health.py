@@ -1,0 +1,204 @@
+"""Provider health: a fold of ``provider:<name>`` and the pure degraded/recovered decision.
+
+Seed 000's monitor aggregates failures across agents. Within ``window_ms`` (60 s) before
+``now``, failures from ``>= min_agents`` (2) distinct agents, or ``consecutive`` (3)
+failures in a row from one agent (no success of that agent in between), make the provider
+``degraded``, once. It ``recovers`` once: at the first recorded success while degraded
+(rule ``probe`` when the caller is :data:`PROBE_AGENT`, else ``success``), or when no
+failure has been recorded for ``window_ms`` (rule ``quiet_window``, a timer:
+:func:`health_deadline`).
+
+The fold keeps its memory bounded: failures and successes older than the state's
+``horizon_ms`` before the newest event are dropped. ``horizon_ms`` is fixed when the fold
+starts and must be at least the ``window_ms`` decisions use, so pruning never changes one.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from stalwart.errors import ConfigError
+from stalwart.events import (
+    Event,
+    ProviderCallFailed,
+    ProviderCallSucceeded,
+    ProviderDegraded,
+    ProviderRecovered,
+    RecordedEvent,
+)
+
+from ._aggregate import ApplyFolder
+
+HealthStatus = Literal["healthy", "degraded"]
+
+#: the ``agent`` of the single probe call the health monitor makes while degraded
+PROBE_AGENT = "stalwart:probe"
+#: the horizon of the default fold: seed 000's 60-second window
+DEFAULT_HORIZON_MS = 60_000
+
+
+class Mark(msgspec.Struct, frozen=True, gc=False, array_like=True):
+    """One call outcome: when, by which agent, and where in the stream (for ordering)."""
+
+    ts: float
+    agent: str
+    version: int
+
+
+class HealthState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    provider: str
+    horizon_ms: int = DEFAULT_HORIZON_MS
+    version: int = 0
+    status: HealthStatus = "healthy"
+    newest_ts: float | None = None
+    failures: tuple[Mark, ...] = ()
+    successes: tuple[Mark, ...] = ()  # the latest success per agent
+    last_failure_at: float | None = None
+    degraded_at: float | None = None
+    recovering_agent: str | None = None  # the first success while degraded
+
+
+def _pruned(marks: tuple[Mark, ...], after: float) -> tuple[Mark, ...]:
+    if not marks or marks[0].ts > after:
+        return marks
+    return tuple(m for m in marks if m.ts > after)
+
+
+def _observed(state: HealthState, record: RecordedEvent) -> HealthState:
+    newest = record.ts if state.newest_ts is None else max(state.newest_ts, record.ts)
+    after = newest - state.horizon_ms / 1000
+    return msgspec.structs.replace(
+        state,
+        version=record.version,
+        newest_ts=newest,
+        failures=_pruned(state.failures, after),
+        successes=_pruned(state.successes, after),
+    )
+
+
+def apply_health(state: HealthState, record: RecordedEvent) -> HealthState:
+    """The provider's health after one more event of its stream."""
+    state = _observed(state, record)
+    event = record.event
+    replace = msgspec.structs.replace
+    match event:
+        case ProviderCallFailed():
+            mark = Mark(record.ts, event.agent, record.version)
+            return replace(state, failures=(*state.failures, mark), last_failure_at=record.ts)
+        case ProviderCallSucceeded():
+            mark = Mark(record.ts, event.agent, record.version)
+            others = tuple(m for m in state.successes if m.agent != event.agent)
+            recovering = state.recovering_agent
+            if state.status == "degraded" and recovering is None:
+                recovering = event.agent
+            return replace(state, successes=(*others, mark), recovering_agent=recovering)
+        case ProviderDegraded():
+            return replace(state, status="degraded", degraded_at=record.ts, recovering_agent=None)
+        case ProviderRecovered():
+            return replace(
+                state,
+                status="healthy",
+                degraded_at=None,
+                recovering_agent=None,
+                failures=(),
+                successes=(),
+            )
+        case _:
+            return state
+
+
+def _streak(state: HealthState, agent: str, after: float) -> int:
+    """The agent's failures in the window since its last success."""
+    since = max((m.version for m in state.successes if m.agent == agent), default=0)
+    return sum(1 for m in state.failures if m.agent == agent and m.ts > after and m.version > since)
+
+
+def _degraded(
+    state: HealthState, now: float, *, window_ms: int, min_agents: int, consecutive: int
+) -> ProviderDegraded | None:
+    after = now - window_ms / 1000
+    recent = [m for m in state.failures if m.ts > after]
+    agents = tuple(sorted({m.agent for m in recent}))
+    provider = state.provider
+    if len(agents) >= min_agents:
+        failures = len(recent)
+        return ProviderDegraded(
+            provider=provider, rule="agents", agents=agents, failures=failures, window_ms=window_ms
+        )
+    for agent in agents:
+        streak = _streak(state, agent, after)
+        if streak >= consecutive:
+            return ProviderDegraded(
+                provider=provider,
+                rule="consecutive",
+                agents=(agent,),
+                failures=streak,
+                window_ms=window_ms,
+            )
+    return None
+
+
+def health_deadline(state: HealthState, *, window_ms: int) -> float | None:
+    """When a degraded provider recovers by the quiet window if no failure comes first."""
+    if state.status != "degraded" or state.degraded_at is None:
+        return None
+    quiet_since = max(state.degraded_at, state.last_failure_at or state.degraded_at)
+    return quiet_since + window_ms / 1000
+
+
+def decide_health(
+    state: HealthState, now: float, *, window_ms: int, min_agents: int, consecutive: int
+) -> list[Event]:
+    """``provider:degraded`` or ``provider:recovered`` when one is due at ``now`` (seed 000).
+
+    Each fires once per episode: degraded only while healthy, recovered only while
+    degraded. ``window_ms`` must not exceed the state's ``horizon_ms``.
+    """
+    if window_ms > state.horizon_ms:
+        raise ConfigError(
+            f"key 'health.window_ms': {window_ms} exceeds the health fold's horizon "
+            f"({state.horizon_ms} ms); start the fold with HealthAggregate(horizon_ms>=window)",
+            key="health.window_ms",
+        )
+    if state.status == "healthy":
+        degraded = _degraded(
+            state, now, window_ms=window_ms, min_agents=min_agents, consecutive=consecutive
+        )
+        return [] if degraded is None else [degraded]
+    if state.recovering_agent is not None:
+        rule: Literal["probe", "success"] = (
+            "probe" if state.recovering_agent == PROBE_AGENT else "success"
+        )
+        return [ProviderRecovered(provider=state.provider, rule=rule)]
+    deadline = health_deadline(state, window_ms=window_ms)
+    if deadline is not None and now >= deadline:
+        return [ProviderRecovered(provider=state.provider, rule="quiet_window")]
+    return []
+
+
+class HealthAggregate:
+    """The provider-health fold for ``provider:<name>`` streams.
+
+    ``horizon_ms`` bounds the fold's memory; keep it ``>= HealthSettings.window_ms``.
+    """
+
+    name = "provider_health"
+    version = 1
+    state_type = HealthState
+
+    def __init__(self, horizon_ms: int = DEFAULT_HORIZON_MS) -> None:
+        self.horizon_ms = horizon_ms
+
+    def initial(self, stream: str) -> HealthState:
+        return HealthState(provider=stream.removeprefix("provider:"), horizon_ms=self.horizon_ms)
+
+    def apply(self, state: HealthState, record: RecordedEvent) -> HealthState:
+        return apply_health(state, record)
+
+    def folder(self, state: HealthState) -> ApplyFolder[HealthState]:
+        return ApplyFolder(apply_health, state)
+
+
+HEALTH = HealthAggregate()
