@@ -34,13 +34,13 @@ class Harness:
             recorded = self.store.append("provider:p", [NewEvent(event=e, ts=now) for e in events])
             self.breaker.fold(recorded)
 
-    def call(self, ok: bool) -> None:
+    def call(self, ok: bool, error_class: str = "server_error") -> None:
         self.record(self.breaker.due(self.clock.now()))
         probe = self.breaker.admit()
         outcome: Event = (
             ProviderCallSucceeded(provider="p", model="m", agent="a")
             if ok
-            else ProviderCallFailed(provider="p", model="m", agent="a", error_class="server_error")
+            else ProviderCallFailed(provider="p", model="m", agent="a", error_class=error_class)
         )
         self.record([outcome])
         self.record(self.breaker.settled(probe, self.clock.now()))
@@ -117,3 +117,31 @@ def test_breaker_state_is_rebuilt_from_the_log(store_dir: Path, clock: FakeClock
         types = [r.type for r in store.read_stream("provider:p")]
     assert types.count("breaker:opened") == 1
     assert types[-1] == "breaker:opened"
+
+
+@pytest.mark.parametrize(
+    "error_class", ["bad_request", "context_overflow", "content_policy", "not_found"]
+)
+def test_the_callers_own_mistakes_do_not_open_the_breaker(
+    harness: Harness, error_class: str
+) -> None:
+    for _ in range(10):
+        harness.call(ok=False, error_class=error_class)
+    assert harness.breaker.state.status == "closed"
+    assert harness.breaker.state.consecutive_failures == 0
+    for _ in range(4):
+        harness.call(ok=False)
+    harness.call(ok=False, error_class=error_class)  # neither counts nor breaks the streak
+    assert harness.breaker.state.consecutive_failures == 4
+    harness.call(ok=False)
+    assert harness.breaker.state.status == "open"
+
+
+def test_a_callers_mistake_is_no_answer_to_the_probe(harness: Harness) -> None:
+    for _ in range(5):
+        harness.call(ok=False)
+    harness.clock.advance(60)
+    harness.call(ok=False, error_class="bad_request")  # the probe: neither good nor bad news
+    assert harness.breaker.state.status == "half_open"
+    harness.call(ok=True)  # the next call is the probe again
+    assert harness.breaker.state.status == "closed"

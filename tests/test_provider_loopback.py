@@ -351,7 +351,7 @@ async def test_retryable_failures_retry_the_same_model(
 
 WHOLE_REPLY_FAULTS: list[tuple[Step, str]] = [
     (Reset(), "connection_reset"),
-    (Cut(), "connection_reset"),  # the fake resets a whole reply it cuts
+    (Cut(), "stream_cut"),  # the body ends before its promised length
     (Truncated(), "malformed"),
     (Malformed(), "malformed"),
     (WrongContentType(), "malformed"),

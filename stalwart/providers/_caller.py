@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping
+from contextlib import aclosing
 from typing import Literal
 
 import anyio
@@ -266,11 +267,14 @@ class ModelCaller:
         with anyio.CancelScope() as scope:
             live.arm(scope, self._clock.now())
             if self.agent.stream:
-                async for event in client.stream(started.model, request):
-                    accumulator.add(event)
-                    if on_event is not None:
-                        on_event(event)
-                    await self._activity(stream, live, event, scope)
+                # aclosing: an abort closes the response (and its socket) at once, not
+                # whenever the abandoned generator happens to be finalized
+                async with aclosing(client.stream(started.model, request)) as events:
+                    async for event in events:
+                        accumulator.add(event)
+                        if on_event is not None:
+                            on_event(event)
+                        await self._activity(stream, live, event, scope)
                 response = accumulator.response()
             else:
                 response = await client.complete(started.model, request)
@@ -316,34 +320,28 @@ class ModelCaller:
     ) -> None:
         now = self._clock.now()
         provider, model = started.provider, started.model
+        session_event: Event
+        outcome: Event
         if error is None:
             assert response is not None
-            await self._emit(
-                stream,
-                PromptCompleted(
-                    call_id=started.call_id,
-                    input_tokens=response.input_tokens,
-                    output_tokens=response.output_tokens,
-                    finish_reason=response.finish_reason,
-                ),
-                now,
+            session_event = PromptCompleted(
+                call_id=started.call_id,
+                input_tokens=response.input_tokens,
+                output_tokens=response.output_tokens,
+                finish_reason=response.finish_reason,
             )
-            outcome: Event = ProviderCallSucceeded(
+            outcome = ProviderCallSucceeded(
                 provider=provider,
                 model=model,
                 agent=self._agent_name,
                 latency_ms=round((now - started_at) * 1000),
             )
         else:
-            await self._emit(
-                stream,
-                PromptFailed(
-                    call_id=started.call_id,
-                    error_class=error.kind,
-                    status=error.status,
-                    retryable=error.retryable,
-                ),
-                now,
+            session_event = PromptFailed(
+                call_id=started.call_id,
+                error_class=error.kind,
+                status=error.status,
+                retryable=error.retryable,
             )
             outcome = ProviderCallFailed(
                 provider=provider,
@@ -353,6 +351,14 @@ class ModelCaller:
                 status=error.status,
             )
             log.info("provider.call_failed", provider=provider, model=model, kind=error.kind)
+        # two streams, appended together: the store's group commit makes them one fsync
+        async with anyio.create_task_group() as group:
+            group.start_soon(self._emit, stream, session_event, now)
+            group.start_soon(self._provider_outcome, breaker, probe, outcome, now)
+
+    async def _provider_outcome(
+        self, breaker: Breaker, probe: bool, outcome: Event, now: float
+    ) -> None:
         async with breaker.lock:
             await self._provider_events(breaker, [outcome])
             await self._provider_events(breaker, breaker.settled(probe, now))

@@ -8,9 +8,10 @@ or logs). Transport errors, error statuses and broken streams all become Provide
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
+import anyio
 import httpx
 import msgspec
 
@@ -35,6 +36,8 @@ from ._types import (
 )
 
 _ERROR_BODY_LIMIT = 64 * 1024
+_DRAIN_LIMIT = 64 * 1024
+_DRAIN_SECONDS = 0.05
 
 
 class _Decoder(Protocol):
@@ -107,7 +110,9 @@ class ProviderClient:
             now=self._clock.now(),
         )
 
-    async def stream(self, model: str, request: ProviderRequest) -> AsyncIterator[StreamEvent]:
+    async def stream(
+        self, model: str, request: ProviderRequest
+    ) -> AsyncGenerator[StreamEvent, None]:
         """The reply as it arrives; ends with :class:`Done` or raises ProviderError.
 
         Closing the iterator (or cancelling its consumer) closes the connection: nothing
@@ -136,11 +141,13 @@ class ProviderClient:
     async def _events(self, response: httpx.Response, model: str) -> AsyncIterator[StreamEvent]:
         parser = SseParser()
         decoder = self._wire.stream_decoder(self.name, model)
-        async for chunk in response.aiter_bytes():
+        chunks = response.aiter_bytes()
+        async for chunk in chunks:
             for frame in parser.feed(chunk):
                 for event in decoder.feed(frame):
                     yield event
                 if decoder.done:
+                    await _drain(chunks)
                     return
         detail = "a frame was cut mid-way" if parser.pending else "it ended before its final event"
         raise stream_error(
@@ -182,6 +189,18 @@ class ProviderClient:
             input_tokens=usage.input_tokens,
             output_tokens=usage.output_tokens,
         )
+
+
+async def _drain(chunks: AsyncIterator[bytes]) -> None:
+    """Read what little follows the final event (the body's end), briefly and boundedly,
+    so the connection goes back to the pool instead of being closed: the next call then
+    skips a TCP (and TLS) handshake. A server that holds the body open loses only this."""
+    seen = 0
+    with anyio.move_on_after(_DRAIN_SECONDS):
+        async for chunk in chunks:
+            seen += len(chunk)
+            if seen > _DRAIN_LIMIT:
+                return
 
 
 class Accumulator:

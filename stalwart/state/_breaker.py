@@ -24,6 +24,13 @@ from ._aggregate import ApplyFolder
 
 BreakerStatus = Literal["closed", "open", "half_open"]
 
+#: Failures that say the request was wrong, not that the provider is unwell: the breaker
+#: neither counts them nor treats them as a probe's answer (a few oversized prompts must
+#: not cut a healthy provider off for every agent).
+CALLER_FAULTS = frozenset(
+    {"bad_request", "client_error", "content_policy", "context_overflow", "not_found"}
+)
+
 
 class BreakerState(msgspec.Struct, frozen=True, kw_only=True):
     provider: str
@@ -39,6 +46,8 @@ def apply_breaker(state: BreakerState, record: RecordedEvent) -> BreakerState:
     event = record.event
     replace = msgspec.structs.replace
     match event:
+        case ProviderCallFailed() if event.error_class in CALLER_FAULTS:
+            return replace(state, version=record.version)
         case ProviderCallFailed():
             outcome = "failure" if state.status == "half_open" else state.probe_outcome
             return replace(

@@ -69,6 +69,8 @@ class RecordedRequest(msgspec.Struct, kw_only=True):
     outcome: Outcome = "running"
     status: int = 200
     deltas_sent: int = 0
+    client_port: int = 0
+    """The client's port: two requests with the same one shared a kept-alive connection."""
 
 
 class _ClientGone(Exception):
@@ -201,7 +203,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._plain_error(status, api or "openai", "invalid_request_error")
             return
         fake = self.server.fake
-        self.record = fake._begin(api, body, self._authorized(api))
+        self.record = fake._begin(api, body, self._authorized(api), self.client_address[1])
         try:
             self._play(api)
             fake._end(self.record, "completed" if self.record.status < 400 else "rejected")
@@ -471,7 +473,9 @@ class FakeProvider:
 
     # -- the record -----------------------------------------------------------------------
 
-    def _begin(self, api: Any, body: dict[str, Any], authorized: bool) -> RecordedRequest:
+    def _begin(
+        self, api: Any, body: dict[str, Any], authorized: bool, client_port: int
+    ) -> RecordedRequest:
         with self._changed:
             record = RecordedRequest(
                 index=len(self._requests),
@@ -482,6 +486,7 @@ class FakeProvider:
                 action="",
                 authorized=authorized,
                 started_at=self.clock.now(),
+                client_port=client_port,
             )
             self._requests.append(record)
             self._changed.notify_all()
