@@ -11,7 +11,8 @@ its raw bytes.
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Union
 
 import msgspec
@@ -96,6 +97,10 @@ class _RawRecord(msgspec.Struct, frozen=True, array_like=True, gc=False):
     correlation_id: str | None
     schema: int
     event: msgspec.Raw
+
+
+_SCHEMA = attrgetter("schema")
+_V1 = frozenset({1})
 
 
 class _Tagged(msgspec.Struct):
@@ -214,6 +219,28 @@ class Codec:
             if count >= limit:
                 break
         return None
+
+    def decode_batch(
+        self, values: Sequence[bytes | memoryview], out: list[RecordedEvent]
+    ) -> CorruptRecordError | None:
+        """Decode every value into ``out``; stop at the first corrupt one.
+
+        Like :meth:`decode_many`, but on a sequence already read, so the common case is
+        one C-level pass (``map`` over the decoder). Any record the fast decoder cannot
+        take (an unknown tag, an older schema, a corrupt one) sends the batch through
+        :meth:`decode_many`; the index of a corrupt record is ``len(out)`` on return.
+        """
+        fast = self._fast
+        if fast is not None and self._all_v1:
+            try:
+                records = list(map(fast.decode, values))
+            except msgspec.DecodeError:
+                pass
+            else:
+                if set(map(_SCHEMA, records)) <= _V1:
+                    out.extend(records)
+                    return None
+        return self.decode_many(values, out, len(values))
 
     def _decode_slow(self, data: bytes | memoryview, position: int) -> RecordedEvent:
         try:

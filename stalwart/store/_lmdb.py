@@ -21,6 +21,8 @@ import queue
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
+from itertools import islice
+from operator import itemgetter
 from typing import Any, TypeVar
 
 import lmdb
@@ -121,6 +123,7 @@ class _PutSnapshot(_Job):
 _T = TypeVar("_T")
 _Chunk = tuple[list[RecordedEvent], CorruptRecordError | None]
 _STOP = object()
+_VALUE = itemgetter(1)
 _REAL_TIME = SystemClock()
 
 
@@ -368,6 +371,68 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
+_LAST_VERSION = (1 << 64) - 2  # so that the key of the version after it still fits
+
+
+def _stream_chunk(env: _Environment, txn: Any, prefix: bytes, first: int, last: int) -> _Chunk:
+    """Up to READ_BATCH records of one stream, versions ``first``..``last``, in order.
+
+    A stream's versions have no gaps, so two index lookups give a batch's first and last
+    entries. When the batch's records lie side by side in the log (a stream appended in
+    runs), one log cursor walks them; otherwise one ``getmulti`` fetches them by position.
+    Either way the values are decoded as one batch.
+    """
+    index = txn.cursor(db=env.index)
+    out: list[RecordedEvent] = []
+    if not index.set_range(prefix + _key(first)):
+        return out, None
+    low_key, low_pos = index.item()
+    cut = len(prefix)
+    if low_key[:cut] != prefix or (low := int.from_bytes(low_key[cut:], "big")) > last:
+        return out, None
+    # the stream's last entry at or below the batch's end
+    if index.set_range(prefix + _key(min(last, low + READ_BATCH - 1) + 1)):
+        index.prev()
+    else:
+        index.last()
+    count = int.from_bytes(index.key()[cut:], "big") - low + 1
+    start = int.from_bytes(low_pos, "big")
+    keys: list[bytes] | None = None
+    values = None
+    if int.from_bytes(index.value(), "big") - start == count - 1:
+        values = _log_run(env, txn, start, count)
+    if values is None:
+        index.set_key(low_key)
+        keys = list(islice(index.iternext(keys=False), count))
+        values = _log_values(env, txn, keys)
+    error = env.codec.decode_batch(values, out)
+    if error is None and len(values) < count:
+        error = CorruptRecordError(-1, "indexed but missing from the log")
+    if error is not None:  # the record at len(out) is corrupt or missing
+        return out, _at_key(error, _key(start + len(out)) if keys is None else keys[len(out)])
+    return out, None
+
+
+def _log_run(env: _Environment, txn: Any, start: int, count: int) -> list[bytes] | None:
+    """The ``count`` records from position ``start`` on, or None if the log has a gap."""
+    cursor = txn.cursor(db=env.log)
+    if not cursor.set_key(_key(start)):
+        return None
+    values = list(islice(cursor.iternext(keys=False), count))
+    end = start + len(values) - 1
+    return values if int.from_bytes(cursor.key(), "big") == end else None
+
+
+def _log_values(env: _Environment, txn: Any, keys: list[bytes]) -> list[bytes]:
+    """The records at ``keys``, up to (not including) the first one the log lacks."""
+    pairs = txn.cursor(db=env.log).getmulti(keys)
+    values: list[bytes] = list(map(_VALUE, pairs))
+    if len(pairs) < len(keys):
+        found = (i for i, (key, _) in enumerate(pairs) if key != keys[i])
+        del values[next(found, len(pairs)) :]
+    return values
+
+
 class LmdbEventStore:
     """The embedded EventStore on one LMDB directory. Safe to share between threads.
 
@@ -481,27 +546,10 @@ class LmdbEventStore:
         env = self._live()
         prefix = check_stream(stream) + b"\x00"
         version = max(1, from_version)
-        last = to_version if to_version is not None else (1 << 64) - 1
-        decode = env.codec.decode
+        last = _LAST_VERSION if to_version is None else min(to_version, _LAST_VERSION)
 
         def chunk(txn: Any) -> _Chunk:
-            cursor = txn.cursor(db=env.index)
-            out: list[RecordedEvent] = []
-            if not cursor.set_range(prefix + _key(version)):
-                return out, None
-            for key, pos in cursor.iternext():
-                if bytes(key[: len(prefix)]) != prefix:
-                    break
-                if int.from_bytes(key[len(prefix) :], "big") > last:
-                    break
-                position_key = bytes(pos)
-                try:
-                    out.append(decode(txn.get(position_key, db=env.log)))
-                except CorruptRecordError as exc:
-                    return out, _at_key(exc, position_key)
-                if len(out) >= READ_BATCH:
-                    break
-            return out, None
+            return _stream_chunk(env, txn, prefix, version, last)
 
         while version <= last:
             records, error = env.read(chunk)

@@ -1,0 +1,63 @@
+"""The session folder's dispatch by type equals ``apply_session``'s ``match``, for any event."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stalwart.events import (
+    Event,
+    RuntimeStarted,
+    SessionCreated,
+    SessionRequiresAction,
+    ToolCompleted,
+    ToolStarted,
+)
+from stalwart.events._codec import EVENT_TYPES
+from stalwart.state import SESSION, SessionState
+
+from .test_state import SESSION_EVENTS, records
+
+# every built-in type (RuntimeStarted holds an Any hypothesis cannot build)
+ANY_EVENT = st.sampled_from(
+    sorted(
+        (cls for cls in EVENT_TYPES.values() if cls is not RuntimeStarted),
+        key=lambda cls: cls.__name__,
+    )
+).flatmap(st.builds)
+
+
+class LoudToolCompleted(ToolCompleted, frozen=True, tag="test:loud-tool-completed"):
+    """A subclass of an event the session fold ignores: still ignored."""
+
+
+class LoudToolStarted(ToolStarted, frozen=True, tag="test:loud-tool-started"):
+    """A subclass of an event the session fold handles: handled, as ``match`` does."""
+
+
+def _both(events: list[Event]) -> tuple[SessionState, SessionState]:
+    state = SESSION.initial("session:s")
+    folder = SESSION.folder(state)
+    for record in records(events):
+        state = SESSION.apply(state, record)
+        folder.add(record)
+    return folder.state(), state
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(ANY_EVENT | SESSION_EVENTS, max_size=30))
+def test_the_folder_equals_apply_for_every_event_type(events: list[Event]) -> None:
+    folded, applied = _both(events)
+    assert folded == applied
+
+
+def test_subclasses_are_dispatched_as_match_does() -> None:
+    events: list[Event] = [
+        SessionCreated(title="t"),
+        LoudToolCompleted(call_id="c", tool="t"),
+        LoudToolStarted(call_id="c", tool="t"),
+        SessionRequiresAction(request_id="r", kind="approval", tool="x"),
+    ]
+    folded, applied = _both(events)
+    assert folded == applied
+    assert (folded.tool_calls, folded.status, folded.version) == (1, "requires_action", 4)
