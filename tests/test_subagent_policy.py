@@ -61,6 +61,7 @@ class Log:
 
     def __init__(self) -> None:
         self.records: list[RecordedEvent] = []
+        self.state = RUN.initial("session:run")
 
     def add(self, event: Event, ts: float) -> RunState:
         version = len(self.records) + 1
@@ -77,11 +78,8 @@ class Log:
                 event=event,
             )
         )
+        self.state = RUN.apply(self.state, self.records[-1])
         return self.state
-
-    @property
-    def state(self) -> RunState:
-        return fold(RUN, "session:run", self.records)
 
 
 def spawned(
@@ -452,8 +450,13 @@ OBSERVATIONS = st.one_of(
 )
 
 
-def _simulate(steps: list[tuple[float, Event | None]], max_steps: int | None) -> Log:
-    """A run driven the way the actors will: observe, then append every decision due."""
+def _simulate(
+    steps: list[tuple[float, Event | None]], max_steps: int | None, *, lost: bool = False
+) -> Log:
+    """A run driven the way the actors will: observe, then append every decision due.
+
+    ``lost``: the watchdog timer died with its process, so only the sweeps remain.
+    """
     log = Log()
     spawned(log, timeout_ms=300_000, max_steps=max_steps)
     now = T0
@@ -461,14 +464,14 @@ def _simulate(steps: list[tuple[float, Event | None]], max_steps: int | None) ->
         now += gap
         if observed is not None:
             log.add(observed, now)
-        for event in _decisions(log.state, now):
+        for event in _decisions(log.state, now, lost=lost):
             log.add(event, now)
     return log
 
 
-def _decisions(state: RunState, now: float) -> list[Event]:
+def _decisions(state: RunState, now: float, *, lost: bool = False) -> list[Event]:
     return [
-        *decide_watchdog(state, now, per_step_timeout_ms=60_000),
+        *([] if lost else decide_watchdog(state, now, per_step_timeout_ms=60_000)),
         *decide_ghost(state, now, ghost_grace_ms=120_000),
         *decide_suspicious(state, now, **KNOBS),
         *decide_recovery(state, max_attempts=2),
@@ -499,15 +502,15 @@ def test_fold_of_a_prefix_then_the_rest_is_the_fold_of_all(
 
 
 @settings(max_examples=150, deadline=None)
-@given(steps=STEPS, max_steps=st.one_of(st.none(), st.integers(1, 8)))
+@given(steps=STEPS, max_steps=st.one_of(st.none(), st.integers(1, 8)), lost=st.booleans())
 def test_every_decision_replays_and_the_watchdog_fires_at_most_once(
-    steps: list[tuple[float, Event | None]], max_steps: int | None
+    steps: list[tuple[float, Event | None]], max_steps: int | None, lost: bool
 ) -> None:
-    records = _simulate(steps, max_steps).records
+    records = _simulate(steps, max_steps, lost=lost).records
     for index, record in enumerate(records):
         if isinstance(record.event, DECISIONS):
             before = fold(RUN, "session:run", records[:index])
-            assert _decisions(before, record.ts) == [record.event]
+            assert _decisions(before, record.ts, lost=lost) == [record.event]
     fired = [
         r for r in records if isinstance(r.event, SubagentWatchdogTimeout | SubagentGhostSwept)
     ]

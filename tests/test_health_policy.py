@@ -1,0 +1,241 @@
+"""Provider health: degraded / recovered from a fold of the provider stream, exact windows."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stalwart.config import Config, HealthSettings
+from stalwart.errors import ConfigError
+from stalwart.events import (
+    BreakerOpened,
+    Event,
+    ProviderCallFailed,
+    ProviderCallSucceeded,
+    ProviderDegraded,
+    ProviderRecovered,
+    RecordedEvent,
+)
+from stalwart.state import (
+    HEALTH,
+    PROBE_AGENT,
+    HealthAggregate,
+    HealthState,
+    decide_health,
+    fold,
+    health_deadline,
+)
+
+T0 = 1_700_000_000.0
+MS = 0.001
+H = HealthSettings()
+KNOBS = {
+    "window_ms": H.window_ms,
+    "min_agents": H.min_agents,
+    "consecutive": H.consecutive_failures,
+}
+
+
+def failed(agent: str) -> ProviderCallFailed:
+    return ProviderCallFailed(provider="p", model="m", agent=agent, error_class="server_error")
+
+
+def succeeded(agent: str) -> ProviderCallSucceeded:
+    return ProviderCallSucceeded(provider="p", model="m", agent=agent)
+
+
+class Log:
+    def __init__(self, aggregate: HealthAggregate = HEALTH) -> None:
+        self.aggregate = aggregate
+        self.records: list[RecordedEvent] = []
+        self.state = self.aggregate.initial("provider:p")
+
+    def add(self, event: Event, ts: float) -> HealthState:
+        version = len(self.records) + 1
+        self.records.append(
+            RecordedEvent(
+                position=version,
+                stream="provider:p",
+                version=version,
+                ts=ts,
+                id=f"e{version}",
+                causation_id=None,
+                correlation_id=None,
+                schema=1,
+                event=event,
+            )
+        )
+        self.state = self.aggregate.apply(self.state, self.records[-1])
+        return self.state
+
+
+def test_the_seeds_numbers_are_the_defaults() -> None:
+    assert Config().health == H
+    assert (H.window_ms, H.min_agents, H.consecutive_failures) == (60_000, 2, 3)
+    assert HEALTH.initial("provider:p").horizon_ms == 60_000
+
+
+def test_failures_from_two_agents_within_the_window_degrade_once() -> None:
+    log = Log()
+    state = log.add(failed("a"), T0)
+    assert decide_health(state, T0, **KNOBS) == []
+    state = log.add(failed("b"), T0 + 60 - MS)
+    decided = decide_health(state, T0 + 60 - MS, **KNOBS)
+    assert decided == [
+        ProviderDegraded(
+            provider="p", rule="agents", agents=("a", "b"), failures=2, window_ms=60_000
+        )
+    ]
+    state = log.add(decided[0], T0 + 60 - MS)
+    assert state.status == "degraded"
+    state = log.add(failed("c"), T0 + 61)
+    assert decide_health(state, T0 + 61, **KNOBS) == []  # once per episode
+
+
+def test_failures_exactly_one_window_apart_do_not_combine() -> None:
+    log = Log()
+    log.add(failed("a"), T0)
+    state = log.add(failed("b"), T0 + 60)
+    assert decide_health(state, T0 + 60, **KNOBS) == []
+
+
+def test_three_consecutive_failures_from_one_agent_degrade() -> None:
+    log = Log()
+    log.add(failed("a"), T0)
+    state = log.add(failed("a"), T0 + 1)
+    assert decide_health(state, T0 + 1, **KNOBS) == []
+    state = log.add(failed("a"), T0 + 2)
+    assert decide_health(state, T0 + 2, **KNOBS) == [
+        ProviderDegraded(
+            provider="p", rule="consecutive", agents=("a",), failures=3, window_ms=60_000
+        )
+    ]
+
+
+def test_a_success_breaks_the_streak_and_old_failures_leave_the_window() -> None:
+    log = Log()
+    log.add(failed("a"), T0)
+    log.add(failed("a"), T0 + 1)
+    log.add(succeeded("a"), T0 + 2)
+    state = log.add(failed("a"), T0 + 3)
+    assert decide_health(state, T0 + 3, **KNOBS) == []
+    log = Log()
+    log.add(failed("a"), T0)
+    log.add(failed("a"), T0 + 30)
+    state = log.add(failed("a"), T0 + 60)  # the first one is exactly a window old
+    assert decide_health(state, T0 + 60, **KNOBS) == []
+    log = Log()
+    log.add(failed("a"), T0)
+    log.add(failed("a"), T0 + 30)
+    state = log.add(failed("a"), T0 + 60 - MS)
+    assert len(decide_health(state, T0 + 60 - MS, **KNOBS)) == 1
+
+
+def _degraded(log: Log, at: float) -> HealthState:
+    log.add(failed("a"), at)
+    log.add(failed("b"), at)
+    [decided] = decide_health(log.state, at, **KNOBS)
+    return log.add(decided, at)
+
+
+def test_recovery_after_a_quiet_window_exactly() -> None:
+    log = Log()
+    state = _degraded(log, T0)
+    assert health_deadline(state, window_ms=60_000) == T0 + 60
+    state = log.add(failed("a"), T0 + 30)  # still failing: the quiet window restarts
+    deadline = T0 + 90
+    assert health_deadline(state, window_ms=60_000) == deadline
+    assert decide_health(state, deadline - MS, **KNOBS) == []
+    assert decide_health(state, deadline, **KNOBS) == [
+        ProviderRecovered(provider="p", rule="quiet_window")
+    ]
+    state = log.add(ProviderRecovered(provider="p"), deadline)
+    assert (state.status, state.failures) == ("healthy", ())
+    assert health_deadline(state, window_ms=60_000) is None
+    assert decide_health(state, deadline + 1, **KNOBS) == []
+
+
+@pytest.mark.parametrize(("agent", "rule"), [(PROBE_AGENT, "probe"), ("a", "success")])
+def test_a_success_while_degraded_recovers_at_once(agent: str, rule: str) -> None:
+    log = Log()
+    _degraded(log, T0)
+    state = log.add(succeeded(agent), T0 + 5)
+    decided = decide_health(state, T0 + 5, **KNOBS)
+    assert decided == [ProviderRecovered(provider="p", rule=rule)]  # type: ignore[arg-type]
+    state = log.add(decided[0], T0 + 5)
+    assert decide_health(state, T0 + 5, **KNOBS) == []  # the old failures do not count again
+
+
+def test_memory_stays_bounded_by_the_horizon() -> None:
+    log = Log()
+    for i in range(2_000):  # one failure a second from one agent, a success after each
+        log.add(failed("a"), T0 + i)
+        log.add(succeeded("a"), T0 + i + 0.5)
+        log.add(BreakerOpened(provider="p", failures=1, threshold=5), T0 + i + 0.5)
+    state = log.state
+    assert len(state.failures) <= 61
+    assert len(state.successes) == 1
+
+
+def test_a_window_wider_than_the_fold_remembers_is_a_config_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        decide_health(
+            HEALTH.initial("provider:p"), T0, window_ms=120_000, min_agents=2, consecutive=3
+        )
+    assert info.value.key == "health.window_ms"
+    wide = HealthAggregate(horizon_ms=120_000).initial("provider:p")
+    assert decide_health(wide, T0, window_ms=120_000, min_agents=2, consecutive=3) == []
+
+
+# -- properties ---------------------------------------------------------------------------
+
+CALLS = st.lists(
+    st.tuples(
+        st.floats(0, 90, allow_nan=False),
+        st.sampled_from(["a", "b", "c", PROBE_AGENT]),
+        st.sampled_from([True, False, False, None]),  # None: a timer tick, no call
+    ),
+    max_size=60,
+)
+
+
+def _simulate(calls: list[tuple[float, str, bool | None]]) -> Log:
+    log = Log()
+    now = T0
+    for gap, agent, ok in calls:
+        now += gap
+        if ok is not None:
+            log.add(succeeded(agent) if ok else failed(agent), now)
+        for event in decide_health(log.state, now, **KNOBS):
+            log.add(event, now)
+    return log
+
+
+@settings(max_examples=150, deadline=None)
+@given(calls=CALLS, cut=st.integers(0, 200))
+def test_fold_of_a_prefix_then_the_rest_is_the_fold_of_all(
+    calls: list[tuple[float, str, bool | None]], cut: int
+) -> None:
+    records = _simulate(calls).records
+    cut = min(cut, len(records))
+    prefix = fold(HEALTH, "provider:p", records[:cut])
+    assert fold(HEALTH, "provider:p", records[cut:], prefix) == fold(HEALTH, "provider:p", records)
+
+
+@settings(max_examples=150, deadline=None)
+@given(calls=CALLS)
+def test_every_decision_replays_and_episodes_alternate(
+    calls: list[tuple[float, str, bool | None]],
+) -> None:
+    records = _simulate(calls).records
+    kinds = []
+    for index, record in enumerate(records):
+        if isinstance(record.event, ProviderDegraded | ProviderRecovered):
+            before = fold(HEALTH, "provider:p", records[:index])
+            assert decide_health(before, record.ts, **KNOBS) == [record.event]
+            kinds.append(type(record.event))
+    assert all(a is not b for a, b in itertools.pairwise(kinds))
+    assert not kinds or kinds[0] is ProviderDegraded
