@@ -608,7 +608,7 @@ async def test_a_stall_aborts_then_retries_with_the_whole_call_limit(
     assert 250 <= timeout.elapsed_ms < 2000
     request = await _assert_closed_promptly(fake, store, 0, 0)
     assert request.deltas_sent == 2
-    assert 0.2 <= request.finished_at - request.started_at < 2.0  # type: ignore[operator]
+    assert request.finished_at - request.started_at < 2.0  # type: ignore[operator]
     [failed] = of(store, PromptFailed)
     assert (failed.error_class, failed.retryable) == ("timeout_stall", True)
     [retry] = of(store, PromptRetryScheduled)
@@ -725,7 +725,10 @@ async def test_fallback_calls_time_out_as_whole_calls_until_the_chain_is_exhaust
     assert [t.limit for t in of(store, PromptTimeout)] == ["retry_deadline"] * 2
     for index in (1, 2):
         request = await _assert_closed_promptly(fake, store, index, index - 1)
-        assert 0.25 <= request.finished_at - request.started_at < 2.0  # type: ignore[operator]
+        assert request.finished_at - request.started_at < 2.0  # type: ignore[operator]
+    # the limit runs from prompt:started (before the request is even sent), so the server
+    # sees a little less of it than the caller does: judge the caller's own record
+    assert all(300 <= t.elapsed_ms < 2000 for t in of(store, PromptTimeout))
     [exhausted] = of(store, ModelFallbackExhausted)
     assert (exhausted.models, exhausted.reason) == (
         ("main:m1", "backup:m2"),
