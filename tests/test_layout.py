@@ -25,6 +25,8 @@ ALLOWED: dict[str, set[str]] = {
     "store": {"errors", "events", "state", "clock", "ids", "config"},
     "providers": {"errors", "events", "state", "clock", "ids", "config"},
     "context": {"errors", "events", "state", "clock", "ids", "config"},
+    "channels": {"errors", "events", "clock", "ids", "config"},
+    "tools": {"errors", "events", "state", "clock", "ids", "config"},
     "actors": {
         "errors",
         "events",
@@ -35,6 +37,8 @@ ALLOWED: dict[str, set[str]] = {
         "store",
         "providers",
         "context",
+        "channels",
+        "tools",
     },
     "testing": {
         "errors",
@@ -46,6 +50,8 @@ ALLOWED: dict[str, set[str]] = {
         "store",
         "providers",
         "context",
+        "channels",
+        "tools",
     },
     "runtime": {
         "errors",
@@ -57,6 +63,8 @@ ALLOWED: dict[str, set[str]] = {
         "store",
         "providers",
         "context",
+        "channels",
+        "tools",
         "actors",
     },
 }
