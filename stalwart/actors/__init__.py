@@ -1,0 +1,19 @@
+"""pykka actors and the scheduler that turns deadlines into their messages."""
+
+from ._scheduler import (
+    DEFAULT_LATENESS_WINDOW,
+    MAX_WAIT_S,
+    Scheduler,
+    SchedulerStats,
+    TimerHandle,
+    TimerState,
+)
+
+__all__ = [
+    "DEFAULT_LATENESS_WINDOW",
+    "MAX_WAIT_S",
+    "Scheduler",
+    "SchedulerStats",
+    "TimerHandle",
+    "TimerState",
+]
