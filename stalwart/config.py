@@ -10,6 +10,7 @@ import os
 import re
 import tomllib
 from typing import Annotated, Any, Literal, NoReturn
+from urllib.parse import urlsplit
 
 import msgspec
 import msgspec.inspect
@@ -19,6 +20,7 @@ from .errors import ConfigError
 
 __all__ = [
     "AgentSettings",
+    "ChannelSettings",
     "ClassTimeouts",
     "Config",
     "DeadLetterSettings",
@@ -167,6 +169,65 @@ class SupervisionSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
         )  # fmt: skip
 
 
+class ChannelSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where user-facing text goes: ``console``, ``webhook`` or ``memory`` (tests).
+
+    A webhook POSTs JSON to ``url`` within ``timeout_ms`` per attempt, up to
+    ``max_attempts`` times with full-jitter backoff (``retry_base_ms``, ``retry_cap_ms``;
+    a Retry-After up to ``retry_cap_ms`` is honoured). ``secret_header`` carries the value
+    of the env var ``secret_env``. The url is recorded with the config: keep secrets in the
+    header, not in the url.
+    """
+
+    kind: Literal["console", "webhook", "memory"]
+    url: str | None = None
+    secret_header: str | None = None
+    secret_env: str | None = None
+    timeout_ms: Positive = 10_000
+    max_attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
+    retry_base_ms: Positive = 500
+    retry_cap_ms: Positive = 5_000
+
+    def __repr__(self) -> str:
+        # the url's path or query may hold a token: show only where it points
+        values = {f: getattr(self, f) for f in self.__struct_fields__}
+        if values["url"]:
+            values["url"] = _origin(values["url"])
+        return f"ChannelSettings({', '.join(f'{f}={v!r}' for f, v in values.items())})"
+
+
+def _origin(url: str) -> str:
+    """``'scheme://host:port/...'`` of a url: no user info, path or query."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}/..."
+
+
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def _check_channel(where: str, channel: ChannelSettings) -> None:
+    """What msgspec cannot say about one channel; never echoes the url (it may hold a token)."""
+
+    def fail(key: str, problem: str) -> NoReturn:
+        raise ConfigError(f"key '{where}.{key}': {problem}", key=f"{where}.{key}")
+
+    if channel.kind == "webhook":
+        if channel.url is None:
+            fail("url", "a webhook channel needs a url")
+        if not channel.url.startswith(("http://", "https://")):
+            fail("url", "must start with http:// or https://")
+    else:
+        for key in ("url", "secret_header", "secret_env"):
+            if getattr(channel, key) is not None:
+                fail(key, f"only a webhook channel has one (this one is {channel.kind!r})")
+    if (channel.secret_header is None) != (channel.secret_env is None):
+        missing = "secret_env" if channel.secret_env is None else "secret_header"
+        fail(missing, "secret_header and secret_env go together: set both or neither")
+    if channel.secret_header is not None and not _HEADER_NAME.fullmatch(channel.secret_header):
+        fail("secret_header", f"not a valid HTTP header name: {channel.secret_header!r}")
+    _ordered(where, "retry_base_ms", channel.retry_base_ms, "retry_cap_ms", channel.retry_cap_ms)
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole runtime configuration; recorded in ``runtime:started``."""
 
@@ -177,8 +238,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     health: HealthSettings = msgspec.field(default_factory=HealthSettings)
     dead_letters: DeadLetterSettings = msgspec.field(default_factory=DeadLetterSettings)
     supervision: SupervisionSettings = msgspec.field(default_factory=SupervisionSettings)
+    channels: dict[str, ChannelSettings] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name, channel in self.channels.items():
+            _check_channel(f"channels.{name}", channel)
         for name, agent in self.agents.items():
             where = f"agents.{name}"
             if agent.provider not in self.providers:
@@ -217,8 +281,12 @@ def parse_config(data: Any, *, source: str = "config") -> Config:
         data = {}
     if isinstance(data, dict):
         # msgspec hides dict keys in its paths ("$.providers[...]"): check entries one by
-        # one so that an error names the provider or agent it is about
-        for section, kind in (("providers", ProviderSettings), ("agents", AgentSettings)):
+        # one so that an error names the provider, agent or channel it is about
+        for section, kind in (
+            ("providers", ProviderSettings),
+            ("agents", AgentSettings),
+            ("channels", ChannelSettings),
+        ):
             entries = data.get(section)
             if isinstance(entries, dict):
                 for name, entry in entries.items():

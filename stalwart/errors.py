@@ -8,6 +8,7 @@ expected, what was found and where; they never contain secrets or payload conten
 ::
 
     StalwartError
+    ├── ChannelError             a message could not be delivered to a channel (retryable, kind)
     ├── ConfigError              malformed or out-of-range configuration
     ├── EventError               the event vocabulary
     │   └── UnknownEventTypeError   encoding a tag this version does not know
@@ -29,6 +30,36 @@ from __future__ import annotations
 
 class StalwartError(Exception):
     """Base class of every error stalwart raises on purpose."""
+
+
+class ChannelError(StalwartError):
+    """A delivery to a channel (console, webhook, ...) that failed.
+
+    ``kind`` is a stable, content-free class name (``timeout``, ``connect``,
+    ``transport``, ``rate_limited``, ``server_error``, ``rejected``, ``closed``, ...);
+    ``retryable`` says whether sending again later may help; ``status`` is the HTTP status
+    if there was one; ``attempts`` how many sends were made; ``retry_after`` the receiver's
+    hint in seconds. The message never holds the text sent, a URL or a header value.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: str,
+        retryable: bool,
+        channel: str,
+        status: int | None = None,
+        attempts: int = 1,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.retryable = retryable
+        self.channel = channel
+        self.status = status
+        self.attempts = attempts
+        self.retry_after = retry_after
 
 
 class ConfigError(StalwartError):

@@ -1,0 +1,24 @@
+"""Where user-facing text is delivered: replies, failure notices, static messages.
+
+A :class:`Channel` takes an :class:`OutboundMessage` and returns a :class:`Delivery` or
+raises :class:`~stalwart.errors.ChannelError` (``retryable``, content-free ``kind``).
+Built-ins: :class:`ConsoleChannel`, :class:`WebhookChannel` and, for tests,
+:class:`MemoryChannel`; :func:`channel_from_settings` builds one from ``[channels.NAME]``.
+"""
+
+from ._console import ConsoleChannel
+from ._factory import channel_from_settings
+from ._memory import MemoryChannel
+from ._types import Channel, Delivery, MessageKind, OutboundMessage
+from ._webhook import WebhookChannel
+
+__all__ = [
+    "Channel",
+    "ConsoleChannel",
+    "Delivery",
+    "MemoryChannel",
+    "MessageKind",
+    "OutboundMessage",
+    "WebhookChannel",
+    "channel_from_settings",
+]

@@ -1,0 +1,33 @@
+"""A channel from its config entry."""
+
+from __future__ import annotations
+
+import httpx
+
+from stalwart.clock import Clock
+from stalwart.config import ChannelSettings
+
+from ._console import ConsoleChannel
+from ._memory import MemoryChannel
+from ._types import Channel
+from ._webhook import WebhookChannel
+
+__all__ = ["channel_from_settings"]
+
+
+def channel_from_settings(
+    name: str,
+    settings: ChannelSettings,
+    *,
+    clock: Clock | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> Channel:
+    """The channel ``[channels.NAME]`` describes; ConfigError if it cannot be built (a
+    webhook with no url, or whose secret env var is not set)."""
+    match settings.kind:
+        case "console":
+            return ConsoleChannel(name)
+        case "memory":
+            return MemoryChannel(name)
+        case "webhook":
+            return WebhookChannel(name, settings, clock=clock, transport=transport)

@@ -1,0 +1,61 @@
+"""What a channel is: the message it takes, the delivery it reports, the protocol."""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol, runtime_checkable
+
+import msgspec
+
+from stalwart.errors import ChannelError
+
+__all__ = ["Channel", "Delivery", "MessageKind", "OutboundMessage"]
+
+MessageKind = Literal["reply", "completion", "failure_notice", "static_reply"]
+
+
+class OutboundMessage(msgspec.Struct, frozen=True, kw_only=True):
+    """User-facing text for one conversation (and optionally one thread in it).
+
+    ``idempotency_key`` is the same on every attempt and every re-send of this message
+    (a dead-letter retry included), so that a receiver can drop duplicates.
+    """
+
+    conversation: str
+    text: str
+    thread: str | None = None
+    idempotency_key: str
+    kind: MessageKind = "reply"
+
+
+class Delivery(msgspec.Struct, frozen=True, kw_only=True):
+    """A message that was delivered: by which channel, after how many attempts, and the
+    receiver's HTTP status when there is one."""
+
+    channel: str
+    attempts: int = 1
+    status: int | None = None
+
+
+@runtime_checkable
+class Channel(Protocol):
+    """Where user-facing text is delivered.
+
+    ``send`` returns a :class:`Delivery` or raises :class:`~stalwart.errors.ChannelError`;
+    it does not bound its own total time: the caller owns that deadline (a cancel scope)
+    and a cancelled send raises nothing of ours.
+    """
+
+    name: str
+
+    async def send(self, message: OutboundMessage) -> Delivery:
+        """Deliver ``message`` or raise ChannelError."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release what the channel holds; a later send raises ChannelError (``closed``)."""
+        ...
+
+
+def closed_error(name: str) -> ChannelError:
+    """What a send on a closed channel raises."""
+    return ChannelError(f"channel {name!r} is closed", kind="closed", retryable=False, channel=name)

@@ -1,0 +1,216 @@
+"""A channel that POSTs each message as JSON to an HTTP endpoint, with bounded retries.
+
+Every attempt has its own time limit and carries the same ``Idempotency-Key`` header, so a
+receiver that saw an attempt the sender gave up on can drop the duplicate. The secret
+header's value is read from its env var once and goes into that header only: not into a
+repr, an error, a log line or an event. Errors and reprs never show the url's path or
+query either (a webhook url often holds a token).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from urllib.parse import urlsplit
+
+import anyio
+import httpx
+import msgspec
+import structlog
+
+from stalwart.clock import Clock, SystemClock
+from stalwart.config import ChannelSettings
+from stalwart.errors import ChannelError, ConfigError
+
+from ._types import Delivery, OutboundMessage, closed_error
+
+__all__ = ["WebhookChannel"]
+
+log = structlog.get_logger(__name__)
+
+
+class _Failure(msgspec.Struct, frozen=True, kw_only=True):
+    """One failed attempt, content-free."""
+
+    kind: str
+    retryable: bool
+    detail: str
+    status: int | None = None
+    retry_after: float | None = None
+
+
+class WebhookChannel:
+    """Delivers to one webhook url. Share one per channel: it holds a connection pool."""
+
+    def __init__(
+        self,
+        name: str,
+        settings: ChannelSettings,
+        *,
+        clock: Clock | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        where = f"channels.{name}"
+        if settings.url is None:
+            raise ConfigError(
+                f"key '{where}.url': a webhook channel needs a url", key=f"{where}.url"
+            )
+        self.name = name
+        self.settings = settings
+        self._url = settings.url
+        self._secret: tuple[str, str] | None = None
+        if settings.secret_header and settings.secret_env:
+            value = os.environ.get(settings.secret_env)
+            if not value:
+                raise ConfigError(
+                    f"key '{where}.secret_env': the environment variable "
+                    f"{settings.secret_env!r} is not set",
+                    key=f"{where}.secret_env",
+                )
+            self._secret = (settings.secret_header, value)
+        self._clock = clock or SystemClock()
+        self._rng = rng or random.Random()
+        self._timeout = settings.timeout_ms / 1000
+        self._http = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(self._timeout))
+        self._closed = False
+
+    def __repr__(self) -> str:
+        header = f", secret_header={self.settings.secret_header!r}" if self._secret else ""
+        return f"WebhookChannel({self.name!r}, url={_origin(self._url)!r}{header})"
+
+    async def aclose(self) -> None:
+        self._closed = True
+        await self._http.aclose()
+
+    async def send(self, message: OutboundMessage) -> Delivery:
+        """POST the message until it is accepted (2xx), a failure is final, or the attempts
+        run out; a retryable failure waits a full-jitter backoff (at least Retry-After)."""
+        if self._closed:
+            raise closed_error(self.name)
+        body = msgspec.json.encode(
+            {
+                "conversation": message.conversation,
+                "thread": message.thread,
+                "text": message.text,
+                "kind": message.kind,
+                "idempotency_key": message.idempotency_key,
+            }
+        )
+        headers = {"content-type": "application/json", "idempotency-key": message.idempotency_key}
+        if self._secret is not None:
+            headers[self._secret[0]] = self._secret[1]
+        attempt = 0
+        while True:
+            attempt += 1
+            outcome = await self._attempt(body, headers)
+            if isinstance(outcome, int):
+                return Delivery(channel=self.name, attempts=attempt, status=outcome)
+            delay = self._retry_delay(outcome, attempt)
+            if delay is None:
+                raise self._error(outcome, attempt)
+            log.info(
+                "channel.retry_scheduled",
+                channel=self.name,
+                attempt=attempt,
+                kind=outcome.kind,
+                status=outcome.status,
+                delay_s=round(delay, 3),
+            )
+            await anyio.sleep(delay)
+
+    async def _attempt(self, body: bytes, headers: dict[str, str]) -> int | _Failure:
+        """The 2xx status, or what went wrong; bounded by the per-attempt timeout."""
+        with anyio.move_on_after(self._timeout):
+            try:
+                async with self._http.stream(
+                    "POST", self._url, content=body, headers=headers
+                ) as response:
+                    status = response.status_code
+                    retry_after = response.headers.get("retry-after")
+            except httpx.TransportError as exc:
+                return _transport_failure(exc)
+            if 200 <= status < 300:
+                return status
+            return _status_failure(status, _retry_after(retry_after, self._clock.now()))
+        return _Failure(kind="timeout", retryable=True, detail="no answer within the time limit")
+
+    def _retry_delay(self, failure: _Failure, attempt: int) -> float | None:
+        """Seconds to wait before the next attempt, or None to stop here."""
+        if not failure.retryable or attempt >= self.settings.max_attempts:
+            return None
+        cap = self.settings.retry_cap_ms / 1000
+        if failure.retry_after is not None and failure.retry_after > cap:
+            return None  # the receiver asks for longer than we wait: leave it to the caller
+        ceiling = min(cap, self.settings.retry_base_ms / 1000 * 2 ** (attempt - 1))
+        return max(self._rng.uniform(0, ceiling), failure.retry_after or 0.0)
+
+    def _error(self, failure: _Failure, attempts: int) -> ChannelError:
+        tries = f"{attempts} attempt{'s' if attempts != 1 else ''}"
+        why = ""
+        if failure.retryable and attempts < self.settings.max_attempts:
+            cap = self.settings.retry_cap_ms
+            why = f"; its Retry-After of {failure.retry_after:g} s is over the {cap} ms cap"
+        return ChannelError(
+            f"webhook channel {self.name!r}: {failure.detail} ({failure.kind}) after {tries}{why}",
+            kind=failure.kind,
+            retryable=failure.retryable,
+            channel=self.name,
+            status=failure.status,
+            attempts=attempts,
+            retry_after=failure.retry_after,
+        )
+
+
+def _status_failure(status: int, retry_after: float | None) -> _Failure:
+    if status == 429:
+        kind, retryable = "rate_limited", True
+    elif status == 408:
+        kind, retryable = "timeout", True
+    elif status >= 500:
+        kind, retryable = "server_error", True
+    else:
+        kind, retryable = "rejected", False
+    return _Failure(
+        kind=kind,
+        retryable=retryable,
+        detail=f"HTTP {status}",
+        status=status,
+        retry_after=retry_after,
+    )
+
+
+def _transport_failure(exc: httpx.TransportError) -> _Failure:
+    if isinstance(exc, httpx.TimeoutException):
+        kind, what = "timeout", "timed out"
+    elif isinstance(exc, httpx.ConnectError):
+        kind, what = "connect", "could not connect"
+    else:
+        kind, what = "transport", "the connection broke"
+    return _Failure(kind=kind, retryable=True, detail=f"{what}: {type(exc).__name__}")
+
+
+def _retry_after(value: str | None, now: float) -> float | None:
+    """Seconds from a ``Retry-After`` header: delta-seconds or an HTTP date."""
+    if not value:
+        return None
+    text = value.strip()
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        pass
+    try:
+        when = parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, when.timestamp() - datetime.fromtimestamp(now, tz=UTC).timestamp())
+
+
+def _origin(url: str) -> str:
+    """``scheme://host:port/...``: no user info, path or query."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}/..."
