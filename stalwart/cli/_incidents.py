@@ -1,0 +1,195 @@
+"""``stalwart incidents``: failures, timeouts and fallbacks per provider and model."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import click
+
+from stalwart.errors import ConfigError
+from stalwart.state import (
+    IncidentsState,
+    ModelIncidents,
+    ProviderIncidents,
+    latency_percentile,
+)
+from stalwart.state import incidents as fold_incidents
+from stalwart.store import EventStore
+
+from ._app import _State, cli
+from ._render import fmt_ts, to_json
+
+EMPTY = "no provider calls in the log"
+NO_MATCH = "no provider calls match the filters"
+_DURATION = re.compile(r"(\d+)([smhd])")
+_TIMESTAMP = re.compile(r"\d+(\.\d+)?")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_COLUMNS = (
+    "PROVIDER",
+    "MODEL",
+    "CALLS",
+    "FAILURES",
+    "RATE",
+    "TIMEOUTS",
+    "FALLBACKS AWAY",
+    "LAST SEEN",
+)
+
+
+def parse_since(text: str, newest: float | None) -> float | None:
+    """``30m``, ``2h``, ``1d`` before the newest event in the log, or a unix timestamp.
+
+    The CLI never reads the clock: a relative ``--since`` counts back from the log's own
+    newest event, so a log copied from elsewhere reads the same. None for an empty log.
+    """
+    value = text.strip()
+    duration = _DURATION.fullmatch(value)
+    if duration is not None:
+        seconds = int(duration.group(1)) * _UNIT_SECONDS[duration.group(2)]
+        return None if newest is None else newest - seconds
+    if _TIMESTAMP.fullmatch(value):
+        return float(value)
+    raise ConfigError(
+        f"--since: expected a duration (30m, 2h, 1d) or a unix timestamp, got {text!r}",
+        key="--since",
+    )
+
+
+def _newest_ts(store: EventStore) -> float | None:
+    head = store.head()
+    last = next(iter(store.read_all(head, head)), None) if head else None
+    return None if last is None else last.ts
+
+
+def _row(model: ModelIncidents, provider: ProviderIncidents | None) -> dict[str, Any]:
+    return {
+        "provider": model.provider,
+        "model": model.model,
+        "calls": model.calls,
+        "succeeded": model.succeeded,
+        "failed": model.failed,
+        "failure_rate": round(model.failure_rate, 4),
+        "failures_by_class": model.failures,
+        "timeouts": model.timeout_count,
+        "timeouts_by_limit": model.timeouts,
+        "fallbacks_away": model.fallbacks_away,
+        "fallbacks_to": model.fallbacks_to,
+        "fallbacks_exhausted": model.fallbacks_exhausted,
+        "breaker_openings": provider.breaker_openings if provider else 0,
+        "degraded_episodes": provider.degraded_episodes if provider else 0,
+        "first_seen": model.first_seen,
+        "last_seen": model.last_seen,
+        "latency_p50_ms": latency_percentile(model, 50),
+        "latency_p99_ms": latency_percentile(model, 99),
+    }
+
+
+def _worst_first(row: dict[str, Any]) -> tuple[float, int, str, str]:
+    rate = row["failed"] / row["calls"] if row["calls"] else 0.0  # unrounded
+    return (-rate, -row["failed"], row["provider"], row["model"] or "")
+
+
+def rows(state: IncidentsState, provider: str | None = None) -> list[dict[str, Any]]:
+    """One dict per (provider, model), worst failure rate first, then most failures.
+
+    A provider whose breaker opened or that was degraded, with no model seen in range,
+    gets a row of its own with model None.
+    """
+    providers = {p.provider: p for p in state.providers}
+    found = [_row(m, providers.get(m.provider)) for m in state.models]
+    with_models = {m.provider for m in state.models}
+    found += [
+        _row(
+            ModelIncidents(
+                provider=p.provider, model="", first_seen=p.first_seen, last_seen=p.last_seen
+            ),
+            p,
+        )
+        | {"model": None}
+        for p in state.providers
+        if p.provider not in with_models
+    ]
+    if provider is not None:
+        found = [row for row in found if row["provider"] == provider]
+    found.sort(key=_worst_first)
+    return found
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _header(state: IncidentsState, shown: list[dict[str, Any]]) -> str:
+    calls = sum(r["calls"] for r in shown)
+    failed = sum(r["failed"] for r in shown)
+    timeouts = sum(r["timeouts"] for r in shown)
+    models = sum(1 for r in shown if r["model"] is not None)
+    text = (
+        f"{_count(calls, 'call')}, {failed} failed, {_count(timeouts, 'timeout')} "
+        f"across {_count(models, 'model')}"
+    )
+    if state.since is not None:
+        text += f" since {fmt_ts(state.since)}"
+    if state.unmatched_timeouts:
+        text += f" ({_count(state.unmatched_timeouts, 'timeout')} not matched to a call)"
+    return text
+
+
+def table(state: IncidentsState, shown: list[dict[str, Any]]) -> list[str]:
+    """The header line, the column names and one aligned line per row."""
+    cells = [
+        (
+            r["provider"],
+            "-" if r["model"] is None else r["model"],
+            str(r["calls"]),
+            str(r["failed"]),
+            f"{r['failure_rate'] * 100:.1f}%",
+            str(r["timeouts"]),
+            str(r["fallbacks_away"]),
+            "-" if r["last_seen"] is None else fmt_ts(r["last_seen"]),
+        )
+        for r in shown
+    ]
+    widths = [max(len(c[i]) for c in [_COLUMNS, *cells]) for i in range(len(_COLUMNS))]
+    left = {0, 1, 7}  # text columns; numbers align right
+
+    def line(values: tuple[str, ...]) -> str:
+        return "  ".join(
+            v.ljust(w) if i in left else v.rjust(w)
+            for i, (v, w) in enumerate(zip(values, widths, strict=True))
+        ).rstrip()
+
+    return [_header(state, shown), line(_COLUMNS), *(line(c) for c in cells)]
+
+
+@cli.command()
+@click.option(
+    "--since",
+    metavar="DURATION|TIMESTAMP",
+    help="Only what happened in the last 30m, 2h, 1d before the newest event in the log, "
+    "or since a unix timestamp.",
+)
+@click.option("--provider", metavar="NAME", help="Only this provider's models.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per (provider, model).")
+@click.pass_obj
+def incidents(state: _State, since: str | None, provider: str | None, as_json: bool) -> None:
+    """Failures, timeouts and fallbacks per provider and model, worst first."""
+    store = state.store()
+    try:
+        newest = _newest_ts(store)
+        start = None if since is None else parse_since(since, newest)
+        folded = fold_incidents(store.read_all(), since=start)
+    finally:
+        store.close()
+    shown = rows(folded, provider)
+    if as_json:
+        for row in shown:
+            click.echo(to_json(row))
+        return
+    if not shown:
+        unfiltered = since is None and provider is None
+        click.echo(EMPTY if unfiltered or newest is None else NO_MATCH)
+        return
+    for text in table(folded, shown):
+        click.echo(text)
