@@ -17,12 +17,14 @@ expected, what was found and where; they never contain secrets or payload conten
     │   ├── BreakerOpenError        the provider's circuit breaker refused the call
     │   └── PromptTimeoutError      a stall, makespan or retry deadline aborted the call
     ├── SpawnRefusedError        a sub-agent spawn with no valid timeout (class or custom)
-    └── StoreError               the durable log
-        ├── StoreNotFoundError      no store at the location (and create=False)
-        ├── StoreClosedError        the store was closed
-        ├── ConcurrencyError        expected_version did not match the stream
-        ├── InvalidStreamError      a stream id that cannot be stored
-        └── CorruptRecordError      a stored record that cannot be decoded
+    ├── StoreError               the durable log
+    │   ├── StoreNotFoundError      no store at the location (and create=False)
+    │   ├── StoreClosedError        the store was closed
+    │   ├── ConcurrencyError        expected_version did not match the stream
+    │   ├── InvalidStreamError      a stream id that cannot be stored
+    │   └── CorruptRecordError      a stored record that cannot be decoded
+    ├── ToolError                raised by a tool on purpose: a message meant for the model
+    └── ToolRegistrationError    a bad tool name, a duplicate, a signature with no schema
 """
 
 from __future__ import annotations
@@ -178,3 +180,37 @@ class CorruptRecordError(StoreError):
         super().__init__(f"record at position {position} is corrupt: {reason}")
         self.position = position
         self.reason = reason
+
+
+class ToolError(StalwartError):
+    """Raise it from a tool to tell the model plainly what went wrong.
+
+    Any other exception a tool raises reaches the model only as a static sentence naming
+    its class of error (an exception's text may hold a path, a secret or a traceback);
+    a ``ToolError``'s message is written for the model and is passed on as it is.
+    ``error_class`` is a stable, content-free name (``permission_denied``, ``not_found``,
+    ``rate_limited``, ...) that events and the tool retry breaker use; ``retryable`` says
+    whether calling again with the same arguments may help (it decides the action for a
+    class the breaker does not know).
+    """
+
+    def __init__(
+        self, message: str, *, error_class: str = "tool_error", retryable: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.error_class = error_class
+        self.retryable = retryable
+
+
+class ToolRegistrationError(StalwartError):
+    """A tool that cannot be registered: ``field`` names what was wrong.
+
+    ``name`` (not provider-safe, or already taken), ``parameters`` (an explicit schema that
+    is not a JSON object schema, or a signature with no JSON schema), ``signature``
+    (positional-only or ``*args`` parameters), ``timeout_ms`` (not a positive integer).
+    """
+
+    def __init__(self, message: str, *, field: str, tool: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.tool = tool

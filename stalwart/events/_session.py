@@ -81,11 +81,20 @@ class SessionRequiresAction(Event, frozen=True, tag="session:requires_action"):
 
 
 class ToolBlocked(Event, frozen=True, tag="tool:blocked"):
+    """The tool retry breaker refused a call: ``rule`` fired at ``failures >= threshold``.
+
+    ``arguments`` is the call's canonical arguments (what the ``same_call`` rule compares)
+    and ``pattern`` the error class an ``error_pattern`` block counted, so replay re-runs
+    the decision from the event alone.
+    """
+
     call_id: str
     tool: str
     rule: Literal["same_call", "same_tool", "error_pattern"]
     failures: int
     threshold: int
+    arguments: str = "{}"
+    pattern: str | None = None
     severity: ClassVar[Severity] = "warning"
 
 

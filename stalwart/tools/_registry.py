@@ -1,0 +1,214 @@
+"""The tools a host offers its agents: callables with a name, a schema and a timeout."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar, overload
+
+import msgspec
+
+from stalwart.errors import ToolRegistrationError
+
+from ._schema import check_explicit, docstring_summary, schema_of, signature_of
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: What every provider accepts as a tool name (OpenAI's rule; Anthropic's is the same).
+NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+DEFAULT_TIMEOUT_MS = 30_000
+
+
+class ToolSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A tool as a provider request declares it: field for field ``providers.ToolSpec``.
+
+    ``tools`` sits below ``providers`` in the layering, so it has its own copy;
+    ``providers.ToolSpec(**msgspec.structs.asdict(spec))`` converts one.
+    """
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = msgspec.field(default_factory=lambda: {"type": "object"})
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    """One registered tool.
+
+    ``arguments`` is the msgspec Struct built from the signature that validates a call's
+    arguments; ``extra_keywords`` says the callable takes ``**kwargs``, which receive the
+    arguments the signature does not name.
+    """
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    fn: Callable[..., Any]
+    is_async: bool
+    timeout_ms: int
+    needs_confirmation: bool
+    arguments: type[msgspec.Struct]
+    extra_keywords: bool
+
+    @property
+    def spec(self) -> ToolSpec:
+        return ToolSpec(name=self.name, description=self.description, parameters=self.parameters)
+
+
+class ToolRegistry:
+    """The tools an agent may call, by name, in registration order.
+
+    ::
+
+        tools = ToolRegistry()
+
+        @tools.register(timeout_ms=5_000)
+        def search(query: str, limit: int = 10) -> list[str]:
+            \"\"\"Search the documents.\"\"\"
+            ...
+
+        tools.register(fetch, name="fetch_page", needs_confirmation=True)
+    """
+
+    def __init__(self) -> None:
+        self._tools: dict[str, Tool] = {}
+
+    @overload
+    def register(
+        self,
+        fn: F,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        parameters: dict[str, Any] | None = None,
+        timeout_ms: int = DEFAULT_TIMEOUT_MS,
+        needs_confirmation: bool = False,
+    ) -> F: ...
+
+    @overload
+    def register(
+        self,
+        fn: None = None,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        parameters: dict[str, Any] | None = None,
+        timeout_ms: int = DEFAULT_TIMEOUT_MS,
+        needs_confirmation: bool = False,
+    ) -> Callable[[F], F]: ...
+
+    def register(
+        self,
+        fn: F | None = None,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        parameters: dict[str, Any] | None = None,
+        timeout_ms: int = DEFAULT_TIMEOUT_MS,
+        needs_confirmation: bool = False,
+    ) -> F | Callable[[F], F]:
+        """Register ``fn`` (sync or async) and return it unchanged; a decorator without it.
+
+        The name defaults to the function's, the description to its docstring's first
+        paragraph, and the JSON schema is derived from its type hints and defaults unless
+        ``parameters`` gives one. Raises :class:`ToolRegistrationError` for a name that is
+        not provider-safe (``^[a-zA-Z0-9_-]{1,64}$``) or already taken, a signature JSON
+        cannot call, or a timeout that is not a positive number of milliseconds.
+        """
+
+        def add(target: F) -> F:
+            tool = build_tool(
+                target,
+                name=name,
+                description=description,
+                parameters=parameters,
+                timeout_ms=timeout_ms,
+                needs_confirmation=needs_confirmation,
+            )
+            if tool.name in self._tools:
+                raise ToolRegistrationError(
+                    f"a tool named {tool.name!r} is already registered",
+                    field="name",
+                    tool=tool.name,
+                )
+            self._tools[tool.name] = tool
+            return target
+
+        return add if fn is None else add(fn)
+
+    def get(self, name: str) -> Tool | None:
+        """The tool registered as ``name``, or None."""
+        return self._tools.get(name)
+
+    def specs(self) -> tuple[ToolSpec, ...]:
+        """Every tool's spec, in registration order, for a provider request."""
+        return tuple(tool.spec for tool in self._tools.values())
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._tools)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tools
+
+    def __iter__(self) -> Iterator[Tool]:
+        return iter(tuple(self._tools.values()))
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    def __repr__(self) -> str:
+        return f"ToolRegistry({list(self._tools)!r})"
+
+
+def build_tool(
+    fn: Callable[..., Any],
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    parameters: dict[str, Any] | None = None,
+    timeout_ms: int = DEFAULT_TIMEOUT_MS,
+    needs_confirmation: bool = False,
+) -> Tool:
+    """A :class:`Tool` for ``fn``, checked (see :meth:`ToolRegistry.register`)."""
+    tool_name = name if name is not None else getattr(fn, "__name__", type(fn).__name__)
+    if not isinstance(tool_name, str) or not NAME_PATTERN.match(tool_name):
+        raise ToolRegistrationError(
+            f"tool name {tool_name!r} is not allowed: use 1 to 64 letters, digits, '_' or '-'",
+            field="name",
+            tool=str(tool_name),
+        )
+    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms <= 0:
+        raise ToolRegistrationError(
+            f"tool {tool_name!r}: timeout_ms must be a positive integer, got {timeout_ms!r}",
+            field="timeout_ms",
+            tool=tool_name,
+        )
+    signature = signature_of(fn, tool_name)
+    if parameters is None:
+        schema = schema_of(signature.arguments, tool_name)
+    else:
+        schema = check_explicit(parameters, tool_name)
+        try:
+            schema_of(signature.arguments, tool_name)
+        except ToolRegistrationError:  # types msgspec cannot check: check names only
+            signature = signature_of(fn, tool_name, loose=True)
+    return Tool(
+        name=tool_name,
+        description=docstring_summary(fn) if description is None else description,
+        parameters=schema,
+        fn=fn,
+        is_async=_is_async(fn),
+        timeout_ms=timeout_ms,
+        needs_confirmation=needs_confirmation,
+        arguments=signature.arguments,
+        extra_keywords=signature.extra_keywords,
+    )
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    if inspect.iscoroutinefunction(fn):
+        return True
+    call = getattr(type(fn), "__call__", None)  # noqa: B004 - a callable object's method
+    return call is not None and not inspect.isfunction(fn) and inspect.iscoroutinefunction(call)

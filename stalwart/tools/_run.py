@@ -1,0 +1,155 @@
+"""Running the calls a model asked for: validated, each under its own timeout, bounded.
+
+Sync tools run in a worker thread; async ones are awaited on the caller's event loop.
+A tool's timeout is a cancel scope: an async tool is cancelled, a sync one is abandoned
+(Python cannot stop a thread; it finishes in the background and its result is dropped),
+and either way the call is reported as ``timeout`` at once. Nothing a tool does is raised
+at the caller: every call ends as a :class:`ToolOutcome`. Cancellation from outside (the
+caller's own deadline) is not an outcome: it propagates.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Iterable
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import msgspec
+
+from stalwart.clock import Clock, SystemClock
+from stalwart.errors import ToolError
+from stalwart.events import ToolCall
+
+from ._breaker import action_for, classify_tool_error
+from ._outcome import (
+    Status,
+    ToolOutcome,
+    error_text,
+    invalid_arguments_text,
+    timeout_text,
+    unknown_tool_text,
+)
+from ._registry import Tool, ToolRegistry
+
+_SYSTEM_CLOCK = SystemClock()
+
+
+def parse_arguments(tool: Tool, text: str) -> dict[str, Any] | str:
+    """The keyword arguments for ``tool`` from a call's JSON text, or why they are invalid."""
+    try:
+        value = msgspec.json.decode(text if text.strip() else "{}")
+    except msgspec.DecodeError as exc:
+        return f"they are not valid JSON ({exc})"
+    if not isinstance(value, dict):
+        return f"they must be a JSON object, not {type(value).__name__}"
+    try:
+        parsed = msgspec.convert(value, tool.arguments)
+    except msgspec.ValidationError as exc:
+        return str(exc)
+    kwargs = {name: getattr(parsed, name) for name in tool.arguments.__struct_fields__}
+    if tool.extra_keywords:
+        kwargs.update((key, item) for key, item in value.items() if key not in kwargs)
+    return kwargs
+
+
+def result_text(result: Any) -> str:
+    """A tool's result as text: a str as it is, anything else as JSON."""
+    if isinstance(result, str):
+        return result
+    return msgspec.json.encode(result).decode()
+
+
+async def _invoke(tool: Tool, kwargs: dict[str, Any], limiter: anyio.CapacityLimiter | None) -> Any:
+    if tool.is_async:
+        return await tool.fn(**kwargs)
+    result = await anyio.to_thread.run_sync(
+        functools.partial(tool.fn, **kwargs), abandon_on_cancel=True, limiter=limiter
+    )
+    if inspect.isawaitable(result):  # a sync callable that hands back a coroutine
+        result = await result
+    return result
+
+
+async def run_tool(
+    registry: ToolRegistry,
+    call: ToolCall,
+    *,
+    clock: Clock | None = None,
+    limiter: anyio.CapacityLimiter | None = None,
+) -> ToolOutcome:
+    """Run one call and say how it ended; never raises for anything the tool or model did.
+
+    ``limiter`` bounds the worker threads of sync tools (anyio's default one otherwise);
+    ``clock`` measures ``elapsed_ms``.
+    """
+    clock = clock or _SYSTEM_CLOCK
+    started = clock.monotonic()
+
+    def outcome(status: Status, text: str, error_class: str | None = None) -> ToolOutcome:
+        return ToolOutcome(
+            call_id=call.id,
+            tool=call.name,
+            status=status,
+            text=text,
+            error_class=error_class,
+            action=None if error_class is None else action_for(error_class),
+            elapsed_ms=max(0, round((clock.monotonic() - started) * 1000)),
+        )
+
+    tool = registry.get(call.name)
+    if tool is None:
+        return outcome(
+            "unknown_tool", unknown_tool_text(call.name, registry.names()), "unknown_tool"
+        )
+    kwargs = parse_arguments(tool, call.arguments)
+    if isinstance(kwargs, str):
+        text = invalid_arguments_text(tool.name, kwargs)
+        return outcome("invalid_arguments", text, "invalid_arguments")
+    try:
+        with anyio.move_on_after(tool.timeout_ms / 1000) as scope:
+            result = await _invoke(tool, kwargs, limiter)
+    except Exception as exc:
+        error_class, action = classify_tool_error(exc)
+        text = error_text(tool.name, error_class, action)
+        if isinstance(exc, ToolError):
+            text = f"The tool '{tool.name}' failed: {exc}"
+        return msgspec.structs.replace(outcome("error", text, error_class), action=action)
+    if scope.cancelled_caught:
+        return outcome("timeout", timeout_text(tool.name, tool.timeout_ms), "timeout")
+    try:
+        text = result_text(result)
+    except (TypeError, ValueError, OverflowError):
+        text = error_text(tool.name, "unencodable_result", "surface")
+        return outcome("error", text, "unencodable_result")
+    return outcome("ok", text)
+
+
+async def run_tools(
+    registry: ToolRegistry,
+    calls: Iterable[ToolCall],
+    *,
+    limit: int,
+    clock: Clock | None = None,
+) -> tuple[ToolOutcome, ...]:
+    """Run ``calls`` concurrently, at most ``limit`` at once; outcomes in the calls' order.
+
+    A call's timeout starts when it gets its turn, not while it waits for one.
+    """
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be a positive integer, got {limit!r}")
+    pending = tuple(calls)
+    outcomes: list[ToolOutcome | None] = [None] * len(pending)
+    turns = anyio.CapacityLimiter(limit)
+    threads = anyio.CapacityLimiter(limit)
+
+    async def one(index: int, call: ToolCall) -> None:
+        async with turns:
+            outcomes[index] = await run_tool(registry, call, clock=clock, limiter=threads)
+
+    async with anyio.create_task_group() as group:
+        for index, call in enumerate(pending):
+            group.start_soon(one, index, call)
+    return tuple(item for item in outcomes if item is not None)
