@@ -126,7 +126,7 @@ class _Handler(BaseHTTPRequestHandler):
             pass
 
     def log_message(self, format: str, *args: Any) -> None:
-        pass
+        """Quiet."""
 
 
 @pytest.fixture
@@ -170,6 +170,16 @@ async def failing(channel: Channel, message: OutboundMessage = MESSAGE) -> Chann
     return info.value
 
 
+def facts(error: ChannelError) -> tuple[str, bool, int | None, int]:
+    return (error.kind, error.retryable, error.status, error.attempts)
+
+
+def refused_url(path: str = "/hook") -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}{path}"
+
+
 async def test_webhook_delivers_json_with_the_secret_header(
     receiver: Callable[..., Receiver], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -206,8 +216,7 @@ async def test_retries_503_with_the_same_idempotency_key(
     assert len({r.body for r in hook.requests}) == 1
     retries = [e for e in logs if e["event"] == "channel.retry_scheduled"]
     assert [(e["attempt"], e["kind"], e["status"]) for e in retries] == [
-        (1, "server_error", 503),
-        (2, "server_error", 503),
+        (n, "server_error", 503) for n in (1, 2)
     ]
 
 
@@ -222,12 +231,7 @@ async def test_retryable_statuses(receiver: Callable[..., Receiver], status: int
 async def test_a_rejection_is_not_retried(receiver: Callable[..., Receiver], status: int) -> None:
     hook = receiver(Step(status))
     error = await failing(webhook(hook.url, max_attempts=5))
-    assert (error.kind, error.retryable, error.status, error.attempts) == (
-        "rejected",
-        False,
-        status,
-        1,
-    )
+    assert facts(error) == ("rejected", False, status, 1)
     assert len(hook.requests) == 1
     assert f"HTTP {status}" in str(error)
 
@@ -235,12 +239,7 @@ async def test_a_rejection_is_not_retried(receiver: Callable[..., Receiver], sta
 async def test_the_attempts_run_out(receiver: Callable[..., Receiver]) -> None:
     hook = receiver(*[Step(503)] * 5)
     error = await failing(webhook(hook.url, max_attempts=3))
-    assert (error.kind, error.retryable, error.status, error.attempts) == (
-        "server_error",
-        True,
-        503,
-        3,
-    )
+    assert facts(error) == ("server_error", True, 503, 3)
     assert len(hook.requests) == 3
     assert "after 3 attempts" in str(error)
 
@@ -279,16 +278,8 @@ async def test_connect_refused_then_success(receiver: Callable[..., Receiver]) -
 
 
 async def test_connect_refused_every_time() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    error = await failing(webhook(f"http://127.0.0.1:{port}/hook", max_attempts=2))
-    assert (error.kind, error.retryable, error.status, error.attempts) == (
-        "connect",
-        True,
-        None,
-        2,
-    )
+    error = await failing(webhook(refused_url(), max_attempts=2))
+    assert facts(error) == ("connect", True, None, 2)
 
 
 async def test_retry_after_is_honoured(receiver: Callable[..., Receiver]) -> None:
@@ -305,12 +296,8 @@ async def test_a_retry_after_over_the_cap_is_left_to_the_caller(
 ) -> None:
     hook = receiver(Step(429, {"Retry-After": "60"}))
     error = await failing(webhook(hook.url, retry_cap_ms=1000, max_attempts=5))
-    assert (error.kind, error.retryable, error.retry_after, error.attempts) == (
-        "rate_limited",
-        True,
-        60.0,
-        1,
-    )
+    assert facts(error) == ("rate_limited", True, 429, 1)
+    assert error.retry_after == 60.0
     assert "over the 1000 ms cap" in str(error)
     assert len(hook.requests) == 1
 
@@ -333,12 +320,7 @@ async def test_each_attempt_has_its_own_time_limit(receiver: Callable[..., Recei
     started = time.monotonic()
     error = await failing(channel)
     elapsed = time.monotonic() - started
-    assert (error.kind, error.retryable, error.status, error.attempts) == (
-        "timeout",
-        True,
-        None,
-        2,
-    )
+    assert facts(error) == ("timeout", True, None, 2)
     assert 0.35 <= elapsed < 2.0
     assert [r.headers["idempotency-key"] for r in hook.requests] == ["k-1", "k-1"]
 
@@ -361,9 +343,7 @@ async def test_secrets_and_text_never_leak(
     channel = webhook(hook.url, **knobs)
     config = parse_config({"channels": {"hook": {"kind": "webhook", "url": hook.url, **knobs}}})
     errors = [await failing(channel)]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        refused = f"http://127.0.0.1:{sock.getsockname()[1]}/h/{URL_TOKEN}?token={URL_TOKEN}"
+    refused = refused_url(f"/h/{URL_TOKEN}?token={URL_TOKEN}")
     errors.append(await failing(webhook(refused, max_attempts=1, **knobs)))
     assert hook.requests[0].headers["x-hook-secret"] == SECRET
     texts = [repr(channel), repr(config), repr(config.channels["hook"]), repr(logs)]
@@ -421,8 +401,10 @@ def test_console_is_thread_safe() -> None:
 
     def writer(n: int) -> None:
         for i in range(25):
-            message = OutboundMessage(conversation=f"w{n}", text=text, idempotency_key=str(i))
-            anyio.run(channel.send, message)
+            anyio.run(
+                channel.send,
+                OutboundMessage(conversation=f"w{n}", text=text, idempotency_key=str(i)),
+            )
 
     threads = [threading.Thread(target=writer, args=(n,)) for n in range(6)]
     for thread in threads:
@@ -481,35 +463,23 @@ async def test_memory_channel_wait_for() -> None:
 
 
 def test_factory_builds_each_kind() -> None:
-    config = parse_config(
-        {
-            "channels": {
-                "term": {"kind": "console"},
-                "mem": {"kind": "memory"},
-                "hook": {"kind": "webhook", "url": "https://example.invalid/h"},
-            }
-        }
-    )
+    hook = {"kind": "webhook", "url": "https://example.invalid/h"}
+    entries = {"term": {"kind": "console"}, "mem": {"kind": "memory"}, "hook": hook}
+    config = parse_config({"channels": entries})
     built = {name: channel_from_settings(name, s) for name, s in config.channels.items()}
-    assert isinstance(built["term"], ConsoleChannel)
-    assert isinstance(built["mem"], MemoryChannel)
-    assert isinstance(built["hook"], WebhookChannel)
-    for name, channel in built.items():
-        assert isinstance(channel, Channel)
-        assert channel.name == name
+    kinds = {name: type(channel) for name, channel in built.items()}
+    assert kinds == {"term": ConsoleChannel, "mem": MemoryChannel, "hook": WebhookChannel}
+    assert all(isinstance(c, Channel) and c.name == n for n, c in built.items())
 
 
 def test_channel_defaults_and_an_empty_section() -> None:
     assert parse_config({}).channels == {}
     assert Config().channels == {}
     hook = parse_config({"channels": {"h": {"kind": "webhook", "url": "http://x"}}}).channels["h"]
-    assert (hook.timeout_ms, hook.max_attempts, hook.retry_base_ms, hook.retry_cap_ms) == (
-        10_000,
-        3,
-        500,
-        5_000,
-    )
-    assert (hook.secret_header, hook.secret_env) == (None, None)
+    assert hook == ChannelSettings(
+        kind="webhook", url="http://x", timeout_ms=10_000, max_attempts=3, retry_base_ms=500,
+        retry_cap_ms=5_000, secret_header=None, secret_env=None,
+    )  # fmt: skip
 
 
 def test_channels_load_from_toml(tmp_path: Path) -> None:
@@ -521,12 +491,9 @@ def test_channels_load_from_toml(tmp_path: Path) -> None:
     )
     channels = load_config(path).channels
     assert channels["ops"] == ChannelSettings(
-        kind="webhook",
-        url="https://hooks.example/x",
-        secret_header="X-Token",
-        secret_env="OPS_TOKEN",
-        timeout_ms=2000,
-    )
+        kind="webhook", url="https://hooks.example/x", secret_header="X-Token",
+        secret_env="OPS_TOKEN", timeout_ms=2000,
+    )  # fmt: skip
     assert channels["term"] == ChannelSettings(kind="console")
 
 
@@ -536,28 +503,26 @@ HOOK = {"kind": "webhook", "url": "https://hooks.example/x"}
 @pytest.mark.parametrize(
     ("entry", "key", "words"),
     [
-        ({"kind": "pager"}, "channels.ops.kind", ["'console'", "'webhook'", "found 'pager'"]),
-        ({**HOOK, "timeout": 5}, "channels.ops.timeout", ["unknown key"]),
-        ({**HOOK, "timeout_ms": 0}, "channels.ops.timeout_ms", [">= 1", "found 0"]),
-        ({**HOOK, "max_attempts": "3"}, "channels.ops.max_attempts", ["int", "found '3'"]),
-        ({**HOOK, "max_attempts": 0}, "channels.ops.max_attempts", [">= 1"]),
-        ({**HOOK, "retry_base_ms": 9000}, "channels.ops.retry_cap_ms", ["retry_base_ms"]),
-        ({"kind": "webhook"}, "channels.ops.url", ["needs a url"]),
-        ({"kind": "webhook", "url": "ftp://h/x"}, "channels.ops.url", ["http://"]),
-        ({"kind": "console", "url": "http://h"}, "channels.ops.url", ["only a webhook"]),
-        ({**HOOK, "secret_header": "X-T"}, "channels.ops.secret_env", ["both or neither"]),
-        ({**HOOK, "secret_env": "T"}, "channels.ops.secret_header", ["both or neither"]),
-        (
-            {**HOOK, "secret_header": "X T", "secret_env": "T"},
-            "channels.ops.secret_header",
-            ["header name"],
-        ),
-        ("console", "channels.ops", ["object"]),
+        ({"kind": "pager"}, "kind", ["'console'", "'webhook'", "found 'pager'"]),
+        ({**HOOK, "timeout": 5}, "timeout", ["unknown key"]),
+        ({**HOOK, "timeout_ms": 0}, "timeout_ms", [">= 1", "found 0"]),
+        ({**HOOK, "max_attempts": "3"}, "max_attempts", ["int", "found '3'"]),
+        ({**HOOK, "max_attempts": 0}, "max_attempts", [">= 1"]),
+        ({**HOOK, "retry_base_ms": 9000}, "retry_cap_ms", ["retry_base_ms"]),
+        ({"kind": "webhook"}, "url", ["needs a url"]),
+        ({"kind": "webhook", "url": "ftp://h/x"}, "url", ["http://"]),
+        ({"kind": "console", "url": "http://h"}, "url", ["only a webhook"]),
+        ({**HOOK, "secret_header": "X-T"}, "secret_env", ["both or neither"]),
+        ({**HOOK, "secret_env": "T"}, "secret_header", ["both or neither"]),
+        ({**HOOK, "secret_header": "X T", "secret_env": "T"}, "secret_header", ["header name"]),
+        ("console", "", ["object"]),
     ],
 )
 def test_bad_channel_config_names_the_key(entry: object, key: str, words: list[str]) -> None:
+    """``key`` is relative to ``channels.ops``."""
     with pytest.raises(ConfigError) as info:
         parse_config({"channels": {"ops": entry}}, source="app.toml")
+    key = f"channels.ops.{key}".rstrip(".")
     assert info.value.key == key
     message = str(info.value)
     assert message.startswith("app.toml: ")
