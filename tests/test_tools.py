@@ -524,3 +524,16 @@ async def test_a_timeout_is_a_retryable_timed_out_failure() -> None:
     assert outcome_event(outcome) == ToolFailed(
         call_id="c9", tool="hang", error_class="timeout", retryable=True, timed_out=True
     )
+
+
+async def test_with_an_explicit_schema_untyped_parameters_are_still_checked_by_name() -> None:
+    registry = ToolRegistry()
+
+    def describe(thing: Opaque, detail: int = 0) -> str:
+        return f"{type(thing).__name__} {detail}"
+
+    registry.register(describe, parameters={"type": "object"})
+    assert (await run_tool(registry, call("describe", '{"thing": 1}'))).text == "int 0"
+    missing = await run_tool(registry, call("describe", "{}"))
+    assert missing.status == "invalid_arguments"
+    assert "missing required field `thing`" in missing.text
