@@ -19,6 +19,14 @@ class ToolCall(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     arguments: str = "{}"
 
 
+class ToolSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A tool as a model request declares it: a name, what it does, a JSON schema."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = msgspec.field(default_factory=lambda: {"type": "object"})
+
+
 class SessionCreated(Event, frozen=True, tag="session:created"):
     agent: str = "default"
     parent: str | None = None

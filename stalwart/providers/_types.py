@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 
-from stalwart.events import ToolCall
+from stalwart.events import ToolCall, ToolSpec
 
 __all__ = [
     "Done",
@@ -30,12 +30,6 @@ class Message(msgspec.Struct, frozen=True, kw_only=True):
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     images: tuple[str, ...] = ()
-
-
-class ToolSpec(msgspec.Struct, frozen=True, kw_only=True):
-    name: str
-    description: str = ""
-    parameters: dict[str, Any] = msgspec.field(default_factory=lambda: {"type": "object"})
 
 
 class ProviderRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -8,6 +8,8 @@ calls that keep failing. Nothing here appends events: the helpers build them for
 Agent, which records them.
 """
 
+from stalwart.events import ToolSpec
+
 from ._breaker import (
     ACTIONS,
     NEVER_BLOCK,
@@ -35,7 +37,6 @@ from ._registry import (
     NAME_PATTERN,
     Tool,
     ToolRegistry,
-    ToolSpec,
     build_tool,
 )
 from ._run import parse_arguments, result_text, run_tool, run_tools

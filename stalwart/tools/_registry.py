@@ -11,6 +11,7 @@ from typing import Any, TypeVar, overload
 import msgspec
 
 from stalwart.errors import ToolRegistrationError
+from stalwart.events import ToolSpec
 
 from ._schema import check_explicit, docstring_summary, schema_of, signature_of
 
@@ -19,18 +20,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: What every provider accepts as a tool name (OpenAI's rule; Anthropic's is the same).
 NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 DEFAULT_TIMEOUT_MS = 30_000
-
-
-class ToolSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """A tool as a provider request declares it: field for field ``providers.ToolSpec``.
-
-    ``tools`` sits below ``providers`` in the layering, so it has its own copy;
-    ``providers.ToolSpec(**msgspec.structs.asdict(spec))`` converts one.
-    """
-
-    name: str
-    description: str = ""
-    parameters: dict[str, Any] = msgspec.field(default_factory=lambda: {"type": "object"})
 
 
 @dataclass(frozen=True, slots=True)
