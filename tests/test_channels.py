@@ -15,8 +15,6 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterator, MutableMapping
-from datetime import UTC, datetime
-from email.utils import format_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -37,7 +35,6 @@ from stalwart.channels import (
     WebhookChannel,
     channel_from_settings,
 )
-from stalwart.channels._webhook import _retry_after
 from stalwart.config import ChannelSettings, Config, load_config, parse_config
 from stalwart.errors import ChannelError, ConfigError
 
@@ -300,18 +297,6 @@ async def test_a_retry_after_over_the_cap_is_left_to_the_caller(
     assert error.retry_after == 60.0
     assert "over the 1000 ms cap" in str(error)
     assert len(hook.requests) == 1
-
-
-def test_retry_after_forms() -> None:
-    now = 1_800_000_000.0
-    later = format_datetime(datetime.fromtimestamp(now + 30, tz=UTC), usegmt=True)
-    assert _retry_after("7", now) == 7.0
-    assert _retry_after(" 0.5 ", now) == 0.5
-    assert _retry_after("-3", now) == 0.0
-    assert _retry_after(later, now) == pytest.approx(30.0)
-    assert _retry_after(later, now + 60) == 0.0
-    assert _retry_after("soon", now) is None
-    assert _retry_after(None, now) is None
 
 
 async def test_each_attempt_has_its_own_time_limit(receiver: Callable[..., Receiver]) -> None:

@@ -19,13 +19,14 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "clock": set(),
     "ids": set(),
+    "backoff": set(),
     "config": {"errors"},
     "events": {"errors"},
     "state": {"errors", "events"},
     "store": {"errors", "events", "state", "clock", "ids", "config"},
-    "providers": {"errors", "events", "state", "clock", "ids", "config"},
+    "providers": {"errors", "events", "state", "clock", "ids", "config", "backoff"},
     "context": {"errors", "events", "state", "clock", "ids", "config"},
-    "channels": {"errors", "events", "clock", "ids", "config"},
+    "channels": {"errors", "events", "clock", "ids", "config", "backoff"},
     "tools": {"errors", "events", "state", "clock", "ids", "config"},
     "actors": {
         "errors",
@@ -39,6 +40,7 @@ ALLOWED: dict[str, set[str]] = {
         "context",
         "channels",
         "tools",
+        "backoff",
     },
     "testing": {
         "errors",
@@ -52,6 +54,7 @@ ALLOWED: dict[str, set[str]] = {
         "context",
         "channels",
         "tools",
+        "backoff",
     },
     "runtime": {
         "errors",
@@ -66,6 +69,7 @@ ALLOWED: dict[str, set[str]] = {
         "channels",
         "tools",
         "actors",
+        "backoff",
     },
 }
 

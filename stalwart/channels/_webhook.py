@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from urllib.parse import urlsplit
 
 import anyio
@@ -20,6 +18,7 @@ import httpx
 import msgspec
 import structlog
 
+from stalwart.backoff import backoff_delay, parse_retry_after
 from stalwart.clock import Clock, SystemClock
 from stalwart.config import ChannelSettings
 from stalwart.errors import ChannelError, ConfigError
@@ -134,7 +133,7 @@ class WebhookChannel:
                 return _transport_failure(exc)
             if 200 <= status < 300:
                 return status
-            return _status_failure(status, _retry_after(retry_after, self._clock.now()))
+            return _status_failure(status, parse_retry_after(retry_after, self._clock.now()))
         return _Failure(kind="timeout", retryable=True, detail="no answer within the time limit")
 
     def _retry_delay(self, failure: _Failure, attempt: int) -> float | None:
@@ -144,8 +143,9 @@ class WebhookChannel:
         cap = self.settings.retry_cap_ms / 1000
         if failure.retry_after is not None and failure.retry_after > cap:
             return None  # the receiver asks for longer than we wait: leave it to the caller
-        ceiling = min(cap, self.settings.retry_base_ms / 1000 * 2 ** (attempt - 1))
-        return max(self._rng.uniform(0, ceiling), failure.retry_after or 0.0)
+        settings = self.settings
+        delay = backoff_delay(attempt, settings.retry_base_ms, settings.retry_cap_ms, self._rng)
+        return max(delay, failure.retry_after or 0.0)
 
     def _error(self, failure: _Failure, attempts: int) -> ChannelError:
         tries = f"{attempts} attempt{'s' if attempts != 1 else ''}"
@@ -190,24 +190,6 @@ def _transport_failure(exc: httpx.TransportError) -> _Failure:
     else:
         kind, what = "transport", "the connection broke"
     return _Failure(kind=kind, retryable=True, detail=f"{what}: {type(exc).__name__}")
-
-
-def _retry_after(value: str | None, now: float) -> float | None:
-    """Seconds from a ``Retry-After`` header: delta-seconds or an HTTP date."""
-    if not value:
-        return None
-    text = value.strip()
-    try:
-        return max(0.0, float(text))
-    except ValueError:
-        pass
-    try:
-        when = parsedate_to_datetime(text)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, when.timestamp() - datetime.fromtimestamp(now, tz=UTC).timestamp())
 
 
 def _origin(url: str) -> str:

@@ -1,8 +1,10 @@
 """LLM provider calls that cannot hang: clients, classification, deadlines, fallback, breaker."""
 
+from stalwart.backoff import backoff_delay, parse_retry_after
+
 from ._breaker import Breaker
-from ._caller import ModelCaller, backoff_delay
-from ._classify import classify_status, classify_transport, parse_retry_after
+from ._caller import ModelCaller
+from ._classify import classify_status, classify_transport
 from ._client import Accumulator, ProviderClient
 from ._sink import EventSink
 from ._sse import SseEvent, SseParser

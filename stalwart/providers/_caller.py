@@ -22,6 +22,7 @@ from typing import Literal
 import anyio
 import structlog
 
+from stalwart.backoff import backoff_delay
 from stalwart.clock import Clock
 from stalwart.config import AgentSettings
 from stalwart.errors import (
@@ -66,12 +67,6 @@ _ACTIVITY: dict[type, Literal["text", "thinking", "tool_call"]] = {
     ThinkingDelta: "thinking",
     ToolCallDelta: "tool_call",
 }
-
-
-def backoff_delay(attempt: int, base_ms: int, cap_ms: int, rng: random.Random) -> float:
-    """Full jitter: uniform in [0, min(cap, base x 2^(attempt-1))] seconds."""
-    ceiling = min(cap_ms, base_ms * 2 ** max(attempt - 1, 0)) / 1000
-    return rng.uniform(0, ceiling)
 
 
 class _Live:

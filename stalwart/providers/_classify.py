@@ -6,11 +6,9 @@ Bodies are read only to tell a context overflow or a content-policy refusal from
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
-
 import httpx
 
+from stalwart.backoff import parse_retry_after
 from stalwart.errors import ContextOverflowError, ProviderError
 
 _RETRYABLE_STATUS = {
@@ -39,24 +37,6 @@ _OVERFLOW_MARKERS = (
     b"too many tokens",
 )
 _POLICY_MARKERS = (b"content_policy", b"content_filter", b"safety", b"moderation")
-
-
-def parse_retry_after(value: str | None, now: float) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header: delta-seconds or an HTTP date."""
-    if not value:
-        return None
-    text = value.strip()
-    try:
-        return max(0.0, float(text))
-    except ValueError:
-        pass
-    try:
-        when = parsedate_to_datetime(text)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, when.timestamp() - datetime.fromtimestamp(now, tz=UTC).timestamp())
 
 
 def classify_status(
