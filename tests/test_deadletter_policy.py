@@ -12,7 +12,6 @@ from stalwart.events import (
     AnnouncementDeadLetterExpired,
     AnnouncementSendFailed,
     Event,
-    RecordedEvent,
 )
 from stalwart.state import (
     DEADLETTER,
@@ -25,6 +24,7 @@ from stalwart.state import (
     fold,
     next_retry_at,
 )
+from tests._log import FoldedLog
 
 T0 = 1_700_000_000.0
 MS = 0.001
@@ -33,28 +33,9 @@ RETRY = {"max_retries": D.max_retries, "base_ms": D.retry_base_ms, "cap_ms": D.r
 EXPIRY = {"max_age_ms": D.max_age_ms, "max_retries": D.max_retries}
 
 
-class Log:
+class Log(FoldedLog[DeadLetterState]):
     def __init__(self) -> None:
-        self.records: list[RecordedEvent] = []
-        self.state = DEADLETTER.initial("deadletter")
-
-    def add(self, event: Event, ts: float) -> DeadLetterState:
-        version = len(self.records) + 1
-        self.records.append(
-            RecordedEvent(
-                position=version,
-                stream="deadletter",
-                version=version,
-                ts=ts,
-                id=f"e{version}",
-                causation_id=None,
-                correlation_id=None,
-                schema=1,
-                event=event,
-            )
-        )
-        self.state = DEADLETTER.apply(self.state, self.records[-1])
-        return self.state
+        super().__init__(DEADLETTER, "deadletter")
 
 
 def lettered(entry: str, announcement: str | None = None) -> AnnouncementDeadLettered:

@@ -12,12 +12,10 @@ from stalwart.config import Config, HealthSettings
 from stalwart.errors import ConfigError
 from stalwart.events import (
     BreakerOpened,
-    Event,
     ProviderCallFailed,
     ProviderCallSucceeded,
     ProviderDegraded,
     ProviderRecovered,
-    RecordedEvent,
 )
 from stalwart.state import (
     HEALTH,
@@ -28,6 +26,7 @@ from stalwart.state import (
     fold,
     health_deadline,
 )
+from tests._log import FoldedLog
 
 T0 = 1_700_000_000.0
 MS = 0.001
@@ -47,29 +46,9 @@ def succeeded(agent: str) -> ProviderCallSucceeded:
     return ProviderCallSucceeded(provider="p", model="m", agent=agent)
 
 
-class Log:
+class Log(FoldedLog[HealthState]):
     def __init__(self, aggregate: HealthAggregate = HEALTH) -> None:
-        self.aggregate = aggregate
-        self.records: list[RecordedEvent] = []
-        self.state = self.aggregate.initial("provider:p")
-
-    def add(self, event: Event, ts: float) -> HealthState:
-        version = len(self.records) + 1
-        self.records.append(
-            RecordedEvent(
-                position=version,
-                stream="provider:p",
-                version=version,
-                ts=ts,
-                id=f"e{version}",
-                causation_id=None,
-                correlation_id=None,
-                schema=1,
-                event=event,
-            )
-        )
-        self.state = self.aggregate.apply(self.state, self.records[-1])
-        return self.state
+        super().__init__(aggregate, "provider:p")
 
 
 def test_the_seeds_numbers_are_the_defaults() -> None:

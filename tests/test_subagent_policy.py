@@ -44,6 +44,7 @@ from stalwart.state import (
     suspicious_at,
     watchdog_deadline,
 )
+from tests._log import FoldedLog
 
 T0 = 1_700_000_000.0
 MS = 0.001
@@ -56,30 +57,11 @@ KNOBS = {
 }
 
 
-class Log:
+class Log(FoldedLog[RunState]):
     """A run's stream with chosen timestamps, folded as it grows."""
 
     def __init__(self) -> None:
-        self.records: list[RecordedEvent] = []
-        self.state = RUN.initial("session:run")
-
-    def add(self, event: Event, ts: float) -> RunState:
-        version = len(self.records) + 1
-        self.records.append(
-            RecordedEvent(
-                position=version,
-                stream="session:run",
-                version=version,
-                ts=ts,
-                id=f"e{version}",
-                causation_id=None,
-                correlation_id=None,
-                schema=1,
-                event=event,
-            )
-        )
-        self.state = RUN.apply(self.state, self.records[-1])
-        return self.state
+        super().__init__(RUN, "session:run")
 
 
 def spawned(
