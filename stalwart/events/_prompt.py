@@ -21,7 +21,11 @@ class PromptStarted(Event, frozen=True, tag="prompt:started"):
 
 
 class PromptActivity(Event, frozen=True, tag="prompt:activity"):
-    """Throttled evidence that a call is alive (text, thinking or a tool completion)."""
+    """Throttled evidence that a call is alive (text, thinking or a tool completion).
+
+    ``tokens`` counts the deltas received so far in the call, a cheap token estimate that
+    shows whether output is still growing.
+    """
 
     call_id: str
     kind: Literal["text", "thinking", "tool_call", "tool_result"] = "text"

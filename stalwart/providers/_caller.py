@@ -75,6 +75,7 @@ class _Live:
     def __init__(self, started: PromptStarted, ts: float) -> None:
         self.window = window_started(started, ts)
         self.last_recorded = float("-inf")  # the first sign of life is always recorded
+        self.deltas = 0  # text, thinking and tool-call deltas so far: roughly tokens
 
     def arm(self, scope: anyio.CancelScope, now: float) -> None:
         """Move the scope's deadline to the window's next one (the event loop's clock)."""
@@ -295,13 +296,15 @@ class ModelCaller:
         kind = _ACTIVITY.get(type(event))
         if kind is None:
             return
+        live.deltas += 1
         now = self._clock.now()
         if now - live.last_recorded < self.agent.activity_interval_ms / 1000:
             return
         live.last_recorded = now
         live.window = window_touched(live.window, now)
         live.arm(scope, now)
-        await self._emit(stream, PromptActivity(call_id=live.window.call_id, kind=kind), now)
+        activity = PromptActivity(call_id=live.window.call_id, kind=kind, tokens=live.deltas)
+        await self._emit(stream, activity, now)
 
     async def _settle(
         self,
