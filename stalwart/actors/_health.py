@@ -1,0 +1,413 @@
+"""ProviderHealth: the owner of one provider's degraded / recovered decisions (seed 000).
+
+One actor per configured provider. It folds ``provider:<name>`` (the stream the model
+caller appends ``provider:call_failed`` / ``provider:call_succeeded`` to) with the pure
+:data:`~stalwart.state.HEALTH` fold, asks :func:`~stalwart.state.decide_health` what
+follows at ``clock.now()``, appends the decision (``expected_version`` = the version it
+folded; on a conflict it folds what the callers appended meanwhile and decides again),
+and only then tells its listeners :class:`HealthChanged` and updates the shared
+:class:`HealthView`.
+
+How it keeps up with its stream: it follows the log itself. A small follower thread waits
+on the store's head (``store.wait_for``, no decoding) and tells the actor :class:`Poll`
+(at most one pending); every message that can change the state (``Poll``,
+``CallOutcome``, the timer) first reads ``read_stream(from_version=version + 1)``. Reading
+by version is what makes it gap- and duplicate-free: a ``CallOutcome`` is only a hint
+that there is something to read, so whoever tells it (or nobody) cannot make the actor
+skip or double-count an event. The follower captures the head before the initial fold,
+so nothing appended around start-up is missed. ``follow=False`` leaves the feeding to
+``Poll`` / ``CallOutcome`` messages.
+
+Recovery does not wait for someone to ask: after every fold the actor arms a timer at
+:func:`~stalwart.state.health_deadline` (the quiet window after the last failure), and
+the scheduler fires it; a success recorded while degraded (by ``PROBE_AGENT`` or any
+agent) recovers on the next fold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import msgspec
+import pykka
+import structlog
+
+from stalwart.clock import Clock
+from stalwart.config import HealthSettings
+from stalwart.errors import ConcurrencyError, StalwartError
+from stalwart.events import ProviderDegraded, ProviderRecovered, RecordedEvent
+from stalwart.state import (
+    DEFAULT_HORIZON_MS,
+    ApplyFolder,
+    HealthAggregate,
+    HealthState,
+    decide_health,
+    health_deadline,
+)
+from stalwart.store import EventStore, NewEvent, load_state
+
+from ._scheduler import Scheduler, TimerHandle
+
+log = structlog.get_logger(__name__)
+
+HealthStatus = Literal["healthy", "degraded"]
+
+#: How many append conflicts in a row the actor folds and retries before it yields the
+#: mailbox (and re-polls itself).
+MAX_CONFLICTS = 64
+#: The longest the follower waits on the store before it checks whether it should stop.
+FOLLOW_SLICE_S = 0.05
+
+
+# -- messages -----------------------------------------------------------------------------
+
+
+class CallOutcome(msgspec.Struct, frozen=True):
+    """A call outcome already appended to ``provider:<name>``: catch up and decide.
+
+    Only a hint: the actor reads its stream by version, so the record itself is never
+    folded twice, and a record of another provider's stream is ignored (failures are
+    attributed to the provider that failed)."""
+
+    record: RecordedEvent
+
+
+class Poll(msgspec.Struct, frozen=True):
+    """Read the stream's new events, decide; an ``ask`` replies with the HealthReport."""
+
+
+class Status(msgspec.Struct, frozen=True):
+    """Ask for the current :class:`HealthReport` (no store read)."""
+
+
+class _Due(msgspec.Struct, frozen=True):
+    """The quiet-window timer fired at ``at``."""
+
+    at: float
+
+
+class HealthChanged(msgspec.Struct, frozen=True, kw_only=True):
+    """Told to listeners after a ``provider:degraded`` / ``provider:recovered`` is appended.
+
+    ``version`` is the decision's version in ``provider:<name>`` (unique per decision)."""
+
+    provider: str
+    status: HealthStatus
+    at: float
+    rule: str
+    version: int
+
+
+class HealthReport(msgspec.Struct, frozen=True, kw_only=True):
+    """A provider's health as its actor last folded it.
+
+    ``since`` and ``rule`` come from the latest decision (None before the first one);
+    ``deadline`` is when quiet-window recovery is due while degraded."""
+
+    provider: str
+    status: HealthStatus = "healthy"
+    since: float | None = None
+    rule: str | None = None
+    version: int = 0
+    deadline: float | None = None
+
+    @property
+    def degraded(self) -> bool:
+        return self.status == "degraded"
+
+
+Listener = pykka.ActorRef[Any] | Callable[[HealthChanged], object]
+
+
+class HealthView(Mapping[str, HealthReport]):
+    """Provider -> latest HealthReport, readable from any thread without an ``ask``.
+
+    Health actors publish into it (one view may be shared by all of them); readers such as
+    the Agent check ``view.is_degraded(provider)`` before an LLM call. Writes copy the
+    dict under a lock and swap it in, so a read never sees a half-made update."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reports: dict[str, HealthReport] = {}
+
+    def __getitem__(self, provider: str) -> HealthReport:
+        return self._reports[provider]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._reports)
+
+    def __len__(self) -> int:
+        return len(self._reports)
+
+    def is_degraded(self, provider: str) -> bool:
+        report = self._reports.get(provider)
+        return report is not None and report.degraded
+
+    def publish(self, report: HealthReport) -> None:
+        with self._lock:
+            self._reports = {**self._reports, report.provider: report}
+
+    def __repr__(self) -> str:
+        return f"HealthView({self._reports!r})"
+
+
+# -- the fold the actor keeps: health, plus the latest decision's rule and time ------------
+
+
+class _Watch(msgspec.Struct, frozen=True, kw_only=True):
+    health: HealthState
+    rule: str | None = None
+    since: float | None = None
+
+
+class _WatchAggregate:
+    """HEALTH plus the rule and time of the latest decision (for Status after a restart)."""
+
+    name = "provider_health_watch"
+    version = 1
+    state_type = _Watch
+
+    def __init__(self, health: HealthAggregate) -> None:
+        self._health = health
+
+    def initial(self, stream: str) -> _Watch:
+        return _Watch(health=self._health.initial(stream))
+
+    def apply(self, state: _Watch, record: RecordedEvent) -> _Watch:
+        health = self._health.apply(state.health, record)
+        match record.event:
+            case ProviderDegraded(rule=rule) | ProviderRecovered(rule=rule):
+                return _Watch(health=health, rule=rule, since=record.ts)
+            case _:
+                return msgspec.structs.replace(state, health=health)
+
+    def folder(self, state: _Watch) -> ApplyFolder[_Watch]:
+        return ApplyFolder(self.apply, state)
+
+
+# -- the follower --------------------------------------------------------------------------
+
+
+class _Follower:
+    """Waits on the store's head and calls ``wake()`` whenever it moved."""
+
+    def __init__(self, store: EventStore, wake: Callable[[], None], name: str) -> None:
+        self._store = store
+        self._wake = wake
+        self._stop = threading.Event()
+        start = store.head()  # before the actor's first fold: nothing falls in between
+        self._thread = threading.Thread(target=self._run, args=(start,), name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self, seen: int) -> None:
+        while not self._stop.is_set():
+            try:
+                head = self._store.wait_for(seen + 1, FOLLOW_SLICE_S)
+            except StalwartError as exc:  # the store closed under us: nothing more to follow
+                log.info("health.follower_stopped", reason=str(exc))
+                return
+            if head > seen:
+                seen = head
+                self._wake()
+
+
+# -- the actor -----------------------------------------------------------------------------
+
+
+class ProviderHealthActor(pykka.ThreadingActor):
+    """Decides ``provider:degraded`` / ``provider:recovered`` for one provider.
+
+    Start with ``ProviderHealthActor.start(store, clock, scheduler, provider, settings,
+    listeners, view)``. Messages: :class:`Poll`, :class:`CallOutcome` (both reply with a
+    :class:`HealthReport` when asked) and :class:`Status`. Listeners (actor refs or
+    callables, called on the actor's thread: keep them cheap) are told
+    :class:`HealthChanged` once per appended decision.
+    """
+
+    def __init__(
+        self,
+        store: EventStore,
+        clock: Clock,
+        scheduler: Scheduler,
+        provider: str,
+        settings: HealthSettings | None = None,
+        listeners: Sequence[Listener] = (),
+        view: HealthView | None = None,
+        *,
+        follow: bool = True,
+    ) -> None:
+        super().__init__()
+        self._store = store
+        self._clock = clock
+        self._scheduler = scheduler
+        self._provider = provider
+        self._stream = f"provider:{provider}"
+        self._settings = settings or HealthSettings()
+        self._listeners = tuple(listeners)
+        self._view = view if view is not None else HealthView()
+        self._follow = follow
+        horizon = max(DEFAULT_HORIZON_MS, self._settings.window_ms)
+        self._aggregate = _WatchAggregate(HealthAggregate(horizon_ms=horizon))
+        self._state = self._aggregate.initial(self._stream)
+        self._timer: TimerHandle | None = None
+        self._poll_pending = threading.Event()
+        self._follower: _Follower | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def on_start(self) -> None:
+        if self._follow:
+            name = f"stalwart-health-{self._provider}"
+            self._follower = _Follower(self._store, self._wake, name)
+        self._state = self._load()
+        log.info("health.started", provider=self._provider, status=self._state.health.status)
+        self._settle()
+        if self._follower is not None:
+            self._follower.start()
+
+    def on_stop(self) -> None:
+        if self._follower is not None:
+            self._follower.stop()
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _load(self) -> _Watch:
+        state = load_state(self._store, self._stream, self._aggregate)
+        if state.health.horizon_ms < self._settings.window_ms:  # a snapshot of a narrower fold
+            state = load_state(self._store, self._stream, self._aggregate, use_snapshots=False)
+        return state
+
+    # -- messages ----------------------------------------------------------------------------
+
+    def on_receive(self, message: Any) -> Any:
+        match message:
+            case Poll():
+                self._poll_pending.clear()
+                self._settle()
+            case CallOutcome(record=record) if record.stream != self._stream:
+                log.warning("health.foreign_outcome", provider=self._provider, stream=record.stream)
+            case CallOutcome() | _Due():
+                self._settle()
+            case Status():
+                pass
+            case _:
+                raise TypeError(f"ProviderHealthActor does not understand {message!r}")
+        return self._report()
+
+    # -- receive, fold, decide, append, then act ---------------------------------------------
+
+    def _settle(self) -> None:
+        settings = self._settings
+        for _ in range(MAX_CONFLICTS):
+            self._catch_up()
+            now = self._clock.now()
+            decided = decide_health(
+                self._state.health,
+                now,
+                window_ms=settings.window_ms,
+                min_agents=settings.min_agents,
+                consecutive=settings.consecutive_failures,
+            )
+            if not decided:
+                break
+            try:
+                recorded = self._store.append(
+                    self._stream,
+                    [NewEvent(event=event, ts=now) for event in decided],
+                    expected_version=self._state.health.version,
+                )
+            except ConcurrencyError:
+                continue  # a caller appended meanwhile: fold it and decide again
+            for record in recorded:
+                self._fold(record)
+            self._announce(recorded)
+        else:
+            log.warning("health.append_contended", provider=self._provider, tries=MAX_CONFLICTS)
+            self.actor_ref.tell(Poll())
+        self._arm()
+        self._view.publish(self._report())
+
+    def _catch_up(self) -> None:
+        for record in self._store.read_stream(self._stream, self._state.health.version + 1):
+            self._fold(record)
+
+    def _fold(self, record: RecordedEvent) -> None:
+        self._state = self._aggregate.apply(self._state, record)
+
+    def _announce(self, recorded: list[RecordedEvent]) -> None:
+        for record in recorded:
+            event = record.event
+            if not isinstance(event, ProviderDegraded | ProviderRecovered):
+                continue
+            status: HealthStatus = "degraded" if isinstance(event, ProviderDegraded) else "healthy"
+            log.warning("health.changed", provider=self._provider, status=status, rule=event.rule)
+            changed = HealthChanged(
+                provider=self._provider,
+                status=status,
+                at=record.ts,
+                rule=event.rule,
+                version=record.version,
+            )
+            for listener in self._listeners:
+                self._tell(listener, changed)
+
+    def _tell(self, listener: Listener, changed: HealthChanged) -> None:
+        try:
+            if isinstance(listener, pykka.ActorRef):
+                listener.tell(changed)
+            else:
+                listener(changed)
+        except pykka.ActorDeadError:
+            log.warning("health.listener_dead", provider=self._provider, listener=repr(listener))
+        except Exception:
+            log.exception("health.listener_failed", provider=self._provider)
+
+    # -- the timer and the follower ----------------------------------------------------------
+
+    def _arm(self) -> None:
+        deadline = health_deadline(self._state.health, window_ms=self._settings.window_ms)
+        timer = self._timer
+        if deadline is None:
+            if timer is not None:
+                timer.cancel()
+                self._timer = None
+            return
+        if timer is not None and timer.active and timer.deadline == deadline:
+            return
+        if timer is not None:
+            timer.cancel()
+        self._timer = self._scheduler.schedule(deadline, self._due)
+
+    def _due(self, at: float) -> None:
+        """Scheduler callback (the scheduler's thread, or inside ``FakeClock.advance``)."""
+        with contextlib.suppress(pykka.ActorDeadError):  # stopped meanwhile
+            self.actor_ref.tell(_Due(at))
+
+    def _wake(self) -> None:
+        """Follower callback: at most one Poll waits in the mailbox."""
+        if self._poll_pending.is_set():
+            return
+        self._poll_pending.set()
+        with contextlib.suppress(pykka.ActorDeadError):
+            self.actor_ref.tell(Poll())
+
+    def _report(self) -> HealthReport:
+        health = self._state.health
+        return HealthReport(
+            provider=self._provider,
+            status=health.status,
+            since=self._state.since,
+            rule=self._state.rule,
+            version=health.version,
+            deadline=health_deadline(health, window_ms=self._settings.window_ms),
+        )
