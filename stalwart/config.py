@@ -261,6 +261,18 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                             key=f"{where}.{key}",
                         )
 
+    def to_record(self) -> dict[str, Any]:
+        """The config as ``runtime:started`` records it: everything replay needs, and no
+        secret a URL may carry (user info and query strings go; a webhook keeps only its
+        origin, since services like chat webhooks put the token in the path)."""
+        data: dict[str, Any] = msgspec.to_builtins(self)
+        for entry in data.get("providers", {}).values():
+            entry["base_url"] = _without_secrets(entry["base_url"], keep_path=True)
+        for entry in data.get("channels", {}).values():
+            if entry.get("url"):
+                entry["url"] = _without_secrets(entry["url"], keep_path=False)
+        return data
+
     def agent(self, name: str = "default") -> AgentSettings:
         """The named agent's settings, or ConfigError listing the configured ones."""
         try:
@@ -270,6 +282,15 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 f"no agent named {name!r} (configured: {sorted(self.agents) or 'none'})",
                 key=f"agents.{name}",
             ) from None
+
+
+def _without_secrets(url: str, *, keep_path: bool) -> str:
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    origin = f"{parts.scheme}://{host}" + (f":{parts.port}" if parts.port else "")
+    if not keep_path:
+        return f"{origin}/..." if parts.path.strip("/") else origin
+    return origin + parts.path
 
 
 _PATH = re.compile(r"at `\$((?:\.[A-Za-z_][\w]*|\[\d+\])*)`")

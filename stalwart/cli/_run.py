@@ -115,10 +115,8 @@ async def _turn(
 
 async def _main(config: Config, store: EventStore, agent: str, session: str, prompt: str) -> None:
     layer = ProviderLayer(config, store, clock=SystemClock())
-    config_data = {"store": {"snapshot_every": config.store.snapshot_every}}
-    config_data.update(__import__("msgspec").to_builtins(config))
     started = RuntimeStarted(
-        config=config_data,
+        config=config.to_record(),
         stalwart_version=__version__,
         host=socket.gethostname(),
         pid=os.getpid(),
