@@ -218,3 +218,16 @@ def test_every_decision_replays_and_episodes_alternate(
             kinds.append(type(record.event))
     assert all(a is not b for a, b in itertools.pairwise(kinds))
     assert not kinds or kinds[0] is ProviderDegraded
+
+
+def test_the_callers_own_mistakes_never_degrade_a_provider() -> None:
+    log = Log()
+    for index, agent in enumerate(["a", "b", "a", "a", "b"]):
+        mistake = ProviderCallFailed(
+            provider="p", model="m", agent=agent, error_class="context_overflow"
+        )
+        state = log.add(mistake, T0 + index)
+        assert decide_health(state, T0 + index, **KNOBS) == []
+    assert state.failures == ()
+    state = log.add(failed("a"), T0 + 10)  # a real failure still counts
+    assert len(state.failures) == 1

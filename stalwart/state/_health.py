@@ -30,6 +30,7 @@ from stalwart.events import (
 )
 
 from ._aggregate import ApplyFolder
+from ._breaker import CALLER_FAULTS
 
 HealthStatus = Literal["healthy", "degraded"]
 
@@ -84,6 +85,8 @@ def apply_health(state: HealthState, record: RecordedEvent) -> HealthState:
     event = record.event
     replace = msgspec.structs.replace
     match event:
+        case ProviderCallFailed() if event.error_class in CALLER_FAULTS:
+            return state  # the request was wrong, the provider is fine (as for the breaker)
         case ProviderCallFailed():
             mark = Mark(record.ts, event.agent, record.version)
             return replace(state, failures=(*state.failures, mark), last_failure_at=record.ts)
