@@ -39,6 +39,9 @@ class AnnouncementDeadLettered(Event, frozen=True, tag="announcement:dead_letter
     channel: str
     text: str
     reason: str
+    #: where a retry delivers it (added after v1: an older event has no conversation)
+    conversation: str = ""
+    thread: str | None = None
     severity: ClassVar[Severity] = "warning"
 
 

@@ -40,6 +40,8 @@ class DeadLetterEntry(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     attempts: int = 0
     last_attempt_at: float | None = None
     last_error: str | None = None
+    conversation: str = ""
+    thread: str | None = None
 
 
 class DeadLetterState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -85,6 +87,8 @@ def apply_deadletter(state: DeadLetterState, record: RecordedEvent) -> DeadLette
                 text=event.text,
                 reason=event.reason,
                 enqueued_at=record.ts,
+                conversation=event.conversation,
+                thread=event.thread,
             )
             return replace(state, entries=(*state.entries, entry))
         case AnnouncementSendFailed():
