@@ -1,5 +1,15 @@
 """pykka actors and the scheduler that turns deadlines into their messages."""
 
+from ._deadletter import (
+    DEADLETTER_STREAM,
+    DeadLetterActor,
+    Due,
+    Enqueue,
+    ProviderRecovered,
+    Sending,
+    Sent,
+    Snapshot,
+)
 from ._health import (
     CallOutcome,
     HealthChanged,
@@ -9,6 +19,7 @@ from ._health import (
     ProviderHealthActor,
     Status,
 )
+from ._portal import IoPortal
 from ._scheduler import (
     DEFAULT_LATENESS_WINDOW,
     MAX_WAIT_S,
@@ -19,16 +30,25 @@ from ._scheduler import (
 )
 
 __all__ = [
+    "DEADLETTER_STREAM",
     "DEFAULT_LATENESS_WINDOW",
     "MAX_WAIT_S",
     "CallOutcome",
+    "DeadLetterActor",
+    "Due",
+    "Enqueue",
     "HealthChanged",
     "HealthReport",
     "HealthView",
+    "IoPortal",
     "Poll",
     "ProviderHealthActor",
+    "ProviderRecovered",
     "Scheduler",
     "SchedulerStats",
+    "Sending",
+    "Sent",
+    "Snapshot",
     "Status",
     "TimerHandle",
     "TimerState",

@@ -1,0 +1,403 @@
+"""DeadLetter: the only writer of the ``deadletter`` stream (seed 000's dead-letter queue).
+
+An announcement or notice that could not be delivered is queued
+(``announcement:dead_lettered``), retried up to ``max_retries`` times with deterministic
+backoff, expired after ``max_age_ms`` or once its retries are spent
+(``announcement:dead_letter_expired``: every drop is an event, none silent), and drained
+at once, every entry, when a provider recovers. Each retry's outcome is recorded:
+``announcement:dead_letter_delivered`` (the entry leaves the queue) or
+``announcement:send_failed`` with the ``entry_id`` (one more attempt).
+
+The actor is a thin shell over the pure fold and policies of
+:mod:`stalwart.state` (``DEADLETTER``, ``decide_expiry``, ``due_retries``,
+``next_retry_at``, ``expiry_at``, ``drain``). For every message it receives, folds,
+decides, appends, then acts:
+
+* the state is only ever changed by folding what the store returned from an append, so
+  the actor's state is the replay of its stream at every moment;
+* decisions are appended with ``ts = clock.now()`` and computed from the state just
+  before them at that same ``ts``, so replay re-derives them;
+* a send starts only after what led to it is in the log, and runs on the
+  :class:`~stalwart.actors.IoPortal`, bounded by ``announce_timeout_ms``; its outcome
+  comes back as a :class:`Sent` message. At most one send per entry is in flight.
+
+Restarts resume the queue: ``on_start`` folds the stream, expires what is due, starts the
+retries that are due and arms the next deadline. A send in flight when the process died
+left no outcome in the log, so it is sent again: delivery is at least once, and every
+send of one announcement carries the same idempotency key (the announcement id) so that a
+receiver can drop the duplicate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
+from types import TracebackType
+from typing import Any
+
+import anyio
+import msgspec
+import pykka
+import structlog
+
+from stalwart.channels import Channel, OutboundMessage
+from stalwart.clock import Clock
+from stalwart.config import DeadLetterSettings
+from stalwart.errors import ChannelError
+from stalwart.events import (
+    AnnouncementDeadLetterDelivered,
+    AnnouncementDeadLettered,
+    AnnouncementSendFailed,
+    Event,
+)
+from stalwart.ids import new_id
+from stalwart.state import (
+    DEADLETTER,
+    DeadLetterEntry,
+    DeadLetterState,
+    apply_deadletter,
+    decide_expiry,
+    drain,
+    due_retries,
+    expiry_at,
+    next_retry_at,
+)
+from stalwart.store import EventStore, NewEvent, load_state
+
+from ._portal import IoPortal
+from ._scheduler import Scheduler
+
+__all__ = [
+    "DEADLETTER_STREAM",
+    "DeadLetterActor",
+    "Due",
+    "Enqueue",
+    "ProviderRecovered",
+    "Sending",
+    "Sent",
+    "Snapshot",
+]
+
+log = structlog.get_logger(__name__)
+
+DEADLETTER_STREAM = "deadletter"
+
+
+# -- messages -----------------------------------------------------------------------------
+
+
+class Enqueue(msgspec.Struct, frozen=True):
+    """Queue an announcement that could not be delivered; ``ask`` replies with the new
+    entry id once ``announcement:dead_lettered`` is in the log."""
+
+    announcement_id: str
+    channel: str
+    conversation: str
+    text: str
+    reason: str
+    thread: str | None = None
+
+
+class Due(msgspec.Struct, frozen=True):
+    """A deadline (retry or expiry) came: the scheduler fired at ``at``."""
+
+    at: float
+
+
+class Sent(msgspec.Struct, frozen=True):
+    """The outcome of one send of entry ``entry_id``; ``error_class`` is content-free
+    (a ChannelError's ``kind``, ``timeout``, ``unknown_channel``, ``cancelled``, ...)."""
+
+    entry_id: str
+    ok: bool
+    error_class: str | None = None
+
+
+class ProviderRecovered(msgspec.Struct, frozen=True):
+    """``provider:recovered`` was decided for ``provider``: drain the queue now."""
+
+    provider: str
+
+
+class Snapshot(msgspec.Struct, frozen=True):
+    """Ask for the current :class:`~stalwart.state.DeadLetterState`."""
+
+
+class Sending(msgspec.Struct, frozen=True):
+    """Ask for the ids of the entries whose send is in flight (a tuple, in the order the
+    sends started)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _InFlight:
+    future: Future[str | None]
+    announcement_id: str
+    attempt: int  # the attempt this send is, counting from 1
+
+
+# -- the send, on the portal's loop -------------------------------------------------------
+
+
+async def _deliver(
+    channel: Channel | None, message: OutboundMessage, timeout_s: float
+) -> str | None:
+    """Send ``message``; None when delivered, else the content-free class of the failure."""
+    if channel is None:
+        return "unknown_channel"
+    with anyio.move_on_after(timeout_s):
+        try:
+            await channel.send(message)
+        except ChannelError as exc:
+            return exc.kind
+        except Exception as exc:  # a channel that breaks its protocol: still an outcome
+            return type(exc).__name__
+        return None
+    return "timeout"
+
+
+def _outcome(entry_id: str, future: Future[str | None]) -> Sent:
+    if future.cancelled():
+        return Sent(entry_id, ok=False, error_class="cancelled")
+    exc = future.exception()
+    error = type(exc).__name__ if exc is not None else future.result()
+    return Sent(entry_id, ok=error is None, error_class=error)
+
+
+# -- the actor ----------------------------------------------------------------------------
+
+
+class DeadLetterActor(pykka.ThreadingActor):
+    """Owns the ``deadletter`` stream: queue, retry, expire, drain.
+
+    Start with ``DeadLetterActor.start(store=..., clock=..., scheduler=..., portal=...,
+    channels={name: channel}, settings=DeadLetterSettings())``. Messages:
+    :class:`Enqueue` (replies with the entry id), :class:`ProviderRecovered`,
+    :class:`Snapshot` (replies with the state), :class:`Sending` (replies with the ids in
+    flight); :class:`Due` and :class:`Sent` are told by its own timer and sends.
+
+    A store error or an append conflict (another writer on its stream) fails the actor;
+    its supervisor restarts it, and the restart rebuilds everything from the log.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: EventStore,
+        clock: Clock,
+        scheduler: Scheduler,
+        portal: IoPortal,
+        channels: Mapping[str, Channel],
+        settings: DeadLetterSettings | None = None,
+        stream: str = DEADLETTER_STREAM,
+    ) -> None:
+        super().__init__()
+        self._store = store
+        self._clock = clock
+        self._scheduler = scheduler
+        self._portal = portal
+        self._channels = dict(channels)
+        self._settings = settings or DeadLetterSettings()
+        self._stream = stream
+        self._state: DeadLetterState = DEADLETTER.initial(stream)
+        self._in_flight: dict[str, _InFlight] = {}
+        self._timer_key = ("deadletter", self.actor_urn)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def on_start(self) -> None:
+        self._state = load_state(self._store, self._stream, DEADLETTER)
+        state = self._state
+        log.info("deadletter.started", entries=len(state.entries), version=state.version)
+        self._tick(self._clock.now())
+
+    def on_stop(self) -> None:
+        self._release()
+
+    def on_failure(
+        self,
+        exception_type: type[BaseException] | None,
+        exception_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        """Cancel the timer and the sends in flight; their outcomes reach no one."""
+        self._scheduler.cancel(self._timer_key)
+        for sending in self._in_flight.values():
+            sending.future.cancel()
+        self._in_flight.clear()
+
+    # -- messages ----------------------------------------------------------------------------
+
+    def on_receive(self, message: Any) -> Any:
+        match message:
+            case Enqueue():
+                return self._enqueue(message)
+            case Due():
+                self._tick(self._clock.now())
+            case Sent():
+                self._sent(message)
+            case ProviderRecovered(provider=provider):
+                self._drain(provider)
+            case Snapshot():
+                return self._state
+            case Sending():
+                return tuple(self._in_flight)
+            case _:
+                raise TypeError(f"DeadLetterActor does not understand {message!r}")
+        return None
+
+    def _enqueue(self, message: Enqueue) -> str:
+        event = AnnouncementDeadLettered(
+            entry_id=new_id(),
+            announcement_id=message.announcement_id,
+            channel=message.channel,
+            text=message.text,
+            reason=message.reason,
+            conversation=message.conversation,
+            thread=message.thread,
+        )
+        self._append([event], self._clock.now())
+        log.warning(
+            "deadletter.enqueued",
+            entry_id=event.entry_id,
+            announcement_id=event.announcement_id,
+            channel=event.channel,
+            reason=event.reason,
+        )
+        self._arm()
+        return event.entry_id
+
+    def _sent(self, message: Sent) -> None:
+        sending = self._in_flight.pop(message.entry_id, None)
+        if sending is None:  # a stray Sent, not from a send of this actor
+            return
+        event: Event
+        if message.ok:
+            event = AnnouncementDeadLetterDelivered(
+                entry_id=message.entry_id, attempts=sending.attempt
+            )
+        else:
+            event = AnnouncementSendFailed(
+                announcement_id=sending.announcement_id,
+                error_class=message.error_class or "unknown",
+                entry_id=message.entry_id,
+            )
+        now = self._clock.now()
+        self._append([event], now)  # the observation, even for an entry expired meanwhile
+        log.info(
+            "deadletter.sent",
+            entry_id=message.entry_id,
+            ok=message.ok,
+            error_class=message.error_class,
+            attempt=sending.attempt,
+        )
+        self._tick(now)
+
+    def _drain(self, provider: str) -> None:
+        now = self._clock.now()
+        self._expire(now)
+        entries = drain(self._state)
+        log.info("deadletter.draining", provider=provider, entries=len(entries))
+        for entry_id in entries:
+            self._send(entry_id)
+        self._arm()
+
+    # -- fold, decide, append, then act ------------------------------------------------------
+
+    def _tick(self, now: float) -> None:
+        """Expire what is due at ``now``, start the retries that are due, re-arm."""
+        self._expire(now)
+        settings = self._settings
+        for entry_id in due_retries(
+            self._state,
+            now,
+            max_retries=settings.max_retries,
+            base_ms=settings.retry_base_ms,
+            cap_ms=settings.retry_cap_ms,
+        ):
+            self._send(entry_id)
+        self._arm()
+
+    def _expire(self, now: float) -> None:
+        expired = decide_expiry(
+            self._state,
+            now,
+            max_age_ms=self._settings.max_age_ms,
+            max_retries=self._settings.max_retries,
+        )
+        if expired:
+            self._append(expired, now)
+            log.warning("deadletter.expired", entries=len(expired))
+
+    def _append(self, events: Sequence[Event], now: float) -> None:
+        """Append at ``now`` (expecting the version folded so far), then fold the records."""
+        records = self._store.append(
+            self._stream,
+            [NewEvent(event=event, ts=now) for event in events],
+            expected_version=self._state.version,
+        )
+        for record in records:
+            self._state = apply_deadletter(self._state, record)
+
+    def _send(self, entry_id: str) -> None:
+        """Start one send of the entry on the portal, unless one is in flight already."""
+        if entry_id in self._in_flight:
+            return
+        entry = self._entry(entry_id)
+        message = OutboundMessage(
+            conversation=entry.conversation,
+            text=entry.text,
+            thread=entry.thread,
+            idempotency_key=entry.announcement_id,
+        )
+        timeout_s = self._settings.announce_timeout_ms / 1000
+        channel = self._channels.get(entry.channel)
+        future = self._portal.submit(_deliver, channel, message, timeout_s)
+        self._in_flight[entry_id] = _InFlight(future, entry.announcement_id, entry.attempts + 1)
+        future.add_done_callback(partial(self._settled, entry_id))
+
+    def _settled(self, entry_id: str, future: Future[str | None]) -> None:
+        """Done-callback (the portal's thread): the outcome becomes a message."""
+        with contextlib.suppress(pykka.ActorDeadError):  # stopped meanwhile
+            self.actor_ref.tell(_outcome(entry_id, future))
+
+    def _arm(self) -> None:
+        """One timer at the earliest retry (of entries not in flight) or expiry."""
+        settings = self._settings
+        waiting = msgspec.structs.replace(
+            self._state,
+            entries=tuple(e for e in self._state.entries if e.entry_id not in self._in_flight),
+        )
+        deadlines = [
+            at
+            for at in (
+                next_retry_at(
+                    waiting,
+                    max_retries=settings.max_retries,
+                    base_ms=settings.retry_base_ms,
+                    cap_ms=settings.retry_cap_ms,
+                ),
+                expiry_at(self._state, max_age_ms=settings.max_age_ms),
+            )
+            if at is not None
+        ]
+        if deadlines:
+            self._scheduler.schedule(min(deadlines), self._due, key=self._timer_key)
+        else:
+            self._scheduler.cancel(self._timer_key)
+
+    def _due(self, at: float) -> None:
+        """Scheduler callback (its thread, or inside ``FakeClock.advance``)."""
+        with contextlib.suppress(pykka.ActorDeadError):  # stopped meanwhile
+            self.actor_ref.tell(Due(at))
+
+    def _entry(self, entry_id: str) -> DeadLetterEntry:
+        for entry in self._state.entries:
+            if entry.entry_id == entry_id:
+                return entry
+        raise KeyError(entry_id)
