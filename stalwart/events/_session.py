@@ -53,8 +53,18 @@ class TurnStarted(Event, frozen=True, tag="turn:started"):
 
 
 class TurnCompleted(Event, frozen=True, tag="turn:completed"):
+    """A turn ended. ``interrupted``: closed on restart after a crash left it running;
+    ``deferred``: no model call was made (the provider is degraded). ``reason`` names the
+    rule that ended a turn that was not answered (``max_steps``, ``pipeline_timeout``,
+    ``all_models_failed``, ``context_overflow``, ``provider_degraded``, ``restart``) and
+    ``steps`` how many model calls it made."""
+
     turn_id: str
-    outcome: Literal["answered", "failed", "aborted", "paused"] = "answered"
+    outcome: Literal["answered", "failed", "aborted", "paused", "interrupted", "deferred"] = (
+        "answered"
+    )
+    reason: str | None = None
+    steps: int = 0
 
 
 class ToolStarted(Event, frozen=True, tag="tool:started"):

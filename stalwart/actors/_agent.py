@@ -1,0 +1,451 @@
+"""The Agent: the only writer of one session's stream, running the agent loop.
+
+A turn is model call -> tool calls (run concurrently, at most ``tool_limit`` at once) ->
+tool results -> the next model call, until the model answers without tool calls or the
+turn has made ``max_steps`` model calls. Every step is appended before it is acted on,
+and the actor never blocks on the network: model calls, tool runs and channel sends are
+submitted to the :class:`~stalwart.actors.IoPortal` and their outcomes come back as
+messages (:class:`ModelDone`, :class:`ToolsDone`, :class:`SendDone`), which the actor folds
+like anything else. A result of a turn that is no longer running is dropped, so a turn
+ends in exactly one user-facing message: the answer, or one static text.
+
+What ends a turn, besides an answer:
+
+- the **execution timeout** (``execution_timeout_ms`` after ``turn:started``, a scheduler
+  timer keyed by the turn): ``execution:aborted`` (``pipeline_timeout``), the in-flight
+  call is cancelled (which closes its HTTP request), :data:`TIMEOUT_TEXT`, outcome
+  ``aborted``;
+- every model failing: :data:`FAILED_TEXT` (:data:`OVERFLOW_TEXT` for a context
+  overflow), outcome ``failed``;
+- ``max_steps`` model calls with tool calls still coming: :data:`MAX_STEPS_TEXT`;
+- a degraded provider (``is_degraded(provider)`` before a model call): no call is made,
+  :data:`DEGRADED_TEXT` at once, outcome ``deferred``; the user message stays in the log.
+
+User messages that arrive while a turn runs wait in memory (FIFO) and are appended when
+their turn starts. On start the actor folds its stream; a turn that a crash left running
+is closed with ``turn:completed`` outcome ``interrupted`` (resuming it is a later step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, Literal
+
+import pykka
+import structlog
+
+from stalwart.channels import Channel, MessageKind, OutboundMessage
+from stalwart.clock import Clock
+from stalwart.events import (
+    AnnouncementDelivered,
+    AnnouncementQueued,
+    AnnouncementSendFailed,
+    Event,
+    MessageAppended,
+    RecordedEvent,
+    SessionCreated,
+    ToolCall,
+    TurnCompleted,
+    TurnStarted,
+)
+from stalwart.ids import new_id
+from stalwart.providers import ModelCaller, ProviderRequest
+from stalwart.store import EventStore, NewEvent, load_state
+from stalwart.tools import (
+    ToolOutcome,
+    ToolRegistry,
+    blocked_outcome,
+    decide_tool_call,
+    outcome_event,
+    started_event,
+)
+
+from ._agent_fold import (
+    AGENT_VIEW,
+    AgentViewFolder,
+    decide_execution_timeout,
+    execution_deadline,
+    request_messages,
+)
+from ._agent_io import LiveTurn, deliver, model_done, run_calls, sent, tools_done
+from ._agent_messages import (
+    DEGRADED_TEXT,
+    EMPTY_ANSWER_TEXT,
+    FAILED_TEXT,
+    MAX_STEPS_TEXT,
+    OVERFLOW_TEXT,
+    TIMEOUT_TEXT,
+    AgentLoopSettings,
+    AgentReport,
+    AgentStatus,
+    Deadline,
+    ModelDone,
+    SendDone,
+    ToolsDone,
+    UserMessage,
+)
+from ._deadletter import Enqueue
+from ._portal import IoPortal
+from ._scheduler import Scheduler
+
+__all__ = ["AgentActor"]
+
+log = structlog.get_logger(__name__)
+
+#: What an announcement is (``announcement:queued``): the answer, or a static text.
+Kind = Literal["completion", "failure_notice", "static_reply"]
+Outcome = Literal["answered", "failed", "aborted", "deferred"]
+#: The channel's kind of each announcement kind.
+_MESSAGE_KIND: dict[Kind, MessageKind] = {
+    "completion": "reply",
+    "failure_notice": "failure_notice",
+    "static_reply": "static_reply",
+}
+
+
+class AgentActor(pykka.ThreadingActor):
+    """Runs the agent loop of one session; the only writer of ``session:<session_id>``.
+
+    Start with ``AgentActor.start(session_id, store, clock, scheduler, portal, caller,
+    tools, channel, conversation=..., thread=..., settings=..., is_degraded=...)``.
+    Tell it :class:`UserMessage`; ask it :class:`AgentStatus` (always with a timeout)
+    for an :class:`AgentReport`. ``is_degraded(provider)`` must be cheap and
+    thread-safe (a :class:`HealthView`'s ``is_degraded`` is). A send that fails is
+    recorded and, given ``dead_letters`` (a DeadLetterActor), queued there for retries.
+    """
+
+    def __init__(
+        self,
+        session_id: str,
+        store: EventStore,
+        clock: Clock,
+        scheduler: Scheduler,
+        portal: IoPortal,
+        caller: ModelCaller,
+        tools: ToolRegistry,
+        channel: Channel,
+        *,
+        conversation: str | None = None,
+        thread: str | None = None,
+        settings: AgentLoopSettings | None = None,
+        is_degraded: Callable[[str], bool] | None = None,
+        dead_letters: pykka.ActorRef[Any] | None = None,
+        agent_name: str = "default",
+    ) -> None:
+        super().__init__()
+        self._stream = f"session:{session_id}"
+        self._store = store
+        self._clock = clock
+        self._scheduler = scheduler
+        self._portal = portal
+        self._caller = caller
+        self._tools = tools
+        self._channel = channel
+        self._conversation = conversation if conversation is not None else session_id
+        self._thread = thread
+        self._settings = settings or AgentLoopSettings()
+        self._is_degraded = is_degraded
+        self._dead_letters = dead_letters
+        self._agent_name = agent_name
+        self._unsent: dict[str, str] = {}  # announcement id -> text, until its send ends
+        self._folder = AgentViewFolder(AGENT_VIEW.initial(self._stream))
+        self._turn: LiveTurn | None = None
+        self._queue: deque[UserMessage] = deque()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def on_start(self) -> None:
+        self._folder = AGENT_VIEW.folder(load_state(self._store, self._stream, AGENT_VIEW))
+        if self._folder.version == 0:
+            created = SessionCreated(agent=self._agent_name, channel=self._channel.name)
+            self._append([created])
+        running = self._folder.state().session.current_turn
+        if running is not None:
+            log.warning("agent.turn_interrupted", stream=self._stream, turn_id=running)
+            self._append([TurnCompleted(turn_id=running, outcome="interrupted", reason="restart")])
+
+    def on_stop(self) -> None:
+        if self._turn is not None:
+            self._turn.stop()  # the turn stays running in the log: a restart closes it
+
+    def on_failure(self, *exc_info: object) -> None:
+        self.on_stop()
+
+    # -- messages ----------------------------------------------------------------------------
+
+    def on_receive(self, message: Any) -> Any:
+        match message:
+            case UserMessage():
+                self._on_user(message)
+            case ModelDone():
+                self._on_model_done(message)
+            case ToolsDone():
+                self._on_tools_done(message)
+            case SendDone():
+                self._on_sent(message)
+            case Deadline():
+                self._on_deadline(message)
+            case AgentStatus():
+                pass
+            case _:
+                raise TypeError(f"AgentActor does not understand {message!r}")
+        return self._report()
+
+    def _report(self) -> AgentReport:
+        turn = self._turn
+        return AgentReport(
+            session=self._folder.state().session,
+            queued=len(self._queue),
+            step=turn.step if turn is not None else 0,
+            waiting_for=turn.waiting_for() if turn is not None else None,
+        )
+
+    def _on_user(self, message: UserMessage) -> None:
+        if self._turn is not None:
+            self._queue.append(message)
+            log.info("agent.queued", stream=self._stream, queued=len(self._queue))
+            return
+        self._start_turn(message)
+
+    def _on_model_done(self, message: ModelDone) -> None:
+        turn = self._current(message.turn_id, message.step, "model")
+        if turn is None or self._overdue(turn):
+            return
+        turn.future = None
+        if message.error == "context_overflow":
+            self._finish(turn, "failed", "context_overflow", OVERFLOW_TEXT, "failure_notice")
+            return
+        if message.error is not None or message.response is None:
+            reason = message.error or "internal"
+            self._finish(turn, "failed", reason, FAILED_TEXT, "failure_notice")
+            return
+        response = message.response
+        assistant = MessageAppended(
+            message_id=new_id(),
+            role="assistant",
+            content=response.text,
+            tool_calls=response.tool_calls,
+            turn_id=turn.turn_id,
+        )
+        if not response.tool_calls:
+            text = response.text or EMPTY_ANSWER_TEXT
+            self._finish(turn, "answered", None, text, "completion", before=[assistant])
+            return
+        self._start_tools(turn, assistant, response.tool_calls)
+
+    def _on_tools_done(self, message: ToolsDone) -> None:
+        turn = self._current(message.turn_id, message.step, "tools")
+        if turn is None or self._overdue(turn):
+            return
+        turn.future = None
+        ran = len(turn.calls) - len(turn.blocked)
+        if message.error is not None or len(message.outcomes) != ran:
+            self._finish(turn, "failed", "tools_broke", FAILED_TEXT, "failure_notice")
+            return
+        outcomes = iter(message.outcomes)
+        events: list[Event] = []
+        for index, call in enumerate(turn.calls):
+            outcome = turn.blocked.get(index)
+            if outcome is None:  # a blocked call's decision is in the log already
+                outcome = next(outcomes)
+                events.append(outcome_event(outcome))
+            events.append(
+                MessageAppended(
+                    message_id=new_id(),
+                    role="tool",
+                    content=outcome.text,
+                    tool_call_id=call.id,
+                    name=call.name,
+                    turn_id=turn.turn_id,
+                )
+            )
+        turn.calls, turn.blocked = (), {}
+        self._append(events)
+        if turn.step >= self._settings.max_steps:
+            self._finish(turn, "failed", "max_steps", MAX_STEPS_TEXT, "failure_notice")
+            return
+        self._call_model(turn)
+
+    def _on_sent(self, message: SendDone) -> None:
+        event: Event
+        error_class = message.error_class or "unknown"
+        if message.ok:
+            delivered = message.announcement_id
+            event = AnnouncementDelivered(announcement_id=delivered, path=message.path)
+        else:
+            log.warning("agent.send_failed", stream=self._stream, error_class=error_class)
+            event = AnnouncementSendFailed(
+                announcement_id=message.announcement_id, error_class=error_class
+            )
+        self._append([event])
+        text = self._unsent.pop(message.announcement_id, None)
+        if not message.ok and text is not None and self._dead_letters is not None:
+            enqueue = Enqueue(
+                announcement_id=message.announcement_id,
+                channel=self._channel.name,
+                conversation=self._conversation,
+                text=text,
+                reason=error_class,
+                thread=self._thread,
+            )
+            with contextlib.suppress(pykka.ActorDeadError):
+                self._dead_letters.tell(enqueue)
+
+    def _on_deadline(self, message: Deadline) -> None:
+        turn = self._turn
+        if turn is None or turn.turn_id != message.turn_id:
+            return  # the turn ended before its timer's message came
+        if not self._overdue(turn):  # cannot happen with one clock; never abort early
+            log.warning("agent.deadline_early", stream=self._stream, at=message.at)
+            self._arm(turn)
+
+    # -- the loop: append first, then act ----------------------------------------------------
+
+    def _start_turn(self, message: UserMessage) -> None:
+        turn_id = new_id()
+        user = MessageAppended(
+            message_id=message.message_id or new_id(),
+            role="user",
+            content=message.text,
+            turn_id=turn_id,
+        )
+        recorded = self._append([TurnStarted(turn_id=turn_id), user])
+        turn = LiveTurn(turn_id, recorded[0].ts)
+        self._turn = turn
+        self._arm(turn)
+        self._call_model(turn)
+
+    def _arm(self, turn: LiveTurn) -> None:
+        deadline = execution_deadline(turn.started_at, self._settings.execution_timeout_ms)
+        fire = partial(self._fire, turn.turn_id)
+        turn.timer = self._scheduler.schedule(deadline, fire, key=("agent:execution", turn.turn_id))
+
+    def _call_model(self, turn: LiveTurn) -> None:
+        provider = self._caller.agent.provider
+        if self._is_degraded is not None and self._is_degraded(provider):
+            log.warning("agent.provider_degraded", stream=self._stream, provider=provider)
+            self._finish(turn, "deferred", "provider_degraded", DEGRADED_TEXT, "static_reply")
+            return
+        turn.step += 1
+        request = ProviderRequest(
+            messages=request_messages(self._folder.messages, self._settings.system_prompt),
+            tools=self._tools.specs(),
+            max_tokens=self._caller.agent.max_tokens,
+        )
+        future = self._portal.submit(self._caller.call, self._stream, request)
+        turn.future = future
+        turn_id, step = turn.turn_id, turn.step
+        future.add_done_callback(lambda done: self._tell(model_done(turn_id, step, done)))
+
+    def _start_tools(
+        self, turn: LiveTurn, assistant: MessageAppended, calls: tuple[ToolCall, ...]
+    ) -> None:
+        breaker = self._folder.tools
+        events: list[Event] = [assistant]
+        blocked: dict[int, ToolOutcome] = {}
+        to_run: list[ToolCall] = []
+        for index, call in enumerate(calls):
+            decision = decide_tool_call(breaker, call.name, call.arguments, call_id=call.id)
+            if decision is not None:
+                events.append(decision)
+                blocked[index] = blocked_outcome(call, decision)
+            else:
+                events.append(started_event(call, turn_id=turn.turn_id))
+                to_run.append(call)
+        self._append(events)
+        turn.calls, turn.blocked = calls, blocked
+        if not to_run:
+            self._on_tools_done(ToolsDone(turn_id=turn.turn_id, step=turn.step))
+            return
+        limit = self._settings.tool_limit
+        future = self._portal.submit(run_calls, self._tools, tuple(to_run), limit)
+        turn.future = future
+        turn_id, step = turn.turn_id, turn.step
+        future.add_done_callback(lambda done: self._tell(tools_done(turn_id, step, done)))
+
+    def _overdue(self, turn: LiveTurn) -> bool:
+        """Abort the turn if the execution timeout says so (the pure decision, at now)."""
+        now = self._clock.now()
+        limit = self._settings.execution_timeout_ms
+        aborted = decide_execution_timeout(turn.turn_id, turn.started_at, now, limit)
+        if aborted is None:
+            return False
+        log.warning("agent.execution_timeout", stream=self._stream, elapsed_ms=aborted.elapsed_ms)
+        self._finish(
+            turn, "aborted", "pipeline_timeout", TIMEOUT_TEXT, "failure_notice", before=[aborted]
+        )
+        return True
+
+    def _finish(
+        self,
+        turn: LiveTurn,
+        outcome: Outcome,
+        reason: str | None,
+        text: str,
+        kind: Kind,
+        *,
+        before: Sequence[Event] = (),
+    ) -> None:
+        """End the turn: append its end and the announcement, stop what is in flight,
+        send the one user-facing message, and take the next queued message."""
+        announcement_id = new_id()
+        completed = TurnCompleted(
+            turn_id=turn.turn_id, outcome=outcome, reason=reason, steps=turn.step
+        )
+        queued = AnnouncementQueued(
+            announcement_id=announcement_id, channel=self._channel.name, kind=kind, text=text
+        )
+        self._append([*before, completed, queued])
+        turn.stop()
+        self._turn = None
+        self._send(turn.turn_id, announcement_id, text, kind)
+        if self._queue:
+            self._start_turn(self._queue.popleft())
+
+    def _send(self, turn_id: str, announcement_id: str, text: str, kind: Kind) -> None:
+        message = OutboundMessage(
+            conversation=self._conversation,
+            text=text,
+            thread=self._thread,
+            idempotency_key=announcement_id,
+            kind=_MESSAGE_KIND[kind],
+        )
+        # the answer goes the announce path; a static text is a direct send (seed 000)
+        path: Literal["announce", "direct"] = "announce" if kind == "completion" else "direct"
+        timeout_s = self._settings.send_timeout_ms / 1000
+        self._unsent[announcement_id] = text
+        future = self._portal.submit(deliver, self._channel, message, timeout_s)
+        future.add_done_callback(
+            lambda done: self._tell(sent(turn_id, announcement_id, path, done))
+        )
+
+    # -- the log and the mailbox -------------------------------------------------------------
+
+    def _append(self, events: Sequence[Event]) -> list[RecordedEvent]:
+        """Append at now, then fold the stream up to its head (the model caller appends
+        prompt events to it too, so what was recorded meanwhile is folded in order)."""
+        now = self._clock.now()
+        recorded = self._store.append(self._stream, [NewEvent(event=e, ts=now) for e in events])
+        for record in self._store.read_stream(self._stream, self._folder.version + 1):
+            self._folder.add(record)
+        return recorded
+
+    def _current(self, turn_id: str, step: int, what: str) -> LiveTurn | None:
+        turn = self._turn
+        if turn is None or turn.turn_id != turn_id or turn.step != step:
+            log.info("agent.late_result", stream=self._stream, turn_id=turn_id, what=what)
+            return None
+        return turn
+
+    def _fire(self, turn_id: str, at: float) -> None:
+        """Scheduler callback (its thread, or inside ``FakeClock.advance``)."""
+        self._tell(Deadline(turn_id, at))
+
+    def _tell(self, message: object | None) -> None:
+        """Future callback (the portal's thread, or the one that cancelled): tell, no more."""
+        if message is not None:
+            with contextlib.suppress(pykka.ActorDeadError):
+                self.actor_ref.tell(message)

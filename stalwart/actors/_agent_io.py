@@ -1,0 +1,125 @@
+"""The Agent's I/O on the portal, and the messages its finished futures turn into.
+
+The coroutines run on the :class:`~stalwart.actors.IoPortal`'s loop; the ``*_done``
+functions run in a future's done-callback (the portal's thread, or the thread that
+cancelled it), so they only build a message: a cancelled future makes none (its turn
+was stopped on purpose). No error text goes into a message, only stable classes.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any, Literal
+
+import anyio
+import structlog
+
+from stalwart.channels import Channel, Delivery, OutboundMessage
+from stalwart.errors import ChannelError, ContextOverflowError, ProviderError
+from stalwart.events import ToolCall
+from stalwart.providers import ProviderResponse
+from stalwart.tools import ToolOutcome, ToolRegistry, run_tools
+
+from ._agent_messages import ModelDone, SendDone, ToolsDone
+from ._scheduler import TimerHandle
+
+__all__ = ["LiveTurn", "deliver", "model_done", "run_calls", "sent", "tools_done"]
+
+log = structlog.get_logger(__name__)
+
+
+class LiveTurn:
+    """The running turn, as only the live actor knows it (what is in flight)."""
+
+    __slots__ = ("blocked", "calls", "future", "started_at", "step", "timer", "turn_id")
+
+    def __init__(self, turn_id: str, started_at: float) -> None:
+        self.turn_id = turn_id
+        self.started_at = started_at
+        self.step = 0
+        self.future: Future[Any] | None = None
+        self.timer: TimerHandle | None = None
+        self.calls: tuple[ToolCall, ...] = ()
+        self.blocked: dict[int, ToolOutcome] = {}  # position in calls -> blocked outcome
+
+    def waiting_for(self) -> Literal["model", "tools"] | None:
+        if self.future is None:
+            return None
+        return "tools" if self.calls else "model"
+
+    def stop(self) -> None:
+        """Cancel the timer and whatever is in flight (the portal cancels the task)."""
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.future is not None:
+            self.future.cancel()
+            self.future = None
+
+
+async def run_calls(
+    registry: ToolRegistry, calls: tuple[ToolCall, ...], limit: int
+) -> tuple[ToolOutcome, ...]:
+    """Run ``calls``, at most ``limit`` at once (outcomes in the calls' order)."""
+    return await run_tools(registry, calls, limit=limit)
+
+
+async def deliver(channel: Channel, message: OutboundMessage, timeout_s: float) -> Delivery:
+    """Send ``message`` within ``timeout_s`` (the caller owns the send's deadline)."""
+    with anyio.fail_after(timeout_s):
+        return await channel.send(message)
+
+
+def model_done(turn_id: str, step: int, future: Future[ProviderResponse]) -> ModelDone | None:
+    """The message a finished model call makes."""
+    if future.cancelled():
+        return None
+    exc = future.exception()
+    if exc is None:
+        return ModelDone(turn_id=turn_id, step=step, response=future.result())
+    if isinstance(exc, ContextOverflowError):
+        error: Literal["all_models_failed", "context_overflow", "internal"] = "context_overflow"
+        return ModelDone(turn_id=turn_id, step=step, error=error, error_class=exc.kind)
+    if isinstance(exc, ProviderError):
+        error = "all_models_failed"
+        return ModelDone(turn_id=turn_id, step=step, error=error, error_class=exc.kind)
+    log.error("agent.model_call_broke", turn_id=turn_id, error_type=type(exc).__name__)
+    return ModelDone(turn_id=turn_id, step=step, error="internal", error_class=type(exc).__name__)
+
+
+def tools_done(
+    turn_id: str, step: int, future: Future[tuple[ToolOutcome, ...]]
+) -> ToolsDone | None:
+    """The message a finished tool run makes (``error``: running them broke, a bug)."""
+    if future.cancelled():
+        return None
+    exc = future.exception()
+    if exc is None:
+        return ToolsDone(turn_id=turn_id, step=step, outcomes=future.result())
+    log.error("agent.tool_run_broke", turn_id=turn_id, error_type=type(exc).__name__)
+    return ToolsDone(turn_id=turn_id, step=step, error=type(exc).__name__)
+
+
+def sent(
+    turn_id: str,
+    announcement_id: str,
+    path: Literal["announce", "direct"],
+    future: Future[Delivery],
+) -> SendDone | None:
+    """The message a finished channel send makes."""
+    if future.cancelled():
+        return None
+    exc = future.exception()
+    error_class: str | None = None
+    if isinstance(exc, ChannelError):
+        error_class = exc.kind
+    elif isinstance(exc, TimeoutError):
+        error_class = "timeout"
+    elif exc is not None:
+        error_class = type(exc).__name__
+    return SendDone(
+        turn_id=turn_id,
+        announcement_id=announcement_id,
+        ok=exc is None,
+        error_class=error_class,
+        path=path,
+    )
