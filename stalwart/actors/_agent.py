@@ -162,7 +162,7 @@ class AgentActor(pykka.ThreadingActor):
         if self._folder.version == 0:
             created = SessionCreated(agent=self._agent_name, channel=self._channel.name)
             self._append([created])
-        running = self._folder.state().session.current_turn
+        running = self._folder.session().current_turn
         if running is not None:
             log.warning("agent.turn_interrupted", stream=self._stream, turn_id=running)
             self._append([TurnCompleted(turn_id=running, outcome="interrupted", reason="restart")])
@@ -179,7 +179,7 @@ class AgentActor(pykka.ThreadingActor):
     def on_receive(self, message: Any) -> Any:
         match message:
             case UserMessage():
-                self._on_user(message)
+                self._queue.append(message)  # taken at once when no turn runs
             case ModelDone():
                 self._on_model_done(message)
             case ToolsDone():
@@ -192,23 +192,20 @@ class AgentActor(pykka.ThreadingActor):
                 pass
             case _:
                 raise TypeError(f"AgentActor does not understand {message!r}")
-        return self._report()
+        while self._turn is None and self._queue:  # FIFO; a loop, so no recursion
+            self._start_turn(self._queue.popleft())
+        if isinstance(message, UserMessage | AgentStatus):
+            return self._report()
+        return None
 
     def _report(self) -> AgentReport:
         turn = self._turn
         return AgentReport(
-            session=self._folder.state().session,
+            session=self._folder.session(),
             queued=len(self._queue),
             step=turn.step if turn is not None else 0,
             waiting_for=turn.waiting_for() if turn is not None else None,
         )
-
-    def _on_user(self, message: UserMessage) -> None:
-        if self._turn is not None:
-            self._queue.append(message)
-            log.info("agent.queued", stream=self._stream, queued=len(self._queue))
-            return
-        self._start_turn(message)
 
     def _on_model_done(self, message: ModelDone) -> None:
         turn = self._current(message.turn_id, message.step, "model")
@@ -390,7 +387,7 @@ class AgentActor(pykka.ThreadingActor):
         before: Sequence[Event] = (),
     ) -> None:
         """End the turn: append its end and the announcement, stop what is in flight,
-        send the one user-facing message, and take the next queued message."""
+        and send the one user-facing message (``on_receive`` then takes the next one)."""
         announcement_id = new_id()
         completed = TurnCompleted(
             turn_id=turn.turn_id, outcome=outcome, reason=reason, steps=turn.step
@@ -402,8 +399,6 @@ class AgentActor(pykka.ThreadingActor):
         turn.stop()
         self._turn = None
         self._send(turn.turn_id, announcement_id, text, kind)
-        if self._queue:
-            self._start_turn(self._queue.popleft())
 
     def _send(self, turn_id: str, announcement_id: str, text: str, kind: Kind) -> None:
         message = OutboundMessage(

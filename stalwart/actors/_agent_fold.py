@@ -89,6 +89,10 @@ class AgentViewFolder:
     def tools(self) -> ToolBreakerState:
         return self._tools
 
+    def session(self) -> SessionState:
+        """The session part alone (no copy of the conversation)."""
+        return self._session.state()
+
     def state(self) -> AgentView:
         session = self._session.state()
         return AgentView(
