@@ -38,8 +38,8 @@ from stalwart.actors import (
     DeadLetterActor,
     IoPortal,
     ModelDone,
+    QueueState,
     Scheduler,
-    Snapshot,
     UserMessage,
     decide_execution_timeout,
     request_messages,
@@ -611,7 +611,7 @@ def test_a_failed_send_is_recorded_and_dead_lettered(harness: Harness) -> None:
             "c1",
             "default answer",
         )
-        dead_letters.ask(Snapshot(), timeout=GUARD)  # a barrier: its retry timer is armed
+        dead_letters.ask(QueueState(), timeout=GUARD)  # a barrier: its retry timer is armed
         harness.clock.advance(60)  # the dead-letter retry is due
         [retried] = harness.replies(1)
         assert (retried.text, retried.idempotency_key) == ("default answer", queued.announcement_id)

@@ -29,12 +29,12 @@ import pytest
 from stalwart import store as store_module
 from stalwart.actors import (
     DeadLetterActor,
+    Drain,
     Enqueue,
+    InFlight,
     IoPortal,
-    ProviderRecovered,
+    QueueState,
     Scheduler,
-    Sending,
-    Snapshot,
 )
 from stalwart.channels import Channel, MemoryChannel, OutboundMessage
 from stalwart.clock import FakeClock
@@ -124,7 +124,7 @@ def ask(ref: pykka.ActorRef[Any], message: object) -> Any:
 
 def state_of(ref: pykka.ActorRef[Any]) -> DeadLetterState:
     """The actor's state, once it handled every message told before this one."""
-    state = ask(ref, Snapshot())
+    state = ask(ref, QueueState())
     assert isinstance(state, DeadLetterState)
     return state
 
@@ -159,7 +159,7 @@ def quiet_until(queue: Queue, ref: pykka.ActorRef[Any], deadline: float) -> None
     head = queue.store.head()
     queue.clock.set(deadline - MS)
     state_of(ref)  # the actor has handled whatever the clock fired
-    assert ask(ref, Sending()) == ()
+    assert ask(ref, InFlight()) == ()
     assert queue.store.head() == head
     assert queue.scheduler.next_deadline() == deadline
 
@@ -327,7 +327,7 @@ def test_provider_recovered_drains_every_entry_at_once(
     ids = [enqueue(ref, "1"), enqueue(ref, "2", channel="pager")]
     dead_letters.clock.set(T0 + 10)
     ids.append(enqueue(ref, "3"))
-    ref.tell(ProviderRecovered("openai"))  # long before any retry is due
+    ref.tell(Drain("openai"))  # long before any retry is due
     log = settle(ref, lmdb_store, 6)
     delivered = [e for e in log if isinstance(e, AnnouncementDeadLetterDelivered)]
     assert sorted(e.entry_id for e in delivered) == sorted(ids)
@@ -349,13 +349,13 @@ def test_a_drain_never_starts_a_second_send_of_an_entry_in_flight(
     dead_letters.clock.set(T0 + 30)
     attempted(portal, chat, 1)
     other = enqueue(ref, "2")
-    assert ask(ref, Sending()) == (stuck,)
-    ref.tell(ProviderRecovered("openai"))
-    ref.tell(ProviderRecovered("anthropic"))
+    assert ask(ref, InFlight()) == (stuck,)
+    ref.tell(Drain("openai"))
+    ref.tell(Drain("anthropic"))
     log = settle(ref, lmdb_store, 3)
     assert log[-1] == AnnouncementDeadLetterDelivered(entry_id=other, attempts=1)
     state_of(ref)  # both drains handled
-    assert ask(ref, Sending()) == (stuck,)
+    assert ask(ref, InFlight()) == (stuck,)
     assert [m.idempotency_key for m in chat.attempted] == ["a-1", "a-2"]
     assert lmdb_store.head() == 3
 
@@ -510,11 +510,11 @@ def test_an_entry_queued_just_before_a_crash_is_delivered_once_after_it(
                 quiet_until(harness, ref, T0 + 90)
                 clock.set(T0 + 90)
             else:
-                ref.tell(ProviderRecovered("openai"))
+                ref.tell(Drain("openai"))
             log = settle(ref, store, 3)
             assert log[-1] == AnnouncementDeadLetterDelivered(entry_id=entry_id, attempts=2)
             # exactly once: later drains and deadlines find nothing to send
-            ref.tell(ProviderRecovered("openai"))
+            ref.tell(Drain("openai"))
             clock.set(T0 + 2 * 3600)
             state = state_of(ref)
             assert (state.entries, state.delivered, state.expired) == ((), 1, 0)

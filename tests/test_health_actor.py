@@ -16,13 +16,13 @@ import pytest
 
 from stalwart.actors import (
     CallOutcome,
+    GetHealth,
     HealthChanged,
     HealthReport,
     HealthView,
-    Poll,
+    PollHealth,
     ProviderHealthActor,
     Scheduler,
-    Status,
 )
 from stalwart.clock import FakeClock
 from stalwart.config import HealthSettings
@@ -122,7 +122,7 @@ def append(store: EventStore, event: Event, stream: str = STREAM) -> RecordedEve
 
 
 def poll(ref: pykka.ActorRef[Any]) -> HealthReport:
-    report = ref.ask(Poll(), timeout=WAIT_S)
+    report = ref.ask(PollHealth(), timeout=WAIT_S)
     assert isinstance(report, HealthReport)
     return report
 
@@ -253,12 +253,12 @@ def test_the_timer_alone_recovers_exactly_a_window_after_the_last_failure(
     assert poll(ref).deadline == deadline
     assert scheduler.next_deadline() == deadline
     clock.set(deadline - MS)
-    assert ref.ask(Status(), timeout=WAIT_S).degraded
+    assert ref.ask(GetHealth(), timeout=WAIT_S).degraded
     assert [c.status for c in recorder.got] == ["degraded"]
     clock.set(deadline)  # fires the timer; nobody polls or asks
     _, recovered = recorder.wait(2)
     assert (recovered.status, recovered.rule, recovered.at) == ("healthy", "quiet_window", deadline)
-    report = ref.ask(Status(), timeout=WAIT_S)
+    report = ref.ask(GetHealth(), timeout=WAIT_S)
     assert (report.degraded, report.since, report.deadline) == (False, deadline, None)
     assert scheduler.pending() == 0
     assert [r.event for r in decisions(lmdb_store)][1:] == [
@@ -303,7 +303,7 @@ def test_a_restarted_actor_resumes_degraded_and_still_recovers_by_timer(
     clock.set(T0 + 10)
     recorder = Recorder()
     second = start(recorder)
-    report = second.ask(Status(), timeout=WAIT_S)
+    report = second.ask(GetHealth(), timeout=WAIT_S)
     assert (report.degraded, report.since, report.rule, report.deadline) == (
         True,
         T0,
@@ -329,7 +329,7 @@ def test_a_deadline_that_passed_while_no_actor_ran_is_decided_on_start(
     second = start(recorder)
     [recovered] = recorder.wait(1)
     assert (recovered.rule, recovered.at) == ("quiet_window", T0 + 120)
-    assert not second.ask(Status(), timeout=WAIT_S).degraded
+    assert not second.ask(GetHealth(), timeout=WAIT_S).degraded
     assert_replays(lmdb_store)
 
 

@@ -19,7 +19,7 @@ decides, appends, then acts:
   before them at that same ``ts``, so replay re-derives them;
 * a send starts only after what led to it is in the log, and runs on the
   :class:`~stalwart.actors.IoPortal`, bounded by ``announce_timeout_ms``; its outcome
-  comes back as a :class:`Sent` message. At most one send per entry is in flight.
+  comes back as a :class:`RetrySent` message. At most one send per entry is in flight.
 
 Restarts resume the queue: ``on_start`` folds the stream, expires what is due, starts the
 retries that are due and arms the next deadline. A send in flight when the process died
@@ -73,12 +73,12 @@ from ._scheduler import Scheduler
 __all__ = [
     "DEADLETTER_STREAM",
     "DeadLetterActor",
-    "Due",
+    "Drain",
     "Enqueue",
-    "ProviderRecovered",
-    "Sending",
-    "Sent",
-    "Snapshot",
+    "InFlight",
+    "QueueState",
+    "RetryDue",
+    "RetrySent",
 ]
 
 log = structlog.get_logger(__name__)
@@ -101,13 +101,13 @@ class Enqueue(msgspec.Struct, frozen=True):
     thread: str | None = None
 
 
-class Due(msgspec.Struct, frozen=True):
+class RetryDue(msgspec.Struct, frozen=True):
     """A deadline (retry or expiry) came: the scheduler fired at ``at``."""
 
     at: float
 
 
-class Sent(msgspec.Struct, frozen=True):
+class RetrySent(msgspec.Struct, frozen=True):
     """The outcome of one send of entry ``entry_id``; ``error_class`` is content-free
     (a ChannelError's ``kind``, ``timeout``, ``unknown_channel``, ``cancelled``, ...)."""
 
@@ -116,17 +116,17 @@ class Sent(msgspec.Struct, frozen=True):
     error_class: str | None = None
 
 
-class ProviderRecovered(msgspec.Struct, frozen=True):
+class Drain(msgspec.Struct, frozen=True):
     """``provider:recovered`` was decided for ``provider``: drain the queue now."""
 
     provider: str
 
 
-class Snapshot(msgspec.Struct, frozen=True):
+class QueueState(msgspec.Struct, frozen=True):
     """Ask for the current :class:`~stalwart.state.DeadLetterState`."""
 
 
-class Sending(msgspec.Struct, frozen=True):
+class InFlight(msgspec.Struct, frozen=True):
     """Ask for the ids of the entries whose send is in flight (a tuple, in the order the
     sends started)."""
 
@@ -158,12 +158,12 @@ async def _deliver(
     return "timeout"
 
 
-def _outcome(entry_id: str, future: Future[str | None]) -> Sent:
+def _outcome(entry_id: str, future: Future[str | None]) -> RetrySent:
     if future.cancelled():
-        return Sent(entry_id, ok=False, error_class="cancelled")
+        return RetrySent(entry_id, ok=False, error_class="cancelled")
     exc = future.exception()
     error = type(exc).__name__ if exc is not None else future.result()
-    return Sent(entry_id, ok=error is None, error_class=error)
+    return RetrySent(entry_id, ok=error is None, error_class=error)
 
 
 # -- the actor ----------------------------------------------------------------------------
@@ -174,9 +174,9 @@ class DeadLetterActor(pykka.ThreadingActor):
 
     Start with ``DeadLetterActor.start(store=..., clock=..., scheduler=..., portal=...,
     channels={name: channel}, settings=DeadLetterSettings())``. Messages:
-    :class:`Enqueue` (replies with the entry id), :class:`ProviderRecovered`,
-    :class:`Snapshot` (replies with the state), :class:`Sending` (replies with the ids in
-    flight); :class:`Due` and :class:`Sent` are told by its own timer and sends.
+    :class:`Enqueue` (replies with the entry id), :class:`Drain`,
+    :class:`QueueState` (replies with the state), :class:`InFlight` (replies with the ids in
+    flight); :class:`RetryDue` and :class:`RetrySent` are told by its own timer and sends.
 
     A store error or an append conflict (another writer on its stream) fails the actor;
     its supervisor restarts it, and the restart rebuilds everything from the log.
@@ -237,15 +237,15 @@ class DeadLetterActor(pykka.ThreadingActor):
         match message:
             case Enqueue():
                 return self._enqueue(message)
-            case Due():
+            case RetryDue():
                 self._tick(self._clock.now())
-            case Sent():
+            case RetrySent():
                 self._sent(message)
-            case ProviderRecovered(provider=provider):
+            case Drain(provider=provider):
                 self._drain(provider)
-            case Snapshot():
+            case QueueState():
                 return self._state
-            case Sending():
+            case InFlight():
                 return tuple(self._in_flight)
             case _:
                 raise TypeError(f"DeadLetterActor does not understand {message!r}")
@@ -272,9 +272,9 @@ class DeadLetterActor(pykka.ThreadingActor):
         self._arm()
         return event.entry_id
 
-    def _sent(self, message: Sent) -> None:
+    def _sent(self, message: RetrySent) -> None:
         sending = self._in_flight.pop(message.entry_id, None)
-        if sending is None:  # a stray Sent, not from a send of this actor
+        if sending is None:  # a stray RetrySent, not from a send of this actor
             return
         event: Event
         if message.ok:
@@ -394,7 +394,7 @@ class DeadLetterActor(pykka.ThreadingActor):
     def _due(self, at: float) -> None:
         """Scheduler callback (its thread, or inside ``FakeClock.advance``)."""
         with contextlib.suppress(pykka.ActorDeadError):  # stopped meanwhile
-            self.actor_ref.tell(Due(at))
+            self.actor_ref.tell(RetryDue(at))
 
     def _entry(self, entry_id: str) -> DeadLetterEntry:
         for entry in self._state.entries:

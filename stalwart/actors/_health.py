@@ -9,14 +9,14 @@ and only then tells its listeners :class:`HealthChanged` and updates the shared
 :class:`HealthView`.
 
 How it keeps up with its stream: it follows the log itself. A small follower thread waits
-on the store's head (``store.wait_for``, no decoding) and tells the actor :class:`Poll`
-(at most one pending); every message that can change the state (``Poll``,
+on the store's head (``store.wait_for``, no decoding) and tells the actor :class:`PollHealth`
+(at most one pending); every message that can change the state (``PollHealth``,
 ``CallOutcome``, the timer) first reads ``read_stream(from_version=version + 1)``. Reading
 by version is what makes it gap- and duplicate-free: a ``CallOutcome`` is only a hint
 that there is something to read, so whoever tells it (or nobody) cannot make the actor
 skip or double-count an event. The follower captures the head before the initial fold,
 so nothing appended around start-up is missed. ``follow=False`` leaves the feeding to
-``Poll`` / ``CallOutcome`` messages.
+``PollHealth`` / ``CallOutcome`` messages.
 
 Recovery does not wait for someone to ask: after every fold the actor arms a timer at
 :func:`~stalwart.state.health_deadline` (the quiet window after the last failure), and
@@ -75,11 +75,11 @@ class CallOutcome(msgspec.Struct, frozen=True):
     record: RecordedEvent
 
 
-class Poll(msgspec.Struct, frozen=True):
+class PollHealth(msgspec.Struct, frozen=True):
     """Read the stream's new events, decide; an ``ask`` replies with the HealthReport."""
 
 
-class Status(msgspec.Struct, frozen=True):
+class GetHealth(msgspec.Struct, frozen=True):
     """Ask for the current :class:`HealthReport` (no store read)."""
 
 
@@ -164,7 +164,7 @@ class _Watch(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _WatchAggregate:
-    """HEALTH plus the rule and time of the latest decision (for Status after a restart)."""
+    """HEALTH plus the rule and time of the latest decision (for GetHealth after a restart)."""
 
     name = "provider_health_watch"
     version = 1
@@ -228,8 +228,8 @@ class ProviderHealthActor(pykka.ThreadingActor):
     """Decides ``provider:degraded`` / ``provider:recovered`` for one provider.
 
     Start with ``ProviderHealthActor.start(store, clock, scheduler, provider, settings,
-    listeners, view)``. Messages: :class:`Poll`, :class:`CallOutcome` (both reply with a
-    :class:`HealthReport` when asked) and :class:`Status`. Listeners (actor refs or
+    listeners, view)``. Messages: :class:`PollHealth`, :class:`CallOutcome` (both reply with a
+    :class:`HealthReport` when asked) and :class:`GetHealth`. Listeners (actor refs or
     callables, called on the actor's thread: keep them cheap) are told
     :class:`HealthChanged` once per appended decision.
     """
@@ -291,14 +291,14 @@ class ProviderHealthActor(pykka.ThreadingActor):
 
     def on_receive(self, message: Any) -> Any:
         match message:
-            case Poll():
+            case PollHealth():
                 self._poll_pending.clear()
                 self._settle()
             case CallOutcome(record=record) if record.stream != self._stream:
                 log.warning("health.foreign_outcome", provider=self._provider, stream=record.stream)
             case CallOutcome() | _Due():
                 self._settle()
-            case Status():
+            case GetHealth():
                 pass
             case _:
                 raise TypeError(f"ProviderHealthActor does not understand {message!r}")
@@ -333,7 +333,7 @@ class ProviderHealthActor(pykka.ThreadingActor):
             self._announce(recorded)
         else:
             log.warning("health.append_contended", provider=self._provider, tries=MAX_CONFLICTS)
-            self.actor_ref.tell(Poll())
+            self.actor_ref.tell(PollHealth())
         self._arm()
         self._view.publish(self._report())
 
@@ -394,12 +394,12 @@ class ProviderHealthActor(pykka.ThreadingActor):
             self.actor_ref.tell(_Due(at))
 
     def _wake(self) -> None:
-        """Follower callback: at most one Poll waits in the mailbox."""
+        """Follower callback: at most one PollHealth waits in the mailbox."""
         if self._poll_pending.is_set():
             return
         self._poll_pending.set()
         with contextlib.suppress(pykka.ActorDeadError):
-            self.actor_ref.tell(Poll())
+            self.actor_ref.tell(PollHealth())
 
     def _report(self) -> HealthReport:
         health = self._state.health
