@@ -58,9 +58,14 @@ class ProviderSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
 
 class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How an agent calls its model: the seed's prompt-timeout knobs and the fallback chain.
+    """How an agent calls its model: the seed's prompt-timeout knobs and the fallback chain,
+    and its loop's limits.
 
     Models in ``fallback_models`` and ``vision_fallback_models`` are ``provider:model``.
+    The loop makes at most ``max_steps`` model calls per turn and runs at most
+    ``tool_limit`` tool calls at once; ``system_prompt``, when set, starts every request.
+    (The turn's execution timeout is ``supervision.execution_timeout_ms`` and a send's
+    deadline ``dead_letters.announce_timeout_ms``.)
     """
 
     provider: str
@@ -77,6 +82,9 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     activity_interval_ms: Positive = 1_000
     max_tokens: Positive = 1024
     stream: bool = True
+    max_steps: Positive = 10
+    tool_limit: Positive = 4
+    system_prompt: str | None = None
 
 
 def _ordered(section: str, low: str, low_value: int, high: str, high_value: int) -> None:

@@ -1,0 +1,359 @@
+"""Runtime: the configured parts on one log, end to end.
+
+A real LMDB store in tmp_path, the fake provider over loopback, MemoryChannels passed in.
+The runtime runs on a ``FakeClock``: its scheduler fires timers (the health window, the
+dead-letter retries) only when the test moves the clock, and every decision's timestamp
+is the fake time. HTTP is real, so the model caller's own budgets are real seconds (a few,
+never reached here). Tests wait on the log (``store.wait_for``), on the channel (on the
+runtime's I/O loop) and on the fake's record, never on a sleep.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from stalwart import store as store_module
+from stalwart.actors import DEGRADED_TEXT, FAILED_TEXT, MAX_STEPS_TEXT
+from stalwart.channels import ConsoleChannel, MemoryChannel, OutboundMessage
+from stalwart.clock import FakeClock
+from stalwart.config import Config, parse_config
+from stalwart.errors import ConfigError
+from stalwart.events import (
+    AnnouncementDeadLetterDelivered,
+    AnnouncementDeadLettered,
+    ProviderDegraded,
+    ProviderRecovered,
+    RecordedEvent,
+    RuntimeStarted,
+    RuntimeStopped,
+    TurnCompleted,
+)
+from stalwart.runtime import Runtime
+from stalwart.store import EventStore
+from stalwart.testing import Answer, Fail, FakeProvider, FakeToolCall, Hang
+
+GUARD = 10.0
+ROOT = Path(__file__).resolve().parent.parent
+AGENT: dict[str, Any] = {
+    "provider": "main",
+    "model": "m1",
+    "prompt_timeout_ms": 5_000,
+    "retry_prompt_timeout_ms": 5_000,
+    "max_retries": 0,
+    "retry_base_ms": 10,
+    "retry_cap_ms": 50,
+}
+
+
+def config(base_url: str, **extra: Any) -> Config:
+    data: dict[str, Any] = {
+        "providers": {
+            "main": {"kind": "openai", "base_url": base_url, "breaker_failure_threshold": 50}
+        },
+        "agents": {"default": dict(AGENT), "other": dict(AGENT)},
+        # a retry only after the health window: what delivers a dead letter is the drain
+        "dead_letters": {"retry_base_ms": 120_000},
+    }
+    return parse_config(data | extra)
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: FakeClock) -> Iterator[EventStore]:
+    opened = store_module.open(tmp_path / "store", clock=clock)
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeProvider]:
+    with FakeProvider() as provider:
+        provider.set_default(Answer(text="default answer"))
+        yield provider
+
+
+@pytest.fixture
+def chat() -> MemoryChannel:
+    return MemoryChannel("chat")
+
+
+@pytest.fixture
+def rt(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> Iterator[Runtime]:
+    with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
+        yield rt
+
+
+def delivered(
+    rt: Runtime, channel: MemoryChannel, count: int, *, attempted: bool = False
+) -> list[OutboundMessage]:
+    """The channel's messages once ``count`` arrived (waited for on the runtime's loop)."""
+
+    async def wait() -> list[OutboundMessage]:
+        with anyio.fail_after(GUARD):
+            return await channel.wait_for(count, attempted=attempted)
+
+    return rt.portal.submit(wait).result(GUARD + 1)
+
+
+def log_until(
+    store: EventStore, stream: str, until: Callable[[list[RecordedEvent]], bool]
+) -> list[RecordedEvent]:
+    """The stream once ``until`` holds (woken by appends)."""
+    give_up = time.monotonic() + GUARD
+    while True:
+        head = store.head()
+        records = list(store.read_stream(stream))
+        if until(records):
+            return records
+        left = give_up - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"the log never got there: {[r.type for r in records]}")
+        store.wait_for(head + 1, left)
+
+
+def has(kind: type, count: int = 1) -> Callable[[list[RecordedEvent]], bool]:
+    return lambda records: sum(isinstance(r.event, kind) for r in records) >= count
+
+
+# -- lifecycle ------------------------------------------------------------------------------
+
+
+def test_start_and_stop_are_recorded_with_the_config_in_force_and_no_secret(
+    store: EventStore, clock: FakeClock, fake: FakeProvider
+) -> None:
+    token = "T0KEN-in-the-path-9f8e7d"
+    secret_url = fake.base_url.replace("http://", "http://user:pw@")
+    cfg = config(
+        fake.base_url,
+        channels={"hook": {"kind": "webhook", "url": f"https://hooks.example/s/{token}"}},
+    )
+    cfg = msgspec.structs.replace(
+        cfg, providers={"main": msgspec.structs.replace(cfg.providers["main"], base_url=secret_url)}
+    )
+    rt = Runtime(cfg, store=store, clock=clock)
+    with rt:
+        assert set(rt.channels) == {"hook"}  # the config names a channel: no console
+        assert set(rt.health()) == {"main"}
+    rt.close()  # a second close: nothing more happens
+    records = list(store.read_stream("runtime"))
+    assert [r.type for r in records] == ["runtime:started", "runtime:stopped"]
+    started, stopped = records[0].event, records[1].event
+    assert isinstance(started, RuntimeStarted)
+    assert isinstance(stopped, RuntimeStopped)
+    assert started.config == msgspec.json.decode(msgspec.json.encode(cfg.to_record()))
+    assert parse_config(started.config).agent("other") == cfg.agent("other")  # replayable
+    assert started.pid == os.getpid()
+    assert stopped.reason == "shutdown"
+    text = msgspec.json.encode(started.config).decode()
+    assert token not in text
+    assert "user:pw" not in text
+    assert records[0].ts == clock.now()
+    assert store.stream_version("runtime") == 2  # the host's store stays open
+
+
+def test_a_store_path_is_created_and_closed_with_the_runtime(
+    tmp_path: Path, clock: FakeClock, fake: FakeProvider
+) -> None:
+    where = tmp_path / "fresh" / "log"
+    with Runtime(config(fake.base_url), store=str(where), clock=clock) as rt:
+        assert "console" in rt.channels  # the config names no channel
+        assert isinstance(rt.channels["console"], ConsoleChannel)
+    assert where.exists()
+    reopened = store_module.open(where, create=False)
+    try:
+        assert [r.type for r in reopened.read_stream("runtime")] == [
+            "runtime:started",
+            "runtime:stopped",
+        ]
+    finally:
+        reopened.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        rt.start()
+
+
+def test_an_unknown_agent_or_channel_is_a_config_error(rt: Runtime) -> None:
+    with pytest.raises(ConfigError, match="no agent named 'nobody'"):
+        rt.session(agent="nobody", channel="chat")
+    with pytest.raises(ConfigError, match=r"no channel named 'pager' \(available: \['chat'"):
+        rt.session(channel="pager")
+
+
+# -- sessions -------------------------------------------------------------------------------
+
+
+def test_a_session_turn_runs_end_to_end(
+    rt: Runtime, chat: MemoryChannel, fake: FakeProvider, store: EventStore
+) -> None:
+    fake.add(Answer(text="hello there"))
+    session = rt.session("s1", channel="chat", conversation="c1", thread="t1")
+    assert rt.session("s1") is session  # the running one
+    session.send("hi")
+    [reply] = delivered(rt, chat, 1)
+    assert (reply.text, reply.conversation, reply.thread) == ("hello there", "c1", "t1")
+    records = log_until(store, "session:s1", has(TurnCompleted))
+    [completed] = [r.event for r in records if isinstance(r.event, TurnCompleted)]
+    assert completed.outcome == "answered"
+    report = session.status(timeout=GUARD)
+    assert report.idle
+    [request] = fake.requests
+    assert request.body["model"] == "m1"
+
+
+def test_a_registered_tool_is_offered_and_its_result_goes_back_to_the_model(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    agents = {"default": AGENT | {"system_prompt": "Be brief."}}
+    cfg = config(fake.base_url, agents=agents)
+    with Runtime(cfg, store=store, clock=clock, channels={"chat": chat}) as rt:
+
+        @rt.tool(timeout_ms=5_000)
+        def lookup(order: int) -> str:
+            """Where an order is."""
+            return f"order {order} ships tomorrow"
+
+        call = FakeToolCall(id="c1", name="lookup", arguments={"order": 1234})
+        fake.add(Answer(text="", tool_calls=(call,)), Answer(text="It ships tomorrow."))
+        rt.session("s1", channel="chat").send("where is order 1234?")
+        [reply] = delivered(rt, chat, 1)
+    assert reply.text == "It ships tomorrow."
+    first, second = fake.requests
+    assert [t["function"]["name"] for t in first.body["tools"]] == ["lookup"]
+    assert first.body["messages"][0] == {"role": "system", "content": "Be brief."}
+    last = second.body["messages"][-1]
+    assert (last["role"], last["tool_call_id"]) == ("tool", "c1")
+    assert last["content"] == "order 1234 ships tomorrow"
+
+
+def test_the_loop_limits_come_from_the_config(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    cfg = config(fake.base_url, agents={"default": AGENT | {"max_steps": 1}})
+    with Runtime(cfg, store=store, clock=clock, channels={"chat": chat}) as rt:
+        rt.tool(lambda: "nothing", name="noop", description="Does nothing.")
+        fake.set_default(Answer(text="", tool_calls=(FakeToolCall(id="n", name="noop"),)))
+        rt.session("s1", channel="chat").send("loop")
+        [reply] = delivered(rt, chat, 1)
+    assert reply.text == MAX_STEPS_TEXT
+    assert len(fake.requests) == 1
+
+
+# -- degradation and recovery ---------------------------------------------------------------
+
+
+def test_a_degraded_provider_answers_at_once_and_recovery_drains_the_dead_letter(
+    rt: Runtime, chat: MemoryChannel, fake: FakeProvider, store: EventStore, clock: FakeClock
+) -> None:
+    fake.set_default(Fail(status=503))
+    first = rt.session("a", channel="chat")
+    second = rt.session("b", agent="other", channel="chat")
+    first.send("one")
+    assert delivered(rt, chat, 1)[0].text == FAILED_TEXT
+    second.send("two")
+    assert delivered(rt, chat, 2)[1].text == FAILED_TEXT
+    # failures from two agents within the window: degraded
+    log_until(store, "provider:main", has(ProviderDegraded))
+    assert rt.health()["main"].degraded
+    calls = len(fake.requests)
+
+    chat.fail_next(1)  # the static text cannot be delivered: it is dead-lettered
+    began = time.monotonic()
+    first.send("three")
+    attempt = delivered(rt, chat, 3, attempted=True)[2]
+    assert time.monotonic() - began < 2.0
+    assert attempt.text == DEGRADED_TEXT
+    assert len(fake.requests) == calls  # no request to a degraded provider
+    log_until(store, "deadletter", has(AnnouncementDeadLettered))
+    [entry] = rt.dead_letters().entries
+    assert entry.text == DEGRADED_TEXT
+
+    clock.advance(rt.config.health.window_ms / 1000 + 1)  # a quiet window: recovered
+    log_until(store, "provider:main", has(ProviderRecovered))
+    records = log_until(store, "deadletter", has(AnnouncementDeadLetterDelivered))
+    assert [m.text for m in delivered(rt, chat, 3)][2] == DEGRADED_TEXT
+    assert not rt.health()["main"].degraded
+    queue = rt.dead_letters()
+    assert (queue.entries, queue.delivered) == ((), 1)
+    [done] = [r for r in records if isinstance(r.event, AnnouncementDeadLetterDelivered)]
+    assert done.ts == clock.now() < entry.enqueued_at + 120  # at recovery, before any retry
+
+
+# -- stopping -------------------------------------------------------------------------------
+
+
+def test_close_while_a_call_hangs_returns_promptly_and_closes_the_request(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    cfg = config(fake.base_url, agents={"default": AGENT | {"prompt_timeout_ms": 60_000}})
+    rt = Runtime(cfg, store=store, clock=clock, channels={"chat": chat}).start()
+    fake.add(Hang())
+    rt.session("s1", channel="chat").send("hello?")
+    fake.wait_for(lambda requests: len(requests) == 1, GUARD)
+    began = time.monotonic()
+    rt.close()
+    assert time.monotonic() - began < 5.0
+    assert fake.wait_finished(0, GUARD).outcome == "client_closed"
+    assert [r.type for r in store.read_stream("runtime")] == [
+        "runtime:started",
+        "runtime:stopped",
+    ]
+    rt.close()
+    assert store.stream_version("runtime") == 2
+    assert not chat.attempted  # no reply after the stop
+
+
+# -- config ---------------------------------------------------------------------------------
+
+
+def test_the_agent_loop_knobs_are_config_with_defaults() -> None:
+    agent = parse_config(
+        {
+            "providers": {"p": {"kind": "openai", "base_url": "http://x/v1"}},
+            "agents": {"default": {"provider": "p", "model": "m"}},
+        }
+    ).agent()
+    assert (agent.max_steps, agent.tool_limit, agent.system_prompt) == (10, 4, None)
+    with pytest.raises(ConfigError, match=r"agents\.default\.max_step"):
+        parse_config(
+            {
+                "providers": {"p": {"kind": "openai", "base_url": "http://x/v1"}},
+                "agents": {"default": {"provider": "p", "model": "m", "max_step": 3}},
+            }
+        )
+
+
+# -- the documented example -----------------------------------------------------------------
+
+
+def test_the_embedding_example_runs(
+    tmp_path: Path,
+    fake: FakeProvider,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    fake.add(
+        Answer(
+            text="",
+            tool_calls=(
+                FakeToolCall(id="c1", name="order_status", arguments={"order_id": "1234"}),
+            ),
+        ),
+        Answer(text="Order 1234 ships tomorrow."),
+    )
+    monkeypatch.setenv("STALWART_BASE_URL", fake.base_url)
+    monkeypatch.setenv("STALWART_STORE", str(tmp_path / "store"))
+    runpy.run_path(str(ROOT / "docs" / "examples" / "embed.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "Order 1234 ships tomorrow." in out
+    assert "runtime:stopped" in out
