@@ -259,6 +259,9 @@ class Runtime:
 
     def _start_parts(self) -> None:
         self._store, self._owns_store = self._open_store()
+        # the channels first: a channel the config cannot build fails the start before
+        # anything is recorded or started
+        self._channels = self._build_channels()
         started = RuntimeStarted(
             config=self.config.to_record(),
             stalwart_version=stalwart.__version__,
@@ -269,7 +272,6 @@ class Runtime:
         self._started_recorded = True
         self._portal = IoPortal().start()
         self._scheduler = Scheduler(self.clock).start()
-        self._channels = self._build_channels()
         self._layer = ProviderLayer(self.config, self._store, clock=self.clock)
         self._dead_letters = DeadLetterActor.start(
             store=self._store,

@@ -357,3 +357,34 @@ def test_the_embedding_example_runs(
     out = capsys.readouterr().out
     assert "Order 1234 ships tomorrow." in out
     assert "runtime:stopped" in out
+
+
+def test_a_channel_the_config_cannot_build_fails_the_start_before_anything_runs(
+    store: EventStore, clock: FakeClock, fake: FakeProvider
+) -> None:
+    hook = {
+        "kind": "webhook",
+        "url": "https://hooks.example/in",
+        "secret_header": "X-Token",
+        "secret_env": "STALWART_TEST_UNSET_SECRET",
+    }
+    rt = Runtime(config(fake.base_url, channels={"hook": hook}), store=store, clock=clock)
+    with pytest.raises(ConfigError, match="STALWART_TEST_UNSET_SECRET"):
+        rt.start()
+    assert store.stream_version("runtime") == 0  # nothing recorded, nothing left running
+    assert not rt.running
+
+
+def test_close_survives_a_store_the_host_closed_first(
+    tmp_path: Path, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    host_store = store_module.open(tmp_path / "store", clock=clock)
+    rt = Runtime(config(fake.base_url), store=host_store, clock=clock, channels={"chat": chat})
+    rt.start()
+    rt.session("s1", channel="chat").send("hi")
+    delivered(rt, chat, 1)
+    portal = rt.portal
+    host_store.close()  # the host closed its store first: runtime:stopped cannot be recorded
+    rt.close()  # logged, not raised
+    assert not portal.running
+    assert not rt.running
