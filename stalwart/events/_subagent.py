@@ -20,6 +20,10 @@ class SubagentSpawned(Event, frozen=True, tag="subagent:spawned"):
     #: the config knob that bound ``timeout_ms`` (``class_timeouts_ms.code``,
     #: ``custom_timeout_ms``, ``max_run_timeout_ms``); empty in logs written before it
     timeout_knob: str = ""
+    #: where the run's failure notice goes (a channel name and its conversation); empty in
+    #: logs written before them (the supervisor then uses its default channel and parent)
+    channel: str = ""
+    conversation: str = ""
 
 
 class SubagentProgress(Event, frozen=True, tag="subagent:progress"):

@@ -1,0 +1,108 @@
+"""The static failure notice of a sub-agent run (seed 000): its texts and its sends.
+
+A notice never makes an LLM call and never carries an error's text: it is the start of
+the task, one fixed sentence per way the run ended, and how long it ran. The sentences
+are module constants; :func:`failure_notice` only fills in those three parts.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Literal
+
+import anyio
+import msgspec
+
+from stalwart.channels import Channel, OutboundMessage
+from stalwart.errors import ChannelError
+
+__all__ = [
+    "FAILED_SENTENCE",
+    "NOTICE_TEMPLATE",
+    "SWEPT_SENTENCE",
+    "TASK_EXCERPT_CHARS",
+    "TIMED_OUT_SENTENCE",
+    "NoticeSent",
+    "failure_notice",
+]
+
+#: The fixed sentence of a run force-failed by its watchdog.
+TIMED_OUT_SENTENCE = "The sub-agent task did not complete in time and was stopped."
+#: The fixed sentence of a run that ended in an error.
+FAILED_SENTENCE = "The sub-agent task did not complete successfully."
+#: The fixed sentence of a run found still running long past its limit (a ghost).
+SWEPT_SENTENCE = "The sub-agent task stopped responding and was ended."
+#: The notice: task excerpt, fixed sentence, runtime.
+NOTICE_TEMPLATE = 'Sub-agent task "{task}": {sentence} (ran {runtime})'
+#: How much of the task a notice quotes.
+TASK_EXCERPT_CHARS = 60
+
+_SENTENCES = {
+    "timed_out": TIMED_OUT_SENTENCE,
+    "failed": FAILED_SENTENCE,
+    "swept": SWEPT_SENTENCE,
+}
+
+Path = Literal["announce", "direct"]
+
+
+def _excerpt(task: str) -> str:
+    flat = " ".join(task.split())
+    if len(flat) <= TASK_EXCERPT_CHARS:
+        return flat
+    return flat[: TASK_EXCERPT_CHARS - 3].rstrip() + "..."
+
+
+def _runtime(ms: int) -> str:
+    seconds = max(0, ms) // 1000
+    minutes, seconds = divmod(seconds, 60)
+    return f"{minutes}m {seconds:02d}s" if minutes else f"{seconds}s"
+
+
+def failure_notice(task: str, outcome: str, runtime_ms: int) -> str:
+    """The static notice of a run that ended ``timed_out``, ``failed`` or ``swept``."""
+    sentence = _SENTENCES.get(outcome, FAILED_SENTENCE)
+    return NOTICE_TEMPLATE.format(
+        task=_excerpt(task), sentence=sentence, runtime=_runtime(runtime_ms)
+    )
+
+
+class NoticeSent(msgspec.Struct, frozen=True, kw_only=True):
+    """The outcome of one send of a run's notice; ``error_class`` is content-free."""
+
+    stream: str
+    announcement_id: str
+    path: Path
+    ok: bool
+    error_class: str | None = None
+
+
+async def send_once(
+    channel: Channel | None, message: OutboundMessage, timeout_s: float
+) -> str | None:
+    """Send within ``timeout_s``: None when delivered, else the failure's content-free class."""
+    if channel is None:
+        return "unknown_channel"
+    with anyio.move_on_after(timeout_s):
+        try:
+            await channel.send(message)
+        except ChannelError as exc:
+            return exc.kind
+        except Exception as exc:  # a channel that breaks its protocol: still an outcome
+            return type(exc).__name__
+        return None
+    return "timeout"
+
+
+def sent(stream: str, announcement_id: str, path: Path, future: Future[str | None]) -> NoticeSent:
+    """The message a finished send makes (a done-callback: cheap, never raises)."""
+    error: str | None
+    if future.cancelled():
+        error = "cancelled"
+    else:
+        exc = future.exception()
+        error = type(exc).__name__ if exc is not None else future.result()
+    return NoticeSent(
+        stream=stream, announcement_id=announcement_id, path=path, ok=error is None,
+        error_class=error,
+    )  # fmt: skip
