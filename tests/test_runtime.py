@@ -388,3 +388,10 @@ def test_close_survives_a_store_the_host_closed_first(
     rt.close()  # logged, not raised
     assert not portal.running
     assert not rt.running
+
+
+def test_the_embedding_page_shows_the_example_as_it_is() -> None:
+    page = (ROOT / "docs" / "embedding.md").read_text()
+    marker = "<!-- example: docs/examples/embed.py -->\n```python\n"
+    shown = page.split(marker, 1)[1].split("```\n", 1)[0]
+    assert shown == (ROOT / "docs" / "examples" / "embed.py").read_text()
