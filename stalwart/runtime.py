@@ -163,14 +163,25 @@ class SessionHandle:
         return f"session:{self.session_id}"
 
     def send(self, text: str, *, message_id: str | None = None) -> None:
-        """Tell the agent a user message (it starts a turn, or waits for the running one)."""
-        self.ref.tell(UserMessage(text, message_id))
+        """Tell the agent a user message (it starts a turn, or waits for the running one).
+
+        RuntimeError once the session's agent has stopped (the runtime was closed)."""
+        try:
+            self.ref.tell(UserMessage(text, message_id))
+        except pykka.ActorDeadError:
+            raise self._stopped() from None
 
     def status(self, timeout: float = STOP_TIMEOUT_S) -> AgentReport:
         """The agent's :class:`AgentReport` (``idle``, ``queued``, ``step``, the session)."""
-        report = self.ref.ask(AgentStatus(), timeout=timeout)
+        try:
+            report = self.ref.ask(AgentStatus(), timeout=timeout)
+        except pykka.ActorDeadError:
+            raise self._stopped() from None
         assert isinstance(report, AgentReport)
         return report
+
+    def _stopped(self) -> RuntimeError:
+        return RuntimeError(f"session {self.session_id!r} is stopped: its runtime was closed")
 
     def __repr__(self) -> str:
         return f"SessionHandle({self.session_id!r}, agent={self.agent!r}, channel={self.channel!r})"
@@ -417,8 +428,7 @@ class Runtime:
         (where the channel delivers) to the session id. ConfigError for an unknown agent
         or channel."""
         with self._lock:
-            if self._state != "running":
-                raise RuntimeError("the runtime is not running: use start() or a with block")
+            self._require_running()
             session_id = session_id or new_id()
             running = self._sessions.get(session_id)
             if running is not None and running.ref.is_alive():
@@ -476,6 +486,7 @@ class Runtime:
         """Each provider's health as its actor has folded it (asked, so a decision already
         in the log is in the answer; the same reports are in :attr:`health_view`)."""
         with self._lock:
+            self._require_running()
             actors = dict(self._health)
         reports: dict[str, HealthReport] = {}
         for provider, ref in actors.items():
@@ -486,11 +497,17 @@ class Runtime:
 
     def dead_letters(self, timeout: float = STOP_TIMEOUT_S) -> DeadLetterState:
         """The dead-letter queue as its actor has folded it."""
-        if self._dead_letters is None:
-            raise RuntimeError("the runtime is not running: use start() or a with block")
-        state = self._dead_letters.ask(QueueState(), timeout=timeout)
+        with self._lock:
+            self._require_running()
+            dead_letters = self._dead_letters
+        assert dead_letters is not None
+        state = dead_letters.ask(QueueState(), timeout=timeout)
         assert isinstance(state, DeadLetterState)
         return state
+
+    def _require_running(self) -> None:
+        if self._state != "running":
+            raise RuntimeError(f"the runtime is {self._state}: use start() or a with block")
 
     def _on_health_changed(self, changed: HealthChanged) -> None:
         """A health listener (the health actor's thread): a recovery drains the queue."""

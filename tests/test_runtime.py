@@ -298,7 +298,8 @@ def test_close_while_a_call_hangs_returns_promptly_and_closes_the_request(
     cfg = config(fake.base_url, agents={"default": AGENT | {"prompt_timeout_ms": 60_000}})
     rt = Runtime(cfg, store=store, clock=clock, channels={"chat": chat}).start()
     fake.add(Hang())
-    rt.session("s1", channel="chat").send("hello?")
+    session = rt.session("s1", channel="chat")
+    session.send("hello?")
     fake.wait_for(lambda requests: len(requests) == 1, GUARD)
     began = time.monotonic()
     rt.close()
@@ -311,6 +312,10 @@ def test_close_while_a_call_hangs_returns_promptly_and_closes_the_request(
     rt.close()
     assert store.stream_version("runtime") == 2
     assert not chat.attempted  # no reply after the stop
+    with pytest.raises(RuntimeError, match="'s1' is stopped"):
+        session.send("still there?")
+    with pytest.raises(RuntimeError, match="closed"):
+        rt.health()
 
 
 # -- config ---------------------------------------------------------------------------------
