@@ -400,3 +400,30 @@ def test_the_embedding_page_shows_the_example_as_it_is() -> None:
     marker = "<!-- example: docs/examples/embed.py -->\n```python\n"
     shown = page.split(marker, 1)[1].split("```\n", 1)[0]
     assert shown == (ROOT / "docs" / "examples" / "embed.py").read_text()
+
+
+def test_a_new_runtime_on_the_same_log_carries_the_session_on(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    fake.add(Answer(text="first answer"), Answer(text="second answer"))
+    with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
+        rt.session("s1", channel="chat").send("first")
+        delivered(rt, chat, 1)
+
+    def second_run() -> None:
+        cfg = config(fake.base_url)
+        with Runtime(cfg, store=store, clock=clock, channels={"chat": chat}) as again:
+            again.session("s1", channel="chat").send("second")
+            assert delivered(again, chat, 2)[1].text == "second answer"
+            raise ValueError("host broke")
+
+    with pytest.raises(ValueError, match="host broke"):
+        second_run()
+    later = fake.requests[1].body["messages"]
+    assert [(m["role"], m["content"]) for m in later] == [
+        ("user", "first"),
+        ("assistant", "first answer"),
+        ("user", "second"),
+    ]
+    stops = [r.event for r in store.read_stream("runtime") if isinstance(r.event, RuntimeStopped)]
+    assert [s.reason for s in stops] == ["shutdown", "error"]
