@@ -66,6 +66,8 @@ from ._subagent_notice import (
     NoticeSent,
     failure_notice,
 )
+from ._supervisor import GetRuns, Recovered, SupervisorActor, Sweep, SweepReport
+from ._supervisor_fold import RUN_WATCH, RunWatch
 
 __all__ = [
     "AGENT_VIEW",
@@ -79,6 +81,7 @@ __all__ = [
     "MAX_WAIT_S",
     "NOTICE_TEMPLATE",
     "OVERFLOW_TEXT",
+    "RUN_WATCH",
     "SWEPT_SENTENCE",
     "TASK_EXCERPT_CHARS",
     "TIMED_OUT_SENTENCE",
@@ -98,6 +101,7 @@ __all__ = [
     "Enqueue",
     "GetHealth",
     "GetRun",
+    "GetRuns",
     "HealthChanged",
     "HealthReport",
     "HealthView",
@@ -109,15 +113,20 @@ __all__ = [
     "PollHealth",
     "ProviderHealthActor",
     "QueueState",
+    "Recovered",
     "RetryDue",
     "RetrySent",
     "RunEnded",
     "RunReport",
+    "RunWatch",
     "Scheduler",
     "SchedulerStats",
     "SendDone",
     "Spawn",
     "SubAgentActor",
+    "SupervisorActor",
+    "Sweep",
+    "SweepReport",
     "TimerHandle",
     "TimerState",
     "ToolsDone",

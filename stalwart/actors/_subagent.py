@@ -211,6 +211,7 @@ class SubAgentActor(pykka.ThreadingActor):
         self._state = load_state(self._store, self._stream, RUN, use_snapshots=False)
         if self._state.status == "new":
             self._append_spawned()
+            self._arm()  # before the work starts: it may report at once
             report = RunReport(self._tell)
             self._future = self._portal.submit(self._work, report)
             self._future.add_done_callback(self._finished)

@@ -1,0 +1,400 @@
+"""Supervisor: the sub-agent safety nets of seeds 000 and 002 (layers 2 and 3).
+
+* **Ghost sweep** (every ``ghost_sweep_interval_ms``): folds every run from the log (each
+  ``session:*`` stream that starts with ``subagent:spawned``; streams are re-read only
+  when their version moved) and appends ``subagent:ghost_swept`` to each run
+  :func:`~stalwart.state.decide_ghost` finds due. It reads only the log, so it catches a
+  run a crashed process left ``running``.
+* **Heartbeat sweep** (every ``heartbeat_interval_ms``, detection only):
+  :func:`~stalwart.state.decide_suspicious` -> ``subagent:suspicious``; it never kills.
+* **Failure notice** for a run that ended ``timed_out``, ``swept`` or ``failed``: static
+  text (:func:`~stalwart.actors.failure_notice`), ``announcement:queued``, a send through
+  the parent's announcement system (``announcer``) bounded by ``announce_timeout_ms``; on
+  failure ``announcement:fallback_direct`` and a direct send on the run's channel; if that
+  fails too, ``announcement:send_failed`` and an :class:`Enqueue` to the dead-letter
+  actor. A notice is never lost and never sent twice on one path.
+* **Recovery**: :func:`~stalwart.state.decide_recovery` -> ``subagent:recovery_decided``;
+  a respawn goes through the host's ``spawner`` as a :class:`Spawn` with ``attempt + 1``
+  (and the continuation context after the task for ``respawn_continue``).
+
+The supervisor writes these decisions into the run's own stream, always expecting the
+version it folded: a live SubAgent's writes are never raced; on a conflict it reads what
+was added, folds it and decides again. Runs are settled (notice, recovery) when told
+:class:`RunEnded` and at every sweep, so a run that ended while nobody listened is settled
+too. One timer, keyed by the actor, at the earlier of the two sweeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import msgspec
+import pykka
+import structlog
+
+from stalwart.channels import Channel, OutboundMessage
+from stalwart.clock import Clock
+from stalwart.config import SubagentSettings
+from stalwart.errors import ConcurrencyError
+from stalwart.events import (
+    AnnouncementDelivered,
+    AnnouncementFallbackDirect,
+    AnnouncementQueued,
+    AnnouncementSendFailed,
+    Event,
+    SubagentSpawned,
+)
+from stalwart.ids import new_id
+from stalwart.state import decide_ghost, decide_suspicious
+from stalwart.store import EventStore, NewEvent
+
+from ._deadletter import Enqueue
+from ._portal import IoPortal
+from ._scheduler import Scheduler
+from ._subagent import RunEnded, Spawn
+from ._subagent_notice import NoticeSent, Path, failure_notice, send_once, sent
+from ._supervisor_fold import RUN_WATCH, UNSUCCESSFUL, RunWatch, recovery, respawn
+
+__all__ = ["GetRuns", "Recovered", "SupervisorActor", "Sweep", "SweepReport"]
+
+log = structlog.get_logger(__name__)
+
+#: How many append conflicts in a row the supervisor folds and retries before it fails.
+MAX_CONFLICTS = 64
+
+
+class Sweep(msgspec.Struct, frozen=True):
+    """Run both sweeps now; ``ask`` replies with a :class:`SweepReport`."""
+
+
+class _Due(msgspec.Struct, frozen=True):
+    at: float
+
+
+class GetRuns(msgspec.Struct, frozen=True):
+    """Ask for every run the supervisor folded: ``{stream: RunWatch}``."""
+
+
+class SweepReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What one sweep appended: the streams swept as ghosts and found suspicious."""
+
+    swept: tuple[str, ...] = ()
+    suspicious: tuple[str, ...] = ()
+
+
+class Recovered(msgspec.Struct, frozen=True, kw_only=True):
+    """Told to listeners once ``subagent:recovery_decided`` is in the run's log;
+    ``next_run_id`` names the respawned run (None when nothing was respawned)."""
+
+    stream: str
+    action: str
+    reason: str
+    context: str = ""
+    next_run_id: str | None = None
+
+
+Spawner = Callable[[Spawn], object]
+
+
+class SupervisorActor(pykka.ThreadingActor):
+    """Ghost and heartbeat sweeps, failure notices and recovery of sub-agent runs.
+
+    Start with ``SupervisorActor.start(store=..., clock=..., scheduler=..., portal=...,
+    channels={name: channel}, dead_letters=<DeadLetterActor ref>, spawner=...,
+    settings=SubagentSettings(), announce_timeout_ms=30_000, announcer=None,
+    default_channel="", listeners=())``. ``announcer`` is the parent's announcement
+    system (any :class:`~stalwart.channels.Channel`); without one the announce send goes
+    to the run's channel too. Tell it :class:`RunEnded`; ask :class:`Sweep` or
+    :class:`GetRuns`.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: EventStore,
+        clock: Clock,
+        scheduler: Scheduler,
+        portal: IoPortal,
+        channels: Mapping[str, Channel],
+        dead_letters: pykka.ActorRef[Any] | None = None,
+        spawner: Spawner | None = None,
+        settings: SubagentSettings | None = None,
+        announce_timeout_ms: int = 30_000,
+        announcer: Channel | None = None,
+        default_channel: str = "",
+        listeners: Sequence[pykka.ActorRef[Any]] = (),
+    ) -> None:
+        super().__init__()
+        self._store = store
+        self._clock = clock
+        self._scheduler = scheduler
+        self._portal = portal
+        self._channels = dict(channels)
+        self._dead_letters = dead_letters
+        self._spawner = spawner
+        self._settings = settings or SubagentSettings()
+        self._announce_s = announce_timeout_ms / 1000
+        self._announce_ms = announce_timeout_ms
+        self._announcer = announcer
+        self._default_channel = default_channel
+        self._listeners = tuple(listeners)
+        self._runs: dict[str, RunWatch] = {}
+        self._not_runs: set[str] = set()
+        self._sending: set[str] = set()  # announcement ids with a send in flight
+        self._timer_key = ("supervisor", self.actor_urn)
+        self._next_ghost = 0.0
+        self._next_heartbeat = 0.0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def on_start(self) -> None:
+        now = self._clock.now()
+        self._next_ghost = now + self._settings.ghost_sweep_interval_ms / 1000
+        self._next_heartbeat = now + self._settings.heartbeat_interval_ms / 1000
+        self._sweep(ghosts=True, heartbeats=True)  # what a crash left behind, at once
+        self._arm()
+
+    def on_stop(self) -> None:
+        self._scheduler.cancel(self._timer_key)
+
+    def on_failure(self, *_: object) -> None:
+        self._scheduler.cancel(self._timer_key)
+
+    # -- messages ----------------------------------------------------------------------------
+
+    def on_receive(self, message: Any) -> Any:
+        match message:
+            case _Due(at=at):
+                ghosts, heartbeats = at >= self._next_ghost, at >= self._next_heartbeat
+                if ghosts:
+                    self._next_ghost = at + self._settings.ghost_sweep_interval_ms / 1000
+                if heartbeats:
+                    self._next_heartbeat = at + self._settings.heartbeat_interval_ms / 1000
+                self._sweep(ghosts=ghosts, heartbeats=heartbeats)
+                self._arm()
+            case Sweep():
+                return self._sweep(ghosts=True, heartbeats=True)
+            case RunEnded(run_id=run_id):
+                stream = f"session:{run_id}"
+                if self._catch_up(stream) is not None:
+                    self._settle(stream)
+            case NoticeSent():
+                self._notice_sent(message)
+            case GetRuns():
+                return dict(self._runs)
+            case _:
+                raise TypeError(f"SupervisorActor does not understand {message!r}")
+        return None
+
+    # -- the sweeps ----------------------------------------------------------------------------
+
+    def _sweep(self, *, ghosts: bool, heartbeats: bool) -> SweepReport:
+        self._refresh()
+        swept: list[str] = []
+        suspicious: list[str] = []
+        settings = self._settings
+        for stream in list(self._runs):
+            if ghosts and self._decide(stream, self._ghost):
+                log.error("supervisor.ghost_swept", run=stream)
+                swept.append(stream)
+            if heartbeats and self._decide(stream, self._suspicious):
+                log.warning(
+                    "supervisor.suspicious", run=stream, interval=settings.heartbeat_interval_ms
+                )
+                suspicious.append(stream)
+            self._settle(stream)
+        return SweepReport(swept=tuple(swept), suspicious=tuple(suspicious))
+
+    def _ghost(self, watch: RunWatch, now: float) -> list[Event]:
+        return decide_ghost(watch.run, now, ghost_grace_ms=self._settings.ghost_grace_ms)
+
+    def _suspicious(self, watch: RunWatch, now: float) -> list[Event]:
+        settings = self._settings
+        return decide_suspicious(
+            watch.run,
+            now,
+            per_step_timeout_ms=settings.per_step_timeout_ms,
+            expected_fraction=settings.expected_fraction,
+            heartbeat_interval_ms=settings.heartbeat_interval_ms,
+        )
+
+    def _refresh(self) -> None:
+        """Fold what is new in every session stream (only those whose version moved)."""
+        for info in self._store.streams():
+            stream = info.stream
+            if not stream.startswith("session:") or stream in self._not_runs:
+                continue
+            known = self._runs.get(stream)
+            if known is None or known.run.version < info.version:
+                self._catch_up(stream)
+
+    def _catch_up(self, stream: str) -> RunWatch | None:
+        """The run after reading what is new in its stream; None when it is no run."""
+        watch = self._runs.get(stream) or RUN_WATCH.initial(stream)
+        for record in self._store.read_stream(stream, watch.run.version + 1):
+            if watch.run.version == 0 and not isinstance(record.event, SubagentSpawned):
+                self._not_runs.add(stream)  # a run's stream starts with its spawn
+                return None
+            watch = RUN_WATCH.apply(watch, record)
+        if watch.is_run:
+            self._runs[stream] = watch
+            return watch
+        return None
+
+    # -- fold, decide, append, then act ------------------------------------------------------
+
+    def _decide(self, stream: str, decide: Callable[[RunWatch, float], list[Event]]) -> bool:
+        """Decide on the folded run at ``now`` and append expecting its version; on a
+        conflict (the run's own actor wrote meanwhile) fold what was added and decide
+        again. True when something was appended."""
+        for attempt in range(1, MAX_CONFLICTS + 1):
+            watch = self._runs[stream]
+            now = self._clock.now()
+            events = decide(watch, now)
+            if not events:
+                return False
+            try:
+                records = self._store.append(
+                    stream,
+                    [NewEvent(event=event, ts=now) for event in events],
+                    expected_version=watch.run.version,
+                )
+            except ConcurrencyError:
+                if attempt == MAX_CONFLICTS:
+                    raise  # the actor fails; its supervisor restarts it from the log
+                self._catch_up(stream)
+                continue
+            for record in records:
+                watch = RUN_WATCH.apply(watch, record)
+            self._runs[stream] = watch
+            return True
+        raise AssertionError("unreachable")
+
+    def _settle(self, stream: str) -> None:
+        """A run that ended without success gets its notice and its recovery decision."""
+        watch = self._runs[stream]
+        if watch.run.status not in UNSUCCESSFUL:
+            return
+        if watch.notice == "none" and self._decide(stream, self._queue_notice):
+            self._send(stream, "announce")
+        elif watch.notice in ("queued", "fallback") and watch.notice_id not in self._sending:
+            self._send(stream, "direct")  # a send a crash interrupted: send again, directly
+        max_attempts = self._settings.recovery_max_attempts
+        recover = partial(recovery, max_attempts=max_attempts)
+        if self._decide(stream, recover):
+            self._recover(stream)
+
+    def _queue_notice(self, watch: RunWatch, now: float) -> list[Event]:
+        if watch.notice != "none":
+            return []
+        run = watch.run
+        ended = run.ended_at if run.ended_at is not None else now
+        runtime_ms = round((ended - (run.started_at or ended)) * 1000)
+        text = failure_notice(run.task, run.status, runtime_ms)
+        return [
+            AnnouncementQueued(
+                announcement_id=new_id(),
+                channel=watch.channel or self._default_channel,
+                kind="failure_notice",
+                text=text,
+            )
+        ]
+
+    def _recover(self, stream: str) -> None:
+        watch = self._runs[stream]
+        decided = watch.run.recovery
+        if decided is None:
+            return
+        log.warning("supervisor.recovery", run=stream, action=decided.action, reason=decided.reason)
+        next_run: str | None = None
+        if decided.action in ("respawn", "respawn_continue") and self._spawner is not None:
+            spawn = respawn(watch, decided.context)
+            next_run = spawn.run_id
+            try:
+                self._spawner(spawn)
+            except Exception:  # the host's callback: its failure is logged, not ours to raise
+                log.exception("supervisor.spawner_failed", run=stream)
+        recovered = Recovered(
+            stream=stream,
+            action=decided.action,
+            reason=decided.reason,
+            context=decided.context,
+            next_run_id=next_run,
+        )
+        for listener in self._listeners:
+            with contextlib.suppress(pykka.ActorDeadError):
+                listener.tell(recovered)
+
+    # -- the notice's sends ------------------------------------------------------------------
+
+    def _send(self, stream: str, path: Path) -> None:
+        watch = self._runs[stream]
+        conversation = watch.conversation or watch.run.parent or stream
+        message = OutboundMessage(
+            conversation=conversation,
+            text=watch.notice_text,
+            idempotency_key=watch.notice_id,
+            kind="failure_notice",
+        )
+        channel = self._channels.get(watch.channel or self._default_channel)
+        if path == "announce" and self._announcer is not None:
+            channel = self._announcer
+        future = self._portal.submit(send_once, channel, message, self._announce_s)
+        self._sending.add(watch.notice_id)
+        done = partial(sent, stream, watch.notice_id, path)
+        future.add_done_callback(lambda f: self._tell(done(f)))
+
+    def _notice_sent(self, outcome: NoticeSent) -> None:
+        self._sending.discard(outcome.announcement_id)
+        stream, announcement_id = outcome.stream, outcome.announcement_id
+        if self._catch_up(stream) is None:
+            return
+        event: Event
+        if outcome.ok:
+            event = AnnouncementDelivered(announcement_id=announcement_id, path=outcome.path)
+        elif outcome.path == "announce":
+            event = AnnouncementFallbackDirect(
+                announcement_id=announcement_id, timeout_ms=self._announce_ms
+            )
+        else:
+            event = AnnouncementSendFailed(
+                announcement_id=announcement_id, error_class=outcome.error_class or "unknown"
+            )
+        self._decide(stream, lambda watch, now: [event])
+        log.info("supervisor.notice_sent", run=stream, path=outcome.path, ok=outcome.ok)
+        if not outcome.ok and outcome.path == "announce":
+            self._send(stream, "direct")
+        elif not outcome.ok:
+            self._dead_letter(stream, outcome.error_class or "unknown")
+
+    def _dead_letter(self, stream: str, reason: str) -> None:
+        watch = self._runs[stream]
+        enqueue = Enqueue(
+            announcement_id=watch.notice_id,
+            channel=watch.channel or self._default_channel,
+            conversation=watch.conversation or watch.run.parent or stream,
+            text=watch.notice_text,
+            reason=reason,
+        )
+        try:
+            if self._dead_letters is None:
+                raise pykka.ActorDeadError("no dead-letter actor")
+            self._dead_letters.tell(enqueue)
+        except pykka.ActorDeadError:
+            log.error("supervisor.notice_lost", run=stream, announcement_id=watch.notice_id)
+
+    # -- the timer -----------------------------------------------------------------------------
+
+    def _arm(self) -> None:
+        due = min(self._next_ghost, self._next_heartbeat)
+        self._scheduler.schedule(due, self._due, key=self._timer_key)
+
+    def _due(self, at: float) -> None:
+        self._tell(_Due(at))
+
+    def _tell(self, message: object) -> None:
+        with contextlib.suppress(pykka.ActorDeadError):  # stopped meanwhile
+            self.actor_ref.tell(message)
