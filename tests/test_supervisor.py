@@ -435,3 +435,20 @@ def test_a_direct_send_that_fails_too_goes_to_the_dead_letter_queue(tree: Tree) 
         "chat",
     )
     assert of(stream(tree.store, "r1"), AnnouncementDelivered) == []
+
+
+def test_the_run_and_the_supervisor_share_its_stream_without_losing_a_write(tree: Tree) -> None:
+    """The supervisor's suspicious decision lands between two of the run's own writes:
+    the run's next append conflicts, it folds the decision and appends again."""
+    job = tree.run(spawn(task_class="research"))
+    assert job.report is not None
+    tree.tick(5)  # T0 + 300 s: frozen since the spawn
+    assert len(of(stream(tree.store, "r1"), SubagentSuspicious)) == 1
+    job.report.progress(7_000, 4)  # the run's actor folded only up to its own spawn
+    state = tree.runs["r1"].ask(GetRun(), timeout=WAIT)
+    assert isinstance(state, RunState)
+    assert (state.tokens, state.step, state.version) == (7_000, 4, 3)
+    assert state.suspected_growth_at == T0  # the supervisor's decision, folded
+    tree.tick(2)  # grew at 300 s; frozen again for a whole interval by 420 s
+    assert len(of(stream(tree.store, "r1"), SubagentSuspicious)) == 2
+    assert state.status == "running"
