@@ -53,10 +53,12 @@ from stalwart.events import (
     Event,
     SubagentGhostSwept,
     SubagentRecoveryDecided,
+    SubagentSpawned,
     SubagentSuspicious,
+    SubagentWatchdogTimeout,
 )
 from stalwart.state import RunState
-from stalwart.store import EventStore
+from stalwart.store import EventStore, NewEvent
 
 WAIT = 10.0
 T0 = 1_800_000_000.0  # the conftest clock's start
@@ -452,3 +454,62 @@ def test_the_run_and_the_supervisor_share_its_stream_without_losing_a_write(tree
     tree.tick(2)  # grew at 300 s; frozen again for a whole interval by 420 s
     assert len(of(stream(tree.store, "r1"), SubagentSuspicious)) == 2
     assert state.status == "running"
+
+
+def test_a_notice_a_crash_interrupted_is_sent_again_directly_by_the_next_supervisor(
+    lmdb_store: EventStore, clock: FakeClock
+) -> None:
+    text = failure_notice("summarise the report", "timed_out", 120_000)
+    lmdb_store.append(
+        "session:r9",
+        [
+            NewEvent(
+                event=SubagentSpawned(
+                    parent="p1",
+                    task="summarise the report",
+                    task_class="formatting",
+                    timeout_ms=120_000,
+                    timeout_knob="class_timeouts_ms.formatting",
+                    channel="chat",
+                    conversation="conv-9",
+                ),
+                ts=T0,
+            ),
+            NewEvent(
+                event=SubagentWatchdogTimeout(
+                    deadline=T0 + 120,
+                    limit_ms=120_000,
+                    knob="class_timeouts_ms.formatting",
+                    elapsed_ms=120_000,
+                ),
+                ts=T0 + 120,
+            ),
+            NewEvent(
+                event=SubagentRecoveryDecided(action="respawn", reason="no_work"), ts=T0 + 120
+            ),
+            NewEvent(
+                event=AnnouncementQueued(
+                    announcement_id="n1", channel="chat", kind="failure_notice", text=text
+                ),
+                ts=T0 + 120,
+            ),
+        ],
+    )  # the supervisor that queued the notice died before its send ended
+    clock.set(T0 + 130)
+    with Scheduler(clock) as scheduler, IoPortal() as portal:
+        try:
+            tree = Tree(lmdb_store, clock, scheduler, portal)
+            [message] = delivered(portal, tree.chat, 1)
+            assert (message.text, message.idempotency_key, message.conversation) == (
+                text,
+                "n1",
+                "conv-9",
+            )
+            [done] = until(lmdb_store, lambda: of(stream(lmdb_store, "r9"), AnnouncementDelivered))
+            assert done == AnnouncementDelivered(announcement_id="n1", path="direct")
+            tree.tick(3)
+            assert tree.announcer.attempted == []
+            assert len(tree.chat.attempted) == 1
+            assert tree.spawned.empty()  # its recovery was decided before the crash
+        finally:
+            pykka.ActorRegistry.stop_all(timeout=WAIT)
