@@ -28,6 +28,7 @@ import pytest
 
 from stalwart import store as store_module
 from stalwart.actors import (
+    FAILED_SENTENCE,
     SWEPT_SENTENCE,
     TIMED_OUT_SENTENCE,
     DeadLetterActor,
@@ -513,3 +514,18 @@ def test_a_notice_a_crash_interrupted_is_sent_again_directly_by_the_next_supervi
             assert tree.spawned.empty()  # its recovery was decided before the crash
         finally:
             pykka.ActorRegistry.stop_all(timeout=WAIT)
+
+
+def test_a_failed_run_gets_the_static_notice_and_is_respawned(tree: Tree) -> None:
+    async def broken(report: RunReport) -> str:
+        raise RuntimeError("token sk-secret rejected by /internal/api")
+
+    SubAgentActor.start(
+        store=tree.store, clock=tree.clock, scheduler=tree.scheduler, portal=tree.portal,
+        spawn=spawn(), work=broken, parent=tree.supervisor, settings=S,
+    )  # fmt: skip
+    [message] = delivered(tree.portal, tree.announcer, 1)
+    assert message.text == f'Sub-agent task "summarise the report": {FAILED_SENTENCE} (ran 0s)'
+    assert recovery(tree, "r1").action == "respawn"
+    assert tree.spawned.get(timeout=WAIT).attempt == 2
+    assert not any("secret" in repr(event) for event in stream(tree.store, "r1"))
