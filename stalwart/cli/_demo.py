@@ -1,0 +1,215 @@
+"""``stalwart demo``: a guided tour of the failure layers, with no key and no network.
+
+It starts the fault-injecting fake provider on 127.0.0.1 and a runtime with short
+budgets, then plays scenes against them, each narrated from the event log as it grows.
+Everything it does lands in a store the newcomer can inspect afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+from stalwart.channels import Delivery, OutboundMessage
+from stalwart.config import Config, parse_config
+from stalwart.errors import ChannelError, StalwartError
+from stalwart.runtime import Runtime
+from stalwart.testing import Answer, Fail, FakeProvider, Stall
+
+from ._app import _State, cli
+from ._demo_narrator import Narrator
+from ._logging import configure_logging
+
+DEFAULT_DIR = "stalwart-demo"
+
+CONFIG = """
+[providers.main]
+kind = "openai"
+base_url = "{base_url}"
+
+[providers.backup]
+kind = "anthropic"
+base_url = "{base_url}"
+
+[agents.support]
+provider = "main"
+model = "gpt-demo"
+fallback_models = ["backup:claude-demo"]
+prompt_timeout_ms = 1000
+retry_prompt_timeout_ms = 3000
+activity_interval_ms = 100
+max_retries = 0
+
+[agents.billing]
+provider = "main"
+model = "gpt-demo"
+prompt_timeout_ms = 1000
+activity_interval_ms = 100
+max_retries = 0
+
+[health]
+window_ms = 3000
+
+[dead_letters]
+announce_timeout_ms = 2000
+retry_base_ms = 60000
+"""
+
+
+class Screen:
+    """What the user sees: each message printed, unless the chat bridge is down."""
+
+    def __init__(self, name: str = "chat") -> None:
+        self.name = name
+        self.down = False
+        self.shown: list[OutboundMessage] = []
+        self._changed = threading.Condition()
+
+    async def send(self, message: OutboundMessage) -> Delivery:
+        if self.down:
+            raise ChannelError(
+                "the chat bridge is down", kind="connect", retryable=True, channel=self.name
+            )
+        click.secho(f"    user sees ({message.conversation}): {message.text}", fg="green")
+        with self._changed:
+            self.shown.append(message)
+            self._changed.notify_all()
+        return Delivery(channel=self.name)
+
+    def wait_for(self, *conversations: str, timeout: float = 20.0) -> None:
+        """Wait until each conversation has seen a message (one more than ``seen_before``)."""
+
+        def arrived() -> bool:
+            seen = {m.conversation for m in self.shown}
+            return all(c in seen for c in conversations)
+
+        with self._changed:
+            if not self._changed.wait_for(arrived, timeout):
+                missing = ", ".join(conversations)
+                raise StalwartError(f"demo: no message reached {missing} within {timeout:.0f} s")
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _scene(number: int, title: str, what: str) -> None:
+    click.echo()
+    click.secho(f"{number}. {title}", bold=True)
+    click.echo(f"   {what}")
+
+
+def _wait(narrator: Narrator, event_type: str, count: int = 1, timeout: float = 20.0) -> None:
+    if not narrator.wait_for(event_type, count, timeout):
+        raise StalwartError(f"demo: expected {event_type} within {timeout:.0f} s; it never came")
+
+
+Scene = Callable[[Runtime, FakeProvider, Screen, Narrator], None]
+
+
+def _normal(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) -> None:
+    _scene(1, "A normal answer", "A customer asks; the model answers; every step is an event.")
+    fake.add(Answer(model="gpt-demo", text="Your refund was issued on Monday."))
+    rt.session("alice", agent="support", channel="chat").send("Where is my refund?")
+    screen.wait_for("alice")
+
+
+def _stall(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) -> None:
+    _scene(
+        2,
+        "A stalled stream",
+        "The model sends three words and goes silent. The stall budget (1 s here, 3 min by "
+        "default) aborts it, closes the socket, and the fallback model answers.",
+    )
+    fake.add(Stall(model="gpt-demo", after_deltas=3, text="Let me check"))
+    fake.add(Answer(model="claude-demo", text="Your order ships tomorrow."))
+    rt.session("alice", agent="support", channel="chat").send("And my order?")
+    _wait(narrator, "execution:prompt_timeout")
+    _wait(narrator, "announcement:delivered", 2)
+
+
+def _outage(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) -> None:
+    _scene(
+        3,
+        "A provider outage",
+        "Two agents get 503s within the health window (3 s here, 60 s by default): the "
+        "provider is marked degraded. Billing has no fallback and says so plainly; support "
+        "falls back to its second model.",
+    )
+    fake.add(Fail(model="gpt-demo", status=503, times=2))
+    rt.session("bob", agent="billing", channel="chat").send("Why was I charged twice?")
+    rt.session("carol", agent="support", channel="chat").send("Can I change my address?")
+    _wait(narrator, "provider:degraded")
+    screen.wait_for("bob", "carol")
+    click.echo(
+        "   While it is degraded a new message gets a static reply at once, with no model "
+        "call. The chat bridge is down too, so that reply waits in the dead-letter queue."
+    )
+    screen.down = True
+    rt.session("dave", agent="billing", channel="chat").send("Is anyone there?")
+    _wait(narrator, "announcement:dead_lettered")
+    screen.down = False
+    click.echo("   The bridge is back. No failure for a whole health window: recovery ...")
+    _wait(narrator, "provider:recovered", timeout=30)
+    _wait(narrator, "announcement:dead_letter_delivered")
+    screen.wait_for("dave")
+
+
+SCENES: tuple[Scene, ...] = (_normal, _stall, _outage)
+
+
+def _prepare(directory: Path) -> None:
+    """A fresh store directory: a previous demo's is replaced, anything else refused."""
+    if not directory.exists():
+        return
+    leftovers = {p.name for p in directory.iterdir()} - {"data.mdb", "lock.mdb"}
+    if leftovers:
+        raise StalwartError(
+            f"{directory} exists and is not a previous demo's store; pass --store DIR"
+        )
+    shutil.rmtree(directory)
+
+
+def _config(base_url: str) -> Config:
+    return parse_config(tomllib.loads(CONFIG.format(base_url=base_url)), source="demo")
+
+
+def play(directory: Path) -> None:
+    """Run every scene against a fresh store in ``directory``."""
+    _prepare(directory)
+    screen = Screen()
+    with FakeProvider() as fake:
+        fake.set_default(Answer(text="I am here to help."))
+        config = _config(fake.base_url)
+        with Runtime(config, store=os.fspath(directory), channels={"chat": screen}) as rt:
+            narrator = Narrator(rt.store).start()
+            try:
+                for scene in SCENES:
+                    scene(rt, fake, screen, narrator)
+            finally:
+                narrator.stop()
+
+
+@cli.command()
+@click.pass_obj
+def demo(state: _State) -> None:
+    """A guided tour of every failure layer, against a local fake provider (~30 s)."""
+    parent = click.get_current_context().parent
+    if parent is not None and parent.params.get("log_level") == "warning":
+        configure_logging("error")  # the narration tells the story; warnings would repeat it
+    directory = Path(state.location or DEFAULT_DIR)
+    click.secho("stalwart demo: the failure layers, live, with no key and no network", bold=True)
+    click.echo(f"The event log goes to {directory}/.")
+    play(directory)
+    click.echo()
+    click.secho("Every step above is an event in the log. Inspect it:", bold=True)
+    store = f"--store {directory}"
+    click.echo(f"  stalwart {store} tail                        # everything, in order")
+    click.echo(f"  stalwart {store} tail --type 'provider:*'    # the outage")
+    click.echo(f"  stalwart {store} replay session:alice        # one conversation's state")
+    click.echo(f"  stalwart {store} incidents                   # failures per provider/model")

@@ -1,0 +1,99 @@
+"""The demo's narrator: it reads the event log as it grows and says what each step means.
+
+Everything the demo shows comes from the log (the same events ``stalwart tail`` prints),
+so what the newcomer reads is what an operator would see.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from stalwart.events import RecordedEvent
+from stalwart.store import EventStore
+
+Say = Callable[[Any], str]
+
+#: The events worth a sentence, and the sentence.
+SENTENCES: dict[str, Say] = {
+    "execution:prompt_timeout": lambda e: (
+        f"the call was aborted: its {e.limit} limit ({e.knob} = {e.limit_ms} ms) passed "
+        f"after {e.elapsed_ms} ms; the HTTP request is closed"
+    ),
+    "prompt:retry_scheduled": lambda e: (
+        f"retrying the same model in {e.delay_ms} ms, now with a whole-call limit"
+    ),
+    "model:fallback_attempt": lambda e: f"falling back from {e.from_model} to {e.to_model}",
+    "model:fallback_exhausted": lambda e: "every model of the chain failed",
+    "provider:call_failed": lambda e: (
+        f"{e.provider}/{e.model} failed for agent '{e.agent}' ({e.error_class})"
+    ),
+    "provider:degraded": lambda e: (
+        f"provider '{e.provider}' is DEGRADED (rule: {e.rule}; "
+        f"{e.failures} failures within {e.window_ms // 1000} s)"
+    ),
+    "provider:recovered": lambda e: f"provider '{e.provider}' recovered (rule: {e.rule})",
+    "announcement:dead_lettered": lambda e: (
+        "the message could not be delivered: it waits in the dead-letter queue"
+    ),
+    "announcement:dead_letter_delivered": lambda e: (
+        f"the dead letter was delivered (after {e.attempts} earlier attempts)"
+    ),
+    "execution:aborted": lambda e: f"the turn was aborted ({e.reason})",
+    "subagent:spawned": lambda e: (
+        f"sub-agent spawned for '{e.task[:40]}' with a {e.timeout_ms // 1000} s timeout"
+        f" (attempt {e.attempt})"
+    ),
+    "subagent:artifact": lambda e: f"the sub-agent saved {e.path}",
+    "subagent:watchdog_timeout": lambda e: (
+        f"watchdog: the sub-agent ran past its {e.limit_ms} ms limit ({e.knob}); force-failed"
+    ),
+    "subagent:ghost_swept": lambda e: (
+        f"ghost sweep: a run left 'running' for {e.elapsed_ms // 1000} s "
+        f"(limit + {e.grace_ms} ms grace) was force-failed"
+    ),
+    "subagent:suspicious": lambda e: f"heartbeat: the run's tokens stopped at {e.tokens}",
+    "subagent:recovery_decided": lambda e: f"recovery: {e.action} ({e.reason})",
+    "subagent:completed": lambda e: f"sub-agent finished: {e.outcome}",
+}
+
+
+class Narrator:
+    """Follows the log from a position on, printing a line for each event worth one."""
+
+    def __init__(self, store: EventStore, *, indent: str = "    ") -> None:
+        self._store = store
+        self._indent = indent
+        self._subscription = store.subscribe(store.head() + 1)
+        self._thread = threading.Thread(target=self._run, name="stalwart-demo-narrator")
+        self._thread.daemon = True
+        self._changed = threading.Condition()
+        self.seen: list[RecordedEvent] = []
+
+    def start(self) -> Narrator:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._subscription.closed:
+            for record in self._subscription.poll(timeout=0.1):
+                with self._changed:
+                    self.seen.append(record)
+                    self._changed.notify_all()
+                say = SENTENCES.get(record.type)
+                if say is not None:
+                    click.secho(f"{self._indent}[log] {say(record.event)}", fg="cyan")
+
+    def wait_for(self, event_type: str, count: int = 1, timeout: float = 15.0) -> bool:
+        """Wait until ``count`` events of ``event_type`` were seen; False on timeout."""
+        with self._changed:
+            return self._changed.wait_for(
+                lambda: sum(r.type == event_type for r in self.seen) >= count, timeout
+            )
+
+    def stop(self) -> None:
+        self._subscription.close()
+        self._thread.join(timeout=2)

@@ -1,0 +1,67 @@
+"""``stalwart demo`` runs end to end: every scene happens, and the log says so."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stalwart import store as store_module
+
+
+@pytest.mark.slow
+def test_the_demo_plays_every_scene_and_leaves_an_inspectable_log(tmp_path: Path) -> None:
+    directory = tmp_path / "demo-log"
+    proc = subprocess.run(
+        [sys.executable, "-m", "stalwart", "--store", str(directory), "demo"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    out = proc.stdout
+    for line in (
+        "user sees (alice): Your refund was issued on Monday.",
+        "user sees (alice): Your order ships tomorrow.",
+        "[log] the call was aborted: its stall limit",
+        "is DEGRADED",
+        "waits in the dead-letter queue",
+        "recovered (rule: quiet_window)",
+        "the dead letter was delivered",
+        f"stalwart --store {directory} tail",
+    ):
+        assert line in out, f"missing {line!r} in the demo's output:\n{out}"
+    with store_module.open(directory, create=False) as log:
+        types = [record.type for record in log.read_all()]
+    for expected in (
+        "runtime:started",
+        "execution:prompt_timeout",
+        "model:fallback_attempt",
+        "provider:degraded",
+        "announcement:dead_lettered",
+        "provider:recovered",
+        "announcement:dead_letter_delivered",
+        "runtime:stopped",
+    ):
+        assert expected in types
+
+
+def test_the_demo_refuses_a_directory_that_is_not_its_own(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    proc = subprocess.run(
+        [sys.executable, "-m", "stalwart", "--store", str(tmp_path), "demo"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().startswith("stalwart: error:")
+    assert "not a previous demo's store" in proc.stderr
+    assert (tmp_path / "notes.txt").exists()
