@@ -64,6 +64,7 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     Models in ``fallback_models`` and ``vision_fallback_models`` are ``provider:model``.
     The loop makes at most ``max_steps`` model calls per turn and runs at most
     ``tool_limit`` tool calls at once; ``system_prompt``, when set, starts every request.
+    ``subagents`` offers its model the built-in ``spawn_subagent`` tool.
     (The turn's execution timeout is ``supervision.execution_timeout_ms`` and a send's
     deadline ``dead_letters.announce_timeout_ms``.)
     """
@@ -85,6 +86,7 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     max_steps: Positive = 10
     tool_limit: Positive = 4
     system_prompt: str | None = None
+    subagents: bool = False
 
 
 def _ordered(section: str, low: str, low_value: int, high: str, high_value: int) -> None:
@@ -114,7 +116,10 @@ class SubagentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     swept (every ``ghost_sweep_interval_ms``). The heartbeat sweep (every
     ``heartbeat_interval_ms``) flags a run suspicious once it has run ``expected_fraction``
     of its watchdog limit with no token growth for a whole interval; it never kills.
-    A failed run is escalated from attempt ``recovery_max_attempts`` on.
+    A failed run is escalated from attempt ``recovery_max_attempts`` on. Successful
+    completions are announced batched per parent: a batch goes ``announce_debounce_ms``
+    after its latest completion, and never later than ``announce_max_wait_ms`` after its
+    first.
     """
 
     per_step_timeout_ms: Positive = 60_000
@@ -126,6 +131,8 @@ class SubagentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     class_timeouts_ms: ClassTimeouts = msgspec.field(default_factory=ClassTimeouts)
     custom_max_ms: Positive = 1_800_000
     recovery_max_attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 2
+    announce_debounce_ms: Positive = 500
+    announce_max_wait_ms: Positive = 5_000
 
     def __post_init__(self) -> None:
         _ordered(

@@ -33,11 +33,14 @@ import os
 import random
 import socket
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from functools import partial
 from types import TracebackType
-from typing import Any, Literal, Self, TypeVar, overload
+from typing import Any, Literal, Self, TypeVar, cast, overload
 
 import anyio.to_thread
+import msgspec
 import pykka
 import structlog
 
@@ -48,33 +51,50 @@ from stalwart.actors import (
     AgentLoopSettings,
     AgentReport,
     AgentStatus,
+    Announcer,
+    Batch,
+    Crashed,
     DeadLetterActor,
     Drain,
+    GetBatches,
     GetHealth,
+    GetRun,
+    GetRuns,
     HealthChanged,
     HealthReport,
     HealthView,
     IoPortal,
     ProviderHealthActor,
     QueueState,
+    RunEnded,
+    RunReport,
+    RunWatch,
     Scheduler,
+    Spawn,
+    SubAgentActor,
+    SupervisorActor,
+    Track,
     UserMessage,
+    Work,
+    subsession_work,
 )
-from stalwart.channels import Channel, ConsoleChannel, channel_from_settings
+from stalwart.channels import Channel, ConsoleChannel, MemoryChannel, channel_from_settings
 from stalwart.clock import Clock, SystemClock
 from stalwart.config import Config
-from stalwart.errors import ConfigError
-from stalwart.events import Event, RecordedEvent, RuntimeStarted, RuntimeStopped
+from stalwart.errors import ConfigError, SpawnRefusedError, ToolError
+from stalwart.events import Event, RecordedEvent, RuntimeStarted, RuntimeStopped, TaskClass
 from stalwart.ids import new_id
 from stalwart.providers import Breaker, ModelCaller, ProviderClient
-from stalwart.state import BREAKER, DeadLetterState
+from stalwart.state import BREAKER, RUN, DeadLetterState, RunState, spawn_timeout
 from stalwart.store import EventStore, NewEvent, load_state
-from stalwart.tools import ToolRegistry
+from stalwart.tools import Tool, ToolRegistry, ToolSpec, build_tool
 
 __all__ = [
     "RUNTIME_STREAM",
+    "SPAWN_TOOL",
     "STOP_TIMEOUT_S",
     "ProviderLayer",
+    "RunHandle",
     "Runtime",
     "SessionHandle",
     "StoreSink",
@@ -88,6 +108,8 @@ RUNTIME_STREAM = "runtime"
 STOP_TIMEOUT_S = 5.0
 #: The channel every runtime has when the config names none.
 DEFAULT_CHANNEL = "console"
+#: The built-in tool an agent with ``subagents = true`` offers its model.
+SPAWN_TOOL = "spawn_subagent"
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -151,12 +173,21 @@ class SessionHandle:
     """One running session: tell it user messages, ask it for its report."""
 
     def __init__(
-        self, session_id: str, ref: pykka.ActorRef[Any], *, agent: str, channel: str
+        self,
+        session_id: str,
+        ref: pykka.ActorRef[Any],
+        *,
+        agent: str,
+        channel: str,
+        conversation: str | None = None,
+        thread: str | None = None,
     ) -> None:
         self.session_id = session_id
         self.agent = agent
         self.channel = channel
-        self.ref = ref
+        self.conversation = conversation if conversation is not None else session_id
+        self.thread = thread
+        self.ref = ref  # replaced when the supervisor restarts the session's agent
 
     @property
     def stream(self) -> str:
@@ -185,6 +216,62 @@ class SessionHandle:
 
     def __repr__(self) -> str:
         return f"SessionHandle({self.session_id!r}, agent={self.agent!r}, channel={self.channel!r})"
+
+
+class RunHandle:
+    """One sub-agent run: wait for how it ended, or fold its state from the log."""
+
+    def __init__(
+        self,
+        run_id: str,
+        parent: str,
+        store: EventStore,
+        ended: Future[RunEnded],
+        actor: Callable[[], pykka.ActorRef[Any] | None] = lambda: None,
+    ) -> None:
+        self.run_id = run_id
+        self.parent = parent
+        self._store = store
+        self._ended = ended
+        self._actor = actor
+
+    @property
+    def stream(self) -> str:
+        return f"session:{self.run_id}"
+
+    def result(self, timeout: float | None = None) -> RunEnded:
+        """How the run ended (:class:`RunEnded`: ``outcome``, ``result`` of a success, or
+        the static ``notice`` of a failure); TimeoutError if it has not within ``timeout``."""
+        return self._ended.result(timeout)
+
+    def done(self) -> bool:
+        return self._ended.done()
+
+    def status(self, timeout: float = STOP_TIMEOUT_S) -> RunState:
+        """The run's :class:`~stalwart.state.RunState`: asked of its actor while it runs
+        (so its watchdog is armed when this returns), else folded from its stream."""
+        ref = self._actor()
+        if ref is not None:
+            with contextlib.suppress(pykka.ActorDeadError):
+                state = ref.ask(GetRun(), timeout=timeout)
+                assert isinstance(state, RunState)
+                return state
+        return load_state(self._store, self.stream, RUN, use_snapshots=False)
+
+    def __repr__(self) -> str:
+        return f"RunHandle({self.run_id!r}, parent={self.parent!r}, done={self.done()})"
+
+
+class _RunSpec:
+    """What the runtime keeps of a run until it ends: its actor, its handle's future,
+    and how to run it again (the host's ``work``, or None for a model-driven run)."""
+
+    def __init__(self, spawn: Spawn, work: Work | None, agent: str) -> None:
+        self.spawn = spawn
+        self.work = work
+        self.agent = agent
+        self.ended: Future[RunEnded] = Future()
+        self.ref: pykka.ActorRef[Any] | None = None
 
 
 class Runtime:
@@ -225,6 +312,10 @@ class Runtime:
         self._dead_letters: pykka.ActorRef[Any] | None = None
         self._health: dict[str, pykka.ActorRef[Any]] = {}
         self._sessions: dict[str, SessionHandle] = {}
+        self._supervisor: pykka.ActorRef[Any] | None = None
+        self._announcer: pykka.ActorRef[Any] | None = None
+        self._runs: dict[str, _RunSpec] = {}
+        self._works: dict[tuple[str, str], tuple[Work | None, str]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -292,6 +383,7 @@ class Runtime:
             channels=self._channels,
             settings=self.config.dead_letters,
         )
+        self._start_supervision()
         for provider in self.config.providers:
             self._health[provider] = ProviderHealthActor.start(
                 self._store,
@@ -302,6 +394,37 @@ class Runtime:
                 [self._on_health_changed],
                 self.health_view,
             )
+
+    def _start_supervision(self) -> None:
+        assert self._scheduler is not None
+        assert self._portal is not None
+        store, subagents = self.store, self.config.subagents
+        self._supervisor = SupervisorActor.start(
+            store=store,
+            clock=self.clock,
+            scheduler=self._scheduler,
+            portal=self._portal,
+            channels=self._channels,
+            dead_letters=self._dead_letters,
+            spawner=self._respawn,
+            settings=subagents,
+            announce_timeout_ms=self.config.dead_letters.announce_timeout_ms,
+            default_channel=DEFAULT_CHANNEL,
+            supervision=self.config.supervision,
+        )
+        self._announcer = Announcer.start(
+            store=store,
+            clock=self.clock,
+            scheduler=self._scheduler,
+            portal=self._portal,
+            channels=self._channels,
+            supervisor=self._supervisor,
+            on_ended=self._run_ended,
+            dead_letters=self._dead_letters,
+            debounce_ms=subagents.announce_debounce_ms,
+            max_wait_ms=subagents.announce_max_wait_ms,
+            send_timeout_ms=self.config.dead_letters.announce_timeout_ms,
+        )
 
     def _open_store(self) -> tuple[EventStore, bool]:
         given = self._store_arg
@@ -329,8 +452,12 @@ class Runtime:
             self._state = "closed"
             sessions = list(self._sessions.values())
             self._sessions.clear()
+            runs = list(self._runs.values())
+            self._runs.clear()
         steps: list[tuple[str, Callable[[], object]]] = [
             ("agents", lambda: _stop_actors([s.ref for s in sessions])),
+            ("runs", lambda: _stop_runs(runs)),
+            ("supervision", lambda: _stop_actors([self._announcer, self._supervisor])),
             ("health", lambda: _stop_actors(list(self._health.values()))),
             ("dead_letters", lambda: _stop_actors([self._dead_letters])),
             ("providers", lambda: self._on_loop(self._layer.aclose if self._layer else None)),
@@ -446,9 +573,12 @@ class Runtime:
         channel: str,
         conversation: str | None,
         thread: str | None,
+        *,
+        supervised: bool = True,
+        target: Channel | None = None,
     ) -> SessionHandle:
         settings = self.config.agent(agent)
-        target = self._channels.get(channel)
+        target = target or self._channels.get(channel)
         if target is None:
             raise ConfigError(
                 f"no channel named {channel!r} (available: {sorted(self._channels) or 'none'})",
@@ -464,6 +594,9 @@ class Runtime:
             send_timeout_ms=self.config.dead_letters.announce_timeout_ms,
             system_prompt=settings.system_prompt,
         )
+        tools = self.tools
+        if settings.subagents and supervised:
+            tools = _SessionTools(self.tools, self._spawn_tool(session_id, agent))
         ref = AgentActor.start(
             session_id,
             self.store,
@@ -471,7 +604,7 @@ class Runtime:
             self._scheduler,
             self._portal,
             self._layer.caller(agent),
-            self.tools,
+            tools,
             target,
             conversation=conversation,
             thread=thread,
@@ -479,8 +612,245 @@ class Runtime:
             is_degraded=self.health_view.is_degraded,
             dead_letters=self._dead_letters,
             agent_name=agent,
+            on_crash=partial(self._agent_crashed, session_id) if supervised else None,
         )
-        return SessionHandle(session_id, ref, agent=agent, channel=channel)
+        return SessionHandle(
+            session_id, ref, agent=agent, channel=channel, conversation=conversation, thread=thread
+        )
+
+    # -- sub-agents ----------------------------------------------------------------------------
+
+    def spawn(
+        self,
+        parent_session: str,
+        task: str,
+        *,
+        task_class: TaskClass | None = None,
+        custom_timeout_ms: int | None = None,
+        reason: str | None = None,
+        max_steps: int | None = None,
+        work: Work | None = None,
+        channel: str | None = None,
+        conversation: str | None = None,
+        agent: str | None = None,
+        announce: bool = True,
+    ) -> RunHandle:
+        """Start a sub-agent run for ``parent_session`` under its watchdog.
+
+        Every spawn has a timeout, no exceptions: a ``task_class``, or ``custom_timeout_ms``
+        with a ``reason`` (SpawnRefusedError otherwise, raised before anything is
+        appended). ``work`` is the async callable the run awaits (given a
+        :class:`~stalwart.actors.RunReport`); without it the run is a model-driven
+        sub-session: an Agent (``agent``, default the parent's) on the run's own stream
+        answers ``task``. ``channel`` / ``conversation`` (default the parent session's)
+        are where its failure notice and, when ``announce``, its batched completion go.
+        """
+        with self._lock:
+            self._require_running()
+            parent = self._sessions.get(parent_session)
+            agent = agent or (parent.agent if parent is not None else "default")
+            self.config.agent(agent)  # ConfigError for an unknown agent
+            channel = channel or (parent.channel if parent is not None else DEFAULT_CHANNEL)
+            if conversation is None:
+                conversation = parent.conversation if parent is not None else parent_session
+            spawn = Spawn(
+                run_id=new_id(),
+                parent=parent_session,
+                task=task,
+                task_class=task_class,
+                custom_timeout_ms=custom_timeout_ms,
+                reason=reason,
+                max_steps=max_steps,
+                channel=channel,
+                conversation=conversation,
+            )
+            self._check_spawn(spawn)
+            self._works[(parent_session, task)] = (work, agent)
+            return self._start_run(spawn, work, agent, announce=announce)
+
+    def _check_spawn(self, spawn: Spawn) -> None:
+        """SpawnRefusedError (nothing appended) for no valid timeout or an unknown channel."""
+        settings = self.config.subagents
+        spawn_timeout(
+            spawn.task_class,
+            spawn.custom_timeout_ms,
+            spawn.reason,
+            class_timeouts_ms=msgspec.structs.asdict(settings.class_timeouts_ms),
+            custom_max_ms=settings.custom_max_ms,
+            default_ms=settings.max_run_timeout_ms,
+        )
+        if spawn.channel not in self._channels:
+            raise SpawnRefusedError(
+                f"spawn refused: no channel named {spawn.channel!r} "
+                f"(available: {sorted(self._channels) or 'none'})",
+                field="channel",
+            )
+
+    def _start_run(
+        self, spawn: Spawn, work: Work | None, agent: str, *, announce: bool
+    ) -> RunHandle:
+        assert self._scheduler is not None
+        assert self._portal is not None
+        assert self._announcer is not None
+        run = _RunSpec(spawn, work, agent)
+        if work is None:
+            start = partial(self._start_subsession, spawn.run_id, agent)
+            work = subsession_work(self.store, spawn.run_id, spawn.task, start)
+        self._runs[spawn.run_id] = run
+        self._announcer.tell(
+            Track(
+                run_id=spawn.run_id,
+                parent=spawn.parent,
+                channel=spawn.channel,
+                conversation=spawn.conversation,
+                announce=announce,
+            )
+        )
+        run.ref = self._start_run_actor(spawn, work)
+        return RunHandle(spawn.run_id, spawn.parent, self.store, run.ended, lambda: run.ref)
+
+    def _start_run_actor(self, spawn: Spawn, work: Work) -> pykka.ActorRef[Any]:
+        assert self._scheduler is not None
+        assert self._portal is not None
+        return SubAgentActor.start(
+            store=self.store,
+            clock=self.clock,
+            scheduler=self._scheduler,
+            portal=self._portal,
+            spawn=spawn,
+            work=work,
+            parent=self._announcer,
+            settings=self.config.subagents,
+            on_crash=partial(self._run_crashed, spawn.run_id),
+        )
+
+    def _start_subsession(self, run_id: str, agent: str) -> pykka.ActorRef[Any]:
+        """The Agent of a model-driven run: on the run's stream, its answer kept off every
+        user-facing channel (the run's result is what the parent gets)."""
+        with self._lock:
+            self._require_running()
+            sink = MemoryChannel(f"subagent:{run_id}")
+            handle = self._start_agent(
+                run_id, agent, sink.name, None, None, supervised=False, target=sink
+            )
+            return handle.ref
+
+    def _run_ended(self, ended: RunEnded) -> None:
+        """The announcer's callback: resolve the run's handle and stop its actor."""
+        with self._lock:
+            run = self._runs.pop(ended.run_id, None)
+        if run is None:
+            return
+        if not run.ended.done():
+            run.ended.set_result(ended)
+        if run.ref is not None:
+            with contextlib.suppress(pykka.ActorDeadError):
+                run.ref.stop(block=False)
+
+    def _respawn(self, spawn: Spawn) -> object:
+        """The supervisor's recovery spawner: the next attempt, with the continuation
+        context in its task, runs the same ``work`` (or is model-driven again)."""
+        with self._lock:
+            if self._state != "running":
+                return None
+            work, agent = None, "default"
+            for (parent, task), known in self._works.items():
+                if parent == spawn.parent and (
+                    spawn.task == task or spawn.task.startswith(task + "\n\n")
+                ):
+                    work, agent = known
+            self._works[(spawn.parent, spawn.task)] = (work, agent)
+            return self._start_run(spawn, work, agent, announce=True)
+
+    def run(self, run_id: str) -> RunHandle | None:
+        """The handle of a run still running (a respawned one included), or None."""
+        with self._lock:
+            run = self._runs.get(run_id)
+            if run is None:
+                return None
+            return RunHandle(run_id, run.spawn.parent, self.store, run.ended, lambda: run.ref)
+
+    def runs(self, timeout: float = STOP_TIMEOUT_S) -> dict[str, RunWatch]:
+        """Every run the supervisor folded (asked: what it decided before is in it)."""
+        with self._lock:
+            self._require_running()
+            supervisor = self._supervisor
+        assert supervisor is not None
+        runs = supervisor.ask(GetRuns(), timeout=timeout)
+        assert isinstance(runs, dict)
+        return runs
+
+    def announcements(self, timeout: float = STOP_TIMEOUT_S) -> dict[str, Batch]:
+        """The completion batches not sent yet, by parent session (asked of the announcer)."""
+        with self._lock:
+            self._require_running()
+            announcer = self._announcer
+        assert announcer is not None
+        batches = announcer.ask(GetBatches(), timeout=timeout)
+        assert isinstance(batches, dict)
+        return batches
+
+    # -- restarts (the supervisor decides; these start the actor again) ----------------------
+
+    def _agent_crashed(self, session_id: str, reason: str) -> None:
+        """A session's Agent died of an exception (its thread): tell the supervisor."""
+        handle = self._sessions.get(session_id)
+        crashed = Crashed(
+            actor=f"session:{session_id}",
+            reason=reason,
+            restart=partial(self._restart_session, session_id),
+            session=session_id,
+            channel=handle.channel if handle is not None else "",
+            conversation=handle.conversation if handle is not None else session_id,
+        )
+        self._tell_supervisor(crashed)
+
+    def _restart_session(self, session_id: str) -> None:
+        """Start the session's Agent again (it rebuilds from its stream)."""
+        with self._lock:
+            handle = self._sessions.get(session_id)
+            if self._state != "running" or handle is None or handle.ref.is_alive():
+                return
+            fresh = self._start_agent(
+                session_id, handle.agent, handle.channel, handle.conversation, handle.thread
+            )
+            handle.ref = fresh.ref
+        log.info("runtime.session_restarted", session=session_id)
+
+    def _run_crashed(self, run_id: str, reason: str) -> None:
+        run = self._runs.get(run_id)
+        if run is None:
+            return
+        crashed = Crashed(
+            actor=f"session:{run_id}",
+            reason=reason,
+            restart=partial(self._restart_run, run_id),
+            session=run.spawn.parent,
+            channel=run.spawn.channel,
+            conversation=run.spawn.conversation,
+        )
+        self._tell_supervisor(crashed)
+
+    def _restart_run(self, run_id: str) -> None:
+        """Start the run's actor again: it re-arms the watchdog of a run still running and
+        does not run the work again (the recovery protocol decides that)."""
+        with self._lock:
+            run = self._runs.get(run_id)
+            if self._state != "running" or run is None:
+                return
+            run.ref = self._start_run_actor(run.spawn, _no_work)
+
+    def _tell_supervisor(self, message: object) -> None:
+        supervisor = self._supervisor
+        if supervisor is not None:
+            with contextlib.suppress(pykka.ActorDeadError):
+                supervisor.tell(message)
+
+    def _spawn_tool(self, session_id: str, agent: str) -> Tool:
+        """The ``spawn_subagent`` tool of one session (see :func:`_spawn_tool_fn`)."""
+        fn = _spawn_tool_fn(self, session_id, agent)
+        timeout_ms = self.config.subagents.custom_max_ms + 60_000  # the run's own limit rules
+        return build_tool(fn, name=SPAWN_TOOL, timeout_ms=timeout_ms)
 
     def health(self, timeout: float = STOP_TIMEOUT_S) -> dict[str, HealthReport]:
         """Each provider's health as its actor has folded it (asked, so a decision already
@@ -530,3 +900,79 @@ def _stop_actors(refs: Sequence[pykka.ActorRef[Any] | None]) -> None:
             log.warning("runtime.actor_stop_timeout", timeout_s=STOP_TIMEOUT_S)
         except pykka.ActorDeadError:
             pass
+
+
+def _stop_runs(runs: Sequence[_RunSpec]) -> None:
+    """Stop the runs' actors; a handle still waiting learns the run will not end here."""
+    for run in runs:
+        run.ended.cancel()
+    _stop_actors([run.ref for run in runs])
+
+
+async def _no_work(report: RunReport) -> str:
+    """A restarted run's work: never run (the actor resumes the run, not the work)."""
+    raise RuntimeError("a restarted run does not run its work again")
+
+
+class _SessionTools(ToolRegistry):
+    """A session's tools: the runtime's registry (read live) plus its own built-ins."""
+
+    def __init__(self, base: ToolRegistry, *own: Tool) -> None:
+        super().__init__()
+        self._base = base
+        self._own = {tool.name: tool for tool in own}
+
+    def get(self, name: str) -> Tool | None:
+        return self._own.get(name) or self._base.get(name)
+
+    def specs(self) -> tuple[ToolSpec, ...]:
+        return (*self._base.specs(), *(tool.spec for tool in self._own.values()))
+
+    def names(self) -> tuple[str, ...]:
+        return (*self._base.names(), *self._own)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._own or name in self._base
+
+    def __iter__(self) -> Iterator[Tool]:
+        return iter((*self._base, *self._own.values()))
+
+    def __len__(self) -> int:
+        return len(self._base) + len(self._own)
+
+
+def _spawn_tool_fn(rt: Runtime, session_id: str, agent: str) -> Callable[..., Awaitable[str]]:
+    """The ``spawn_subagent`` tool of one session: spawn, wait, answer with the result."""
+
+    async def spawn_subagent(
+        task: str,
+        task_class: str | None = None,
+        custom_timeout_ms: int | None = None,
+        reason: str | None = None,
+        max_steps: int | None = None,
+    ) -> str:
+        """Hand a self-contained task to a sub-agent and wait for its answer.
+
+        Every spawn needs a time limit: a task_class (formatting: 2 min, code: 5 min,
+        research: 10 min, deep: 15 min), or custom_timeout_ms with a reason saying why.
+        Returns the sub-agent's answer, or a short notice if it did not complete.
+        """
+        spawn = partial(
+            rt.spawn,
+            session_id,
+            task,
+            task_class=cast(TaskClass | None, task_class),
+            custom_timeout_ms=custom_timeout_ms,
+            reason=reason,
+            max_steps=max_steps,
+            agent=agent,
+            announce=False,  # the answer goes back through the parent's model
+        )
+        try:
+            handle = await anyio.to_thread.run_sync(spawn)
+        except SpawnRefusedError as exc:
+            raise ToolError(str(exc), error_class="spawn_refused") from exc
+        ended = await anyio.to_thread.run_sync(handle.result, abandon_on_cancel=True)
+        return ended.result if ended.outcome == "succeeded" else ended.notice
+
+    return spawn_subagent

@@ -28,6 +28,7 @@ from ._agent_messages import (
     ToolsDone,
     UserMessage,
 )
+from ._announcer import Announcer, Batch, GetBatches, Track, batch_text
 from ._deadletter import (
     DEADLETTER_STREAM,
     DeadLetterActor,
@@ -48,6 +49,14 @@ from ._health import (
     ProviderHealthActor,
 )
 from ._portal import IoPortal
+from ._restarts import (
+    GAVE_UP_TEXT,
+    RESTART_STREAM,
+    Crashed,
+    RestartNoticeSent,
+    crashed,
+    decide_crash,
+)
 from ._scheduler import (
     DEFAULT_LATENESS_WINDOW,
     MAX_WAIT_S,
@@ -66,6 +75,7 @@ from ._subagent_notice import (
     NoticeSent,
     failure_notice,
 )
+from ._subsession import WAIT_SLICE_S, SubsessionFailed, subsession_work
 from ._supervisor import GetRuns, Recovered, SupervisorActor, Sweep, SweepReport
 from ._supervisor_fold import RUN_WATCH, RunWatch
 
@@ -77,16 +87,19 @@ __all__ = [
     "EMPTY_ANSWER_TEXT",
     "FAILED_SENTENCE",
     "FAILED_TEXT",
+    "GAVE_UP_TEXT",
     "MAX_STEPS_TEXT",
     "MAX_WAIT_S",
     "NOTICE_TEMPLATE",
     "OVERFLOW_TEXT",
+    "RESTART_STREAM",
     "RUN_WATCH",
     "SWEPT_SENTENCE",
     "TASK_EXCERPT_CHARS",
     "TIMED_OUT_SENTENCE",
     "TIMEOUT_TEXT",
     "UNANSWERED_TOOL_TEXT",
+    "WAIT_SLICE_S",
     "AgentActor",
     "AgentLoopSettings",
     "AgentReport",
@@ -94,11 +107,15 @@ __all__ = [
     "AgentView",
     "AgentViewAggregate",
     "AgentViewFolder",
+    "Announcer",
+    "Batch",
     "CallOutcome",
+    "Crashed",
     "DeadLetterActor",
     "Deadline",
     "Drain",
     "Enqueue",
+    "GetBatches",
     "GetHealth",
     "GetRun",
     "GetRuns",
@@ -114,6 +131,7 @@ __all__ = [
     "ProviderHealthActor",
     "QueueState",
     "Recovered",
+    "RestartNoticeSent",
     "RetryDue",
     "RetrySent",
     "RunEnded",
@@ -124,16 +142,22 @@ __all__ = [
     "SendDone",
     "Spawn",
     "SubAgentActor",
+    "SubsessionFailed",
     "SupervisorActor",
     "Sweep",
     "SweepReport",
     "TimerHandle",
     "TimerState",
     "ToolsDone",
+    "Track",
     "UserMessage",
     "Work",
+    "batch_text",
+    "crashed",
+    "decide_crash",
     "decide_execution_timeout",
     "execution_deadline",
     "failure_notice",
     "request_messages",
+    "subsession_work",
 ]

@@ -89,6 +89,7 @@ from ._agent_messages import (
 )
 from ._deadletter import Enqueue
 from ._portal import IoPortal
+from ._restarts import crashed
 from ._scheduler import Scheduler
 
 __all__ = ["AgentActor"]
@@ -115,6 +116,7 @@ class AgentActor(pykka.ThreadingActor):
     for an :class:`AgentReport`. ``is_degraded(provider)`` must be cheap and
     thread-safe (a :class:`HealthView`'s ``is_degraded`` is). A send that fails is
     recorded and, given ``dead_letters`` (a DeadLetterActor), queued there for retries.
+    ``on_crash(exception class name)`` is called once if the actor dies of an exception.
     """
 
     def __init__(
@@ -134,6 +136,7 @@ class AgentActor(pykka.ThreadingActor):
         is_degraded: Callable[[str], bool] | None = None,
         dead_letters: pykka.ActorRef[Any] | None = None,
         agent_name: str = "default",
+        on_crash: Callable[[str], object] | None = None,
     ) -> None:
         super().__init__()
         self._stream = f"session:{session_id}"
@@ -150,6 +153,7 @@ class AgentActor(pykka.ThreadingActor):
         self._is_degraded = is_degraded
         self._dead_letters = dead_letters
         self._agent_name = agent_name
+        self._on_crash = on_crash
         self._unsent: dict[str, str] = {}  # announcement id -> text, until its send ends
         self._folder = AgentViewFolder(AGENT_VIEW.initial(self._stream))
         self._turn: LiveTurn | None = None
@@ -173,6 +177,7 @@ class AgentActor(pykka.ThreadingActor):
 
     def on_failure(self, *exc_info: object) -> None:
         self.on_stop()
+        crashed(self._on_crash, exc_info)
 
     # -- messages ----------------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ from stalwart.state import RUN, RunState, decide_watchdog, spawn_timeout, watchd
 from stalwart.store import EventStore, NewEvent, load_state
 
 from ._portal import IoPortal
+from ._restarts import crashed
 from ._scheduler import Scheduler
 from ._subagent_notice import failure_notice
 
@@ -168,7 +169,8 @@ class SubAgentActor(pykka.ThreadingActor):
     Start with ``SubAgentActor.start(store=..., clock=..., scheduler=..., portal=...,
     spawn=Spawn(...), work=..., parent=<ActorRef or None>, settings=SubagentSettings())``;
     it raises :class:`~stalwart.errors.SpawnRefusedError` for a spawn with no valid
-    timeout. Ask :class:`GetRun` for the folded state.
+    timeout. Ask :class:`GetRun` for the folded state. ``on_crash(exception class name)``
+    is called once if the actor dies of an exception.
     """
 
     def __init__(
@@ -182,9 +184,11 @@ class SubAgentActor(pykka.ThreadingActor):
         work: Work,
         parent: pykka.ActorRef[Any] | None = None,
         settings: SubagentSettings | None = None,
+        on_crash: Callable[[str], object] | None = None,
     ) -> None:
         super().__init__()
         self._settings = settings or SubagentSettings()
+        self._on_crash = on_crash
         self._timeout_ms, self._knob = spawn_timeout(  # raises before anything is appended
             spawn.task_class,
             spawn.custom_timeout_ms,
@@ -227,8 +231,9 @@ class SubAgentActor(pykka.ThreadingActor):
     def on_stop(self) -> None:
         self._release()
 
-    def on_failure(self, *_: object) -> None:
+    def on_failure(self, *exc_info: object) -> None:
         self._release()
+        crashed(self._on_crash, exc_info)
 
     def _release(self) -> None:
         self._scheduler.cancel(self._timer_key)

@@ -22,6 +22,9 @@ version it folded: a live SubAgent's writes are never raced; on a conflict it re
 was added, folds it and decides again. Runs are settled (notice, recovery) when told
 :class:`RunEnded` and at every sweep, so a run that ended while nobody listened is settled
 too. One timer, keyed by the actor, at the earlier of the two sweeps.
+
+* **Restarts** (``supervision``): a supervised actor that crashed tells :class:`Crashed`;
+  one_for_one with restart intensity and backoff (:mod:`._restarts`).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import structlog
 
 from stalwart.channels import Channel, OutboundMessage
 from stalwart.clock import Clock
-from stalwart.config import SubagentSettings
+from stalwart.config import SubagentSettings, SupervisionSettings
 from stalwart.errors import ConcurrencyError
 from stalwart.events import (
     AnnouncementDelivered,
@@ -46,6 +49,7 @@ from stalwart.events import (
     AnnouncementSendFailed,
     Event,
     SubagentSpawned,
+    SupervisorRestarted,
 )
 from stalwart.ids import new_id
 from stalwart.state import decide_ghost, decide_suspicious
@@ -53,6 +57,7 @@ from stalwart.store import EventStore, NewEvent
 
 from ._deadletter import Enqueue
 from ._portal import IoPortal
+from ._restarts import GAVE_UP_TEXT, RESTART_STREAM, Crashed, RestartNoticeSent, decide_crash
 from ._scheduler import Scheduler
 from ._subagent import RunEnded, Spawn
 from ._subagent_notice import NoticeSent, Path, failure_notice, send_once, sent
@@ -126,6 +131,7 @@ class SupervisorActor(pykka.ThreadingActor):
         announcer: Channel | None = None,
         default_channel: str = "",
         listeners: Sequence[pykka.ActorRef[Any]] = (),
+        supervision: SupervisionSettings | None = None,
     ) -> None:
         super().__init__()
         self._store = store
@@ -141,6 +147,7 @@ class SupervisorActor(pykka.ThreadingActor):
         self._announcer = announcer
         self._default_channel = default_channel
         self._listeners = tuple(listeners)
+        self._supervision = supervision or SupervisionSettings()
         self._runs: dict[str, RunWatch] = {}
         self._not_runs: set[str] = set()
         self._sending: set[str] = set()  # announcement ids with a send in flight
@@ -185,6 +192,10 @@ class SupervisorActor(pykka.ThreadingActor):
                 self._notice_sent(message)
             case GetRuns():
                 return dict(self._runs)
+            case Crashed():
+                self._crashed(message)
+            case RestartNoticeSent():
+                self._restart_notice_sent(message)
             case _:
                 raise TypeError(f"SupervisorActor does not understand {message!r}")
         return None
@@ -385,6 +396,80 @@ class SupervisorActor(pykka.ThreadingActor):
             self._dead_letters.tell(enqueue)
         except pykka.ActorDeadError:
             log.error("supervisor.notice_lost", run=stream, announcement_id=watch.notice_id)
+
+    # -- restarts ------------------------------------------------------------------------------
+
+    def _crashed(self, crashed: Crashed) -> None:
+        now = self._clock.now()
+        decision = decide_crash(self._store, crashed, now, self._supervision)
+        events: list[Event] = [decision]
+        notice: AnnouncementQueued | None = None
+        if not isinstance(decision, SupervisorRestarted):
+            channel = crashed.channel or self._default_channel
+            notice = AnnouncementQueued(
+                announcement_id=new_id(), channel=channel, kind="failure_notice", text=GAVE_UP_TEXT
+            )
+            events.append(notice)
+        self._store.append(RESTART_STREAM, [NewEvent(event=e, ts=now) for e in events])
+        if isinstance(decision, SupervisorRestarted):
+            log.warning("supervisor.restarting", actor=crashed.actor, ms=decision.backoff_ms)
+            restart = crashed.restart
+            self._scheduler.schedule(
+                now + decision.backoff_ms / 1000,
+                lambda _at: restart(),
+                key=("restart", self.actor_urn, crashed.actor),
+            )
+            return
+        log.error("supervisor.gave_up", actor=crashed.actor, restarts=decision.restarts)
+        assert notice is not None
+        conversation = crashed.conversation or crashed.session or crashed.actor
+        self._send_restart_notice(notice, conversation)
+
+    def _send_restart_notice(self, notice: AnnouncementQueued, conversation: str) -> None:
+        message = OutboundMessage(
+            conversation=conversation,
+            text=notice.text,
+            idempotency_key=notice.announcement_id,
+            kind="failure_notice",
+        )
+        future = self._portal.submit(
+            send_once, self._channels.get(notice.channel), message, self._announce_s
+        )
+        done = partial(sent, RESTART_STREAM, notice.announcement_id, "direct")
+
+        def told(f: Any) -> None:
+            outcome = done(f)
+            self._tell(
+                RestartNoticeSent(
+                    announcement_id=notice.announcement_id,
+                    channel=notice.channel,
+                    conversation=conversation,
+                    error_class=outcome.error_class,
+                )
+            )
+
+        future.add_done_callback(told)
+
+    def _restart_notice_sent(self, outcome: RestartNoticeSent) -> None:
+        event: Event
+        if outcome.error_class is None:
+            event = AnnouncementDelivered(announcement_id=outcome.announcement_id, path="direct")
+        else:
+            event = AnnouncementSendFailed(
+                announcement_id=outcome.announcement_id, error_class=outcome.error_class
+            )
+        self._store.append(RESTART_STREAM, [NewEvent(event=event, ts=self._clock.now())])
+        if outcome.error_class is None or self._dead_letters is None:
+            return
+        enqueue = Enqueue(
+            announcement_id=outcome.announcement_id,
+            channel=outcome.channel,
+            conversation=outcome.conversation,
+            text=GAVE_UP_TEXT,
+            reason=outcome.error_class,
+        )
+        with contextlib.suppress(pykka.ActorDeadError):
+            self._dead_letters.tell(enqueue)
 
     # -- the timer -----------------------------------------------------------------------------
 

@@ -1,0 +1,240 @@
+"""Announcer: the parent of every run the runtime spawns, and its completion batcher.
+
+Every run's :class:`RunEnded` comes here. The announcer forwards it to the supervisor
+(which settles a failure: notice, recovery), hands it to the host's ``on_ended`` callback
+(which resolves the run's handle), and queues a successful run that asked to be announced
+in its parent's batch. A batch is sent as one message on the runs' channel, in the
+parent's conversation, ``debounce_ms`` after its latest completion, and never later than
+``max_wait_ms`` after its first (seed 000: a steady stream of completions cannot starve
+delivery). Each run in a batch gets ``announcement:queued`` (kind ``completion``, the
+batch's id) in its stream before the send and ``announcement:delivered`` or
+``announcement:send_failed`` after it; a failed send goes to the dead-letter queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from functools import partial
+from typing import Any
+
+import msgspec
+import pykka
+import structlog
+
+from stalwart.channels import Channel, OutboundMessage
+from stalwart.clock import Clock
+from stalwart.events import AnnouncementDelivered, AnnouncementQueued, AnnouncementSendFailed
+from stalwart.events import Event as LogEvent
+from stalwart.ids import new_id
+from stalwart.store import EventStore, NewEvent
+
+from ._deadletter import Enqueue
+from ._portal import IoPortal
+from ._scheduler import Scheduler
+from ._subagent import RunEnded
+from ._subagent_notice import send_once
+
+__all__ = ["Announcer", "Batch", "GetBatches", "Track"]
+
+log = structlog.get_logger(__name__)
+
+
+class Track(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a run's completion goes; told before the run starts."""
+
+    run_id: str
+    parent: str
+    channel: str
+    conversation: str
+    announce: bool = True
+
+
+class GetBatches(msgspec.Struct, frozen=True):
+    """Ask for the batches not sent yet: ``{parent: Batch}``."""
+
+
+class Batch(msgspec.Struct, frozen=True, kw_only=True):
+    """The completions waiting for one parent, and when they go."""
+
+    channel: str
+    conversation: str
+    runs: tuple[tuple[str, str], ...]  # (run id, result)
+    first_at: float
+    due_at: float
+
+
+class _Due(msgspec.Struct, frozen=True):
+    parent: str
+    at: float
+
+
+class _Sent(msgspec.Struct, frozen=True):
+    batch: Batch
+    announcement_id: str
+    error_class: str | None
+
+
+def batch_text(runs: tuple[tuple[str, str], ...]) -> str:
+    """The one message of a batch: each run's result, in completion order."""
+    if len(runs) == 1:
+        return f"Sub-agent task completed:\n{runs[0][1]}"
+    parts = [f"{index}. {result}" for index, (_, result) in enumerate(runs, 1)]
+    return f"{len(runs)} sub-agent tasks completed:\n" + "\n".join(parts)
+
+
+class Announcer(pykka.ThreadingActor):
+    """The runs' parent ref: forwards :class:`RunEnded`, batches completions per parent.
+
+    Start with ``Announcer.start(store=..., clock=..., scheduler=..., portal=...,
+    channels={name: channel}, supervisor=<ref>, on_ended=callable, dead_letters=<ref>,
+    debounce_ms=500, max_wait_ms=5_000, send_timeout_ms=30_000)``. Tell it :class:`Track`
+    before a run starts; ask :class:`GetBatches`.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: EventStore,
+        clock: Clock,
+        scheduler: Scheduler,
+        portal: IoPortal,
+        channels: Mapping[str, Channel],
+        supervisor: pykka.ActorRef[Any] | None = None,
+        on_ended: Callable[[RunEnded], object] | None = None,
+        dead_letters: pykka.ActorRef[Any] | None = None,
+        debounce_ms: int = 500,
+        max_wait_ms: int = 5_000,
+        send_timeout_ms: int = 30_000,
+    ) -> None:
+        super().__init__()
+        self._store = store
+        self._clock = clock
+        self._scheduler = scheduler
+        self._portal = portal
+        self._channels = dict(channels)
+        self._supervisor = supervisor
+        self._on_ended = on_ended
+        self._dead_letters = dead_letters
+        self._debounce = debounce_ms / 1000
+        self._max_wait = max_wait_ms / 1000
+        self._send_s = send_timeout_ms / 1000
+        self._tracked: dict[str, Track] = {}
+        self._batches: dict[str, Batch] = {}
+
+    def on_stop(self) -> None:
+        for parent in self._batches:
+            self._scheduler.cancel(("announcer", self.actor_urn, parent))
+
+    def on_receive(self, message: Any) -> Any:
+        match message:
+            case Track(run_id=run_id):
+                self._tracked[run_id] = message
+            case RunEnded():
+                self._ended(message)
+            case _Due(parent=parent, at=at):
+                self._due(parent, at)
+            case _Sent():
+                self._sent(message)
+            case GetBatches():
+                return dict(self._batches)
+            case _:
+                raise TypeError(f"Announcer does not understand {message!r}")
+        return None
+
+    def _ended(self, ended: RunEnded) -> None:
+        track = self._tracked.pop(ended.run_id, None)
+        if self._supervisor is not None:
+            with contextlib.suppress(pykka.ActorDeadError):
+                self._supervisor.tell(ended)
+        if ended.outcome == "succeeded" and track is not None and track.announce:
+            self._add(track, ended)
+        if self._on_ended is not None:
+            try:
+                self._on_ended(ended)
+            except Exception:  # the host's callback: logged, never ours to raise
+                log.exception("announcer.on_ended_failed", run=ended.run_id)
+
+    def _add(self, track: Track, ended: RunEnded) -> None:
+        now = self._clock.now()
+        known = self._batches.get(track.parent)
+        first = known.first_at if known is not None else now
+        runs = (*(known.runs if known is not None else ()), (ended.run_id, ended.result))
+        due = min(now + self._debounce, first + self._max_wait)
+        self._batches[track.parent] = Batch(
+            channel=track.channel,
+            conversation=track.conversation,
+            runs=runs,
+            first_at=first,
+            due_at=due,
+        )
+        key = ("announcer", self.actor_urn, track.parent)
+        self._scheduler.schedule(due, partial(self._fire, track.parent), key=key)
+
+    def _due(self, parent: str, at: float) -> None:
+        batch = self._batches.get(parent)
+        if batch is None or at < batch.due_at:
+            return  # sent already, or re-armed later by a newer completion
+        del self._batches[parent]
+        announcement_id = new_id()
+        text = batch_text(batch.runs)
+        queued = AnnouncementQueued(
+            announcement_id=announcement_id, channel=batch.channel, kind="completion", text=text
+        )
+        self._record(batch, queued)
+        message = OutboundMessage(
+            conversation=batch.conversation,
+            text=text,
+            idempotency_key=announcement_id,
+            kind="reply",
+        )
+        channel = self._channels.get(batch.channel)
+        future = self._portal.submit(send_once, channel, message, self._send_s)
+        log.info("announcer.batch_sent", parent=parent, runs=len(batch.runs))
+        future.add_done_callback(partial(self._send_done, batch, announcement_id))
+
+    def _sent(self, sent: _Sent) -> None:
+        batch = sent.batch
+        event: LogEvent
+        if sent.error_class is None:
+            event = AnnouncementDelivered(announcement_id=sent.announcement_id, path="announce")
+        else:
+            event = AnnouncementSendFailed(
+                announcement_id=sent.announcement_id, error_class=sent.error_class
+            )
+        self._record(batch, event)
+        if sent.error_class is None or self._dead_letters is None:
+            return
+        enqueue = Enqueue(
+            announcement_id=sent.announcement_id,
+            channel=batch.channel,
+            conversation=batch.conversation,
+            text=batch_text(batch.runs),
+            reason=sent.error_class,
+        )
+        with contextlib.suppress(pykka.ActorDeadError):
+            self._dead_letters.tell(enqueue)
+
+    def _record(self, batch: Batch, event: LogEvent) -> None:
+        """Append to each run's stream (the run has ended: its actor writes no more)."""
+        now = self._clock.now()
+        for run_id, _ in batch.runs:
+            self._store.append(f"session:{run_id}", [NewEvent(event=event, ts=now)])
+
+    # -- callbacks (the scheduler's and the portal's threads) --------------------------------
+
+    def _fire(self, parent: str, at: float) -> None:
+        self._tell(_Due(parent, at))
+
+    def _send_done(self, batch: Batch, announcement_id: str, future: Future[str | None]) -> None:
+        if future.cancelled():
+            error: str | None = "cancelled"
+        else:
+            exc = future.exception()
+            error = type(exc).__name__ if exc is not None else future.result()
+        self._tell(_Sent(batch, announcement_id, error))
+
+    def _tell(self, message: object) -> None:
+        with contextlib.suppress(pykka.ActorDeadError):
+            self.actor_ref.tell(message)

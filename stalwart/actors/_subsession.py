@@ -1,0 +1,107 @@
+"""A model-driven sub-agent run: an Agent on the run's own session stream.
+
+:func:`subsession_work` makes the ``work`` a :class:`~stalwart.actors.SubAgentActor`
+runs when the host gives none: it starts an Agent (``start_agent()``, on the run's
+stream ``session:<run id>``), tells it the task as its user message, and follows the
+stream until the turn completes. Each growth of the turn's ``prompt:activity`` tokens is
+reported as progress (the total over the turn's model calls, the step being how many
+calls were made), and the run's result is the turn's final answer. A turn that ends any
+other way fails the run (:class:`SubsessionFailed`: its class, never a text, is what the
+run records). The Agent is stopped when the work ends or is cancelled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import anyio.to_thread
+import pykka
+
+from stalwart.events import MessageAppended, PromptActivity, TurnCompleted, TurnStarted
+from stalwart.store import EventStore
+
+from ._agent_messages import UserMessage
+from ._subagent import RunReport, Work
+
+__all__ = ["WAIT_SLICE_S", "SubsessionFailed", "subsession_work"]
+
+#: How long one wait on the log lasts before the follower checks it was cancelled.
+WAIT_SLICE_S = 0.5
+
+
+class SubsessionFailed(RuntimeError):
+    """The sub-session's turn ended without an answer (``outcome`` says how)."""
+
+    def __init__(self, outcome: str) -> None:
+        super().__init__(f"the sub-session's turn ended {outcome!r}, not answered")
+        self.outcome = outcome
+
+
+class _Follower:
+    """What the stream says so far about the one turn of the sub-session."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.turn: str | None = None
+        self.answer = ""
+        self.tokens: dict[str, int] = {}
+        self.ended: str | None = None
+
+    def add(self, event: object) -> None:
+        match event:
+            case TurnStarted(turn_id=turn_id) if self.turn is None:
+                self.turn = turn_id
+            case PromptActivity(call_id=call_id, tokens=tokens):
+                self.tokens[call_id] = max(tokens, self.tokens.get(call_id, 0))
+            case MessageAppended(role="assistant", turn_id=turn_id) if turn_id == self.turn:
+                self.answer = event.content
+            case TurnCompleted(turn_id=turn_id, outcome=outcome) if turn_id == self.turn:
+                self.ended = outcome
+            case _:
+                pass
+
+
+def _follow(store: EventStore, stream: str, report: RunReport, stop: threading.Event) -> str:
+    """Block until the turn completes (a worker thread): its answer, or raise."""
+    follower = _Follower()
+    reported = 0
+    while not stop.is_set():
+        head = store.head()
+        for record in store.read_stream(stream, follower.version + 1):
+            follower.version = record.version
+            follower.add(record.event)
+        total = sum(follower.tokens.values())
+        if total > reported:
+            reported = total
+            report.progress(total, len(follower.tokens))
+        if follower.ended == "answered":
+            return follower.answer
+        if follower.ended is not None:
+            raise SubsessionFailed(follower.ended)
+        store.wait_for(head + 1, WAIT_SLICE_S)
+    return ""
+
+
+def subsession_work(
+    store: EventStore, run_id: str, task: str, start_agent: Callable[[], pykka.ActorRef[Any]]
+) -> Work:
+    """The ``work`` of a model-driven run (see the module's docstring)."""
+    stream = f"session:{run_id}"
+
+    async def work(report: RunReport) -> str:
+        ref = await anyio.to_thread.run_sync(start_agent)
+        stop = threading.Event()
+        try:
+            ref.tell(UserMessage(task))
+            follow = partial(_follow, store, stream, report, stop)
+            return await anyio.to_thread.run_sync(follow, abandon_on_cancel=True)
+        finally:
+            stop.set()
+            with contextlib.suppress(pykka.ActorDeadError):
+                ref.stop(block=False)
+
+    return work

@@ -1,0 +1,316 @@
+"""Sub-agents in the Runtime: host spawns, the spawn tool, batched completions, restarts.
+
+A real LMDB store in tmp_path, the fake provider over loopback, MemoryChannels passed in,
+a ``FakeClock`` driving every deadline (the watchdog, the debounce, the restart backoff).
+Tests wait on futures, on the log and on the channel, never on a sleep.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pykka
+import pytest
+
+from stalwart import store as store_module
+from stalwart.actors import GAVE_UP_TEXT, TIMED_OUT_SENTENCE, RunReport
+from stalwart.channels import MemoryChannel, OutboundMessage
+from stalwart.clock import FakeClock
+from stalwart.config import Config, parse_config
+from stalwart.errors import SpawnRefusedError
+from stalwart.events import (
+    AnnouncementQueued,
+    RecordedEvent,
+    SubagentProgress,
+    SubagentWatchdogTimeout,
+    SupervisorGaveUp,
+    SupervisorRestarted,
+    TurnCompleted,
+)
+from stalwart.runtime import SPAWN_TOOL, Runtime
+from stalwart.store import EventStore
+from stalwart.testing import Answer, FakeProvider, FakeToolCall
+
+GUARD = 10.0
+AGENT: dict[str, Any] = {
+    "provider": "main",
+    "model": "m1",
+    "prompt_timeout_ms": 5_000,
+    "retry_prompt_timeout_ms": 5_000,
+    "max_retries": 0,
+}
+
+
+def config(base_url: str, **extra: Any) -> Config:
+    data: dict[str, Any] = {
+        "providers": {"main": {"kind": "openai", "base_url": base_url}},
+        "agents": {"default": AGENT | {"subagents": True}, "plain": dict(AGENT)},
+    }
+    return parse_config(data | extra)
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: FakeClock) -> Iterator[EventStore]:
+    opened = store_module.open(tmp_path / "store", clock=clock)
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeProvider]:
+    with FakeProvider() as provider:
+        provider.set_default(Answer(text="default answer"))
+        yield provider
+
+
+@pytest.fixture
+def chat() -> MemoryChannel:
+    return MemoryChannel("chat")
+
+
+@pytest.fixture
+def rt(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> Iterator[Runtime]:
+    with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
+        yield rt
+
+
+def delivered(rt: Runtime, channel: MemoryChannel, count: int) -> list[OutboundMessage]:
+    async def wait() -> list[OutboundMessage]:
+        with anyio.fail_after(GUARD):
+            return await channel.wait_for(count)
+
+    return rt.portal.submit(wait).result(GUARD + 1)
+
+
+def log_until(
+    store: EventStore, stream: str, until: Callable[[list[RecordedEvent]], bool]
+) -> list[RecordedEvent]:
+    give_up = time.monotonic() + GUARD
+    while True:
+        head = store.head()
+        records = list(store.read_stream(stream))
+        if until(records):
+            return records
+        left = give_up - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"the log never got there: {[r.type for r in records]}")
+        store.wait_for(head + 1, left)
+
+
+def has(kind: type, count: int = 1) -> Callable[[list[RecordedEvent]], bool]:
+    return lambda records: sum(isinstance(r.event, kind) for r in records) >= count
+
+
+def of(kind: type, records: list[RecordedEvent]) -> list[Any]:
+    return [r.event for r in records if isinstance(r.event, kind)]
+
+
+async def hang(report: RunReport) -> str:
+    await anyio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+# -- host spawns ----------------------------------------------------------------------------
+
+
+def test_a_host_spawn_with_work_returns_its_result_and_is_announced(
+    rt: Runtime, chat: MemoryChannel, clock: FakeClock, store: EventStore
+) -> None:
+    async def work(report: RunReport) -> str:
+        report.progress(12, step=1)
+        return "the answer"
+
+    # the progress report is told before the result: both are in the log by the end
+    handle = rt.spawn("p1", "find the answer", task_class="research", channel="chat", work=work)
+    ended = handle.result(GUARD)
+    assert (ended.outcome, ended.result) == ("succeeded", "the answer")
+    assert handle.status().status == "succeeded"
+    assert of(SubagentProgress, list(store.read_stream(handle.stream)))[0].tokens == 12
+    clock.advance(rt.config.subagents.announce_debounce_ms / 1000)
+    [message] = delivered(rt, chat, 1)
+    assert message.text == "Sub-agent task completed:\nthe answer"
+    assert message.conversation == "p1"
+
+
+def test_a_hung_work_is_force_failed_at_exactly_its_limit_with_one_notice(
+    rt: Runtime, chat: MemoryChannel, clock: FakeClock, store: EventStore
+) -> None:
+    handle = rt.spawn("p1", "format the table", task_class="formatting", channel="chat", work=hang)
+    assert handle.status().status == "running"  # asked: the watchdog is armed
+    limit_s = rt.config.subagents.class_timeouts_ms.formatting / 1000
+    clock.advance(limit_s - 0.001)
+    assert handle.status().status == "running"
+    clock.advance(0.001)
+    ended = handle.result(GUARD)
+    assert ended.outcome == "timed_out"
+    [timeout] = of(SubagentWatchdogTimeout, list(store.read_stream(handle.stream)))
+    assert timeout.elapsed_ms == timeout.limit_ms == 120_000
+    [notice] = delivered(rt, chat, 1)
+    assert TIMED_OUT_SENTENCE in notice.text
+    assert "format the table" in notice.text
+    records = log_until(
+        store, handle.stream, lambda rs: len(rs) > 0 and rs[-1].type.endswith("delivered")
+    )
+    queued = of(AnnouncementQueued, records)
+    assert [q.kind for q in queued] == ["failure_notice"]
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"task_class": "poetry"}, "task_class"),
+        ({"custom_timeout_ms": 60_000}, "reason"),
+        ({"custom_timeout_ms": 99_000_000, "reason": "long"}, "custom_timeout_ms"),
+        ({"task_class": "code", "channel": "nowhere"}, "channel"),
+    ],
+)
+def test_a_refused_spawn_raises_and_appends_nothing(
+    rt: Runtime, store: EventStore, options: dict[str, Any], field: str
+) -> None:
+    head = store.head()
+    with pytest.raises(SpawnRefusedError) as refused:
+        rt.spawn("p1", "do it", work=hang, **options)
+    assert refused.value.field == field
+    assert store.head() == head
+
+
+# -- the spawn_subagent tool ----------------------------------------------------------------
+
+
+def test_a_model_driven_sub_agent_answers_the_parents_model_through_the_tool(
+    rt: Runtime, chat: MemoryChannel, fake: FakeProvider, store: EventStore
+) -> None:
+    args = {"task": "summarise the report", "task_class": "research"}
+    call = FakeToolCall(id="c1", name=SPAWN_TOOL, arguments=args)
+    fake.add(
+        Answer(text="", tool_calls=(call,)),
+        Answer(text="The report says 42."),
+        Answer(text="My sub-agent found: 42."),
+    )
+    rt.session("p1", channel="chat").send("what does the report say?")
+    [reply] = delivered(rt, chat, 1)
+    assert reply.text == "My sub-agent found: 42."
+    parent, sub, final = fake.requests
+    assert SPAWN_TOOL in [t["function"]["name"] for t in parent.body["tools"]]
+    assert sub.body["messages"][-1] == {"role": "user", "content": "summarise the report"}
+    assert "tools" not in sub.body or SPAWN_TOOL not in str(sub.body["tools"])  # no nesting
+    last = final.body["messages"][-1]
+    assert (last["role"], last["content"]) == ("tool", "The report says 42.")
+
+
+def test_a_refused_tool_spawn_is_a_clear_tool_error_for_the_model(
+    rt: Runtime, chat: MemoryChannel, fake: FakeProvider
+) -> None:
+    call = FakeToolCall(id="c1", name=SPAWN_TOOL, arguments={"task": "x", "task_class": "poetry"})
+    fake.add(Answer(text="", tool_calls=(call,)), Answer(text="I could not delegate that."))
+    rt.session("p1", channel="chat").send("delegate")
+    [reply] = delivered(rt, chat, 1)
+    assert reply.text == "I could not delegate that."
+    last = fake.requests[-1].body["messages"][-1]
+    assert last["role"] == "tool"
+    assert "unknown task class 'poetry'" in last["content"]
+
+
+def test_the_tool_is_offered_only_where_the_config_enables_it(
+    rt: Runtime, chat: MemoryChannel, fake: FakeProvider
+) -> None:
+    rt.session("p2", agent="plain", channel="chat").send("hi")
+    delivered(rt, chat, 1)
+    assert "tools" not in fake.requests[0].body or not fake.requests[0].body["tools"]
+
+
+# -- batched completion announcements -------------------------------------------------------
+
+
+async def done(report: RunReport) -> str:
+    return "ok"
+
+
+def test_completions_are_batched_after_the_debounce(
+    rt: Runtime, chat: MemoryChannel, clock: FakeClock
+) -> None:
+    rt.spawn("p1", "a", task_class="code", channel="chat", work=done).result(GUARD)
+    clock.advance(0.3)
+    rt.spawn("p1", "b", task_class="code", channel="chat", work=done).result(GUARD)
+    rt.spawn("p2", "c", task_class="code", channel="chat", work=done).result(GUARD)
+    clock.advance(0.49)  # 0.49 s after the latest completion: still waiting
+    assert len(rt.announcements()["p1"].runs) == 2
+    clock.advance(0.02)
+    messages = delivered(rt, chat, 2)
+    assert not rt.announcements()
+    by_parent = {m.conversation: m.text for m in messages}
+    assert by_parent["p1"] == "2 sub-agent tasks completed:\n1. ok\n2. ok"
+    assert by_parent["p2"] == "Sub-agent task completed:\nok"
+
+
+def test_a_steady_stream_of_completions_is_still_delivered_at_the_max_wait(
+    rt: Runtime, chat: MemoryChannel, clock: FakeClock
+) -> None:
+    for index in range(13):  # one every 0.4 s: the 0.5 s debounce never runs out
+        if index:
+            clock.advance(0.4)
+        rt.spawn("p1", f"t{index}", task_class="code", channel="chat", work=done).result(GUARD)
+        assert "p1" in rt.announcements()
+    clock.advance(0.19)  # 4.99 s after the first
+    assert len(rt.announcements()["p1"].runs) == 13
+    clock.advance(0.02)  # 5.01 s
+    [message] = delivered(rt, chat, 1)
+    assert message.text.startswith("13 sub-agent tasks completed:")
+    assert not rt.announcements()
+
+
+# -- supervision restarts -------------------------------------------------------------------
+
+
+def test_a_crashing_agent_is_restarted_then_given_up_after_the_fourth_crash_in_5s(
+    rt: Runtime, chat: MemoryChannel, clock: FakeClock, store: EventStore
+) -> None:
+    session = rt.session("s1", channel="chat")
+    for crash, backoff_ms in enumerate([100, 200, 400], 1):
+        dying = session.ref
+        dying.tell(object())  # the Agent does not understand it: an unhandled exception
+        records = log_until(store, "runtime", has(SupervisorRestarted, crash))
+        restarted = of(SupervisorRestarted, records)[-1]
+        assert (restarted.actor, restarted.restarts) == ("session:s1", crash)
+        assert (restarted.backoff_ms, restarted.reason) == (backoff_ms, "TypeError")
+        rt.runs()  # the supervisor has armed the restart
+        clock.advance(backoff_ms / 1000 - 0.005)  # the backoff (margins for float time)
+        assert session.ref is dying
+        clock.advance(0.01)
+        assert session.ref is not dying
+        assert session.status(timeout=GUARD).idle  # rebuilt from its stream
+    session.ref.tell(object())
+    records = log_until(store, "runtime", has(SupervisorGaveUp))
+    [gave_up] = of(SupervisorGaveUp, records)
+    assert (gave_up.actor, gave_up.session, gave_up.restarts) == ("session:s1", "s1", 3)
+    [notice] = delivered(rt, chat, 1)
+    assert (notice.text, notice.conversation, notice.kind) == (GAVE_UP_TEXT, "s1", "failure_notice")
+    clock.advance(10.0)
+    assert not session.ref.is_alive()
+    with pytest.raises(RuntimeError, match="stopped"):
+        session.status(timeout=GUARD)
+    assert len(of(SupervisorRestarted, list(store.read_stream("runtime")))) == 3
+
+
+def test_a_crash_after_a_calm_window_is_restarted_again(
+    rt: Runtime, clock: FakeClock, store: EventStore
+) -> None:
+    session = rt.session("s1", channel="chat")
+    for crash in range(1, 6):  # five crashes, each more than 5 s after the one before
+        session.ref.tell(object())
+        records = log_until(store, "runtime", has(SupervisorRestarted, crash))
+        assert of(SupervisorRestarted, records)[-1].backoff_ms == 100
+        rt.runs()
+        clock.advance(6.0)
+        assert session.ref.is_alive()
+    assert not of(SupervisorGaveUp, list(store.read_stream("runtime")))
+    assert isinstance(session.ref, pykka.ActorRef)
+    assert of(TurnCompleted, list(store.read_stream("session:s1"))) == []
