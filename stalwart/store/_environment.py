@@ -42,6 +42,9 @@ DEFAULT_MAP_SIZE = 64 << 20
 MAX_BATCH = 4096
 READ_BATCH = 1024
 SNAPSHOTS_KEPT = 3
+#: LMDB's reader table (shared by every process on the store), and this process's share.
+MAX_READERS = 1024
+READERS_PER_PROCESS = 128
 _POS = 8
 
 
@@ -128,8 +131,17 @@ class _Environment:
         self.refs = 0
         self._resize_lock = threading.Lock()
         self.env = lmdb.open(
-            path, map_size=map_size, max_dbs=8, subdir=True, sync=True, metasync=True
+            path,
+            map_size=map_size,
+            max_dbs=8,
+            max_readers=MAX_READERS,
+            subdir=True,
+            sync=True,
+            metasync=True,
         )
+        # at most this many read transactions of this process at once; more wait their
+        # turn instead of failing with "reader table full" (a thousand actors may read)
+        self._read_slots = threading.BoundedSemaphore(READERS_PER_PROCESS)
         self.env.reader_check()
         with self.env.begin(write=True) as txn:
             self.log = self.env.open_db(b"log", txn=txn)
@@ -157,7 +169,7 @@ class _Environment:
         faster than memoryviews, and they stay valid after the transaction)."""
         while True:
             try:
-                with self.rw.shared():
+                with self._read_slots, self.rw.shared():
                     if self.closed:
                         raise StoreClosedError(f"the store at {self.path} is closed")
                     with self.env.begin() as txn:
