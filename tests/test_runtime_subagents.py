@@ -26,6 +26,7 @@ from stalwart.events import (
     AnnouncementQueued,
     RecordedEvent,
     SubagentProgress,
+    SubagentSpawned,
     SubagentWatchdogTimeout,
     SupervisorGaveUp,
     SupervisorRestarted,
@@ -161,6 +162,52 @@ def test_a_hung_work_is_force_failed_at_exactly_its_limit_with_one_notice(
     )
     queued = of(AnnouncementQueued, records)
     assert [q.kind for q in queued] == ["failure_notice"]
+
+
+def test_a_timed_out_run_is_respawned_through_the_runtime_with_the_same_work(
+    rt: Runtime, clock: FakeClock, store: EventStore
+) -> None:
+    handle = rt.spawn("p1", "format the table", task_class="formatting", channel="chat", work=hang)
+    handle.status()
+    clock.advance(rt.config.subagents.class_timeouts_ms.formatting / 1000)
+    assert handle.result(GUARD).outcome == "timed_out"
+    give_up = time.monotonic() + GUARD
+    while not (second := _attempt(store, 2)):
+        assert time.monotonic() < give_up, "the run was never respawned"
+        store.wait_for(store.head() + 1, give_up - time.monotonic())
+    again = rt.run(second)
+    assert again is not None
+    assert again.parent == "p1"
+    state = again.status()
+    assert (state.status, state.attempt, state.task_class) == ("running", 2, "formatting")
+
+
+def _attempt(store: EventStore, attempt: int) -> str | None:
+    for info in store.streams():
+        first = next(iter(store.read_stream(info.stream, 1, 1)), None)
+        if isinstance(first.event if first else None, SubagentSpawned):
+            assert first is not None
+            if first.event.attempt == attempt:
+                return info.stream.removeprefix("session:")
+    return None
+
+
+def test_a_crashed_run_is_restarted_and_its_watchdog_still_fires(
+    rt: Runtime, clock: FakeClock, store: EventStore
+) -> None:
+    handle = rt.spawn("p1", "write code", task_class="code", channel="chat", work=hang)
+    handle.status()
+    dying = handle.ref
+    assert dying is not None
+    dying.tell(object())  # the run's actor does not understand it: it crashes
+    records = log_until(store, "runtime", has(SupervisorRestarted))
+    assert of(SupervisorRestarted, records)[0].actor == handle.stream
+    rt.runs()
+    clock.advance(0.11)
+    assert handle.ref is not dying
+    assert handle.status().status == "running"  # the restarted actor, rebuilt from its stream
+    clock.advance(rt.config.subagents.class_timeouts_ms.code / 1000)
+    assert handle.result(GUARD).outcome == "timed_out"
 
 
 @pytest.mark.parametrize(

@@ -1,45 +1,16 @@
-"""The embedding API: :class:`Runtime` starts the configured parts on one event log.
-
-::
-
-    with Runtime(config, store=".stalwart") as rt:
-        rt.tool(lookup_order)                    # or @rt.tool
-        chat = rt.session("s1", channel="console")
-        chat.send("Where is my order 1234?")
-        chat.status(timeout=5.0)                 # an AgentReport
-
-Starting opens the store (a path, or an :class:`EventStore` the host keeps), appends
-``runtime:started`` with the config in force (``Config.to_record()``: no secrets), and
-starts the I/O portal (one event loop thread for all network I/O), the scheduler (driven
-by the clock: a ``FakeClock`` fires timers inside ``advance()``), one
-``ProviderHealthActor`` per configured provider sharing one :class:`HealthView`, and the
-``DeadLetterActor`` over the channels; a provider's recovery drains the dead-letter queue.
-:meth:`Runtime.session` starts one ``AgentActor`` per session, on demand.
-
-Closing stops the agents, the health and dead-letter actors, closes the provider clients
-and the channels the runtime built (on the portal's loop), stops the scheduler and the
-portal (whatever is still in flight is cancelled, which closes its HTTP request), appends
-``runtime:stopped`` and closes the store if it opened it. A failure in one step is logged
-and the next steps still run; a second ``close()`` does nothing.
-
-:class:`ProviderLayer` and :class:`StoreSink` are the provider layer on a store, which
-``stalwart run`` also uses on its own.
-"""
+"""The Runtime: the configured parts started on one event log (see the package)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import random
 import socket
 import threading
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from types import TracebackType
-from typing import Any, Literal, Self, TypeVar, cast, overload
+from typing import Any, Literal, Self, TypeVar, overload
 
-import anyio.to_thread
 import msgspec
 import pykka
 import structlog
@@ -49,8 +20,6 @@ from stalwart import store as store_module
 from stalwart.actors import (
     AgentActor,
     AgentLoopSettings,
-    AgentReport,
-    AgentStatus,
     Announcer,
     Batch,
     Crashed,
@@ -58,7 +27,6 @@ from stalwart.actors import (
     Drain,
     GetBatches,
     GetHealth,
-    GetRun,
     GetRuns,
     HealthChanged,
     HealthReport,
@@ -74,204 +42,36 @@ from stalwart.actors import (
     SubAgentActor,
     SupervisorActor,
     Track,
-    UserMessage,
     Work,
     subsession_work,
 )
 from stalwart.channels import Channel, ConsoleChannel, MemoryChannel, channel_from_settings
 from stalwart.clock import Clock, SystemClock
 from stalwart.config import Config
-from stalwart.errors import ConfigError, SpawnRefusedError, ToolError
-from stalwart.events import Event, RecordedEvent, RuntimeStarted, RuntimeStopped, TaskClass
+from stalwart.errors import ConfigError, SpawnRefusedError
+from stalwart.events import Event, RuntimeStarted, RuntimeStopped, TaskClass
 from stalwart.ids import new_id
-from stalwart.providers import Breaker, ModelCaller, ProviderClient
-from stalwart.state import BREAKER, RUN, DeadLetterState, RunState, spawn_timeout
-from stalwart.store import EventStore, NewEvent, load_state
-from stalwart.tools import Tool, ToolRegistry, ToolSpec, build_tool
+from stalwart.state import DeadLetterState, spawn_timeout
+from stalwart.store import EventStore, NewEvent
+from stalwart.tools import Tool, ToolRegistry, build_tool
 
-__all__ = [
-    "RUNTIME_STREAM",
-    "SPAWN_TOOL",
-    "STOP_TIMEOUT_S",
-    "ProviderLayer",
-    "RunHandle",
-    "Runtime",
-    "SessionHandle",
-    "StoreSink",
-]
+from ._handles import (
+    DEFAULT_CHANNEL,
+    RUNTIME_STREAM,
+    STOP_TIMEOUT_S,
+    RunHandle,
+    RunSpec,
+    SessionHandle,
+)
+from ._layer import ProviderLayer
+from ._tools import SPAWN_TOOL, SessionTools, spawn_tool_fn
+
+__all__ = ["Runtime"]
 
 log = structlog.get_logger(__name__)
 
-#: The stream ``runtime:started`` / ``runtime:stopped`` go to.
-RUNTIME_STREAM = "runtime"
-#: How long ``close()`` waits for each part (an actor, the clients, a thread) to stop.
-STOP_TIMEOUT_S = 5.0
-#: The channel every runtime has when the config names none.
-DEFAULT_CHANNEL = "console"
-#: The built-in tool an agent with ``subagents = true`` offers its model.
-SPAWN_TOOL = "spawn_subagent"
-
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
-
-
-class StoreSink:
-    """Appends to an EventStore from a worker thread (an append waits for its fsync)."""
-
-    def __init__(self, store: EventStore) -> None:
-        self._store = store
-
-    async def emit(self, stream: str, events: Sequence[Event], ts: float) -> list[RecordedEvent]:
-        if not events:
-            return []
-        news = [NewEvent(event=event, ts=ts) for event in events]
-        return await anyio.to_thread.run_sync(self._store.append, stream, news)
-
-
-class ProviderLayer:
-    """Every configured provider's client and breaker, over one store."""
-
-    def __init__(
-        self,
-        config: Config,
-        store: EventStore,
-        *,
-        clock: Clock | None = None,
-        rng: random.Random | None = None,
-    ) -> None:
-        self.config = config
-        self.clock = clock or SystemClock()
-        self.sink = StoreSink(store)
-        self._rng = rng
-        self.clients = {
-            name: ProviderClient(name, settings, clock=self.clock)
-            for name, settings in config.providers.items()
-        }
-        self.breakers = {
-            name: Breaker(settings, load_state(store, f"provider:{name}", BREAKER))
-            for name, settings in config.providers.items()
-        }
-
-    def caller(self, agent: str = "default") -> ModelCaller:
-        """The caller for a configured agent."""
-        return ModelCaller(
-            self.config.agent(agent),
-            self.clients,
-            self.breakers,
-            self.sink,
-            self.clock,
-            agent_name=agent,
-            rng=self._rng,
-        )
-
-    async def aclose(self) -> None:
-        for client in self.clients.values():
-            await client.aclose()
-
-
-class SessionHandle:
-    """One running session: tell it user messages, ask it for its report."""
-
-    def __init__(
-        self,
-        session_id: str,
-        ref: pykka.ActorRef[Any],
-        *,
-        agent: str,
-        channel: str,
-        conversation: str | None = None,
-        thread: str | None = None,
-    ) -> None:
-        self.session_id = session_id
-        self.agent = agent
-        self.channel = channel
-        self.conversation = conversation if conversation is not None else session_id
-        self.thread = thread
-        self.ref = ref  # replaced when the supervisor restarts the session's agent
-
-    @property
-    def stream(self) -> str:
-        return f"session:{self.session_id}"
-
-    def send(self, text: str, *, message_id: str | None = None) -> None:
-        """Tell the agent a user message (it starts a turn, or waits for the running one).
-
-        RuntimeError once the session's agent has stopped (the runtime was closed)."""
-        try:
-            self.ref.tell(UserMessage(text, message_id))
-        except pykka.ActorDeadError:
-            raise self._stopped() from None
-
-    def status(self, timeout: float = STOP_TIMEOUT_S) -> AgentReport:
-        """The agent's :class:`AgentReport` (``idle``, ``queued``, ``step``, the session)."""
-        try:
-            report = self.ref.ask(AgentStatus(), timeout=timeout)
-        except pykka.ActorDeadError:
-            raise self._stopped() from None
-        assert isinstance(report, AgentReport)
-        return report
-
-    def _stopped(self) -> RuntimeError:
-        return RuntimeError(f"session {self.session_id!r} is stopped: its runtime was closed")
-
-    def __repr__(self) -> str:
-        return f"SessionHandle({self.session_id!r}, agent={self.agent!r}, channel={self.channel!r})"
-
-
-class RunHandle:
-    """One sub-agent run: wait for how it ended, or fold its state from the log."""
-
-    def __init__(
-        self,
-        run_id: str,
-        parent: str,
-        store: EventStore,
-        ended: Future[RunEnded],
-        actor: Callable[[], pykka.ActorRef[Any] | None] = lambda: None,
-    ) -> None:
-        self.run_id = run_id
-        self.parent = parent
-        self._store = store
-        self._ended = ended
-        self._actor = actor
-
-    @property
-    def stream(self) -> str:
-        return f"session:{self.run_id}"
-
-    def result(self, timeout: float | None = None) -> RunEnded:
-        """How the run ended (:class:`RunEnded`: ``outcome``, ``result`` of a success, or
-        the static ``notice`` of a failure); TimeoutError if it has not within ``timeout``."""
-        return self._ended.result(timeout)
-
-    def done(self) -> bool:
-        return self._ended.done()
-
-    def status(self, timeout: float = STOP_TIMEOUT_S) -> RunState:
-        """The run's :class:`~stalwart.state.RunState`: asked of its actor while it runs
-        (so its watchdog is armed when this returns), else folded from its stream."""
-        ref = self._actor()
-        if ref is not None:
-            with contextlib.suppress(pykka.ActorDeadError):
-                state = ref.ask(GetRun(), timeout=timeout)
-                assert isinstance(state, RunState)
-                return state
-        return load_state(self._store, self.stream, RUN, use_snapshots=False)
-
-    def __repr__(self) -> str:
-        return f"RunHandle({self.run_id!r}, parent={self.parent!r}, done={self.done()})"
-
-
-class _RunSpec:
-    """What the runtime keeps of a run until it ends: its actor, its handle's future,
-    and how to run it again (the host's ``work``, or None for a model-driven run)."""
-
-    def __init__(self, spawn: Spawn, work: Work | None, agent: str) -> None:
-        self.spawn = spawn
-        self.work = work
-        self.agent = agent
-        self.ended: Future[RunEnded] = Future()
-        self.ref: pykka.ActorRef[Any] | None = None
 
 
 class Runtime:
@@ -314,7 +114,7 @@ class Runtime:
         self._sessions: dict[str, SessionHandle] = {}
         self._supervisor: pykka.ActorRef[Any] | None = None
         self._announcer: pykka.ActorRef[Any] | None = None
-        self._runs: dict[str, _RunSpec] = {}
+        self._runs: dict[str, RunSpec] = {}
         self._works: dict[tuple[str, str], tuple[Work | None, str]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -596,7 +396,7 @@ class Runtime:
         )
         tools = self.tools
         if settings.subagents and supervised:
-            tools = _SessionTools(self.tools, self._spawn_tool(session_id, agent))
+            tools = SessionTools(self.tools, self._spawn_tool(session_id, agent))
         ref = AgentActor.start(
             session_id,
             self.store,
@@ -692,7 +492,7 @@ class Runtime:
         assert self._scheduler is not None
         assert self._portal is not None
         assert self._announcer is not None
-        run = _RunSpec(spawn, work, agent)
+        run = RunSpec(spawn, work, agent)
         if work is None:
             start = partial(self._start_subsession, spawn.run_id, agent)
             work = subsession_work(self.store, spawn.run_id, spawn.task, start)
@@ -847,8 +647,8 @@ class Runtime:
                 supervisor.tell(message)
 
     def _spawn_tool(self, session_id: str, agent: str) -> Tool:
-        """The ``spawn_subagent`` tool of one session (see :func:`_spawn_tool_fn`)."""
-        fn = _spawn_tool_fn(self, session_id, agent)
+        """The ``spawn_subagent`` tool of one session (see :func:`spawn_tool_fn`)."""
+        fn = spawn_tool_fn(self, session_id, agent)
         timeout_ms = self.config.subagents.custom_max_ms + 60_000  # the run's own limit rules
         return build_tool(fn, name=SPAWN_TOOL, timeout_ms=timeout_ms)
 
@@ -902,7 +702,7 @@ def _stop_actors(refs: Sequence[pykka.ActorRef[Any] | None]) -> None:
             pass
 
 
-def _stop_runs(runs: Sequence[_RunSpec]) -> None:
+def _stop_runs(runs: Sequence[RunSpec]) -> None:
     """Stop the runs' actors; a handle still waiting learns the run will not end here."""
     for run in runs:
         run.ended.cancel()
@@ -912,67 +712,3 @@ def _stop_runs(runs: Sequence[_RunSpec]) -> None:
 async def _no_work(report: RunReport) -> str:
     """A restarted run's work: never run (the actor resumes the run, not the work)."""
     raise RuntimeError("a restarted run does not run its work again")
-
-
-class _SessionTools(ToolRegistry):
-    """A session's tools: the runtime's registry (read live) plus its own built-ins."""
-
-    def __init__(self, base: ToolRegistry, *own: Tool) -> None:
-        super().__init__()
-        self._base = base
-        self._own = {tool.name: tool for tool in own}
-
-    def get(self, name: str) -> Tool | None:
-        return self._own.get(name) or self._base.get(name)
-
-    def specs(self) -> tuple[ToolSpec, ...]:
-        return (*self._base.specs(), *(tool.spec for tool in self._own.values()))
-
-    def names(self) -> tuple[str, ...]:
-        return (*self._base.names(), *self._own)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._own or name in self._base
-
-    def __iter__(self) -> Iterator[Tool]:
-        return iter((*self._base, *self._own.values()))
-
-    def __len__(self) -> int:
-        return len(self._base) + len(self._own)
-
-
-def _spawn_tool_fn(rt: Runtime, session_id: str, agent: str) -> Callable[..., Awaitable[str]]:
-    """The ``spawn_subagent`` tool of one session: spawn, wait, answer with the result."""
-
-    async def spawn_subagent(
-        task: str,
-        task_class: str | None = None,
-        custom_timeout_ms: int | None = None,
-        reason: str | None = None,
-        max_steps: int | None = None,
-    ) -> str:
-        """Hand a self-contained task to a sub-agent and wait for its answer.
-
-        Every spawn needs a time limit: a task_class (formatting: 2 min, code: 5 min,
-        research: 10 min, deep: 15 min), or custom_timeout_ms with a reason saying why.
-        Returns the sub-agent's answer, or a short notice if it did not complete.
-        """
-        spawn = partial(
-            rt.spawn,
-            session_id,
-            task,
-            task_class=cast(TaskClass | None, task_class),
-            custom_timeout_ms=custom_timeout_ms,
-            reason=reason,
-            max_steps=max_steps,
-            agent=agent,
-            announce=False,  # the answer goes back through the parent's model
-        )
-        try:
-            handle = await anyio.to_thread.run_sync(spawn)
-        except SpawnRefusedError as exc:
-            raise ToolError(str(exc), error_class="spawn_refused") from exc
-        ended = await anyio.to_thread.run_sync(handle.result, abandon_on_cancel=True)
-        return ended.result if ended.outcome == "succeeded" else ended.notice
-
-    return spawn_subagent

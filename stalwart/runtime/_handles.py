@@ -1,0 +1,148 @@
+"""What a host holds: a running session's handle and a sub-agent run's handle."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import pykka
+
+from stalwart.actors import (
+    AgentReport,
+    AgentStatus,
+    GetRun,
+    RunEnded,
+    Spawn,
+    UserMessage,
+    Work,
+)
+from stalwart.state import RUN, RunState
+from stalwart.store import EventStore, load_state
+
+__all__ = [
+    "DEFAULT_CHANNEL",
+    "RUNTIME_STREAM",
+    "STOP_TIMEOUT_S",
+    "RunHandle",
+    "RunSpec",
+    "SessionHandle",
+]
+
+#: The stream ``runtime:started`` / ``runtime:stopped`` go to.
+RUNTIME_STREAM = "runtime"
+#: How long ``close()`` waits for each part (an actor, the clients, a thread) to stop.
+STOP_TIMEOUT_S = 5.0
+#: The channel every runtime has when the config names none.
+DEFAULT_CHANNEL = "console"
+
+
+class SessionHandle:
+    """One running session: tell it user messages, ask it for its report."""
+
+    def __init__(
+        self,
+        session_id: str,
+        ref: pykka.ActorRef[Any],
+        *,
+        agent: str,
+        channel: str,
+        conversation: str | None = None,
+        thread: str | None = None,
+    ) -> None:
+        self.session_id = session_id
+        self.agent = agent
+        self.channel = channel
+        self.conversation = conversation if conversation is not None else session_id
+        self.thread = thread
+        self.ref = ref  # replaced when the supervisor restarts the session's agent
+
+    @property
+    def stream(self) -> str:
+        return f"session:{self.session_id}"
+
+    def send(self, text: str, *, message_id: str | None = None) -> None:
+        """Tell the agent a user message (it starts a turn, or waits for the running one).
+
+        RuntimeError once the session's agent has stopped (the runtime was closed)."""
+        try:
+            self.ref.tell(UserMessage(text, message_id))
+        except pykka.ActorDeadError:
+            raise self._stopped() from None
+
+    def status(self, timeout: float = STOP_TIMEOUT_S) -> AgentReport:
+        """The agent's :class:`AgentReport` (``idle``, ``queued``, ``step``, the session)."""
+        try:
+            report = self.ref.ask(AgentStatus(), timeout=timeout)
+        except pykka.ActorDeadError:
+            raise self._stopped() from None
+        assert isinstance(report, AgentReport)
+        return report
+
+    def _stopped(self) -> RuntimeError:
+        return RuntimeError(f"session {self.session_id!r} is stopped: its runtime was closed")
+
+    def __repr__(self) -> str:
+        return f"SessionHandle({self.session_id!r}, agent={self.agent!r}, channel={self.channel!r})"
+
+
+class RunHandle:
+    """One sub-agent run: wait for how it ended, or fold its state from the log."""
+
+    def __init__(
+        self,
+        run_id: str,
+        parent: str,
+        store: EventStore,
+        ended: Future[RunEnded],
+        actor: Callable[[], pykka.ActorRef[Any] | None] = lambda: None,
+    ) -> None:
+        self.run_id = run_id
+        self.parent = parent
+        self._store = store
+        self._ended = ended
+        self._actor = actor
+
+    @property
+    def stream(self) -> str:
+        return f"session:{self.run_id}"
+
+    def result(self, timeout: float | None = None) -> RunEnded:
+        """How the run ended (:class:`RunEnded`: ``outcome``, ``result`` of a success, or
+        the static ``notice`` of a failure); TimeoutError if it has not within ``timeout``."""
+        return self._ended.result(timeout)
+
+    def done(self) -> bool:
+        return self._ended.done()
+
+    @property
+    def ref(self) -> pykka.ActorRef[Any] | None:
+        """The run's actor while the runtime keeps it (None once it ended)."""
+        return self._actor()
+
+    def status(self, timeout: float = STOP_TIMEOUT_S) -> RunState:
+        """The run's :class:`~stalwart.state.RunState`: asked of its actor while it runs
+        (so its watchdog is armed when this returns), else folded from its stream."""
+        ref = self._actor()
+        if ref is not None:
+            with contextlib.suppress(pykka.ActorDeadError):
+                state = ref.ask(GetRun(), timeout=timeout)
+                assert isinstance(state, RunState)
+                return state
+        return load_state(self._store, self.stream, RUN, use_snapshots=False)
+
+    def __repr__(self) -> str:
+        return f"RunHandle({self.run_id!r}, parent={self.parent!r}, done={self.done()})"
+
+
+class RunSpec:
+    """What the runtime keeps of a run until it ends: its actor, its handle's future,
+    and how to run it again (the host's ``work``, or None for a model-driven run)."""
+
+    def __init__(self, spawn: Spawn, work: Work | None, agent: str) -> None:
+        self.spawn = spawn
+        self.work = work
+        self.agent = agent
+        self.ended: Future[RunEnded] = Future()
+        self.ref: pykka.ActorRef[Any] | None = None
