@@ -23,8 +23,10 @@ from stalwart.clock import FakeClock
 from stalwart.config import Config, parse_config
 from stalwart.errors import SpawnRefusedError
 from stalwart.events import (
+    AnnouncementDelivered,
     AnnouncementQueued,
     RecordedEvent,
+    SubagentCompleted,
     SubagentProgress,
     SubagentSpawned,
     SubagentWatchdogTimeout,
@@ -251,6 +253,13 @@ def test_a_model_driven_sub_agent_answers_the_parents_model_through_the_tool(
     assert "tools" not in sub.body or SPAWN_TOOL not in str(sub.body["tools"])  # no nesting
     last = final.body["messages"][-1]
     assert (last["role"], last["content"]) == ("tool", "The report says 42.")
+    run = _attempt(store, 1)
+    assert run is not None
+    records = list(store.read_stream(f"session:{run}"))
+    assert of(SubagentSpawned, records)[0].parent == "p1"
+    assert of(SubagentProgress, records)[-1].tokens > 0  # the sub-session's prompt activity
+    [completed] = of(SubagentCompleted, records)
+    assert (completed.outcome, completed.result) == ("succeeded", "The report says 42.")
 
 
 def test_a_refused_tool_spawn_is_a_clear_tool_error_for_the_model(
@@ -340,6 +349,8 @@ def test_a_crashing_agent_is_restarted_then_given_up_after_the_fourth_crash_in_5
     assert (gave_up.actor, gave_up.session, gave_up.restarts) == ("session:s1", "s1", 3)
     [notice] = delivered(rt, chat, 1)
     assert (notice.text, notice.conversation, notice.kind) == (GAVE_UP_TEXT, "s1", "failure_notice")
+    queued = of(AnnouncementQueued, log_until(store, "runtime", has(AnnouncementDelivered)))
+    assert [q.kind for q in queued] == ["failure_notice"]
     clock.advance(10.0)
     assert not session.ref.is_alive()
     with pytest.raises(RuntimeError, match="stopped"):
