@@ -13,22 +13,42 @@ to the affected session's channel (``announcement:queued`` / ``delivered`` or
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
+import pykka
 import structlog
 
+from stalwart.channels import Channel, OutboundMessage
+from stalwart.clock import Clock
 from stalwart.config import SupervisionSettings
-from stalwart.events import SupervisorGaveUp, SupervisorRestarted
+from stalwart.events import (
+    AnnouncementDelivered,
+    AnnouncementQueued,
+    AnnouncementSendFailed,
+    Event,
+    SupervisorGaveUp,
+    SupervisorRestarted,
+)
+from stalwart.ids import new_id
 from stalwart.state import decide_restart, restart_history
-from stalwart.store import EventStore
+from stalwart.store import EventStore, NewEvent
+
+from ._deadletter import Enqueue
+from ._portal import IoPortal
+from ._scheduler import Scheduler
+from ._subagent_notice import send_once
 
 __all__ = [
     "GAVE_UP_TEXT",
     "RESTART_STREAM",
     "Crashed",
     "RestartNoticeSent",
+    "Restarts",
     "crashed",
     "decide_crash",
 ]
@@ -94,3 +114,106 @@ def crashed(on_crash: Callable[[str], object] | None, exc_info: tuple[object, ..
         on_crash(name)
     except Exception:  # the actor is dying already: a broken callback is only logged
         log.exception("supervision.on_crash_failed", reason=name)
+
+
+class Restarts:
+    """The supervisor's restart duty (its thread only): decide, append, then act."""
+
+    def __init__(
+        self,
+        *,
+        store: EventStore,
+        clock: Clock,
+        scheduler: Scheduler,
+        portal: IoPortal,
+        channels: Mapping[str, Channel],
+        dead_letters: pykka.ActorRef[Any] | None,
+        settings: SupervisionSettings,
+        send_timeout_s: float,
+        default_channel: str,
+        tell: Callable[[object], None],
+        key: str,
+    ) -> None:
+        self._store = store
+        self._clock = clock
+        self._scheduler = scheduler
+        self._portal = portal
+        self._channels = channels
+        self._dead_letters = dead_letters
+        self._settings = settings
+        self._send_s = send_timeout_s
+        self._default_channel = default_channel
+        self._tell = tell
+        self._key = key
+
+    def crashed(self, crashed: Crashed) -> None:
+        now = self._clock.now()
+        decision = decide_crash(self._store, crashed, now, self._settings)
+        events: list[Event] = [decision]
+        notice = AnnouncementQueued(
+            announcement_id=new_id(),
+            channel=crashed.channel or self._default_channel,
+            kind="failure_notice",
+            text=GAVE_UP_TEXT,
+        )
+        if isinstance(decision, SupervisorGaveUp):
+            events.append(notice)
+        self._store.append(RESTART_STREAM, [NewEvent(event=e, ts=now) for e in events])
+        if isinstance(decision, SupervisorRestarted):
+            log.warning("supervision.restarting", actor=crashed.actor, ms=decision.backoff_ms)
+            restart = crashed.restart
+            self._scheduler.schedule(
+                now + decision.backoff_ms / 1000,
+                lambda _at: restart(),
+                key=("restart", self._key, crashed.actor),
+            )
+            return
+        log.error("supervision.gave_up", actor=crashed.actor, restarts=decision.restarts)
+        self._send(notice, crashed.conversation or crashed.session or crashed.actor)
+
+    def _send(self, notice: AnnouncementQueued, conversation: str) -> None:
+        message = OutboundMessage(
+            conversation=conversation,
+            text=notice.text,
+            idempotency_key=notice.announcement_id,
+            kind="failure_notice",
+        )
+        channel = self._channels.get(notice.channel)
+        future = self._portal.submit(send_once, channel, message, self._send_s)
+
+        def done(finished: Future[str | None]) -> None:
+            if finished.cancelled():
+                error: str | None = "cancelled"
+            else:
+                exc = finished.exception()
+                error = type(exc).__name__ if exc is not None else finished.result()
+            sent = RestartNoticeSent(
+                announcement_id=notice.announcement_id,
+                channel=notice.channel,
+                conversation=conversation,
+                error_class=error,
+            )
+            self._tell(sent)
+
+        future.add_done_callback(done)
+
+    def notice_sent(self, outcome: RestartNoticeSent) -> None:
+        event: Event
+        if outcome.error_class is None:
+            event = AnnouncementDelivered(announcement_id=outcome.announcement_id, path="direct")
+        else:
+            event = AnnouncementSendFailed(
+                announcement_id=outcome.announcement_id, error_class=outcome.error_class
+            )
+        self._store.append(RESTART_STREAM, [NewEvent(event=event, ts=self._clock.now())])
+        if outcome.error_class is None or self._dead_letters is None:
+            return
+        enqueue = Enqueue(
+            announcement_id=outcome.announcement_id,
+            channel=outcome.channel,
+            conversation=outcome.conversation,
+            text=GAVE_UP_TEXT,
+            reason=outcome.error_class,
+        )
+        with contextlib.suppress(pykka.ActorDeadError):
+            self._dead_letters.tell(enqueue)

@@ -49,7 +49,6 @@ from stalwart.events import (
     AnnouncementSendFailed,
     Event,
     SubagentSpawned,
-    SupervisorRestarted,
 )
 from stalwart.ids import new_id
 from stalwart.state import decide_ghost, decide_suspicious
@@ -57,7 +56,7 @@ from stalwart.store import EventStore, NewEvent
 
 from ._deadletter import Enqueue
 from ._portal import IoPortal
-from ._restarts import GAVE_UP_TEXT, RESTART_STREAM, Crashed, RestartNoticeSent, decide_crash
+from ._restarts import Crashed, RestartNoticeSent, Restarts
 from ._scheduler import Scheduler
 from ._subagent import RunEnded, Spawn
 from ._subagent_notice import NoticeSent, Path, failure_notice, send_once, sent
@@ -110,9 +109,10 @@ class SupervisorActor(pykka.ThreadingActor):
     Start with ``SupervisorActor.start(store=..., clock=..., scheduler=..., portal=...,
     channels={name: channel}, dead_letters=<DeadLetterActor ref>, spawner=...,
     settings=SubagentSettings(), announce_timeout_ms=30_000, announcer=None,
-    default_channel="", listeners=())``. ``announcer`` is the parent's announcement
-    system (any :class:`~stalwart.channels.Channel`); without one the announce send goes
-    to the run's channel too. Tell it :class:`RunEnded`; ask :class:`Sweep` or
+    default_channel="", listeners=(), supervision=SupervisionSettings())``.
+    ``announcer`` is the parent's announcement system (any
+    :class:`~stalwart.channels.Channel`); without one the announce send goes to the run's
+    channel too. Tell it :class:`RunEnded` (and :class:`Crashed`); ask :class:`Sweep` or
     :class:`GetRuns`.
     """
 
@@ -147,7 +147,19 @@ class SupervisorActor(pykka.ThreadingActor):
         self._announcer = announcer
         self._default_channel = default_channel
         self._listeners = tuple(listeners)
-        self._supervision = supervision or SupervisionSettings()
+        self._restarts = Restarts(
+            store=store,
+            clock=clock,
+            scheduler=scheduler,
+            portal=portal,
+            channels=self._channels,
+            dead_letters=dead_letters,
+            settings=supervision or SupervisionSettings(),
+            send_timeout_s=self._announce_s,
+            default_channel=default_channel,
+            tell=self._tell,
+            key=self.actor_urn,
+        )
         self._runs: dict[str, RunWatch] = {}
         self._not_runs: set[str] = set()
         self._sending: set[str] = set()  # announcement ids with a send in flight
@@ -193,9 +205,9 @@ class SupervisorActor(pykka.ThreadingActor):
             case GetRuns():
                 return dict(self._runs)
             case Crashed():
-                self._crashed(message)
+                self._restarts.crashed(message)
             case RestartNoticeSent():
-                self._restart_notice_sent(message)
+                self._restarts.notice_sent(message)
             case _:
                 raise TypeError(f"SupervisorActor does not understand {message!r}")
         return None
@@ -396,80 +408,6 @@ class SupervisorActor(pykka.ThreadingActor):
             self._dead_letters.tell(enqueue)
         except pykka.ActorDeadError:
             log.error("supervisor.notice_lost", run=stream, announcement_id=watch.notice_id)
-
-    # -- restarts ------------------------------------------------------------------------------
-
-    def _crashed(self, crashed: Crashed) -> None:
-        now = self._clock.now()
-        decision = decide_crash(self._store, crashed, now, self._supervision)
-        events: list[Event] = [decision]
-        notice: AnnouncementQueued | None = None
-        if not isinstance(decision, SupervisorRestarted):
-            channel = crashed.channel or self._default_channel
-            notice = AnnouncementQueued(
-                announcement_id=new_id(), channel=channel, kind="failure_notice", text=GAVE_UP_TEXT
-            )
-            events.append(notice)
-        self._store.append(RESTART_STREAM, [NewEvent(event=e, ts=now) for e in events])
-        if isinstance(decision, SupervisorRestarted):
-            log.warning("supervisor.restarting", actor=crashed.actor, ms=decision.backoff_ms)
-            restart = crashed.restart
-            self._scheduler.schedule(
-                now + decision.backoff_ms / 1000,
-                lambda _at: restart(),
-                key=("restart", self.actor_urn, crashed.actor),
-            )
-            return
-        log.error("supervisor.gave_up", actor=crashed.actor, restarts=decision.restarts)
-        assert notice is not None
-        conversation = crashed.conversation or crashed.session or crashed.actor
-        self._send_restart_notice(notice, conversation)
-
-    def _send_restart_notice(self, notice: AnnouncementQueued, conversation: str) -> None:
-        message = OutboundMessage(
-            conversation=conversation,
-            text=notice.text,
-            idempotency_key=notice.announcement_id,
-            kind="failure_notice",
-        )
-        future = self._portal.submit(
-            send_once, self._channels.get(notice.channel), message, self._announce_s
-        )
-        done = partial(sent, RESTART_STREAM, notice.announcement_id, "direct")
-
-        def told(f: Any) -> None:
-            outcome = done(f)
-            self._tell(
-                RestartNoticeSent(
-                    announcement_id=notice.announcement_id,
-                    channel=notice.channel,
-                    conversation=conversation,
-                    error_class=outcome.error_class,
-                )
-            )
-
-        future.add_done_callback(told)
-
-    def _restart_notice_sent(self, outcome: RestartNoticeSent) -> None:
-        event: Event
-        if outcome.error_class is None:
-            event = AnnouncementDelivered(announcement_id=outcome.announcement_id, path="direct")
-        else:
-            event = AnnouncementSendFailed(
-                announcement_id=outcome.announcement_id, error_class=outcome.error_class
-            )
-        self._store.append(RESTART_STREAM, [NewEvent(event=event, ts=self._clock.now())])
-        if outcome.error_class is None or self._dead_letters is None:
-            return
-        enqueue = Enqueue(
-            announcement_id=outcome.announcement_id,
-            channel=outcome.channel,
-            conversation=outcome.conversation,
-            text=GAVE_UP_TEXT,
-            reason=outcome.error_class,
-        )
-        with contextlib.suppress(pykka.ActorDeadError):
-            self._dead_letters.tell(enqueue)
 
     # -- the timer -----------------------------------------------------------------------------
 
