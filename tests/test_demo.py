@@ -34,6 +34,12 @@ def test_the_demo_plays_every_scene_and_leaves_an_inspectable_log(tmp_path: Path
         "waits in the dead-letter queue",
         "recovered (rule: quiet_window)",
         "the dead letter was delivered",
+        "watchdog: the sub-agent ran past its 2000 ms limit",
+        "recovery: escalate (attempts_exhausted)",
+        "ghost sweep: a run left 'running'",
+        "Invoices reconciled: two duplicate charges found.",
+        "recovery: respawn_continue (partial_work)",
+        "Incident summary: written (part 1 reused, part 2 added).",
         f"stalwart --store {directory} tail",
     ):
         assert line in out, f"missing {line!r} in the demo's output:\n{out}"
@@ -47,6 +53,10 @@ def test_the_demo_plays_every_scene_and_leaves_an_inspectable_log(tmp_path: Path
         "announcement:dead_lettered",
         "provider:recovered",
         "announcement:dead_letter_delivered",
+        "subagent:watchdog_timeout",
+        "subagent:ghost_swept",
+        "subagent:recovery_decided",
+        "subagent:completed",
         "runtime:stopped",
     ):
         assert expected in types

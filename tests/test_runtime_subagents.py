@@ -372,3 +372,36 @@ def test_a_crash_after_a_calm_window_is_restarted_again(
     assert not of(SupervisorGaveUp, list(store.read_stream("runtime")))
     assert isinstance(session.ref, pykka.ActorRef)
     assert of(TurnCompleted, list(store.read_stream("session:s1"))) == []
+
+
+def test_a_run_left_by_a_dead_process_is_swept_and_resumed_by_the_parents_agent(
+    rt: Runtime, clock: FakeClock, store: EventStore
+) -> None:
+    rt.session("alice", agent="plain", channel="chat")
+    # what a process that died mid-run leaves in the log: a spawn and some progress
+    store.append(
+        "session:orphan",
+        [
+            SubagentSpawned(
+                parent="alice",
+                task="reconcile invoices",
+                task_class="custom",
+                timeout_ms=1_000,
+                timeout_reason="test",
+                channel="chat",
+                conversation="alice",
+            ),
+            SubagentProgress(tokens=10, step=1),
+        ],
+    )
+    settings = rt.config.subagents
+    clock.advance((1_000 + settings.ghost_grace_ms + settings.ghost_sweep_interval_ms) / 1000)
+    give_up = time.monotonic() + GUARD
+    while not (second := _attempt(store, 2)):
+        assert time.monotonic() < give_up, "the swept run was never respawned"
+        store.wait_for(store.head() + 1, give_up - time.monotonic())
+    records = log_until(store, f"session:{second}", has(SubagentCompleted))
+    [completed] = of(SubagentCompleted, records)
+    assert completed.outcome == "succeeded"  # not refused for want of an agent named default
+    calls = [r.event for r in store.read_stream("provider:main")]
+    assert {getattr(call, "agent", None) for call in calls} >= {"plain"}

@@ -7,18 +7,31 @@ Everything it does lands in a store the newcomer can inspect afterwards.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
+import anyio
 import click
 
+from stalwart.actors import RunReport
 from stalwart.channels import Delivery, OutboundMessage
 from stalwart.config import Config, parse_config
 from stalwart.errors import ChannelError, StalwartError
+from stalwart.events import (
+    RecordedEvent,
+    SubagentCompleted,
+    SubagentRecoveryDecided,
+    SubagentSpawned,
+)
+from stalwart.ids import new_id
 from stalwart.runtime import Runtime
 from stalwart.testing import Answer, Fail, FakeProvider, Stall
 
@@ -59,6 +72,29 @@ window_ms = 3000
 [dead_letters]
 announce_timeout_ms = 2000
 retry_base_ms = 60000
+
+[subagents]
+ghost_grace_ms = 1000
+ghost_sweep_interval_ms = 500
+heartbeat_interval_ms = 1000
+announce_debounce_ms = 200
+announce_max_wait_ms = 1000
+"""
+
+#: A process that starts a sub-agent run and dies with SIGKILL before finishing it.
+CRASHING_PROCESS = """
+import os, signal, sys
+from stalwart import store
+from stalwart.events import SubagentProgress, SubagentSpawned
+run = sys.argv[2]
+with store.open(sys.argv[1]) as log:
+    log.append(f"session:{run}", [
+        SubagentSpawned(parent="alice", task="Reconcile last month's invoices",
+                        task_class="custom", timeout_ms=1000, timeout_reason="demo",
+                        channel="chat", conversation="erin"),
+        SubagentProgress(tokens=120, step=1),
+    ])
+os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
@@ -76,11 +112,24 @@ class Screen:
             raise ChannelError(
                 "the chat bridge is down", kind="connect", retryable=True, channel=self.name
             )
-        click.secho(f"    user sees ({message.conversation}): {message.text}", fg="green")
+        text = message.text.replace("\n", "\n      ")
+        click.secho(f"    user sees ({message.conversation}): {text}", fg="green")
         with self._changed:
             self.shown.append(message)
             self._changed.notify_all()
         return Delivery(channel=self.name)
+
+    def wait_text(self, part: str, timeout: float = 20.0) -> None:
+        """Wait until the user has seen a message containing ``part``."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: any(part in m.text for m in self.shown), timeout):
+                raise StalwartError(f"demo: the user never saw {part!r}")
+
+    def wait_count(self, count: int, timeout: float = 20.0) -> None:
+        """Wait until the user has seen ``count`` messages in all."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: len(self.shown) >= count, timeout):
+                raise StalwartError(f"demo: the user did not see {count} messages in time")
 
     def wait_for(self, *conversations: str, timeout: float = 20.0) -> None:
         """Wait until each conversation has seen a message (one more than ``seen_before``)."""
@@ -160,7 +209,130 @@ def _outage(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator)
     screen.wait_for("dave")
 
 
-SCENES: tuple[Scene, ...] = (_normal, _stall, _outage)
+async def _hang(report: RunReport) -> str:
+    """A sub-agent's work that never returns (the watchdog must end it)."""
+    report.progress(tokens=40, step=1)
+    await anyio.sleep_forever()
+    return ""  # never reached
+
+
+class _HalfDone:
+    """A job that saves part of its work and hangs the first time, and finishes from
+    where it stopped the second time (as a respawn told to continue would)."""
+
+    def __init__(self) -> None:
+        self.attempts = 0
+
+    async def __call__(self, report: RunReport) -> str:
+        self.attempts += 1
+        if self.attempts == 1:
+            report.progress(tokens=300, step=1)
+            report.artifact("notes/summary-part-1.md", hashlib.sha256(b"part 1").hexdigest())
+            await anyio.sleep_forever()
+        report.progress(tokens=520, step=2)
+        return "Incident summary: written (part 1 reused, part 2 added)."
+
+
+def _watchdog(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) -> None:
+    _scene(
+        4,
+        "A sub-agent that never returns",
+        "Every spawn has a timeout, no exceptions (here a custom 2 s, with its reason). "
+        "The watchdog force-fails the run at its deadline and the user gets a static notice. "
+        "The recovery protocol respawns it once with what it recorded; when the second "
+        "attempt hangs too, it escalates instead of looping.",
+    )
+    seen = len(screen.shown)
+    rt.spawn(
+        "alice",
+        "Summarize ticket #88 for the team",
+        custom_timeout_ms=2000,
+        reason="demo: a short budget",
+        work=_hang,
+        channel="chat",
+        conversation="alice",
+    )
+    _wait(narrator, "subagent:watchdog_timeout")
+    screen.wait_count(seen + 1)
+    if not narrator.wait_where(_escalated, timeout=20):
+        raise StalwartError("demo: the hung sub-agent was not escalated after two attempts")
+    screen.wait_count(seen + 2)
+
+
+def _escalated(record: RecordedEvent) -> bool:
+    event = record.event
+    return isinstance(event, SubagentRecoveryDecided) and event.action == "escalate"
+
+
+def _ghost(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) -> None:
+    _scene(
+        5,
+        "A run left behind by a crash",
+        "Another process starts a sub-agent run and is killed with SIGKILL. Nobody is left "
+        "to time it out, but the ghost sweep reads every run from the log and force-fails "
+        "it after its limit plus the grace (1 s + 1 s here; limit + 120 s by default). "
+        "The recovery protocol then respawns it, model-driven, told where it stopped.",
+    )
+    fake.add(Answer(model="gpt-demo", text="Invoices reconciled: two duplicate charges found."))
+    argv = [sys.executable, "-c", CRASHING_PROCESS, rt.store.location, new_id()]
+    crashed = subprocess.run(argv, capture_output=True, check=False, timeout=30)
+    if crashed.returncode != -signal.SIGKILL:
+        raise StalwartError("demo: the crashing process did not die as planned")
+    click.echo("   (the process that owned the run was killed with SIGKILL)")
+    _wait(narrator, "subagent:ghost_swept")
+    screen.wait_for("erin")
+    if not narrator.wait_where(_settled(narrator, "Reconcile"), timeout=30):
+        raise StalwartError("demo: the swept run's recovery did not settle")
+    screen.wait_text("Invoices reconciled")
+
+
+def _settled(narrator: Narrator, task: str) -> Callable[[RecordedEvent], bool]:
+    """Whether the runs of ``task`` have settled: one succeeded, or they were escalated."""
+
+    def settled(record: RecordedEvent) -> bool:
+        runs = {
+            r.stream
+            for r in narrator.seen
+            if isinstance(r.event, SubagentSpawned) and r.event.task.startswith(task)
+        }
+        if record.stream not in runs:
+            return False
+        event = record.event
+        if isinstance(event, SubagentCompleted):
+            return event.outcome == "succeeded"
+        return isinstance(event, SubagentRecoveryDecided) and event.action == "escalate"
+
+    return settled
+
+
+def _recovery(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) -> None:
+    _scene(
+        6,
+        "Recovery: resume, do not restart",
+        "A sub-agent saves part of its work and then hangs. After the watchdog, the "
+        "recovery protocol reads what the run recorded and respawns it with continuation "
+        "context instead of starting over.",
+    )
+    rt.spawn(
+        "alice",
+        "Write the incident summary",
+        custom_timeout_ms=2000,
+        reason="demo: a short budget",
+        work=_HalfDone(),
+        channel="chat",
+        conversation="alice",
+    )
+
+    def resumed(record: RecordedEvent) -> bool:
+        event = record.event
+        return isinstance(event, SubagentRecoveryDecided) and event.action == "respawn_continue"
+
+    if not narrator.wait_where(resumed, timeout=20):
+        raise StalwartError("demo: the recovery protocol did not resume the run")
+    screen.wait_text("Incident summary", timeout=30)
+
+
+SCENES: tuple[Scene, ...] = (_normal, _stall, _outage, _watchdog, _ghost, _recovery)
 
 
 def _prepare(directory: Path) -> None:
@@ -201,7 +373,7 @@ def demo(state: _State) -> None:
     """A guided tour of every failure layer, against a local fake provider (~30 s)."""
     parent = click.get_current_context().parent
     if parent is not None and parent.params.get("log_level") == "warning":
-        configure_logging("error")  # the narration tells the story; warnings would repeat it
+        configure_logging("critical")  # the narration tells the story; logs would repeat it
     directory = Path(state.location or DEFAULT_DIR)
     click.secho("stalwart demo: the failure layers, live, with no key and no network", bold=True)
     click.echo(f"The event log goes to {directory}/.")

@@ -17,6 +17,12 @@ from stalwart.store import EventStore
 
 Say = Callable[[Any], str]
 
+
+def _excerpt(text: str, size: int = 48) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= size else flat[: size - 3] + "..."
+
+
 #: The events worth a sentence, and the sentence.
 SENTENCES: dict[str, Say] = {
     "execution:prompt_timeout": lambda e: (
@@ -44,7 +50,7 @@ SENTENCES: dict[str, Say] = {
     ),
     "execution:aborted": lambda e: f"the turn was aborted ({e.reason})",
     "subagent:spawned": lambda e: (
-        f"sub-agent spawned for '{e.task[:40]}' with a {e.timeout_ms // 1000} s timeout"
+        f"sub-agent spawned for '{_excerpt(e.task)}' with a {e.timeout_ms // 1000} s timeout"
         f" (attempt {e.attempt})"
     ),
     "subagent:artifact": lambda e: f"the sub-agent saved {e.path}",
@@ -56,7 +62,9 @@ SENTENCES: dict[str, Say] = {
         f"(limit + {e.grace_ms} ms grace) was force-failed"
     ),
     "subagent:suspicious": lambda e: f"heartbeat: the run's tokens stopped at {e.tokens}",
-    "subagent:recovery_decided": lambda e: f"recovery: {e.action} ({e.reason})",
+    "subagent:recovery_decided": lambda e: (
+        f"recovery: {e.action} ({e.reason})" + (f': "{e.context}"' if e.context else "")
+    ),
     "subagent:completed": lambda e: f"sub-agent finished: {e.outcome}",
 }
 
@@ -80,12 +88,17 @@ class Narrator:
     def _run(self) -> None:
         while not self._subscription.closed:
             for record in self._subscription.poll(timeout=0.1):
+                say = SENTENCES.get(record.type)
+                if say is not None:  # said before it counts as seen: waits see it printed
+                    click.secho(f"{self._indent}[log] {say(record.event)}", fg="cyan")
                 with self._changed:
                     self.seen.append(record)
                     self._changed.notify_all()
-                say = SENTENCES.get(record.type)
-                if say is not None:
-                    click.secho(f"{self._indent}[log] {say(record.event)}", fg="cyan")
+
+    def wait_where(self, matches: Callable[[RecordedEvent], bool], timeout: float = 15.0) -> bool:
+        """Wait until an event that ``matches`` was seen; False on timeout."""
+        with self._changed:
+            return self._changed.wait_for(lambda: any(map(matches, self.seen)), timeout)
 
     def wait_for(self, event_type: str, count: int = 1, timeout: float = 15.0) -> bool:
         """Wait until ``count`` events of ``event_type`` were seen; False on timeout."""

@@ -553,7 +553,7 @@ class Runtime:
         with self._lock:
             if self._state != "running":
                 return None
-            work, agent = None, "default"
+            work, agent = None, self._agent_of(spawn.parent)
             for (parent, task), known in self._works.items():
                 if parent == spawn.parent and (
                     spawn.task == task or spawn.task.startswith(task + "\n\n")
@@ -561,6 +561,15 @@ class Runtime:
                     work, agent = known
             self._works[(spawn.parent, spawn.task)] = (work, agent)
             return self._start_run(spawn, work, agent, announce=True)
+
+    def _agent_of(self, parent_session: str) -> str:
+        """The agent a model-driven run of ``parent_session`` uses when nothing says which
+        (a run another process started): the parent's, else ``default``, else the first."""
+        parent = self._sessions.get(parent_session)
+        if parent is not None:
+            return parent.agent
+        agents = self.config.agents
+        return "default" if "default" in agents or not agents else sorted(agents)[0]
 
     def run(self, run_id: str) -> RunHandle | None:
         """The handle of a run still running (a respawned one included), or None."""
