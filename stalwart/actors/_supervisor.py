@@ -15,7 +15,13 @@
   actor. A notice is never lost and never sent twice on one path.
 * **Recovery**: :func:`~stalwart.state.decide_recovery` -> ``subagent:recovery_decided``;
   a respawn goes through the host's ``spawner`` as a :class:`Spawn` with ``attempt + 1``
-  (and the continuation context after the task for ``respawn_continue``).
+  (and the continuation context after the task for ``respawn_continue``). When the run's
+  lineage has a splitter (``splitters(parent, task)``), an exhausted run is ``split``: the
+  splitter is called here, on the supervisor's thread (so it must be cheap: no I/O), with
+  the task and the continuation context; its subtasks are recorded in the event and each
+  goes through the ``spawner`` as a first attempt. A splitter that raises or gives no
+  subtask turns the decision into ``escalate`` (``splitter_failed:<error class>`` or
+  ``splitter_empty``).
 
 The supervisor writes these decisions into the run's own stream, always expecting the
 version it folded: a live SubAgent's writes are never raced; on a conflict it reads what
@@ -48,10 +54,11 @@ from stalwart.events import (
     AnnouncementQueued,
     AnnouncementSendFailed,
     Event,
+    SubagentRecoveryDecided,
     SubagentSpawned,
 )
 from stalwart.ids import new_id
-from stalwart.state import decide_ghost, decide_suspicious
+from stalwart.state import continuation_context, decide_ghost, decide_suspicious
 from stalwart.store import EventStore, NewEvent
 
 from ._deadletter import Enqueue
@@ -60,7 +67,14 @@ from ._restarts import Crashed, RestartNoticeSent, Restarts
 from ._scheduler import Scheduler
 from ._subagent import RunEnded, Spawn
 from ._subagent_notice import NoticeSent, Path, failure_notice, send_once, sent
-from ._supervisor_fold import RUN_WATCH, UNSUCCESSFUL, RunWatch, recovery, respawn
+from ._supervisor_fold import (
+    RUN_WATCH,
+    UNSUCCESSFUL,
+    RunWatch,
+    recovery,
+    respawn,
+    split_spawns,
+)
 
 __all__ = ["GetRuns", "Recovered", "SupervisorActor", "Sweep", "SweepReport"]
 
@@ -98,9 +112,15 @@ class Recovered(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     context: str = ""
     next_run_id: str | None = None
+    #: ``split``: the runs spawned for the subtasks
+    next_run_ids: tuple[str, ...] = ()
 
 
 Spawner = Callable[[Spawn], object]
+#: the host's ``(task, context) -> subtasks``
+Splitter = Callable[[str, str], Sequence[str]]
+#: the splitter of a run's lineage, given the run's ``(parent, task)``; None for none
+Splitters = Callable[[str, str], Splitter | None]
 
 
 class SupervisorActor(pykka.ThreadingActor):
@@ -109,7 +129,8 @@ class SupervisorActor(pykka.ThreadingActor):
     Start with ``SupervisorActor.start(store=..., clock=..., scheduler=..., portal=...,
     channels={name: channel}, dead_letters=<DeadLetterActor ref>, spawner=...,
     settings=SubagentSettings(), announce_timeout_ms=30_000, announcer=None,
-    default_channel="", listeners=(), supervision=SupervisionSettings())``.
+    default_channel="", listeners=(), supervision=SupervisionSettings(),
+    splitters=None)``.
     ``announcer`` is the parent's announcement system (any
     :class:`~stalwart.channels.Channel`); without one the announce send goes to the run's
     channel too. Tell it :class:`RunEnded` (and :class:`Crashed`); ask :class:`Sweep` or
@@ -132,6 +153,7 @@ class SupervisorActor(pykka.ThreadingActor):
         default_channel: str = "",
         listeners: Sequence[pykka.ActorRef[Any]] = (),
         supervision: SupervisionSettings | None = None,
+        splitters: Splitters | None = None,
     ) -> None:
         super().__init__()
         self._store = store
@@ -141,6 +163,7 @@ class SupervisorActor(pykka.ThreadingActor):
         self._channels = dict(channels)
         self._dead_letters = dead_letters
         self._spawner = spawner
+        self._splitters = splitters
         self._settings = settings or SubagentSettings()
         self._announce_s = announce_timeout_ms / 1000
         self._announce_ms = announce_timeout_ms
@@ -305,10 +328,53 @@ class SupervisorActor(pykka.ThreadingActor):
             self._send(stream, "announce")
         elif watch.notice in ("queued", "fallback") and watch.notice_id not in self._sending:
             self._send(stream, "direct")  # a send a crash interrupted: send again, directly
-        max_attempts = self._settings.recovery_max_attempts
-        recover = partial(recovery, max_attempts=max_attempts)
-        if self._decide(stream, recover):
+        splits: dict[str, tuple[tuple[str, ...], str]] = {}  # one splitter call per settle
+        if self._decide(stream, partial(self._recovery, splits=splits)):
             self._recover(stream)
+
+    def _recovery(
+        self, watch: RunWatch, now: float, *, splits: dict[str, tuple[tuple[str, ...], str]]
+    ) -> list[Event]:
+        """The recovery decision; a ``split`` asks the lineage's splitter for its subtasks
+        and escalates when it raises or gives none."""
+        run = watch.run
+        splitter = self._splitter_of(watch)
+        max_attempts = self._settings.recovery_max_attempts
+        events = recovery(watch, now, max_attempts=max_attempts, can_split=splitter is not None)
+        match events:
+            case [SubagentRecoveryDecided(action="split") as decided] if splitter is not None:
+                if run.stream not in splits:
+                    splits[run.stream] = self._split(splitter, watch)
+                subtasks, failure = splits[run.stream]
+                if failure:
+                    escalate = msgspec.structs.replace(decided, action="escalate", reason=failure)
+                    return [escalate]
+                return [msgspec.structs.replace(decided, subtasks=subtasks)]
+        return events
+
+    def _splitter_of(self, watch: RunWatch) -> Splitter | None:
+        if self._splitters is None or watch.run.status not in UNSUCCESSFUL:
+            return None
+        try:
+            return self._splitters(watch.run.parent or "", watch.run.task)
+        except Exception:  # the host's lookup: no splitter then
+            log.exception("supervisor.splitters_failed", run=watch.run.stream)
+            return None
+
+    def _split(self, splitter: Splitter, watch: RunWatch) -> tuple[tuple[str, ...], str]:
+        """The splitter's subtasks (stripped, none empty) and "", or () and why not."""
+        run = watch.run
+        context = continuation_context(run) if run.step or run.artifacts else ""
+        try:
+            given = splitter(run.task, context)
+            items = [given] if isinstance(given, str) else list(given)
+            subtasks = tuple(str(item).strip() for item in items if str(item).strip())
+        except Exception as exc:  # the host's callback: escalate instead
+            log.exception("supervisor.splitter_failed", run=run.stream)
+            return (), f"splitter_failed:{type(exc).__name__}"
+        if not subtasks:
+            return (), "splitter_empty"
+        return subtasks, ""
 
     def _queue_notice(self, watch: RunWatch, now: float) -> list[Event]:
         if watch.notice != "none":
@@ -340,12 +406,21 @@ class SupervisorActor(pykka.ThreadingActor):
                 self._spawner(spawn)
             except Exception:  # the host's callback: its failure is logged, not ours to raise
                 log.exception("supervisor.spawner_failed", run=stream)
+        next_runs: list[str] = []
+        if decided.action == "split" and self._spawner is not None:
+            for spawn in split_spawns(watch, decided.subtasks):
+                next_runs.append(spawn.run_id)
+                try:
+                    self._spawner(spawn)
+                except Exception:  # the host's callback: logged, the other subtasks still go
+                    log.exception("supervisor.spawner_failed", run=stream, task=spawn.task)
         recovered = Recovered(
             stream=stream,
             action=decided.action,
             reason=decided.reason,
             context=decided.context,
             next_run_id=next_run,
+            next_run_ids=tuple(next_runs),
         )
         for listener in self._listeners:
             with contextlib.suppress(pykka.ActorDeadError):

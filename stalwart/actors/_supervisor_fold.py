@@ -30,6 +30,7 @@ __all__ = [
     "RunWatchAggregate",
     "recovery",
     "respawn",
+    "split_spawns",
 ]
 
 #: How a run ends without success: it gets a failure notice and a recovery decision.
@@ -105,11 +106,13 @@ class RunWatchAggregate:
 RUN_WATCH = RunWatchAggregate()
 
 
-def recovery(watch: RunWatch, now: float, *, max_attempts: int) -> list[Event]:
+def recovery(
+    watch: RunWatch, now: float, *, max_attempts: int, can_split: bool = False
+) -> list[Event]:
     """:func:`~stalwart.state.decide_recovery` for a run that ended without success."""
     if watch.run.status not in UNSUCCESSFUL:
         return []
-    return list(decide_recovery(watch.run, max_attempts=max_attempts))
+    return list(decide_recovery(watch.run, max_attempts=max_attempts, can_split=can_split))
 
 
 def respawn(watch: RunWatch, context: str) -> Spawn:
@@ -130,3 +133,12 @@ def respawn(watch: RunWatch, context: str) -> Spawn:
         channel=watch.channel,
         conversation=watch.conversation,
     )
+
+
+def split_spawns(watch: RunWatch, subtasks: tuple[str, ...]) -> list[Spawn]:
+    """One first attempt per subtask of a ``split``: same parent, same limit, same channel."""
+    base = respawn(watch, "")
+    return [
+        msgspec.structs.replace(base, run_id=new_id(), task=subtask, attempt=1)
+        for subtask in subtasks
+    ]

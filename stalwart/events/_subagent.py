@@ -81,3 +81,6 @@ class SubagentRecoveryDecided(Event, frozen=True, tag="subagent:recovery_decided
     context: str = ""
     steps_done: int = 0
     artifacts: tuple[str, ...] = ()
+    #: ``split``: the smaller tasks the host's splitter gave, one new run each (empty
+    #: for the other actions and in logs written before it)
+    subtasks: tuple[str, ...] = ()

@@ -72,6 +72,8 @@ log = structlog.get_logger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
+#: ``rt.spawn(..., splitter=)``: ``(task, context) -> subtasks`` (see :meth:`Runtime.spawn`)
+Splitter = Callable[[str, str], Sequence[str]]
 
 
 class Runtime:
@@ -116,6 +118,7 @@ class Runtime:
         self._announcer: pykka.ActorRef[Any] | None = None
         self._runs: dict[str, RunSpec] = {}
         self._works: dict[tuple[str, str], tuple[Work | None, str]] = {}
+        self._splitters: dict[tuple[str, str], Splitter] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -207,6 +210,7 @@ class Runtime:
             channels=self._channels,
             dead_letters=self._dead_letters,
             spawner=self._respawn,
+            splitters=self._splitter_of,
             settings=subagents,
             announce_timeout_ms=self.config.dead_letters.announce_timeout_ms,
             default_channel=DEFAULT_CHANNEL,
@@ -434,6 +438,7 @@ class Runtime:
         conversation: str | None = None,
         agent: str | None = None,
         announce: bool = True,
+        splitter: Splitter | None = None,
     ) -> RunHandle:
         """Start a sub-agent run for ``parent_session`` under its watchdog.
 
@@ -444,6 +449,11 @@ class Runtime:
         sub-session: an Agent (``agent``, default the parent's) on the run's own stream
         answers ``task``. ``channel`` / ``conversation`` (default the parent session's)
         are where its failure notice and, when ``announce``, its batched completion go.
+        ``splitter(task, context) -> subtasks``: when this run's lineage has failed
+        ``recovery_max_attempts`` times, the supervisor calls it on its own thread (keep it
+        cheap: no I/O) and spawns each subtask as a model-driven first attempt (same
+        parent, timeout, channel; no splitter of its own); one that raises or returns
+        nothing escalates.
         """
         with self._lock:
             self._require_running()
@@ -466,6 +476,10 @@ class Runtime:
             )
             self._check_spawn(spawn)
             self._works[(parent_session, task)] = (work, agent)
+            if splitter is not None:
+                self._splitters[(parent_session, task)] = splitter
+            else:
+                self._splitters.pop((parent_session, task), None)
             return self._start_run(spawn, work, agent, announce=announce)
 
     def _check_spawn(self, spawn: Spawn) -> None:
@@ -561,6 +575,29 @@ class Runtime:
                     work, agent = known
             self._works[(spawn.parent, spawn.task)] = (work, agent)
             return self._start_run(spawn, work, agent, announce=True)
+
+    def _splitter_of(self, parent: str, task: str) -> Splitter | None:
+        """The supervisor's lookup: the splitter of the lineage a run of ``parent`` with
+        ``task`` (maybe a later attempt's, the continuation context after it) belongs to.
+        It calls the host's splitter with the lineage's task and registers the subtasks as
+        model-driven lineages of the lineage's agent."""
+        with self._lock:
+            for (known_parent, known_task), splitter in self._splitters.items():
+                if known_parent == parent and (
+                    task == known_task or task.startswith(known_task + "\n\n")
+                ):
+                    return partial(self._split, parent, known_task, splitter)
+        return None
+
+    def _split(
+        self, parent: str, lineage_task: str, splitter: Splitter, task: str, context: str
+    ) -> Sequence[str]:
+        subtasks = splitter(lineage_task, context)
+        with self._lock:
+            _, agent = self._works.get((parent, lineage_task), (None, self._agent_of(parent)))
+            for subtask in [subtasks] if isinstance(subtasks, str) else subtasks:
+                self._works[(parent, str(subtask).strip())] = (None, agent)
+        return subtasks
 
     def _agent_of(self, parent_session: str) -> str:
         """The agent a model-driven run of ``parent_session`` uses when nothing says which

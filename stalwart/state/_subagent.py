@@ -59,6 +59,7 @@ class Recovery(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     action: RecoveryAction
     reason: str
     context: str = ""
+    subtasks: tuple[str, ...] = ()
 
 
 class RunState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -210,7 +211,12 @@ def apply_run(state: RunState, record: RecordedEvent) -> RunState:
         case SubagentSuspicious():
             return msgspec.structs.replace(state, suspected_growth_at=state.tokens_grew_at)
         case SubagentRecoveryDecided():
-            decided = Recovery(action=event.action, reason=event.reason, context=event.context)
+            decided = Recovery(
+                action=event.action,
+                reason=event.reason,
+                context=event.context,
+                subtasks=event.subtasks,
+            )
             return msgspec.structs.replace(state, recovery=decided)
         case _:
             return state
