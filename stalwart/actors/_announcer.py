@@ -32,6 +32,7 @@ from stalwart.store import EventStore, NewEvent
 
 from ._deadletter import Enqueue
 from ._portal import IoPortal
+from ._restarts import crashed
 from ._scheduler import Scheduler
 from ._subagent import RunEnded
 from ._subagent_notice import send_once
@@ -90,7 +91,8 @@ class Announcer(pykka.ThreadingActor):
     Start with ``Announcer.start(store=..., clock=..., scheduler=..., portal=...,
     channels={name: channel}, supervisor=<ref>, on_ended=callable, dead_letters=<ref>,
     debounce_ms=500, max_wait_ms=5_000, send_timeout_ms=30_000)``. Tell it :class:`Track`
-    before a run starts; ask :class:`GetBatches`.
+    before a run starts; ask :class:`GetBatches`. ``on_crash(exception class name)`` is
+    called once if the actor dies of an exception.
     """
 
     def __init__(
@@ -107,8 +109,10 @@ class Announcer(pykka.ThreadingActor):
         debounce_ms: int = 500,
         max_wait_ms: int = 5_000,
         send_timeout_ms: int = 30_000,
+        on_crash: Callable[[str], object] | None = None,
     ) -> None:
         super().__init__()
+        self._on_crash = on_crash
         self._store = store
         self._clock = clock
         self._scheduler = scheduler
@@ -126,6 +130,10 @@ class Announcer(pykka.ThreadingActor):
     def on_stop(self) -> None:
         for parent in self._batches:
             self._scheduler.cancel(("announcer", self.actor_urn, parent))
+
+    def on_failure(self, *exc_info: object) -> None:
+        self.on_stop()
+        crashed(self._on_crash, exc_info)
 
     def on_receive(self, message: Any) -> Any:
         match message:

@@ -31,7 +31,7 @@ receiver can drop the duplicate.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
@@ -180,6 +180,7 @@ class DeadLetterActor(pykka.ThreadingActor):
 
     A store error or an append conflict (another writer on its stream) fails the actor;
     its supervisor restarts it, and the restart rebuilds everything from the log.
+    ``on_crash(exception class name)`` is called once if the actor dies of an exception.
     """
 
     def __init__(
@@ -192,8 +193,10 @@ class DeadLetterActor(pykka.ThreadingActor):
         channels: Mapping[str, Channel],
         settings: DeadLetterSettings | None = None,
         stream: str = DEADLETTER_STREAM,
+        on_crash: Callable[[str], object] | None = None,
     ) -> None:
         super().__init__()
+        self._on_crash = on_crash
         self._store = store
         self._clock = clock
         self._scheduler = scheduler
@@ -222,7 +225,10 @@ class DeadLetterActor(pykka.ThreadingActor):
         exception_value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        from ._restarts import crashed  # noqa: PLC0415 (_restarts imports this module)
+
         self._release()
+        crashed(self._on_crash, (exception_type, exception_value, traceback))
 
     def _release(self) -> None:
         """Cancel the timer and the sends in flight; their outcomes reach no one."""

@@ -49,6 +49,7 @@ from stalwart.state import (
 )
 from stalwart.store import EventStore, NewEvent, load_state
 
+from ._restarts import crashed
 from ._scheduler import Scheduler, TimerHandle
 
 log = structlog.get_logger(__name__)
@@ -231,7 +232,8 @@ class ProviderHealthActor(pykka.ThreadingActor):
     listeners, view)``. Messages: :class:`PollHealth`, :class:`CallOutcome` (both reply with a
     :class:`HealthReport` when asked) and :class:`GetHealth`. Listeners (actor refs or
     callables, called on the actor's thread: keep them cheap) are told
-    :class:`HealthChanged` once per appended decision.
+    :class:`HealthChanged` once per appended decision. ``on_crash(exception class name)``
+    is called once if the actor dies of an exception (its follower and timer stopped first).
     """
 
     def __init__(
@@ -245,8 +247,10 @@ class ProviderHealthActor(pykka.ThreadingActor):
         view: HealthView | None = None,
         *,
         follow: bool = True,
+        on_crash: Callable[[str], object] | None = None,
     ) -> None:
         super().__init__()
+        self._on_crash = on_crash
         self._store = store
         self._clock = clock
         self._scheduler = scheduler
@@ -280,6 +284,10 @@ class ProviderHealthActor(pykka.ThreadingActor):
             self._follower.stop()
         if self._timer is not None:
             self._timer.cancel()
+
+    def on_failure(self, *exc_info: object) -> None:
+        self.on_stop()
+        crashed(self._on_crash, exc_info)
 
     def _load(self) -> _Watch:
         state = load_state(self._store, self._stream, self._aggregate)

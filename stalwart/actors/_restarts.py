@@ -75,6 +75,9 @@ class Crashed:
     session: str | None = None
     channel: str = ""
     conversation: str = ""
+    #: False for an actor no single session depends on (the runtime's infrastructure):
+    #: a give-up is appended and logged, with no notice to send.
+    notify: bool = True
 
 
 class RestartNoticeSent(msgspec.Struct, frozen=True, kw_only=True):
@@ -156,7 +159,7 @@ class Restarts:
             kind="failure_notice",
             text=GAVE_UP_TEXT,
         )
-        if isinstance(decision, SupervisorGaveUp):
+        if isinstance(decision, SupervisorGaveUp) and crashed.notify:
             events.append(notice)
         self._store.append(RESTART_STREAM, [NewEvent(event=e, ts=now) for e in events])
         if isinstance(decision, SupervisorRestarted):
@@ -169,7 +172,8 @@ class Restarts:
             )
             return
         log.error("supervision.gave_up", actor=crashed.actor, restarts=decision.restarts)
-        self._send(notice, crashed.conversation or crashed.session or crashed.actor)
+        if crashed.notify:
+            self._send(notice, crashed.conversation or crashed.session or crashed.actor)
 
     def _send(self, notice: AnnouncementQueued, conversation: str) -> None:
         message = OutboundMessage(

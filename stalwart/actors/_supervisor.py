@@ -63,7 +63,7 @@ from stalwart.store import EventStore, NewEvent
 
 from ._deadletter import Enqueue
 from ._portal import IoPortal
-from ._restarts import Crashed, RestartNoticeSent, Restarts
+from ._restarts import Crashed, RestartNoticeSent, Restarts, crashed
 from ._scheduler import Scheduler
 from ._subagent import RunEnded, Spawn
 from ._subagent_notice import NoticeSent, Path, failure_notice, send_once, sent
@@ -154,8 +154,10 @@ class SupervisorActor(pykka.ThreadingActor):
         listeners: Sequence[pykka.ActorRef[Any]] = (),
         supervision: SupervisionSettings | None = None,
         splitters: Splitters | None = None,
+        on_crash: Callable[[str], object] | None = None,
     ) -> None:
         super().__init__()
+        self._on_crash = on_crash  # called once if this actor dies of an exception
         self._store = store
         self._clock = clock
         self._scheduler = scheduler
@@ -202,8 +204,9 @@ class SupervisorActor(pykka.ThreadingActor):
     def on_stop(self) -> None:
         self._scheduler.cancel(self._timer_key)
 
-    def on_failure(self, *_: object) -> None:
+    def on_failure(self, *exc_info: object) -> None:
         self._scheduler.cancel(self._timer_key)
+        crashed(self._on_crash, exc_info)
 
     # -- messages ----------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_CHANNEL",
     "RUNTIME_STREAM",
     "STOP_TIMEOUT_S",
+    "LiveRef",
     "RunHandle",
     "RunSpec",
     "SessionHandle",
@@ -36,6 +37,43 @@ RUNTIME_STREAM = "runtime"
 STOP_TIMEOUT_S = 5.0
 #: The channel every runtime has when the config names none.
 DEFAULT_CHANNEL = "console"
+
+
+class LiveRef(pykka.ActorRef[Any]):
+    """The ref the runtime holds *now* for a part it restarts (the dead-letter queue, the
+    supervisor, the announcer): what an actor is given instead of the part's ``ActorRef``,
+    so a restart needs no re-wiring. ``tell`` / ``ask`` / ``is_alive`` look ``current()``
+    up at use time (ActorDeadError when there is none, or while it is down)."""
+
+    def __init__(self, current: Callable[[], pykka.ActorRef[Any] | None], name: str) -> None:
+        # no super().__init__(): there is no single actor behind it
+        self._current = current
+        self._name = name
+
+    def _ref(self) -> pykka.ActorRef[Any]:
+        ref = self._current()
+        if ref is None:
+            raise pykka.ActorDeadError(f"{self._name} is not running")
+        return ref
+
+    def is_alive(self) -> bool:
+        ref = self._current()
+        return ref is not None and ref.is_alive()
+
+    def tell(self, message: Any) -> None:
+        self._ref().tell(message)
+
+    def ask(self, message: Any, *, block: bool = True, timeout: float | None = None) -> Any:
+        return self._ref().ask(message, block=block, timeout=timeout)
+
+    def stop(self, *, block: bool = True, timeout: float | None = None) -> Any:
+        return self._ref().stop(block=block, timeout=timeout)
+
+    def __str__(self) -> str:
+        return f"LiveRef({self._name}: {self._current()})"
+
+    def __repr__(self) -> str:
+        return f"<{self}>"
 
 
 class SessionHandle:

@@ -45,6 +45,7 @@ from stalwart.actors import (
     Work,
     subsession_work,
 )
+from stalwart.actors._restarts import Restarts
 from stalwart.channels import Channel, ConsoleChannel, MemoryChannel, channel_from_settings
 from stalwart.clock import Clock, SystemClock
 from stalwart.config import Config
@@ -59,6 +60,7 @@ from ._handles import (
     DEFAULT_CHANNEL,
     RUNTIME_STREAM,
     STOP_TIMEOUT_S,
+    LiveRef,
     RunHandle,
     RunSpec,
     SessionHandle,
@@ -119,6 +121,14 @@ class Runtime:
         self._runs: dict[str, RunSpec] = {}
         self._works: dict[tuple[str, str], tuple[Work | None, str]] = {}
         self._splitters: dict[tuple[str, str], Splitter] = {}
+        # the infrastructure actors' restarts (see _part_crashed); what the actors hold
+        # instead of these parts' refs, so a restarted part needs no re-wiring
+        self._restarts: Restarts | None = None
+        self._restarts_lock = threading.Lock()
+        self._tracks: dict[str, Track] = {}  # what a restarted announcer is told again
+        self._dead_letters_ref = LiveRef(lambda: self._dead_letters, "deadletter")
+        self._supervisor_ref = LiveRef(lambda: self._supervisor, "supervisor")
+        self._announcer_ref = LiveRef(lambda: self._announcer, "announcer")
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -178,56 +188,91 @@ class Runtime:
         self._portal = IoPortal().start()
         self._scheduler = Scheduler(self.clock).start()
         self._layer = ProviderLayer(self.config, self._store, clock=self.clock)
-        self._dead_letters = DeadLetterActor.start(
+        self._restarts = Restarts(
             store=self._store,
             clock=self.clock,
             scheduler=self._scheduler,
             portal=self._portal,
             channels=self._channels,
-            settings=self.config.dead_letters,
+            dead_letters=None,
+            settings=self.config.supervision,
+            send_timeout_s=self.config.dead_letters.announce_timeout_ms / 1000,
+            default_channel=DEFAULT_CHANNEL,
+            tell=lambda _message: None,  # no notices: an infrastructure give-up is logged
+            key="runtime",
         )
+        self._dead_letters = self._start_dead_letters()
         self._start_supervision()
         for provider in self.config.providers:
-            self._health[provider] = ProviderHealthActor.start(
-                self._store,
-                self.clock,
-                self._scheduler,
-                provider,
-                self.config.health,
-                [self._on_health_changed],
-                self.health_view,
-            )
+            self._health[provider] = self._start_health(provider)
 
-    def _start_supervision(self) -> None:
+    def _start_dead_letters(self) -> pykka.ActorRef[Any]:
         assert self._scheduler is not None
         assert self._portal is not None
-        store, subagents = self.store, self.config.subagents
-        self._supervisor = SupervisorActor.start(
-            store=store,
+        return DeadLetterActor.start(
+            store=self.store,
             clock=self.clock,
             scheduler=self._scheduler,
             portal=self._portal,
             channels=self._channels,
-            dead_letters=self._dead_letters,
+            settings=self.config.dead_letters,
+            on_crash=partial(self._part_crashed, "deadletter", self._restart_dead_letters),
+        )
+
+    def _start_health(self, provider: str) -> pykka.ActorRef[Any]:
+        assert self._scheduler is not None
+        restart = partial(self._restart_health, provider)
+        return ProviderHealthActor.start(
+            self.store,
+            self.clock,
+            self._scheduler,
+            provider,
+            self.config.health,
+            [self._on_health_changed],
+            self.health_view,
+            on_crash=partial(self._part_crashed, f"health:{provider}", restart),
+        )
+
+    def _start_supervision(self) -> None:
+        self._supervisor = self._start_supervisor()
+        self._announcer = self._start_announcer()
+
+    def _start_supervisor(self) -> pykka.ActorRef[Any]:
+        assert self._scheduler is not None
+        assert self._portal is not None
+        return SupervisorActor.start(
+            store=self.store,
+            clock=self.clock,
+            scheduler=self._scheduler,
+            portal=self._portal,
+            channels=self._channels,
+            dead_letters=self._dead_letters_ref,
             spawner=self._respawn,
             splitters=self._splitter_of,
-            settings=subagents,
+            settings=self.config.subagents,
             announce_timeout_ms=self.config.dead_letters.announce_timeout_ms,
             default_channel=DEFAULT_CHANNEL,
             supervision=self.config.supervision,
+            on_crash=partial(self._part_crashed, "supervisor", self._restart_supervisor),
         )
-        self._announcer = Announcer.start(
-            store=store,
+
+    def _start_announcer(self) -> pykka.ActorRef[Any]:
+        assert self._scheduler is not None
+        assert self._portal is not None
+        subagents = self.config.subagents
+        return Announcer.start(
+            store=self.store,
             clock=self.clock,
             scheduler=self._scheduler,
             portal=self._portal,
             channels=self._channels,
-            supervisor=self._supervisor,
+            supervisor=self._supervisor_ref,
             on_ended=self._run_ended,
-            dead_letters=self._dead_letters,
+            dead_letters=self._dead_letters_ref,
             debounce_ms=subagents.announce_debounce_ms,
             max_wait_ms=subagents.announce_max_wait_ms,
             send_timeout_ms=self.config.dead_letters.announce_timeout_ms,
+            on_crash=partial(self._part_crashed, "announcer", self._restart_announcer),
         )
 
     def _open_store(self) -> tuple[EventStore, bool]:
@@ -414,7 +459,7 @@ class Runtime:
             thread=thread,
             settings=loop,
             is_degraded=self.health_view.is_degraded,
-            dead_letters=self._dead_letters,
+            dead_letters=self._dead_letters_ref,
             agent_name=agent,
             on_crash=partial(self._agent_crashed, session_id) if supervised else None,
         )
@@ -511,15 +556,16 @@ class Runtime:
             start = partial(self._start_subsession, spawn.run_id, agent)
             work = subsession_work(self.store, spawn.run_id, spawn.task, start)
         self._runs[spawn.run_id] = run
-        self._announcer.tell(
-            Track(
-                run_id=spawn.run_id,
-                parent=spawn.parent,
-                channel=spawn.channel,
-                conversation=spawn.conversation,
-                announce=announce,
-            )
+        track = Track(
+            run_id=spawn.run_id,
+            parent=spawn.parent,
+            channel=spawn.channel,
+            conversation=spawn.conversation,
+            announce=announce,
         )
+        self._tracks[spawn.run_id] = track
+        with contextlib.suppress(pykka.ActorDeadError):  # a restarted announcer is told again
+            self._announcer.tell(track)
         run.ref = self._start_run_actor(spawn, work)
         return RunHandle(spawn.run_id, spawn.parent, self.store, run.ended, lambda: run.ref)
 
@@ -533,7 +579,7 @@ class Runtime:
             portal=self._portal,
             spawn=spawn,
             work=work,
-            parent=self._announcer,
+            parent=self._announcer_ref,
             settings=self.config.subagents,
             on_crash=partial(self._run_crashed, spawn.run_id),
         )
@@ -553,6 +599,7 @@ class Runtime:
         """The announcer's callback: resolve the run's handle and stop its actor."""
         with self._lock:
             run = self._runs.pop(ended.run_id, None)
+            self._tracks.pop(ended.run_id, None)
         if run is None:
             return
         if not run.ended.done():
@@ -685,6 +732,62 @@ class Runtime:
             if self._state != "running" or run is None:
                 return
             run.ref = self._start_run_actor(run.spawn, _no_work)
+
+    def _part_crashed(self, part: str, restart: Callable[[], object], reason: str) -> None:
+        """An infrastructure actor died of an exception (its ``on_failure``, its thread):
+        the same decision as for a session (one_for_one, intensity, backoff), taken here
+        since the supervisor may be the one that died; a give-up is appended and logged
+        at ERROR only (no single session to notify)."""
+        restarts = self._restarts
+        if restarts is None or self._state != "running":
+            return
+        crashed = Crashed(actor=part, reason=reason, restart=restart, notify=False)
+        with self._restarts_lock:
+            restarts.crashed(crashed)
+
+    def _restart_part(self, part: str, start: Callable[[], None]) -> None:
+        with self._lock:
+            if self._state != "running":
+                return
+            start()
+        log.info("runtime.part_restarted", part=part)
+
+    def _restart_dead_letters(self) -> None:
+        """Start the dead-letter actor again (it rebuilds its queue from its stream); the
+        agents, the supervisor and the announcer hold a :class:`LiveRef` to it."""
+
+        def start() -> None:
+            self._dead_letters = self._start_dead_letters()
+
+        self._restart_part("deadletter", start)
+
+    def _restart_health(self, provider: str) -> None:
+        """Start a provider's health actor again (it folds ``provider:<name>`` again)."""
+
+        def start() -> None:
+            self._health[provider] = self._start_health(provider)
+
+        self._restart_part(f"health:{provider}", start)
+
+    def _restart_supervisor(self) -> None:
+        """Start the supervisor again (it sweeps what the log says at once)."""
+
+        def start() -> None:
+            self._supervisor = self._start_supervisor()
+
+        self._restart_part("supervisor", start)
+
+    def _restart_announcer(self) -> None:
+        """Start the announcer again and tell it the runs still tracked (before the runs
+        can reach it through their :class:`LiveRef`); batches not sent yet are lost."""
+
+        def start() -> None:
+            announcer = self._start_announcer()
+            for track in self._tracks.values():
+                announcer.tell(track)
+            self._announcer = announcer
+
+        self._restart_part("announcer", start)
 
     def _tell_supervisor(self, message: object) -> None:
         supervisor = self._supervisor

@@ -1,0 +1,275 @@
+"""The Runtime restarts its infrastructure actors: health, dead letters, supervisor, announcer.
+
+Each is crashed for real (told an object it does not understand); the runtime decides the
+restart as for a session (one_for_one, intensity, backoff: ``supervisor:restarted`` naming
+the part), starts it again after the backoff (a ``FakeClock`` drives it), and everything
+that held the old ref reaches the new actor. A real LMDB store, the fake provider over
+loopback, a MemoryChannel; tests wait on futures, on the log and on the channel.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import pykka
+import pytest
+
+from stalwart import store as store_module
+from stalwart.actors import (
+    Announcer,
+    DeadLetterActor,
+    Enqueue,
+    ProviderHealthActor,
+    RunReport,
+    SupervisorActor,
+)
+from stalwart.channels import MemoryChannel, OutboundMessage
+from stalwart.clock import FakeClock
+from stalwart.config import Config, parse_config
+from stalwart.events import (
+    AnnouncementDeadLetterDelivered,
+    AnnouncementQueued,
+    ProviderCallFailed,
+    ProviderDegraded,
+    ProviderRecovered,
+    RecordedEvent,
+    SupervisorGaveUp,
+    SupervisorRestarted,
+)
+from stalwart.runtime import Runtime
+from stalwart.store import EventStore, NewEvent
+from stalwart.testing import Answer, FakeProvider
+
+GUARD = 10.0
+AGENT: dict[str, Any] = {
+    "provider": "main",
+    "model": "m1",
+    "prompt_timeout_ms": 5_000,
+    "retry_prompt_timeout_ms": 5_000,
+    "max_retries": 0,
+}
+
+
+def config(base_url: str) -> Config:
+    return parse_config(
+        {
+            "providers": {"main": {"kind": "openai", "base_url": base_url}},
+            "agents": {"default": dict(AGENT)},
+            # a retry only after the health window: what delivers a dead letter is the drain
+            "dead_letters": {"retry_base_ms": 120_000},
+        }
+    )
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: FakeClock) -> Iterator[EventStore]:
+    opened = store_module.open(tmp_path / "store", clock=clock)
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeProvider]:
+    with FakeProvider() as provider:
+        provider.set_default(Answer(text="default answer"))
+        yield provider
+
+
+@pytest.fixture
+def chat() -> MemoryChannel:
+    return MemoryChannel("chat")
+
+
+@pytest.fixture
+def rt(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> Iterator[Runtime]:
+    with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
+        yield rt
+
+
+def delivered(rt: Runtime, channel: MemoryChannel, count: int) -> list[OutboundMessage]:
+    async def wait() -> list[OutboundMessage]:
+        with anyio.fail_after(GUARD):
+            return await channel.wait_for(count)
+
+    return rt.portal.submit(wait).result(GUARD + 1)
+
+
+def log_until(
+    store: EventStore, stream: str, until: Callable[[list[RecordedEvent]], bool]
+) -> list[RecordedEvent]:
+    give_up = time.monotonic() + GUARD
+    while True:
+        head = store.head()
+        records = list(store.read_stream(stream))
+        if until(records):
+            return records
+        left = give_up - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"the log never got there: {[r.type for r in records]}")
+        store.wait_for(head + 1, left)
+
+
+def has(kind: type | tuple[type, ...], count: int = 1) -> Callable[[list[RecordedEvent]], bool]:
+    return lambda records: sum(isinstance(r.event, kind) for r in records) >= count
+
+
+def of(kind: type | tuple[type, ...], records: list[RecordedEvent]) -> list[Any]:
+    return [r.event for r in records if isinstance(r.event, kind)]
+
+
+def only(kind: type[pykka.Actor]) -> pykka.ActorRef[Any]:
+    """The one running actor of ``kind`` (pykka's registry: no runtime internals)."""
+    [ref] = pykka.ActorRegistry.get_by_class(kind)
+    return ref
+
+
+def crash(
+    rt: Runtime, store: EventStore, kind: type[pykka.Actor], part: str, count: int = 1
+) -> Any:
+    """Crash the running ``kind`` actor for real; the decision that follows (the
+    ``count``-th on ``part``), once the runtime has armed its restart."""
+    only(kind).tell(object())  # it does not understand it: an unhandled exception
+    decided = (SupervisorRestarted, SupervisorGaveUp)
+    records = log_until(store, "runtime", has(decided, count))
+    with rt._restarts_lock:  # the decision is appended, then its timer armed, under it
+        pass
+    decision = of(decided, records)[-1]
+    assert (decision.actor, decision.reason) == (part, "TypeError")
+    return decision
+
+
+def restart(
+    rt: Runtime, store: EventStore, clock: FakeClock, kind: type[pykka.Actor], part: str
+) -> pykka.ActorRef[Any]:
+    """Crash it, see the restart decided, let the backoff pass: the new actor."""
+    dying = only(kind)
+    restarted = crash(rt, store, kind, part)
+    assert isinstance(restarted, SupervisorRestarted)
+    assert (restarted.restarts, restarted.backoff_ms) == (1, 100)
+    assert not pykka.ActorRegistry.get_by_class(kind)  # down during the backoff
+    clock.advance(0.11)
+    fresh = only(kind)
+    assert fresh is not dying
+    assert not dying.is_alive()
+    return fresh
+
+
+def fail(store: EventStore, clock: FakeClock, *agents: str) -> None:
+    """Failed calls to ``main`` from ``agents`` (two agents within the window degrade it)."""
+    events = [
+        NewEvent(
+            event=ProviderCallFailed(
+                provider="main", model="m1", agent=agent, error_class="HTTPStatusError", status=503
+            ),
+            ts=clock.now(),
+        )
+        for agent in agents
+    ]
+    store.append("provider:main", events)
+
+
+# -- each part ------------------------------------------------------------------------------
+
+
+def test_a_crashed_health_actor_is_restarted_and_still_decides_a_degradation(
+    rt: Runtime, store: EventStore, clock: FakeClock
+) -> None:
+    restart(rt, store, clock, ProviderHealthActor, "health:main")
+    assert not rt.health()["main"].degraded  # it answers again, folded from its stream
+    fail(store, clock, "a", "b")
+    log_until(store, "provider:main", has(ProviderDegraded))
+    assert rt.health()["main"].degraded
+    assert rt.health_view.is_degraded("main")
+    assert len(of(ProviderDegraded, list(store.read_stream("provider:main")))) == 1
+
+
+def test_a_crashed_dead_letter_actor_keeps_its_queue_and_a_recovery_drains_it(
+    rt: Runtime, store: EventStore, clock: FakeClock, chat: MemoryChannel
+) -> None:
+    enqueue = Enqueue(
+        announcement_id="ann-1", channel="chat", conversation="c1", text="hello", reason="Boom"
+    )
+    entry_id = only(DeadLetterActor).ask(enqueue, timeout=GUARD)
+    restart(rt, store, clock, DeadLetterActor, "deadletter")
+    [entry] = rt.dead_letters().entries  # rebuilt from the log
+    assert entry.entry_id == entry_id
+
+    fail(store, clock, "a", "b")
+    log_until(store, "provider:main", has(ProviderDegraded))
+    clock.advance(rt.config.health.window_ms / 1000 + 1)  # a quiet window: recovered
+    log_until(store, "provider:main", has(ProviderRecovered))
+    # the recovery's Drain reached the new actor, which delivered the entry
+    log_until(store, "deadletter", has(AnnouncementDeadLetterDelivered))
+    [message] = delivered(rt, chat, 1)
+    assert (message.text, message.conversation) == ("hello", "c1")
+    queue = rt.dead_letters()
+    assert (queue.entries, queue.delivered) == ((), 1)
+
+
+def test_a_crashed_supervisor_is_restarted_and_still_restarts_a_crashed_agent(
+    rt: Runtime, store: EventStore, clock: FakeClock
+) -> None:
+    session = rt.session("s1", channel="chat")
+    restart(rt, store, clock, SupervisorActor, "supervisor")
+    assert rt.runs() == {}  # it answers again
+    dying = session.ref
+    dying.tell(object())  # the Agent crashes: the new supervisor decides its restart
+    records = log_until(store, "runtime", has(SupervisorRestarted, 2))
+    assert of(SupervisorRestarted, records)[-1].actor == "session:s1"
+    rt.runs()  # the supervisor has armed the restart
+    clock.advance(0.11)
+    assert session.ref is not dying
+    assert session.status(timeout=GUARD).idle
+
+
+def test_a_crashed_announcer_is_restarted_and_still_announces_a_run_tracked_before(
+    rt: Runtime, store: EventStore, clock: FakeClock, chat: MemoryChannel
+) -> None:
+    gate = threading.Event()
+
+    async def gated(report: RunReport) -> str:
+        await anyio.to_thread.run_sync(gate.wait)
+        return "the answer"
+
+    handle = rt.spawn("p1", "write code", task_class="code", channel="chat", work=gated)
+    try:
+        handle.status()
+        restart(rt, store, clock, Announcer, "announcer")
+        assert rt.announcements() == {}  # it answers again
+    finally:
+        gate.set()
+    assert handle.result(GUARD).outcome == "succeeded"  # the run's parent ref: the new actor
+    clock.advance(rt.config.subagents.announce_debounce_ms / 1000 + 0.01)
+    [message] = delivered(rt, chat, 1)
+    assert message.text == "Sub-agent task completed:\nthe answer"
+
+
+# -- intensity --------------------------------------------------------------------------------
+
+
+def test_a_part_that_keeps_crashing_is_given_up_on_with_no_notice(
+    rt: Runtime, store: EventStore, clock: FakeClock, chat: MemoryChannel
+) -> None:
+    for count, backoff_ms in enumerate([100, 200, 400], 1):
+        restarted = crash(rt, store, Announcer, "announcer", count)
+        assert (restarted.restarts, restarted.backoff_ms) == (count, backoff_ms)
+        clock.advance(backoff_ms / 1000 + 0.005)
+        only(Announcer)
+    gave_up = crash(rt, store, Announcer, "announcer", 4)
+    assert isinstance(gave_up, SupervisorGaveUp)
+    assert (gave_up.restarts, gave_up.session) == (3, None)
+    clock.advance(10.0)
+    assert not pykka.ActorRegistry.get_by_class(Announcer)
+    assert not of(AnnouncementQueued, list(store.read_stream("runtime")))  # nobody to tell
+    assert rt.dead_letters().entries == ()  # the other parts run on
+    assert rt.runs() == {}
