@@ -6,8 +6,10 @@ from pathlib import Path
 import pytest
 
 from stalwart import store as store_module
+from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
 from stalwart.store import EventStore
+from stalwart.testing import Answer, FakeProvider
 
 
 @pytest.fixture
@@ -27,3 +29,27 @@ def lmdb_store(store_dir: Path, clock: FakeClock) -> Iterator[EventStore]:
         yield store
     finally:
         store.close()
+
+
+# -- the runtime's tests: a store on the fake clock, a fake provider, a chat channel --------
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: FakeClock) -> Iterator[EventStore]:
+    opened = store_module.open(tmp_path / "store", clock=clock)
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeProvider]:
+    with FakeProvider() as provider:
+        provider.set_default(Answer(text="default answer"))
+        yield provider
+
+
+@pytest.fixture
+def chat() -> MemoryChannel:
+    return MemoryChannel("chat")

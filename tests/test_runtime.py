@@ -13,17 +13,16 @@ from __future__ import annotations
 import os
 import runpy
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import anyio
 import msgspec
 import pytest
 
 from stalwart import store as store_module
 from stalwart.actors import DEGRADED_TEXT, FAILED_TEXT, MAX_STEPS_TEXT
-from stalwart.channels import ConsoleChannel, MemoryChannel, OutboundMessage
+from stalwart.channels import ConsoleChannel, MemoryChannel
 from stalwart.clock import FakeClock
 from stalwart.config import Config, parse_config
 from stalwart.errors import ConfigError
@@ -32,7 +31,6 @@ from stalwart.events import (
     AnnouncementDeadLettered,
     ProviderDegraded,
     ProviderRecovered,
-    RecordedEvent,
     RuntimeStarted,
     RuntimeStopped,
     TurnCompleted,
@@ -40,8 +38,8 @@ from stalwart.events import (
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Answer, Fail, FakeProvider, FakeToolCall, Hang
+from tests._runtime_support import GUARD, delivered, has, log_until
 
-GUARD = 10.0
 ROOT = Path(__file__).resolve().parent.parent
 AGENT: dict[str, Any] = {
     "provider": "main",
@@ -67,64 +65,11 @@ def config(base_url: str, **extra: Any) -> Config:
 
 
 @pytest.fixture
-def store(tmp_path: Path, clock: FakeClock) -> Iterator[EventStore]:
-    opened = store_module.open(tmp_path / "store", clock=clock)
-    try:
-        yield opened
-    finally:
-        opened.close()
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeProvider]:
-    with FakeProvider() as provider:
-        provider.set_default(Answer(text="default answer"))
-        yield provider
-
-
-@pytest.fixture
-def chat() -> MemoryChannel:
-    return MemoryChannel("chat")
-
-
-@pytest.fixture
 def rt(
     store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
 ) -> Iterator[Runtime]:
     with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
         yield rt
-
-
-def delivered(
-    rt: Runtime, channel: MemoryChannel, count: int, *, attempted: bool = False
-) -> list[OutboundMessage]:
-    """The channel's messages once ``count`` arrived (waited for on the runtime's loop)."""
-
-    async def wait() -> list[OutboundMessage]:
-        with anyio.fail_after(GUARD):
-            return await channel.wait_for(count, attempted=attempted)
-
-    return rt.portal.submit(wait).result(GUARD + 1)
-
-
-def log_until(
-    store: EventStore, stream: str, until: Callable[[list[RecordedEvent]], bool]
-) -> list[RecordedEvent]:
-    """The stream once ``until`` holds (woken by appends)."""
-    give_up = time.monotonic() + GUARD
-    while True:
-        head = store.head()
-        records = list(store.read_stream(stream))
-        if until(records):
-            return records
-        left = give_up - time.monotonic()
-        if left <= 0:
-            raise AssertionError(f"the log never got there: {[r.type for r in records]}")
-        store.wait_for(head + 1, left)
-
-
-def has(kind: type, count: int = 1) -> Callable[[list[RecordedEvent]], bool]:
-    return lambda records: sum(isinstance(r.event, kind) for r in records) >= count
 
 
 # -- lifecycle ------------------------------------------------------------------------------

@@ -10,9 +10,7 @@ loopback, a MemoryChannel; tests wait on futures, on the log and on the channel.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -20,7 +18,6 @@ import anyio.to_thread
 import pykka
 import pytest
 
-from stalwart import store as store_module
 from stalwart.actors import (
     Announcer,
     DeadLetterActor,
@@ -29,7 +26,7 @@ from stalwart.actors import (
     RunReport,
     SupervisorActor,
 )
-from stalwart.channels import MemoryChannel, OutboundMessage
+from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
 from stalwart.config import Config, parse_config
 from stalwart.events import (
@@ -38,15 +35,14 @@ from stalwart.events import (
     ProviderCallFailed,
     ProviderDegraded,
     ProviderRecovered,
-    RecordedEvent,
     SupervisorGaveUp,
     SupervisorRestarted,
 )
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore, NewEvent
-from stalwart.testing import Answer, FakeProvider
+from stalwart.testing import FakeProvider
+from tests._runtime_support import GUARD, delivered, has, log_until, of
 
-GUARD = 10.0
 AGENT: dict[str, Any] = {
     "provider": "main",
     "model": "m1",
@@ -68,63 +64,11 @@ def config(base_url: str) -> Config:
 
 
 @pytest.fixture
-def store(tmp_path: Path, clock: FakeClock) -> Iterator[EventStore]:
-    opened = store_module.open(tmp_path / "store", clock=clock)
-    try:
-        yield opened
-    finally:
-        opened.close()
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeProvider]:
-    with FakeProvider() as provider:
-        provider.set_default(Answer(text="default answer"))
-        yield provider
-
-
-@pytest.fixture
-def chat() -> MemoryChannel:
-    return MemoryChannel("chat")
-
-
-@pytest.fixture
 def rt(
     store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
 ) -> Iterator[Runtime]:
     with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
         yield rt
-
-
-def delivered(rt: Runtime, channel: MemoryChannel, count: int) -> list[OutboundMessage]:
-    async def wait() -> list[OutboundMessage]:
-        with anyio.fail_after(GUARD):
-            return await channel.wait_for(count)
-
-    return rt.portal.submit(wait).result(GUARD + 1)
-
-
-def log_until(
-    store: EventStore, stream: str, until: Callable[[list[RecordedEvent]], bool]
-) -> list[RecordedEvent]:
-    give_up = time.monotonic() + GUARD
-    while True:
-        head = store.head()
-        records = list(store.read_stream(stream))
-        if until(records):
-            return records
-        left = give_up - time.monotonic()
-        if left <= 0:
-            raise AssertionError(f"the log never got there: {[r.type for r in records]}")
-        store.wait_for(head + 1, left)
-
-
-def has(kind: type | tuple[type, ...], count: int = 1) -> Callable[[list[RecordedEvent]], bool]:
-    return lambda records: sum(isinstance(r.event, kind) for r in records) >= count
-
-
-def of(kind: type | tuple[type, ...], records: list[RecordedEvent]) -> list[Any]:
-    return [r.event for r in records if isinstance(r.event, kind)]
 
 
 def only(kind: type[pykka.Actor]) -> pykka.ActorRef[Any]:

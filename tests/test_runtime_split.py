@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from stalwart import store as store_module
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
 from stalwart.events import (
@@ -26,18 +24,10 @@ from stalwart.events import (
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider
-from tests.test_runtime_subagents import GUARD, config, delivered, hang, has, log_until, of
+from tests._runtime_support import GUARD, delivered, has, log_until, of
+from tests.test_runtime_subagents import config, hang
 
 BIG = "reconcile every invoice of 2025"
-
-
-@pytest.fixture
-def store(tmp_path: Path, clock: FakeClock) -> Iterator[EventStore]:
-    opened = store_module.open(tmp_path / "store", clock=clock)
-    try:
-        yield opened
-    finally:
-        opened.close()
 
 
 @pytest.fixture
@@ -45,11 +35,6 @@ def fake() -> Iterator[FakeProvider]:
     with FakeProvider() as provider:
         provider.set_default(Answer(text="part done"))
         yield provider
-
-
-@pytest.fixture
-def chat() -> MemoryChannel:
-    return MemoryChannel("chat")
 
 
 @pytest.fixture

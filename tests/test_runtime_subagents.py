@@ -8,24 +8,21 @@ Tests wait on futures, on the log and on the channel, never on a sleep.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
 import pykka
 import pytest
 
-from stalwart import store as store_module
 from stalwart.actors import GAVE_UP_TEXT, TIMED_OUT_SENTENCE, RunReport
-from stalwart.channels import MemoryChannel, OutboundMessage
+from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
 from stalwart.config import Config, parse_config
 from stalwart.errors import SpawnRefusedError
 from stalwart.events import (
     AnnouncementDelivered,
     AnnouncementQueued,
-    RecordedEvent,
     SubagentCompleted,
     SubagentProgress,
     SubagentSpawned,
@@ -37,8 +34,8 @@ from stalwart.events import (
 from stalwart.runtime import SPAWN_TOOL, Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider, FakeToolCall
+from tests._runtime_support import GUARD, delivered, has, log_until, of
 
-GUARD = 10.0
 AGENT: dict[str, Any] = {
     "provider": "main",
     "model": "m1",
@@ -57,63 +54,11 @@ def config(base_url: str, **extra: Any) -> Config:
 
 
 @pytest.fixture
-def store(tmp_path: Path, clock: FakeClock) -> Iterator[EventStore]:
-    opened = store_module.open(tmp_path / "store", clock=clock)
-    try:
-        yield opened
-    finally:
-        opened.close()
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeProvider]:
-    with FakeProvider() as provider:
-        provider.set_default(Answer(text="default answer"))
-        yield provider
-
-
-@pytest.fixture
-def chat() -> MemoryChannel:
-    return MemoryChannel("chat")
-
-
-@pytest.fixture
 def rt(
     store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
 ) -> Iterator[Runtime]:
     with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
         yield rt
-
-
-def delivered(rt: Runtime, channel: MemoryChannel, count: int) -> list[OutboundMessage]:
-    async def wait() -> list[OutboundMessage]:
-        with anyio.fail_after(GUARD):
-            return await channel.wait_for(count)
-
-    return rt.portal.submit(wait).result(GUARD + 1)
-
-
-def log_until(
-    store: EventStore, stream: str, until: Callable[[list[RecordedEvent]], bool]
-) -> list[RecordedEvent]:
-    give_up = time.monotonic() + GUARD
-    while True:
-        head = store.head()
-        records = list(store.read_stream(stream))
-        if until(records):
-            return records
-        left = give_up - time.monotonic()
-        if left <= 0:
-            raise AssertionError(f"the log never got there: {[r.type for r in records]}")
-        store.wait_for(head + 1, left)
-
-
-def has(kind: type, count: int = 1) -> Callable[[list[RecordedEvent]], bool]:
-    return lambda records: sum(isinstance(r.event, kind) for r in records) >= count
-
-
-def of(kind: type, records: list[RecordedEvent]) -> list[Any]:
-    return [r.event for r in records if isinstance(r.event, kind)]
 
 
 async def hang(report: RunReport) -> str:
