@@ -15,7 +15,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -23,7 +22,6 @@ import msgspec
 import pykka
 import pytest
 
-from stalwart import store as store_module
 from stalwart.actors import (
     DEGRADED_TEXT,
     FAILED_TEXT,
@@ -84,22 +82,6 @@ E = TypeVar("E", bound=Event)
 
 
 # -- the parts ------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def store(tmp_path: Path, clock: FakeClock) -> Iterator[EventStore]:
-    opened = store_module.open(tmp_path / "store", clock=clock)
-    try:
-        yield opened
-    finally:
-        opened.close()
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeProvider]:
-    with FakeProvider() as provider:
-        provider.set_default(Answer(text="default answer"))
-        yield provider
 
 
 @pytest.fixture

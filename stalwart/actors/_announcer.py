@@ -23,7 +23,7 @@ import msgspec
 import pykka
 import structlog
 
-from stalwart.channels import Channel, OutboundMessage
+from stalwart.channels import Channel, OutboundMessage, send_within
 from stalwart.clock import Clock
 from stalwart.events import AnnouncementDelivered, AnnouncementQueued, AnnouncementSendFailed
 from stalwart.events import Event as LogEvent
@@ -35,7 +35,6 @@ from ._portal import IoPortal
 from ._restarts import crashed
 from ._scheduler import Scheduler
 from ._subagent import RunEnded
-from ._subagent_notice import send_once
 
 __all__ = ["Announcer", "Batch", "GetBatches", "Track"]
 
@@ -198,7 +197,7 @@ class Announcer(pykka.ThreadingActor):
             kind="reply",
         )
         channel = self._channels.get(batch.channel)
-        future = self._portal.submit(send_once, channel, message, self._send_s)
+        future = self._portal.submit(send_within, channel, message, self._send_s)
         log.info("announcer.batch_sent", parent=parent, runs=len(batch.runs))
         future.add_done_callback(partial(self._send_done, batch, announcement_id))
 

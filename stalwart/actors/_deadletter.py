@@ -38,15 +38,13 @@ from functools import partial
 from types import TracebackType
 from typing import Any
 
-import anyio
 import msgspec
 import pykka
 import structlog
 
-from stalwart.channels import Channel, OutboundMessage
+from stalwart.channels import Channel, OutboundMessage, send_within
 from stalwart.clock import Clock
 from stalwart.config import DeadLetterSettings
-from stalwart.errors import ChannelError
 from stalwart.events import (
     AnnouncementDeadLetterDelivered,
     AnnouncementDeadLettered,
@@ -139,23 +137,6 @@ class _InFlight:
 
 
 # -- the send, on the portal's loop -------------------------------------------------------
-
-
-async def _deliver(
-    channel: Channel | None, message: OutboundMessage, timeout_s: float
-) -> str | None:
-    """Send ``message``; None when delivered, else the content-free class of the failure."""
-    if channel is None:
-        return "unknown_channel"
-    with anyio.move_on_after(timeout_s):
-        try:
-            await channel.send(message)
-        except ChannelError as exc:
-            return exc.kind
-        except Exception as exc:  # a channel that breaks its protocol: still an outcome
-            return type(exc).__name__
-        return None
-    return "timeout"
 
 
 def _outcome(entry_id: str, future: Future[str | None]) -> RetrySent:
@@ -363,7 +344,7 @@ class DeadLetterActor(pykka.ThreadingActor):
         )
         timeout_s = self._settings.announce_timeout_ms / 1000
         channel = self._channels.get(entry.channel)
-        future = self._portal.submit(_deliver, channel, message, timeout_s)
+        future = self._portal.submit(send_within, channel, message, timeout_s)
         self._in_flight[entry_id] = _InFlight(future, entry.announcement_id, entry.attempts + 1)
         future.add_done_callback(partial(self._settled, entry_id))
 

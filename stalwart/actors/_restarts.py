@@ -23,7 +23,7 @@ import msgspec
 import pykka
 import structlog
 
-from stalwart.channels import Channel, OutboundMessage
+from stalwart.channels import Channel, OutboundMessage, send_within
 from stalwart.clock import Clock
 from stalwart.config import SupervisionSettings
 from stalwart.events import (
@@ -41,7 +41,6 @@ from stalwart.store import EventStore, NewEvent
 from ._deadletter import Enqueue
 from ._portal import IoPortal
 from ._scheduler import Scheduler
-from ._subagent_notice import send_once
 
 __all__ = [
     "GAVE_UP_TEXT",
@@ -183,7 +182,7 @@ class Restarts:
             kind="failure_notice",
         )
         channel = self._channels.get(notice.channel)
-        future = self._portal.submit(send_once, channel, message, self._send_s)
+        future = self._portal.submit(send_within, channel, message, self._send_s)
 
         def done(finished: Future[str | None]) -> None:
             if finished.cancelled():

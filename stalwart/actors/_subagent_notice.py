@@ -10,11 +10,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Literal
 
-import anyio
 import msgspec
-
-from stalwart.channels import Channel, OutboundMessage
-from stalwart.errors import ChannelError
 
 __all__ = [
     "FAILED_SENTENCE",
@@ -75,23 +71,6 @@ class NoticeSent(msgspec.Struct, frozen=True, kw_only=True):
     path: Path
     ok: bool
     error_class: str | None = None
-
-
-async def send_once(
-    channel: Channel | None, message: OutboundMessage, timeout_s: float
-) -> str | None:
-    """Send within ``timeout_s``: None when delivered, else the failure's content-free class."""
-    if channel is None:
-        return "unknown_channel"
-    with anyio.move_on_after(timeout_s):
-        try:
-            await channel.send(message)
-        except ChannelError as exc:
-            return exc.kind
-        except Exception as exc:  # a channel that breaks its protocol: still an outcome
-            return type(exc).__name__
-        return None
-    return "timeout"
 
 
 def sent(stream: str, announcement_id: str, path: Path, future: Future[str | None]) -> NoticeSent:

@@ -44,7 +44,7 @@ import msgspec
 import pykka
 import structlog
 
-from stalwart.channels import Channel, OutboundMessage
+from stalwart.channels import Channel, OutboundMessage, send_within
 from stalwart.clock import Clock
 from stalwart.config import SubagentSettings, SupervisionSettings
 from stalwart.errors import ConcurrencyError
@@ -66,7 +66,7 @@ from ._portal import IoPortal
 from ._restarts import Crashed, RestartNoticeSent, Restarts, crashed
 from ._scheduler import Scheduler
 from ._subagent import RunEnded, Spawn
-from ._subagent_notice import NoticeSent, Path, failure_notice, send_once, sent
+from ._subagent_notice import NoticeSent, Path, failure_notice, sent
 from ._supervisor_fold import (
     RUN_WATCH,
     UNSUCCESSFUL,
@@ -443,7 +443,7 @@ class SupervisorActor(pykka.ThreadingActor):
         channel = self._channels.get(watch.channel or self._default_channel)
         if path == "announce" and self._announcer is not None:
             channel = self._announcer
-        future = self._portal.submit(send_once, channel, message, self._announce_s)
+        future = self._portal.submit(send_within, channel, message, self._announce_s)
         self._sending.add(watch.notice_id)
         done = partial(sent, stream, watch.notice_id, path)
         future.add_done_callback(lambda f: self._tell(done(f)))

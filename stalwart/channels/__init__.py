@@ -9,6 +9,7 @@ Built-ins: :class:`ConsoleChannel`, :class:`WebhookChannel` and, for tests,
 from ._console import ConsoleChannel
 from ._factory import channel_from_settings
 from ._memory import MemoryChannel
+from ._send import send_within
 from ._types import Channel, Delivery, MessageKind, OutboundMessage
 from ._webhook import WebhookChannel
 
@@ -21,4 +22,5 @@ __all__ = [
     "OutboundMessage",
     "WebhookChannel",
     "channel_from_settings",
+    "send_within",
 ]

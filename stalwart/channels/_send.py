@@ -1,0 +1,31 @@
+"""One send with a deadline, whose outcome is a content-free word, never an exception."""
+
+from __future__ import annotations
+
+import anyio
+
+from stalwart.errors import ChannelError
+
+from ._types import Channel, OutboundMessage
+
+__all__ = ["send_within"]
+
+
+async def send_within(
+    channel: Channel | None, message: OutboundMessage, timeout_s: float
+) -> str | None:
+    """Send ``message`` within ``timeout_s``: None when delivered, else the failure's class
+    (the ChannelError's ``kind``, ``timeout``, ``unknown_channel``, or the type name of an
+    exception a channel raised against its protocol). Actors record the outcome as an
+    event; the text of an error never reaches it."""
+    if channel is None:
+        return "unknown_channel"
+    with anyio.move_on_after(timeout_s):
+        try:
+            await channel.send(message)
+        except ChannelError as exc:
+            return exc.kind
+        except Exception as exc:  # a channel that breaks its protocol: still an outcome
+            return type(exc).__name__
+        return None
+    return "timeout"
