@@ -6,6 +6,7 @@ the key, the value found and what is allowed.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tomllib
@@ -31,6 +32,7 @@ __all__ = [
     "SupervisionSettings",
     "load_config",
     "parse_config",
+    "read_document",
 ]
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -377,20 +379,26 @@ def _lookup(data: Any, key: str) -> Any:
     return data
 
 
-def load_config(path: str | os.PathLike[str]) -> Config:
-    """Read a TOML (``.toml``) or YAML (``.yaml``/``.yml``) config file."""
-    text_path = os.fspath(path)
+def read_document(path: str | os.PathLike[str], what: str = "config") -> Any:
+    """The parsed data of a TOML, YAML (``.yaml``/``.yml``) or JSON (``.json``) file;
+    ConfigError naming the file (and the first line of the parser's complaint) otherwise."""
+    name = os.fspath(path)
     try:
-        with open(text_path, "rb") as handle:
+        with open(name, "rb") as handle:
             raw = handle.read()
     except OSError as exc:
-        raise ConfigError(f"cannot read config {text_path}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read {what} {name}: {exc.strerror}") from None
     try:
-        if text_path.endswith((".yaml", ".yml")):
-            data = yaml.safe_load(raw)
-        else:
-            data = tomllib.loads(raw.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, yaml.YAMLError, UnicodeDecodeError) as exc:
+        if name.endswith((".yaml", ".yml")):
+            return yaml.safe_load(raw)
+        if name.endswith(".json"):
+            return json.loads(raw)
+        return tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, ValueError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"{text_path} is not valid TOML/YAML: {first}") from None
-    return parse_config(data, source=text_path)
+        raise ConfigError(f"{name} is not valid TOML/YAML/JSON: {first}") from None
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read a TOML (``.toml``), YAML (``.yaml``/``.yml``) or JSON config file."""
+    return parse_config(read_document(path), source=os.fspath(path))

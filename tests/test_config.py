@@ -66,3 +66,9 @@ def test_unparseable_file(tmp_path: Path) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "nope.toml")
+
+
+def test_a_json_config_loads_like_toml(tmp_path: Path) -> None:
+    path = tmp_path / "stalwart.json"
+    path.write_text('{"providers": {"p": {"kind": "openai", "base_url": "http://x/v1"}}}')
+    assert load_config(path).providers["p"].base_url == "http://x/v1"

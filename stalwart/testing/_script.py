@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import json
 import os
-import tomllib
 from typing import Annotated, Any, Literal
 
 import msgspec
-import yaml
 
+from stalwart.config import read_document
 from stalwart.errors import ConfigError
 
 __all__ = [
@@ -218,20 +217,4 @@ def parse_script(data: Any, *, source: str = "script") -> Script:
 
 def load_script(path: str | os.PathLike[str]) -> Script:
     """Read a script file: ``.toml``, ``.yaml``/``.yml`` or ``.json``."""
-    name = os.fspath(path)
-    try:
-        with open(name, "rb") as handle:
-            raw = handle.read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read script {name}: {exc.strerror}") from None
-    try:
-        if name.endswith((".yaml", ".yml")):
-            data = yaml.safe_load(raw)
-        elif name.endswith(".json"):
-            data = json.loads(raw)
-        else:
-            data = tomllib.loads(raw.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, yaml.YAMLError, ValueError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"{name} is not valid TOML/YAML/JSON: {first}") from None
-    return parse_script(data, source=name)
+    return parse_script(read_document(path, "script"), source=os.fspath(path))
