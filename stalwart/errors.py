@@ -21,6 +21,7 @@ expected, what was found and where; they never contain secrets or payload conten
     │   ├── StoreNotFoundError      no store at the location (and create=False)
     │   ├── StoreClosedError        the store was closed
     │   ├── ConcurrencyError        expected_version did not match the stream
+    │   ├── FencedError             the append's lease epoch is not the stream's (a lost lease)
     │   ├── InvalidStreamError      a stream id that cannot be stored
     │   └── CorruptRecordError      a stored record that cannot be decoded
     ├── ToolError                raised by a tool on purpose: a message meant for the model
@@ -171,6 +172,25 @@ class ConcurrencyError(StoreError):
         self.stream = stream
         self.expected = expected
         self.actual = actual
+
+
+class FencedError(StoreError):
+    """An append fenced by a lease epoch that is no longer the stream's.
+
+    ``held`` is the epoch the appender holds (or claims), ``current`` the stream's lease
+    epoch. The appender has lost its lease: it must stop writing and never ack its wake.
+    """
+
+    def __init__(self, stream: str, held: int, current: int, *, claim: bool = False) -> None:
+        what = "claim" if claim else "hold"
+        super().__init__(
+            f"stream {stream!r} is at lease epoch {current}, the append tried to {what} "
+            f"epoch {held}"
+        )
+        self.stream = stream
+        self.held = held
+        self.current = current
+        self.claim = claim
 
 
 class CorruptRecordError(StoreError):

@@ -15,6 +15,7 @@ import pytest
 from stalwart.errors import (
     ConcurrencyError,
     EventError,
+    FencedError,
     InvalidStreamError,
     StoreClosedError,
     UnknownEventTypeError,
@@ -26,7 +27,7 @@ from stalwart.events import (
     TurnStarted,
     UnknownEvent,
 )
-from stalwart.store import NO_STREAM, EventStore, NewEvent, Snapshot
+from stalwart.store import NO_STREAM, EventStore, Fence, NewEvent, Snapshot
 
 
 def msg(n: int | str, content: str = "x") -> MessageAppended:
@@ -164,6 +165,72 @@ class EventStoreContract:
         assert len(winners) == 1
         assert len(conflicts) == 7
         assert store.stream_version("session:race") == 1
+
+    # -- fencing ------------------------------------------------------------------------------
+
+    def test_a_claim_raises_the_lease_epoch(self, store: EventStore) -> None:
+        assert store.lease_epoch("session:f") == 0
+        store.append("session:f", [msg(1)], fence=Fence(1, claim=True))
+        assert store.lease_epoch("session:f") == 1
+        store.append("session:f", [msg(2)], fence=Fence(1))
+        store.append("session:f", [msg(3)])  # unfenced appends always go through
+        store.append("session:f", [msg(4)], fence=Fence(5, claim=True))  # epochs may skip
+        assert store.lease_epoch("session:f") == 5
+        info = {s.stream: s for s in store.streams()}["session:f"]
+        assert (info.version, info.lease_epoch) == (4, 5)
+
+    def test_a_stale_holder_is_fenced_and_writes_nothing(self, store: EventStore) -> None:
+        store.append("session:f", [msg(1)], fence=Fence(1, claim=True))
+        store.append("session:f", [msg(2)], fence=Fence(2, claim=True))  # the takeover
+        head = store.head()
+        with pytest.raises(FencedError) as caught:
+            store.append("session:f", [msg(3), msg(4)], fence=Fence(1))
+        assert (caught.value.stream, caught.value.held, caught.value.current) == (
+            "session:f",
+            1,
+            2,
+        )
+        assert "epoch 2" in str(caught.value)
+        with pytest.raises(FencedError):
+            store.append("session:f", [msg(3)], fence=Fence(3))  # holding an unclaimed epoch
+        assert store.head() == head
+        assert store.stream_version("session:f") == 2
+
+    def test_a_claim_must_be_higher(self, store: EventStore) -> None:
+        store.append("session:f", [msg(1)], fence=Fence(2, claim=True))
+        for epoch in (1, 2):
+            with pytest.raises(FencedError) as caught:
+                store.append("session:f", [msg(9)], fence=Fence(epoch, claim=True))
+            assert caught.value.claim
+        assert store.stream_version("session:f") == 1
+
+    def test_fence_and_expected_version_both_hold(self, store: EventStore) -> None:
+        store.append("session:f", [msg(1)], fence=Fence(1, claim=True))
+        with pytest.raises(ConcurrencyError):
+            store.append("session:f", [msg(2)], expected_version=0, fence=Fence(2, claim=True))
+        assert store.lease_epoch("session:f") == 1  # a refused append claims nothing
+
+    def test_concurrent_claims_have_one_winner(self, store: EventStore) -> None:
+        store.append("session:claim", [msg(0)])
+        winners: list[int] = []
+        fenced: list[int] = []
+        barrier = threading.Barrier(8)
+
+        def claim(n: int) -> None:
+            barrier.wait()
+            try:
+                store.append("session:claim", [msg(n)], fence=Fence(1, claim=True))
+                winners.append(n)
+            except FencedError:
+                fenced.append(n)
+
+        threads = [threading.Thread(target=claim, args=(n,)) for n in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert (len(winners), len(fenced)) == (1, 7)
+        assert store.stream_version("session:claim") == 2
 
     def test_concurrent_appends_are_gap_free(self, store: EventStore) -> None:
         def work(n: int) -> None:

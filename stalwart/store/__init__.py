@@ -3,13 +3,14 @@
 from ._lmdb import LmdbEventStore
 from ._open import open
 from ._projection import DEFAULT_SNAPSHOT_EVERY, load_state, snapshot_name
-from ._protocol import NO_STREAM, EventStore, NewEvent, Snapshot, StreamInfo
+from ._protocol import NO_STREAM, EventStore, Fence, NewEvent, Snapshot, StreamInfo
 from ._subscription import Subscription
 
 __all__ = [
     "DEFAULT_SNAPSHOT_EVERY",
     "NO_STREAM",
     "EventStore",
+    "Fence",
     "LmdbEventStore",
     "NewEvent",
     "Snapshot",

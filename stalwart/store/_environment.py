@@ -27,12 +27,13 @@ from stalwart.errors import (
     ConcurrencyError,
     CorruptRecordError,
     EventError,
+    FencedError,
     StoreClosedError,
     StoreError,
 )
 from stalwart.events import Codec, RecordedEvent
 
-from ._protocol import NewEvent
+from ._protocol import Fence, NewEvent
 from ._rwlock import SharedExclusiveLock
 
 log = structlog.get_logger(__name__)
@@ -74,16 +75,22 @@ class _Job(abc.ABC):
 
 
 class _Append(_Job):
-    __slots__ = ("events", "expected", "stream", "stream_key")
+    __slots__ = ("events", "expected", "fence", "stream", "stream_key")
 
     def __init__(
-        self, stream: str, stream_key: bytes, events: list[NewEvent], expected: int | None
+        self,
+        stream: str,
+        stream_key: bytes,
+        events: list[NewEvent],
+        expected: int | None,
+        fence: Fence | None = None,
     ) -> None:
         super().__init__()
         self.stream = stream
         self.stream_key = stream_key
         self.events = events
         self.expected = expected
+        self.fence = fence
 
     def run(self, env: _Environment, txn: Any, head: list[int]) -> None:
         env.append_in(txn, self, head)
@@ -303,10 +310,17 @@ class _Environment:
     def append_in(self, txn: Any, request: _Append, head: list[int]) -> None:
         """Write one append request inside the batch transaction."""
         raw = txn.get(request.stream_key, db=self.stream_db)
-        version = msgspec.msgpack.decode(raw)[0] if raw is not None else 0
+        version, epoch = stream_row(raw)
         if request.expected is not None and request.expected != version:
             request.error = ConcurrencyError(request.stream, request.expected, version)
             return
+        fence = request.fence
+        if fence is not None:
+            holds = fence.epoch > epoch if fence.claim else fence.epoch == epoch
+            if not holds:
+                request.error = FencedError(request.stream, fence.epoch, epoch, claim=fence.claim)
+                return
+            epoch = fence.epoch
         position = head[0]
         now = self.clock.now()
         records: list[RecordedEvent] = []
@@ -340,7 +354,7 @@ class _Environment:
             txn.put(prefix + _key(record.version), key, db=index_db)
         txn.put(
             request.stream_key,
-            msgspec.msgpack.encode((version, position, records[-1].ts)),
+            msgspec.msgpack.encode((version, position, records[-1].ts, epoch)),
             db=self.stream_db,
         )
         head[0] = position
@@ -356,6 +370,14 @@ class _Environment:
             self.env.close()
         with self.appended:
             self.appended.notify_all()
+
+
+def stream_row(raw: bytes | None) -> tuple[int, int]:
+    """A stream row's version and lease epoch (rows written before fencing have none)."""
+    if raw is None:
+        return 0, 0
+    row = msgspec.msgpack.decode(raw)
+    return int(row[0]), int(row[3]) if len(row) > 3 else 0
 
 
 _ENVS: dict[str, _Environment] = {}

@@ -48,8 +48,9 @@ from ._environment import (
     _Environment,
     _key,
     _PutSnapshot,
+    stream_row,
 )
-from ._protocol import NewEvent, Snapshot, StreamInfo, check_stream
+from ._protocol import Fence, NewEvent, Snapshot, StreamInfo, check_stream
 from ._subscription import Subscription
 
 log = structlog.get_logger(__name__)
@@ -175,6 +176,8 @@ class LmdbEventStore:
         stream: str,
         events: Sequence[Event | NewEvent],
         expected_version: int | None = None,
+        *,
+        fence: Fence | None = None,
     ) -> list[RecordedEvent]:
         env = self._live()
         stream_key = check_stream(stream)
@@ -187,12 +190,14 @@ class LmdbEventStore:
                     "not an event this version writes"
                 )
         if not news:
+            if fence is not None:
+                raise ValueError("a fenced append needs at least one event")
             version = self.stream_version(stream)
             if expected_version is not None and expected_version != version:
                 raise ConcurrencyError(stream, expected_version, version)
             return []
         recorded: list[RecordedEvent] = env.submit(
-            _Append(stream, stream_key, news, expected_version)
+            _Append(stream, stream_key, news, expected_version, fence)
         )
         return recorded
 
@@ -284,10 +289,14 @@ class LmdbEventStore:
         key = check_stream(stream)
 
         def get(txn: Any) -> int:
-            raw = txn.get(key, db=env.stream_db)
-            return int(msgspec.msgpack.decode(raw)[0]) if raw is not None else 0
+            return stream_row(txn.get(key, db=env.stream_db))[0]
 
         return env.read(get)
+
+    def lease_epoch(self, stream: str) -> int:
+        env = self._live()
+        key = check_stream(stream)
+        return env.read(lambda txn: stream_row(txn.get(key, db=env.stream_db))[1])
 
     def streams(self) -> list[StreamInfo]:
         env = self._live()
@@ -295,13 +304,14 @@ class LmdbEventStore:
         def scan(txn: Any) -> list[StreamInfo]:
             out = []
             for key, raw in txn.cursor(db=env.stream_db):
-                version, last_position, last_ts = msgspec.msgpack.decode(raw)
+                version, last_position, last_ts, *rest = msgspec.msgpack.decode(raw)
                 out.append(
                     StreamInfo(
                         stream=bytes(key).decode("utf-8"),
                         version=version,
                         last_position=last_position,
                         last_ts=last_ts,
+                        lease_epoch=rest[0] if rest else 0,
                     )
                 )
             return out

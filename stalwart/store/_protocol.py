@@ -33,6 +33,21 @@ class NewEvent(msgspec.Struct, frozen=True, kw_only=True):
     correlation_id: str | None = None
 
 
+class Fence(msgspec.Struct, frozen=True):
+    """A lease's fencing token for an append.
+
+    Every stream has a lease epoch (0 until first claimed). An append with
+    ``Fence(epoch, claim=True)`` goes through only when ``epoch`` is greater than the
+    stream's, and raises it to ``epoch`` in the same transaction; with ``claim=False`` it
+    goes through only while ``epoch`` is still the stream's. Otherwise the append writes
+    nothing and raises FencedError. The epoch is derived data: it equals the highest
+    epoch any fenced claim wrote, so it can be rebuilt from the log.
+    """
+
+    epoch: int
+    claim: bool = False
+
+
 class StreamInfo(msgspec.Struct, frozen=True, kw_only=True):
     """A stream's current version, and where and when its last event was appended."""
 
@@ -40,6 +55,7 @@ class StreamInfo(msgspec.Struct, frozen=True, kw_only=True):
     version: int
     last_position: int
     last_ts: float
+    lease_epoch: int = 0
 
 
 class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,11 +86,14 @@ class EventStore(Protocol):
         stream: str,
         events: Sequence[Event | NewEvent],
         expected_version: int | None = None,
+        *,
+        fence: Fence | None = None,
     ) -> list[RecordedEvent]:
         """Append atomically and durably; ``expected_version`` None means any version.
 
         Raises ConcurrencyError when ``expected_version`` is not the stream's version
-        (``NO_STREAM`` to require a new stream). Returns the recorded events.
+        (``NO_STREAM`` to require a new stream), FencedError when ``fence`` does not hold
+        (see :class:`Fence`). Returns the recorded events.
         """
         ...
 
@@ -108,6 +127,10 @@ class EventStore(Protocol):
 
     def stream_version(self, stream: str) -> int:
         """A stream's version (0 when it has no events)."""
+        ...
+
+    def lease_epoch(self, stream: str) -> int:
+        """A stream's lease epoch: the highest epoch a fenced claim wrote (0 if none)."""
         ...
 
     def streams(self) -> list[StreamInfo]:
