@@ -40,8 +40,11 @@ from ._codec import (
 )
 from ._context import (
     ContextAssembled,
+    ContextCompacted,
     ContextDagDegraded,
     ContextLayerDisabled,
+    ContextLayerEnabled,
+    ContextLayerHalfOpened,
     ContextSummaryCreated,
 )
 from ._prompt import (
@@ -116,8 +119,11 @@ __all__ = [
     "BreakerOpened",
     "Codec",
     "ContextAssembled",
+    "ContextCompacted",
     "ContextDagDegraded",
     "ContextLayerDisabled",
+    "ContextLayerEnabled",
+    "ContextLayerHalfOpened",
     "ContextSummaryCreated",
     "Event",
     "ExecutionAborted",
