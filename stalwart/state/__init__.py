@@ -13,6 +13,16 @@ from ._breaker import (
     decide_breaker,
 )
 from ._by_stream import aggregate_for
+from ._context_pipeline import (
+    CONTEXT_PIPELINE,
+    LayerBreaker,
+    LayerStatus,
+    PipelineAggregate,
+    PipelineState,
+    PipelineSummary,
+    apply_pipeline,
+    apply_pipeline_event,
+)
 from ._deadletter import (
     DEADLETTER,
     DeadLetterAggregate,
@@ -97,6 +107,7 @@ from ._supervision import decide_restart, restart_backoff_ms, restart_history
 
 __all__ = [
     "BREAKER",
+    "CONTEXT_PIPELINE",
     "DEADLETTER",
     "DEFAULT_HORIZON_MS",
     "DEFAULT_MAX_OPEN_CALLS",
@@ -123,10 +134,15 @@ __all__ = [
     "IncidentsFolder",
     "IncidentsState",
     "LastMessage",
+    "LayerBreaker",
+    "LayerStatus",
     "Mark",
     "ModelIncidents",
     "OpenCall",
     "PendingRequest",
+    "PipelineAggregate",
+    "PipelineState",
+    "PipelineSummary",
     "PromptWindow",
     "ProviderIncidents",
     "Recovery",
@@ -146,6 +162,8 @@ __all__ = [
     "apply_deadletter",
     "apply_health",
     "apply_incidents",
+    "apply_pipeline",
+    "apply_pipeline_event",
     "apply_run",
     "apply_session",
     "bucket_upper",

@@ -1,0 +1,155 @@
+"""The pipeline context engine's per-session state: a pure fold over its ``context:`` events.
+
+What survives a restart is exactly what the log says:
+
+- each layer's breaker (``closed`` -> ``open`` after consecutive failures -> ``half_open``
+  for one trial -> ``closed`` or ``open`` again), from ``context:layer_disabled``,
+  ``context:layer_half_opened``, ``context:layer_enabled`` and the ``layers_failed`` of
+  each ``context:assembled``;
+- the compaction in force (what it covers, its rendered body, the user turn it ran at),
+  from ``context:compacted``;
+- what the previous assembly was given (provider, count and digest of its message ids),
+  from ``context:assembled``, which the signature replay scrubber compares against.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from stalwart.events import (
+    ContextAssembled,
+    ContextCompacted,
+    ContextLayerDisabled,
+    ContextLayerEnabled,
+    ContextLayerHalfOpened,
+    Event,
+    RecordedEvent,
+)
+
+from ._aggregate import ApplyFolder
+
+LayerStatus = Literal["closed", "open", "half_open"]
+
+
+class LayerBreaker(msgspec.Struct, frozen=True, kw_only=True):
+    """One layer's breaker: consecutive failures, and when a disabled layer is retried."""
+
+    status: LayerStatus = "closed"
+    failures: int = 0
+    error: str = ""
+    retry_at: float | None = None
+
+
+class PipelineSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """The compaction in force: ``covers`` are replaced by one message with ``body``."""
+
+    summary_id: str
+    turn: int
+    covers: frozenset[str]
+    through_seq: int
+    body: str
+
+
+class PipelineState(msgspec.Struct, frozen=True, kw_only=True):
+    version: int = 0
+    assemblies: int = 0
+    breakers: dict[str, LayerBreaker] = msgspec.field(default_factory=dict)
+    summary: PipelineSummary | None = None
+    last_provider: str = ""
+    last_input_count: int = 0
+    last_input_digest: str = ""
+
+    def breaker(self, layer: str) -> LayerBreaker:
+        """The breaker of ``layer`` (closed with no failures if it never failed)."""
+        return self.breakers.get(layer, _CLOSED)
+
+
+_CLOSED = LayerBreaker()
+
+
+def _with_breaker(state: PipelineState, layer: str, breaker: LayerBreaker) -> PipelineState:
+    breakers = dict(state.breakers)
+    if breaker == _CLOSED:
+        breakers.pop(layer, None)
+    else:
+        breakers[layer] = breaker
+    return msgspec.structs.replace(state, breakers=breakers)
+
+
+def _assembled(state: PipelineState, event: ContextAssembled) -> PipelineState:
+    failed = set(event.layers_failed)
+    breakers: dict[str, LayerBreaker] = {}
+    for layer, breaker in state.breakers.items():
+        if breaker.status == "closed" and layer not in failed:
+            continue  # ran and succeeded: its count of consecutive failures is over
+        breakers[layer] = breaker
+    for layer in failed:
+        breaker = state.breakers.get(layer, _CLOSED)
+        if breaker.status == "closed":
+            breakers[layer] = msgspec.structs.replace(breaker, failures=breaker.failures + 1)
+    return msgspec.structs.replace(
+        state,
+        breakers=breakers,
+        assemblies=state.assemblies + 1,
+        last_provider=event.provider,
+        last_input_count=event.input_count,
+        last_input_digest=event.input_digest,
+    )
+
+
+def apply_pipeline_event(state: PipelineState, event: Event) -> PipelineState:
+    """The state after one more event (events of other kinds change nothing)."""
+    match event:
+        case ContextLayerDisabled():
+            breaker = LayerBreaker(
+                status="open", failures=event.failures, error=event.error, retry_at=event.retry_at
+            )
+            return _with_breaker(state, event.layer, breaker)
+        case ContextLayerHalfOpened():
+            current = state.breaker(event.layer)
+            return _with_breaker(
+                state, event.layer, msgspec.structs.replace(current, status="half_open")
+            )
+        case ContextLayerEnabled():
+            return _with_breaker(state, event.layer, _CLOSED)
+        case ContextCompacted():
+            summary = PipelineSummary(
+                summary_id=event.summary_id,
+                turn=event.turn,
+                covers=frozenset(event.covers),
+                through_seq=event.through_seq,
+                body=event.body,
+            )
+            return msgspec.structs.replace(state, summary=summary)
+        case ContextAssembled() if event.engine == "pipeline":
+            return _assembled(state, event)
+        case _:
+            return state
+
+
+def apply_pipeline(state: PipelineState, record: RecordedEvent) -> PipelineState:
+    """The state after one more recorded event of the session's ``context:`` stream."""
+    state = apply_pipeline_event(state, record.event)
+    return msgspec.structs.replace(state, version=record.version)
+
+
+class PipelineAggregate:
+    """The pipeline engine's fold for ``context:<session id>`` streams."""
+
+    name = "context_pipeline"
+    version = 1
+    state_type = PipelineState
+
+    def initial(self, stream: str) -> PipelineState:
+        return PipelineState()
+
+    def apply(self, state: PipelineState, record: RecordedEvent) -> PipelineState:
+        return apply_pipeline(state, record)
+
+    def folder(self, state: PipelineState) -> ApplyFolder[PipelineState]:
+        return ApplyFolder(apply_pipeline, state)
+
+
+CONTEXT_PIPELINE = PipelineAggregate()
