@@ -8,6 +8,13 @@ from ._base import Event, Severity
 
 
 class ContextSummaryCreated(Event, frozen=True, tag="context:summary_created"):
+    """A summary of the DAG engine: ``covers`` are the ids it replaces in order (message
+    ids for a leaf at depth 0, summary ids for a condensed one), ``descendant_count`` the
+    stored messages under it. ``first_seq``..``last_seq`` and ``earliest``..``latest``
+    are the message range and time range it covers; ``input_tokens`` / ``output_tokens``
+    what the summarizer spent (0 for an emergency truncation, made without one) and
+    ``tenant`` whom it is charged to."""
+
     summary_id: str
     depth: int
     covers: tuple[str, ...]
@@ -15,6 +22,14 @@ class ContextSummaryCreated(Event, frozen=True, tag="context:summary_created"):
     tokens: int = 0
     fallback: Literal["emergency-truncation"] | None = None
     body: str = ""
+    first_seq: int = 0
+    last_seq: int = 0
+    earliest: float = 0.0
+    latest: float = 0.0
+    topics: tuple[str, ...] = ()
+    input_tokens: int = 0
+    output_tokens: int = 0
+    tenant: str | None = None
 
 
 class ContextAssembled(Event, frozen=True, tag="context:assembled"):
@@ -36,14 +51,50 @@ class ContextAssembled(Event, frozen=True, tag="context:assembled"):
     layers_failed: tuple[str, ...] = ()
     input_count: int = 0
     input_digest: str = ""
+    summaries_made: int = 0
+    fence: int = 0
+    evicted: int = 0
+    repairs: int = 0
     severity: ClassVar[Severity] = "debug"
 
 
 class ContextDagDegraded(Event, frozen=True, tag="context:dag_degraded"):
+    """The DAG engine degraded by a rule; ids, numbers and the knob, never content.
+
+    ``knob`` names the config key that bound it, ``used`` / ``limit`` the numbers it
+    compared (tokens spent and the cap, the tail's tokens and the budget, consecutive
+    failures and the threshold), ``until`` when the window or breaker lets the
+    summarizer run again (None when unknown), ``summary_id`` the emergency truncation
+    made instead."""
+
     reason: Literal["spend_cap", "breaker_open", "fail_closed_rollover", "tail_over_budget"]
     tenant: str | None = None
     duration_ms: int = 0
+    session: str | None = None
+    knob: str | None = None
+    used: int = 0
+    limit: int = 0
+    until: float | None = None
+    summary_id: str | None = None
     severity: ClassVar[Severity] = "warning"
+
+
+class ContextSummarizerFailed(Event, frozen=True, tag="context:summarizer_failed"):
+    """A summarizer call raised or overran its trial window; counted by the breaker.
+    ``error_class`` is the exception's class name, never its message."""
+
+    tenant: str | None = None
+    error_class: str = "exception"
+    duration_ms: int = 0
+    severity: ClassVar[Severity] = "warning"
+
+
+class ContextBound(Event, frozen=True, tag="context:bound"):
+    """The first event of ``context:<session>``: the session and tenant it belongs to.
+    A later write naming another tenant is refused (fail-closed rollover)."""
+
+    session: str
+    tenant: str | None = None
 
 
 class ContextLayerDisabled(Event, frozen=True, tag="context:layer_disabled"):
