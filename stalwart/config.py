@@ -24,12 +24,14 @@ __all__ = [
     "ChannelSettings",
     "ClassTimeouts",
     "Config",
+    "ContextEngineSettings",
     "DeadLetterSettings",
     "HealthSettings",
     "ProviderSettings",
     "StoreSettings",
     "SubagentSettings",
     "SupervisionSettings",
+    "apply_agent_patch",
     "load_config",
     "parse_config",
     "read_document",
@@ -245,6 +247,59 @@ def _check_channel(where: str, channel: ChannelSettings) -> None:
     _ordered(where, "retry_base_ms", channel.retry_base_ms, "retry_cap_ms", channel.retry_cap_ms)
 
 
+class SummarizerSpendSettings(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
+):
+    """Seed 000's rolling per-tenant caps on summarizer input+output tokens (0 disables)."""
+
+    max_tokens_per_tenant_per_hour: NonNegative = 500_000
+    max_tokens_per_tenant_per_day: NonNegative = 5_000_000
+
+
+class SummarizerBreakerSettings(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
+):
+    """The summarizer breaker: open after ``failure_threshold`` consecutive failures for
+    ``reset_timeout_ms``, then one trial that must answer within ``half_open_timeout_ms``."""
+
+    failure_threshold: Positive = 5
+    reset_timeout_ms: Positive = 60_000
+    half_open_timeout_ms: Positive = 30_000
+
+
+class RelevanceSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Relevance-first assembly: None follows the model's capability (small models on a
+    non-caching provider); True or False forces it. Never on a caching profile.
+    ``recent_user_turns`` user messages make the query the middle band is ranked by."""
+
+    first_by_default: bool | None = None
+    recent_user_turns: Annotated[int, msgspec.Meta(ge=1, le=50)] = 3
+
+
+class ContextEngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Seed 001's context engine. ``version`` is operator-only: an agent's config patch
+    that touches it is refused (:func:`apply_agent_patch`). The DAG engine keeps the last
+    ``fresh_tail_turns`` user turns verbatim, summarizes the oldest chunk (up to
+    ``leaf_chunk_tokens``) once the assembled context passes ``context_threshold`` x the
+    budget, folds ``condensed_min_fanout`` same-depth summaries into a deeper one, and
+    lets ``ctx_expand`` return at most ``expand_max_tokens`` per call."""
+
+    version: Literal["dag", "pipeline"] = "dag"
+    fresh_tail_turns: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 8
+    context_threshold: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.75
+    condensed_min_fanout: Annotated[int, msgspec.Meta(ge=2, le=64)] = 4
+    leaf_chunk_tokens: Positive = 20_000
+    summary_max_tokens: Positive = 1_200
+    expand_max_tokens: Positive = 8_000
+    relevance: RelevanceSettings = msgspec.field(default_factory=RelevanceSettings)
+    summarizer_spend: SummarizerSpendSettings = msgspec.field(
+        default_factory=SummarizerSpendSettings
+    )
+    summarizer_breaker: SummarizerBreakerSettings = msgspec.field(
+        default_factory=SummarizerBreakerSettings
+    )
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole runtime configuration; recorded in ``runtime:started``."""
 
@@ -256,6 +311,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     dead_letters: DeadLetterSettings = msgspec.field(default_factory=DeadLetterSettings)
     supervision: SupervisionSettings = msgspec.field(default_factory=SupervisionSettings)
     channels: dict[str, ChannelSettings] = msgspec.field(default_factory=dict)
+    context_engine: ContextEngineSettings = msgspec.field(default_factory=ContextEngineSettings)
 
     def __post_init__(self) -> None:
         for name, channel in self.channels.items():
@@ -308,6 +364,33 @@ def _without_secrets(url: str, *, keep_path: bool) -> str:
     if not keep_path:
         return f"{origin}/..." if parts.path.strip("/") else origin
     return origin + parts.path
+
+
+#: Config keys an agent's own patch may never touch (seed 001: the engine decides which
+#: recall tools the agent has, so switching it would change its own tool exposure).
+OPERATOR_ONLY_KEYS = ("context_engine.version",)
+
+
+def apply_agent_patch(config: Config, patch: dict[str, Any]) -> Config:
+    """``config`` with an agent's patch merged in (nested dicts merge, other values
+    replace), or ConfigError naming the key when the patch touches an operator-only key
+    (``context_engine.version``) or makes an invalid config. Pure: the caller logs."""
+    for key in OPERATOR_ONLY_KEYS:
+        section, _, leaf = key.partition(".")
+        value = patch.get(section)
+        if section in patch and (not isinstance(value, dict) or leaf in value):
+            raise ConfigError(f"key {key!r} is operator-only: an agent may not change it", key=key)
+    merged = _merge(config.to_record(), patch)
+    return parse_config(merged, source="agent config patch")
+
+
+def _merge(base: Any, patch: Any) -> Any:
+    if not isinstance(base, dict) or not isinstance(patch, dict):
+        return patch
+    out = dict(base)
+    for key, value in patch.items():
+        out[key] = _merge(base.get(key), value)
+    return out
 
 
 _PATH = re.compile(r"at `\$((?:\.[A-Za-z_][\w]*|\[\d+\])*)`")
