@@ -20,6 +20,7 @@ import yaml
 from .errors import ConfigError
 
 __all__ = [
+    "ActivationSettings",
     "AgentSettings",
     "ChannelSettings",
     "ClassTimeouts",
@@ -188,6 +189,38 @@ class SupervisionSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
         )  # fmt: skip
 
 
+class ActivationSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Seed 003's activations: a wake holds a lease of ``lease_ttl_ms``, renewed every
+    ``renew_every_ms``; a retryable failure requeues after ``min(backoff_cap_ms,
+    backoff_base_ms x 2**(n-1))`` (plus up to ``jitter_ms``, recorded) until
+    ``max_attempts`` failures abandon it; delayed wakes are capped at
+    ``max_pending_wakes`` per session and ``max_wake_horizon_ms`` ahead. An idle session's
+    Agent is stopped after ``passivate_after_ms`` and rebuilt on its next wake."""
+
+    lease_ttl_ms: Positive = 30_000
+    renew_every_ms: Positive = 10_000
+    backoff_base_ms: Positive = 2_000
+    backoff_cap_ms: Positive = 30_000
+    jitter_ms: NonNegative = 0
+    max_attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 5
+    max_pending_wakes: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 100
+    max_wake_horizon_ms: Positive = 30 * 24 * 3_600_000
+    poll_ms: Annotated[int, msgspec.Meta(ge=1, le=60_000)] = 1_000
+    passivate_after_ms: NonNegative = 300_000
+
+    def __post_init__(self) -> None:
+        _ordered(
+            "activations",
+            "backoff_base_ms",
+            self.backoff_base_ms,
+            "backoff_cap_ms",
+            self.backoff_cap_ms,
+        )
+        _ordered(
+            "activations", "renew_every_ms", self.renew_every_ms, "lease_ttl_ms", self.lease_ttl_ms
+        )
+
+
 class ChannelSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Where user-facing text goes: ``console``, ``webhook`` or ``memory`` (tests).
 
@@ -310,6 +343,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     health: HealthSettings = msgspec.field(default_factory=HealthSettings)
     dead_letters: DeadLetterSettings = msgspec.field(default_factory=DeadLetterSettings)
     supervision: SupervisionSettings = msgspec.field(default_factory=SupervisionSettings)
+    activations: ActivationSettings = msgspec.field(default_factory=ActivationSettings)
     channels: dict[str, ChannelSettings] = msgspec.field(default_factory=dict)
     context_engine: ContextEngineSettings = msgspec.field(default_factory=ContextEngineSettings)
 
