@@ -16,6 +16,7 @@ expected, what was found and where; they never contain secrets or payload conten
     │   ├── ContextOverflowError    the prompt does not fit the model's window
     │   ├── BreakerOpenError        the provider's circuit breaker refused the call
     │   └── PromptTimeoutError      a stall, makespan or retry deadline aborted the call
+    ├── SessionActionError       a confirmation, tool result, interrupt or wake refused
     ├── SpawnRefusedError        a sub-agent spawn with no valid timeout (class or custom)
     ├── StoreError               the durable log
     │   ├── StoreNotFoundError      no store at the location (and create=False)
@@ -131,6 +132,20 @@ class PromptTimeoutError(ProviderError):
             message, kind=f"timeout_{limit}", retryable=True, provider=provider, model=model
         )
         self.limit = limit
+
+
+class SessionActionError(StalwartError):
+    """An operator or host action on a session that cannot be taken; nothing was appended.
+
+    ``reason`` is stable: ``no_session``, ``not_pending`` (no such request is waiting:
+    a wrong id, a second answer, or one after an interrupt), ``wrong_kind`` (a tool result
+    for an approval or the reverse), ``wake_refused`` (a delayed wake over its caps).
+    """
+
+    def __init__(self, message: str, *, reason: str, session: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.session = session
 
 
 class SpawnRefusedError(StalwartError):

@@ -92,10 +92,17 @@ class ToolFailed(Event, frozen=True, tag="tool:failed"):
 
 
 class SessionRequiresAction(Event, frozen=True, tag="session:requires_action"):
+    """The session stops until a human answers: ``approval`` of a tool that needs
+    confirmation, or the output of a ``custom_tool`` the host implements. ``call_id`` is
+    the model's tool call the answer resolves; ``arguments`` its input, stored verbatim so
+    an allowed call runs with exactly this input."""
+
     request_id: str
     kind: Literal["approval", "custom_tool"]
     tool: str
     arguments: str = "{}"
+    call_id: str | None = None
+    turn_id: str | None = None
 
 
 class ToolBlocked(Event, frozen=True, tag="tool:blocked"):

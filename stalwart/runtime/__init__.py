@@ -31,6 +31,14 @@ second ``close()`` does nothing.
 ``stalwart run`` also uses on its own.
 """
 
+from ._control import (
+    confirm,
+    interrupt,
+    load_session,
+    schedule_wake,
+    send_message,
+    submit_tool_result,
+)
 from ._handles import RUNTIME_STREAM, STOP_TIMEOUT_S, RunHandle, SessionHandle
 from ._layer import ProviderLayer, StoreSink
 from ._runtime import Runtime
@@ -45,4 +53,10 @@ __all__ = [
     "Runtime",
     "SessionHandle",
     "StoreSink",
+    "confirm",
+    "interrupt",
+    "load_session",
+    "schedule_wake",
+    "send_message",
+    "submit_tool_result",
 ]

@@ -1,0 +1,247 @@
+"""Actions on a session from outside its wake: a user message, a confirmation, a custom
+tool's result, an interrupt, a delayed wake.
+
+Each one folds the session from the log, checks the action against that state, and
+appends with ``expected_version`` (trying again on a race), so it is decided on the state
+it is appended after. A refused action raises :class:`SessionActionError` and appends
+nothing. They work from any process on the store: the ``stalwart session`` commands call
+them too, and a running worker picks the resulting ``activation:ready`` up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from stalwart.errors import ConcurrencyError, FencedError, SessionActionError
+from stalwart.events import (
+    ActivationReady,
+    Event,
+    SessionCreated,
+    UserCustomToolResult,
+    UserInterrupt,
+    UserToolConfirmation,
+)
+from stalwart.ids import new_id
+from stalwart.state import (
+    ACTIVATIONS,
+    SESSION,
+    Activation,
+    ActivationPolicy,
+    ActivationsState,
+    SessionState,
+    WakeRefused,
+    decide_interrupt,
+    decide_wake,
+)
+from stalwart.store import NO_STREAM, EventStore, Fence, NewEvent
+
+__all__ = [
+    "confirm",
+    "interrupt",
+    "load_session",
+    "schedule_wake",
+    "send_message",
+    "submit_tool_result",
+]
+
+ATTEMPTS = 20
+
+#: (session, activations) -> the events to append and their fence, or SessionActionError
+Decision = Callable[[SessionState, ActivationsState], tuple[list[Event], Fence | None]]
+
+
+def load_session(store: EventStore, session_id: str) -> tuple[SessionState, ActivationsState]:
+    """The session and its activations as the log says now (one read of the stream)."""
+    stream = _stream(session_id)
+    session = SESSION.initial(stream)
+    activations = ACTIVATIONS.initial(stream)
+    folder = SESSION.folder(session)
+    for record in store.read_stream(stream):
+        folder.add(record)
+        activations = ACTIVATIONS.apply(activations, record)
+    return folder.state(), activations
+
+
+def _stream(session_id: str) -> str:
+    return session_id if session_id.startswith("session:") else f"session:{session_id}"
+
+
+def _act(store: EventStore, session_id: str, decide: Decision, ts: float | None) -> list[Event]:
+    """Decide on the current state and append, again on a race; the events appended."""
+    stream = _stream(session_id)
+    for _ in range(ATTEMPTS):
+        session, activations = load_session(store, session_id)
+        events, fence = decide(session, activations)
+        if not events:
+            return []
+        try:
+            store.append(
+                stream,
+                [NewEvent(event=e, ts=ts) for e in events],
+                expected_version=session.version,
+                fence=fence,
+            )
+        except (ConcurrencyError, FencedError):
+            continue
+        return events
+    raise SessionActionError(
+        f"session {stream!r} kept changing: the action was not taken after {ATTEMPTS} tries",
+        reason="contended",
+        session=stream,
+    )
+
+
+def _existing(session: SessionState) -> None:
+    if session.version == 0:
+        raise SessionActionError(
+            f"no session {session.stream!r} in the store",
+            reason="no_session",
+            session=session.stream,
+        )
+
+
+def send_message(
+    store: EventStore,
+    session_id: str,
+    text: str,
+    *,
+    message_id: str | None = None,
+    agent: str = "default",
+    channel: str = "console",
+    ts: float | None = None,
+) -> str:
+    """Record a user message as an ``activation:ready`` (durable when this returns);
+    creates the session when it has no events. Returns the activation id."""
+    activation_id = new_id()
+    ready = ActivationReady(
+        activation_id=activation_id,
+        kind="message",
+        message_id=message_id or new_id(),
+        text=text,
+    )
+    stream = _stream(session_id)
+    if store.stream_version(stream) == 0:
+        try:
+            created = SessionCreated(agent=agent, channel=channel)
+            store.append(
+                stream,
+                [NewEvent(event=created, ts=ts), NewEvent(event=ready, ts=ts)],
+                expected_version=NO_STREAM,
+            )
+            return activation_id
+        except ConcurrencyError:
+            pass  # created meanwhile: append as to any session
+    store.append(stream, [NewEvent(event=ready, ts=ts)])
+    return activation_id
+
+
+def _answer(
+    store: EventStore,
+    session_id: str,
+    request_id: str,
+    kind: str,
+    answer: Event,
+    ts: float | None,
+) -> str:
+    activation_id = new_id()
+
+    def decide(
+        session: SessionState, activations: ActivationsState
+    ) -> tuple[list[Event], Fence | None]:
+        _existing(session)
+        pending = session.pending
+        if pending is None or pending.request_id != request_id:
+            waiting = f"it waits for {pending.request_id!r}" if pending else "nothing is pending"
+            raise SessionActionError(
+                f"session {session.stream!r} has no pending request {request_id!r} "
+                f"({waiting}): a wrong id, an answered request, or one an interrupt cleared",
+                reason="not_pending",
+                session=session.stream,
+            )
+        if pending.kind != kind:
+            raise SessionActionError(
+                f"request {request_id!r} of session {session.stream!r} is a {pending.kind} "
+                f"request, not a {kind} one",
+                reason="wrong_kind",
+                session=session.stream,
+            )
+        return [answer, ActivationReady(activation_id=activation_id, kind="resume")], None
+
+    _act(store, session_id, decide, ts)
+    return activation_id
+
+
+def confirm(
+    store: EventStore, session_id: str, request_id: str, *, allow: bool, ts: float | None = None
+) -> str:
+    """Answer the pending approval: allowed runs the tool once with its stored input,
+    denied records the refusal; the session resumes. Returns the resume activation id."""
+    answer = UserToolConfirmation(request_id=request_id, allow=allow)
+    return _answer(store, session_id, request_id, "approval", answer, ts)
+
+
+def submit_tool_result(
+    store: EventStore, session_id: str, request_id: str, output: str, *, ts: float | None = None
+) -> str:
+    """Give the pending custom tool call its output; the session resumes with it."""
+    answer = UserCustomToolResult(request_id=request_id, output=output)
+    return _answer(store, session_id, request_id, "custom_tool", answer, ts)
+
+
+def interrupt(
+    store: EventStore, session_id: str, reason: str = "", *, ts: float | None = None
+) -> list[str]:
+    """Clear the pending request and cancel every unsettled activation; a wake still
+    running is fenced out (the interrupt claims the next lease epoch). Returns the
+    cancelled activation ids."""
+
+    def decide(
+        session: SessionState, activations: ActivationsState
+    ) -> tuple[list[Event], Fence | None]:
+        _existing(session)
+        events = decide_interrupt(activations, reason)
+        first = events[0]
+        assert isinstance(first, UserInterrupt)
+        return events, Fence(first.epoch, claim=True)
+
+    events = _act(store, session_id, decide, ts)
+    return [e.activation_id for e in events if hasattr(e, "activation_id")]
+
+
+def schedule_wake(
+    store: EventStore,
+    session_id: str,
+    wake_at: float,
+    *,
+    now: float,
+    policy: ActivationPolicy,
+    text: str = "",
+    dedupe_key: str | None = None,
+) -> str:
+    """Schedule work for ``wake_at`` (a dedupe key returns the pending wake's id instead
+    of adding one); SessionActionError ``wake_refused`` over the caps."""
+    activation_id = new_id()
+    chosen: list[str] = []
+
+    def decide(
+        session: SessionState, activations: ActivationsState
+    ) -> tuple[list[Event], Fence | None]:
+        _existing(session)
+        decision = decide_wake(activations, activation_id, wake_at, dedupe_key, text, now, policy)
+        chosen.clear()
+        if isinstance(decision, WakeRefused):
+            limit = "pending wakes" if decision.reason == "too_many" else "ms ahead"
+            raise SessionActionError(
+                f"wake refused for {session.stream!r}: {decision.reason} "
+                f"(the limit is {decision.limit} {limit})",
+                reason="wake_refused",
+                session=session.stream,
+            )
+        if isinstance(decision, Activation):
+            chosen.append(decision.activation_id)
+            return [], None
+        chosen.append(decision.activation_id)
+        return [decision], None
+
+    _act(store, session_id, decide, now)
+    return chosen[0]
