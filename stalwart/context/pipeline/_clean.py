@@ -1,0 +1,128 @@
+"""Layers 1-4: what is cleaned inside messages (thinking, signatures, surrogates, tags)."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from stalwart.context._types import ContextMessage, ThinkingBlock
+
+from ._run import Outcome, Run
+from ._transcript import latest_turn, remove
+
+__all__ = [
+    "clean_thinking",
+    "guard_surrogates",
+    "scrub_signatures",
+    "scrub_surrogates",
+    "strip_reasoning_tags",
+]
+
+_replace = msgspec.structs.replace
+
+
+def clean_thinking(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
+    """Layer 1: thinking blocks stay on the newest ``thinking_keep_turns`` user turns
+    (turn > newest - keep) and are dropped from every older message."""
+    cutoff = latest_turn(messages) - run.config.thinking_keep_turns
+    return Outcome(
+        tuple(
+            _replace(message, thinking=())
+            if message.thinking and message.turn <= cutoff
+            else message
+            for message in messages
+        )
+    )
+
+
+def scrub_signatures(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
+    """Layer 2: during a cache-break replay (``run.replay``), every thinking block loses
+    its signature and redacted blocks (opaque, only valid where they were signed) go."""
+    if not run.replay:
+        return Outcome(messages)
+    out: list[ContextMessage] = []
+    for message in messages:
+        blocks = tuple(
+            _replace(block, signature=None) if block.signature is not None else block
+            for block in message.thinking
+            if not block.redacted
+        )
+        out.append(message if blocks == message.thinking else _replace(message, thinking=blocks))
+    return Outcome(tuple(out))
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def scrub_surrogates(text: str) -> str:
+    """``text`` with each high+low surrogate pair joined into its character and each lone
+    half replaced by U+FFFD (what a UTF-16 decoder does), so it encodes as UTF-8."""
+    if _SURROGATE.search(text) is None:
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
+def _guard_block(block: ThinkingBlock) -> ThinkingBlock:
+    text = scrub_surrogates(block.text)
+    if text == block.text:
+        return block
+    return _replace(block, text=text, signature=None)  # the signature no longer matches
+
+
+def _guard(message: ContextMessage) -> ContextMessage:
+    content = scrub_surrogates(message.content)
+    thinking = tuple(_guard_block(block) for block in message.thinking)
+    calls = tuple(
+        _replace(call, arguments=scrub_surrogates(call.arguments))
+        if _SURROGATE.search(call.arguments)
+        else call
+        for call in message.tool_calls
+    )
+    if content == message.content and thinking == message.thinking and calls == message.tool_calls:
+        return message
+    return _replace(message, content=content, thinking=thinking, tool_calls=calls)
+
+
+def guard_surrogates(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
+    """Layer 3: no lone UTF-16 surrogate half survives in text, tool-call arguments or
+    thinking blocks (a thinking block whose text changed loses its signature)."""
+    return Outcome(tuple(_guard(message) for message in messages))
+
+
+_NAMES = r"think|thinking|reasoning|thought"
+_PAIR = re.compile(rf"<({_NAMES})\b[^>]*>.*?</\1\s*>", re.IGNORECASE | re.DOTALL)
+_LEADING_CLOSE = re.compile(rf"\A.*?</(?:{_NAMES})\s*>", re.IGNORECASE | re.DOTALL)
+_UNCLOSED = re.compile(rf"<(?:{_NAMES})\b[^>]*>.*\Z", re.IGNORECASE | re.DOTALL)
+
+
+def strip_tags(text: str) -> str:
+    """Visible text without inline reasoning: ``<think>...</think>`` pairs (also
+    ``thinking``, ``reasoning``, ``thought``; any case), a close tag with no opening
+    (everything before it was reasoning), and an opening tag never closed (everything
+    after it is)."""
+    if "<" not in text:
+        return text
+    stripped = _PAIR.sub("", text)
+    stripped = _LEADING_CLOSE.sub("", stripped)
+    stripped = _UNCLOSED.sub("", stripped)
+    return text if stripped == text else stripped.strip()
+
+
+def strip_reasoning_tags(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
+    """Layer 4: on providers other than Anthropic, inline reasoning tags are cut out of
+    assistant text; an assistant message left with nothing goes (with no tool calls it
+    has no pair to break)."""
+    if run.provider.lower().startswith("anthropic"):
+        return Outcome(messages)
+    out: list[ContextMessage] = []
+    emptied: list[str] = []
+    for message in messages:
+        text = strip_tags(message.content) if message.role == "assistant" else message.content
+        if text == message.content:
+            out.append(message)
+            continue
+        out.append(_replace(message, content=text))
+        if not (text or message.tool_calls or message.images):
+            emptied.append(message.message_id)
+    return Outcome(remove(out, message_ids=emptied) if emptied else tuple(out))

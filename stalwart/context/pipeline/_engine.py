@@ -1,0 +1,329 @@
+"""The pipeline engine: the ten layers in order, each behind its own breaker."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+import msgspec
+import structlog
+
+from stalwart.clock import Clock
+from stalwart.context._tokens import TokenEstimator
+from stalwart.context._types import ContextMessage, Summarizer
+from stalwart.events import (
+    ContextAssembled,
+    ContextCompacted,
+    ContextLayerDisabled,
+    ContextLayerEnabled,
+    ContextLayerHalfOpened,
+    Event,
+    RecordedEvent,
+)
+from stalwart.state import PipelineState, apply_pipeline_event
+
+from ._clean import clean_thinking, guard_surrogates, scrub_signatures, strip_reasoning_tags
+from ._compaction import compact
+from ._config import LAYERS, PipelineConfig
+from ._reinject import rehydrate, reinforce_objective
+from ._run import FileReader, Outcome, Run
+from ._shape import evict_dead_content, mask_observations, window_history
+from ._transcript import chars, digest, latest_turn, repair, to_provider
+
+__all__ = ["PipelineEngine", "PipelineResult", "is_replay"]
+
+T = TypeVar("T")
+Layer = Callable[[tuple[ContextMessage, ...], Run], Outcome]
+
+_LAYERS: tuple[tuple[str, Layer], ...] = tuple(
+    zip(
+        LAYERS,
+        (
+            clean_thinking,
+            scrub_signatures,
+            guard_surrogates,
+            strip_reasoning_tags,
+            window_history,
+            evict_dead_content,
+            mask_observations,
+            compact,
+            rehydrate,
+            reinforce_objective,
+        ),
+        strict=True,
+    )
+)
+
+log = structlog.get_logger("stalwart.context.pipeline")
+
+
+class PipelineResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One assembly. ``messages`` are provider-valid, in order, with their ids and
+    thinking blocks (``provider_messages(Message)`` gives the provider shape);
+    ``events`` are to be appended to ``context:<session id>``, in order."""
+
+    messages: tuple[ContextMessage, ...]
+    events: tuple[Event, ...]
+    layers_fired: tuple[str, ...]
+    layers_failed: tuple[str, ...]
+    messages_in: int
+    messages_out: int
+    chars_in: int
+    chars_out: int
+    tokens_in: int
+    tokens_out: int
+    budget: int
+    repairs: int = 0
+
+    def provider_messages(self, factory: Callable[..., T]) -> tuple[T, ...]:
+        """The messages as ``factory(role=, content=, tool_calls=, tool_call_id=,
+        images=)`` builds them, e.g. ``result.provider_messages(stalwart.providers.Message)``."""
+        return to_provider(self.messages, factory)
+
+    @property
+    def compacted(self) -> bool:
+        return any(isinstance(event, ContextCompacted) for event in self.events)
+
+
+def is_replay(state: PipelineState, provider: str, ids: Sequence[str]) -> bool:
+    """Whether this run is a cache-break replay (the signature scrubber acts): there was
+    a previous assembly, and either the provider changed or this input does not extend
+    the previous one (its first ``last_input_count`` ids hash differently, or it is
+    shorter): history was rewritten, so the provider re-reads it uncached."""
+    if state.assemblies == 0:
+        return False
+    if provider != state.last_provider or len(ids) < state.last_input_count:
+        return True
+    return digest(ids[: state.last_input_count]) != state.last_input_digest
+
+
+class PipelineEngine:
+    """The ten-layer context engine for one session (see the package docs).
+
+    ``assemble`` runs the layers over the whole stored transcript each time; what must
+    outlive a run (breakers, the compaction in force, the previous input) is in
+    ``state``, which is exactly the fold of the events ``assemble`` returns: append them
+    and :meth:`from_events` rebuilds the same engine after a restart.
+    """
+
+    def __init__(
+        self,
+        config: PipelineConfig | None = None,
+        *,
+        summarizer: Summarizer,
+        clock: Clock,
+        reader: FileReader | None = None,
+        estimator: TokenEstimator | None = None,
+        session: str = "",
+        state: PipelineState | None = None,
+    ) -> None:
+        self.config = config or PipelineConfig()
+        self._summarizer = summarizer
+        self._clock = clock
+        self._reader = reader
+        self._estimator = estimator
+        self._estimators: dict[str, TokenEstimator] = {}
+        self.session = session
+        self._state = state or PipelineState()
+
+    @classmethod
+    def from_events(
+        cls,
+        events: Iterable[RecordedEvent | Event],
+        config: PipelineConfig | None = None,
+        *,
+        summarizer: Summarizer,
+        clock: Clock,
+        reader: FileReader | None = None,
+        estimator: TokenEstimator | None = None,
+        session: str = "",
+    ) -> PipelineEngine:
+        """An engine whose state is the fold of a session's ``context:`` events."""
+        state = PipelineState()
+        for item in events:
+            state = apply_pipeline_event(
+                state, item.event if isinstance(item, RecordedEvent) else item
+            )
+        return cls(
+            config,
+            summarizer=summarizer,
+            clock=clock,
+            reader=reader,
+            estimator=estimator,
+            session=session,
+            state=state,
+        )
+
+    @property
+    def state(self) -> PipelineState:
+        return self._state
+
+    def estimator(self, provider: str) -> TokenEstimator:
+        """The estimator used for ``provider`` (calibrate it with reported usage)."""
+        if self._estimator is not None:
+            return self._estimator
+        found = self._estimators.get(provider)
+        if found is None:
+            found = self._estimators[provider] = TokenEstimator(provider)
+        return found
+
+    def assemble(
+        self, messages: Sequence[ContextMessage], budget_tokens: int, *, provider: str
+    ) -> PipelineResult:
+        """The transcript to send ``provider`` for a window of ``budget_tokens``."""
+        original = tuple(messages)
+        ids = [message.message_id for message in original]
+        estimator = self.estimator(provider)
+        run = Run(
+            config=self.config,
+            original=original,
+            provider=provider,
+            budget=budget_tokens,
+            now=self._clock.now(),
+            turn=latest_turn(original),
+            replay=is_replay(self._state, provider, ids),
+            state=self._state,
+            estimator=estimator,
+            summarizer=self._summarizer,
+            reader=self._reader,
+        )
+        current, events, fired, failed = self._layers(original, run)
+        current, repairs = repair(current)
+        chars_in, chars_out = chars(original), chars(current)
+        tokens_in, tokens_out = estimator.messages(original), estimator.messages(current)
+        events.append(
+            ContextAssembled(
+                tokens_in=tokens_in,
+                tokens_out=tokens_out,
+                budget=budget_tokens,
+                layers_fired=tuple(fired),
+                engine="pipeline",
+                provider=provider,
+                messages_in=len(original),
+                messages_out=len(current),
+                chars_in=chars_in,
+                chars_out=chars_out,
+                layers_failed=tuple(failed),
+                input_count=len(ids),
+                input_digest=digest(ids),
+                summaries_made=sum(isinstance(e, ContextCompacted) for e in events),
+                repairs=repairs,
+            )
+        )
+        for event in events:
+            self._state = apply_pipeline_event(self._state, event)
+        log.info(
+            "context pipeline complete",
+            session=self.session,
+            provider=provider,
+            messages_in=len(original),
+            messages_out=len(current),
+            chars_in=chars_in,
+            chars_out=chars_out,
+            tokens_in=tokens_in,
+            tokens_out=tokens_out,
+            budget=budget_tokens,
+            layers_fired=fired,
+            layers_failed=failed,
+            repairs=repairs,
+        )
+        return PipelineResult(
+            messages=current,
+            events=tuple(events),
+            layers_fired=tuple(fired),
+            layers_failed=tuple(failed),
+            messages_in=len(original),
+            messages_out=len(current),
+            chars_in=chars_in,
+            chars_out=chars_out,
+            tokens_in=tokens_in,
+            tokens_out=tokens_out,
+            budget=budget_tokens,
+            repairs=repairs,
+        )
+
+    def _layers(
+        self, current: tuple[ContextMessage, ...], run: Run
+    ) -> tuple[tuple[ContextMessage, ...], list[Event], list[str], list[str]]:
+        events: list[Event] = []
+        fired: list[str] = []
+        failed: list[str] = []
+        for name, layer in _LAYERS:
+            breaker = self._state.breaker(name)
+            trial = breaker.status != "closed"
+            if trial:
+                if breaker.retry_at is None or run.now < breaker.retry_at:
+                    continue
+                events.append(ContextLayerHalfOpened(layer=name))
+                log.info("context layer half-open", session=self.session, layer=name)
+            try:
+                outcome = layer(current, run)
+            except Exception as exc:  # any layer bug must not fail the turn
+                failed.append(name)
+                events.extend(self._failure(name, breaker.failures + 1, exc, run.now, trial))
+                continue
+            if trial:
+                events.append(ContextLayerEnabled(layer=name))
+                log.info("context layer re-enabled", session=self.session, layer=name)
+            if outcome.messages != current:
+                fired.append(name)
+                log.debug(
+                    "context layer fired",
+                    session=self.session,
+                    layer=name,
+                    messages_before=len(current),
+                    messages_after=len(outcome.messages),
+                    chars_before=chars(current),
+                    chars_after=chars(outcome.messages),
+                )
+            for event in outcome.events:
+                if isinstance(event, ContextCompacted):
+                    log.info(
+                        "LLM compaction triggered",
+                        session=self.session,
+                        summary_id=event.summary_id,
+                        turn=event.turn,
+                        pruned_messages=len(event.covers),
+                        tokens=event.tokens,
+                        budget=event.budget,
+                        threshold=event.threshold,
+                    )
+            current = outcome.messages
+            events.extend(outcome.events)
+        return current, events, fired, failed
+
+    def _failure(
+        self, name: str, failures: int, exc: Exception, now: float, trial: bool
+    ) -> list[Event]:
+        error = type(exc).__name__
+        log.warning(
+            "context layer failed",
+            session=self.session,
+            layer=name,
+            error=error,
+            failures=failures,
+            half_open_trial=trial,
+        )
+        if not trial and failures < self.config.layer_failure_limit:
+            return []
+        cooldown = self.config.layer_retry_after_s
+        log.warning(
+            "Context layer disabled by circuit breaker",
+            session=self.session,
+            layer=name,
+            failures=failures,
+            error=error,
+            errorKind="internal",
+            retry_at=now + cooldown,
+            hint=f"the {name} layer raised {failures} times in a row; it is skipped until "
+            "its half-open retry, the other layers keep running",
+        )
+        return [
+            ContextLayerDisabled(
+                layer=name,
+                failures=failures,
+                error=error,
+                cooldown_s=cooldown,
+                retry_at=now + cooldown,
+            )
+        ]
