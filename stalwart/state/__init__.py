@@ -56,6 +56,7 @@ from ._deadletter import (
     next_retry_at,
     retry_at,
 )
+from ._execution import decide_execution_timeout, execution_deadline
 from ._health import (
     DEFAULT_HORIZON_MS,
     HEALTH,
@@ -124,21 +125,30 @@ from ._subagent import (
 )
 from ._summary import SUMMARY, StreamSummary, StreamSummaryAggregate, SummaryFolder
 from ._supervision import decide_restart, restart_backoff_ms, restart_history
+from ._verify import DEFAULT_GRACE_MS, Finding, Verification, VerifyReport, verify
+from ._verify_folds import CALLS, RESTARTS, CallsState, RestartsState
+from ._verify_registry import Deadline, Knobs, Registry, Verifier
+from ._verify_rules import DECISIONS, VERIFIERS
 
 __all__ = [
     "ACTIVATIONS",
     "BREAKER",
+    "CALLS",
     "CONTEXT_PIPELINE",
     "DEADLETTER",
+    "DECISIONS",
+    "DEFAULT_GRACE_MS",
     "DEFAULT_HORIZON_MS",
     "DEFAULT_MAX_OPEN_CALLS",
     "HEALTH",
     "KNOBS",
     "PROBE_AGENT",
+    "RESTARTS",
     "RUN",
     "SESSION",
     "STEP_KNOB",
     "SUMMARY",
+    "VERIFIERS",
     "Activation",
     "ActivationOutcome",
     "ActivationPolicy",
@@ -150,16 +160,20 @@ __all__ = [
     "BreakerAggregate",
     "BreakerState",
     "BreakerStatus",
+    "CallsState",
     "Claim",
     "DeadLetterAggregate",
     "DeadLetterEntry",
     "DeadLetterState",
+    "Deadline",
+    "Finding",
     "Folder",
     "HealthAggregate",
     "HealthState",
     "HealthStatus",
     "IncidentsFolder",
     "IncidentsState",
+    "Knobs",
     "LastMessage",
     "LayerBreaker",
     "LayerStatus",
@@ -175,6 +189,8 @@ __all__ = [
     "ProviderIncidents",
     "Recovery",
     "RecoveryAction",
+    "Registry",
+    "RestartsState",
     "RunAggregate",
     "RunState",
     "RunStatus",
@@ -185,6 +201,9 @@ __all__ = [
     "StreamSummary",
     "StreamSummaryAggregate",
     "SummaryFolder",
+    "Verification",
+    "Verifier",
+    "VerifyReport",
     "WakeRefused",
     "WakeResult",
     "activation_backoff_ms",
@@ -201,6 +220,7 @@ __all__ = [
     "bucket_upper",
     "continuation_context",
     "decide_breaker",
+    "decide_execution_timeout",
     "decide_expiry",
     "decide_ghost",
     "decide_health",
@@ -215,6 +235,7 @@ __all__ = [
     "decide_watchdog",
     "drain",
     "due_retries",
+    "execution_deadline",
     "expected_ms",
     "expiry_at",
     "fold",
@@ -234,6 +255,7 @@ __all__ = [
     "spawn_timeout",
     "split_model",
     "suspicious_at",
+    "verify",
     "watchdog_deadline",
     "watchdog_limit",
     "window_started",

@@ -1,0 +1,390 @@
+"""Replay verification: every decision in the log re-derived from the state just before it.
+
+:class:`Verification` walks recorded events in log order (one stream's, or every stream's
+for ``replay --all``), folds them as it goes and reports three kinds of :class:`Finding`:
+
+* ``mismatch``: a decision event that does not follow from the state. Its verifier re-runs
+  the pure ``decide`` on the fold of the decision's stream just before it, at the event's
+  own ``ts``, with the config in force (the latest ``runtime:started`` before it, over
+  the caller's defaults), and the recorded event must be one of the events it gives,
+  compared field by field (fields a verifier names in ``ignore`` are left out).
+* ``missed``: a deadline that passed with no decision. After every event a
+  :class:`Deadline` says when its decision falls due in that stream. It is missed when
+  the log shows time moving on without it: an event (of any stream) later than ``due +
+  slack + grace``, followed by a later moment (a later event, or the end of the log)
+  still without the decision. ``grace_ms`` (default 5 s) covers the scheduling delay;
+  ``slack`` a periodic sweep's interval. A deadline that the log's end cuts off is never
+  missed (the process may still be running), and one kept by a process (a timer) is
+  not expected after that process is gone: a ``runtime:started`` drops it, unless the
+  deadline ``survives_restart`` (the ghost sweep reads the log, so the next process owes
+  it from its start on).
+* ``undecodable``: a record of a type this version does not know (``UnknownEvent``) or a
+  corrupt one the reader could not decode (:meth:`Verification.undecodable`).
+
+The verifiers and deadlines it runs, and how to register one: :mod:`._verify_registry`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal
+
+import msgspec
+
+from stalwart.errors import StalwartError
+from stalwart.events import Event, RecordedEvent, RuntimeStarted, UnknownEvent, event_tag
+
+from ._aggregate import Folder
+from ._verify_registry import FoldSpec, Knobs, Registry, Verifier, aggregate_of, fold_key
+
+FindingKind = Literal["mismatch", "missed", "undecodable"]
+#: the default grace: how late past a deadline an event may come before it proves a miss
+DEFAULT_GRACE_MS = 5_000
+
+
+class Finding(msgspec.Struct, frozen=True, kw_only=True):
+    """One thing replay found wrong, in words and as data.
+
+    For a ``missed`` deadline, ``position``/``ts`` are those of the event that proved it
+    (the first one after the deadline plus its grace) and ``tag`` the decision expected.
+    """
+
+    kind: FindingKind
+    stream: str
+    position: int
+    version: int
+    tag: str
+    ts: float
+    message: str
+    expected: list[Any] = msgspec.field(default_factory=list)
+    found: Any = None
+
+
+class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What a verification saw and found; ``clean`` when it found nothing."""
+
+    events: int
+    streams: int
+    last_position: int
+    last_ts: float | None
+    checked: dict[str, int]
+    unchecked: dict[str, int]
+    findings: tuple[Finding, ...]
+    grace_ms: int
+
+    @property
+    def clean(self) -> bool:
+        return not self.findings
+
+
+# -- the walk -----------------------------------------------------------------------------
+
+
+def _builtins(event: Event) -> dict[str, Any]:
+    data: dict[str, Any] = msgspec.to_builtins(event)
+    return data
+
+
+def _same(expected: Event, found: Event, ignore: tuple[str, ...]) -> bool:
+    if type(expected) is not type(found):
+        return False
+    if not ignore:
+        return expected == found
+    a, b = _builtins(expected), _builtins(found)
+    return all(a.get(k) == b.get(k) for k in a.keys() | b.keys() if k not in ignore)
+
+
+class _Armed(msgspec.Struct, frozen=True, order=True):
+    at: float  # due + slack + grace: an event later than this proves the miss
+    due: float
+    stream: str
+    index: int  # the deadline's place in the registry
+
+
+class Verification:
+    """The verification of one walk over the log; feed it with :meth:`add` in log order.
+
+    ``verify`` says which streams are checked (default: every one); events of the other
+    streams still move time and carry the config (feed the ``runtime`` stream's
+    ``runtime:started`` / ``runtime:stopped`` when verifying one stream).
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        defaults: Mapping[str, Any],
+        grace_ms: int = DEFAULT_GRACE_MS,
+        verify: Callable[[str], bool] | None = None,
+    ) -> None:
+        self._registry = registry
+        self._defaults = defaults
+        self._knobs = Knobs(None, defaults)
+        self._grace_s = grace_ms / 1000
+        self._grace_ms = grace_ms
+        self._verify = verify or (lambda stream: True)
+        self._by_tag: dict[str, list[Verifier[Any]]] = {}
+        for verifier in registry.verifiers:
+            self._by_tag.setdefault(verifier.tag, []).append(verifier)
+        self._folders: dict[str, dict[object, Folder[Any]]] = {}
+        self._plans: dict[str, tuple[list[tuple[object, FoldSpec[Any]]], list[int]]] = {}
+        self._pending: dict[tuple[str, int], float] = {}
+        self._orphaned: dict[tuple[str, int], float] = {}
+        self._heap: list[_Armed] = []
+        self._suspects: dict[tuple[str, int], tuple[float, RecordedEvent]] = {}
+        self._findings: list[Finding] = []
+        self._checked: dict[str, int] = {}
+        self._unchecked: dict[str, int] = {}
+        self._events = 0
+        self._last: RecordedEvent | None = None
+
+    # -- feeding -------------------------------------------------------------------------------
+
+    def add(self, record: RecordedEvent) -> None:
+        """One more recorded event, in log order."""
+        self._events += 1
+        self._last = record
+        ts = record.ts
+        self._confirm_suspects(record)
+        if self._heap and self._heap[0].at < ts:
+            self._expire(record)
+        event = record.event
+        if isinstance(event, RuntimeStarted):
+            self._knobs = Knobs(event.config, self._defaults)
+            self._restarted(ts)
+        if not self._verify(record.stream):
+            return
+        if isinstance(event, UnknownEvent):
+            self._undecodable_event(record, event)
+        tag = record.type
+        if tag in self._registry.decisions:
+            verifiers = self._by_tag.get(tag)
+            if verifiers is None:
+                self._unchecked[tag] = self._unchecked.get(tag, 0) + 1
+            else:
+                self._check(record, verifiers)
+        self._fold(record)
+
+    def undecodable(self, position: int, reason: str, stream: str = "") -> None:
+        """A record the reader could not decode (a ``CorruptRecordError``): reported."""
+        self._findings.append(
+            Finding(
+                kind="undecodable",
+                stream=stream,
+                position=position,
+                version=0,
+                tag="",
+                ts=self._last.ts if self._last is not None else 0.0,
+                message=f"the record at position {position} cannot be decoded: {reason}",
+            )
+        )
+
+    def report(self) -> VerifyReport:
+        """The findings so far (suspected misses the log's end leaves unconfirmed count)."""
+        for (stream, index), (due, proof) in sorted(self._suspects.items(), key=_by_proof):
+            self._missed(stream, index, due, proof)
+        self._suspects.clear()
+        last = self._last
+        return VerifyReport(
+            events=self._events,
+            streams=len(self._folders),
+            last_position=last.position if last is not None else 0,
+            last_ts=last.ts if last is not None else None,
+            checked=dict(sorted(self._checked.items())),
+            unchecked=dict(sorted(self._unchecked.items())),
+            findings=tuple(sorted(self._findings, key=lambda f: (f.position, f.kind))),
+            grace_ms=self._grace_ms,
+        )
+
+    # -- folds -----------------------------------------------------------------------------------
+
+    def _plan(self, stream: str) -> tuple[list[tuple[object, FoldSpec[Any]]], list[int]]:
+        plan = self._plans.get(stream)
+        if plan is None:
+            folds: dict[object, FoldSpec[Any]] = {}
+            for verifier in self._registry.verifiers:
+                if stream.startswith(verifier.streams):
+                    folds.setdefault(fold_key(verifier.fold), verifier.fold)
+            deadlines = []
+            for index, deadline in enumerate(self._registry.deadlines):
+                if stream.startswith(deadline.streams):
+                    folds.setdefault(fold_key(deadline.fold), deadline.fold)
+                    deadlines.append(index)
+            plan = self._plans[stream] = (list(folds.items()), deadlines)
+        return plan
+
+    def _folders_of(self, stream: str) -> dict[object, Folder[Any]]:
+        folders = self._folders.get(stream)
+        if folders is None:
+            folders = self._folders[stream] = {}
+            for key, spec in self._plan(stream)[0]:
+                aggregate = aggregate_of(spec, self._knobs)
+                folders[key] = aggregate.folder(aggregate.initial(stream))
+        return folders
+
+    def _state(self, stream: str, spec: FoldSpec[Any]) -> Any:
+        return self._folders_of(stream)[fold_key(spec)].state()
+
+    def _fold(self, record: RecordedEvent) -> None:
+        stream = record.stream
+        for folder in self._folders_of(stream).values():
+            folder.add(record)
+        for index in self._plan(stream)[1]:
+            self._rearm(stream, index)
+
+    # -- decisions -------------------------------------------------------------------------------
+
+    def _check(self, record: RecordedEvent, verifiers: list[Verifier[Any]]) -> None:
+        found = record.event
+        for verifier in verifiers:
+            if not record.stream.startswith(verifier.streams):
+                continue
+            if verifier.when is not None and not verifier.when(found):
+                continue
+            tag = verifier.tag
+            self._checked[tag] = self._checked.get(tag, 0) + 1
+            state = self._state(record.stream, verifier.fold)
+            try:
+                given = [
+                    e for e in verifier.decide(state, record, self._knobs) if event_tag(e) == tag
+                ]
+            except StalwartError as exc:
+                self._mismatch(record, [], f"replay could not re-run the decision: {exc}")
+                return
+            if any(_same(e, found, verifier.ignore) for e in given):
+                return
+            why = verifier.why(state, record, self._knobs) if verifier.why else ""
+            if given:
+                words = "the state just before it decides differently"
+            else:
+                words = "the state just before it decides nothing at this time"
+            self._mismatch(record, given, f"{words}{': ' + why if why else ''}")
+            return
+
+    def _mismatch(self, record: RecordedEvent, given: list[Event], message: str) -> None:
+        self._findings.append(
+            Finding(
+                kind="mismatch",
+                stream=record.stream,
+                position=record.position,
+                version=record.version,
+                tag=record.type,
+                ts=record.ts,
+                message=message,
+                expected=[_builtins(e) for e in given],
+                found=_builtins(record.event),
+            )
+        )
+
+    def _undecodable_event(self, record: RecordedEvent, event: UnknownEvent) -> None:
+        self._findings.append(
+            Finding(
+                kind="undecodable",
+                stream=record.stream,
+                position=record.position,
+                version=record.version,
+                tag=event.tag,
+                ts=record.ts,
+                message=(
+                    f"a {event.tag!r} event (schema {event.schema}) this version does not know: "
+                    "kept as raw bytes, its decisions cannot be checked"
+                ),
+            )
+        )
+
+    # -- deadlines -------------------------------------------------------------------------------
+
+    def _rearm(self, stream: str, index: int) -> None:
+        deadline = self._registry.deadlines[index]
+        key = (stream, index)
+        due = deadline.due(self._state(stream, deadline.fold), self._knobs)
+        if due == self._pending.get(key):
+            return
+        if due is None:
+            del self._pending[key]
+            return
+        self._pending[key] = due
+        if self._orphaned.get(key) == due:
+            return  # armed by a process that is gone: nobody owes it
+        self._orphaned.pop(key, None)
+        self._push(stream, index, due)
+
+    def _push(self, stream: str, index: int, due: float) -> None:
+        slack = self._registry.deadlines[index].slack_ms(self._knobs) / 1000
+        heapq.heappush(self._heap, _Armed(due + slack + self._grace_s, due, stream, index))
+
+    def _restarted(self, ts: float) -> None:
+        """A new process: timers of the old one are gone; log-read deadlines are owed anew."""
+        self._heap = []
+        for (stream, index), due in self._pending.items():
+            if self._registry.deadlines[index].survives_restart:
+                self._push(stream, index, max(due, ts))
+            else:
+                self._orphaned[(stream, index)] = due
+
+    def _expire(self, record: RecordedEvent) -> None:
+        """Deadlines whose due + slack + grace is before ``record``: suspected missed."""
+        heap = self._heap
+        while heap and heap[0].at < record.ts:
+            armed = heapq.heappop(heap)
+            key = (armed.stream, armed.index)
+            if self._pending.get(key) != armed.due or key in self._suspects:
+                continue  # moved or decided since it was armed
+            decision = self._registry.deadlines[armed.index].decision
+            if record.stream == armed.stream and record.type == decision:
+                continue  # the decision itself, late: made, not missed
+            self._suspects[key] = (armed.due, record)
+
+    def _confirm_suspects(self, record: RecordedEvent) -> None:
+        """A suspect is missed once time moves past its proof still without the decision."""
+        if not self._suspects:
+            return
+        for key, (due, proof) in list(self._suspects.items()):
+            stream, index = key
+            if record.stream == stream and record.type == self._registry.deadlines[index].decision:
+                del self._suspects[key]  # made at the proof's moment (the clock had jumped)
+            elif record.ts > proof.ts:
+                del self._suspects[key]
+                self._missed(stream, index, due, proof)
+
+    def _missed(self, stream: str, index: int, due: float, proof: RecordedEvent) -> None:
+        deadline = self._registry.deadlines[index]
+        late_ms = round((proof.ts - due) * 1000)
+        where = "" if proof.stream == stream else f" in {proof.stream}"
+        self._findings.append(
+            Finding(
+                kind="missed",
+                stream=stream,
+                position=proof.position,
+                version=proof.version if proof.stream == stream else 0,
+                tag=deadline.decision,
+                ts=proof.ts,
+                message=(
+                    f"the {deadline.name} was due at {due:.3f} but no {deadline.decision} "
+                    f"followed: {proof.type} at position {proof.position}{where} is "
+                    f"{late_ms} ms past it"
+                ),
+                expected=[{"type": deadline.decision, "due": due}],
+            )
+        )
+
+
+def _by_proof(item: tuple[tuple[str, int], tuple[float, RecordedEvent]]) -> int:
+    return item[1][1].position
+
+
+def verify(
+    records: Iterable[RecordedEvent],
+    registry: Registry,
+    *,
+    defaults: Mapping[str, Any],
+    grace_ms: int = DEFAULT_GRACE_MS,
+    verify: Callable[[str], bool] | None = None,
+) -> VerifyReport:
+    """Verify ``records`` (in log order) at once: :class:`Verification` fed with each."""
+    verification = Verification(registry, defaults=defaults, grace_ms=grace_ms, verify=verify)
+    add = verification.add
+    for record in records:
+        add(record)
+    return verification.report()

@@ -1,0 +1,137 @@
+"""Small folds that replay verification reads and no other fold keeps: a session's open
+prompt windows and running turn, and the ``runtime`` stream's restart history.
+
+Each is what the deciding actor keeps in memory while it runs, rebuilt from the log: the
+model caller's deadline window per call, the Agent's turn start, the supervisor's
+``supervisor:restarted`` times (which it reads from the log at each decision).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from stalwart.events import (
+    ExecutionAborted,
+    PromptActivity,
+    PromptCompleted,
+    PromptFailed,
+    PromptStarted,
+    PromptTimeout,
+    RecordedEvent,
+    SupervisorRestarted,
+    TurnCompleted,
+    TurnStarted,
+    UserInterrupt,
+)
+
+from ._prompt import PromptWindow, window_started, window_touched
+
+
+class CallsState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A session's model calls still open (started, not yet ended), by call id, and its
+    running turn (id and start time) as the Agent's execution timeout sees it."""
+
+    open: dict[str, PromptWindow] = msgspec.field(default_factory=dict)
+    turn_id: str | None = None
+    turn_started_at: float | None = None
+
+
+class CallsFolder:
+    """The fold of :class:`CallsState`; events that do not concern it cost one lookup."""
+
+    __slots__ = ("_open", "_turn_id", "_turn_started_at")
+
+    def __init__(self, state: CallsState) -> None:
+        self._open = dict(state.open)
+        self._turn_id = state.turn_id
+        self._turn_started_at = state.turn_started_at
+
+    def add(self, record: RecordedEvent) -> None:
+        event = record.event
+        match event:
+            case PromptActivity():
+                window = self._open.get(event.call_id)
+                if window is not None:
+                    self._open[event.call_id] = window_touched(window, record.ts)
+            case PromptStarted():
+                self._open[event.call_id] = window_started(event, record.ts)
+            case PromptCompleted() | PromptFailed() | PromptTimeout():
+                self._open.pop(event.call_id, None)
+            case TurnStarted():
+                self._turn_id, self._turn_started_at = event.turn_id, record.ts
+            case TurnCompleted() | ExecutionAborted() | UserInterrupt():
+                # the turn's calls are cancelled with it: no prompt event ends them
+                self._open.clear()
+                self._turn_id = self._turn_started_at = None
+            case _:
+                pass
+
+    def state(self) -> CallsState:
+        return CallsState(
+            open=dict(self._open), turn_id=self._turn_id, turn_started_at=self._turn_started_at
+        )
+
+
+class CallsAggregate:
+    """:class:`CallsState` as an :class:`~stalwart.state.Aggregate` over a session stream."""
+
+    name = "verify_calls"
+    version = 1
+    state_type = CallsState
+
+    def initial(self, stream: str) -> CallsState:
+        return CallsState()
+
+    def apply(self, state: CallsState, record: RecordedEvent) -> CallsState:
+        folder = CallsFolder(state)
+        folder.add(record)
+        return folder.state()
+
+    def folder(self, state: CallsState) -> CallsFolder:
+        return CallsFolder(state)
+
+
+CALLS = CallsAggregate()
+
+
+class RestartsState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """Every actor's ``supervisor:restarted`` times, oldest first."""
+
+    history: dict[str, tuple[float, ...]] = msgspec.field(default_factory=dict)
+
+
+class RestartsFolder:
+    __slots__ = ("_history",)
+
+    def __init__(self, state: RestartsState) -> None:
+        self._history = dict(state.history)
+
+    def add(self, record: RecordedEvent) -> None:
+        event = record.event
+        if isinstance(event, SupervisorRestarted):
+            self._history[event.actor] = (*self._history.get(event.actor, ()), record.ts)
+
+    def state(self) -> RestartsState:
+        return RestartsState(history=dict(self._history))
+
+
+class RestartsAggregate:
+    """:class:`RestartsState` over the ``runtime`` stream (what ``restart_history`` reads)."""
+
+    name = "verify_restarts"
+    version = 1
+    state_type = RestartsState
+
+    def initial(self, stream: str) -> RestartsState:
+        return RestartsState()
+
+    def apply(self, state: RestartsState, record: RecordedEvent) -> RestartsState:
+        folder = RestartsFolder(state)
+        folder.add(record)
+        return folder.state()
+
+    def folder(self, state: RestartsState) -> RestartsFolder:
+        return RestartsFolder(state)
+
+
+RESTARTS = RestartsAggregate()

@@ -1,0 +1,150 @@
+"""What replay verification runs: verifiers, deadlines, the registry, the config in force.
+
+Registering a verifier
+----------------------
+A :class:`Registry` is an immutable set of :class:`Verifier` and :class:`Deadline`; the
+built-in one is :data:`~stalwart.state.VERIFIERS`. Adding a decision takes a few lines,
+in ``stalwart/state/_verify_rules.py`` (appended to ``BUILTIN``) or wherever its policy
+lives, with ``VERIFIERS.with_(...)``::
+
+    def _requeued(state: ActivationState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+        return decide_activation(
+            state, record.ts, base_ms=knobs.get_int("activations.backoff_base_ms"), ...
+        )
+
+    Verifier(
+        tag="activation:requeued",  # the decision event it checks
+        fold=ACTIVATION,  # the Aggregate whose state (of the event's stream) decide reads
+        decide=_requeued,  # what the pure decide gives just before the event, at its ts
+        streams="session:",  # only streams with this prefix ("" for any)
+        ignore=("jitter_ms",),  # fields not compared (none by default)
+    )
+    Deadline(
+        name="lease expiry",
+        decision="lease:expired",
+        fold=ACTIVATION,
+        due=lambda state, knobs: state.lease_expires_at,  # None when nothing is due
+        survives_restart=True,  # the next worker owes it, whoever holds the lease
+    )
+
+``fold`` is an :class:`~stalwart.state.Aggregate` (folds are shared by ``name``), or a
+function of the config in force giving one (when its shape depends on a knob). A
+``decide`` that raises a :class:`~stalwart.errors.StalwartError` is reported as a
+mismatch; an optional ``why(state, record, knobs)`` explains a mismatch in words.
+Knobs are read by dotted path (:class:`Knobs`); a ``*`` key in the defaults stands for
+any name (``providers.*.breaker_failure_threshold``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from stalwart.errors import ConfigError
+from stalwart.events import Event, RecordedEvent
+
+from ._aggregate import Aggregate
+
+S = TypeVar("S")
+
+
+class Knobs:
+    """The config in force: the recorded config (a ``Config.to_record()``) over defaults."""
+
+    __slots__ = ("_layers",)
+
+    def __init__(self, recorded: Mapping[str, Any] | None, defaults: Mapping[str, Any]) -> None:
+        self._layers = (recorded or {}, defaults)
+
+    def get(self, path: str) -> Any:
+        """The value at ``path`` (``"subagents.per_step_timeout_ms"``); ConfigError if none."""
+        for layer in self._layers:
+            found = _lookup(layer, path.split("."))
+            if found is not _MISSING:
+                return found
+        raise ConfigError(
+            f"the config in force has no {path!r} and there is no default for it", key=path
+        )
+
+    def get_int(self, path: str) -> int:
+        return int(self.get(path))
+
+    def get_float(self, path: str) -> float:
+        return float(self.get(path))
+
+
+_MISSING = object()
+
+
+def _lookup(data: Any, parts: list[str]) -> Any:
+    for part in parts:
+        if not isinstance(data, Mapping):
+            return _MISSING
+        data = data[part] if part in data else data.get("*", _MISSING)
+        if data is _MISSING:
+            return _MISSING
+    return data
+
+
+Decide = Callable[[S, RecordedEvent, Knobs], Sequence[Event]]
+FoldSpec = Aggregate[S] | Callable[[Knobs], Aggregate[S]]
+
+
+@dataclass(frozen=True)
+class Verifier(Generic[S]):
+    """Re-derives one kind of decision event (see the module docstring)."""
+
+    tag: str
+    fold: FoldSpec[S]
+    decide: Decide[S]
+    streams: str = ""
+    ignore: tuple[str, ...] = ()
+    why: Callable[[S, RecordedEvent, Knobs], str] | None = None
+    #: only events this accepts are checked (None: every event with the tag)
+    when: Callable[[Event], bool] | None = None
+
+
+@dataclass(frozen=True)
+class Deadline(Generic[S]):
+    """A decision that must come by a time the state says (see the module docstring)."""
+
+    name: str
+    decision: str
+    fold: FoldSpec[S]
+    due: Callable[[S, Knobs], float | None]
+    streams: str = ""
+    slack_ms: Callable[[Knobs], int] = lambda knobs: 0
+    survives_restart: bool = False
+
+
+@dataclass(frozen=True)
+class Registry:
+    """The verifiers and deadlines replay checks, and the tags that are decisions."""
+
+    verifiers: tuple[Verifier[Any], ...] = ()
+    deadlines: tuple[Deadline[Any], ...] = ()
+    decisions: frozenset[str] = field(default_factory=frozenset)
+
+    def with_(self, *items: Verifier[Any] | Deadline[Any]) -> Registry:
+        """This registry plus ``items`` (their decision tags count as decisions too)."""
+        verifiers = tuple(i for i in items if isinstance(i, Verifier))
+        deadlines = tuple(i for i in items if isinstance(i, Deadline))
+        tags = {v.tag for v in verifiers} | {d.decision for d in deadlines}
+        return Registry(
+            verifiers=(*self.verifiers, *verifiers),
+            deadlines=(*self.deadlines, *deadlines),
+            decisions=self.decisions | tags,
+        )
+
+
+def fold_key(spec: FoldSpec[Any]) -> object:
+    name = getattr(spec, "name", None)
+    return ("aggregate", name) if isinstance(name, str) else spec
+
+
+def aggregate_of(spec: FoldSpec[S], knobs: Knobs) -> Aggregate[S]:
+    """The aggregate itself, or the one the config in force gives."""
+    if hasattr(spec, "initial"):
+        return spec  # type: ignore[return-value]
+    return spec(knobs)

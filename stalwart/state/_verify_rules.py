@@ -1,0 +1,329 @@
+"""The built-in verifiers and deadlines: which fold each decision reads, at which time,
+with which knobs; what the deciding actor does, re-run from the log.
+
+===========================  ================  ==========================================
+decision                     fold (stream)     decide (knobs)
+===========================  ================  ==========================================
+subagent:watchdog_timeout    RUN (session:)    decide_watchdog (subagents.per_step_timeout_ms)
+subagent:ghost_swept         RUN (session:)    decide_ghost (subagents.ghost_grace_ms)
+subagent:suspicious          RUN (session:)    decide_suspicious (per_step, expected_fraction,
+                                               heartbeat_interval_ms)
+subagent:recovery_decided    RUN (session:)    decide_recovery (recovery_max_attempts)
+execution:prompt_timeout     CALLS (session:)  decide_prompt_timeout (the window's own limits)
+execution:aborted            CALLS (session:)  decide_execution_timeout
+                                               (supervision.execution_timeout_ms)
+provider:degraded/recovered  HEALTH (provider:) decide_health (health.*)
+breaker:*                    BREAKER (provider:) decide_breaker (providers.<name>.breaker_*)
+announcement:dead_letter_    DEADLETTER        decide_expiry (dead_letters.max_age_ms,
+expired                      (deadletter)      max_retries)
+supervisor:restarted/        RESTARTS          decide_restart (supervision.*)
+gave_up                      (runtime)
+===========================  ================  ==========================================
+
+Every decision's ``now`` is its record's ``ts``: the actors append a decision at the
+``now`` they decided at. Two tolerances, both stated where they apply: the Agent reads
+its clock again to append ``execution:aborted``, so its ``elapsed_ms`` may be a little
+lower than re-derived at its ``ts`` (never below the limit); a ``split`` recovery's
+splitter is the host's, so whether a run had one is read from the decision itself
+(``split``, or ``escalate`` with a ``splitter_*`` reason) and its subtasks are taken as
+recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from stalwart.events import (
+    Event,
+    ExecutionAborted,
+    PromptTimeout,
+    RecordedEvent,
+    SubagentRecoveryDecided,
+    SupervisorGaveUp,
+    SupervisorRestarted,
+)
+
+from ._breaker import BREAKER, BreakerState, decide_breaker
+from ._deadletter import DEADLETTER, DeadLetterState, decide_expiry, expiry_at
+from ._execution import decide_execution_timeout, execution_deadline
+from ._health import DEFAULT_HORIZON_MS, HealthAggregate, HealthState, decide_health
+from ._prompt import decide_prompt_timeout, next_deadline
+from ._subagent import (
+    RUN,
+    RunState,
+    decide_ghost,
+    decide_recovery,
+    decide_suspicious,
+    decide_watchdog,
+    ghost_deadline,
+    watchdog_deadline,
+    watchdog_limit,
+)
+from ._supervision import decide_restart
+from ._verify_folds import CALLS, RESTARTS, CallsState, RestartsState
+from ._verify_registry import Deadline, Knobs, Registry, Verifier
+
+#: Every decision tag of DESIGN's catalogue: one with no verifier is counted as unchecked.
+DECISIONS = frozenset(
+    {
+        *("supervisor:restarted", "supervisor:gave_up", "session:requires_action"),
+        *("tool:blocked", "execution:prompt_timeout", "prompt:retry_scheduled"),
+        *("model:fallback_attempt", "model:fallback_exhausted", "execution:aborted"),
+        *("subagent:watchdog_timeout", "subagent:ghost_swept", "subagent:suspicious"),
+        *("subagent:recovery_decided", "provider:degraded", "provider:recovered"),
+        *("breaker:opened", "breaker:half_opened", "breaker:closed"),
+        *("announcement:fallback_direct", "announcement:dead_lettered"),
+        *("announcement:dead_letter_delivered", "announcement:dead_letter_expired"),
+        *("activation:leased", "activation:acked", "activation:requeued", "activation:blocked"),
+        *("activation:abandoned", "activation:lease_lost", "lease:expired"),
+        *("context:dag_degraded", "context:layer_disabled"),
+    }
+)
+
+
+def _ms(path: str) -> Any:
+    return lambda knobs: knobs.get_int(path)
+
+
+# -- sub-agent runs -----------------------------------------------------------------------
+
+
+def _watchdog(state: RunState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    per_step = knobs.get_int("subagents.per_step_timeout_ms")
+    return decide_watchdog(state, record.ts, per_step_timeout_ms=per_step)
+
+
+def _watchdog_why(state: RunState, record: RecordedEvent, knobs: Knobs) -> str:
+    per_step = knobs.get_int("subagents.per_step_timeout_ms")
+    deadline = watchdog_deadline(state, per_step_timeout_ms=per_step)
+    if deadline is None:
+        return f"the run is {state.status}, no watchdog is armed"
+    limit_ms, knob = watchdog_limit(state, per_step_timeout_ms=per_step)
+    early = round((deadline - record.ts) * 1000)
+    when = f"{early} ms before it" if early > 0 else "at it"
+    return f"the deadline is {deadline:.3f} (started + {limit_ms} ms, {knob}); it fired {when}"
+
+
+def _ghost(state: RunState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    return decide_ghost(state, record.ts, ghost_grace_ms=knobs.get_int("subagents.ghost_grace_ms"))
+
+
+def _ghost_why(state: RunState, record: RecordedEvent, knobs: Knobs) -> str:
+    grace = knobs.get_int("subagents.ghost_grace_ms")
+    deadline = ghost_deadline(state, ghost_grace_ms=grace)
+    if deadline is None:
+        return f"the run is {state.status}, not running"
+    early = round((deadline - record.ts) * 1000)
+    return f"a ghost from {deadline:.3f} (limit + ghost_grace_ms {grace}); {early} ms early"
+
+
+def _suspicious(state: RunState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    return decide_suspicious(
+        state,
+        record.ts,
+        per_step_timeout_ms=knobs.get_int("subagents.per_step_timeout_ms"),
+        expected_fraction=knobs.get_float("subagents.expected_fraction"),
+        heartbeat_interval_ms=knobs.get_int("subagents.heartbeat_interval_ms"),
+    )
+
+
+def _recovery(state: RunState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    found = record.event
+    assert isinstance(found, SubagentRecoveryDecided)
+    split = found.action == "split" or found.reason.startswith("splitter_")
+    max_attempts = knobs.get_int("subagents.recovery_max_attempts")
+    decided = decide_recovery(state, max_attempts=max_attempts, can_split=split)
+    # the host's splitter: its subtasks, or its failure turning the split into escalate
+    return [_as_split(event, found) for event in decided]
+
+
+def _as_split(event: Event, found: SubagentRecoveryDecided) -> Event:
+    if not isinstance(event, SubagentRecoveryDecided) or event.action != "split":
+        return event
+    if found.action == "escalate":
+        return msgspec.structs.replace(event, action="escalate", reason=found.reason)
+    return msgspec.structs.replace(event, subtasks=found.subtasks)
+
+
+def _run_due(decide: str) -> Any:
+    def due(state: RunState, knobs: Knobs) -> float | None:
+        if decide == "watchdog":
+            per_step = knobs.get_int("subagents.per_step_timeout_ms")
+            return watchdog_deadline(state, per_step_timeout_ms=per_step)
+        return ghost_deadline(state, ghost_grace_ms=knobs.get_int("subagents.ghost_grace_ms"))
+
+    return due
+
+
+# -- a session's calls and turn -----------------------------------------------------------
+
+
+def _prompt_timeout(state: CallsState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    found = record.event
+    assert isinstance(found, PromptTimeout)
+    window = state.open.get(found.call_id)
+    if window is None:
+        return []
+    decided = decide_prompt_timeout(window, record.ts)
+    return [] if decided is None else [decided]
+
+
+def _prompt_why(state: CallsState, record: RecordedEvent, knobs: Knobs) -> str:
+    found = record.event
+    assert isinstance(found, PromptTimeout)
+    window = state.open.get(found.call_id)
+    if window is None:
+        return f"no call {found.call_id!r} is open"
+    when, limit, limit_ms = next_deadline(window)
+    early = round((when - record.ts) * 1000)
+    return f"the {limit} limit ({limit_ms} ms) falls at {when:.3f}; {early} ms later"
+
+
+def _prompt_due(state: CallsState, knobs: Knobs) -> float | None:
+    return min((next_deadline(w)[0] for w in state.open.values()), default=None)
+
+
+def _execution(state: CallsState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    found = record.event
+    assert isinstance(found, ExecutionAborted)
+    if state.turn_id is None or state.turn_started_at is None:
+        return []
+    limit = knobs.get_int("supervision.execution_timeout_ms")
+    decided = decide_execution_timeout(state.turn_id, state.turn_started_at, record.ts, limit)
+    if decided is None:
+        return []
+    # the Agent decides at one clock read and appends at the next: its elapsed may be lower
+    if decided.limit_ms <= found.elapsed_ms <= decided.elapsed_ms:
+        decided = msgspec.structs.replace(decided, elapsed_ms=found.elapsed_ms)
+    return [decided]
+
+
+def _execution_why(state: CallsState, record: RecordedEvent, knobs: Knobs) -> str:
+    if state.turn_started_at is None:
+        return "no turn is running"
+    limit = knobs.get_int("supervision.execution_timeout_ms")
+    deadline = execution_deadline(state.turn_started_at, limit)
+    early = round((deadline - record.ts) * 1000)
+    return f"turn {state.turn_id!r} reaches execution_timeout_ms ({limit}) at {deadline:.3f}; " + (
+        f"{early} ms later" if early > 0 else "the turn id or numbers differ"
+    )
+
+
+def _execution_due(state: CallsState, knobs: Knobs) -> float | None:
+    if state.turn_started_at is None:
+        return None
+    return execution_deadline(
+        state.turn_started_at, knobs.get_int("supervision.execution_timeout_ms")
+    )
+
+
+# -- providers ----------------------------------------------------------------------------
+
+
+def _health_fold(knobs: Knobs) -> HealthAggregate:
+    return HealthAggregate(max(DEFAULT_HORIZON_MS, knobs.get_int("health.window_ms")))
+
+
+def _health(state: HealthState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    return decide_health(
+        state,
+        record.ts,
+        window_ms=knobs.get_int("health.window_ms"),
+        min_agents=knobs.get_int("health.min_agents"),
+        consecutive=knobs.get_int("health.consecutive_failures"),
+    )
+
+
+def _breaker(state: BreakerState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    where = f"providers.{state.provider}"
+    return decide_breaker(
+        state,
+        record.ts,
+        threshold=knobs.get_int(f"{where}.breaker_failure_threshold"),
+        reset_timeout_ms=knobs.get_int(f"{where}.breaker_reset_timeout_ms"),
+    )
+
+
+# -- dead letters and restarts ------------------------------------------------------------
+
+
+def _expiry(state: DeadLetterState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    return decide_expiry(
+        state,
+        record.ts,
+        max_age_ms=knobs.get_int("dead_letters.max_age_ms"),
+        max_retries=knobs.get_int("dead_letters.max_retries"),
+    )
+
+
+def _expiry_due(state: DeadLetterState, knobs: Knobs) -> float | None:
+    return expiry_at(state, max_age_ms=knobs.get_int("dead_letters.max_age_ms"))
+
+
+def _restart(state: RestartsState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    found = record.event
+    assert isinstance(found, SupervisorRestarted | SupervisorGaveUp)
+    session = found.session if isinstance(found, SupervisorGaveUp) else None
+    return [
+        decide_restart(
+            found.actor,
+            state.history.get(found.actor, ()),
+            record.ts,
+            reason=found.reason,
+            max_restarts=knobs.get_int("supervision.max_restarts"),
+            within_ms=knobs.get_int("supervision.within_ms"),
+            backoff_base_ms=knobs.get_int("supervision.restart_backoff_base_ms"),
+            backoff_cap_ms=knobs.get_int("supervision.restart_backoff_cap_ms"),
+            session=session,
+        )
+    ]
+
+
+def _pipeline_timeout(event: Event) -> bool:
+    return isinstance(event, ExecutionAborted) and event.reason == "pipeline_timeout"
+
+
+_RUNS = "session:"
+BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
+    Verifier("subagent:watchdog_timeout", RUN, _watchdog, _RUNS, why=_watchdog_why),
+    Verifier("subagent:ghost_swept", RUN, _ghost, _RUNS, why=_ghost_why),
+    Verifier("subagent:suspicious", RUN, _suspicious, _RUNS),
+    Verifier("subagent:recovery_decided", RUN, _recovery, _RUNS),
+    Verifier("execution:prompt_timeout", CALLS, _prompt_timeout, _RUNS, why=_prompt_why),
+    Verifier(
+        "execution:aborted", CALLS, _execution, _RUNS, why=_execution_why, when=_pipeline_timeout
+    ),
+    Verifier("provider:degraded", _health_fold, _health, "provider:"),
+    Verifier("provider:recovered", _health_fold, _health, "provider:"),
+    Verifier("breaker:opened", BREAKER, _breaker, "provider:"),
+    Verifier("breaker:half_opened", BREAKER, _breaker, "provider:"),
+    Verifier("breaker:closed", BREAKER, _breaker, "provider:"),
+    Verifier("announcement:dead_letter_expired", DEADLETTER, _expiry, "deadletter"),
+    Verifier("supervisor:restarted", RESTARTS, _restart, "runtime"),
+    Verifier("supervisor:gave_up", RESTARTS, _restart, "runtime"),
+    Deadline("sub-agent watchdog", "subagent:watchdog_timeout", RUN, _run_due("watchdog"), _RUNS),
+    Deadline(
+        "ghost sweep",
+        "subagent:ghost_swept",
+        RUN,
+        _run_due("ghost"),
+        _RUNS,
+        slack_ms=_ms("subagents.ghost_sweep_interval_ms"),
+        survives_restart=True,
+    ),
+    Deadline("prompt timeout", "execution:prompt_timeout", CALLS, _prompt_due, _RUNS),
+    Deadline("execution timeout", "execution:aborted", CALLS, _execution_due, _RUNS),
+    Deadline(
+        "dead-letter expiry",
+        "announcement:dead_letter_expired",
+        DEADLETTER,
+        _expiry_due,
+        "deadletter",
+        survives_restart=True,
+    ),
+)
+
+#: The built-in registry: every decision above, and DESIGN's decision tags.
+VERIFIERS = Registry(decisions=DECISIONS).with_(*BUILTIN)
