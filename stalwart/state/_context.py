@@ -1,0 +1,261 @@
+"""The DAG context engine's folds: a session's summary DAG, and a tenant's summarizer
+spend and breaker, with the pure decision on whether the summarizer may run.
+
+``context:<session>`` holds everything the engine decided: which summaries exist, what
+each covers, where the session's scope was bound. The session's messages live in its own
+stream; folding both rebuilds the engine exactly (see ``stalwart.context``).
+
+The summarizer governor folds every ``context:*`` stream of one tenant:
+
+- spend: each summary's ``input_tokens + output_tokens`` at its timestamp; a rolling hour
+  and a rolling day are compared with their caps (0 disables a window);
+- breaker: ``context:summarizer_failed`` counts consecutive failures, a summary made by
+  the summarizer resets them. At ``failure_threshold`` the breaker is open until
+  ``reset_timeout_ms`` after the latest failure, then half-open: one trial call, whose
+  failure opens it again and whose success closes it.
+
+Emergency truncations (``fallback``) are neither spend nor a breaker outcome.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from stalwart.events import (
+    ContextBound,
+    ContextDagDegraded,
+    ContextSummarizerFailed,
+    ContextSummaryCreated,
+    Event,
+    RecordedEvent,
+)
+
+from ._aggregate import ApplyFolder
+
+HOUR_S = 3_600.0
+DAY_S = 86_400.0
+
+
+class SummaryNode(msgspec.Struct, frozen=True, kw_only=True):
+    """One summary of the DAG as its event recorded it."""
+
+    summary_id: str
+    depth: int
+    covers: tuple[str, ...]
+    descendant_count: int
+    first_seq: int = 0
+    last_seq: int = 0
+    earliest: float = 0.0
+    latest: float = 0.0
+    tokens: int = 0
+    fallback: Literal["emergency-truncation"] | None = None
+    body: str = ""
+    topics: tuple[str, ...] = ()
+    created_at: float = 0.0
+
+
+class ContextDagState(msgspec.Struct, frozen=True, kw_only=True):
+    """A session's DAG: its summaries, which are top-level (``roots``, oldest first), the
+    parent of each condensed child, and the id of the newest message a summary covers."""
+
+    session: str
+    tenant: str | None = None
+    bound: bool = False
+    version: int = 0
+    summaries: dict[str, SummaryNode] = msgspec.field(default_factory=dict)
+    parents: dict[str, str] = msgspec.field(default_factory=dict)
+    roots: tuple[str, ...] = ()
+    last_covered: str | None = None
+    degraded: str | None = None
+
+
+def summary_node(event: ContextSummaryCreated, ts: float) -> SummaryNode:
+    """The node a ``context:summary_created`` event describes."""
+    return SummaryNode(
+        summary_id=event.summary_id,
+        depth=event.depth,
+        covers=event.covers,
+        descendant_count=event.descendant_count,
+        first_seq=event.first_seq,
+        last_seq=event.last_seq,
+        earliest=event.earliest,
+        latest=event.latest,
+        tokens=event.tokens,
+        fallback=event.fallback,
+        body=event.body,
+        topics=event.topics,
+        created_at=ts,
+    )
+
+
+def apply_context_event(
+    state: ContextDagState, event: Event, version: int, ts: float
+) -> ContextDagState:
+    """The DAG after one more event of ``context:<session>``."""
+    replace = msgspec.structs.replace
+    match event:
+        case ContextBound():
+            return replace(state, version=version, tenant=event.tenant, bound=True)
+        case ContextSummaryCreated():
+            summaries = dict(state.summaries)
+            summaries[event.summary_id] = summary_node(event, ts)
+            if event.depth == 0:
+                last = event.covers[-1] if event.covers else state.last_covered
+                return replace(
+                    state,
+                    version=version,
+                    summaries=summaries,
+                    roots=(*state.roots, event.summary_id),
+                    last_covered=last,
+                    degraded=state.degraded if event.fallback else None,
+                )
+            parents = dict(state.parents)
+            covered = set(event.covers)
+            for child in event.covers:
+                parents[child] = event.summary_id
+            roots: list[str] = []
+            for root in state.roots:
+                if root in covered:
+                    if event.summary_id not in roots:
+                        roots.append(event.summary_id)
+                else:
+                    roots.append(root)
+            return replace(
+                state, version=version, summaries=summaries, parents=parents, roots=tuple(roots)
+            )
+        case ContextDagDegraded():
+            return replace(state, version=version, degraded=event.reason)
+        case _:
+            return replace(state, version=version)
+
+
+def apply_context(state: ContextDagState, record: RecordedEvent) -> ContextDagState:
+    return apply_context_event(state, record.event, record.version, record.ts)
+
+
+class ContextDagAggregate:
+    """The DAG fold for ``context:<session>`` streams."""
+
+    name = "context_dag"
+    version = 1
+    state_type = ContextDagState
+
+    def initial(self, stream: str) -> ContextDagState:
+        return ContextDagState(session=stream.removeprefix("context:"))
+
+    def apply(self, state: ContextDagState, record: RecordedEvent) -> ContextDagState:
+        return apply_context(state, record)
+
+    def folder(self, state: ContextDagState) -> ApplyFolder[ContextDagState]:
+        return ApplyFolder(apply_context, state)
+
+
+CONTEXT_DAG = ContextDagAggregate()
+
+
+# -- the summarizer governor (per tenant) ---------------------------------------------------
+
+
+class GovernorState(msgspec.Struct, frozen=True, kw_only=True):
+    """A tenant's summarizer spend within the last day and its breaker counts.
+
+    ``spend`` is ``(ts, tokens)`` oldest first, pruned to the day before the newest."""
+
+    tenant: str | None = None
+    spend: tuple[tuple[float, int], ...] = ()
+    consecutive_failures: int = 0
+    last_failure_at: float | None = None
+
+
+def apply_governor_event(state: GovernorState, event: Event, ts: float) -> GovernorState:
+    """The governor after one more event (of any ``context:*`` stream); other tenants'
+    events leave it as it is."""
+    replace = msgspec.structs.replace
+    match event:
+        case ContextSummaryCreated() if event.tenant == state.tenant and not event.fallback:
+            spent = event.input_tokens + event.output_tokens
+            kept = tuple(entry for entry in state.spend if entry[0] > ts - DAY_S)
+            spend = (*kept, (ts, spent)) if spent else kept
+            return replace(state, spend=spend, consecutive_failures=0)
+        case ContextSummarizerFailed() if event.tenant == state.tenant:
+            return replace(
+                state, consecutive_failures=state.consecutive_failures + 1, last_failure_at=ts
+            )
+        case _:
+            return state
+
+
+def apply_governor(state: GovernorState, record: RecordedEvent) -> GovernorState:
+    return apply_governor_event(state, record.event, record.ts)
+
+
+class SummarizerVerdict(msgspec.Struct, frozen=True, kw_only=True):
+    """Whether the summarizer may run now, and if not, the rule, its knob and numbers.
+    ``trial`` marks the half-open breaker's single trial call."""
+
+    allowed: bool
+    reason: Literal["spend_cap", "breaker_open"] | None = None
+    knob: str | None = None
+    used: int = 0
+    limit: int = 0
+    until: float | None = None
+    trial: bool = False
+
+
+def window_spend(state: GovernorState, now: float, seconds: float) -> int:
+    """Tokens spent in the window ``(now - seconds, now]``."""
+    return sum(tokens for ts, tokens in state.spend if now - seconds < ts <= now)
+
+
+def _window_frees(state: GovernorState, now: float, seconds: float) -> float | None:
+    inside = [ts for ts, _ in state.spend if now - seconds < ts <= now]
+    return min(inside) + seconds if inside else None
+
+
+def decide_summarizer(
+    state: GovernorState,
+    now: float,
+    *,
+    projected: int,
+    per_hour: int,
+    per_day: int,
+    failure_threshold: int,
+    reset_timeout_ms: int,
+) -> SummarizerVerdict:
+    """May a summarizer call that would spend about ``projected`` tokens run at ``now``?
+
+    The breaker is checked first (an open breaker makes no call at all), then each
+    window: a call is refused when what the window already spent plus ``projected``
+    would pass its cap."""
+    trial = False
+    if state.consecutive_failures >= failure_threshold and state.last_failure_at is not None:
+        reopens = state.last_failure_at + reset_timeout_ms / 1000
+        if now < reopens:
+            return SummarizerVerdict(
+                allowed=False,
+                reason="breaker_open",
+                knob="context_engine.summarizer_breaker.failure_threshold",
+                used=state.consecutive_failures,
+                limit=failure_threshold,
+                until=reopens,
+            )
+        trial = True
+    for seconds, cap, knob in (
+        (HOUR_S, per_hour, "context_engine.summarizer_spend.max_tokens_per_tenant_per_hour"),
+        (DAY_S, per_day, "context_engine.summarizer_spend.max_tokens_per_tenant_per_day"),
+    ):
+        if cap <= 0:
+            continue
+        used = window_spend(state, now, seconds)
+        if used + projected > cap:
+            return SummarizerVerdict(
+                allowed=False,
+                reason="spend_cap",
+                knob=knob,
+                used=used,
+                limit=cap,
+                until=_window_frees(state, now, seconds),
+            )
+    return SummarizerVerdict(allowed=True, trial=trial)
