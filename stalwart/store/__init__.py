@@ -1,10 +1,19 @@
-"""The durable event log: the EventStore protocol and its LMDB implementation."""
+"""The durable event log: the EventStore protocol, its LMDB and PostgreSQL implementations.
+
+``PostgresEventStore`` is imported on first use, so psycopg (the ``stalwart[postgres]``
+extra) is needed only by those who use it.
+"""
+
+import typing
 
 from ._lmdb import LmdbEventStore
 from ._open import open
 from ._projection import DEFAULT_SNAPSHOT_EVERY, load_state, snapshot_name
 from ._protocol import NO_STREAM, EventStore, Fence, NewEvent, Snapshot, StreamInfo
 from ._subscription import Subscription
+
+if typing.TYPE_CHECKING:
+    from ._postgres import PostgresEventStore
 
 __all__ = [
     "DEFAULT_SNAPSHOT_EVERY",
@@ -13,6 +22,7 @@ __all__ = [
     "Fence",
     "LmdbEventStore",
     "NewEvent",
+    "PostgresEventStore",
     "Snapshot",
     "StreamInfo",
     "Subscription",
@@ -20,3 +30,11 @@ __all__ = [
     "open",
     "snapshot_name",
 ]
+
+
+def __getattr__(name: str) -> typing.Any:
+    if name == "PostgresEventStore":
+        from ._postgres import PostgresEventStore  # noqa: PLC0415 (psycopg is optional)
+
+        return PostgresEventStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,6 +11,8 @@ from stalwart.events import DEFAULT_CODEC, Codec
 from ._lmdb import LmdbEventStore
 from ._protocol import EventStore
 
+_POSTGRES_SCHEMES = ("postgresql", "postgres")
+
 
 def open(
     location: str | os.PathLike[str],
@@ -19,16 +21,27 @@ def open(
     codec: Codec = DEFAULT_CODEC,
     clock: Clock | None = None,
 ) -> EventStore:
-    """Open the store at ``location``: a directory path (LMDB).
+    """Open the store at ``location``: a directory path (LMDB) or a ``postgresql://`` URL.
 
     ``create=False`` raises StoreNotFoundError instead of creating an empty store, which
-    is what read-only tools (the CLI's tail, replay, streams) want.
+    is what read-only tools (the CLI's tail, replay, streams) want. A PostgreSQL store
+    needs the ``stalwart[postgres]`` extra.
     """
     text = os.fspath(location)
     if "://" in text:
-        scheme = text.split("://", 1)[0]
+        scheme = text.split("://", 1)[0].lower()
+        if scheme in _POSTGRES_SCHEMES:
+            return _open_postgres(text, create=create, codec=codec, clock=clock)
         raise StoreError(
-            f"store URL scheme {scheme!r} is not supported by this version; "
-            "give a directory path for the embedded LMDB store"
+            f"store URL scheme {scheme!r} is not supported by this version; give a "
+            "directory path for the embedded LMDB store or a postgresql:// URL"
         )
     return LmdbEventStore(text, create=create, codec=codec, clock=clock)
+
+
+def _open_postgres(url: str, *, create: bool, codec: Codec, clock: Clock | None) -> EventStore:
+    try:
+        from ._postgres import PostgresEventStore  # noqa: PLC0415 (an optional extra)
+    except ImportError as exc:
+        raise StoreError("a postgresql:// store needs psycopg: install stalwart[postgres]") from exc
+    return PostgresEventStore(url, create=create, codec=codec, clock=clock)

@@ -3,8 +3,11 @@
 ``FakeProvider`` is a real HTTP server on 127.0.0.1 that speaks the OpenAI Chat
 Completions and Anthropic Messages APIs and plays a script of faults, so an agent's
 timeouts, retries and fallbacks can be tested end to end without a network or a key.
+``PostgresServer`` starts a throwaway PostgreSQL cluster (initdb + pg_ctl in a temp dir)
+for testing against the PostgreSQL store.
 """
 
+from ._postgres import PostgresServer, postgres_bindir
 from ._script import (
     Answer,
     Cut,
@@ -34,6 +37,7 @@ __all__ = [
     "FakeToolCall",
     "Hang",
     "Malformed",
+    "PostgresServer",
     "RecordedRequest",
     "Reset",
     "Script",
@@ -44,4 +48,5 @@ __all__ = [
     "WrongContentType",
     "load_script",
     "parse_script",
+    "postgres_bindir",
 ]

@@ -1,0 +1,412 @@
+"""The EventStore on PostgreSQL: one log shared by workers on any number of hosts.
+
+Each append is one call of the schema's ``append`` function on an autocommit pooled
+connection: one round trip, one transaction. How that keeps positions gap-free and
+skip-free is told in ``_postgres_schema``; how readers tail in ``_postgres_tail``.
+
+A row holds the event's own msgpack bytes beside its envelope columns; a read joins
+them back into the codec's record form (one small encode per row) so upcasting and
+unknown events work exactly as on LMDB.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import msgspec
+import psycopg
+import psycopg_pool
+import structlog
+from psycopg import sql
+
+from stalwart import ids
+from stalwart.clock import Clock, SystemClock
+from stalwart.errors import (
+    ConcurrencyError,
+    CorruptRecordError,
+    EventError,
+    FencedError,
+    StoreClosedError,
+    StoreError,
+    UnknownEventTypeError,
+)
+from stalwart.events import DEFAULT_CODEC, Codec, Event, RecordedEvent, event_tag
+
+from ._postgres_connect import PostgresUrl, connect
+from ._postgres_schema import channel_name, ensure_schema
+from ._postgres_tail import Doorbell, deadline_after, remaining
+from ._protocol import Fence, NewEvent, Snapshot, StreamInfo, check_stream
+from ._subscription import Subscription
+
+log = structlog.get_logger(__name__)
+
+READ_BATCH = 1024
+SNAPSHOTS_KEPT = 3
+_LAST = (1 << 63) - 1
+_COLUMNS = "position, stream, version, ts, id, causation_id, correlation_id, schema, data"
+
+
+class PostgresEventStore:
+    """The EventStore on one PostgreSQL database (and schema). Safe to share between threads.
+
+    ``url`` is ``postgresql://user:password@host:port/database`` with any libpq query
+    parameters, plus ``schema=`` to keep several stores in one database. The schema is
+    created or upgraded on first use (``create=False`` refuses a database without one,
+    as read-only tools want). ``pool_size`` bounds this handle's connections; tailing
+    readers share one more, the listener. ``poll_interval`` is how often a waiting
+    reader looks at the head when no notification comes.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        create: bool = True,
+        codec: Codec = DEFAULT_CODEC,
+        clock: Clock | None = None,
+        pool_size: int = 16,
+        poll_interval: float = 0.05,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        self._url = PostgresUrl(url)
+        self._codec = codec
+        self._clock = clock or SystemClock()
+        self._poll_interval = poll_interval
+        self._timeout = connect_timeout
+        self._closed = False
+        names = sql.Identifier(self._url.schema)
+        self._sql = _Statements(names)
+        with connect(self._url, timeout=connect_timeout) as conn:
+            try:
+                ensure_schema(conn, self._url.schema, self.location, create=create)
+            except psycopg.Error as exc:
+                raise StoreError(
+                    f"cannot prepare the store's schema at {self.location}: "
+                    f"{type(exc).__name__} ({exc.sqlstate})"
+                ) from exc
+        self._pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] = (
+            psycopg_pool.ConnectionPool(
+                self._url.conninfo,
+                kwargs={"autocommit": True, "connect_timeout": max(1, round(connect_timeout))},
+                min_size=1,
+                max_size=pool_size,
+                open=False,
+                num_workers=1,
+                timeout=connect_timeout,
+                name="stalwart-pg",
+            )
+        )
+        self._pool.open(wait=False)
+        self._bell = Doorbell(self._listener_connection, channel_name(self._url.schema))
+        self._header = msgspec.msgpack.Encoder()
+
+    @property
+    def location(self) -> str:
+        return self._url.location
+
+    def __repr__(self) -> str:
+        return f"PostgresEventStore({self.location!r})"
+
+    def _live(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"the store at {self.location} is closed")
+
+    def _listener_connection(self) -> psycopg.Connection[Any]:
+        return connect(self._url, timeout=self._timeout)
+
+    @contextmanager
+    def _connection(self, doing: str) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection; a failure becomes a StoreError naming what was being done."""
+        self._live()
+        try:
+            with self._pool.connection() as conn:
+                yield conn
+        except psycopg_pool.PoolTimeout as exc:
+            raise StoreError(
+                f"no connection to the store at {self.location} within {self._timeout:g} s "
+                f"to {doing}: is the server up?"
+            ) from exc
+        except psycopg.OperationalError as exc:
+            raise StoreError(
+                f"lost the connection to the store at {self.location} while trying to {doing} "
+                f"({type(exc).__name__})"
+            ) from exc
+        except psycopg.Error as exc:
+            raise StoreError(
+                f"the store at {self.location} could not {doing}: "
+                f"{type(exc).__name__} ({exc.sqlstate})"
+            ) from exc
+        except psycopg_pool.PoolClosed as exc:
+            raise StoreClosedError(f"the store at {self.location} is closed") from exc
+
+    def _fetch(self, doing: str, query: Any, params: Sequence[Any] = ()) -> list[Any]:
+        with self._connection(doing) as conn, conn.cursor(binary=True) as cursor:
+            cursor.execute(query, params)
+            return cursor.fetchall()
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def append(
+        self,
+        stream: str,
+        events: Sequence[Event | NewEvent],
+        expected_version: int | None = None,
+        *,
+        fence: Fence | None = None,
+    ) -> list[RecordedEvent]:
+        self._live()
+        check_stream(stream)
+        news = [e if isinstance(e, NewEvent) else NewEvent(event=e) for e in events]
+        codec = self._codec
+        for new in news:
+            if not codec.knows(new.event):
+                raise UnknownEventTypeError(
+                    f"cannot append {type(new.event).__qualname__}: "
+                    "not an event this version writes"
+                )
+        if not news:
+            if fence is not None:
+                raise ValueError("a fenced append needs at least one event")
+            version = self.stream_version(stream)
+            if expected_version is not None and expected_version != version:
+                raise ConcurrencyError(stream, expected_version, version)
+            return []
+        now = self._clock.now()
+        stamped = [(now if new.ts is None else new.ts, new.id or ids.new_id(), new) for new in news]
+        try:
+            data = [self._header.encode(new.event) for _, _, new in stamped]
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise EventError(f"cannot encode an event for {stream!r}: {exc}") from exc
+        schemas = [codec.schema_of(new.event) for new in news]
+        params = (
+            stream,
+            expected_version,
+            None if fence is None else fence.epoch,
+            False if fence is None else fence.claim,
+            [ts for ts, _, _ in stamped],
+            [event_id for _, event_id, _ in stamped],
+            [new.causation_id for new in news],
+            [new.correlation_id for new in news],
+            schemas,
+            [event_tag(new.event) for new in news],
+            data,
+        )
+        [(outcome, first, old_version, epoch)] = self._fetch(
+            f"append to {stream!r}", self._sql.append, params
+        )
+        if outcome == "conflict":
+            assert expected_version is not None
+            raise ConcurrencyError(stream, expected_version, old_version)
+        if outcome == "fenced":
+            assert fence is not None
+            raise FencedError(stream, fence.epoch, epoch, claim=fence.claim)
+        self._bell.ring()
+        return [
+            RecordedEvent(
+                position=first + i,
+                stream=stream,
+                version=old_version + 1 + i,
+                ts=ts,
+                id=event_id,
+                causation_id=new.causation_id,
+                correlation_id=new.correlation_id,
+                schema=schema,
+                event=new.event,
+            )
+            for i, ((ts, event_id, new), schema) in enumerate(zip(stamped, schemas, strict=True))
+        ]
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _decode(self, rows: list[Any]) -> tuple[list[RecordedEvent], CorruptRecordError | None]:
+        encode = self._header.encode
+        raw = msgspec.Raw
+        values = [
+            encode((p, s, v, ts, i, c, k, sc, raw(d))) for p, s, v, ts, i, c, k, sc, d in rows
+        ]
+        out: list[RecordedEvent] = []
+        error = self._codec.decode_batch(values, out)
+        if error is not None:
+            error = CorruptRecordError(rows[len(out)][0], error.reason)
+        return out, error
+
+    def read_all(
+        self, from_position: int = 1, to_position: int | None = None
+    ) -> Iterator[RecordedEvent]:
+        self._live()
+        position = max(1, from_position)
+        last = _LAST if to_position is None else min(to_position, _LAST)
+        while position <= last:
+            end = min(last, position + READ_BATCH - 1)  # positions have no gaps
+            rows = self._fetch("read the log", self._sql.read_all, (position, end))
+            records, error = self._decode(rows)
+            yield from records
+            if error is not None:
+                raise error  # after every good record before it
+            if len(rows) < end - position + 1:
+                return
+            position = end + 1
+
+    def read_stream(
+        self, stream: str, from_version: int = 1, to_version: int | None = None
+    ) -> Iterator[RecordedEvent]:
+        self._live()
+        check_stream(stream)
+        version = max(1, from_version)
+        last = _LAST if to_version is None else min(to_version, _LAST)
+        while version <= last:
+            end = min(last, version + READ_BATCH - 1)  # versions have no gaps
+            rows = self._fetch(
+                f"read stream {stream!r}", self._sql.read_stream, (stream, version, end)
+            )
+            records, error = self._decode(rows)
+            yield from records
+            if error is not None:
+                raise error
+            if len(rows) < end - version + 1:
+                return
+            version = end + 1
+
+    def head(self) -> int:
+        [(position,)] = self._fetch("read the head", self._sql.head)
+        return int(position)
+
+    def wait_for(self, position: int, timeout: float | None) -> int:
+        self._live()
+        seen = self._bell.count
+        head = self.head()
+        if head >= position or timeout == 0:
+            return head
+        self._bell.start()
+        deadline = deadline_after(timeout)
+        while head < position:
+            wait = remaining(deadline, self._poll_interval)
+            if wait is None:
+                break
+            self._bell.wait(seen, wait)
+            self._live()
+            seen = self._bell.count
+            head = self.head()
+        return head
+
+    def subscribe(self, from_position: int = 1) -> Subscription:
+        self._live()
+        return Subscription(self, from_position)
+
+    def stream_version(self, stream: str) -> int:
+        check_stream(stream)
+        rows = self._fetch("read a stream's version", self._sql.stream_row, (stream,))
+        return int(rows[0][0]) if rows else 0
+
+    def lease_epoch(self, stream: str) -> int:
+        check_stream(stream)
+        rows = self._fetch("read a stream's lease epoch", self._sql.stream_row, (stream,))
+        return int(rows[0][1]) if rows else 0
+
+    def streams(self) -> list[StreamInfo]:
+        rows = self._fetch("list the streams", self._sql.streams)
+        return [
+            StreamInfo(
+                stream=stream,
+                version=version,
+                last_position=last_position,
+                last_ts=last_ts,
+                lease_epoch=epoch,
+            )
+            for stream, version, last_position, last_ts, epoch in rows
+        ]
+
+    # -- snapshots -----------------------------------------------------------------------------
+
+    def put_snapshot(self, snapshot: Snapshot) -> None:
+        check_stream(snapshot.stream)
+        key = (snapshot.stream, snapshot.name)
+        with self._connection("save a snapshot") as conn, conn.transaction():
+            conn.execute(
+                self._sql.put_snapshot,
+                (
+                    *key,
+                    snapshot.version,
+                    snapshot.position,
+                    zlib.crc32(snapshot.data),
+                    snapshot.data,
+                ),
+            )
+            conn.execute(self._sql.prune_snapshots, (*key, *key, SNAPSHOTS_KEPT))
+
+    def snapshots(self, stream: str, name: str) -> Iterator[Snapshot]:
+        check_stream(stream)
+        rows = self._fetch("read snapshots", self._sql.snapshots, (stream, name))
+        for version, position, crc, data in rows:
+            if zlib.crc32(data) != crc:
+                log.warning(
+                    "store.snapshot_corrupt",
+                    stream=stream,
+                    fold=name,
+                    version=version,
+                    reason="checksum mismatch",
+                )
+                continue
+            yield Snapshot(stream=stream, name=name, version=version, position=position, data=data)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._bell.close()
+        self._pool.close(timeout=self._timeout)
+
+    def __enter__(self) -> PostgresEventStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Statements:
+    """The store's SQL, with its schema name filled in once."""
+
+    def __init__(self, schema: sql.Identifier) -> None:
+        def q(text: str) -> sql.Composed:
+            return sql.SQL(text).format(s=schema)
+
+        self.append = q(
+            "SELECT outcome, first_position, old_version, epoch FROM {s}.append("
+            "%s::text, %s::bigint, %s::bigint, %s::boolean, %s::float8[], %s::text[], "
+            "%s::text[], %s::text[], %s::int4[], %s::text[], %s::bytea[])"
+        )
+        self.read_all = q(
+            f"SELECT {_COLUMNS} FROM {{s}}.events WHERE position BETWEEN %s AND %s "
+            "ORDER BY position"
+        )
+        self.read_stream = q(
+            f"SELECT {_COLUMNS} FROM {{s}}.events WHERE stream = %s "
+            "AND version BETWEEN %s AND %s ORDER BY version"
+        )
+        self.head = q("SELECT position FROM {s}.head")
+        self.stream_row = q(
+            "SELECT version, lease_epoch FROM {s}.streams WHERE stream = %s AND version > 0"
+        )
+        self.streams = q(
+            "SELECT stream, version, last_position, last_ts, lease_epoch FROM {s}.streams "
+            "WHERE version > 0 ORDER BY stream"
+        )
+        self.put_snapshot = q(
+            "INSERT INTO {s}.snapshots (stream, name, version, position, crc, data) "
+            "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (stream, name, version) "
+            "DO UPDATE SET position = EXCLUDED.position, crc = EXCLUDED.crc, data = EXCLUDED.data"
+        )
+        self.prune_snapshots = q(
+            "DELETE FROM {s}.snapshots WHERE stream = %s AND name = %s AND version NOT IN "
+            "(SELECT version FROM {s}.snapshots WHERE stream = %s AND name = %s "
+            "ORDER BY version DESC LIMIT %s)"
+        )
+        self.snapshots = q(
+            "SELECT version, position, crc, data FROM {s}.snapshots "
+            "WHERE stream = %s AND name = %s ORDER BY version DESC"
+        )

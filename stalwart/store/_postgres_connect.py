@@ -1,0 +1,104 @@
+"""Connecting to PostgreSQL: the URL, its password-free location, and clear errors.
+
+A connection failure becomes a StoreError whose text is ours (what failed, where, what
+to check) and never holds the password: not the URL's, nor one given as a query
+parameter. The library's own message is not passed on, only its class of failure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
+
+import psycopg
+
+from stalwart.errors import StoreError, StoreNotFoundError
+
+DEFAULT_SCHEMA = "stalwart"
+SCHEMES = ("postgresql", "postgres")
+_SECRET_PARAMS = {"password", "passfile", "sslpassword"}
+
+
+class PostgresUrl:
+    """A ``postgresql://`` URL split into what psycopg connects to and what we show.
+
+    ``schema=`` in the query names the store's schema (default ``stalwart``) and is ours,
+    not libpq's, so it is taken out of what psycopg sees.
+    """
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in SCHEMES:
+            raise StoreError(
+                f"a PostgreSQL store URL starts with postgresql://, found {url[:16]!r}"
+            )
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        schema = DEFAULT_SCHEMA
+        kept: list[tuple[str, str]] = []
+        for key, value in query:
+            if key == "schema":
+                schema = value
+            else:
+                kept.append((key, value))
+        if not schema or len(schema.encode()) > 50:
+            raise StoreError("the store's schema name must have 1 to 50 bytes")
+        self.schema = schema
+        self.password = unquote(parts.password) if parts.password else None
+        self.conninfo = urlunsplit(parts._replace(query=urlencode(kept)))
+        shown = [(k, v) for k, v in query if k not in _SECRET_PARAMS]
+        netloc = parts.hostname or ""
+        if ":" in netloc:  # an IPv6 address
+            netloc = f"[{netloc}]"
+        if parts.port is not None:
+            netloc += f":{parts.port}"
+        if parts.username:
+            netloc = f"{quote(unquote(parts.username), safe='')}@{netloc}"
+        self.location = urlunsplit((parts.scheme, netloc, parts.path, urlencode(shown), ""))
+        self.secrets = [s for s in (self.password, *_query_secrets(query)) if s]
+
+    def scrub(self, text: str) -> str:
+        """``text`` with every secret of this URL replaced by ``***``."""
+        for secret in self.secrets:
+            text = text.replace(secret, "***")
+        return text
+
+
+def _query_secrets(query: list[tuple[str, str]]) -> list[str]:
+    return [value for key, value in query if key in _SECRET_PARAMS and value]
+
+
+def _reason(exc: BaseException) -> str:
+    """A static sentence for a connection failure's class."""
+    text = str(exc).lower()
+    if "password authentication failed" in text or "authentication" in text:
+        return "authentication failed: check the user name and password"
+    if "no password supplied" in text:
+        return "the server asks for a password and none was given"
+    if "does not exist" in text and "database" in text:
+        return "the database does not exist: create it first (createdb)"
+    if "does not exist" in text and "role" in text:
+        return "the user does not exist on the server"
+    if "timeout" in text or "timed out" in text:
+        return "the connection timed out"
+    if "connection refused" in text or "could not connect" in text or "no such file" in text:
+        return "nothing is listening there: is the server running, and the host and port right?"
+    if "could not translate host name" in text or "name or service not known" in text:
+        return "the host name does not resolve"
+    return f"the connection failed ({type(exc).__name__})"
+
+
+def connect_error(exc: BaseException, url: PostgresUrl) -> StoreError:
+    """A typed, password-free error for a failed connection."""
+    reason = _reason(exc)
+    kind = StoreNotFoundError if reason.startswith("the database does not exist") else StoreError
+    return kind(url.scrub(f"cannot connect to the PostgreSQL store at {url.location}: {reason}"))
+
+
+def connect(url: PostgresUrl, *, timeout: float, **kwargs: Any) -> psycopg.Connection[Any]:
+    """One autocommit connection, or a clear StoreError."""
+    try:
+        return psycopg.connect(
+            url.conninfo, autocommit=True, connect_timeout=max(1, round(timeout)), **kwargs
+        )
+    except psycopg.Error as exc:
+        raise connect_error(exc, url) from exc

@@ -1,0 +1,216 @@
+"""A throwaway PostgreSQL cluster for tests and benchmarks: initdb + pg_ctl in a temp dir.
+
+The cluster listens on 127.0.0.1 on a free port, keeps its unix socket inside its own
+directory, and is removed when stopped. PostgreSQL refuses to run as root, so when this
+process is root the cluster belongs to the ``postgres`` user (or ``nobody``) and every
+command runs through ``runuser``. Its superuser has a password (scram-sha-256 over TCP)
+so tests can check that a password never leaks into an error or a location.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from urllib.parse import quote
+
+__all__ = ["PostgresServer", "postgres_bindir"]
+
+_SUPERUSER = "stalwart"
+_PASSWORD = "s3cret-test-pw"
+_START_TIMEOUT = 30
+
+
+def postgres_bindir() -> Path | None:
+    """The directory holding ``initdb`` and ``pg_ctl``, or None when PostgreSQL is absent.
+
+    Looks on PATH, then ``pg_config --bindir``, then ``/usr/lib/postgresql/*/bin``
+    (Debian's layout, newest version first).
+    """
+    found = shutil.which("initdb")
+    if found and shutil.which("pg_ctl"):
+        return Path(os.path.realpath(found)).parent
+    pg_config = shutil.which("pg_config")
+    if pg_config:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(
+                [pg_config, "--bindir"], capture_output=True, text=True, check=True, timeout=10
+            ).stdout.strip()
+            if out and (Path(out) / "initdb").exists():
+                return Path(out)
+    candidates = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin"),
+        key=lambda p: int(p.split("/")[-2]) if p.split("/")[-2].isdigit() else 0,
+        reverse=True,
+    )
+    for candidate in candidates:
+        if (Path(candidate) / "initdb").exists() and (Path(candidate) / "pg_ctl").exists():
+            return Path(candidate)
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _run_as() -> str | None:
+    """The user to run PostgreSQL as when we are root (it refuses root), else None."""
+    if os.geteuid() != 0:
+        return None
+    for name in ("postgres", "nobody"):
+        with contextlib.suppress(KeyError):
+            pwd.getpwnam(name)
+            return name
+    raise RuntimeError("running as root and neither a 'postgres' nor a 'nobody' user exists")
+
+
+class PostgresServer:
+    """A running throwaway cluster; use it as a context manager or call :meth:`stop`.
+
+    ``fsync=False`` trades crash durability of the whole cluster for speed (tests);
+    benchmarks keep PostgreSQL's defaults. ``url()`` names a database on it, with the
+    superuser's password in it.
+    """
+
+    def __init__(
+        self,
+        *,
+        bindir: Path | None = None,
+        fsync: bool = True,
+        directory: str | None = None,
+        settings: Sequence[str] = (),
+    ) -> None:
+        found = bindir or postgres_bindir()
+        if found is None:
+            raise RuntimeError("PostgreSQL is not installed (no initdb and pg_ctl found)")
+        self.bindir = found
+        self.user = _SUPERUSER
+        self.password = _PASSWORD
+        self.host = "127.0.0.1"
+        self.port = _free_port()
+        self._owner = _run_as()
+        self.root = Path(tempfile.mkdtemp(prefix="stalwart-pg-", dir=directory))
+        self.data = self.root / "data"
+        self.log_file = self.root / "server.log"
+        self._running = False
+        if self._owner is not None:
+            entry = pwd.getpwnam(self._owner)
+            os.chown(self.root, entry.pw_uid, entry.pw_gid)
+        try:
+            self._initdb()
+            self._start(fsync, settings)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _command(self, program: str, *args: str) -> list[str]:
+        command = [str(self.bindir / program), *args]
+        if self._owner is not None:
+            command = ["runuser", "-u", self._owner, "--", *command]
+        return command
+
+    def _run(self, program: str, *args: str, timeout: float = _START_TIMEOUT) -> None:
+        done = subprocess.run(
+            self._command(program, *args),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            cwd=self.root,
+        )
+        if done.returncode != 0:
+            tail = ""
+            with contextlib.suppress(OSError):
+                tail = self.log_file.read_text()[-2000:]
+            raise RuntimeError(
+                f"{program} failed ({done.returncode}): {done.stderr.strip()[-2000:]} {tail}"
+            )
+
+    def _initdb(self) -> None:
+        pwfile = self.root / "pw"
+        pwfile.write_text(self.password + "\n")
+        if self._owner is not None:
+            entry = pwd.getpwnam(self._owner)
+            os.chown(pwfile, entry.pw_uid, entry.pw_gid)
+        try:
+            self._run(
+                "initdb",
+                "-D",
+                str(self.data),
+                "-U",
+                self.user,
+                f"--pwfile={pwfile}",
+                "--auth-local=trust",
+                "--auth-host=scram-sha-256",
+                "--encoding=UTF8",
+                "--locale=C",
+                "--no-sync",
+            )
+        finally:
+            pwfile.unlink()
+
+    def _start(self, fsync: bool, settings: Sequence[str]) -> None:
+        options = [
+            f"-c listen_addresses={self.host}",
+            f"-c port={self.port}",
+            f"-c unix_socket_directories={self.root}",
+            "-c max_connections=200",
+            "-c shared_buffers=64MB",
+        ]
+        if not fsync:
+            options += ["-c fsync=off", "-c synchronous_commit=off", "-c full_page_writes=off"]
+        options += [f"-c {setting}" for setting in settings]
+        self._run(
+            "pg_ctl",
+            "start",
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.log_file),
+            "-w",
+            "-t",
+            str(_START_TIMEOUT),
+            "-o",
+            " ".join(options),
+        )
+        self._running = True
+
+    def url(self, database: str = "postgres", *, password: bool = True) -> str:
+        """A ``postgresql://`` URL of ``database`` on this server."""
+        auth = quote(self.user, safe="")
+        if password:
+            auth += ":" + quote(self.password, safe="")
+        return f"postgresql://{auth}@{self.host}:{self.port}/{quote(database, safe='')}"
+
+    def create_database(self, name: str) -> str:
+        """Create an empty database and return its URL."""
+        import psycopg  # noqa: PLC0415 (psycopg is an optional extra)
+        from psycopg import sql  # noqa: PLC0415
+
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        return self.url(name)
+
+    def stop(self) -> None:
+        """Stop the server (fast shutdown) and remove its directory."""
+        if self._running:
+            self._running = False
+            with contextlib.suppress(RuntimeError, subprocess.SubprocessError):
+                self._run("pg_ctl", "stop", "-D", str(self.data), "-m", "fast", "-w")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> PostgresServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
