@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import socket
+import time
 from collections.abc import Iterator
 
+import psycopg
 import pytest
+from click.testing import CliRunner
 
 from stalwart import store as store_module
+from stalwart.cli import cli
 from stalwart.clock import FakeClock
-from stalwart.store import EventStore
+from stalwart.errors import StoreError, StoreNotFoundError
+from stalwart.events import MessageAppended, SessionCreated
+from stalwart.store import EventStore, PostgresEventStore
+from stalwart.testing import PostgresServer
 
 from ._postgres import pg_server, pg_url  # noqa: F401  (fixtures)
 from .store_contract import EventStoreContract
@@ -23,3 +32,150 @@ class TestPostgresContract(EventStoreContract):
             yield opened
         finally:
             opened.close()
+
+
+# -- what only PostgreSQL does --------------------------------------------------------------
+
+
+def _msg(n: int) -> MessageAppended:
+    return MessageAppended(message_id=str(n), role="user", content="x")
+
+
+def test_location_and_repr_hide_the_password(pg_server: PostgresServer, pg_url: str) -> None:  # noqa: F811
+    with PostgresEventStore(pg_url + "&application_name=t") as store:
+        assert pg_server.password not in store.location
+        assert pg_server.password not in repr(store)
+        assert store.location.startswith(f"postgresql://{pg_server.user}@127.0.0.1:")
+        assert "schema=" in store.location
+        assert "application_name=t" in store.location
+    with PostgresEventStore(
+        pg_server.url("stalwart_test", password=False) + f"?password={pg_server.password}&schema=pw"
+    ) as store:
+        assert pg_server.password not in store.location
+
+
+def _assert_clean(error: BaseException, password: str) -> None:
+    text = str(error)
+    assert password not in text
+    assert "127.0.0.1" in text  # it says where
+
+
+def test_a_wrong_password_is_a_clear_error_without_the_password(
+    pg_server: PostgresServer,  # noqa: F811
+) -> None:
+    wrong = "wrong-Pa55word"
+    url = pg_server.url("stalwart_test").replace(pg_server.password, wrong)
+    with pytest.raises(StoreError, match="authentication failed") as caught:
+        store_module.open(url)
+    _assert_clean(caught.value, wrong)
+
+
+def test_a_missing_database_is_store_not_found(pg_server: PostgresServer) -> None:  # noqa: F811
+    with pytest.raises(StoreNotFoundError, match="database does not exist") as caught:
+        store_module.open(pg_server.url("no_such_db"))
+    _assert_clean(caught.value, pg_server.password)
+
+
+def test_nothing_listening_is_a_clear_error(pg_server: PostgresServer) -> None:  # noqa: F811
+    url = pg_server.url().replace(f":{pg_server.port}/", f":{_closed_port()}/")
+    with pytest.raises(StoreError, match="nothing is listening") as caught:
+        PostgresEventStore(url, connect_timeout=2)
+    _assert_clean(caught.value, pg_server.password)
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_read_only_open_refuses_a_database_without_a_store(pg_url: str) -> None:  # noqa: F811
+    with pytest.raises(StoreNotFoundError, match="stalwart db init"):
+        store_module.open(pg_url, create=False)
+
+
+def test_a_newer_schema_is_refused(pg_server: PostgresServer, pg_url: str) -> None:  # noqa: F811
+    with PostgresEventStore(pg_url) as store:
+        schema = pg_url.rsplit("schema=", 1)[1]
+        assert store.migrated_from == 0
+    with psycopg.connect(pg_server.url("stalwart_test"), autocommit=True) as conn:
+        conn.execute(f'INSERT INTO "{schema}".schema_version (version) VALUES (99)')
+    with pytest.raises(StoreError, match="schema version 99"):
+        PostgresEventStore(pg_url)
+
+
+def test_a_killed_listener_loses_no_event(pg_server: PostgresServer, pg_url: str) -> None:  # noqa: F811
+    reader = PostgresEventStore(pg_url, poll_interval=0.05)
+    writer = PostgresEventStore(pg_url)  # another handle: its appends ring no bell here
+    try:
+        with reader.subscribe(1) as subscription:
+            writer.append("s:1", [_msg(1)])
+            assert [r.position for r in subscription.poll(5)] == [1]
+            assert subscription.poll(0.1) == []  # waiting starts the listener
+            with psycopg.connect(pg_server.url(), autocommit=True) as admin:
+                killed = admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE application_name = 'stalwart-listener'"
+                ).fetchall()
+            assert killed  # the listener was there, and is gone
+            writer.append("s:1", [_msg(2)])  # nobody listens: this NOTIFY is lost
+            assert [r.position for r in subscription.poll(5)] == [2]
+            for n in range(3, 6):
+                writer.append("s:1", [_msg(n)])
+                assert [r.position for r in subscription.poll(5)] == [n]
+            assert _listeners(pg_server) == 1  # and the listener came back
+    finally:
+        writer.close()
+        reader.close()
+
+
+def _listeners(server: PostgresServer) -> int:
+    with psycopg.connect(server.url(), autocommit=True) as admin:
+        for _ in range(100):
+            row = admin.execute(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE application_name = 'stalwart-listener' AND query LIKE 'LISTEN%%'"
+            ).fetchone()
+            if row and row[0]:
+                return int(row[0])
+            time.sleep(0.05)
+    return 0
+
+
+def test_stream_ids_sort_by_code_point(pg_url: str) -> None:  # noqa: F811
+    names = ["s:b", "S:a", "s:a", "s:é", "s:a-", "s:aa", "s:Z"]
+    with PostgresEventStore(pg_url) as store:
+        for name in names:
+            store.append(name, [_msg(1)])
+        assert [info.stream for info in store.streams()] == sorted(names)
+
+
+# -- the command line -------------------------------------------------------------------------
+
+
+def test_db_init_creates_then_finds_the_schema_current(pg_url: str) -> None:  # noqa: F811
+    runner = CliRunner()
+    first = runner.invoke(cli, ["--store", pg_url, "db", "init"])
+    assert first.exit_code == 0, first.output
+    assert "created the store" in first.output
+    assert "schema version 1" in first.output
+    again = runner.invoke(cli, ["--store", pg_url, "db", "init"])
+    assert again.exit_code == 0, again.output
+    assert "up to date" in again.output
+
+
+def test_cli_tail_and_streams_on_postgres(pg_server: PostgresServer, pg_url: str) -> None:  # noqa: F811
+    runner = CliRunner()
+    missing = runner.invoke(cli, ["--store", pg_url, "streams"])
+    assert missing.exit_code == 1
+    assert "stalwart db init" in missing.output
+    assert pg_server.password not in missing.output
+    with PostgresEventStore(pg_url) as store:
+        store.append("session:cli", [SessionCreated(), _msg(1)])
+    listed = runner.invoke(cli, ["--store", pg_url, "streams"])
+    assert listed.exit_code == 0, listed.output
+    assert "session:cli" in listed.output
+    tailed = runner.invoke(cli, ["--store", pg_url, "tail", "--json"])
+    assert tailed.exit_code == 0, tailed.output
+    lines = [json.loads(line) for line in tailed.output.splitlines()]
+    assert [line["position"] for line in lines] == [1, 2]

@@ -1,6 +1,16 @@
 """The ``stalwart`` command line."""
 
-from . import _check, _demo, _fake, _incidents, _run  # noqa: F401  (they register their commands)
+from . import (  # noqa: F401  (they register their commands)
+    _check,
+    _db,
+    _demo,
+    _fake,
+    _incidents,
+    _run,
+    _session,
+    _status,
+    _watch,
+)
 from ._app import cli, main
 
 __all__ = ["cli", "main"]

@@ -36,7 +36,7 @@ from stalwart.errors import (
 from stalwart.events import DEFAULT_CODEC, Codec, Event, RecordedEvent, event_tag
 
 from ._postgres_connect import PostgresUrl, connect
-from ._postgres_schema import channel_name, ensure_schema
+from ._postgres_schema import SCHEMA_VERSION, channel_name, ensure_schema
 from ._postgres_tail import Doorbell, deadline_after, remaining
 from ._protocol import Fence, NewEvent, Snapshot, StreamInfo, check_stream
 from ._subscription import Subscription
@@ -45,6 +45,8 @@ log = structlog.get_logger(__name__)
 
 READ_BATCH = 1024
 SNAPSHOTS_KEPT = 3
+#: The ``application_name`` of the listener connections (to find them in pg_stat_activity).
+LISTENER_NAME = "stalwart-listener"
 _LAST = (1 << 63) - 1
 _COLUMNS = "position, stream, version, ts, id, causation_id, correlation_id, schema, data"
 
@@ -81,12 +83,15 @@ class PostgresEventStore:
         self._sql = _Statements(names)
         with connect(self._url, timeout=connect_timeout) as conn:
             try:
-                ensure_schema(conn, self._url.schema, self.location, create=create)
+                migrated = ensure_schema(conn, self._url.schema, self.location, create=create)
             except psycopg.Error as exc:
                 raise StoreError(
                     f"cannot prepare the store's schema at {self.location}: "
                     f"{type(exc).__name__} ({exc.sqlstate})"
                 ) from exc
+        #: The schema version this handle found before migrating it (0: it created the
+        #: schema), or None when the schema was already current.
+        self.migrated_from = migrated
         self._pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] = (
             psycopg_pool.ConnectionPool(
                 self._url.conninfo,
@@ -107,6 +112,11 @@ class PostgresEventStore:
     def location(self) -> str:
         return self._url.location
 
+    @property
+    def schema_version(self) -> int:
+        """The version of the store's tables (the database is at it once opened)."""
+        return SCHEMA_VERSION
+
     def __repr__(self) -> str:
         return f"PostgresEventStore({self.location!r})"
 
@@ -115,7 +125,7 @@ class PostgresEventStore:
             raise StoreClosedError(f"the store at {self.location} is closed")
 
     def _listener_connection(self) -> psycopg.Connection[Any]:
-        return connect(self._url, timeout=self._timeout)
+        return connect(self._url, timeout=self._timeout, application_name=LISTENER_NAME)
 
     @contextmanager
     def _connection(self, doing: str) -> Iterator[psycopg.Connection[Any]]:

@@ -203,8 +203,11 @@ def check_version(version: int, location: str) -> None:
 
 def ensure_schema(
     conn: psycopg.Connection[Any], schema: str, location: str, *, create: bool
-) -> None:
-    """Make sure the schema is there and current, creating it only when ``create``."""
+) -> int | None:
+    """Make sure the schema is there and current, creating it only when ``create``.
+
+    Returns the version it migrated from (0: created), or None when it was current.
+    """
     version = installed_version(conn, schema)
     if version is None and not create:
         raise StoreNotFoundError(
@@ -214,5 +217,5 @@ def ensure_schema(
     if version is not None:
         check_version(version, location)
         if version == SCHEMA_VERSION:
-            return
-    migrate(conn, schema, location)
+            return None
+    return migrate(conn, schema, location)
