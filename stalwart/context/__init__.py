@@ -1,5 +1,18 @@
-"""The context engine: fit a long conversation into the model's window, losing nothing."""
+"""The context engine: fit a long conversation into the model's window, losing nothing.
 
+The lossless DAG engine (:class:`DagEngine`, the default) keeps every message verbatim,
+a fresh tail of recent turns, and a hierarchy of summaries of everything older that the
+agent can search and expand back to the exact messages; see ``docs/context.md``.
+"""
+
+from ._dag import ContextScopeError, DagSession, valid_session_id
+from ._engine import Assembly, DagEngine, ModelProfile
+from ._recall import Expansion, Inspection, SearchHit
+from ._render import DAG_SYSTEM_CLAUSE, neutralise, render_summary
+from ._repair import SYNTHETIC_RESULT, Provider, repair, validity_violations
+from ._search import Bm25Index
+from ._standin import ExtractiveSummarizer
+from ._summarize import SUMMARY_INSTRUCTIONS
 from ._tokens import (
     PROFILES,
     Countable,
@@ -9,18 +22,41 @@ from ._tokens import (
     estimate_text_tokens,
     estimate_tokens,
 )
+from ._transcript import TranscriptError, parse_transcript, read_transcript
 from ._types import ContextMessage, Summarizer, SummaryRequest, ThinkingBlock
 
 __all__ = [
+    "DAG_SYSTEM_CLAUSE",
     "PROFILES",
+    "SUMMARY_INSTRUCTIONS",
+    "SYNTHETIC_RESULT",
+    "Assembly",
+    "Bm25Index",
     "ContextMessage",
+    "ContextScopeError",
     "Countable",
+    "DagEngine",
+    "DagSession",
+    "Expansion",
+    "ExtractiveSummarizer",
+    "Inspection",
+    "ModelProfile",
+    "Provider",
+    "SearchHit",
     "Summarizer",
     "SummaryRequest",
     "ThinkingBlock",
     "TokenEstimator",
     "TokenProfile",
+    "TranscriptError",
     "estimate_message_tokens",
     "estimate_text_tokens",
     "estimate_tokens",
+    "neutralise",
+    "parse_transcript",
+    "read_transcript",
+    "render_summary",
+    "repair",
+    "valid_session_id",
+    "validity_violations",
 ]

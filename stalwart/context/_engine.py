@@ -1,0 +1,320 @@
+"""The lossless DAG engine: fit a session into a budget, losing nothing.
+
+Each :meth:`DagEngine.assemble` call, before a provider call:
+
+1. stores the session's new messages (verbatim, idempotent by id);
+2. keeps the fresh tail (the last ``fresh_tail_turns`` user turns) verbatim; when the
+   tail alone does not fit, it shrinks to fewer whole turns, then clips the largest
+   messages, and records ``context:dag_degraded`` (``tail_over_budget``);
+3. while the assembled context is above ``context_threshold`` x the budget, summarizes
+   the oldest unsummarized chunk before the tail into a leaf, and folds every
+   ``condensed_min_fanout`` same-depth summaries into a deeper one. Each summarizer call
+   is governed per tenant (breaker, rolling spend caps); when it may not run, an
+   emergency truncation (marked, deterministic, no LLM) stands in and the degrade is
+   recorded; when it fails, the failure is recorded and nothing is retried inline;
+4. if it still does not fit, leaves out whole units (a summary, or a message with its
+   tool results) of the history between the pinned system prompt and the tail: the
+   oldest first, or, relevance-first, the least relevant to the recent user turns;
+5. repairs the transcript for provider validity, and marks the cache fence.
+
+Everything decided is returned as events for ``context:<session>`` (the ContextStore
+actor appends them before it hands the messages on); :meth:`restore` rebuilds a session
+from that stream and the session's messages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Literal
+
+import msgspec
+import structlog
+
+from stalwart.clock import Clock
+from stalwart.config import ContextEngineSettings
+from stalwart.events import ContextBound, ContextDagDegraded, Event, RecordedEvent
+from stalwart.ids import new_id
+from stalwart.state import CONTEXT_DAG, GovernorState, apply_governor_event, fold
+
+from ._dag import ContextScopeError, DagSession, valid_session_id
+from ._recall import Recall
+from ._render import DAG_SYSTEM_CLAUSE
+from ._repair import repair
+from ._select import clip_tail, select_history
+from ._summarize import Summaries, TurnLog
+from ._tokens import TokenEstimator, estimate_message_tokens
+from ._types import ContextMessage, Summarizer
+
+__all__ = ["Assembly", "DagEngine", "ModelProfile"]
+
+log = structlog.get_logger(__name__)
+
+
+class ModelProfile(msgspec.Struct, frozen=True, kw_only=True):
+    """What the engine needs to know of the model it assembles for."""
+
+    provider: Literal["openai", "anthropic"] = "anthropic"
+    model: str = ""
+    caching: bool = True
+    small: bool = False
+
+
+class Assembly(msgspec.Struct, frozen=True, kw_only=True):
+    """One assembled context. ``messages[:fence]`` is the cache fence's prefix: the
+    system prompt and the condensed summaries, which change only when a condensation
+    above depth 0 or an eviction rewrites them (the leaves after it change every few
+    turns, the conversation after them every turn). ``breakpoints`` are the message
+    indices an Anthropic request marks with ``cache_control`` (at most 4: the system
+    prompt, the fence, the last summary, the last message). ``events`` go to
+    ``context:<session>`` in order."""
+
+    messages: tuple[ContextMessage, ...]
+    tokens: int
+    budget: int
+    fence: int
+    breakpoints: tuple[int, ...]
+    summaries_made: tuple[str, ...] = ()
+    degraded: tuple[str, ...] = ()
+    evicted: int = 0
+    repairs: int = 0
+    clipped: int = 0
+    relevance_first: bool = False
+    layers_fired: tuple[str, ...] = ()
+    events: tuple[Event, ...] = ()
+
+
+class DagEngine(Summaries, Recall):
+    """The DAG engine over any number of sessions, with per-tenant summarizer governance.
+
+    Not thread-safe: one owner calls it (the ContextStore actor, the CLI, a benchmark).
+    """
+
+    def __init__(
+        self,
+        settings: ContextEngineSettings | None = None,
+        *,
+        summarizer: Summarizer,
+        clock: Clock,
+        make_id: Callable[[], str] = new_id,
+    ) -> None:
+        self.settings = settings or ContextEngineSettings()
+        self.summarizer = summarizer
+        self.clock = clock
+        self.make_id = make_id
+        self.sessions: dict[str, DagSession] = {}
+        self.governors: dict[str | None, GovernorState] = {}
+        self.estimators: dict[tuple[str, str], TokenEstimator] = {}
+
+    # -- sessions and state -----------------------------------------------------------
+
+    def _session(self, session_id: str, tenant: str | None) -> DagSession:
+        if not valid_session_id(session_id):
+            raise ContextScopeError("the session id is malformed")
+        session = self.sessions.get(session_id)
+        if session is None:
+            session = DagSession(session_id, tenant, estimate_message_tokens)
+            self.sessions[session_id] = session
+        return session
+
+    def restore(
+        self,
+        session_id: str,
+        records: Iterable[RecordedEvent],
+        messages: Sequence[ContextMessage],
+    ) -> DagSession:
+        """Rebuild a session from its ``context:<session>`` records and its messages."""
+        stream = f"context:{session_id}"
+        session = DagSession(session_id, None, estimate_message_tokens)
+        if not valid_session_id(session_id):
+            raise ContextScopeError("the session id is malformed")
+        session.ingest(messages)
+        session.restore(fold(CONTEXT_DAG, stream, records))
+        self.sessions[session_id] = session
+        return session
+
+    def observe(self, records: Iterable[RecordedEvent]) -> None:
+        """Fold records of any ``context:*`` stream into the tenants' governors."""
+        for record in records:
+            tenant = getattr(record.event, "tenant", None)
+            governor = self.governors.get(tenant) or GovernorState(tenant=tenant)
+            self.governors[tenant] = apply_governor_event(governor, record.event, record.ts)
+
+    def estimator(self, profile: ModelProfile) -> TokenEstimator:
+        key = (profile.provider, profile.model)
+        found = self.estimators.get(key)
+        if found is None:
+            found = self.estimators[key] = TokenEstimator(profile.provider, profile.model)
+        return found
+
+    def calibrate(self, profile: ModelProfile, estimated: int, reported: int) -> float:
+        """Feed the provider's reported input tokens for an assembly of ``estimated``."""
+        return self.estimator(profile).calibrate(estimated, reported)
+
+    # -- assembly ---------------------------------------------------------------------
+
+    def assemble(
+        self,
+        session_id: str,
+        messages: Sequence[ContextMessage],
+        budget: int,
+        *,
+        tenant: str | None = None,
+        profile: ModelProfile | None = None,
+    ) -> Assembly:
+        """The context for the next provider call of ``session_id`` within ``budget``.
+
+        ContextScopeError (with a ``context:dag_degraded`` ``fail_closed_rollover`` event
+        in ``error.events``) when the write's scope is ambiguous: a malformed session id,
+        another tenant than the session's, or messages that rewrite its history."""
+        profile = profile or ModelProfile()
+        turn = TurnLog()
+        try:
+            session = self._session(session_id, tenant)
+            if session.bound and session.tenant != tenant:
+                raise ContextScopeError("the session belongs to another tenant")
+            session.ingest(messages)
+            if not session.bound:
+                turn.events.append(ContextBound(session=session_id, tenant=tenant))
+                session.bound, session.tenant = True, tenant
+        except ContextScopeError as exc:
+            refusal = ContextDagDegraded(
+                reason="fail_closed_rollover",
+                tenant=tenant,
+                session=session_id if valid_session_id(session_id) else None,
+            )
+            log.warning("context_write_refused", reason="fail_closed_rollover", tenant=tenant)
+            exc.events = (refusal,)
+            raise
+        factor = self.estimator(profile).factor
+        raw_budget = max(1, math.floor(budget / factor))
+        return self._assemble(session, raw_budget, budget, factor, profile, turn)
+
+    def relevance_first(self, profile: ModelProfile) -> bool:
+        """Relevance-first assembly: never on a caching profile; otherwise the explicit
+        ``relevance.first_by_default`` if set, else on for small models."""
+        if profile.caching:
+            return False
+        forced = self.settings.relevance.first_by_default
+        return profile.small if forced is None else forced
+
+    def _assemble(
+        self,
+        session: DagSession,
+        raw_budget: int,
+        budget: int,
+        factor: float,
+        profile: ModelProfile,
+        turn: TurnLog,
+    ) -> Assembly:
+        system = self._system(session)
+        system_tokens = estimate_message_tokens(system)
+        room = raw_budget - system_tokens
+        tail = self._tail(session, room, turn)
+        self._summarize(session, raw_budget, system_tokens, tail, turn)
+        tail_messages = session.messages[tail:]
+        tail_tokens = session.range_tokens(tail, len(session.messages))
+        clipped = 0
+        if tail_tokens > room:
+            tail_messages, clipped = clip_tail(tail_messages, room)
+            tail_tokens = sum(estimate_message_tokens(message) for message in tail_messages)
+            turn.layers["clip"] = None
+        relevance = self.relevance_first(profile)
+        available = room - tail_tokens
+        for _ in range(16):
+            kept, evicted = select_history(
+                session, tail, available, relevance, self.settings.relevance.recent_user_turns
+            )
+            history: list[ContextMessage] = []
+            for unit in kept:
+                if unit.summary_id is not None:
+                    history.append(session.rendered(unit.summary_id)[0])
+                else:
+                    history.extend(session.messages[unit.start : unit.end])
+            assembled, repairs = repair([system, *history, *tail_messages])
+            raw_total = sum(self._count(session, message) for message in assembled)
+            if raw_total <= raw_budget or not kept:
+                break
+            available -= raw_total - raw_budget
+        summaries = [unit.summary_id for unit in kept if unit.summary_id is not None]
+        settled = sum(1 for summary in summaries if session.nodes[summary].depth > 0)
+        fence = 1 + settled
+        for name, happened in (("evict", evicted), ("repair", repairs)):
+            if happened:
+                turn.layers[name] = None
+        return Assembly(
+            messages=tuple(assembled),
+            tokens=math.ceil(raw_total * factor),
+            budget=budget,
+            fence=fence,
+            breakpoints=tuple(sorted({0, fence - 1, len(summaries), len(assembled) - 1})),
+            summaries_made=tuple(turn.made),
+            degraded=tuple(turn.degraded),
+            evicted=evicted,
+            repairs=repairs,
+            clipped=clipped,
+            relevance_first=relevance,
+            layers_fired=tuple(turn.layers),
+            events=tuple(turn.events),
+        )
+
+    def _count(self, session: DagSession, message: ContextMessage) -> int:
+        position = session.positions.get(message.message_id)
+        if position is not None and session.messages[position] is message:
+            return session.tokens[position]
+        if message.message_id.startswith("summary:"):
+            return session.rendered(message.message_id.removeprefix("summary:"))[1]
+        return estimate_message_tokens(message)
+
+    def _system(self, session: DagSession) -> ContextMessage:
+        """The pinned system prompt (the session's leading system messages) with the
+        dag-mode clause; one message, the same every turn."""
+        cached = session.system
+        if cached is not None and cached[0] == session.pinned:
+            return cached[1]
+        parts = [message.content for message in session.messages[: session.pinned]]
+        first = session.messages[0] if session.pinned else None
+        system = ContextMessage(
+            message_id=first.message_id if first else "system:dag",
+            seq=first.seq if first else 0,
+            role="system",
+            content="\n\n".join([*[part for part in parts if part], DAG_SYSTEM_CLAUSE]),
+            ts=first.ts if first else 0.0,
+        )
+        session.system = (session.pinned, system)
+        return system
+
+    def _tail(self, session: DagSession, room: int, turn: TurnLog) -> int:
+        """The fresh tail's start; shrunk to fewer whole turns (recorded) when it alone
+        does not fit in ``room``."""
+        count = len(session.messages)
+        start = session.tail_start(self.settings.fresh_tail_turns)
+        full = session.range_tokens(start, count)
+        if full <= room:
+            session.tail_degraded = False
+            return start
+        for later in session.later_tail_starts(start):
+            start = later
+            if session.range_tokens(start, count) <= room:
+                break
+        if not session.tail_degraded:
+            session.tail_degraded = True
+            event = ContextDagDegraded(
+                reason="tail_over_budget",
+                tenant=session.tenant,
+                session=session.session_id,
+                knob="context_engine.fresh_tail_turns",
+                used=full,
+                limit=max(0, room),
+            )
+            turn.events.append(event)
+            turn.degraded.append("tail_over_budget")
+            log.warning(
+                "context_tail_over_budget",
+                session=session.session_id,
+                tokens=full,
+                room=room,
+                error_kind="resource",
+            )
+        turn.layers["tail_degrade"] = None
+        return start

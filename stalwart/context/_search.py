@@ -1,0 +1,109 @@
+"""Full-text search over one session: an incremental BM25 index.
+
+Written here rather than taken from a library: the engine adds one document per message
+as it arrives and must never rebuild the index per turn (``rank_bm25`` and friends build
+their statistics once over a fixed corpus), and it needs scores for chosen documents
+(relevance-first assembly ranks only the middle band). The index is an inverted map
+``term -> {doc: term frequency}`` with document lengths; adding a document is linear in
+its length, a query in the postings of its terms.
+
+Scoring is Okapi BM25 (k1 = 1.2, b = 0.75) with the non-negative IDF
+``ln(1 + (N - n + 0.5) / (n + 0.5))``. Terms are lower-cased runs of letters and digits
+(any script); identifiers such as ``order_id-4411`` also index their whole form.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+
+__all__ = ["Bm25Index", "terms"]
+
+_WORD = re.compile(r"\w+", re.UNICODE)
+_COMPOUND = re.compile(r"\w+(?:[-_.:/]\w+)+", re.UNICODE)
+K1 = 1.2
+B = 0.75
+
+
+def terms(text: str) -> list[str]:
+    """The index terms of a text: its words, and its compound identifiers whole."""
+    lowered = text.lower()
+    found = _WORD.findall(lowered)
+    found.extend(_COMPOUND.findall(lowered))
+    return found
+
+
+class Bm25Index:
+    """Documents by id, added once (re-adding an id is ignored), ranked by BM25."""
+
+    __slots__ = ("_lengths", "_postings", "_total")
+
+    def __init__(self) -> None:
+        self._postings: dict[str, dict[str, int]] = {}
+        self._lengths: dict[str, int] = {}
+        self._total = 0
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def __contains__(self, doc: object) -> bool:
+        return doc in self._lengths
+
+    def add(self, doc: str, text: str) -> None:
+        """Index ``text`` as document ``doc``."""
+        if doc in self._lengths:
+            return
+        words = terms(text)
+        self._lengths[doc] = len(words)
+        self._total += len(words)
+        counts: dict[str, int] = {}
+        for word in words:
+            counts[word] = counts.get(word, 0) + 1
+        postings = self._postings
+        for word, count in counts.items():
+            bucket = postings.get(word)
+            if bucket is None:
+                postings[word] = {doc: count}
+            else:
+                bucket[doc] = count
+
+    def _weights(self, query: str) -> list[tuple[dict[str, int], float]]:
+        n = len(self._lengths)
+        weights = []
+        for word in dict.fromkeys(terms(query)):
+            bucket = self._postings.get(word)
+            if bucket:
+                idf = math.log(1 + (n - len(bucket) + 0.5) / (len(bucket) + 0.5))
+                weights.append((bucket, idf))
+        return weights
+
+    def _score(self, doc: str, weights: list[tuple[dict[str, int], float]], mean: float) -> float:
+        length = self._lengths.get(doc, 0)
+        norm = K1 * (1 - B + B * length / mean) if mean else K1
+        score = 0.0
+        for bucket, idf in weights:
+            tf = bucket.get(doc)
+            if tf:
+                score += idf * tf * (K1 + 1) / (tf + norm)
+        return score
+
+    def search(self, query: str, limit: int = 10) -> list[tuple[str, float]]:
+        """The best ``limit`` documents for ``query``, best first; ties break by document
+        id, so results are deterministic."""
+        weights = self._weights(query)
+        if not weights:
+            return []
+        mean = self._total / len(self._lengths)
+        candidates: set[str] = set()
+        for bucket, _ in weights:
+            candidates.update(bucket)
+        scored = [(doc, self._score(doc, weights, mean)) for doc in candidates]
+        scored.sort(key=lambda item: (-item[1], item[0]))
+        return scored[:limit]
+
+    def scores(self, query: str, docs: Iterable[str]) -> dict[str, float]:
+        """BM25 of each of ``docs`` for ``query`` (0.0 for a document without its terms)."""
+        weights = self._weights(query)
+        mean = self._total / len(self._lengths) if self._lengths else 0.0
+        return {doc: self._score(doc, weights, mean) if weights else 0.0 for doc in docs}

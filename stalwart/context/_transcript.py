@@ -1,0 +1,164 @@
+"""Reading transcripts: OpenAI-style chat messages or Anthropic content blocks.
+
+Accepts a JSON array or JSON Lines of messages ``{role, content, tool_calls,
+tool_call_id}`` (content a string or a list of parts), or Anthropic messages whose
+content is a list of ``text`` / ``image`` / ``tool_use`` / ``tool_result`` / ``thinking``
+blocks; a user message carrying tool results becomes one ``tool`` message per result
+(then the user's own text, if any). Optional ``id`` and ``ts`` fields are kept.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from stalwart.errors import StalwartError
+from stalwart.events import ToolCall
+
+from ._types import ContextMessage, ThinkingBlock
+
+__all__ = ["TranscriptError", "parse_transcript", "read_transcript"]
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+class TranscriptError(StalwartError):
+    """A transcript that cannot be read; the message says where."""
+
+
+def read_transcript(text: str, *, source: str = "transcript") -> list[ContextMessage]:
+    """Messages from a JSON array or JSON Lines text."""
+    stripped = text.lstrip()
+    try:
+        if stripped.startswith("["):
+            items = json.loads(stripped)
+        else:
+            items = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except ValueError as exc:
+        raise TranscriptError(f"{source} is not JSON or JSON Lines: {exc}") from None
+    return parse_transcript(items, source=source)
+
+
+def parse_transcript(items: Iterable[Any], *, source: str = "transcript") -> list[ContextMessage]:
+    """Messages from already-parsed items, numbered in order, turns counted."""
+    out: list[ContextMessage] = []
+    turn = 0
+    for index, item in enumerate(items):
+        if not isinstance(item, dict) or item.get("role") not in _ROLES:
+            raise TranscriptError(
+                f"{source}: item {index} must be an object with a role in {list(_ROLES)}"
+            )
+        for part, fields in enumerate(_fields(item)):
+            if fields["role"] == "user":
+                turn += 1
+            base = str(item.get("id") or f"m{index}")
+            out.append(
+                ContextMessage(
+                    message_id=base if part == 0 else f"{base}.{part}",
+                    seq=len(out),
+                    turn=turn,
+                    ts=float(item.get("ts") or 0.0),
+                    **fields,
+                )
+            )
+    return out
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "".join(
+            part.get("text", "") if isinstance(part, dict) else str(part) for part in value
+        )
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _images(parts: list[Any]) -> tuple[str, ...]:
+    found: list[str] = []
+    for part in parts:
+        if not isinstance(part, dict):
+            continue
+        if part.get("type") == "image_url":
+            url = part.get("image_url")
+            found.append(url.get("url", "") if isinstance(url, dict) else str(url))
+        elif part.get("type") == "image":
+            src = part.get("source") or {}
+            if src.get("type") == "base64":
+                found.append(f"data:{src.get('media_type')};base64,{src.get('data')}")
+            else:
+                found.append(str(src.get("url", "")))
+    return tuple(found)
+
+
+def _fields(item: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    role = item["role"]
+    content = item.get("content")
+    if not isinstance(content, list):
+        calls = tuple(
+            ToolCall(
+                id=str(call.get("id")),
+                name=str((call.get("function") or {}).get("name", call.get("name", ""))),
+                arguments=_arguments((call.get("function") or {}).get("arguments", "{}")),
+            )
+            for call in item.get("tool_calls") or ()
+        )
+        yield {
+            "role": role,
+            "content": _text(content),
+            "tool_calls": calls,
+            "tool_call_id": item.get("tool_call_id"),
+            "name": item.get("name"),
+        }
+        return
+    blocks = [block for block in content if isinstance(block, dict)]
+    for block in blocks:
+        if block.get("type") == "tool_result":
+            yield {
+                "role": "tool",
+                "content": _text(block.get("content")),
+                "tool_call_id": str(block.get("tool_use_id")),
+            }
+    text = "".join(
+        block.get("text", "") for block in blocks if block.get("type") in ("text", "input_text")
+    )
+    calls = tuple(
+        ToolCall(
+            id=str(block.get("id")),
+            name=str(block.get("name", "")),
+            arguments=_arguments(block.get("input", {})),
+        )
+        for block in blocks
+        if block.get("type") == "tool_use"
+    )
+    thinking = tuple(
+        ThinkingBlock(
+            text=str(block.get("thinking") or block.get("data") or ""),
+            signature=block.get("signature"),
+            redacted=block.get("type") == "redacted_thinking",
+        )
+        for block in blocks
+        if block.get("type") in ("thinking", "redacted_thinking")
+    )
+    images = _images(blocks)
+    if (
+        text
+        or calls
+        or thinking
+        or images
+        or not any(b.get("type") == "tool_result" for b in blocks)
+    ):
+        yield {
+            "role": role,
+            "content": text,
+            "tool_calls": calls,
+            "thinking": thinking,
+            "images": images,
+        }
+
+
+def _arguments(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
