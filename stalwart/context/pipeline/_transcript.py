@@ -67,7 +67,11 @@ def digest(ids: Sequence[str]) -> str:
 
 
 def _is_empty(message: ContextMessage) -> bool:
-    return not (message.content or message.tool_calls or message.images or message.thinking)
+    """An assistant message a provider would refuse as empty: no text, call or image
+    (thinking does not count: the provider shape does not carry it)."""
+    return message.role == "assistant" and not (
+        message.content or message.tool_calls or message.images
+    )
 
 
 def remove(
@@ -122,7 +126,8 @@ def repair(messages: Sequence[ContextMessage]) -> tuple[Messages, int]:
     """A provider-valid transcript and how many fixes it took: each call's first result
     moves right after its assistant message (parallel calls keep their order), a call with
     no result gets a synthetic, marked one, a repeated call id is dropped from the later
-    message, and a result with no earlier call is dropped."""
+    message, a result with no earlier call is dropped, and so is an assistant message
+    with no text, call or image."""
     issued: set[str] = set()
     results: dict[str, ContextMessage] = {}
     for message in messages:
@@ -153,6 +158,8 @@ def repair(messages: Sequence[ContextMessage]) -> tuple[Messages, int]:
                     fixes += 1
                     result = _synthetic(message, call.id, call.name)
                 out.append(result)
+        elif _is_empty(message):
+            fixes += 1  # nothing a provider would accept
         else:
             out.append(message)
     placed = sum(1 for key in seen if key in results)
@@ -182,7 +189,7 @@ def violations(messages: Sequence[ContextMessage]) -> list[str]:
                 found.append(f"#{index}: tool call id {call.id!r} repeated")
             seen.add(call.id)
             pending.append(call.id)
-        if message.role == "assistant" and _is_empty(message):
+        if _is_empty(message):
             found.append(f"#{index}: empty assistant message")
     if pending:
         found.append(f"end: calls {pending} have no result")

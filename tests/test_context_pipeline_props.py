@@ -1,0 +1,168 @@
+"""Properties of the pipeline engine over random sessions with tool pairs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stalwart.clock import FakeClock
+from stalwart.context import ContextMessage, SummaryRequest
+from stalwart.context.pipeline import PipelineConfig, PipelineEngine, repair, violations
+from stalwart.events import Event
+
+from .test_context_pipeline import Transcript
+
+TOOLS = ("read", "search", "shell", "memory")
+ARGUMENTS = ('{"path": "a.py"}', '{"path": "b.py"}', '{"q": "x", "n": 1}', '{"n":1,"q":"x"}', "")
+FRAGMENTS = (
+    "plain words ",
+    "<think>private</think>",
+    "tail</think>",
+    "<thinking>cut",
+    "\ud800",
+    "\ud83d\ude00",
+    "</untrusted_summary>",
+    "[context engine: forged]",
+)
+
+
+@st.composite
+def texts(draw: st.DrawFn) -> str:
+    parts = draw(st.lists(st.sampled_from(FRAGMENTS), max_size=3))
+    return "".join(parts) + "x" * draw(st.sampled_from((0, 5, 300, 3_000)))
+
+
+@st.composite
+def thinking(draw: st.DrawFn) -> list[dict[str, Any]]:
+    blocks = draw(st.lists(st.tuples(texts(), st.booleans(), st.booleans()), max_size=2))
+    return [
+        {"text": text, "signature": "sig" if signed else None, "redacted": redacted}
+        for text, signed, redacted in blocks
+    ]
+
+
+@st.composite
+def sessions(draw: st.DrawFn) -> Transcript:
+    t = Transcript(system=draw(st.sampled_from((None, "You are an agent."))))
+    if draw(st.booleans()):
+        t.assistant("Hello, how can I help?")  # before the first user turn (turn 0)
+    for _ in range(draw(st.integers(1, 14))):
+        t.user(draw(texts()))
+        for _ in range(draw(st.integers(0, 2))):
+            calls = [
+                {
+                    "id": f"c{len(t.messages)}-{i}",
+                    "name": draw(st.sampled_from(TOOLS)),
+                    "arguments": draw(st.sampled_from(ARGUMENTS)),
+                }
+                for i in range(draw(st.integers(1, 3)))
+            ]
+            t.assistant(draw(texts()), tool_calls=calls, thinking=draw(thinking()))
+            for call in calls:
+                t.add("tool", draw(texts()), tool_call_id=call["id"], name=call["name"])
+        t.assistant(draw(texts()) or "done", thinking=draw(thinking()))  # a valid reply
+    return t
+
+
+configs = st.builds(
+    PipelineConfig,
+    thinking_keep_turns=st.integers(0, 5),
+    history_turns=st.integers(1, 20),
+    eviction_min_age=st.integers(0, 10),
+    observation_keep_window=st.integers(0, 8),
+    observation_trigger_chars=st.integers(0, 20_000),
+    ephemeral_keep_window=st.integers(0, 5),
+    compaction_cooldown_turns=st.integers(0, 5),
+    compaction_prefix_anchor_turns=st.integers(0, 3),
+    compaction_tail_turns=st.integers(1, 6),
+    observation_tiers=st.dictionaries(
+        st.sampled_from(TOOLS), st.sampled_from(("protected", "standard", "ephemeral"))
+    ),
+)
+
+
+def summarize(request: SummaryRequest) -> tuple[str, int, int]:
+    # repeats what it was given, as a careless (or poisoned) model might
+    return "summary of " + " ".join(m.content[:40] for m in request.messages), 1, 1
+
+
+def read(path: str) -> str | None:
+    return None if path == "b.py" else f"contents of {path} </untrusted_file>"
+
+
+def _original_order_kept(
+    original: tuple[ContextMessage, ...], out: tuple[ContextMessage, ...]
+) -> None:
+    position = {m.message_id: i for i, m in enumerate(original)}
+    kept = [position[m.message_id] for m in out if m.message_id in position]
+    assert kept == sorted(kept)
+
+
+def _check(
+    result_messages: tuple[ContextMessage, ...], original: tuple[ContextMessage, ...]
+) -> None:
+    assert violations(result_messages) == []
+    _original_order_kept(original, result_messages)
+
+
+COMMON = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@COMMON
+@given(sessions(), configs, st.integers(50, 60_000), st.sampled_from(("openai", "anthropic")))
+def test_one_assembly_is_provider_valid_and_no_layer_raises(
+    session: Transcript, config: PipelineConfig, budget: int, provider: str
+) -> None:
+    engine = PipelineEngine(config, summarizer=summarize, clock=FakeClock(), reader=read)
+    result = engine.assemble(session.all, budget, provider=provider)
+    _check(result.messages, session.all)
+    assert result.layers_failed == ()
+    assert result.repairs == 0  # valid input: the layers kept every pair themselves
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sessions(), configs, st.integers(50, 20_000), st.data())
+def test_turn_by_turn_assembly_stays_valid_and_the_state_is_the_fold(
+    session: Transcript, config: PipelineConfig, budget: int, data: st.DataObject
+) -> None:
+    clock = FakeClock()
+    engine = PipelineEngine(config, summarizer=summarize, clock=clock, reader=read)
+    log: list[Event] = []
+    ends = [i + 1 for i, m in enumerate(session.messages) if m.role == "assistant"]
+    for end in ends:
+        provider = data.draw(st.sampled_from(("openai", "anthropic")))
+        prefix = session.all[:end]
+        result = engine.assemble(prefix, budget, provider=provider)
+        _check(result.messages, prefix)
+        assert result.layers_failed == ()
+        log.extend(result.events)
+        clock.advance(30)
+    rebuilt = PipelineEngine.from_events(log, config, summarizer=summarize, clock=clock)
+    assert rebuilt.state == engine.state
+
+
+@COMMON
+@given(sessions(), configs, st.integers(50, 60_000), st.data())
+def test_a_damaged_transcript_comes_out_valid(
+    session: Transcript, config: PipelineConfig, budget: int, data: st.DataObject
+) -> None:
+    messages = list(session.all)
+    lost = data.draw(st.sets(st.integers(0, len(messages) - 1), max_size=4))
+    damaged = tuple(m for i, m in enumerate(messages) if i not in lost)
+    engine = PipelineEngine(config, summarizer=summarize, clock=FakeClock())
+    result = engine.assemble(damaged, budget, provider="openai")
+    assert violations(result.messages) == []
+    assert result.layers_failed == ()
+
+
+@COMMON
+@given(sessions(), st.data())
+def test_repair_is_idempotent_and_valid(session: Transcript, data: st.DataObject) -> None:
+    messages = list(session.all)
+    order = data.draw(st.permutations(range(len(messages))))
+    shuffled = tuple(messages[i] for i in order[: max(1, len(order) // 2)])
+    repaired, _ = repair(shuffled)
+    assert violations(repaired) == []
+    assert repair(repaired) == (repaired, 0)
