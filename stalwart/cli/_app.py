@@ -200,6 +200,11 @@ def streams(state: _State, as_json: bool) -> None:
         )
 
 
+@cli.group()
+def session() -> None:
+    """One session: its events, and answers to what it waits for (see also ``status``)."""
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``stalwart`` script: usage errors are one line and exit 1 too."""
     try:

@@ -1,0 +1,511 @@
+"""``stalwart status``: sessions by state, their leases, retries, pending requests and
+backlog, the dead-letter backlog and provider health; or one session in full.
+
+The views are plain dicts built from the orchestrator projection (the ``--json`` output),
+and the text is rendered from those dicts, so both always say the same thing. ``stalwart
+watch`` renders the same overview frame by frame.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import click
+import msgspec
+
+from stalwart.clock import SystemClock
+from stalwart.errors import SessionActionError
+from stalwart.state import (
+    ActivationsState,
+    OrchestratorFolder,
+    OrchestratorState,
+    SessionView,
+    retry_posture,
+    session_dead_letters,
+)
+from stalwart.store import EventStore
+
+from ._app import _State, cli
+from ._render import fmt_ts, to_json
+
+STATUSES = ("new", "idle", "running", "requires_action", "closed")
+OVERVIEW_COLUMNS = (
+    "SESSION",
+    "STATUS",
+    "QUEUED",
+    "LEASE",
+    "EXPIRES",
+    "RETRY",
+    "NEXT RUN",
+    "LAST ERROR",
+    "OUTCOME",
+    "PENDING",
+)
+
+
+# -- time -------------------------------------------------------------------------------------
+
+
+def now_for(state: OrchestratorState) -> float:
+    """ "Now" for a view: the real time, or the log's newest event when that is later (a
+    log written on a fake clock, or copied from a machine whose clock runs ahead)."""
+    real = SystemClock().now()
+    return real if state.newest_ts is None else max(real, state.newest_ts)
+
+
+def fmt_rel(at: float | None, now: float) -> str:
+    """``in 12s``, ``3m05s ago``, ``now``; ``-`` for no time."""
+    if at is None:
+        return "-"
+    delta = at - now
+    seconds = round(abs(delta))
+    if seconds == 0:
+        return "now"
+    if seconds < 60:
+        span = f"{seconds}s"
+    elif seconds < 3600:
+        span = f"{seconds // 60}m{seconds % 60:02d}s"
+    else:
+        span = f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"in {span}" if delta > 0 else f"{span} ago"
+
+
+# -- the projection, read ---------------------------------------------------------------------
+
+
+def session_stream(session: str) -> str:
+    return session if session.startswith("session:") else f"session:{session}"
+
+
+def fold_all(store: EventStore, folder: OrchestratorFolder | None = None) -> OrchestratorFolder:
+    """Fold what was appended since ``folder`` last looked (everything, for a new one)."""
+    folder = folder or OrchestratorFolder()
+    for record in store.read_all(folder.position + 1):
+        folder.add(record)
+    return folder
+
+
+def fold_session(store: EventStore, stream: str) -> OrchestratorState:
+    """The projection of one session's stream and the dead-letter stream (the rest of the
+    log is not read); its ``newest_ts`` is the newest event of the whole log."""
+    records = [*store.read_stream(stream), *store.read_stream("deadletter")]
+    folder = OrchestratorFolder()
+    for record in sorted(records, key=lambda r: r.position):
+        folder.add(record)
+    state = folder.state()
+    head = store.head()
+    newest = next(iter(store.read_all(head, head)), None) if head else None
+    if newest is not None and (state.newest_ts is None or newest.ts > state.newest_ts):
+        state = msgspec.structs.replace(state, newest_ts=newest.ts)
+    return state
+
+
+# -- views: the --json shapes -----------------------------------------------------------------
+
+
+def _lease(activations: ActivationsState, now: float) -> dict[str, Any] | None:
+    lease = activations.lease
+    if lease is None:
+        return None
+    return {
+        "activation_id": lease.activation_id,
+        "owner": lease.owner,
+        "epoch": lease.epoch,
+        "leased_at": lease.leased_at,
+        "expires_at": lease.expires_at,
+        "expired": now >= lease.expires_at,
+    }
+
+
+def _pending(view: SessionView) -> dict[str, Any] | None:
+    pending = view.session.pending
+    if pending is None:
+        return None
+    return {
+        "request_id": pending.request_id,
+        "kind": pending.kind,
+        "tool": pending.tool,
+        "input": pending.arguments,
+    }
+
+
+def _outcome(activations: ActivationsState) -> dict[str, Any] | None:
+    outcome = activations.last_outcome
+    if outcome is None:
+        return None
+    return {
+        "activation_id": outcome.activation_id,
+        "status": outcome.status,
+        "at": outcome.at,
+        "error_class": outcome.error_class,
+    }
+
+
+def _retry(activations: ActivationsState) -> dict[str, Any]:
+    posture = retry_posture(activations)
+    return {
+        "attempt": posture.attempt,
+        "streak": posture.streak,
+        "next_run_at": posture.next_run_at,
+        "last_error": posture.last_error,
+        "retrying": posture.retrying,
+    }
+
+
+def session_row(view: SessionView, now: float) -> dict[str, Any]:
+    """One session of the overview."""
+    activations = view.activations
+    return {
+        "session": view.stream,
+        "status": view.session.status,
+        "agent": view.session.agent,
+        "queued": activations.backlog,
+        "lease": _lease(activations, now),
+        "retry": _retry(activations),
+        "last_outcome": _outcome(activations),
+        "pending": _pending(view),
+        "updated_at": view.session.updated_at,
+    }
+
+
+def _dead_letters(state: OrchestratorState, stream: str | None = None) -> dict[str, Any]:
+    if stream is None:
+        abandoned, entries = state.abandoned, state.deadletter.entries
+    else:
+        abandoned, entries = session_dead_letters(state, stream)
+    return {
+        "announcements": [
+            {
+                "entry_id": e.entry_id,
+                "announcement_id": e.announcement_id,
+                "channel": e.channel,
+                "conversation": e.conversation,
+                "reason": e.reason,
+                "attempts": e.attempts,
+                "last_error": e.last_error,
+                "enqueued_at": e.enqueued_at,
+            }
+            for e in entries
+        ],
+        "activations": [
+            {
+                "session": a.session,
+                "activation_id": a.activation_id,
+                "kind": a.kind,
+                "attempts": a.attempts,
+                "error_class": a.error_class,
+                "retryable": a.retryable,
+                "at": a.at,
+            }
+            for a in abandoned
+        ],
+        "activations_total": state.abandoned_total if stream is None else len(abandoned),
+    }
+
+
+def _providers(state: OrchestratorState) -> list[dict[str, Any]]:
+    return [
+        {
+            "provider": p.provider,
+            "health": p.health.status,
+            "degraded_at": p.health.degraded_at,
+            "last_failure_at": p.health.last_failure_at,
+            "breaker": p.breaker.status,
+            "breaker_opened_at": p.breaker.opened_at,
+        }
+        for p in state.providers
+    ]
+
+
+def overview(state: OrchestratorState, now: float) -> dict[str, Any]:
+    """``status --json`` without a session: one object."""
+    counts = dict.fromkeys(STATUSES, 0)
+    for view in state.sessions:
+        counts[view.session.status] = counts.get(view.session.status, 0) + 1
+    return {
+        "now": now,
+        "position": state.position,
+        "counts": counts,
+        "sessions": [session_row(view, now) for view in state.sessions],
+        "dead_letters": _dead_letters(state),
+        "providers": _providers(state),
+    }
+
+
+def session_detail(state: OrchestratorState, view: SessionView, now: float) -> dict[str, Any]:
+    """``status SESSION --json``: one session in full."""
+    session, activations = view.session, view.activations
+    return {
+        "now": now,
+        "session": view.stream,
+        "status": session.status,
+        "agent": session.agent,
+        "parent": session.parent,
+        "turns": session.turns,
+        "messages": session.messages,
+        "updated_at": session.updated_at,
+        "pending": _pending(view),
+        "retry": _retry(activations),
+        "backlog": [
+            {
+                "activation_id": a.activation_id,
+                "kind": a.kind,
+                "ready_at": a.ready_at,
+                "run_at": a.run_at,
+                "streak": a.streak,
+                "last_error": a.last_error,
+            }
+            for a in activations.queue
+        ],
+        "lease": _lease(activations, now),
+        "epoch": activations.epoch,
+        "blocked_on": activations.blocked_on,
+        "last_outcome": _outcome(activations),
+        "history": [
+            {
+                "activation_id": c.activation_id,
+                "owner": c.owner,
+                "epoch": c.epoch,
+                "at": c.at,
+                "ended": c.ended,
+            }
+            for c in activations.history
+        ],
+        "counters": {
+            "acked": activations.acked,
+            "requeued": activations.requeued,
+            "abandoned": activations.abandoned,
+            "lease_expired": activations.expired,
+        },
+        "dead_letters": _dead_letters(state, view.stream),
+    }
+
+
+# -- text -------------------------------------------------------------------------------------
+
+
+def table(columns: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "") -> list[str]:
+    """Aligned columns, two spaces apart."""
+    widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
+    return [
+        indent + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip()
+        for r in [columns, *rows]
+    ]
+
+
+def _dash(value: object) -> str:
+    return "-" if value is None or value == "" else str(value)
+
+
+def _lease_cells(lease: dict[str, Any] | None, now: float) -> tuple[str, str]:
+    if lease is None:
+        return "-", "-"
+    expiry = fmt_rel(lease["expires_at"], now)
+    return f"{lease['owner']}#{lease['epoch']}", ("expired " if lease["expired"] else "") + expiry
+
+
+def _pending_cell(pending: dict[str, Any] | None) -> str:
+    if pending is None:
+        return "-"
+    return f"{pending['kind']} {pending['tool']} ({pending['request_id']})"
+
+
+def _row_cells(row: dict[str, Any], now: float) -> tuple[str, ...]:
+    retry, outcome = row["retry"], row["last_outcome"]
+    owner, expires = _lease_cells(row["lease"], now)
+    return (
+        row["session"],
+        row["status"],
+        str(row["queued"]),
+        owner,
+        expires,
+        "-" if retry["attempt"] is None else f"{retry['attempt']}/{retry['streak']}",
+        fmt_rel(retry["next_run_at"], now) if row["queued"] else "-",
+        _dash(retry["last_error"]),
+        "-" if outcome is None else outcome["status"],
+        _pending_cell(row["pending"]),
+    )
+
+
+def sessions_lines(view: dict[str, Any], limit: int | None = None) -> list[str]:
+    """The counts line and the sessions table of an overview."""
+    now, rows = view["now"], view["sessions"]
+    counts = ", ".join(f"{n} {status}" for status, n in view["counts"].items() if n)
+    lines = [
+        f"{len(rows)} session{'' if len(rows) == 1 else 's'}" + (f": {counts}" if counts else "")
+    ]
+    if not rows:
+        return lines
+    shown = rows if limit is None else rows[:limit]
+    lines += table(OVERVIEW_COLUMNS, [_row_cells(r, now) for r in shown])
+    if len(shown) < len(rows):
+        lines.append(f"... and {len(rows) - len(shown)} more")
+    return lines
+
+
+def dead_letter_lines(dead: dict[str, Any], now: float) -> list[str]:
+    entries, abandoned = dead["announcements"], dead["activations"]
+    lines = [
+        f"dead letters: {len(entries)} undelivered announcement{'' if len(entries) == 1 else 's'}"
+        f", {dead['activations_total']} abandoned activation"
+        f"{'' if dead['activations_total'] == 1 else 's'}"
+    ]
+    lines += [
+        f"  announcement {e['entry_id']}  channel {e['channel']}  attempts {e['attempts']}  "
+        f"last error {_dash(e['last_error'])}  queued {fmt_rel(e['enqueued_at'], now)}"
+        for e in entries
+    ]
+    lines += [
+        f"  activation {a['activation_id']}  {a['session']}  {_dash(a['kind'])}  "
+        f"attempts {a['attempts']}  error {a['error_class']}  {fmt_rel(a['at'], now)}"
+        for a in abandoned
+    ]
+    return lines
+
+
+def provider_lines(providers: list[dict[str, Any]], now: float) -> list[str]:
+    if not providers:
+        return ["providers: none seen in the log"]
+    rows = [
+        (
+            p["provider"],
+            p["health"] + (f" {fmt_rel(p['degraded_at'], now)}" if p["degraded_at"] else ""),
+            p["breaker"],
+            fmt_rel(p["last_failure_at"], now),
+        )
+        for p in providers
+    ]
+    return ["providers:", *table(("PROVIDER", "HEALTH", "BREAKER", "LAST FAILURE"), rows, "  ")]
+
+
+def overview_lines(view: dict[str, Any], limit: int | None = None) -> list[str]:
+    now = view["now"]
+    return [
+        *sessions_lines(view, limit),
+        "",
+        *dead_letter_lines(view["dead_letters"], now),
+        "",
+        *provider_lines(view["providers"], now),
+    ]
+
+
+def _when(at: float | None, now: float) -> str:
+    return "-" if at is None else f"{fmt_rel(at, now)} ({fmt_ts(at)})"
+
+
+def detail_lines(view: dict[str, Any]) -> list[str]:
+    """One session in full, as text."""
+    now = view["now"]
+    lines = [
+        f"{view['session']}  {view['status']}  agent {view['agent']}  turns {view['turns']}  "
+        f"messages {view['messages']}  updated {_when(view['updated_at'], now)}"
+    ]
+    pending = view["pending"]
+    lines.append(
+        "pending       -"
+        if pending is None
+        else f"pending       {pending['kind']} request {pending['request_id']}  "
+        f"tool {pending['tool']}  input {pending['input']}"
+    )
+    retry = view["retry"]
+    if retry["attempt"] is None:
+        lines.append(f"retry         nothing queued  last error {_dash(retry['last_error'])}")
+    else:
+        lines.append(
+            f"retry         attempt {retry['attempt']}  streak {retry['streak']}  "
+            f"next run {_when(retry['next_run_at'], now)}  last error {_dash(retry['last_error'])}"
+        )
+    lease = view["lease"]
+    if lease is None:
+        lines.append(f"lease         none  (epoch {view['epoch']})")
+    else:
+        state = "EXPIRED" if lease["expired"] else "live"
+        lines.append(
+            f"lease         {state}  owner {lease['owner']}  epoch {lease['epoch']}  "
+            f"activation {lease['activation_id']}  expires {_when(lease['expires_at'], now)}"
+        )
+    outcome = view["last_outcome"]
+    lines.append(
+        "last outcome  -"
+        if outcome is None
+        else f"last outcome  {outcome['status']}  activation {outcome['activation_id']}  "
+        f"{_when(outcome['at'], now)}"
+        + (f"  error {outcome['error_class']}" if outcome["error_class"] else "")
+    )
+    counters = view["counters"]
+    lines.append("counters      " + "  ".join(f"{k} {v}" for k, v in counters.items()))
+    lines.append("")
+    lines += _backlog_lines(view["backlog"], now)
+    lines.append("")
+    lines += _history_lines(view["history"], now)
+    lines.append("")
+    lines += dead_letter_lines(view["dead_letters"], now)
+    return lines
+
+
+def _backlog_lines(backlog: list[dict[str, Any]], now: float) -> list[str]:
+    if not backlog:
+        return ["backlog: empty"]
+    rows = [
+        (
+            a["activation_id"],
+            a["kind"],
+            _when(a["run_at"], now),
+            str(a["streak"]),
+            _dash(a["last_error"]),
+        )
+        for a in backlog
+    ]
+    return [
+        f"backlog: {len(backlog)} queued",
+        *table(("ACTIVATION", "KIND", "RUN AT", "STREAK", "LAST ERROR"), rows, "  "),
+    ]
+
+
+def _history_lines(history: list[dict[str, Any]], now: float) -> list[str]:
+    if not history:
+        return ["claims: none"]
+    rows = [
+        (fmt_ts(c["at"]), c["activation_id"], c["owner"], str(c["epoch"]), c["ended"] or "holding")
+        for c in history
+    ]
+    return ["claims:", *table(("AT", "ACTIVATION", "OWNER", "EPOCH", "ENDED"), rows, "  ")]
+
+
+@cli.command()
+@click.argument("session", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.pass_obj
+def status(state: _State, session: str | None, as_json: bool) -> None:
+    """Sessions by state with their leases, retries, pending requests and backlog, the
+    dead-letter backlog and provider health; or SESSION in full."""
+    store = state.store()
+    try:
+        if session is None:
+            folded = fold_all(store).state()
+        else:
+            stream = session_stream(session)
+            if store.stream_version(stream) == 0:
+                raise SessionActionError(
+                    f"no session {stream!r} in {store.location}",
+                    reason="no_session",
+                    session=stream,
+                )
+            folded = fold_session(store, stream)
+    finally:
+        store.close()
+    now = now_for(folded)
+    if session is None:
+        data = overview(folded, now)
+        lines = overview_lines(data)
+    else:
+        found = folded.find(session_stream(session))
+        assert found is not None
+        data = session_detail(folded, found, now)
+        lines = detail_lines(data)
+    if as_json:
+        click.echo(to_json(data))
+        return
+    for line in lines:
+        click.echo(line)

@@ -1,0 +1,227 @@
+"""Live views: ``stalwart activations`` (the activation lifecycle across sessions, one
+line per event, optionally followed) and ``stalwart watch`` (the orchestrator overview,
+redrawn in place).
+
+Both keep one :class:`~stalwart.state.OrchestratorFolder` or one subscription and fold
+only what was appended since the last look. ``watch`` draws with ANSI cursor-home and
+clear on a terminal and prints frames one after another otherwise; no dependency beyond
+click is needed for that.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import threading
+from typing import Any
+
+import click
+
+from stalwart.events import (
+    ActivationAbandoned,
+    ActivationAcked,
+    ActivationBlocked,
+    ActivationCancelled,
+    ActivationLeased,
+    ActivationLeaseLost,
+    ActivationReady,
+    ActivationRequeued,
+    LeaseExpired,
+    LeaseRenewed,
+    RecordedEvent,
+)
+from stalwart.state import OrchestratorFolder
+
+from ._app import _State, cli
+from ._render import fmt_ts, to_json
+from ._status import fold_all, now_for, overview, overview_lines
+
+_CLEAR = "\x1b[H\x1b[2J"
+
+_LIFECYCLE = (
+    ActivationReady,
+    ActivationLeased,
+    LeaseRenewed,
+    ActivationAcked,
+    ActivationRequeued,
+    ActivationBlocked,
+    ActivationAbandoned,
+    ActivationCancelled,
+    ActivationLeaseLost,
+    LeaseExpired,
+)
+LifecycleEvent = (
+    ActivationReady
+    | ActivationLeased
+    | LeaseRenewed
+    | ActivationAcked
+    | ActivationRequeued
+    | ActivationBlocked
+    | ActivationAbandoned
+    | ActivationCancelled
+    | ActivationLeaseLost
+    | LeaseExpired
+)
+
+
+def lifecycle(record: RecordedEvent) -> dict[str, Any] | None:
+    """One activation lifecycle event as the keys ``activations --json`` prints (None for
+    any other event): position, ts, session, activation_id, what, owner, epoch, delay_ms,
+    streak, error_class and ``detail`` (what else the event says)."""
+    event = record.event
+    if not isinstance(event, _LIFECYCLE):
+        return None
+    row: dict[str, Any] = {
+        "position": record.position,
+        "ts": record.ts,
+        "session": record.stream,
+        "activation_id": event.activation_id,
+        "what": record.type.split(":", 1)[1] if record.type.startswith("activation:") else "",
+        "owner": None,
+        "epoch": getattr(event, "epoch", None),
+        "delay_ms": None,
+        "streak": None,
+        "error_class": None,
+        "detail": {},
+    }
+    _describe(event, row)
+    return row
+
+
+def _describe(event: LifecycleEvent, row: dict[str, Any]) -> None:
+    detail: dict[str, Any] = row["detail"]
+    match event:
+        case ActivationReady():
+            detail.update(kind=event.kind, wake_at=event.wake_at, dedupe_key=event.dedupe_key)
+        case ActivationLeased():
+            row["owner"] = event.owner
+            detail.update(expires_at=event.expires_at, covers=len(event.covers))
+        case LeaseRenewed():
+            row.update(what="renewed", owner=event.owner)
+            detail.update(expires_at=event.expires_at)
+        case ActivationAcked():
+            detail.update(outcome=event.outcome)
+        case ActivationRequeued():
+            row.update(delay_ms=event.delay_ms, streak=event.streak, error_class=event.error_class)
+            detail.update(run_at=event.run_at, jitter_ms=event.jitter_ms)
+        case ActivationBlocked():
+            detail.update(request_id=event.request_id)
+        case ActivationAbandoned():
+            row.update(streak=event.attempts, error_class=event.error_class)
+            detail.update(retryable=event.retryable, max_attempts=event.max_attempts)
+        case ActivationCancelled():
+            detail.update(reason=event.reason)
+        case ActivationLeaseLost():
+            row["owner"] = event.owner
+            detail.update(current_epoch=event.current_epoch)
+        case LeaseExpired():
+            row.update(what="lease_expired", owner=event.owner, streak=event.streak)
+            row["error_class"] = "lease_expired"
+            detail.update(expired_at=event.expired_at)
+    row["detail"] = {k: v for k, v in detail.items() if v is not None}
+
+
+def lifecycle_line(row: dict[str, Any]) -> str:
+    """time, session, activation, what, owner#epoch, then delay/streak/error and detail."""
+    owner = row["owner"] or ""
+    epoch = row["epoch"]
+    holder = f"{owner}#{epoch}" if epoch is not None else owner
+    parts = [fmt_ts(row["ts"]), row["session"], row["activation_id"], row["what"]]
+    parts.append(holder or "-")
+    if row["delay_ms"] is not None:
+        parts.append(f"delay={row['delay_ms']}ms")
+    if row["streak"] is not None:
+        parts.append(f"streak={row['streak']}")
+    if row["error_class"] is not None:
+        parts.append(f"error={row['error_class']}")
+    for key, value in row["detail"].items():
+        shown = fmt_ts(value) if key.endswith("_at") and isinstance(value, float) else value
+        parts.append(f"{key}={shown}")
+    return "  ".join(str(p) for p in parts)
+
+
+@cli.command()
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new events until Ctrl-C.")
+@click.option("--session", "session_id", metavar="SESSION", help="Only this session's.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.pass_obj
+def activations(state: _State, follow: bool, session_id: str | None, as_json: bool) -> None:
+    """The activation lifecycle across sessions (ready, leased, renewed, acked, requeued,
+    blocked, abandoned, cancelled, lease lost, lease expired), one line each."""
+    wanted = None
+    if session_id is not None:
+        wanted = session_id if session_id.startswith("session:") else f"session:{session_id}"
+    store = state.store()
+    try:
+        feed = store.subscribe(1) if follow else store.read_all()
+        try:
+            for record in feed:
+                row = lifecycle(record)
+                if row is None or (wanted is not None and row["session"] != wanted):
+                    continue
+                click.echo(to_json(row) if as_json else lifecycle_line(row))
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            close = getattr(feed, "close", None)
+            if close is not None:
+                close()
+    finally:
+        store.close()
+
+
+def frame(folder: OrchestratorFolder, location: str, rows: int | None) -> list[str]:
+    """One frame of ``watch``: a header and the ``status`` overview."""
+    state = folder.state()
+    now = now_for(state)
+    header = f"stalwart watch  {location}  {fmt_ts(now)}  position {state.position}"
+    return [header, "", *overview_lines(overview(state, now), rows)]
+
+
+@cli.command()
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Time between redraws.",
+)
+@click.option("--once", is_flag=True, help="Draw one frame and exit.")
+@click.option(
+    "--rows",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="At most N sessions (default: what fits the terminal).",
+)
+@click.pass_obj
+def watch(state: _State, interval: float, once: bool, rows: int | None) -> None:
+    """A live view of the orchestrator: sessions, leases, backlog, dead letters and
+    provider health, redrawn in place until Ctrl-C."""
+    store = state.store()
+    live = sys.stdout.isatty() and not once
+    stop = threading.Event()
+    try:
+        folder = fold_all(store)
+        while True:
+            shown = rows if rows is not None or not live else _fit()
+            text = "\n".join(frame(folder, store.location, shown))
+            if live:
+                click.echo(_CLEAR + text, nl=True)
+            else:
+                click.echo(text + ("" if once else "\n"))
+            sys.stdout.flush()
+            if once or stop.wait(interval):
+                return
+            fold_all(store, folder)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        store.close()
+
+
+def _fit() -> int:
+    """Session rows that fit the terminal below the header, the counts and the rest."""
+    return max(3, shutil.get_terminal_size().lines - 16)
