@@ -38,6 +38,7 @@ from stalwart.events import DEFAULT_CODEC, Codec, Event, RecordedEvent, event_ta
 from ._postgres_connect import PostgresUrl, connect
 from ._postgres_schema import SCHEMA_VERSION, channel_name, ensure_schema
 from ._postgres_tail import Doorbell, deadline_after, remaining
+from ._postgres_writer import AppendJob, ConnectionLostError, Writer, batch_params
 from ._protocol import Fence, NewEvent, Snapshot, StreamInfo, check_stream
 from ._subscription import Subscription
 
@@ -107,6 +108,7 @@ class PostgresEventStore:
         self._pool.open(wait=False)
         self._bell = Doorbell(self._listener_connection, channel_name(self._url.schema))
         self._header = msgspec.msgpack.Encoder()
+        self._writer = Writer(self._append_batch)
 
     @property
     def location(self) -> str:
@@ -152,6 +154,19 @@ class PostgresEventStore:
         except psycopg_pool.PoolClosed as exc:
             raise StoreClosedError(f"the store at {self.location} is closed") from exc
 
+    def _append_batch(self, jobs: list[AppendJob]) -> list[tuple[str, int, int, int]]:
+        """Send a batch of appends (the writer thread's call); one result row per append."""
+        doing = f"append to {jobs[0].stream!r}" if len(jobs) == 1 else "append a batch"
+        try:
+            return self._fetch(doing, self._sql.append_batch, batch_params(jobs))
+        except StoreError as exc:
+            if isinstance(exc.__cause__, psycopg.OperationalError):
+                raise ConnectionLostError(
+                    f"lost the connection to the store at {self.location} during an append: "
+                    "it may or may not have been written"
+                ) from exc.__cause__
+            raise
+
     def _fetch(self, doing: str, query: Any, params: Sequence[Any] = ()) -> list[Any]:
         with self._connection(doing) as conn, conn.cursor(binary=True) as cursor:
             cursor.execute(query, params)
@@ -191,22 +206,16 @@ class PostgresEventStore:
         except (TypeError, ValueError, OverflowError) as exc:
             raise EventError(f"cannot encode an event for {stream!r}: {exc}") from exc
         schemas = [codec.schema_of(new.event) for new in news]
-        params = (
-            stream,
-            expected_version,
-            None if fence is None else fence.epoch,
-            False if fence is None else fence.claim,
+        columns = (
             [ts for ts, _, _ in stamped],
             [event_id for _, event_id, _ in stamped],
             [new.causation_id for new in news],
             [new.correlation_id for new in news],
             schemas,
             [event_tag(new.event) for new in news],
-            data,
         )
-        [(outcome, first, old_version, epoch)] = self._fetch(
-            f"append to {stream!r}", self._sql.append, params
-        )
+        job = AppendJob(stream, expected_version, fence, columns, data)
+        outcome, first, old_version, epoch = self._writer.submit(job)
         if outcome == "conflict":
             assert expected_version is not None
             raise ConcurrencyError(stream, expected_version, old_version)
@@ -368,6 +377,7 @@ class PostgresEventStore:
         if self._closed:
             return
         self._closed = True
+        self._writer.close()
         self._bell.close()
         self._pool.close(timeout=self._timeout)
 
@@ -385,10 +395,10 @@ class _Statements:
         def q(text: str) -> sql.Composed:
             return sql.SQL(text).format(s=schema)
 
-        self.append = q(
-            "SELECT outcome, first_position, old_version, epoch FROM {s}.append("
-            "%s::text, %s::bigint, %s::bigint, %s::boolean, %s::float8[], %s::text[], "
-            "%s::text[], %s::text[], %s::int4[], %s::text[], %s::bytea[])"
+        self.append_batch = q(
+            "SELECT outcome, first_position, old_version, epoch FROM {s}.append_batch("
+            "%s::text[], %s::int8[], %s::int8[], %s::bool[], %s::int4[], %s::float8[], "
+            "%s::text[], %s::text[], %s::text[], %s::int4[], %s::text[], %s::bytea[])"
         )
         self.read_all = q(
             f"SELECT {_COLUMNS} FROM {{s}}.events WHERE position BETWEEN %s AND %s "

@@ -8,16 +8,18 @@ Everything lives in one schema (``stalwart`` unless the URL says ``?schema=``):
 ``snapshots``       (stream, fold name, version) -> position, crc32, data
 ``schema_version``  the migrations applied, one row each
 
-``append(...)`` does a whole append in one statement, so it is one round trip and one
-transaction on an autocommit connection. Its order is what makes positions gap-free
-and skip-free: it locks the stream row (so same-stream appenders queue there, not on
-the counter), checks ``expected_version`` and the fence, and only then updates the one
-``head`` row. That row lock is held until commit, so appends take positions one
-transaction after another: N+1 cannot be assigned before N's transaction has committed
-and become visible (PostgreSQL makes a commit visible before it releases its locks),
-and a rolled-back append gives its numbers back. A reader that sees N+1 therefore sees
-everything before it, and ``head`` is always the end of a gap-free prefix. The append
-ends with ``pg_notify``, delivered on commit: the doorbell of tailing readers.
+``append_batch(...)`` does a batch of appends in one statement, so it is one round trip
+and one transaction on an autocommit connection; each append in it succeeds or fails
+(a version conflict, a fence) on its own. Its order is what makes positions gap-free
+and skip-free: it locks the batch's stream rows (sorted, so two batches never
+deadlock; same-stream appenders queue there, not on the counter), checks each append's
+``expected_version`` and fence, and only then locks the one ``head`` row. That row lock
+is held until commit, so appends take positions one transaction after another: N+1
+cannot be assigned before N's transaction has committed and become visible (PostgreSQL
+makes a commit visible before it releases its locks), and a rolled-back append gives
+its numbers back. A reader that sees N+1 therefore sees everything before it, and
+``head`` is always the end of a gap-free prefix. The batch ends with ``pg_notify``,
+delivered on commit: the doorbell of tailing readers.
 """
 
 from __future__ import annotations
@@ -74,11 +76,12 @@ CREATE TABLE {s}.snapshots (
     PRIMARY KEY (stream, name, version)
 );
 
-CREATE FUNCTION {s}.append(
-    p_stream text,
-    p_expected bigint,
-    p_fence bigint,
-    p_claim boolean,
+CREATE FUNCTION {s}.append_batch(
+    p_streams text[],
+    p_expected bigint[],
+    p_fence bigint[],
+    p_claim boolean[],
+    p_counts integer[],
     p_ts double precision[],
     p_ids text[],
     p_causation text[],
@@ -90,46 +93,73 @@ CREATE FUNCTION {s}.append(
 LANGUAGE plpgsql AS $fn$
 #variable_conflict use_column
 DECLARE
+    sname text;
+    a integer;
     v bigint;
     e bigint;
-    n integer := cardinality(p_data);
+    n integer;
+    head_before bigint;
     h bigint;
+    lo integer := 1;
+    hi integer;
 BEGIN
-    SELECT st.version, st.lease_epoch INTO v, e
-        FROM {s}.streams st WHERE st.stream = p_stream FOR UPDATE;
-    IF NOT FOUND THEN
-        IF p_expected IS NOT NULL AND p_expected <> 0 THEN
-            RETURN QUERY SELECT 'conflict'::text, 0::bigint, 0::bigint, 0::bigint;
-            RETURN;
+    -- 1. every stream row of the batch, locked in one order for everyone (no deadlock);
+    --    a concurrent creator makes the insert wait for its commit, then do nothing
+    FOR sname IN SELECT DISTINCT x FROM unnest(p_streams) AS x ORDER BY x LOOP
+        PERFORM 1 FROM {s}.streams st WHERE st.stream = sname FOR UPDATE;
+        IF NOT FOUND THEN
+            INSERT INTO {s}.streams (stream) VALUES (sname) ON CONFLICT DO NOTHING;
+            PERFORM 1 FROM {s}.streams st WHERE st.stream = sname FOR UPDATE;
         END IF;
-        -- a concurrent creator makes this wait for its commit, then do nothing
-        INSERT INTO {s}.streams (stream) VALUES (p_stream) ON CONFLICT DO NOTHING;
+    END LOOP;
+    -- 2. each append in order: its checks, then its events
+    FOR a IN 1 .. cardinality(p_streams) LOOP
+        n := p_counts[a];
+        hi := lo + n - 1;
         SELECT st.version, st.lease_epoch INTO v, e
-            FROM {s}.streams st WHERE st.stream = p_stream FOR UPDATE;
-    END IF;
-    IF p_expected IS NOT NULL AND p_expected <> v THEN
-        RETURN QUERY SELECT 'conflict'::text, 0::bigint, v, e;
-        RETURN;
-    END IF;
-    IF p_fence IS NOT NULL THEN
-        IF (p_claim AND p_fence <= e) OR (NOT p_claim AND p_fence <> e) THEN
-            RETURN QUERY SELECT 'fenced'::text, 0::bigint, v, e;
-            RETURN;
+            FROM {s}.streams st WHERE st.stream = p_streams[a];
+        outcome := 'ok';
+        IF p_expected[a] IS NOT NULL AND p_expected[a] <> v THEN
+            outcome := 'conflict';
+        ELSIF p_fence[a] IS NOT NULL THEN
+            IF (p_claim[a] AND p_fence[a] <= e) OR (NOT p_claim[a] AND p_fence[a] <> e) THEN
+                outcome := 'fenced';
+            ELSE
+                e := p_fence[a];
+            END IF;
         END IF;
-        e := p_fence;
+        IF outcome = 'ok' THEN
+            IF h IS NULL THEN
+                -- the position counter: taken last, held until commit (module docstring)
+                SELECT hd.position INTO h FROM {s}.head hd FOR UPDATE;
+                head_before := h;
+            END IF;
+            INSERT INTO {s}.events
+                (position, stream, version, ts, id, causation_id, correlation_id, schema,
+                 type, data)
+                SELECT h + u.i, p_streams[a], v + u.i, u.ts, u.id, u.c, u.k, u.sc, u.ty, u.d
+                FROM unnest(p_ts[lo:hi], p_ids[lo:hi], p_causation[lo:hi],
+                            p_correlation[lo:hi], p_schemas[lo:hi],
+                            p_types[lo:hi], p_data[lo:hi])
+                    WITH ORDINALITY AS u(ts, id, c, k, sc, ty, d, i);
+            UPDATE {s}.streams
+                SET version = v + n, last_position = h + n, last_ts = p_ts[hi],
+                    lease_epoch = e
+                WHERE stream = p_streams[a];
+            first_position := h + 1;
+            h := h + n;
+        ELSE
+            first_position := 0;
+        END IF;
+        old_version := v;
+        epoch := e;
+        RETURN NEXT;
+        lo := hi + 1;
+    END LOOP;
+    IF h IS NOT NULL AND h > head_before THEN
+        UPDATE {s}.head SET position = h;
+        PERFORM pg_notify({channel}, h::text);
     END IF;
-    -- the position counter: taken last, held until commit (see the module docstring)
-    UPDATE {s}.head SET position = position + n RETURNING position - n INTO h;
-    INSERT INTO {s}.events
-        (position, stream, version, ts, id, causation_id, correlation_id, schema, type, data)
-        SELECT h + u.i, p_stream, v + u.i, u.ts, u.id, u.c, u.k, u.sc, u.ty, u.d
-        FROM unnest(p_ts, p_ids, p_causation, p_correlation, p_schemas, p_types, p_data)
-            WITH ORDINALITY AS u(ts, id, c, k, sc, ty, d, i);
-    UPDATE {s}.streams
-        SET version = v + n, last_position = h + n, last_ts = p_ts[n], lease_epoch = e
-        WHERE stream = p_stream;
-    PERFORM pg_notify({channel}, (h + n)::text);
-    RETURN QUERY SELECT 'ok'::text, h + 1, v, e;
 END
 $fn$;
 """

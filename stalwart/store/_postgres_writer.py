@@ -1,0 +1,191 @@
+"""Group commit for the PostgreSQL store: the appends waiting in a process go as one batch.
+
+Positions are taken one commit after another (see ``_postgres_schema``), so every
+transaction pays a WAL flush while holding the position counter. One writer thread per
+store handle takes every append queued while the previous batch was committing and
+sends them in one ``append_batch`` call: one round trip, one transaction, one flush
+for all of them, each append still succeeding or failing on its own. A batch that the
+server refuses as a whole (a value it cannot take) is retried one append at a time, so
+one bad append fails alone; a batch whose connection was lost is not retried (it may
+have committed) and every append in it fails with that error.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from stalwart.errors import StoreClosedError, StoreError
+
+from ._protocol import Fence
+
+MAX_BATCH_EVENTS = 4096
+_STOP = object()
+
+
+class ConnectionLostError(StoreError):
+    """The connection broke during a batch: it may or may not have been committed."""
+
+
+class AppendJob:
+    """One append waiting for the writer; the caller waits on ``lock``."""
+
+    __slots__ = (
+        "causation",
+        "correlation",
+        "data",
+        "error",
+        "expected",
+        "fence",
+        "ids",
+        "lock",
+        "result",
+        "schemas",
+        "stamps",
+        "stream",
+        "tags",
+    )
+
+    def __init__(
+        self,
+        stream: str,
+        expected: int | None,
+        fence: Fence | None,
+        columns: tuple[list[float], list[str], list[Any], list[Any], list[int], list[str]],
+        data: list[bytes],
+    ) -> None:
+        self.stream = stream
+        self.expected = expected
+        self.fence = fence
+        self.stamps, self.ids, self.causation, self.correlation, self.schemas, self.tags = columns
+        self.data = data
+        self.result: tuple[str, int, int, int] | None = None
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.lock.acquire()
+
+
+def batch_params(jobs: list[AppendJob]) -> tuple[list[Any], ...]:
+    """The ``append_batch`` arguments of ``jobs``: per-append arrays, then per-event ones."""
+    params: tuple[list[Any], ...] = tuple([] for _ in range(12))
+    streams, expected, fences, claims, counts, *events = params
+    for job in jobs:
+        streams.append(job.stream)
+        expected.append(job.expected)
+        fences.append(None if job.fence is None else job.fence.epoch)
+        claims.append(False if job.fence is None else job.fence.claim)
+        counts.append(len(job.data))
+        per_event: tuple[list[Any], ...] = (
+            job.stamps,
+            job.ids,
+            job.causation,
+            job.correlation,
+            job.schemas,
+            job.tags,
+            job.data,
+        )
+        for column, values in zip(events, per_event, strict=True):
+            column.extend(values)
+    return params
+
+
+class Writer:
+    """The one thread of a store handle that sends its appends, batched."""
+
+    def __init__(self, run: Callable[[list[AppendJob]], list[tuple[str, int, int, int]]]) -> None:
+        self._run = run
+        self._queue: queue.SimpleQueue[AppendJob | object] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, job: AppendJob) -> tuple[str, int, int, int]:
+        if self._thread is None:
+            self._start()
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+        self._queue.put(job)
+        thread = self._thread
+        while not job.lock.acquire(timeout=1.0):
+            if thread is None or not thread.is_alive():
+                raise StoreClosedError("the store closed during the append")
+        if job.error is not None:
+            raise job.error
+        assert job.result is not None
+        return job.result
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._thread is None and not self._closed:
+                thread = threading.Thread(target=self._loop, name="stalwart-pg-writer")
+                thread.daemon = True
+                thread.start()
+                self._thread = thread
+
+    def _loop(self) -> None:
+        get, get_nowait = self._queue.get, self._queue.get_nowait
+        carry: AppendJob | None = None
+        while True:
+            item = carry if carry is not None else get()
+            carry = None
+            if item is _STOP:
+                return
+            assert isinstance(item, AppendJob)
+            batch, size, stop = [item], len(item.data), False
+            while size < MAX_BATCH_EVENTS:
+                try:
+                    more = get_nowait()
+                except queue.Empty:
+                    break
+                if more is _STOP:
+                    stop = True
+                    break
+                assert isinstance(more, AppendJob)
+                if size + len(more.data) > MAX_BATCH_EVENTS:
+                    carry = more
+                    break
+                batch.append(more)
+                size += len(more.data)
+            self._send(batch)
+            if stop:
+                self._fail_rest()
+                return
+
+    def _send(self, batch: list[AppendJob]) -> None:
+        try:
+            results = self._run(batch)
+        except ConnectionLostError as exc:
+            for job in batch:
+                job.error = exc
+        except BaseException as exc:
+            if len(batch) == 1:
+                batch[0].error = exc
+            else:
+                for job in batch:  # one bad append must not fail the others
+                    self._send([job])
+                return
+        else:
+            for job, result in zip(batch, results, strict=True):
+                job.result = result
+        for job in batch:
+            job.lock.release()
+
+    def _fail_rest(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, AppendJob):
+                item.error = StoreClosedError("the store closed before the append was sent")
+                item.lock.release()
+
+    def close(self) -> None:
+        self._closed = True
+        self._queue.put(_STOP)
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=30)
+        self._fail_rest()
