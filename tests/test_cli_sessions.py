@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from stalwart import store as store_module
 from stalwart.cli import cli
+from stalwart.cli._views import fmt_rel
 from stalwart.clock import FakeClock
 from stalwart.events import (
     ActivationAbandoned,
@@ -525,6 +526,57 @@ def test_activations_follow_sees_appends_from_another_thread(
             proc.wait()
 
 
+def test_session_events_follow_prints_only_new_events_of_that_session(
+    store_dir: Path, log: dict[str, str]
+) -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "stalwart",
+            "--store",
+            str(store_dir),
+            "session",
+            "events",
+            "s3",
+            "-f",
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")))  # type: ignore[union-attr]
+    reader.start()
+    try:
+        with store_module.open(store_dir) as store:  # type: ignore[attr-defined]
+            for n in range(3):
+                store.append(
+                    "session:s2", [ActivationReady(activation_id=f"other{n}", kind="wake")]
+                )
+                store.append("session:s3", [ActivationReady(activation_id=f"mine{n}", kind="wake")])
+        waited = threading.Event()
+        for _ in range(200):
+            if len(lines) >= 6:
+                break
+            waited.wait(0.05)
+        rows = [json.loads(line) for line in lines]
+        assert {r["stream"] for r in rows} == {"session:s3"}
+        assert [r["version"] for r in rows] == list(range(1, 7))  # the 3 old ones, then 3 new
+        assert [r["data"]["activation_id"] for r in rows[3:]] == ["mine0", "mine1", "mine2"]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=10)
+        reader.join(timeout=10)
+        assert proc.returncode == 0
+        assert "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_interrupt_from_the_runtime_shows_in_status(
     store_dir: Path, log: dict[str, str], clock: FakeClock
 ) -> None:
@@ -536,3 +588,19 @@ def test_interrupt_from_the_runtime_shows_in_status(
     assert data["epoch"] == 4
     assert data["last_outcome"]["status"] == "cancelled"
     assert data["retry"]["attempt"] is None
+
+
+@pytest.mark.parametrize(
+    ("delta", "shown"),
+    [
+        (0.2, "now"),
+        (12, "in 12s"),
+        (-3, "3s ago"),
+        (185, "in 3m05s"),
+        (-7260, "2h01m ago"),
+        (90000, "in 1d01h"),
+    ],
+)
+def test_relative_times(delta: float, shown: str) -> None:
+    assert fmt_rel(T0 + delta, T0) == shown
+    assert fmt_rel(None, T0) == "-"

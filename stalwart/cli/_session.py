@@ -18,7 +18,7 @@ from stalwart.runtime import confirm, interrupt, submit_tool_result
 
 from ._app import _State, session
 from ._render import event_json, event_line
-from ._status import session_stream
+from ._views import session_stream
 
 
 @session.command("events")

@@ -3,9 +3,9 @@ line per event, optionally followed) and ``stalwart watch`` (the orchestrator ov
 redrawn in place).
 
 Both keep one :class:`~stalwart.state.OrchestratorFolder` or one subscription and fold
-only what was appended since the last look. ``watch`` draws with ANSI cursor-home and
-clear on a terminal and prints frames one after another otherwise; no dependency beyond
-click is needed for that.
+only what was appended since the last look. ``watch`` overwrites its frame in place with
+ANSI cursor-home and erase on a terminal, and prints frames one after another otherwise
+(no dependency beyond click is needed for that).
 """
 
 from __future__ import annotations
@@ -34,9 +34,12 @@ from stalwart.state import OrchestratorFolder
 
 from ._app import _State, cli
 from ._render import fmt_ts, to_json
-from ._status import fold_all, now_for, overview, overview_lines
+from ._status import overview_lines
+from ._views import fold_all, now_for, overview
 
-_CLEAR = "\x1b[H\x1b[2J"
+_HOME = "\x1b[H"  # cursor to the top left
+_CLEAR_LINE = "\x1b[K"  # the rest of the line
+_CLEAR_BELOW = "\x1b[J"  # the rest of the screen
 
 _LIFECYCLE = (
     ActivationReady,
@@ -207,11 +210,12 @@ def watch(state: _State, interval: float, once: bool, rows: int | None) -> None:
         folder = fold_all(store)
         while True:
             shown = rows if rows is not None or not live else _fit()
-            text = "\n".join(frame(folder, store.location, shown))
-            if live:
-                click.echo(_CLEAR + text, nl=True)
+            lines = frame(folder, store.location, shown)
+            if live:  # overwrite in place, line by line: no flicker of a cleared screen
+                click.echo(_HOME + "".join(f"{line}{_CLEAR_LINE}\n" for line in lines), nl=False)
+                click.echo(_CLEAR_BELOW, nl=False)
             else:
-                click.echo(text + ("" if once else "\n"))
+                click.echo("\n".join(lines) + ("" if once else "\n"))
             sys.stdout.flush()
             if once or stop.wait(interval):
                 return

@@ -1,0 +1,262 @@
+"""What the operator's views show, as plain dicts (the ``--json`` shapes): the overview
+of every session and one session in full, built from the orchestrator projection; and
+"now" for them, which the log can be ahead of.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from stalwart.clock import SystemClock
+from stalwart.state import (
+    ActivationsState,
+    OrchestratorFolder,
+    OrchestratorState,
+    SessionView,
+    retry_posture,
+    session_dead_letters,
+)
+from stalwart.store import EventStore
+
+STATUSES = ("new", "idle", "running", "requires_action", "closed")
+
+# -- time -------------------------------------------------------------------------------------
+
+
+def now_for(state: OrchestratorState) -> float:
+    """The time a view is shown at: the real time, or the log's newest event when that is
+    later (a log written on a fake clock, or copied from a machine whose clock runs ahead)."""
+    real = SystemClock().now()
+    return real if state.newest_ts is None else max(real, state.newest_ts)
+
+
+def fmt_rel(at: float | None, now: float) -> str:
+    """``in 12s``, ``3m05s ago``, ``now``; ``-`` for no time."""
+    if at is None:
+        return "-"
+    delta = at - now
+    seconds = round(abs(delta))
+    if seconds == 0:
+        return "now"
+    if seconds < 60:
+        span = f"{seconds}s"
+    elif seconds < 3600:
+        span = f"{seconds // 60}m{seconds % 60:02d}s"
+    elif seconds < 86400:
+        span = f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    else:
+        span = f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+    return f"in {span}" if delta > 0 else f"{span} ago"
+
+
+# -- the projection, read ---------------------------------------------------------------------
+
+
+def session_stream(session: str) -> str:
+    return session if session.startswith("session:") else f"session:{session}"
+
+
+def fold_all(store: EventStore, folder: OrchestratorFolder | None = None) -> OrchestratorFolder:
+    """Fold what was appended since ``folder`` last looked (everything, for a new one)."""
+    folder = folder or OrchestratorFolder()
+    for record in store.read_all(folder.position + 1):
+        folder.add(record)
+    return folder
+
+
+def fold_session(store: EventStore, stream: str) -> OrchestratorState:
+    """The projection of one session's stream and the dead-letter stream (the rest of the
+    log is not read); its ``newest_ts`` is the newest event of the whole log."""
+    records = [*store.read_stream(stream), *store.read_stream("deadletter")]
+    folder = OrchestratorFolder()
+    for record in sorted(records, key=lambda r: r.position):
+        folder.add(record)
+    state = folder.state()
+    head = store.head()
+    newest = next(iter(store.read_all(head, head)), None) if head else None
+    if newest is not None and (state.newest_ts is None or newest.ts > state.newest_ts):
+        state = msgspec.structs.replace(state, newest_ts=newest.ts)
+    return state
+
+
+# -- views: the --json shapes -----------------------------------------------------------------
+
+
+def _lease(activations: ActivationsState, now: float) -> dict[str, Any] | None:
+    lease = activations.lease
+    if lease is None:
+        return None
+    return {
+        "activation_id": lease.activation_id,
+        "owner": lease.owner,
+        "epoch": lease.epoch,
+        "leased_at": lease.leased_at,
+        "expires_at": lease.expires_at,
+        "expired": now >= lease.expires_at,
+    }
+
+
+def _pending(view: SessionView) -> dict[str, Any] | None:
+    pending = view.session.pending
+    if pending is None:
+        return None
+    return {
+        "request_id": pending.request_id,
+        "kind": pending.kind,
+        "tool": pending.tool,
+        "input": pending.arguments,
+    }
+
+
+def _outcome(activations: ActivationsState) -> dict[str, Any] | None:
+    outcome = activations.last_outcome
+    if outcome is None:
+        return None
+    return {
+        "activation_id": outcome.activation_id,
+        "status": outcome.status,
+        "at": outcome.at,
+        "error_class": outcome.error_class,
+    }
+
+
+def _retry(activations: ActivationsState) -> dict[str, Any]:
+    posture = retry_posture(activations)
+    return {
+        "attempt": posture.attempt,
+        "streak": posture.streak,
+        "next_run_at": posture.next_run_at,
+        "last_error": posture.last_error,
+        "retrying": posture.retrying,
+    }
+
+
+def session_row(view: SessionView, now: float) -> dict[str, Any]:
+    """One session of the overview."""
+    activations = view.activations
+    return {
+        "session": view.stream,
+        "status": view.session.status,
+        "agent": view.session.agent,
+        "queued": activations.backlog,
+        "lease": _lease(activations, now),
+        "retry": _retry(activations),
+        "last_outcome": _outcome(activations),
+        "pending": _pending(view),
+        "updated_at": view.session.updated_at,
+    }
+
+
+def _dead_letters(state: OrchestratorState, stream: str | None = None) -> dict[str, Any]:
+    if stream is None:
+        abandoned, entries = state.abandoned, state.deadletter.entries
+    else:
+        abandoned, entries = session_dead_letters(state, stream)
+    return {
+        "announcements": [
+            {
+                "entry_id": e.entry_id,
+                "announcement_id": e.announcement_id,
+                "channel": e.channel,
+                "conversation": e.conversation,
+                "reason": e.reason,
+                "attempts": e.attempts,
+                "last_error": e.last_error,
+                "enqueued_at": e.enqueued_at,
+            }
+            for e in entries
+        ],
+        "activations": [
+            {
+                "session": a.session,
+                "activation_id": a.activation_id,
+                "kind": a.kind,
+                "attempts": a.attempts,
+                "error_class": a.error_class,
+                "retryable": a.retryable,
+                "at": a.at,
+            }
+            for a in abandoned
+        ],
+        "activations_total": state.abandoned_total if stream is None else len(abandoned),
+    }
+
+
+def _providers(state: OrchestratorState) -> list[dict[str, Any]]:
+    return [
+        {
+            "provider": p.provider,
+            "health": p.health.status,
+            "degraded_at": p.health.degraded_at,
+            "last_failure_at": p.health.last_failure_at,
+            "breaker": p.breaker.status,
+            "breaker_opened_at": p.breaker.opened_at,
+        }
+        for p in state.providers
+    ]
+
+
+def overview(state: OrchestratorState, now: float) -> dict[str, Any]:
+    """``status --json`` without a session: one object."""
+    counts = dict.fromkeys(STATUSES, 0)
+    for view in state.sessions:
+        counts[view.session.status] = counts.get(view.session.status, 0) + 1
+    return {
+        "now": now,
+        "position": state.position,
+        "counts": counts,
+        "sessions": [session_row(view, now) for view in state.sessions],
+        "dead_letters": _dead_letters(state),
+        "providers": _providers(state),
+    }
+
+
+def session_detail(state: OrchestratorState, view: SessionView, now: float) -> dict[str, Any]:
+    """``status SESSION --json``: one session in full."""
+    session, activations = view.session, view.activations
+    return {
+        "now": now,
+        "session": view.stream,
+        "status": session.status,
+        "agent": session.agent,
+        "parent": session.parent,
+        "turns": session.turns,
+        "messages": session.messages,
+        "updated_at": session.updated_at,
+        "pending": _pending(view),
+        "retry": _retry(activations),
+        "backlog": [
+            {
+                "activation_id": a.activation_id,
+                "kind": a.kind,
+                "ready_at": a.ready_at,
+                "run_at": a.run_at,
+                "streak": a.streak,
+                "last_error": a.last_error,
+            }
+            for a in activations.queue
+        ],
+        "lease": _lease(activations, now),
+        "epoch": activations.epoch,
+        "blocked_on": activations.blocked_on,
+        "last_outcome": _outcome(activations),
+        "history": [
+            {
+                "activation_id": c.activation_id,
+                "owner": c.owner,
+                "epoch": c.epoch,
+                "at": c.at,
+                "ended": c.ended,
+            }
+            for c in activations.history
+        ],
+        "counters": {
+            "acked": activations.acked,
+            "requeued": activations.requeued,
+            "abandoned": activations.abandoned,
+            "lease_expired": activations.expired,
+        },
+        "dead_letters": _dead_letters(state, view.stream),
+    }
