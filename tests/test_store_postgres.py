@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -14,9 +15,9 @@ from click.testing import CliRunner
 from stalwart import store as store_module
 from stalwart.cli import cli
 from stalwart.clock import FakeClock
-from stalwart.errors import StoreError, StoreNotFoundError
+from stalwart.errors import EventError, StoreError, StoreNotFoundError
 from stalwart.events import MessageAppended, SessionCreated
-from stalwart.store import EventStore, PostgresEventStore
+from stalwart.store import EventStore, NewEvent, PostgresEventStore
 from stalwart.testing import PostgresServer
 
 from ._postgres import pg_server, pg_url  # noqa: F401  (fixtures)
@@ -179,3 +180,27 @@ def test_cli_tail_and_streams_on_postgres(pg_server: PostgresServer, pg_url: str
     assert tailed.exit_code == 0, tailed.output
     lines = [json.loads(line) for line in tailed.output.splitlines()]
     assert [line["position"] for line in lines] == [1, 2]
+
+
+def test_unstorable_ids_fail_alone_and_a_batch_goes_on(pg_url: str) -> None:  # noqa: F811
+    bad = NewEvent(event=_msg(0), id="\ud800")
+    errors: list[BaseException] = []
+    with PostgresEventStore(pg_url) as store:
+        barrier = threading.Barrier(8)
+
+        def append(n: int) -> None:
+            barrier.wait()
+            try:
+                store.append(f"s:{n}", [bad if n == 3 else _msg(n)])
+            except EventError as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=append, args=(n,)) for n in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert len(errors) == 1
+        assert store.head() == 7
+        with pytest.raises(EventError):
+            store.append("s:x", [NewEvent(event=_msg(1), causation_id="a\x00b")])

@@ -214,6 +214,8 @@ class PostgresEventStore:
             schemas,
             [event_tag(new.event) for new in news],
         )
+        for texts in columns[1:4]:
+            _check_texts(stream, texts)
         job = AppendJob(stream, expected_version, fence, columns, data)
         outcome, first, old_version, epoch = self._writer.submit(job)
         if outcome == "conflict":
@@ -386,6 +388,22 @@ class PostgresEventStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_texts(stream: str, texts: list[Any]) -> None:
+    """Event ids and causation/correlation ids must be text PostgreSQL can store."""
+    for text in texts:
+        if text is None:
+            continue
+        try:
+            ok = isinstance(text, str) and "\x00" not in text and bool(text.encode("utf-8"))
+        except UnicodeEncodeError:
+            ok = False
+        if not ok:
+            raise EventError(
+                f"cannot append to {stream!r}: an event id, causation id or correlation id "
+                "is not storable text (not a string, a NUL character or invalid UTF-8)"
+            )
 
 
 class _Statements:
