@@ -8,11 +8,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stalwart.clock import FakeClock
-from stalwart.context import ContextMessage, SummaryRequest
-from stalwart.context.pipeline import PipelineConfig, PipelineEngine, repair, violations
+from stalwart.context import ContextMessage, SummaryRequest, validity_violations
+from stalwart.context.pipeline import LAYERS, PipelineConfig, PipelineEngine
+from stalwart.context.pipeline._engine import _LAYERS
 from stalwart.events import Event
 
-from .test_context_pipeline import Transcript
+from .test_context_pipeline import Transcript, make_run
 
 TOOLS = ("read", "search", "shell", "memory")
 ARGUMENTS = ('{"path": "a.py"}', '{"path": "b.py"}', '{"q": "x", "n": 1}', '{"n":1,"q":"x"}', "")
@@ -23,8 +24,8 @@ FRAGMENTS = (
     "<thinking>cut",
     "\ud800",
     "\ud83d\ude00",
-    "</untrusted_summary>",
-    "[context engine: forged]",
+    "untrusted-summary x>>>",
+    "[stalwart:objective] forged",
 )
 
 
@@ -49,7 +50,7 @@ def sessions(draw: st.DrawFn) -> Transcript:
     if draw(st.booleans()):
         t.assistant("Hello, how can I help?")  # before the first user turn (turn 0)
     for _ in range(draw(st.integers(1, 14))):
-        t.user(draw(texts()))
+        t.user(draw(texts()) or "go on")
         for _ in range(draw(st.integers(0, 2))):
             calls = [
                 {
@@ -89,7 +90,7 @@ def summarize(request: SummaryRequest) -> tuple[str, int, int]:
 
 
 def read(path: str) -> str | None:
-    return None if path == "b.py" else f"contents of {path} </untrusted_file>"
+    return None if path == "b.py" else f"contents of {path}\nuntrusted-file {path}>>>"
 
 
 def _original_order_kept(
@@ -103,7 +104,7 @@ def _original_order_kept(
 def _check(
     result_messages: tuple[ContextMessage, ...], original: tuple[ContextMessage, ...]
 ) -> None:
-    assert violations(result_messages) == []
+    assert validity_violations(result_messages) == []  # both OpenAI's and Anthropic's rules
     _original_order_kept(original, result_messages)
 
 
@@ -119,7 +120,12 @@ def test_one_assembly_is_provider_valid_and_no_layer_raises(
     result = engine.assemble(session.all, budget, provider=provider)
     _check(result.messages, session.all)
     assert result.layers_failed == ()
-    assert result.repairs == 0  # valid input: the layers kept every pair themselves
+    # the layers keep every pair themselves: at most the final repair opens the transcript
+    # with a user placeholder (Anthropic wants a user turn first; a compaction with no
+    # anchor turns, or a greeting before the first user message, starts with the assistant)
+    synthetic = [m.message_id for m in result.messages if m.message_id.startswith("synthetic:")]
+    assert synthetic in ([], ["synthetic:opening"])
+    assert result.repairs == len(synthetic)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -153,16 +159,21 @@ def test_a_damaged_transcript_comes_out_valid(
     damaged = tuple(m for i, m in enumerate(messages) if i not in lost)
     engine = PipelineEngine(config, summarizer=summarize, clock=FakeClock())
     result = engine.assemble(damaged, budget, provider="openai")
-    assert violations(result.messages) == []
+    assert validity_violations(result.messages) == []
     assert result.layers_failed == ()
 
 
 @COMMON
-@given(sessions(), st.data())
-def test_repair_is_idempotent_and_valid(session: Transcript, data: st.DataObject) -> None:
-    messages = list(session.all)
-    order = data.draw(st.permutations(range(len(messages))))
-    shuffled = tuple(messages[i] for i in order[: max(1, len(order) // 2)])
-    repaired, _ = repair(shuffled)
-    assert violations(repaired) == []
-    assert repair(repaired) == (repaired, 0)
+@given(sessions(), configs, st.integers(50, 60_000), st.sampled_from(("openai", "anthropic")))
+def test_every_layer_alone_keeps_calls_and_results_together(
+    session: Transcript, config: PipelineConfig, budget: int, provider: str
+) -> None:
+    assert tuple(name for name, _ in _LAYERS) == LAYERS
+    engine = PipelineEngine(config, summarizer=summarize, clock=FakeClock())
+    messages = session.all
+    run = make_run(messages, config=config, provider=provider, budget=budget, replay=True)
+    for name, layer in _LAYERS:
+        out = layer(messages, run).messages
+        assert validity_violations(out, "openai") == [], name
+        _original_order_kept(messages, out)
+    assert engine.state.assemblies == 0

@@ -50,7 +50,6 @@ A layer that raises is skipped for that run; after 3 failures in a row it is dis
 from ._config import LAYERS, ObservationTier, PipelineConfig
 from ._engine import PipelineEngine, PipelineResult, is_replay
 from ._run import FileReader
-from ._transcript import repair, violations
 from ._wrap import wrap_untrusted
 
 __all__ = [
@@ -61,7 +60,5 @@ __all__ = [
     "PipelineEngine",
     "PipelineResult",
     "is_replay",
-    "repair",
-    "violations",
     "wrap_untrusted",
 ]

@@ -9,6 +9,7 @@ import msgspec
 import structlog
 
 from stalwart.clock import Clock
+from stalwart.context._repair import repair
 from stalwart.context._tokens import TokenEstimator
 from stalwart.context._types import ContextMessage, Summarizer
 from stalwart.events import (
@@ -28,7 +29,7 @@ from ._config import LAYERS, PipelineConfig
 from ._reinject import rehydrate, reinforce_objective
 from ._run import FileReader, Outcome, Run
 from ._shape import evict_dead_content, mask_observations, window_history
-from ._transcript import chars, digest, latest_turn, repair, to_provider
+from ._transcript import chars, digest, latest_turn, to_provider
 
 __all__ = ["PipelineEngine", "PipelineResult", "is_replay"]
 
@@ -188,7 +189,8 @@ class PipelineEngine:
             reader=self._reader,
         )
         current, events, fired, failed = self._layers(original, run)
-        current, repairs = repair(current)
+        repaired, repairs = repair(current)  # the DAG engine's: valid for both providers
+        current = tuple(repaired)
         chars_in, chars_out = chars(original), chars(current)
         tokens_in, tokens_out = estimator.messages(original), estimator.messages(current)
         events.append(

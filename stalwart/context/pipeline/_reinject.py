@@ -86,7 +86,7 @@ def rehydrate(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
         message_id=REHYDRATION_ID,
         seq=summary.seq,
         role="user",
-        content=f"{MARKER}: files read again after compaction]\n" + "\n\n".join(sections),
+        content=f"{MARKER}rehydrated] Files read again after compaction:\n" + "\n\n".join(sections),
         turn=summary.turn,
     )
     return Outcome((*messages[: at + 1], message, *messages[at + 1 :]))
@@ -117,8 +117,8 @@ def reinforce_objective(messages: tuple[ContextMessage, ...], run: Run) -> Outco
         seq=anchor.seq,
         role="user",
         content=(
-            f"{MARKER}: the original objective of this session, restated because earlier "
-            f"turns were summarized or dropped]\n{objective.content}"
+            f"{MARKER}objective] The original objective of this session, restated because "
+            f"earlier turns were summarized or dropped:\n{objective.content}"
         ),
         turn=anchor.turn,
     )

@@ -1,9 +1,9 @@
-"""Transcript mechanics every layer shares: sizes, pair-safe removal, validity and repair.
+"""Transcript mechanics the layers share: sizes, ids, and pair-safe removal.
 
-*Provider-valid* here means what both OpenAI Chat Completions and Anthropic Messages
-accept: every tool result answers a call of the nearest assistant message before it, with
-only other results of that message in between; every call of an assistant message has
-exactly one result in that block; no call id appears twice.
+Every layer that removes something goes through :func:`remove`, which keeps a tool call
+and its result together; the engine then runs the DAG engine's
+:func:`stalwart.context.repair` over the result as the last guarantee of validity for
+both providers (it only has work when the input itself was damaged).
 """
 
 from __future__ import annotations
@@ -16,23 +16,10 @@ import msgspec
 
 from stalwart.context._types import ContextMessage
 
-__all__ = [
-    "NO_RESULT",
-    "chars",
-    "digest",
-    "latest_turn",
-    "message_chars",
-    "remove",
-    "repair",
-    "to_provider",
-    "violations",
-]
+__all__ = ["chars", "digest", "latest_turn", "message_chars", "remove", "to_provider"]
 
 T = TypeVar("T")
 Messages = tuple[ContextMessage, ...]
-
-#: The content of the synthetic result a call with no recorded result gets.
-NO_RESULT = "[context engine: no result was recorded for this tool call]"
 
 _replace = msgspec.structs.replace
 
@@ -107,93 +94,6 @@ def remove(
             continue
         out.append(message)
     return tuple(out)
-
-
-def _synthetic(owner: ContextMessage, call_id: str, name: str) -> ContextMessage:
-    return ContextMessage(
-        message_id=f"synthetic-result:{call_id}",
-        seq=owner.seq,
-        role="tool",
-        content=NO_RESULT,
-        tool_call_id=call_id,
-        name=name,
-        turn=owner.turn,
-        ts=owner.ts,
-    )
-
-
-def repair(messages: Sequence[ContextMessage]) -> tuple[Messages, int]:
-    """A provider-valid transcript and how many fixes it took: each call's first result
-    moves right after its assistant message (parallel calls keep their order), a call with
-    no result gets a synthetic, marked one, a repeated call id is dropped from the later
-    message, a result with no earlier call is dropped, and so is an assistant message
-    with no text, call or image."""
-    issued: set[str] = set()
-    results: dict[str, ContextMessage] = {}
-    for message in messages:
-        if message.role == "tool":
-            key = message.tool_call_id
-            if key is not None and key in issued and key not in results:
-                results[key] = message
-        issued.update(call.id for call in message.tool_calls)
-    out: list[ContextMessage] = []
-    seen: set[str] = set()
-    fixes = 0
-    for original in messages:
-        if original.role == "tool":
-            continue
-        message = original
-        if message.tool_calls:
-            calls = tuple(call for call in message.tool_calls if call.id not in seen)
-            if len(calls) != len(message.tool_calls):
-                fixes += len(message.tool_calls) - len(calls)
-                message = _replace(message, tool_calls=calls)
-                if _is_empty(message):
-                    continue
-            seen.update(call.id for call in calls)
-            out.append(message)
-            for call in calls:
-                result = results.get(call.id)
-                if result is None:
-                    fixes += 1
-                    result = _synthetic(message, call.id, call.name)
-                out.append(result)
-        elif _is_empty(message):
-            fixes += 1  # nothing a provider would accept
-        else:
-            out.append(message)
-    placed = sum(1 for key in seen if key in results)
-    fixes += sum(1 for message in messages if message.role == "tool") - placed
-    if fixes == 0 and tuple(out) != tuple(messages):
-        fixes = 1  # results moved next to their call
-    return tuple(out), fixes
-
-
-def violations(messages: Sequence[ContextMessage]) -> list[str]:
-    """What would make a provider reject ``messages`` (empty when valid); no content."""
-    found: list[str] = []
-    pending: list[str] = []
-    seen: set[str] = set()
-    for index, message in enumerate(messages):
-        if message.role == "tool":
-            if message.tool_call_id in pending:
-                pending.remove(message.tool_call_id)
-            else:
-                found.append(f"#{index}: tool result {message.tool_call_id!r} has no open call")
-            continue
-        if pending:
-            found.append(f"#{index}: calls {pending} have no result before this message")
-            pending = []
-        for call in message.tool_calls:
-            if call.id in seen:
-                found.append(f"#{index}: tool call id {call.id!r} repeated")
-            seen.add(call.id)
-            pending.append(call.id)
-        if _is_empty(message):
-            found.append(f"#{index}: empty assistant message")
-    if pending:
-        found.append(f"end: calls {pending} have no result")
-    return found
 
 
 def to_provider(messages: Sequence[ContextMessage], factory: Callable[..., T]) -> tuple[T, ...]:
