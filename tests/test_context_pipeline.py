@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+import structlog
 
 from stalwart.clock import FakeClock
 from stalwart.context import (
@@ -590,3 +591,15 @@ def test_assemble_reports_sizes_layers_and_provider_messages() -> None:
     provider = result.provider_messages(Message)
     assert all(isinstance(m, Message) for m in provider)
     assert [m.content for m in provider] == [m.content for m in result.messages]
+
+
+def test_a_transcript_still_over_budget_is_reported() -> None:
+    t = Transcript()
+    t.user("x" * 40_000)  # the newest turn alone: nothing may drop it
+    engine = PipelineEngine(summarizer=Summaries(), clock=FakeClock())
+    with structlog.testing.capture_logs() as logs:
+        result = engine.assemble(t.all, 1_000, provider="openai")
+    assert result.tokens_out > result.budget
+    (warning,) = [e for e in logs if e["event"] == "context over budget after pipeline"]
+    assert warning["log_level"] == "warning"
+    assert (warning["tokens_out"], warning["budget"]) == (result.tokens_out, 1_000)

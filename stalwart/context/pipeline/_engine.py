@@ -214,6 +214,13 @@ class PipelineEngine:
         )
         for event in events:
             self._state = apply_pipeline_event(self._state, event)
+        if tokens_out > budget_tokens:
+            log.warning(
+                "context over budget after pipeline",
+                session=self.session,
+                tokens_out=tokens_out,
+                budget=budget_tokens,
+            )
         log.info(
             "context pipeline complete",
             session=self.session,
