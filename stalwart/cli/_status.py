@@ -225,7 +225,7 @@ def _history_lines(history: list[dict[str, Any]], now: float) -> list[str]:
     if not history:
         return ["claims: none"]
     rows = [
-        (fmt_ts(c["at"]), c["activation_id"], c["owner"], str(c["epoch"]), c["ended"] or "holding")
+        (fmt_ts(c["at"]), c["activation_id"], c["owner"], str(c["epoch"]), c["ended"])
         for c in history
     ]
     return ["claims:", *table(("AT", "ACTIVATION", "OWNER", "EPOCH", "ENDED"), rows, "  ")]

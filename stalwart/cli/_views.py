@@ -12,6 +12,7 @@ import msgspec
 from stalwart.clock import SystemClock
 from stalwart.state import (
     ActivationsState,
+    Claim,
     OrchestratorFolder,
     OrchestratorState,
     SessionView,
@@ -213,6 +214,16 @@ def overview(state: OrchestratorState, now: float) -> dict[str, Any]:
     }
 
 
+def _ended(claim: Claim, activations: ActivationsState) -> str:
+    """How a claim ended: as the fold says, ``holding`` for the live lease, else
+    ``superseded`` (a later epoch took over with no settlement of this one: an
+    interrupt)."""
+    if claim.ended is not None:
+        return claim.ended
+    lease = activations.lease
+    return "holding" if lease is not None and lease.epoch == claim.epoch else "superseded"
+
+
 def session_detail(state: OrchestratorState, view: SessionView, now: float) -> dict[str, Any]:
     """``status SESSION --json``: one session in full."""
     session, activations = view.session, view.activations
@@ -248,7 +259,7 @@ def session_detail(state: OrchestratorState, view: SessionView, now: float) -> d
                 "owner": c.owner,
                 "epoch": c.epoch,
                 "at": c.at,
-                "ended": c.ended,
+                "ended": _ended(c, activations),
             }
             for c in activations.history
         ],
