@@ -58,7 +58,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 def scrub_surrogates(text: str) -> str:
     """``text`` with each high+low surrogate pair joined into its character and each lone
     half replaced by U+FFFD (what a UTF-16 decoder does), so it encodes as UTF-8."""
-    if _SURROGATE.search(text) is None:
+    if text.isascii() or _SURROGATE.search(text) is None:  # isascii() is O(1) in CPython
         return text
     return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 
@@ -71,11 +71,17 @@ def _guard_block(block: ThinkingBlock) -> ThinkingBlock:
 
 
 def _guard(message: ContextMessage) -> ContextMessage:
+    if (
+        message.content.isascii()
+        and not message.thinking
+        and all(call.arguments.isascii() for call in message.tool_calls)
+    ):
+        return message
     content = scrub_surrogates(message.content)
     thinking = tuple(_guard_block(block) for block in message.thinking)
     calls = tuple(
         _replace(call, arguments=scrub_surrogates(call.arguments))
-        if _SURROGATE.search(call.arguments)
+        if not call.arguments.isascii() and _SURROGATE.search(call.arguments)
         else call
         for call in message.tool_calls
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
@@ -86,16 +87,17 @@ class PipelineResult(msgspec.Struct, frozen=True, kw_only=True):
         return any(isinstance(event, ContextCompacted) for event in self.events)
 
 
-def is_replay(state: PipelineState, provider: str, ids: Sequence[str]) -> bool:
+def is_replay(state: PipelineState, provider: str, head_digest: str, count: int) -> bool:
     """Whether this run is a cache-break replay (the signature scrubber acts): there was
-    a previous assembly, and either the provider changed or this input does not extend
-    the previous one (its first ``last_input_count`` ids hash differently, or it is
-    shorter): history was rewritten, so the provider re-reads it uncached."""
+    a previous assembly, and either the provider changed or this input (``count`` ids,
+    the first ``state.last_input_count`` of which hash to ``head_digest``) does not
+    extend the previous one (it is shorter, or that prefix hashes differently): history
+    was rewritten, so the provider re-reads it uncached."""
     if state.assemblies == 0:
         return False
-    if provider != state.last_provider or len(ids) < state.last_input_count:
+    if provider != state.last_provider or count < state.last_input_count:
         return True
-    return digest(ids[: state.last_input_count]) != state.last_input_digest
+    return head_digest != state.last_input_digest
 
 
 class PipelineEngine:
@@ -124,6 +126,9 @@ class PipelineEngine:
         self._reader = reader
         self._estimator = estimator
         self._estimators: dict[str, TokenEstimator] = {}
+        # the input's raw token counts from the previous run (by message id), so a long
+        # transcript is not re-estimated message by message every turn
+        self._raw: tuple[str, dict[str, tuple[ContextMessage, int]]] = ("", {})
         self.session = session
         self._state = state or PipelineState()
 
@@ -174,6 +179,7 @@ class PipelineEngine:
         """The transcript to send ``provider`` for a window of ``budget_tokens``."""
         original = tuple(messages)
         ids = [message.message_id for message in original]
+        head_digest, input_digest = digest(ids, prefix=self._state.last_input_count)
         estimator = self.estimator(provider)
         run = Run(
             config=self.config,
@@ -182,7 +188,7 @@ class PipelineEngine:
             budget=budget_tokens,
             now=self._clock.now(),
             turn=latest_turn(original),
-            replay=is_replay(self._state, provider, ids),
+            replay=is_replay(self._state, provider, head_digest, len(ids)),
             state=self._state,
             estimator=estimator,
             summarizer=self._summarizer,
@@ -192,7 +198,7 @@ class PipelineEngine:
         repaired, repairs = repair(current)  # the DAG engine's: valid for both providers
         current = tuple(repaired)
         chars_in, chars_out = chars(original), chars(current)
-        tokens_in, tokens_out = estimator.messages(original), estimator.messages(current)
+        tokens_in, tokens_out = self._input_tokens(original, provider), estimator.messages(current)
         events.append(
             ContextAssembled(
                 tokens_in=tokens_in,
@@ -207,7 +213,7 @@ class PipelineEngine:
                 chars_out=chars_out,
                 layers_failed=tuple(failed),
                 input_count=len(ids),
-                input_digest=digest(ids),
+                input_digest=input_digest,
                 summaries_made=sum(isinstance(e, ContextCompacted) for e in events),
                 repairs=repairs,
             )
@@ -251,6 +257,26 @@ class PipelineEngine:
             repairs=repairs,
         )
 
+    def _input_tokens(self, original: tuple[ContextMessage, ...], provider: str) -> int:
+        """``estimator.messages(original)``, reusing last run's count of each message
+        that is unchanged (same id, equal message, same provider)."""
+        estimator = self.estimator(provider)
+        cached_provider, cached = self._raw
+        if cached_provider != provider:
+            cached = {}
+        fresh: dict[str, tuple[ContextMessage, int]] = {}
+        total = 0
+        for message in original:
+            hit = cached.get(message.message_id)
+            if hit is not None and (hit[0] is message or hit[0] == message):
+                raw = hit[1]
+            else:
+                raw = estimator.raw(message)
+            fresh[message.message_id] = (message, raw)
+            total += raw
+        self._raw = (provider, fresh)
+        return math.ceil(total * estimator.factor)
+
     def _layers(
         self, current: tuple[ContextMessage, ...], run: Run
     ) -> tuple[tuple[ContextMessage, ...], list[Event], list[str], list[str]]:
@@ -282,8 +308,6 @@ class PipelineEngine:
                     layer=name,
                     messages_before=len(current),
                     messages_after=len(outcome.messages),
-                    chars_before=chars(current),
-                    chars_after=chars(outcome.messages),
                 )
             for event in outcome.events:
                 if isinstance(event, ContextCompacted):

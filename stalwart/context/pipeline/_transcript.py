@@ -44,13 +44,19 @@ def latest_turn(messages: Iterable[ContextMessage]) -> int:
     return max((message.turn for message in messages), default=0)
 
 
-def digest(ids: Sequence[str]) -> str:
-    """A short hash of a sequence of message ids (no content)."""
+def digest(ids: Sequence[str], *, prefix: int | None = None) -> tuple[str, str]:
+    """Short hashes (no content) of ``ids[:prefix]`` and of all ``ids``, in one pass;
+    the first is ``""`` when ``prefix`` is None or longer than ``ids``."""
     hasher = hashlib.blake2b(digest_size=16)
-    for message_id in ids:
+    head = ""
+    for index, message_id in enumerate(ids):
+        if index == prefix:
+            head = hasher.hexdigest()
         hasher.update(message_id.encode("utf-8", "surrogatepass"))
         hasher.update(b"\x00")
-    return hasher.hexdigest()
+    if prefix == len(ids):
+        head = hasher.hexdigest()
+    return head, hasher.hexdigest()
 
 
 def _is_empty(message: ContextMessage) -> bool:
