@@ -605,3 +605,22 @@ def test_interrupt_from_the_runtime_shows_in_status(
 def test_relative_times(delta: float, shown: str) -> None:
     assert fmt_rel(T0 + delta, T0) == shown
     assert fmt_rel(None, T0) == "-"
+
+
+def test_watch_lists_only_the_newest_dead_letters(store_dir: Path, log: dict[str, str]) -> None:
+    with store_module.open(store_dir) as store:  # type: ignore[attr-defined]
+        for n in range(8):
+            store.append(
+                "session:s4",
+                [
+                    ActivationReady(activation_id=f"y{n}", kind="wake"),
+                    ActivationAbandoned(activation_id=f"y{n}", attempts=5, error_class="internal"),
+                ],
+            )
+    out = run("--store", str(store_dir), "watch", "--once")[1]
+    listed = [line.split()[1] for line in out.splitlines() if line.startswith("  activation ")]
+    assert listed == ["y3", "y4", "y5", "y6", "y7"]
+    assert "dead letters: 1 undelivered announcement, 9 abandoned activations" in out
+    assert "  ... and 4 older" in out
+    full = run("--store", str(store_dir), "status")[1]
+    assert sum(line.startswith("  activation ") for line in full.splitlines()) == 9

@@ -102,23 +102,30 @@ def sessions_lines(view: dict[str, Any], limit: int | None = None) -> list[str]:
     return lines
 
 
-def dead_letter_lines(dead: dict[str, Any], now: float) -> list[str]:
+def dead_letter_lines(dead: dict[str, Any], now: float, limit: int | None = None) -> list[str]:
+    """The dead-letter backlog: a summary line, then each entry (the newest ``limit`` of
+    each kind when given)."""
     entries, abandoned = dead["announcements"], dead["activations"]
+    total = dead["activations_total"]
     lines = [
         f"dead letters: {len(entries)} undelivered announcement{'' if len(entries) == 1 else 's'}"
-        f", {dead['activations_total']} abandoned activation"
-        f"{'' if dead['activations_total'] == 1 else 's'}"
+        f", {total} abandoned activation{'' if total == 1 else 's'}"
     ]
+    shown_entries = entries if limit is None else entries[-limit:]
     lines += [
         f"  announcement {e['entry_id']}  channel {e['channel']}  attempts {e['attempts']}  "
         f"last error {_dash(e['last_error'])}  queued {fmt_rel(e['enqueued_at'], now)}"
-        for e in entries
+        for e in shown_entries
     ]
+    shown_abandoned = abandoned if limit is None else abandoned[-limit:]
     lines += [
         f"  activation {a['activation_id']}  {a['session']}  {_dash(a['kind'])}  "
         f"attempts {a['attempts']}  error {a['error_class']}  {fmt_rel(a['at'], now)}"
-        for a in abandoned
+        for a in shown_abandoned
     ]
+    hidden = len(entries) - len(shown_entries) + total - len(shown_abandoned)
+    if hidden:
+        lines.append(f"  ... and {hidden} older")
     return lines
 
 
@@ -137,12 +144,16 @@ def provider_lines(providers: list[dict[str, Any]], now: float) -> list[str]:
     return ["providers:", *table(("PROVIDER", "HEALTH", "BREAKER", "LAST FAILURE"), rows, "  ")]
 
 
-def overview_lines(view: dict[str, Any], limit: int | None = None) -> list[str]:
+def overview_lines(
+    view: dict[str, Any], limit: int | None = None, dead_limit: int | None = None
+) -> list[str]:
+    """The overview: at most ``limit`` sessions and ``dead_limit`` dead letters of each
+    kind (all when None)."""
     now = view["now"]
     return [
         *sessions_lines(view, limit),
         "",
-        *dead_letter_lines(view["dead_letters"], now),
+        *dead_letter_lines(view["dead_letters"], now, dead_limit),
         "",
         *provider_lines(view["providers"], now),
     ]

@@ -35,8 +35,10 @@ from stalwart.state import OrchestratorFolder
 from ._app import _State, cli
 from ._render import fmt_ts, to_json
 from ._status import overview_lines
-from ._views import fold_all, now_for, overview
+from ._views import fold_all, now_for, overview, session_stream
 
+#: dead letters of each kind a frame lists (the newest; the rest are counted)
+DEAD_LETTERS_SHOWN = 5
 _HOME = "\x1b[H"  # cursor to the top left
 _CLEAR_LINE = "\x1b[K"  # the rest of the line
 _CLEAR_BELOW = "\x1b[J"  # the rest of the screen
@@ -151,9 +153,7 @@ def lifecycle_line(row: dict[str, Any]) -> str:
 def activations(state: _State, follow: bool, session_id: str | None, as_json: bool) -> None:
     """The activation lifecycle across sessions (ready, leased, renewed, acked, requeued,
     blocked, abandoned, cancelled, lease lost, lease expired), one line each."""
-    wanted = None
-    if session_id is not None:
-        wanted = session_id if session_id.startswith("session:") else f"session:{session_id}"
+    wanted = None if session_id is None else session_stream(session_id)
     store = state.store()
     try:
         feed = store.subscribe(1) if follow else store.read_all()
@@ -179,7 +179,7 @@ def frame(folder: OrchestratorFolder, location: str, rows: int | None) -> list[s
     state = folder.state()
     now = now_for(state)
     header = f"stalwart watch  {location}  {fmt_ts(now)}  position {state.position}"
-    return [header, "", *overview_lines(overview(state, now), rows)]
+    return [header, "", *overview_lines(overview(state, now), rows, DEAD_LETTERS_SHOWN)]
 
 
 @cli.command()
@@ -228,4 +228,4 @@ def watch(state: _State, interval: float, once: bool, rows: int | None) -> None:
 
 def _fit() -> int:
     """Session rows that fit the terminal below the header, the counts and the rest."""
-    return max(3, shutil.get_terminal_size().lines - 16)
+    return max(3, shutil.get_terminal_size().lines - 14 - 2 * DEAD_LETTERS_SHOWN)
