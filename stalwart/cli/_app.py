@@ -19,6 +19,7 @@ from stalwart.state import aggregate_for
 from stalwart.store import EventStore, load_state
 from stalwart.store import open as open_store
 
+from . import _replay
 from ._logging import configure_logging
 from ._render import event_json, event_line, fmt_ts, state_lines, to_json
 
@@ -139,34 +140,66 @@ def tail(
 
 
 @cli.command()
-@click.argument("stream")
+@click.argument("stream", required=False)
 @click.option(
     "--until",
     type=click.IntRange(min=1),
     metavar="POSITION",
-    help="The state as it was at global POSITION (time travel).",
+    help="The state as it was at global POSITION (time travel); with --verify, verify up to it.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the state as one JSON object.")
+@click.option("--json", "as_json", is_flag=True, help="Print the state (or report) as JSON.")
 @click.option("--no-snapshots", is_flag=True, help="Fold every event; ignore saved snapshots.")
-@click.pass_obj
+@click.option(
+    "--verify", is_flag=True, help="Re-derive every decision; exit 1 unless the log is clean."
+)
+@click.option("--all", "every", is_flag=True, help="With --verify: every stream, in log order.")
+@click.option(
+    "--grace-ms",
+    type=click.IntRange(min=0),
+    default=5_000,
+    show_default=True,
+    help="With --verify: how late past a deadline an event may come before it proves a miss.",
+)
+@click.pass_context
 def replay(
-    state: _State, stream: str, until: int | None, as_json: bool, no_snapshots: bool
+    ctx: click.Context,
+    stream: str | None,
+    until: int | None,
+    as_json: bool,
+    no_snapshots: bool,
+    verify: bool,
+    every: bool,
+    grace_ms: int,
 ) -> None:
-    """Fold STREAM's events and print the resulting state."""
+    """Fold STREAM's events and print the resulting state; or, with --verify, check that
+    every decision in STREAM (or --all streams) follows from the state just before it."""
+    if every and not verify:
+        raise click.UsageError("--all goes with --verify")
+    if (stream is None) != every:
+        raise click.UsageError(
+            "give a STREAM or --all" if stream is None else "STREAM or --all, not both"
+        )
+    state: _State = ctx.obj
     store = state.store()
     try:
-        if store.stream_version(stream) == 0:
-            raise StoreError(f"no stream named {stream!r} in {store.location}")
-        folded = load_state(
-            store,
-            stream,
-            aggregate_for(stream),
-            until_position=until,
-            snapshot_every=0,
-            use_snapshots=not no_snapshots,
-        )
+        if verify:
+            clean = _replay.run(store, stream, until, grace_ms, as_json)
+        else:
+            assert stream is not None
+            if store.stream_version(stream) == 0:
+                raise StoreError(f"no stream named {stream!r} in {store.location}")
+            folded = load_state(
+                store,
+                stream,
+                aggregate_for(stream),
+                until_position=until,
+                snapshot_every=0,
+                use_snapshots=not no_snapshots,
+            )
     finally:
         store.close()
+    if verify:
+        ctx.exit(0 if clean else 1)
     if as_json:
         click.echo(to_json(folded))
     else:

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import msgspec
 
 from stalwart.errors import StalwartError
-from stalwart.events import Event, RecordedEvent, RuntimeStarted, UnknownEvent, event_tag
+from stalwart.events import Event, RecordedEvent, RuntimeStarted, UnknownEvent
 
 from ._aggregate import Folder
 from ._verify_registry import FoldSpec, Knobs, Registry, Verifier, aggregate_of, fold_key
@@ -231,7 +231,7 @@ class Verification:
         for folder in self._folders_of(stream).values():
             folder.add(record)
         for index in self._plan(stream)[1]:
-            self._rearm(stream, index)
+            self._rearm(stream, index, record)
 
     # -- decisions -------------------------------------------------------------------------------
 
@@ -246,9 +246,7 @@ class Verification:
             self._checked[tag] = self._checked.get(tag, 0) + 1
             state = self._state(record.stream, verifier.fold)
             try:
-                given = [
-                    e for e in verifier.decide(state, record, self._knobs) if event_tag(e) == tag
-                ]
+                given = list(verifier.decide(state, record, self._knobs))
             except StalwartError as exc:
                 self._mismatch(record, [], f"replay could not re-run the decision: {exc}")
                 return
@@ -295,12 +293,18 @@ class Verification:
 
     # -- deadlines -------------------------------------------------------------------------------
 
-    def _rearm(self, stream: str, index: int) -> None:
+    def _rearm(self, stream: str, index: int, record: RecordedEvent) -> None:
         deadline = self._registry.deadlines[index]
         key = (stream, index)
-        due = deadline.due(self._state(stream, deadline.fold), self._knobs)
+        try:
+            due = deadline.due(self._state(stream, deadline.fold), self._knobs)
+        except StalwartError:
+            due = None  # a knob nobody recorded: the decision's own check says so
         if due == self._pending.get(key):
             return
+        suspect = self._suspects.get(key)
+        if suspect is not None and suspect[1] is not record:
+            del self._suspects[key]  # settled at the proof's moment (the clock had jumped)
         if due is None:
             del self._pending[key]
             return

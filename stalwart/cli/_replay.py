@@ -1,0 +1,233 @@
+"""``stalwart replay STREAM --verify`` and ``stalwart replay --all --verify``.
+
+Reads the log (one stream with the ``runtime`` stream's starts and stops, or every
+stream in global order), feeds it to :class:`~stalwart.state.Verification` with the
+built-in verifiers plus the tool breaker's, and prints what it found. A corrupt record is
+reported and skipped, never the end of the walk.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from typing import Any
+
+import click
+import msgspec
+
+from stalwart.config import AgentSettings, Config, ProviderSettings
+from stalwart.errors import CorruptRecordError, StoreError
+from stalwart.events import Event, RecordedEvent, RuntimeStarted, RuntimeStopped, ToolBlocked
+from stalwart.state import VERIFIERS, ApplyFolder, Knobs, Registry, Verification, Verifier
+from stalwart.state import VerifyReport as Report
+from stalwart.store import EventStore
+from stalwart.tools import ToolBreakerState, apply_tool_breaker, decide_tool_call
+
+from ._render import fmt_ts, to_json
+
+__all__ = ["REGISTRY", "default_knobs", "read_for_verify", "render", "verify_store"]
+
+
+# -- what is verified ---------------------------------------------------------------------
+
+
+class _ToolBreakerAggregate:
+    """The tool retry breaker's fold of a session, for ``tool:blocked``."""
+
+    name = "verify_tool_breaker"
+    version = 1
+    state_type = ToolBreakerState
+
+    def initial(self, stream: str) -> ToolBreakerState:
+        return ToolBreakerState()
+
+    def apply(self, state: ToolBreakerState, record: RecordedEvent) -> ToolBreakerState:
+        return apply_tool_breaker(state, record)
+
+    def folder(self, state: ToolBreakerState) -> ApplyFolder[ToolBreakerState]:
+        return ApplyFolder(apply_tool_breaker, state)
+
+
+def _tool_blocked(state: ToolBreakerState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    found = record.event
+    assert isinstance(found, ToolBlocked)
+    # the Agent uses decide_tool_call's own thresholds (no knob sets them)
+    decided = decide_tool_call(state, found.tool, found.arguments, call_id=found.call_id)
+    return [] if decided is None else [decided]
+
+
+#: The built-in verifiers and the tool breaker's (the tools package sits above state).
+REGISTRY: Registry = VERIFIERS.with_(
+    Verifier("tool:blocked", _ToolBreakerAggregate(), _tool_blocked, "session:")
+)
+
+
+def _defaults_of(kind: type[msgspec.Struct]) -> dict[str, Any]:
+    return {
+        f.name: msgspec.to_builtins(f.default)
+        for f in msgspec.structs.fields(kind)
+        if f.default is not msgspec.NODEFAULT
+    }
+
+
+def default_knobs() -> dict[str, Any]:
+    """The defaults under the recorded config: ``Config()``'s, and every provider's and
+    agent's field defaults under ``*`` (a provider the recorded config does not name)."""
+    record = Config().to_record()
+    record["providers"] = {"*": _defaults_of(ProviderSettings)}
+    record["agents"] = {"*": _defaults_of(AgentSettings)}
+    return record
+
+
+# -- reading ------------------------------------------------------------------------------
+
+
+class Corrupt(msgspec.Struct, frozen=True):
+    """A record the store could not decode, where it was."""
+
+    position: int
+    reason: str
+    stream: str = ""
+
+
+Item = RecordedEvent | Corrupt
+
+
+def _all(store: EventStore, until: int | None) -> Iterator[Item]:
+    position = 1
+    while True:
+        try:
+            for record in store.read_all(position, until):
+                position = record.position + 1
+                yield record
+            return
+        except CorruptRecordError as exc:
+            yield Corrupt(max(exc.position, position), exc.reason)
+            position = max(exc.position, position) + 1
+
+
+def _stream(store: EventStore, stream: str, until: int | None) -> Iterator[Item]:
+    version, position = 1, 0
+    while True:
+        try:
+            for record in store.read_stream(stream, version):
+                if until is not None and record.position > until:
+                    return
+                version, position = record.version + 1, record.position
+                yield record
+            return
+        except CorruptRecordError as exc:
+            at = exc.position if exc.position > 0 else position + 1
+            if until is not None and at > until:
+                return
+            yield Corrupt(at, exc.reason, stream)
+            version += 1  # the corrupt record held this version
+
+
+def _runtime(store: EventStore, until: int | None) -> Iterator[Item]:
+    for item in _stream(store, "runtime", until):
+        if isinstance(item, RecordedEvent) and isinstance(
+            item.event, RuntimeStarted | RuntimeStopped
+        ):
+            yield item
+
+
+def read_for_verify(store: EventStore, stream: str | None, until: int | None) -> Iterator[Item]:
+    """Every record (``stream`` None), or ``stream``'s merged with the ``runtime`` stream's
+    starts and stops (the config in force, the processes' lives), in log order."""
+    if stream is None:
+        return _all(store, until)
+    if stream == "runtime":
+        return _stream(store, stream, until)
+    merged: Iterator[Item] = heapq.merge(
+        _stream(store, stream, until), _runtime(store, until), key=lambda item: item.position
+    )
+    return merged
+
+
+def verify_store(
+    store: EventStore,
+    stream: str | None,
+    *,
+    until: int | None = None,
+    grace_ms: int = 5_000,
+    registry: Registry = REGISTRY,
+) -> Report:
+    """Verify ``stream`` (None: every stream) up to position ``until``."""
+    if stream is not None and store.stream_version(stream) == 0:
+        raise StoreError(f"no stream named {stream!r} in {store.location}")
+    verification = Verification(
+        registry,
+        defaults=default_knobs(),
+        grace_ms=grace_ms,
+        verify=None if stream is None else (lambda name: name == stream),
+    )
+    for item in read_for_verify(store, stream, until):
+        if isinstance(item, Corrupt):
+            verification.undecodable(item.position, item.reason, item.stream)
+        else:
+            verification.add(item)
+    return verification.report()
+
+
+# -- the report ---------------------------------------------------------------------------
+
+_WORDS = {
+    "mismatch": ("decision that does not follow", "decisions that do not follow"),
+    "missed": ("missed deadline", "missed deadlines"),
+    "undecodable": ("undecodable record", "undecodable records"),
+}
+_LABEL = {"mismatch": "DOES NOT FOLLOW", "missed": "MISSED DEADLINE", "undecodable": "UNDECODABLE"}
+
+
+def _counts(table: dict[str, int]) -> str:
+    return ", ".join(f"{tag} x{count}" for tag, count in table.items()) or "none"
+
+
+def render(report: Report, what: str, as_json: bool) -> list[str]:
+    """The report as lines of text, or one JSON object."""
+    if as_json:
+        data = msgspec.to_builtins(report)
+        return [to_json({"target": what, "clean": report.clean, **data})]
+    checked = sum(report.checked.values())
+    last = f", up to position {report.last_position}" if report.last_position else ""
+    lines = [
+        f"verify {what}: {report.events} events{last}, {checked} decisions re-derived",
+        f"  re-derived: {_counts(report.checked)}",
+    ]
+    if report.unchecked:
+        lines.append(f"  no verifier (not checked): {_counts(report.unchecked)}")
+    for finding in report.findings:
+        where = f"{finding.stream} v{finding.version}" if finding.version else finding.stream
+        lines.append("")
+        lines.append(
+            f"{_LABEL[finding.kind]}  position {finding.position}  {where or '-'}  "
+            f"{finding.tag or '-'}  {fmt_ts(finding.ts) if finding.ts else ''}".rstrip()
+        )
+        lines.append(f"  {finding.message}")
+        if finding.kind == "mismatch":
+            shown = to_json(finding.expected[0]) if finding.expected else "nothing"
+            lines.append(f"  expected: {shown}")
+            lines.append(f"  found:    {to_json(finding.found)}")
+    lines.append("")
+    if report.clean:
+        lines.append("clean: every decision follows from the state just before it")
+    else:
+        counts = [sum(1 for f in report.findings if f.kind == kind) for kind in _WORDS]
+        summary = ", ".join(
+            f"{n} {words[0] if n == 1 else words[1]}"
+            for n, words in zip(counts, _WORDS.values(), strict=True)
+            if n
+        )
+        lines.append(f"NOT CLEAN: {summary}")
+    return lines
+
+
+def run(
+    store: EventStore, stream: str | None, until: int | None, grace_ms: int, as_json: bool
+) -> bool:
+    """Verify, print, and say whether the log is clean."""
+    report = verify_store(store, stream, until=until, grace_ms=grace_ms)
+    for line in render(report, stream or "all streams", as_json):
+        click.echo(line)
+    return report.clean
