@@ -31,7 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 #: Every module that registers benchmarks, in the order the runner runs them.
-MODULES: tuple[str, ...] = ("benchmarks.store", "benchmarks.providers", "benchmarks.supervision")
+MODULES: tuple[str, ...] = (
+    "benchmarks.store",
+    "benchmarks.providers",
+    "benchmarks.supervision",
+    "benchmarks.postgres",
+)
 
 Op = Literal[">=", "<="]
 Runner = Callable[[bool], "Result"]
