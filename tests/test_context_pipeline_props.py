@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -11,8 +12,17 @@ from stalwart.clock import FakeClock
 from stalwart.context import ContextMessage, SummaryRequest, validity_violations
 from stalwart.context.pipeline import LAYERS, PipelineConfig, PipelineEngine
 from stalwart.context.pipeline._engine import _LAYERS
-from stalwart.events import Event
+from stalwart.events import (
+    ContextAssembled,
+    ContextCompacted,
+    ContextLayerDisabled,
+    ContextLayerEnabled,
+    ContextLayerHalfOpened,
+    Event,
+)
+from stalwart.state import CONTEXT_PIPELINE, PipelineState, fold
 
+from ._log import recorded
 from .test_context_pipeline import Transcript, make_run
 
 TOOLS = ("read", "search", "shell", "memory")
@@ -108,7 +118,7 @@ def _check(
     _original_order_kept(original, result_messages)
 
 
-COMMON = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+COMMON = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @COMMON
@@ -128,7 +138,7 @@ def test_one_assembly_is_provider_valid_and_no_layer_raises(
     assert result.repairs == len(synthetic)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sessions(), configs, st.integers(50, 20_000), st.data())
 def test_turn_by_turn_assembly_stays_valid_and_the_state_is_the_fold(
     session: Transcript, config: PipelineConfig, budget: int, data: st.DataObject
@@ -177,3 +187,51 @@ def test_every_layer_alone_keeps_calls_and_results_together(
         assert validity_violations(out, "openai") == [], name
         _original_order_kept(messages, out)
     assert engine.state.assemblies == 0
+
+
+PIPELINE_EVENTS = st.one_of(
+    st.builds(
+        ContextLayerDisabled,
+        layer=st.sampled_from(LAYERS),
+        failures=st.integers(1, 9),
+        retry_at=st.none() | st.floats(0, 1e10),
+    ),
+    st.builds(ContextLayerHalfOpened, layer=st.sampled_from(LAYERS)),
+    st.builds(ContextLayerEnabled, layer=st.sampled_from(LAYERS)),
+    st.builds(
+        ContextAssembled,
+        tokens_in=st.integers(0, 9),
+        tokens_out=st.integers(0, 9),
+        budget=st.integers(0, 9),
+        engine=st.sampled_from(("pipeline", "dag")),
+        layers_failed=st.lists(st.sampled_from(LAYERS), max_size=3, unique=True).map(tuple),
+        input_count=st.integers(0, 9),
+    ),
+    st.builds(
+        ContextCompacted,
+        summary_id=st.text(max_size=4),
+        turn=st.integers(0, 99),
+        covers=st.lists(st.text(max_size=3), max_size=4).map(tuple),
+        through_seq=st.integers(0, 99),
+        tokens=st.integers(0, 9),
+        budget=st.integers(0, 9),
+        threshold=st.just(0.85),
+    ),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(PIPELINE_EVENTS, max_size=30), st.integers(0, 30))
+def test_the_fold_is_a_fold_and_its_state_snapshots(events: list[Event], cut: int) -> None:
+    records = [recorded(event, 1.0, i + 1, "context:s") for i, event in enumerate(events)]
+    whole = fold(CONTEXT_PIPELINE, "context:s", records)
+    prefix = fold(CONTEXT_PIPELINE, "context:s", records[:cut])
+    assert fold(CONTEXT_PIPELINE, "context:s", records[cut:], prefix) == whole
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(whole), type=PipelineState) == whole
+    for layer, breaker in whole.breakers.items():
+        assert layer in LAYERS
+        assert breaker.failures >= 0
+    # the DAG engine's context:assembled events (same stream kind) change nothing
+    without_dag = [r for r in records if getattr(r.event, "engine", "pipeline") != "dag"]
+    alone = fold(CONTEXT_PIPELINE, "context:s", without_dag)
+    assert msgspec.structs.replace(alone, version=whole.version) == whole
