@@ -2,14 +2,14 @@
 
 Tests that need PostgreSQL are skipped only when its binaries are absent *and*
 ``STALWART_REQUIRE_POSTGRES`` is unset; CI sets it, so there they fail instead.
-Import the fixtures into a test module with ``from ._postgres import pg_server, pg_url``.
+``tests/conftest.py`` imports the fixtures, so every test module shares the one cluster.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -39,8 +39,3 @@ def pg_server() -> Iterator[PostgresServer]:
 def pg_url(pg_server: PostgresServer) -> str:
     """The URL of a store no other test uses: its own schema in the shared database."""
     return pg_server.url("stalwart_test") + f"?schema=t{next(_names)}"
-
-
-@pytest.fixture
-def pg_url_factory(pg_server: PostgresServer) -> Callable[[], str]:
-    return lambda: pg_server.url("stalwart_test") + f"?schema=t{next(_names)}"

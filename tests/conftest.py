@@ -11,6 +11,8 @@ from stalwart.clock import FakeClock
 from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider
 
+from ._postgres import pg_server, pg_url  # noqa: F401  (one PostgreSQL cluster per session)
+
 
 @pytest.fixture
 def clock() -> FakeClock:

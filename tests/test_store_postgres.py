@@ -20,13 +20,12 @@ from stalwart.events import MessageAppended, SessionCreated
 from stalwart.store import EventStore, NewEvent, PostgresEventStore
 from stalwart.testing import PostgresServer
 
-from ._postgres import pg_server, pg_url  # noqa: F401  (fixtures)
 from .store_contract import EventStoreContract
 
 
 class TestPostgresContract(EventStoreContract):
     @pytest.fixture
-    def store(self, pg_url: str, clock: FakeClock) -> Iterator[EventStore]:  # noqa: F811
+    def store(self, pg_url: str, clock: FakeClock) -> Iterator[EventStore]:
         self.reopen = lambda: store_module.open(pg_url, clock=clock)
         opened = store_module.open(pg_url, clock=clock)
         try:
@@ -42,7 +41,7 @@ def _msg(n: int) -> MessageAppended:
     return MessageAppended(message_id=str(n), role="user", content="x")
 
 
-def test_location_and_repr_hide_the_password(pg_server: PostgresServer, pg_url: str) -> None:  # noqa: F811
+def test_location_and_repr_hide_the_password(pg_server: PostgresServer, pg_url: str) -> None:
     with PostgresEventStore(pg_url + "&application_name=t") as store:
         assert pg_server.password not in store.location
         assert pg_server.password not in repr(store)
@@ -62,7 +61,7 @@ def _assert_clean(error: BaseException, password: str) -> None:
 
 
 def test_a_wrong_password_is_a_clear_error_without_the_password(
-    pg_server: PostgresServer,  # noqa: F811
+    pg_server: PostgresServer,
 ) -> None:
     wrong = "wrong-Pa55word"
     url = pg_server.url("stalwart_test").replace(pg_server.password, wrong)
@@ -71,13 +70,13 @@ def test_a_wrong_password_is_a_clear_error_without_the_password(
     _assert_clean(caught.value, wrong)
 
 
-def test_a_missing_database_is_store_not_found(pg_server: PostgresServer) -> None:  # noqa: F811
+def test_a_missing_database_is_store_not_found(pg_server: PostgresServer) -> None:
     with pytest.raises(StoreNotFoundError, match="database does not exist") as caught:
         store_module.open(pg_server.url("no_such_db"))
     _assert_clean(caught.value, pg_server.password)
 
 
-def test_nothing_listening_is_a_clear_error(pg_server: PostgresServer) -> None:  # noqa: F811
+def test_nothing_listening_is_a_clear_error(pg_server: PostgresServer) -> None:
     url = pg_server.url().replace(f":{pg_server.port}/", f":{_closed_port()}/")
     with pytest.raises(StoreError, match="nothing is listening") as caught:
         PostgresEventStore(url, connect_timeout=2)
@@ -90,12 +89,12 @@ def _closed_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def test_read_only_open_refuses_a_database_without_a_store(pg_url: str) -> None:  # noqa: F811
+def test_read_only_open_refuses_a_database_without_a_store(pg_url: str) -> None:
     with pytest.raises(StoreNotFoundError, match="stalwart db init"):
         store_module.open(pg_url, create=False)
 
 
-def test_a_newer_schema_is_refused(pg_server: PostgresServer, pg_url: str) -> None:  # noqa: F811
+def test_a_newer_schema_is_refused(pg_server: PostgresServer, pg_url: str) -> None:
     with PostgresEventStore(pg_url) as store:
         schema = pg_url.rsplit("schema=", 1)[1]
         assert store.migrated_from == 0
@@ -105,7 +104,7 @@ def test_a_newer_schema_is_refused(pg_server: PostgresServer, pg_url: str) -> No
         PostgresEventStore(pg_url)
 
 
-def test_a_killed_listener_loses_no_event(pg_server: PostgresServer, pg_url: str) -> None:  # noqa: F811
+def test_a_killed_listener_loses_no_event(pg_server: PostgresServer, pg_url: str) -> None:
     reader = PostgresEventStore(pg_url, poll_interval=0.05)
     writer = PostgresEventStore(pg_url)  # another handle: its appends ring no bell here
     try:
@@ -143,7 +142,7 @@ def _listeners(server: PostgresServer) -> int:
     return 0
 
 
-def test_stream_ids_sort_by_code_point(pg_url: str) -> None:  # noqa: F811
+def test_stream_ids_sort_by_code_point(pg_url: str) -> None:
     names = ["s:b", "S:a", "s:a", "s:é", "s:a-", "s:aa", "s:Z"]
     with PostgresEventStore(pg_url) as store:
         for name in names:
@@ -154,7 +153,7 @@ def test_stream_ids_sort_by_code_point(pg_url: str) -> None:  # noqa: F811
 # -- the command line -------------------------------------------------------------------------
 
 
-def test_db_init_creates_then_finds_the_schema_current(pg_url: str) -> None:  # noqa: F811
+def test_db_init_creates_then_finds_the_schema_current(pg_url: str) -> None:
     runner = CliRunner()
     first = runner.invoke(cli, ["--store", pg_url, "db", "init"])
     assert first.exit_code == 0, first.output
@@ -165,7 +164,7 @@ def test_db_init_creates_then_finds_the_schema_current(pg_url: str) -> None:  # 
     assert "up to date" in again.output
 
 
-def test_cli_tail_and_streams_on_postgres(pg_server: PostgresServer, pg_url: str) -> None:  # noqa: F811
+def test_cli_tail_and_streams_on_postgres(pg_server: PostgresServer, pg_url: str) -> None:
     runner = CliRunner()
     missing = runner.invoke(cli, ["--store", pg_url, "streams"])
     assert missing.exit_code == 1
@@ -182,7 +181,7 @@ def test_cli_tail_and_streams_on_postgres(pg_server: PostgresServer, pg_url: str
     assert [line["position"] for line in lines] == [1, 2]
 
 
-def test_unstorable_ids_fail_alone_and_a_batch_goes_on(pg_url: str) -> None:  # noqa: F811
+def test_unstorable_ids_fail_alone_and_a_batch_goes_on(pg_url: str) -> None:
     bad = NewEvent(event=_msg(0), id="\ud800")
     errors: list[BaseException] = []
     with PostgresEventStore(pg_url) as store:

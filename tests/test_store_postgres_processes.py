@@ -14,8 +14,6 @@ import pytest
 from stalwart.events import RecordedEvent
 from stalwart.store import PostgresEventStore
 
-from ._postgres import pg_server, pg_url  # noqa: F401  (fixtures)
-
 CHILD = str(Path(__file__).with_name("_pg_child.py"))
 ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -25,7 +23,7 @@ def _child(*args: str) -> subprocess.Popen[bytes]:
 
 
 @pytest.mark.slow
-def test_a_subscriber_sees_another_process_append_within_100_ms(pg_url: str) -> None:  # noqa: F811
+def test_a_subscriber_sees_another_process_append_within_100_ms(pg_url: str) -> None:
     count = 30
     with PostgresEventStore(pg_url) as store:
         store.append("s:warm", [])  # the schema exists before the child opens it
@@ -72,7 +70,7 @@ def _follow(store: PostgresEventStore, total: int, out: list[int], errors: list[
 
 
 @pytest.mark.slow
-def test_no_reader_sees_a_gap_while_processes_append(pg_url: str) -> None:  # noqa: F811
+def test_no_reader_sees_a_gap_while_processes_append(pg_url: str) -> None:
     procs, each = 4, 150
     total = procs * sum(1 + i % 3 for i in range(each))
     with PostgresEventStore(pg_url) as store:

@@ -106,7 +106,12 @@ class PostgresEventStore:
             )
         )
         self._pool.open(wait=False)
-        self._bell = Doorbell(self._listener_connection, channel_name(self._url.schema))
+        self._bell = Doorbell(
+            self._listener_connection,
+            channel_name(self._url.schema),
+            self._sql.head,
+            poll_interval,
+        )
         self._header = msgspec.msgpack.Encoder()
         self._writer = Writer(self._append_batch)
 
@@ -304,7 +309,7 @@ class PostgresEventStore:
         self._bell.start()
         deadline = deadline_after(timeout)
         while head < position:
-            wait = remaining(deadline, self._poll_interval)
+            wait = remaining(deadline, self._bell.next_wait())
             if wait is None:
                 break
             self._bell.wait(seen, wait)

@@ -1,11 +1,14 @@
-"""The doorbell of tailing readers: LISTEN/NOTIFY, with polling as the truth.
+"""The doorbell of tailing readers: LISTEN/NOTIFY, with the head polled as the truth.
 
-A daemon thread holds one connection that LISTENs on the store's channel; every append
-NOTIFYs it on commit, and the thread rings the bell (a counter under a condition) so
-waiting readers look at ``head`` at once. The bell only says "look now": a reader always
-reads ``head`` from the database and also looks every poll interval, so a notification
-lost while the listener was down (a killed connection, a restart) delays a reader by at
-most one interval and never loses an event. A lost connection is reopened with backoff.
+Once something waits for new events, a daemon thread holds one connection that LISTENs
+on the store's channel. Every append batch NOTIFYs it on commit; between notifications
+the thread reads the head on the same connection every poll interval. Either way, when
+there may be something new it rings the bell (a counter under a condition) and the
+waiting readers read the head themselves. So a notification lost while nobody listened
+delays readers by at most one poll interval and never loses an event, and however many
+readers wait, one handle polls the database once per interval. While the listener is
+down (a killed connection, a failover) the readers poll the head themselves at that
+interval until it reconnects, with backoff.
 """
 
 from __future__ import annotations
@@ -23,25 +26,35 @@ from stalwart.clock import SystemClock
 
 log = structlog.get_logger(__name__)
 
-_LISTEN_SLICE = 0.2
 _RETRY_FIRST = 0.05
 _RETRY_MAX = 2.0
+#: How long a reader waits between its own looks at the head while the listener is up
+#: (the listener's polling and notifications wake it sooner).
+_SAFETY_WAIT = 1.0
 _REAL_TIME = SystemClock()
 
 
 class Doorbell:
-    """Rings when this process appends, or when a NOTIFY on ``channel`` arrives."""
+    """Rings when this process appends, a NOTIFY arrives, or the polled head moves."""
 
-    def __init__(self, connect: Callable[[], psycopg.Connection[Any]], channel: str) -> None:
+    def __init__(
+        self,
+        connect: Callable[[], psycopg.Connection[Any]],
+        channel: str,
+        head_query: sql.Composed,
+        poll_interval: float,
+    ) -> None:
         self._connect = connect
         self._channel = channel
+        self._head_query = head_query
+        self.poll_interval = poll_interval
         self.rung = threading.Condition()
         self.count = 0
         self.listening = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._conn: psycopg.Connection[Any] | None = None
         self._start_lock = threading.Lock()
+        self._head = -1
 
     def ring(self) -> None:
         with self.rung:
@@ -53,6 +66,10 @@ class Doorbell:
         with self.rung:
             if self.count == seen and not self._stop.is_set():
                 self.rung.wait(timeout)
+
+    def next_wait(self) -> float:
+        """How long a reader may wait before it looks at the head itself."""
+        return _SAFETY_WAIT if self.listening.is_set() else self.poll_interval
 
     def start(self, ready_within: float = 1.0) -> None:
         """Start listening (once); wait briefly for LISTEN to be in place."""
@@ -70,37 +87,27 @@ class Doorbell:
             try:
                 self._listen()
                 retry = _RETRY_FIRST
-            except (psycopg.Error, OSError) as exc:
+            except Exception as exc:  # psycopg's, or the StoreError of a failed reconnect
                 self.listening.clear()
                 if self._stop.is_set():
                     return
                 log.warning("store.listener_lost", channel=self._channel, error=type(exc).__name__)
-                self.ring()  # readers fall back to polling; let them look now
+                self.ring()  # readers poll for themselves now; let them look at once
                 self._stop.wait(retry)
                 retry = min(retry * 2, _RETRY_MAX)
-            except Exception as exc:  # the StoreError of a failed reconnect
-                self.listening.clear()
-                log.warning("store.listener_lost", channel=self._channel, error=type(exc).__name__)
-                self._stop.wait(retry)
-                retry = min(retry * 2, _RETRY_MAX)
-            finally:
-                self._close_conn()
 
     def _listen(self) -> None:
-        conn = self._connect()
-        self._conn = conn
-        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
-        self.listening.set()
-        self.ring()  # anything appended before LISTEN took hold is seen by the next look
-        while not self._stop.is_set():
-            for _ in conn.notifies(timeout=_LISTEN_SLICE):
-                self.ring()
-
-    def _close_conn(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(psycopg.Error):
-                conn.close()
+        with contextlib.closing(self._connect()) as conn:
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+            self.listening.set()
+            self.ring()  # whatever came before LISTEN took hold is seen by the next look
+            while not self._stop.is_set():
+                for _ in conn.notifies(timeout=self.poll_interval):
+                    self.ring()
+                row = conn.execute(self._head_query).fetchone()
+                if row is not None and row[0] != self._head:
+                    self._head = row[0]
+                    self.ring()
 
     def close(self) -> None:
         self._stop.set()
@@ -108,11 +115,7 @@ class Doorbell:
         self.ring()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=_LISTEN_SLICE * 5)
-
-    @property
-    def alive(self) -> bool:
-        return self.listening.is_set()
+            thread.join(timeout=self.poll_interval * 5 + 1)
 
 
 def remaining(deadline: float | None, step: float) -> float | None:
