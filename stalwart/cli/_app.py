@@ -61,8 +61,8 @@ class _State:
     "location",
     envvar="STALWART_STORE",
     default=None,
-    help="The event store: a directory (env STALWART_STORE; default ./.stalwart, or the "
-    "config's store.location for commands that take --config).",
+    help="The event store: a directory (LMDB) or a postgresql:// URL (env STALWART_STORE; "
+    "default ./.stalwart, or the config's store.location for commands that take --config).",
 )
 @click.option(
     "--log-level",
