@@ -36,6 +36,7 @@ MODULES: tuple[str, ...] = (
     "benchmarks.providers",
     "benchmarks.supervision",
     "benchmarks.postgres",
+    "benchmarks.context",
 )
 
 Op = Literal[">=", "<="]

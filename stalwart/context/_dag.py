@@ -4,9 +4,9 @@ Messages are kept verbatim in arrival order (``position`` 0, 1, 2 ...), never me
 deduplicated by content; a message id seen before is skipped (re-ingest is idempotent).
 Per-message token estimates are cached with prefix sums, so the size of any range is two
 lookups. Summaries cover contiguous ranges from the start: positions below ``covered``
-belong to a leaf, and ``roots`` are the summaries not yet folded into a deeper one,
-oldest first. Each node records the position span it stands for, so expanding one is a
-slice of the stored messages.
+belong to a leaf (or to the pinned system prompt before them), and ``roots`` are the
+summaries not yet folded into a deeper one, oldest first. Each node records the position
+span it stands for, so expanding one is a slice of the stored messages.
 
 This class does no I/O, reads no clock and calls no summarizer: the engine decides, and
 tells it what was created (from the same events a restore folds).
@@ -139,6 +139,7 @@ class DagSession:
             self.user_positions.append(position)
         if message.role == "system" and self.pinned == position:
             self.pinned += 1
+            self.covered = max(self.covered, self.pinned)
         self.index.add(f"m:{message.message_id}", searchable_text(message))
 
     # -- sizes and ranges ---------------------------------------------------------------

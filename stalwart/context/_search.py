@@ -21,7 +21,10 @@ from collections.abc import Iterable
 __all__ = ["Bm25Index", "terms"]
 
 _WORD = re.compile(r"\w+", re.UNICODE)
-_COMPOUND = re.compile(r"\w+(?:[-_.:/]\w+)+", re.UNICODE)
+# alphanumeric runs joined by single separators: unambiguous, so matching stays linear
+_COMPOUND = re.compile(r"[^\W_]+(?:[-_.:/][^\W_]+)+", re.UNICODE)
+_EDGES = "\"'()[]{}<>,;!?`*"
+_COMPOUND_MAX = 64
 K1 = 1.2
 B = 0.75
 
@@ -30,7 +33,11 @@ def terms(text: str) -> list[str]:
     """The index terms of a text: its words, and its compound identifiers whole."""
     lowered = text.lower()
     found = _WORD.findall(lowered)
-    found.extend(_COMPOUND.findall(lowered))
+    for chunk in lowered.split():
+        if len(chunk) <= _COMPOUND_MAX and not chunk.isalnum():
+            stripped = chunk.strip(_EDGES).rstrip(".:")
+            if _COMPOUND.fullmatch(stripped):
+                found.append(stripped)
     return found
 
 

@@ -1,9 +1,10 @@
 """Which history fits: whole units kept by recency or by relevance, and tail clipping.
 
 A unit is a summary, or one message with the tool results that answer it, so a tool pair
-is always kept or dropped together. Recency-first keeps the newest units that fit (the
-kept summaries stay a suffix of the roots, so the cached prefix only breaks when the
-oldest summary has to go). Relevance-first ranks every unit by BM25 against the recent
+is always kept or dropped together. Recency-first keeps the condensed summaries before
+the cache fence whole when they fit (dropping one would break the provider's cached
+prefix), then the newest of the rest that fit; only when the fenced summaries alone do
+not fit does it drop the oldest of them. Relevance-first ranks every unit by BM25 against the recent
 user turns, keeps the best that fit, and puts them back in chronological order.
 """
 
@@ -31,17 +32,34 @@ def select_history(
     units += session.units(session.covered, tail)
     if sum(unit.tokens for unit in units) <= available:
         return units, 0
-    if not relevance:
-        kept: list[Unit] = []
-        used = 0
-        for unit in reversed(units):
-            if used + unit.tokens > available:
-                break
-            kept.append(unit)
-            used += unit.tokens
-        kept.reverse()
-        return kept, len(units) - len(kept)
-    return _by_relevance(session, units, available, recent_turns)
+    if relevance:
+        return _by_relevance(session, units, available, recent_turns)
+    settled = 0
+    while settled < len(units) and _depth(session, units[settled]) > 0:
+        settled += 1
+    fenced = sum(unit.tokens for unit in units[:settled])
+    if fenced <= available:
+        kept = units[:settled] + _newest(units[settled:], available - fenced)
+    else:
+        kept = _newest(units[:settled], available)
+    return kept, len(units) - len(kept)
+
+
+def _depth(session: DagSession, unit: Unit) -> int:
+    return -1 if unit.summary_id is None else session.nodes[unit.summary_id].depth
+
+
+def _newest(units: list[Unit], available: int) -> list[Unit]:
+    """The newest units that fit, oldest first (stops at the first that does not)."""
+    kept: list[Unit] = []
+    used = 0
+    for unit in reversed(units):
+        if used + unit.tokens > available:
+            break
+        kept.append(unit)
+        used += unit.tokens
+    kept.reverse()
+    return kept
 
 
 def _by_relevance(

@@ -1,0 +1,145 @@
+"""Running a transcript through an engine call by call, as an agent would.
+
+Before every assistant message of the transcript (a provider call) the engine assembles
+the messages so far; the last call sees the whole transcript. A :class:`FakeClock` is
+moved to each message's timestamp, so the summarizer's rolling spend windows pass as
+they would have. Each call is reported with
+what an operator wants to see: tokens against the budget, provider-validity violations
+(OpenAI and Anthropic), whether the prefix before the previous call's cache fence came
+through unchanged, the layers that fired and the summaries made. Used by ``stalwart
+context simulate`` and the benchmark.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Literal
+
+import msgspec
+
+from stalwart.clock import Clock, FakeClock
+
+from ._engine import DagEngine, ModelProfile
+from ._repair import validity_violations
+from ._types import ContextMessage, Summarizer
+from .pipeline import PipelineConfig, PipelineEngine
+
+__all__ = ["MODEL_PROFILES", "CallReport", "call_points", "simulate"]
+
+MODEL_PROFILES: dict[str, ModelProfile] = {
+    "caching": ModelProfile(provider="anthropic", caching=True),
+    "non-caching": ModelProfile(provider="openai", caching=False),
+    "small": ModelProfile(provider="openai", caching=False, small=True),
+}
+
+
+class CallReport(msgspec.Struct, frozen=True, kw_only=True):
+    """One provider call of a simulation. ``prefix_unchanged`` is None on the first call
+    (and for an engine without a fence)."""
+
+    call: int
+    messages_in: int
+    messages_out: int
+    tokens: int
+    budget: int
+    violations: tuple[str, ...]
+    prefix_unchanged: bool | None
+    fence: int | None
+    layers_fired: tuple[str, ...]
+    summaries_made: int
+    degraded: tuple[str, ...]
+    elapsed_ms: float
+    assembled: tuple[ContextMessage, ...] = ()
+
+
+def call_points(messages: Sequence[ContextMessage]) -> list[int]:
+    """How many messages each call sees: one call before every assistant message, and
+    a last one over the whole transcript."""
+    points = [index for index, message in enumerate(messages) if message.role == "assistant"]
+    if not points or points[-1] != len(messages):
+        points.append(len(messages))
+    return [point for point in points if point > 0]
+
+
+def simulate(
+    messages: Sequence[ContextMessage],
+    budget: int,
+    *,
+    summarizer: Summarizer,
+    clock: Clock,
+    engine: Literal["dag", "pipeline"] = "dag",
+    profile: ModelProfile | None = None,
+    session_id: str = "simulation",
+    dag: DagEngine | None = None,
+) -> Iterator[CallReport]:
+    """Reports of every call, in order; the last carries the assembled messages."""
+    profile = profile or MODEL_PROFILES["caching"]
+    points = call_points(messages)
+    if engine == "pipeline":
+        yield from _pipeline(messages, points, budget, summarizer, clock, profile)
+        return
+    dag = dag or DagEngine(summarizer=summarizer, clock=clock)
+    previous: tuple[ContextMessage, ...] | None = None
+    previous_fence = 0
+    for call, point in enumerate(points):
+        _follow(clock, messages[point - 1].ts)
+        started = time.perf_counter()
+        result = dag.assemble(session_id, messages[:point], budget, profile=profile)
+        elapsed = (time.perf_counter() - started) * 1000
+        unchanged = None
+        if previous is not None:
+            unchanged = result.messages[:previous_fence] == previous[:previous_fence]
+        yield CallReport(
+            call=call,
+            messages_in=point,
+            messages_out=len(result.messages),
+            tokens=result.tokens,
+            budget=budget,
+            violations=tuple(validity_violations(result.messages)),
+            prefix_unchanged=unchanged,
+            fence=result.fence,
+            layers_fired=result.layers_fired,
+            summaries_made=len(result.summaries_made),
+            degraded=result.degraded,
+            elapsed_ms=round(elapsed, 3),
+            assembled=result.messages if call == len(points) - 1 else (),
+        )
+        previous, previous_fence = result.messages, result.fence
+
+
+def _follow(clock: Clock, ts: float) -> None:
+    """A fake clock keeps up with the transcript's own timestamps (spend windows roll)."""
+    if isinstance(clock, FakeClock) and ts > clock.now():
+        clock.advance(ts - clock.now())
+
+
+def _pipeline(
+    messages: Sequence[ContextMessage],
+    points: list[int],
+    budget: int,
+    summarizer: Summarizer,
+    clock: Clock,
+    profile: ModelProfile,
+) -> Iterator[CallReport]:
+    pipeline = PipelineEngine(PipelineConfig(), summarizer=summarizer, clock=clock)
+    for call, point in enumerate(points):
+        _follow(clock, messages[point - 1].ts)
+        started = time.perf_counter()
+        result = pipeline.assemble(messages[:point], budget, provider=profile.provider)
+        elapsed = (time.perf_counter() - started) * 1000
+        yield CallReport(
+            call=call,
+            messages_in=point,
+            messages_out=len(result.messages),
+            tokens=result.tokens_out,
+            budget=budget,
+            violations=tuple(validity_violations(result.messages)),
+            prefix_unchanged=None,
+            fence=None,
+            layers_fired=result.layers_fired,
+            summaries_made=1 if result.compacted else 0,
+            degraded=(),
+            elapsed_ms=round(elapsed, 3),
+            assembled=result.messages if call == len(points) - 1 else (),
+        )
