@@ -12,6 +12,7 @@ from ._agent_fold import (
     request_messages,
 )
 from ._agent_messages import (
+    APPROVAL_TEXT,
     DEGRADED_TEXT,
     EMPTY_ANSWER_TEXT,
     FAILED_TEXT,
@@ -28,6 +29,7 @@ from ._agent_messages import (
     ToolsDone,
     UserMessage,
 )
+from ._agent_wake import DENIED_TEXT, UNRECONCILED_TEXT, WAKE_PREFIX, WakeLedger
 from ._announcer import Announcer, Batch, GetBatches, Track, batch_text
 from ._deadletter import (
     DEADLETTER_STREAM,
@@ -78,12 +80,24 @@ from ._subagent_notice import (
 from ._subsession import WAIT_SLICE_S, SubsessionFailed, subsession_work
 from ._supervisor import GetRuns, Recovered, SupervisorActor, Sweep, SweepReport
 from ._supervisor_fold import RUN_WATCH, RunWatch
+from ._worker import (
+    ActivationWorker,
+    LeaseLost,
+    Nudge,
+    Wake,
+    WakeEnded,
+    WakeFailed,
+    WorkerReport,
+    WorkerStatus,
+)
 
 __all__ = [
     "AGENT_VIEW",
+    "APPROVAL_TEXT",
     "DEADLETTER_STREAM",
     "DEFAULT_LATENESS_WINDOW",
     "DEGRADED_TEXT",
+    "DENIED_TEXT",
     "EMPTY_ANSWER_TEXT",
     "FAILED_SENTENCE",
     "FAILED_TEXT",
@@ -99,7 +113,10 @@ __all__ = [
     "TIMED_OUT_SENTENCE",
     "TIMEOUT_TEXT",
     "UNANSWERED_TOOL_TEXT",
+    "UNRECONCILED_TEXT",
     "WAIT_SLICE_S",
+    "WAKE_PREFIX",
+    "ActivationWorker",
     "AgentActor",
     "AgentLoopSettings",
     "AgentReport",
@@ -124,9 +141,11 @@ __all__ = [
     "HealthView",
     "InFlight",
     "IoPortal",
+    "LeaseLost",
     "ModelDone",
     "ModelError",
     "NoticeSent",
+    "Nudge",
     "PollHealth",
     "ProviderHealthActor",
     "QueueState",
@@ -151,7 +170,13 @@ __all__ = [
     "ToolsDone",
     "Track",
     "UserMessage",
+    "Wake",
+    "WakeEnded",
+    "WakeFailed",
+    "WakeLedger",
     "Work",
+    "WorkerReport",
+    "WorkerStatus",
     "batch_text",
     "crashed",
     "decide_crash",

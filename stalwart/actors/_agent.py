@@ -39,7 +39,10 @@ import structlog
 
 from stalwart.channels import Channel, MessageKind, OutboundMessage
 from stalwart.clock import Clock
+from stalwart.errors import ConcurrencyError, FencedError
 from stalwart.events import (
+    ActivationReady,
+    ActivationRequeued,
     AnnouncementDelivered,
     AnnouncementQueued,
     AnnouncementSendFailed,
@@ -47,13 +50,17 @@ from stalwart.events import (
     MessageAppended,
     RecordedEvent,
     SessionCreated,
+    SessionRequiresAction,
     ToolCall,
+    ToolCompleted,
+    ToolFailed,
     TurnCompleted,
     TurnStarted,
 )
 from stalwart.ids import new_id
 from stalwart.providers import ModelCaller, ProviderRequest
-from stalwart.store import EventStore, NewEvent, load_state
+from stalwart.state import ActivationPolicy, WakeResult, decide_settlement
+from stalwart.store import NO_STREAM, EventStore, Fence, NewEvent, load_state
 from stalwart.tools import (
     ToolOutcome,
     ToolRegistry,
@@ -72,6 +79,7 @@ from ._agent_fold import (
 )
 from ._agent_io import LiveTurn, deliver, model_done, run_calls, sent, tools_done
 from ._agent_messages import (
+    APPROVAL_TEXT,
     DEGRADED_TEXT,
     EMPTY_ANSWER_TEXT,
     FAILED_TEXT,
@@ -87,10 +95,19 @@ from ._agent_messages import (
     ToolsDone,
     UserMessage,
 )
+from ._agent_wake import (
+    DENIED_TEXT,
+    UNRECONCILED_TEXT,
+    WAKE_PREFIX,
+    WakeLedger,
+    pause_for,
+    wake_result,
+)
 from ._deadletter import Enqueue
 from ._portal import IoPortal
 from ._restarts import crashed
 from ._scheduler import Scheduler
+from ._worker import LeaseLost, Wake, WakeEnded
 
 __all__ = ["AgentActor"]
 
@@ -137,6 +154,9 @@ class AgentActor(pykka.ThreadingActor):
         dead_letters: pykka.ActorRef[Any] | None = None,
         agent_name: str = "default",
         on_crash: Callable[[str], object] | None = None,
+        policy: ActivationPolicy | None = None,
+        worker: Callable[[object], object] | None = None,
+        jitter_ms: Callable[[], int] | None = None,
     ) -> None:
         super().__init__()
         self._stream = f"session:{session_id}"
@@ -158,16 +178,28 @@ class AgentActor(pykka.ThreadingActor):
         self._folder = AgentViewFolder(AGENT_VIEW.initial(self._stream))
         self._turn: LiveTurn | None = None
         self._queue: deque[UserMessage] = deque()
+        # durable mode (a policy given): turns run as leased wakes, appends are fenced
+        self._policy = policy
+        self._worker = worker
+        self._jitter_ms = jitter_ms
+        self._ledger = WakeLedger(self._stream)
+        self._wake: Wake | None = None
+        self._fence: Fence | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def on_start(self) -> None:
         self._folder = AGENT_VIEW.folder(load_state(self._store, self._stream, AGENT_VIEW))
+        for record in self._store.read_stream(self._stream, 1, self._folder.version):
+            self._ledger.add(record)
         if self._folder.version == 0:
             created = SessionCreated(agent=self._agent_name, channel=self._channel.name)
-            self._append([created])
+            with contextlib.suppress(ConcurrencyError):  # a first message created it
+                new = NewEvent(event=created, ts=self._clock.now())
+                self._store.append(self._stream, [new], expected_version=NO_STREAM)
+            self._refresh()
         running = self._folder.session().current_turn
-        if running is not None:
+        if running is not None and self._policy is None:  # durable: the next wake closes it
             log.warning("agent.turn_interrupted", stream=self._stream, turn_id=running)
             self._append([TurnCompleted(turn_id=running, outcome="interrupted", reason="restart")])
 
@@ -182,9 +214,24 @@ class AgentActor(pykka.ThreadingActor):
     # -- messages ----------------------------------------------------------------------------
 
     def on_receive(self, message: Any) -> Any:
+        try:
+            return self._receive(message)
+        except FencedError as exc:
+            log.warning("agent.fenced", stream=self._stream, held=exc.held, current=exc.current)
+            self._drop_wake(notify=True)
+            return self._report() if isinstance(message, UserMessage | AgentStatus) else None
+
+    def _receive(self, message: Any) -> Any:
         match message:
+            case UserMessage() if self._policy is not None:
+                self._record_message(message)
             case UserMessage():
                 self._queue.append(message)  # taken at once when no turn runs
+            case Wake():
+                self._on_wake(message)
+            case LeaseLost():
+                if self._wake is not None and message.epoch in (None, self._wake.epoch):
+                    self._drop_wake(notify=False)
             case ModelDone():
                 self._on_model_done(message)
             case ToolsDone():
@@ -207,7 +254,7 @@ class AgentActor(pykka.ThreadingActor):
         turn = self._turn
         return AgentReport(
             session=self._folder.session(),
-            queued=len(self._queue),
+            queued=len(self._queue) + self._ledger.activations.backlog,
             step=turn.step if turn is not None else 0,
             waiting_for=turn.waiting_for() if turn is not None else None,
         )
@@ -236,7 +283,7 @@ class AgentActor(pykka.ThreadingActor):
             text = response.text or EMPTY_ANSWER_TEXT
             self._finish(turn, "answered", None, text, "completion", before=[assistant])
             return
-        self._start_tools(turn, assistant, response.tool_calls)
+        self._start_tools(turn, response.tool_calls, before=[assistant])
 
     def _on_tools_done(self, message: ToolsDone) -> None:
         turn = self._current(message.turn_id, message.step, "tools")
@@ -343,13 +390,26 @@ class AgentActor(pykka.ThreadingActor):
         future.add_done_callback(lambda done: self._tell(model_done(turn_id, step, done)))
 
     def _start_tools(
-        self, turn: LiveTurn, assistant: MessageAppended, calls: tuple[ToolCall, ...]
+        self, turn: LiveTurn, calls: tuple[ToolCall, ...], *, before: Sequence[Event] = ()
     ) -> None:
+        """Run a step's calls; in a wake, first stop the session for the first call that
+        needs a human (approval, or a custom tool's output) and has no answer yet."""
+        if self._wake is not None:
+            for call in calls:
+                request = pause_for(self._tools.get(call.name), call, self._ledger, turn.turn_id)
+                if request is not None:
+                    self._pause(turn, request, before)
+                    return
         breaker = self._folder.tools
-        events: list[Event] = [assistant]
+        events: list[Event] = list(before)
         blocked: dict[int, ToolOutcome] = {}
         to_run: list[ToolCall] = []
         for index, call in enumerate(calls):
+            settled = self._settled_outcome(call)
+            if settled is not None:
+                events.append(settled[0])
+                blocked[index] = settled[1]
+                continue
             decision = decide_tool_call(breaker, call.name, call.arguments, call_id=call.id)
             if decision is not None:
                 events.append(decision)
@@ -381,6 +441,28 @@ class AgentActor(pykka.ThreadingActor):
         )
         return True
 
+    def _settled_outcome(self, call: ToolCall) -> tuple[Event, ToolOutcome] | None:
+        """A call that must not run: refused by the user, answered by the host (a custom
+        tool), or cut short by a crash (never run blindly twice); its event and outcome."""
+        resolution = self._ledger.resolutions.get(call.id)
+        if resolution is not None and resolution.kind == "output":
+            done = ToolCompleted(call_id=call.id, tool=call.name, output=resolution.output)
+            outcome = ToolOutcome(call_id=call.id, tool=call.name, status="ok", text=done.output)
+            return done, outcome
+        if resolution is not None and resolution.kind == "deny":
+            failed = ToolFailed(call_id=call.id, tool=call.name, error_class="denied")
+            text = DENIED_TEXT
+        elif self._ledger.cut_short(call):
+            failed = ToolFailed(call_id=call.id, tool=call.name, error_class="unreconciled")
+            text = UNRECONCILED_TEXT
+        else:
+            return None
+        error = failed.error_class
+        outcome = ToolOutcome(
+            call_id=call.id, tool=call.name, status="error", text=text, error_class=error
+        )
+        return failed, outcome
+
     def _finish(
         self,
         turn: LiveTurn,
@@ -392,18 +474,156 @@ class AgentActor(pykka.ThreadingActor):
         before: Sequence[Event] = (),
     ) -> None:
         """End the turn: append its end and the announcement, stop what is in flight,
-        and send the one user-facing message (``on_receive`` then takes the next one)."""
-        announcement_id = new_id()
+        and send the one user-facing message (``on_receive`` then takes the next one).
+
+        In a wake, the settlement goes in the same append: a failure a retry may fix
+        requeues the wake with no message to the user; the rest ack (or abandon) it."""
         completed = TurnCompleted(
             turn_id=turn.turn_id, outcome=outcome, reason=reason, steps=turn.step
         )
+        settlement = self._settlement(outcome, reason)
+        if isinstance(settlement, ActivationRequeued):
+            self._append([*before, completed, settlement])
+            turn.stop()
+            self._turn = None
+            self._end_wake()
+            return
+        announcement_id = new_id()
         queued = AnnouncementQueued(
             announcement_id=announcement_id, channel=self._channel.name, kind=kind, text=text
         )
-        self._append([*before, completed, queued])
+        self._append([*before, completed, queued, *([settlement] if settlement else [])])
         turn.stop()
         self._turn = None
+        self._end_wake()
         self._send(turn.turn_id, announcement_id, text, kind)
+
+    def _settlement(self, outcome: str, reason: str | None) -> Event | None:
+        wake, policy = self._wake, self._policy
+        if wake is None or policy is None:
+            return None
+        jitter = self._jitter_ms() if self._jitter_ms is not None else 0
+        return decide_settlement(
+            self._ledger.activations,
+            wake.activation_id,
+            wake.epoch,
+            wake_result(outcome, reason),
+            self._clock.now(),
+            policy,
+            jitter_ms=jitter,
+        )
+
+    # -- wakes -----------------------------------------------------------------------------------
+
+    def _record_message(self, message: UserMessage) -> None:
+        """Durable mode: a user message becomes an ``activation:ready`` for the worker."""
+        ready = ActivationReady(
+            activation_id=new_id(),
+            kind="message",
+            message_id=message.message_id or new_id(),
+            text=message.text,
+        )
+        self._store.append(self._stream, [NewEvent(event=ready, ts=self._clock.now())])
+        self._refresh()
+        if self._worker is not None:
+            self._worker(None)
+
+    def _on_wake(self, wake: Wake) -> None:
+        """Run one bounded wake: close a turn a dead holder left running, add the wake's
+        user messages that are not in the conversation yet, then resume the step a pause
+        or a crash left unanswered, or call the model."""
+        if self._turn is not None:  # cannot happen: one lease per session at a time
+            log.error("agent.wake_while_running", stream=self._stream)
+            return
+        self._refresh()
+        self._wake = wake
+        self._fence = Fence(wake.epoch)
+        events: list[Event] = []
+        running = self._folder.session().current_turn
+        if running is not None:
+            events.append(TurnCompleted(turn_id=running, outcome="interrupted", reason="restart"))
+        turn_id = new_id()
+        events.append(TurnStarted(turn_id=turn_id, trigger=wake.kind))
+        for activation in wake.activations:
+            if activation.kind == "message" and activation.message_id:
+                message_id, content = activation.message_id, activation.text
+            elif activation.kind == "wake":
+                message_id, content = activation.activation_id, WAKE_PREFIX + activation.text
+            else:
+                continue
+            if message_id not in self._ledger.message_ids:
+                events.append(
+                    MessageAppended(
+                        message_id=message_id, role="user", content=content, turn_id=turn_id
+                    )
+                )
+        recorded = self._append(events)
+        started = next(r for r in recorded if isinstance(r.event, TurnStarted))
+        turn = LiveTurn(turn_id, started.ts)
+        self._turn = turn
+        self._arm(turn)
+        unanswered = self._ledger.unanswered()
+        if unanswered:
+            self._start_tools(turn, unanswered)
+        else:
+            self._call_model(turn)
+
+    def _pause(
+        self, turn: LiveTurn, request: SessionRequiresAction, before: Sequence[Event]
+    ) -> None:
+        """Stop the session for a human: the request (with the call's input, verbatim),
+        the turn paused, the wake blocked on it, all in one append."""
+        wake = self._wake
+        assert wake is not None
+        completed = TurnCompleted(turn_id=turn.turn_id, outcome="paused", steps=turn.step)
+        blocked = decide_settlement(
+            self._ledger.activations,
+            wake.activation_id,
+            wake.epoch,
+            WakeResult(status="blocked", request_id=request.request_id),
+            self._clock.now(),
+            self._policy,  # type: ignore[arg-type]
+        )
+        notice: list[Event] = []
+        announcement_id = new_id()
+        if request.kind == "approval":  # the user hears why nothing happens; a host tool does not
+            notice.append(
+                AnnouncementQueued(
+                    announcement_id=announcement_id,
+                    channel=self._channel.name,
+                    kind="static_reply",
+                    text=APPROVAL_TEXT,
+                )
+            )
+        self._append([*before, request, completed, blocked, *notice])
+        log.info("agent.requires_action", stream=self._stream, kind=request.kind)
+        turn.stop()
+        self._turn = None
+        self._end_wake()
+        if notice:
+            self._send(turn.turn_id, announcement_id, APPROVAL_TEXT, "static_reply")
+
+    def _end_wake(self) -> None:
+        wake = self._wake
+        if wake is None:
+            return
+        self._wake = None
+        self._fence = None
+        if self._worker is not None:
+            self._worker(WakeEnded(wake.stream, wake.epoch))
+
+    def _drop_wake(self, *, notify: bool) -> None:
+        """The lease is gone: stop the turn, append nothing more under it."""
+        turn = self._turn
+        if turn is not None:
+            turn.stop()
+            self._turn = None
+        wake = self._wake
+        self._wake = None
+        self._fence = None
+        self._refresh()
+        if notify and wake is not None and self._worker is not None:
+            self._worker(WakeEnded(wake.stream, wake.epoch))
 
     def _send(self, turn_id: str, announcement_id: str, text: str, kind: Kind) -> None:
         message = OutboundMessage(
@@ -425,13 +645,19 @@ class AgentActor(pykka.ThreadingActor):
     # -- the log and the mailbox -------------------------------------------------------------
 
     def _append(self, events: Sequence[Event]) -> list[RecordedEvent]:
-        """Append at now, then fold the stream up to its head (the model caller appends
-        prompt events to it too, so what was recorded meanwhile is folded in order)."""
+        """Append at now (fenced by the wake's lease), then fold the stream up to its head
+        (the model caller appends prompt events to it too, so what was recorded meanwhile
+        is folded in order). FencedError when the lease was taken over."""
         now = self._clock.now()
-        recorded = self._store.append(self._stream, [NewEvent(event=e, ts=now) for e in events])
+        news = [NewEvent(event=e, ts=now) for e in events]
+        recorded = self._store.append(self._stream, news, fence=self._fence)
+        self._refresh()
+        return recorded
+
+    def _refresh(self) -> None:
         for record in self._store.read_stream(self._stream, self._folder.version + 1):
             self._folder.add(record)
-        return recorded
+            self._ledger.add(record)
 
     def _current(self, turn_id: str, step: int, what: str) -> LiveTurn | None:
         turn = self._turn

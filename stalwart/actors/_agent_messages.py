@@ -15,6 +15,7 @@ from stalwart.state import SessionState
 from stalwart.tools import ToolOutcome
 
 __all__ = [
+    "APPROVAL_TEXT",
     "DEGRADED_TEXT",
     "EMPTY_ANSWER_TEXT",
     "FAILED_TEXT",
@@ -53,6 +54,12 @@ DEGRADED_TEXT = (
     "The model provider is having trouble right now; your message is saved and "
     "I'll answer when it is back."
 )
+#: A tool that needs confirmation paused the session.
+APPROVAL_TEXT = (
+    "This step needs an approval before it can continue. The request is waiting for an "
+    "operator's answer."
+)
+
 #: The model ended its turn with neither text nor tool calls.
 EMPTY_ANSWER_TEXT = "Sorry, the model finished without writing an answer. Please try again."
 

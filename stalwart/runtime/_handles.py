@@ -88,8 +88,10 @@ class SessionHandle:
         channel: str,
         conversation: str | None = None,
         thread: str | None = None,
+        post: Callable[[str, str | None], None] | None = None,
     ) -> None:
         self.session_id = session_id
+        self._post = post
         self.agent = agent
         self.channel = channel
         self.conversation = conversation if conversation is not None else session_id
@@ -101,9 +103,14 @@ class SessionHandle:
         return f"session:{self.session_id}"
 
     def send(self, text: str, *, message_id: str | None = None) -> None:
-        """Tell the agent a user message (it starts a turn, or waits for the running one).
+        """Give the session a user message. A durable session (every session a runtime
+        starts) records it as an ``activation:ready`` before returning: a crash after
+        ``send`` returns never loses it. Otherwise the agent is told it.
 
         RuntimeError once the session's agent has stopped (the runtime was closed)."""
+        if self._post is not None:
+            self._post(text, message_id)
+            return
         try:
             self.ref.tell(UserMessage(text, message_id))
         except pykka.ActorDeadError:

@@ -32,6 +32,7 @@ from stalwart.actors import (
     HealthReport,
     HealthView,
     IoPortal,
+    LeaseLost,
     ProviderHealthActor,
     QueueState,
     RunEnded,
@@ -42,20 +43,31 @@ from stalwart.actors import (
     SubAgentActor,
     SupervisorActor,
     Track,
+    WakeFailed,
     Work,
+    WorkerReport,
     subsession_work,
 )
 from stalwart.actors._restarts import Restarts
 from stalwart.channels import Channel, ConsoleChannel, MemoryChannel, channel_from_settings
 from stalwart.clock import Clock, SystemClock
 from stalwart.config import Config
-from stalwart.errors import ConfigError, SpawnRefusedError
-from stalwart.events import Event, RuntimeStarted, RuntimeStopped, TaskClass
+from stalwart.errors import ConcurrencyError, ConfigError, SpawnRefusedError
+from stalwart.events import Event, RuntimeStarted, RuntimeStopped, SessionCreated, TaskClass
 from stalwart.ids import new_id
 from stalwart.state import DeadLetterState, spawn_timeout
-from stalwart.store import EventStore, NewEvent
+from stalwart.store import NO_STREAM, EventStore, NewEvent
 from stalwart.tools import Tool, ToolRegistry, build_tool
 
+from ._control import (
+    confirm,
+    interrupt,
+    load_session,
+    schedule_wake,
+    send_message,
+    submit_tool_result,
+)
+from ._durable import Durability
 from ._handles import (
     DEFAULT_CHANNEL,
     RUNTIME_STREAM,
@@ -127,6 +139,7 @@ class Runtime:
         self._restarts_lock = threading.Lock()
         self._tracks: dict[str, Track] = {}  # what a restarted announcer is told again
         self._dead_letters_ref = LiveRef(lambda: self._dead_letters, "deadletter")
+        self._durable: Durability | None = None
         self._supervisor_ref = LiveRef(lambda: self._supervisor, "supervisor")
         self._announcer_ref = LiveRef(lambda: self._announcer, "announcer")
 
@@ -205,6 +218,14 @@ class Runtime:
         self._start_supervision()
         for provider in self.config.providers:
             self._health[provider] = self._start_health(provider)
+        self._durable = Durability(
+            self._store,
+            self.clock,
+            self._scheduler,
+            self.config.activations,
+            agent_for=self._agent_for_wake,
+            passivate=self._passivate,
+        )
 
     def _start_dead_letters(self) -> pykka.ActorRef[Any]:
         assert self._scheduler is not None
@@ -304,6 +325,7 @@ class Runtime:
             runs = list(self._runs.values())
             self._runs.clear()
         steps: list[tuple[str, Callable[[], object]]] = [
+            ("worker", lambda: self._durable.stop() if self._durable else None),
             ("agents", lambda: _stop_actors([s.ref for s in sessions])),
             ("runs", lambda: _stop_runs(runs)),
             ("supervision", lambda: _stop_actors([self._announcer, self._supervisor])),
@@ -443,6 +465,15 @@ class Runtime:
             send_timeout_ms=self.config.dead_letters.announce_timeout_ms,
             system_prompt=settings.system_prompt,
         )
+        durable = self._durable if supervised else None
+        if durable is not None:  # the session exists when session() returns
+            created = SessionCreated(agent=agent, channel=target.name)
+            with contextlib.suppress(ConcurrencyError):
+                self.store.append(
+                    f"session:{session_id}",
+                    [NewEvent(event=created, ts=self.clock.now())],
+                    expected_version=NO_STREAM,
+                )
         tools = self.tools
         if settings.subagents and supervised:
             tools = SessionTools(self.tools, self._spawn_tool(session_id, agent))
@@ -462,10 +493,119 @@ class Runtime:
             dead_letters=self._dead_letters_ref,
             agent_name=agent,
             on_crash=partial(self._agent_crashed, session_id) if supervised else None,
+            policy=durable.policy if durable is not None else None,
+            worker=durable.tell if durable is not None else None,
+            jitter_ms=durable.jitter_ms if durable is not None else None,
         )
         return SessionHandle(
-            session_id, ref, agent=agent, channel=channel, conversation=conversation, thread=thread
+            session_id,
+            ref,
+            agent=agent,
+            channel=channel,
+            conversation=conversation,
+            thread=thread,
+            post=partial(self._post, session_id) if durable is not None else None,
         )
+
+    # -- durable sessions ----------------------------------------------------------------------
+
+    def _post(self, session_id: str, text: str, message_id: str | None) -> None:
+        """A user message, durable on return (``activation:ready``); the worker runs it."""
+        if self._state != "running":
+            raise RuntimeError(f"session {session_id!r} is stopped: its runtime was closed")
+        send_message(self.store, session_id, text, message_id=message_id, ts=self.clock.now())
+        self._nudge()
+
+    def _nudge(self) -> None:
+        if self._durable is not None:
+            self._durable.nudge()
+
+    def _agent_for_wake(self, session_id: str, start: bool) -> pykka.ActorRef[Any] | None:
+        """The Agent a wake goes to: the running one, or one started from the session's
+        recorded agent and channel (after a takeover or a passivation)."""
+        with self._lock:
+            if self._state != "running":
+                return None
+            handle = self._sessions.get(session_id)
+            if handle is not None and handle.ref.is_alive():
+                return handle.ref
+            if not start:
+                return None
+            session, _ = load_session(self.store, session_id)
+            agent = session.agent if session.agent in self.config.agents else "default"
+            channel = session.channel if session.channel in self._channels else None
+            try:
+                if handle is not None:
+                    return self.session(
+                        session_id,
+                        agent=handle.agent,
+                        channel=handle.channel,
+                        conversation=handle.conversation,
+                        thread=handle.thread,
+                    ).ref
+                return self.session(session_id, agent=agent, channel=channel).ref
+            except ConfigError as exc:
+                log.warning("runtime.wake_without_agent", session=session_id, key=exc.key)
+                return None
+
+    def _passivate(self, session_id: str) -> None:
+        """Stop an idle session's Agent (its handle stays: the next wake restarts it)."""
+        with self._lock:
+            handle = self._sessions.get(session_id)
+        if handle is not None and handle.ref.is_alive():
+            log.info("runtime.passivated", session=session_id)
+            _stop_actors([handle.ref])
+
+    def confirm(self, session_id: str, request_id: str, *, allow: bool) -> str:
+        """Answer a pending approval (see :func:`stalwart.runtime.confirm`)."""
+        self._require_running()
+        resumed = confirm(self.store, session_id, request_id, allow=allow, ts=self.clock.now())
+        self._nudge()
+        return resumed
+
+    def submit_tool_result(self, session_id: str, request_id: str, output: str) -> str:
+        """Give a pending custom tool call its output; the session resumes."""
+        self._require_running()
+        resumed = submit_tool_result(
+            self.store, session_id, request_id, output, ts=self.clock.now()
+        )
+        self._nudge()
+        return resumed
+
+    def interrupt(self, session_id: str, reason: str = "") -> list[str]:
+        """Clear the pending request, cancel queued wakes, stop a running one."""
+        self._require_running()
+        cancelled = interrupt(self.store, session_id, reason, ts=self.clock.now())
+        ref = self._agent_for_wake(session_id, False)
+        if ref is not None:
+            with contextlib.suppress(pykka.ActorDeadError):
+                ref.tell(LeaseLost(f"session:{session_id}", None))
+        self._nudge()
+        return cancelled
+
+    def wake_at(
+        self, session_id: str, at: float, text: str, *, dedupe_key: str | None = None
+    ) -> str:
+        """Schedule a delayed wake of the session (SessionActionError over the caps)."""
+        self._require_running()
+        assert self._durable is not None
+        activation_id = schedule_wake(
+            self.store,
+            session_id,
+            at,
+            now=self.clock.now(),
+            policy=self._durable.policy,
+            text=text,
+            dedupe_key=dedupe_key,
+        )
+        self._nudge()
+        return activation_id
+
+    def worker(self, timeout: float = STOP_TIMEOUT_S) -> WorkerReport:
+        """What this process's activation worker holds (owner, leases, position)."""
+        self._require_running()
+        assert self._durable is not None
+        return self._durable.report(timeout)
 
     # -- sub-agents ----------------------------------------------------------------------------
 
@@ -697,6 +837,8 @@ class Runtime:
             conversation=handle.conversation if handle is not None else session_id,
         )
         self._tell_supervisor(crashed)
+        if self._durable is not None:  # a wake it was running is retried with backoff
+            self._durable.tell(WakeFailed(f"session:{session_id}", "agent_crashed"))
 
     def _restart_session(self, session_id: str) -> None:
         """Start the session's Agent again (it rebuilds from its stream)."""

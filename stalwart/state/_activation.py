@@ -234,9 +234,10 @@ def apply_activations(state: ActivationsState, record: RecordedEvent) -> Activat
             return _requeued(state, event, record.ts)
         case ActivationAbandoned():
             error = event.error_class
-            return _settle(
+            settled = _settle(
                 state, event.activation_id, "abandoned", record.ts, error, counter="abandoned"
             )
+            return msgspec.structs.replace(settled, epoch=max(settled.epoch, event.epoch))
         case ActivationCancelled():
             return _settle(state, event.activation_id, "cancelled", record.ts)
         case LeaseExpired():
@@ -400,7 +401,7 @@ def decide_lease(
                     attempts=streak,
                     error_class="lease_expired",
                     max_attempts=policy.max_attempts,
-                    epoch=lease.epoch,
+                    epoch=state.epoch + 1,  # claimed: the dead holder stays fenced out
                 )
             )
             return events

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 from collections.abc import Callable, Iterator
@@ -40,6 +41,7 @@ class Tool:
     needs_confirmation: bool
     arguments: type[msgspec.Struct]
     extra_keywords: bool
+    custom: bool = False
 
     @property
     def spec(self) -> ToolSpec:
@@ -126,6 +128,27 @@ class ToolRegistry:
             return target
 
         return add if fn is None else add(fn)
+
+    def register_custom(
+        self, name: str, *, description: str = "", parameters: dict[str, Any] | None = None
+    ) -> None:
+        """Declare a tool the host implements outside the agent: a call to it pauses the
+        session (``requires_action``) until ``submit_tool_result`` gives its output."""
+
+        def host_implemented(**arguments: Any) -> Any:
+            raise ToolRegistrationError(
+                f"custom tool {name!r} runs in the host, not in the agent",
+                field="custom",
+                tool=name,
+            )
+
+        schema = parameters or {"type": "object", "properties": {}}
+        tool = build_tool(host_implemented, name=name, description=description, parameters=schema)
+        if tool.name in self._tools:
+            raise ToolRegistrationError(
+                f"a tool named {tool.name!r} is already registered", field="name", tool=tool.name
+            )
+        self._tools[tool.name] = dataclasses.replace(tool, custom=True)
 
     def get(self, name: str) -> Tool | None:
         """The tool registered as ``name``, or None."""

@@ -1,0 +1,154 @@
+"""What a wake needs from the log beyond the conversation, and its pure choices.
+
+:class:`WakeLedger` folds, next to the Agent's view, the session's activations, which
+user messages are in the conversation, the tool calls that started and those that have
+a result, and the pause requests with their answers. From it:
+
+- :meth:`WakeLedger.unanswered` the tool calls of the last assistant message that have
+  no result yet (a paused step to resume, or a step a crash cut short);
+- :func:`pause_for` whether a call must stop the session first (a tool that needs
+  confirmation, or a custom tool the host implements) and with which request;
+- :func:`wake_result` how a turn's end settles its wake.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from stalwart.events import (
+    MessageAppended,
+    RecordedEvent,
+    SessionRequiresAction,
+    ToolCall,
+    ToolCompleted,
+    ToolFailed,
+    ToolStarted,
+    UserCustomToolResult,
+    UserInterrupt,
+    UserToolConfirmation,
+)
+from stalwart.ids import new_id
+from stalwart.state import ACTIVATIONS, ActivationsState, WakeResult
+from stalwart.tools import Tool
+
+__all__ = [
+    "DENIED_TEXT",
+    "UNRECONCILED_TEXT",
+    "WAKE_PREFIX",
+    "Resolution",
+    "WakeLedger",
+    "pause_for",
+    "wake_result",
+]
+
+#: What the model reads for a call the user refused.
+DENIED_TEXT = "The user denied this tool call; it was not run."
+#: What the model reads for a call a crash cut short that its tool cannot confirm.
+UNRECONCILED_TEXT = (
+    "This tool call was interrupted by a restart and may or may not have taken effect; "
+    "it was not run again. Check its effect before repeating it."
+)
+#: How a delayed wake's text enters the conversation.
+WAKE_PREFIX = "[scheduled wake] "
+
+#: Turn-ending reasons the wake retries: the machinery broke, not the model. A model
+#: failure is not among them: the provider layer already retried it (with fallbacks) and
+#: the user has been told; a crash of the Agent mid-wake is retried by the worker.
+RETRYABLE_REASONS = frozenset({"internal", "tools_broke"})
+
+
+class Resolution(msgspec.Struct, frozen=True):
+    """A pause's answer: ``allow``, ``deny`` or ``output`` (a custom tool's result)."""
+
+    kind: str
+    output: str = ""
+
+
+class WakeLedger:
+    """The wake's bookkeeping, folded record by record beside the Agent's view."""
+
+    __slots__ = (
+        "activations",
+        "last_calls",
+        "message_ids",
+        "requests",
+        "resolutions",
+        "results",
+        "started",
+    )
+
+    def __init__(self, stream: str) -> None:
+        self.activations: ActivationsState = ACTIVATIONS.initial(stream)
+        self.message_ids: set[str] = set()
+        self.last_calls: tuple[ToolCall, ...] = ()
+        self.results: set[str] = set()
+        self.started: set[str] = set()
+        self.requests: dict[str, SessionRequiresAction] = {}  # request id -> the request
+        self.resolutions: dict[str, Resolution] = {}  # call id -> the answer
+
+    def add(self, record: RecordedEvent) -> None:
+        self.activations = ACTIVATIONS.apply(self.activations, record)
+        event = record.event
+        match event:
+            case MessageAppended():
+                self.message_ids.add(event.message_id)
+                if event.role == "assistant":
+                    self.last_calls = event.tool_calls
+                elif event.role == "tool" and event.tool_call_id is not None:
+                    self.results.add(event.tool_call_id)
+            case ToolStarted():
+                self.started.add(event.call_id)
+            case ToolCompleted() | ToolFailed():
+                self.started.discard(event.call_id)
+            case SessionRequiresAction():
+                self.requests[event.request_id] = event
+            case UserToolConfirmation():
+                self._resolve(event.request_id, Resolution("allow" if event.allow else "deny"))
+            case UserCustomToolResult():
+                self._resolve(event.request_id, Resolution("output", event.output))
+            case UserInterrupt():
+                self.requests.clear()
+            case _:
+                pass
+
+    def _resolve(self, request_id: str, resolution: Resolution) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None and request.call_id is not None:
+            self.resolutions[request.call_id] = resolution
+
+    def unanswered(self) -> tuple[ToolCall, ...]:
+        """The last assistant message's tool calls that have no result in the log."""
+        return tuple(call for call in self.last_calls if call.id not in self.results)
+
+    def cut_short(self, call: ToolCall) -> bool:
+        """Whether the call started and a crash stopped it before its outcome was recorded."""
+        return call.id in self.started
+
+
+def pause_for(
+    tool: Tool | None, call: ToolCall, ledger: WakeLedger, turn_id: str
+) -> SessionRequiresAction | None:
+    """The request that must stop the session before ``call`` runs, or None."""
+    if tool is None or call.id in ledger.resolutions:
+        return None
+    if tool.custom:
+        kind = "custom_tool"
+    elif tool.needs_confirmation:
+        kind = "approval"
+    else:
+        return None
+    return SessionRequiresAction(
+        request_id=new_id(),
+        kind=kind,  # type: ignore[arg-type]
+        tool=call.name,
+        arguments=call.arguments,
+        call_id=call.id,
+        turn_id=turn_id,
+    )
+
+
+def wake_result(outcome: str, reason: str | None) -> WakeResult:
+    """A turn's end as its wake's result: a failure a retry may fix requeues the wake."""
+    if outcome == "failed" and reason in RETRYABLE_REASONS:
+        return WakeResult(status="failed", error_class=reason, retryable=True)
+    return WakeResult(status="ok", outcome=outcome)

@@ -1,0 +1,374 @@
+"""The ActivationWorker: leases due activations, keeps their leases alive, hands the wakes
+to the sessions' Agents.
+
+One per process (``owner`` names it: host, pid and a runtime id). It folds the activation
+state of every session stream from the log (its own appends and other processes' alike:
+it reads new records on every poll), and for each session with work due it appends the
+pure :func:`~stalwart.state.decide_lease` decision with a fence claim and the folded
+version as ``expected_version``: of two workers racing for a session, one wins and the
+other refolds. A lease is renewed every ``renew_every_ms`` with a fenced append; a renewal
+that is fenced out means the lease was taken over (this process froze past the TTL, or an
+interrupt claimed the session): the Agent is told to stop (:class:`LeaseLost`) and the
+worker records ``activation:lease_lost``. The Agent settles the wake itself, in the same
+append as the turn's outcome, and tells the worker :class:`WakeEnded`.
+
+Polls come from the scheduler (every ``poll_ms``, and at the next due time it knows of),
+and from :class:`Nudge` when this process appends work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import pykka
+import structlog
+
+from stalwart.clock import Clock
+from stalwart.errors import ConcurrencyError, FencedError, StoreError
+from stalwart.events import (
+    ActivationAbandoned,
+    ActivationLeased,
+    ActivationLeaseLost,
+    Event,
+    LeaseRenewed,
+)
+from stalwart.state import (
+    ACTIVATIONS,
+    Activation,
+    ActivationPolicy,
+    ActivationsState,
+    WakeResult,
+    decide_lease,
+    decide_settlement,
+)
+from stalwart.store import EventStore, Fence, NewEvent
+
+from ._restarts import crashed
+from ._scheduler import Scheduler
+
+__all__ = [
+    "ActivationWorker",
+    "LeaseLost",
+    "Nudge",
+    "Wake",
+    "WakeEnded",
+    "WakeFailed",
+    "WorkerReport",
+    "WorkerStatus",
+]
+
+log = structlog.get_logger(__name__)
+
+SESSION_PREFIX = "session:"
+#: How many times a poll decides again for one session after losing a race.
+LEASE_TRIES = 8
+
+
+class Wake(msgspec.Struct, frozen=True, kw_only=True):
+    """Run one bounded wake of ``stream`` under lease ``epoch``: ``activations`` are the
+    leased one first, then the user messages its lease covers."""
+
+    stream: str
+    activation_id: str
+    kind: str
+    epoch: int
+    expires_at: float
+    activations: tuple[Activation, ...]
+
+
+class LeaseLost(msgspec.Struct, frozen=True):
+    """The lease ``epoch`` of ``stream`` is gone (None: whichever the Agent holds, as
+    after an interrupt): stop the wake, append nothing more."""
+
+    stream: str
+    epoch: int | None
+
+
+class WakeEnded(msgspec.Struct, frozen=True):
+    """The Agent settled (or abandoned) the wake it was given."""
+
+    stream: str
+    epoch: int
+
+
+class WakeFailed(msgspec.Struct, frozen=True):
+    """The Agent running the wake of ``stream`` died (``error_class``): settle it as a
+    retryable failure (requeued with backoff, abandoned after ``max_attempts``)."""
+
+    stream: str
+    error_class: str
+
+
+class Nudge(msgspec.Struct, frozen=True):
+    """Work was appended: poll now."""
+
+
+class _Tick(msgspec.Struct, frozen=True):
+    pass
+
+
+class _Renew(msgspec.Struct, frozen=True):
+    stream: str
+    epoch: int
+
+
+class WorkerStatus(msgspec.Struct, frozen=True):
+    """Ask for the :class:`WorkerReport`."""
+
+
+class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
+    owner: str
+    position: int
+    running: dict[str, int]
+    sessions: int
+
+
+class ActivationWorker(pykka.ThreadingActor):
+    """Start with ``ActivationWorker.start(store, clock, scheduler, policy, owner=...,
+    wake=..., lost=...)``. ``wake(Wake)`` hands a wake to the session's Agent (starting
+    it if needed) and returns False when it cannot; ``lost(LeaseLost)`` tells it to stop.
+    Ask it :class:`WorkerStatus` (with a timeout) for what it runs."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        clock: Clock,
+        scheduler: Scheduler,
+        policy: ActivationPolicy,
+        *,
+        owner: str,
+        wake: Callable[[Wake], bool],
+        lost: Callable[[LeaseLost], object],
+        poll_ms: int = 1_000,
+        jitter_ms: int = 0,
+        on_crash: Callable[[str], object] | None = None,
+    ) -> None:
+        super().__init__()
+        self._store = store
+        self._clock = clock
+        self._scheduler = scheduler
+        self._policy = policy
+        self._owner = owner
+        self._wake = wake
+        self._lost = lost
+        self._poll_ms = poll_ms
+        self._on_crash = on_crash
+        self._position = 0
+        self._states: dict[str, ActivationsState] = {}
+        self._running: dict[str, int] = {}  # stream -> the epoch this worker holds
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def on_start(self) -> None:
+        self._poll()
+
+    def on_stop(self) -> None:
+        self._scheduler.cancel(("worker:tick", self._owner))
+        for stream in list(self._running):
+            self._scheduler.cancel(("worker:renew", self._owner, stream))
+
+    def on_failure(self, *exc_info: object) -> None:
+        self.on_stop()
+        crashed(self._on_crash, exc_info)
+
+    def on_receive(self, message: Any) -> Any:
+        match message:
+            case Nudge() | _Tick():
+                self._poll()
+            case WakeEnded():
+                self._ended(message)
+                self._poll()
+            case _Renew():
+                self._renew(message)
+            case WakeFailed():
+                self._failed(message)
+                self._poll()
+            case WorkerStatus():
+                return self._report()
+            case _:
+                raise TypeError(f"ActivationWorker does not understand {message!r}")
+        return None
+
+    def _report(self) -> WorkerReport:
+        return WorkerReport(
+            owner=self._owner,
+            position=self._position,
+            running=dict(self._running),
+            sessions=len(self._states),
+        )
+
+    # -- polling --------------------------------------------------------------------------------
+
+    def _catch_up(self) -> None:
+        """Fold every session record appended since the last poll (any process's)."""
+        states = self._states
+        for record in self._store.read_all(self._position + 1):
+            self._position = record.position
+            stream = record.stream
+            if not stream.startswith(SESSION_PREFIX):
+                continue
+            state = states.get(stream)
+            if state is None:
+                state = ACTIVATIONS.initial(stream)
+            states[stream] = ACTIVATIONS.apply(state, record)
+
+    def _poll(self) -> None:
+        try:
+            self._catch_up()
+        except StoreError as exc:
+            log.warning("worker.read_failed", error_class=type(exc).__name__)
+            self._arm(None)
+            return
+        now = self._clock.now()
+        for stream in list(self._states):
+            self._try_lease(stream, now)
+        self._arm(self._next_due(now))
+
+    def _try_lease(self, stream: str, now: float) -> None:
+        """Lease the stream's due work; on a race, fold what won and decide again."""
+        for _ in range(LEASE_TRIES):
+            state = self._states[stream]
+            if stream in self._running or (not state.queue and state.lease is None):
+                return
+            events = decide_lease(state, self._owner, now, self._policy)
+            if not events:
+                return
+            leased = events[-1] if isinstance(events[-1], ActivationLeased) else None
+            claim = leased.epoch if leased is not None else _abandon_epoch(events)
+            fence = Fence(claim, claim=True) if claim is not None else None
+            try:
+                self._store.append(
+                    stream,
+                    [NewEvent(event=e, ts=now) for e in events],
+                    expected_version=state.version,
+                    fence=fence,
+                )
+            except (ConcurrencyError, FencedError):
+                self._catch_up()  # another worker, the Agent or an action appended first
+                continue
+            self._catch_up()
+            if leased is None:
+                log.warning("worker.abandoned_on_expiry", stream=stream)
+                return
+            self._start(stream, self._states[stream], leased)
+            return
+
+    def _start(self, stream: str, state: ActivationsState, leased: ActivationLeased) -> None:
+        head = state.find(leased.activation_id)
+        assert head is not None
+        covered = [state.find(a) for a in leased.covers]
+        wake = Wake(
+            stream=stream,
+            activation_id=leased.activation_id,
+            kind=head.kind,
+            epoch=leased.epoch,
+            expires_at=leased.expires_at,
+            activations=(head, *(a for a in covered if a is not None)),
+        )
+        self._running[stream] = leased.epoch
+        log.info("worker.leased", stream=stream, epoch=leased.epoch, kind=head.kind)
+        self._arm_renewal(stream, leased.epoch)
+        if not self._wake(wake):
+            log.warning("worker.wake_refused", stream=stream)
+
+    def _next_due(self, now: float) -> float | None:
+        """The earliest future time some session's work becomes due or a lease expires."""
+        times: list[float] = []
+        for stream, state in self._states.items():
+            if stream in self._running:
+                continue
+            if state.lease is not None:
+                times.append(state.lease.expires_at)
+            elif state.blocked_on is None:
+                times.extend(a.run_at for a in state.queue if a.run_at > now)
+        return min(times) if times else None
+
+    def _arm(self, due: float | None) -> None:
+        at = self._clock.now() + self._poll_ms / 1000
+        if due is not None:
+            at = min(at, due)
+        self._scheduler.schedule(at, self._tick, key=("worker:tick", self._owner))
+
+    def _tick(self, at: float) -> None:
+        self._tell(_Tick())
+
+    # -- leases ---------------------------------------------------------------------------------
+
+    def _arm_renewal(self, stream: str, epoch: int) -> None:
+        at = self._clock.now() + self._policy.renew_every_ms / 1000
+        key = ("worker:renew", self._owner, stream)
+        self._scheduler.schedule(at, lambda _at: self._tell(_Renew(stream, epoch)), key=key)
+
+    def _renew(self, message: _Renew) -> None:
+        stream, epoch = message.stream, message.epoch
+        if self._running.get(stream) != epoch:
+            return
+        now = self._clock.now()
+        state = self._states.get(stream)
+        activation_id = state.lease.activation_id if state and state.lease else ""
+        renewed = LeaseRenewed(
+            activation_id=activation_id,
+            owner=self._owner,
+            epoch=epoch,
+            expires_at=now + self._policy.lease_ttl_ms / 1000,
+        )
+        try:
+            self._store.append(stream, [NewEvent(event=renewed, ts=now)], fence=Fence(epoch))
+        except FencedError as exc:
+            self._lose(stream, epoch, activation_id, exc.current)
+            return
+        except StoreError as exc:
+            log.warning("worker.renew_failed", stream=stream, error_class=type(exc).__name__)
+        self._arm_renewal(stream, epoch)
+
+    def _lose(self, stream: str, epoch: int, activation_id: str, current: int) -> None:
+        """The lease was taken over: stop the wake, record that this holder noticed."""
+        self._running.pop(stream, None)
+        self._scheduler.cancel(("worker:renew", self._owner, stream))
+        log.warning("worker.lease_lost", stream=stream, epoch=epoch, current=current)
+        self._lost(LeaseLost(stream, epoch))
+        lost = ActivationLeaseLost(
+            activation_id=activation_id, owner=self._owner, epoch=epoch, current_epoch=current
+        )
+        with contextlib.suppress(StoreError):
+            self._store.append(stream, [NewEvent(event=lost, ts=self._clock.now())])
+
+    def _failed(self, message: WakeFailed) -> None:
+        epoch = self._running.get(message.stream)
+        if epoch is None:
+            return
+        self._catch_up()
+        state = self._states[message.stream]
+        lease = state.lease
+        self._ended(WakeEnded(message.stream, epoch))
+        if lease is None or lease.epoch != epoch:
+            return
+        now = self._clock.now()
+        result = WakeResult(status="failed", error_class=message.error_class, retryable=True)
+        settlement = decide_settlement(state, lease.activation_id, epoch, result, now, self._policy)
+        try:
+            self._store.append(
+                message.stream, [NewEvent(event=settlement, ts=now)], fence=Fence(epoch)
+            )
+        except StoreError as exc:  # fenced: taken over meanwhile; the new holder decides
+            log.warning("worker.settle_failed", stream=message.stream, error=type(exc).__name__)
+
+    def _ended(self, message: WakeEnded) -> None:
+        if self._running.get(message.stream) == message.epoch:
+            del self._running[message.stream]
+            self._scheduler.cancel(("worker:renew", self._owner, message.stream))
+
+    def _tell(self, message: object) -> None:
+        with contextlib.suppress(pykka.ActorDeadError):
+            self.actor_ref.tell(message)
+
+
+def _abandon_epoch(events: list[Event]) -> int | None:
+    """An abandonment on expiry claims its epoch (so the dead holder is fenced out)."""
+    for event in events:
+        if isinstance(event, ActivationAbandoned):
+            return event.epoch
+    return None

@@ -1,0 +1,160 @@
+"""A runtime's durable sessions: its activation worker and the agents' side of it.
+
+The runtime's sessions run in durable mode: a user message is an ``activation:ready``
+appended before ``send`` returns, the :class:`~stalwart.actors.ActivationWorker` leases
+it, and the session's Agent runs it as one bounded wake with fenced appends. A wake for
+a session this process has no Agent for (another process died holding it, or the agent
+was passivated) starts one from the session's recorded agent and channel.
+
+Passivation: an Agent whose session has had no wake for ``passivate_after_ms`` is stopped
+(its state is the log); the next wake starts it again from its snapshot and tail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import pykka
+import structlog
+
+from stalwart.actors import (
+    ActivationWorker,
+    LeaseLost,
+    Nudge,
+    Scheduler,
+    Wake,
+    WakeEnded,
+    WorkerReport,
+    WorkerStatus,
+)
+from stalwart.clock import Clock
+from stalwart.config import ActivationSettings
+from stalwart.ids import new_id
+from stalwart.state import ActivationPolicy
+from stalwart.store import EventStore
+
+__all__ = ["Durability", "policy_of"]
+
+log = structlog.get_logger(__name__)
+
+
+def policy_of(settings: ActivationSettings) -> ActivationPolicy:
+    """The pure policies' knobs from the config's ``activations`` section."""
+    return ActivationPolicy(
+        lease_ttl_ms=settings.lease_ttl_ms,
+        renew_every_ms=settings.renew_every_ms,
+        backoff_base_ms=settings.backoff_base_ms,
+        backoff_cap_ms=settings.backoff_cap_ms,
+        max_attempts=settings.max_attempts,
+        max_pending_wakes=settings.max_pending_wakes,
+        max_wake_horizon_ms=settings.max_wake_horizon_ms,
+    )
+
+
+class Durability:
+    """The worker of one runtime, and what its Agents are given to reach it.
+
+    ``agent_for(session_id, start)`` returns the session's Agent ref (starting it when
+    ``start``), or None when it cannot. ``idle(session_id)`` stops an idle Agent.
+    """
+
+    def __init__(
+        self,
+        store: EventStore,
+        clock: Clock,
+        scheduler: Scheduler,
+        settings: ActivationSettings,
+        *,
+        agent_for: Callable[[str, bool], pykka.ActorRef[Any] | None],
+        passivate: Callable[[str], object],
+        on_crash: Callable[[str], object] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.policy = policy_of(settings)
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{new_id()[:8]}"
+        self._clock = clock
+        self._scheduler = scheduler
+        self._agent_for = agent_for
+        self._passivate = passivate
+        self._rng = random.SystemRandom()
+        self._last_wake: dict[str, float] = {}
+        self.worker = ActivationWorker.start(
+            store,
+            clock,
+            scheduler,
+            self.policy,
+            owner=self.owner,
+            wake=self._wake,
+            lost=self._lost,
+            poll_ms=settings.poll_ms,
+            on_crash=on_crash,
+        )
+        self._arm_passivation()
+
+    def tell(self, message: object | None) -> None:
+        """For the Agents: None nudges the worker (work was appended), or a WakeEnded."""
+        if isinstance(message, WakeEnded):
+            self._last_wake[message.stream] = self._clock.now()
+        try:
+            self.worker.tell(Nudge() if message is None else message)
+        except pykka.ActorDeadError:
+            log.warning("durable.worker_dead")
+
+    def nudge(self) -> None:
+        self.tell(None)
+
+    def jitter_ms(self) -> int:
+        limit = self.settings.jitter_ms
+        return self._rng.randint(0, limit) if limit else 0
+
+    def report(self, timeout: float) -> WorkerReport:
+        report = self.worker.ask(WorkerStatus(), timeout=timeout)
+        assert isinstance(report, WorkerReport)
+        return report
+
+    def stop(self) -> None:
+        self._scheduler.cancel(("durable:passivate", self.owner))
+        with contextlib.suppress(pykka.ActorDeadError, pykka.Timeout):
+            self.worker.stop(timeout=5.0)
+
+    def _wake(self, wake: Wake) -> bool:
+        ref = self._agent_for(wake.stream.removeprefix("session:"), True)
+        if ref is None:
+            return False
+        self._last_wake[wake.stream] = self._clock.now()
+        try:
+            ref.tell(wake)
+        except pykka.ActorDeadError:
+            return False
+        return True
+
+    def _lost(self, lost: LeaseLost) -> None:
+        ref = self._agent_for(lost.stream.removeprefix("session:"), False)
+        if ref is not None:
+            with contextlib.suppress(pykka.ActorDeadError):
+                ref.tell(lost)
+
+    # -- passivation ------------------------------------------------------------------------
+
+    def _arm_passivation(self) -> None:
+        every = self.settings.passivate_after_ms
+        if not every:
+            return
+        at = self._clock.now() + max(every / 2, 1_000) / 1000
+        self._scheduler.schedule(at, self._sweep, key=("durable:passivate", self.owner))
+
+    def _sweep(self, at: float) -> None:
+        """Stop the Agents of sessions with no wake for ``passivate_after_ms``."""
+        limit = self.settings.passivate_after_ms / 1000
+        running = self.report(timeout=5.0).running if self.worker.is_alive() else {}
+        for stream, last in list(self._last_wake.items()):
+            if stream in running or at - last < limit:
+                continue
+            del self._last_wake[stream]
+            self._passivate(stream.removeprefix("session:"))
+        self._arm_passivation()

@@ -1,0 +1,271 @@
+"""Durable sessions end to end: a real runtime, a real LMDB store, the fake provider over
+loopback HTTP, the fake clock. Messages become activations, a worker leases them, the
+Agent runs each as one fenced wake; approvals, custom tools, interrupts, delayed wakes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from stalwart.actors import APPROVAL_TEXT, DENIED_TEXT
+from stalwart.channels import MemoryChannel
+from stalwart.clock import FakeClock
+from stalwart.config import Config, parse_config
+from stalwart.errors import SessionActionError
+from stalwart.events import (
+    ActivationAcked,
+    ActivationBlocked,
+    ActivationCancelled,
+    ActivationLeased,
+    ActivationReady,
+    AnnouncementDelivered,
+    LeaseRenewed,
+    MessageAppended,
+    SessionRequiresAction,
+    ToolCompleted,
+    ToolStarted,
+    TurnCompleted,
+    UserInterrupt,
+)
+from stalwart.runtime import Runtime
+from stalwart.store import EventStore
+from stalwart.testing import Answer, FakeProvider, FakeToolCall, Hang
+from tests._runtime_support import GUARD, delivered, has, log_until, of
+
+AGENT: dict[str, Any] = {
+    "provider": "main",
+    "model": "m1",
+    "prompt_timeout_ms": 5_000,
+    "retry_prompt_timeout_ms": 5_000,
+    "max_retries": 0,
+}
+
+
+def config(base_url: str, **extra: Any) -> Config:
+    data: dict[str, Any] = {
+        "providers": {"main": {"kind": "openai", "base_url": base_url}},
+        "agents": {"default": dict(AGENT)},
+    }
+    return parse_config(data | extra)
+
+
+@pytest.fixture
+def rt(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> Iterator[Runtime]:
+    with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
+        yield rt
+
+
+def test_a_message_is_an_activation_leased_run_and_acked_in_one_append(
+    rt: Runtime, store: EventStore, chat: MemoryChannel
+) -> None:
+    rt.session("s1", channel="chat").send("hello", message_id="m1")
+    [reply] = delivered(rt, chat, 1)
+    assert reply.text == "default answer"
+    records = log_until(store, "session:s1", has(ActivationAcked))
+    types = [r.type for r in records if not r.type.startswith("prompt:")]
+    assert types[:5] == [
+        "session:created",
+        "activation:ready",
+        "activation:leased",
+        "turn:started",
+        "message:appended",
+    ]
+    acked = next(r for r in records if isinstance(r.event, ActivationAcked))
+    completed = next(r for r in records if isinstance(r.event, TurnCompleted))
+    assert acked.position == completed.position + 2  # turn end, announcement, ack: one append
+    [leased] = of(ActivationLeased, records)
+    assert leased.owner == rt.worker().owner and leased.epoch == 1
+    assert store.lease_epoch("session:s1") == 1
+    assert rt.worker().running == {}
+
+
+def test_messages_sent_while_a_wake_runs_are_answered_by_one_next_wake(
+    rt: Runtime, store: EventStore, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    fake.add(Answer(text="first", first_delay_ms=300))
+    session = rt.session("s1", channel="chat")
+    session.send("one")
+    fake.wait_for(lambda requests: len(requests) == 1, GUARD)
+    session.send("two")
+    session.send("three")
+    replies = delivered(rt, chat, 2)
+    assert [r.text for r in replies] == ["first", "default answer"]
+    records = log_until(store, "session:s1", has(ActivationAcked, 2))
+    second = of(ActivationLeased, records)[1]
+    assert len(second.covers) == 1  # "three" rides along with "two"
+    users = [e.content for e in of(MessageAppended, records) if e.role == "user"]
+    assert users == ["one", "two", "three"]
+    assert fake.requests[1].body["messages"][-1]["content"] == "three"
+
+
+def test_a_lease_is_renewed_while_the_wake_runs(
+    rt: Runtime, store: EventStore, fake: FakeProvider, clock: FakeClock
+) -> None:
+    fake.add(Hang())
+    rt.session("s1", channel="chat").send("slow")
+    fake.wait_for(lambda requests: len(requests) == 1, GUARD)
+    clock.advance(10.0)
+    [renewed] = of(LeaseRenewed, log_until(store, "session:s1", has(LeaseRenewed)))
+    assert renewed.epoch == 1 and renewed.expires_at == clock.now() + 30.0
+
+
+def _approval_runtime(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> tuple[Runtime, list[dict[str, Any]]]:
+    runs: list[dict[str, Any]] = []
+    rt = Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat})
+    rt.start()
+
+    @rt.tool(needs_confirmation=True)
+    def refund(order: int, amount: float) -> str:
+        """Refund an order."""
+        runs.append({"order": order, "amount": amount})
+        return f"refunded {amount} on {order}"
+
+    call = FakeToolCall(id="c1", name="refund", arguments={"order": 7, "amount": 12.5})
+    fake.add(Answer(text="", tool_calls=(call,)), Answer(text="Refund done."))
+    rt.session("s1", channel="chat").send("refund order 7")
+    return rt, runs
+
+
+def test_an_approval_pauses_the_session_and_an_allow_runs_the_stored_input_once(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    rt, runs = _approval_runtime(store, clock, fake, chat)
+    with rt:
+        [notice] = delivered(rt, chat, 1)
+        assert notice.text == APPROVAL_TEXT
+        records = log_until(store, "session:s1", has(AnnouncementDelivered))
+        [request] = of(SessionRequiresAction, records)
+        assert (request.kind, request.tool, request.call_id) == ("approval", "refund", "c1")
+        assert request.arguments == '{"order":7,"amount":12.5}'
+        assert runs == []
+        head = store.head()
+        with pytest.raises(SessionActionError) as wrong:
+            rt.confirm("s1", "not-the-id", allow=True)
+        assert wrong.value.reason == "not_pending"
+        with pytest.raises(SessionActionError) as kind:
+            rt.submit_tool_result("s1", request.request_id, "x")
+        assert kind.value.reason == "wrong_kind"
+        assert store.head() == head  # refused actions append nothing
+        rt.confirm("s1", request.request_id, allow=True)
+        replies = delivered(rt, chat, 2)
+        assert replies[-1].text == "Refund done."
+        with pytest.raises(SessionActionError):
+            rt.confirm("s1", request.request_id, allow=True)  # a second answer
+    assert runs == [{"order": 7, "amount": 12.5}]
+    records = list(store.read_stream("session:s1"))
+    assert len(of(ToolStarted, records)) == 1 and len(of(ToolCompleted, records)) == 1
+    outcomes = [e.outcome for e in of(TurnCompleted, records)]
+    assert outcomes == ["paused", "answered"]
+
+
+def test_a_denied_call_is_not_run_and_the_model_reads_the_refusal(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    rt, runs = _approval_runtime(store, clock, fake, chat)
+    with rt:
+        records = log_until(store, "session:s1", has(ActivationBlocked))
+        [request] = of(SessionRequiresAction, records)
+        rt.confirm("s1", request.request_id, allow=False)
+        delivered(rt, chat, 2)
+    assert runs == []
+    tool_message = fake.requests[1].body["messages"][-1]
+    assert (tool_message["role"], tool_message["content"]) == ("tool", DENIED_TEXT)
+
+
+def test_a_custom_tool_pauses_until_the_host_submits_its_output(
+    rt: Runtime, store: EventStore, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    rt.tools.register_custom(
+        "ask_crm",
+        description="Look a customer up in the CRM.",
+        parameters={"type": "object", "properties": {"email": {"type": "string"}}},
+    )
+    call = FakeToolCall(id="k1", name="ask_crm", arguments={"email": "a@b.c"})
+    fake.add(Answer(text="", tool_calls=(call,)), Answer(text="Found them."))
+    rt.session("s1", channel="chat").send("who is a@b.c?")
+    records = log_until(store, "session:s1", has(ActivationBlocked))
+    [request] = of(SessionRequiresAction, records)
+    assert (request.kind, request.arguments) == ("custom_tool", '{"email":"a@b.c"}')
+    assert not chat.attempted  # a host tool is not the user's business
+    rt.submit_tool_result("s1", request.request_id, "Ada, customer since 2019")
+    [reply] = delivered(rt, chat, 1)
+    assert reply.text == "Found them."
+    tool_message = fake.requests[1].body["messages"][-1]
+    assert tool_message == {
+        "role": "tool",
+        "tool_call_id": "k1",
+        "content": "Ada, customer since 2019",
+    }
+
+
+def test_an_interrupt_clears_the_request_and_cancels_queued_work(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    rt, runs = _approval_runtime(store, clock, fake, chat)
+    with rt:
+        records = log_until(store, "session:s1", has(ActivationBlocked))
+        [request] = of(SessionRequiresAction, records)
+        rt.session("s1").send("are you there?")  # queued behind the pause
+        cancelled = rt.interrupt("s1", "operator")
+        assert len(cancelled) == 1
+        with pytest.raises(SessionActionError) as late:
+            rt.confirm("s1", request.request_id, allow=True)
+        assert late.value.reason == "not_pending"
+        records = list(store.read_stream("session:s1"))
+        [interrupted] = of(UserInterrupt, records)
+        assert interrupted.epoch == 2 and store.lease_epoch("session:s1") == 2
+        assert len(of(ActivationCancelled, records)) == 1
+    assert runs == []
+
+
+def test_an_interrupt_stops_a_running_wake_which_appends_nothing_more(
+    rt: Runtime, store: EventStore, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    fake.add(Hang())
+    rt.session("s1", channel="chat").send("long job")
+    fake.wait_for(lambda requests: len(requests) == 1, GUARD)
+    rt.interrupt("s1")
+    assert fake.wait_finished(0, GUARD).outcome == "client_closed"
+    records = list(store.read_stream("session:s1"))
+    assert records[-1].type in {"activation:cancelled", "activation:lease_lost"}
+    assert not of(ActivationAcked, records) and not chat.attempted
+
+
+def test_a_delayed_wake_runs_once_when_due_and_dedupes_by_key(
+    rt: Runtime, store: EventStore, clock: FakeClock, chat: MemoryChannel
+) -> None:
+    session = rt.session("s1", channel="chat")
+    first = rt.wake_at("s1", clock.now() + 60, "check the order", dedupe_key="order-7")
+    again = rt.wake_at("s1", clock.now() + 90, "check the order", dedupe_key="order-7")
+    assert first == again
+    assert len(of(ActivationReady, list(store.read_stream("session:s1")))) == 1
+    clock.advance(59.0)
+    assert session.status(GUARD).session.turns == 0
+    clock.advance(1.0)
+    [reply] = delivered(rt, chat, 1)
+    assert reply.text == "default answer"
+    records = log_until(store, "session:s1", has(ActivationAcked))
+    [leased] = of(ActivationLeased, records)
+    assert leased.activation_id == first
+    clock.advance(600.0)
+    assert len(of(ActivationLeased, list(store.read_stream("session:s1")))) == 1
+
+
+def test_wake_caps_are_refused_with_a_clear_error(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    cfg = config(fake.base_url, activations={"max_pending_wakes": 1, "max_wake_horizon_ms": 60_000})
+    with Runtime(cfg, store=store, clock=clock, channels={"chat": chat}) as rt:
+        rt.session("s1", channel="chat")
+        with pytest.raises(SessionActionError, match="too_far"):
+            rt.wake_at("s1", clock.now() + 61, "later")
+        rt.wake_at("s1", clock.now() + 30, "soon")
+        with pytest.raises(SessionActionError, match="too_many") as full:
+            rt.wake_at("s1", clock.now() + 30, "another")
+        assert full.value.reason == "wake_refused"
