@@ -102,21 +102,41 @@ def test_three_failures_in_a_row_disable_the_layer_with_a_warning(session: Sessi
     assert "compaction" not in skipped.layers_fired
 
 
-def test_a_success_between_failures_resets_the_count(session: Session) -> None:
-    session.turn()
-    session.turn()
-    session.summarizer.down = False
-    session.turn()
-    assert session.engine.state.breaker("compaction") == LayerBreaker()
-    session.summarizer.down = True
-    big = "x" * 4_000  # each turn alone passes 85% of the budget
-    for _ in range(4):  # within the 5-turn cooldown: compaction is not tried
-        assert session.turn(big).layers_failed == ()
-    assert session.turn(big).layers_failed == ("compaction",)
-    second = session.turn(big)
-    assert second.layers_failed == ("compaction",)
+class FlakyReader:
+    """A filesystem that refuses reads until told otherwise."""
+
+    def __init__(self) -> None:
+        self.down = True
+
+    def __call__(self, path: str) -> str | None:
+        if self.down:
+            raise PermissionError(path)
+        return None
+
+
+def test_a_success_between_failures_resets_the_count(clock: FakeClock) -> None:
+    summarizer = FlakySummarizer()
+    summarizer.down = False
+    reader = FlakyReader()
+    engine = PipelineEngine(summarizer=summarizer, clock=clock, reader=reader)
+    t = _long(14)
+
+    def turn() -> PipelineResult:
+        t.user("more")
+        return engine.assemble(t.all, 1_000, provider="openai")
+
+    assert turn().layers_failed == ("rehydration",)  # rehydration runs on every
+    assert turn().layers_failed == ("rehydration",)  # run once a summary is in force
+    reader.down = False
+    assert turn().layers_failed == ()
+    assert engine.state.breaker("rehydration") == LayerBreaker()
+    reader.down = True
+    turn()
+    second = turn()
     assert _disabled(second) == []  # 2 failures since the success, not 4
-    assert _disabled(session.turn(big)) != []
+    assert engine.state.breaker("rehydration").failures == 2
+    (event,) = _disabled(turn())
+    assert (event.layer, event.failures, event.error) == ("rehydration", 3, "PermissionError")
 
 
 def test_the_half_open_trial_re_enables_a_recovered_layer(session: Session) -> None:

@@ -126,7 +126,9 @@ class ContextCompacted(Event, frozen=True, tag="context:compacted"):
     """The pipeline engine's LLM compaction: ``covers`` (message ids) are replaced by one
     assistant message with ``body`` (the summary as rendered, wrapped as untrusted) from
     now on. Carries the numbers that triggered it: ``tokens`` >= ``threshold`` x
-    ``budget`` at user turn ``turn``, with the previous compaction at ``previous_turn``."""
+    ``budget`` at user turn ``turn``, with the previous compaction at ``previous_turn``;
+    ``rule`` is ``over_budget`` when ``tokens`` > ``budget`` let it run within the
+    cooldown."""
 
     summary_id: str
     turn: int
@@ -139,3 +141,4 @@ class ContextCompacted(Event, frozen=True, tag="context:compacted"):
     input_tokens: int = 0
     output_tokens: int = 0
     body: str = ""
+    rule: Literal["threshold", "over_budget"] = "threshold"

@@ -82,10 +82,19 @@ def _flat(groups: list[Group]) -> tuple[ContextMessage, ...]:
     return tuple(message for group in groups for message in group)
 
 
+def summary_tokens(run: Run) -> int:
+    """The most a summary may take: ``summary_max_tokens``, and a quarter of the
+    threshold (a small window must not reserve more for the summary than it holds)."""
+    limit = run.budget * run.config.compaction_threshold
+    return max(1, min(run.config.summary_max_tokens, int(limit / 4)))
+
+
 def _plan(
     messages: tuple[ContextMessage, ...], run: Run, limit: float
 ) -> tuple[Group, Group, Group] | None:
-    """(head, middle, tail), or None when there is nothing to summarize."""
+    """(head, middle, tail), or None when there is nothing to summarize. The tail
+    (newest turns) shrinks first, then the anchors, until head + summary + tail fit
+    under ``limit`` (the tail never below one turn)."""
     config = run.config
     preamble = _preamble(messages)
     groups = _groups(messages[preamble:])
@@ -99,14 +108,21 @@ def _plan(
     tail = min(config.compaction_tail_turns, len(rest) - 1, len(rest) - last_summary - 1)
     if tail < 1:
         return None
-    head = messages[:preamble] + _flat(groups[:anchors])
-    fixed = run.estimator.messages(head) + config.summary_max_tokens
-    while tail > 1 and fixed + run.estimator.messages(_flat(rest[-tail:])) >= limit:
+    estimate = run.estimator.messages
+    fixed = estimate(messages[:preamble]) + summary_tokens(run)
+
+    def size() -> int:
+        return fixed + estimate(_flat(groups[:anchors])) + estimate(_flat(groups[-tail:]))
+
+    while tail > 1 and size() >= limit:
         tail -= 1
-    middle = _flat(rest[:-tail])
+    while anchors > 0 and size() >= limit:
+        anchors -= 1  # an anchor turn that does not fit is summarized with the middle
+    head = messages[:preamble] + _flat(groups[:anchors])
+    middle = _flat(groups[anchors:-tail])
     if all(is_summary(message) for message in middle):
         return None
-    return head, middle, _flat(rest[-tail:])
+    return head, middle, _flat(groups[-tail:])
 
 
 def _render(summary_id: str, text: str, covers: int, through_seq: int) -> str:
@@ -122,7 +138,9 @@ def _render(summary_id: str, text: str, covers: int, through_seq: int) -> str:
 def compact(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
     """Layer 8: apply the compaction in force; then, if the transcript is at or over
     ``compaction_threshold`` x the budget (estimated tokens) and the last compaction is
-    ``compaction_cooldown_turns`` or more user turns old, summarize the middle."""
+    ``compaction_cooldown_turns`` or more user turns old, summarize the middle. The
+    cooldown stops thrashing near the threshold; it does not hold when the transcript is
+    over the budget itself (the request would be refused): then it runs anyway."""
     config = run.config
     previous = run.state.summary
     if previous is not None:
@@ -131,7 +149,8 @@ def compact(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
     tokens = run.estimator.messages(messages)
     if tokens < limit:
         return Outcome(messages)
-    if previous is not None and run.turn - previous.turn < config.compaction_cooldown_turns:
+    cooling = previous is not None and run.turn - previous.turn < config.compaction_cooldown_turns
+    if cooling and tokens <= run.budget:
         return Outcome(messages)
     plan = _plan(messages, run, limit)
     if plan is None:
@@ -139,7 +158,7 @@ def compact(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
     head, middle, tail = plan
     request = SummaryRequest(
         messages=middle,
-        max_tokens=config.summary_max_tokens,
+        max_tokens=summary_tokens(run),
         depth=1 if any(is_summary(message) for message in middle) else 0,
         instructions=INSTRUCTIONS,
     )
@@ -168,5 +187,6 @@ def compact(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
         input_tokens=input_tokens,
         output_tokens=output_tokens,
         body=body,
+        rule="over_budget" if cooling else "threshold",
     )
     return Outcome((*head, message, *tail), (event,))
