@@ -157,6 +157,7 @@ class AgentActor(pykka.ThreadingActor):
         policy: ActivationPolicy | None = None,
         worker: Callable[[object], object] | None = None,
         jitter_ms: Callable[[], int] | None = None,
+        hold: Callable[[str, Fence | None], object] | None = None,
     ) -> None:
         super().__init__()
         self._stream = f"session:{session_id}"
@@ -182,6 +183,7 @@ class AgentActor(pykka.ThreadingActor):
         self._policy = policy
         self._worker = worker
         self._jitter_ms = jitter_ms
+        self._hold = hold
         self._ledger = WakeLedger(self._stream)
         self._wake: Wake | None = None
         self._fence: Fence | None = None
@@ -537,7 +539,7 @@ class AgentActor(pykka.ThreadingActor):
             return
         self._refresh()
         self._wake = wake
-        self._fence = Fence(wake.epoch)
+        self._set_fence(Fence(wake.epoch))
         events: list[Event] = []
         running = self._folder.session().current_turn
         if running is not None:
@@ -603,12 +605,18 @@ class AgentActor(pykka.ThreadingActor):
         if notice:
             self._send(turn.turn_id, announcement_id, APPROVAL_TEXT, "static_reply")
 
+    def _set_fence(self, fence: Fence | None) -> None:
+        """Fence this Agent's appends, and the model caller's to the same stream."""
+        self._fence = fence
+        if self._hold is not None:
+            self._hold(self._stream, fence)
+
     def _end_wake(self) -> None:
         wake = self._wake
         if wake is None:
             return
         self._wake = None
-        self._fence = None
+        self._set_fence(None)
         if self._worker is not None:
             self._worker(WakeEnded(wake.stream, wake.epoch))
 
@@ -620,7 +628,7 @@ class AgentActor(pykka.ThreadingActor):
             self._turn = None
         wake = self._wake
         self._wake = None
-        self._fence = None
+        self._set_fence(None)
         self._refresh()
         if notify and wake is not None and self._worker is not None:
             self._worker(WakeEnded(wake.stream, wake.epoch))

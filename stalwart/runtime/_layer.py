@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from functools import partial
 
 import anyio.to_thread
 
@@ -13,22 +14,38 @@ from stalwart.config import Config
 from stalwart.events import Event, RecordedEvent
 from stalwart.providers import Breaker, ModelCaller, ProviderClient
 from stalwart.state import BREAKER
-from stalwart.store import EventStore, NewEvent, load_state
+from stalwart.store import EventStore, Fence, NewEvent, load_state
 
 __all__ = ["ProviderLayer", "StoreSink"]
 
 
 class StoreSink:
-    """Appends to an EventStore from a worker thread (an append waits for its fsync)."""
+    r"""Appends to an EventStore from a worker thread (an append waits for its fsync).
+
+    A stream under a lease is fenced: while an Agent runs a wake it :meth:`hold`\ s the
+    stream with the lease's fence, so the provider layer's events for it go through only
+    while the lease is this process's (a holder that froze past its lease cannot write
+    prompt events after the takeover either)."""
 
     def __init__(self, store: EventStore) -> None:
         self._store = store
+        self._fences: dict[str, Fence] = {}
+
+    def hold(self, stream: str, fence: Fence | None) -> None:
+        """Fence the stream's appends with ``fence`` (None: unfenced again)."""
+        if fence is None:
+            self._fences.pop(stream, None)
+        else:
+            self._fences[stream] = fence
 
     async def emit(self, stream: str, events: Sequence[Event], ts: float) -> list[RecordedEvent]:
         if not events:
             return []
         news = [NewEvent(event=event, ts=ts) for event in events]
-        return await anyio.to_thread.run_sync(self._store.append, stream, news)
+        fence = self._fences.get(stream)
+        return await anyio.to_thread.run_sync(
+            partial(self._store.append, fence=fence), stream, news
+        )
 
 
 class ProviderLayer:

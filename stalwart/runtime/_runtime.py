@@ -496,6 +496,7 @@ class Runtime:
             policy=durable.policy if durable is not None else None,
             worker=durable.tell if durable is not None else None,
             jitter_ms=durable.jitter_ms if durable is not None else None,
+            hold=self._layer.sink.hold if durable is not None else None,
         )
         return SessionHandle(
             session_id,

@@ -45,6 +45,8 @@ from stalwart.events import (
     UserToolConfirmation,
 )
 
+from ._aggregate import ApplyFolder
+
 __all__ = [
     "ACTIVATIONS",
     "Activation",
@@ -321,6 +323,9 @@ class ActivationsAggregate:
 
     def apply(self, state: ActivationsState, record: RecordedEvent) -> ActivationsState:
         return apply_activations(state, record)
+
+    def folder(self, state: ActivationsState) -> ApplyFolder[ActivationsState]:
+        return ApplyFolder(apply_activations, state)
 
 
 ACTIVATIONS = ActivationsAggregate()
