@@ -203,3 +203,62 @@ def test_unstorable_ids_fail_alone_and_a_batch_goes_on(pg_url: str) -> None:
         assert store.head() == 7
         with pytest.raises(EventError):
             store.append("s:x", [NewEvent(event=_msg(1), causation_id="a\x00b")])
+
+
+def _kill_sessions(server: PostgresServer, database: str) -> int:
+    with psycopg.connect(server.url(), autocommit=True) as admin:
+        rows = admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = %s AND pid <> pg_backend_pid()",
+            (database,),
+        ).fetchall()
+    return len(rows)
+
+
+def test_killed_connections_cost_no_append_and_no_read(
+    pg_server: PostgresServer, pg_url: str
+) -> None:
+    with PostgresEventStore(pg_url) as store:
+        store.append("s:1", [_msg(1)])
+        assert _kill_sessions(pg_server, "stalwart_test") >= 1  # as a restart or failover would
+        [record] = store.append("s:1", [_msg(2)], expected_version=1)
+        assert (record.position, record.version) == (2, 2)
+        assert [r.version for r in store.read_stream("s:1")] == [1, 2]
+        _kill_sessions(pg_server, "stalwart_test")
+        assert store.head() == 2
+        assert [r.position for r in store.read_all()] == [1, 2]
+
+
+def test_an_append_cut_off_mid_transaction_is_written_once(
+    pg_server: PostgresServer, pg_url: str
+) -> None:
+    schema = pg_url.rsplit("schema=", 1)[1]
+    with PostgresEventStore(pg_url) as store:
+        store.append("s:1", [_msg(1)])
+        with psycopg.connect(pg_server.url("stalwart_test"), autocommit=True) as admin:
+            admin.execute(  # every insert into the log now takes 0.3 s
+                f"CREATE FUNCTION {schema}.slow() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$ BEGIN PERFORM pg_sleep(0.3); RETURN NULL; END $$; "
+                f"CREATE TRIGGER slow AFTER INSERT ON {schema}.events "
+                f"FOR EACH STATEMENT EXECUTE FUNCTION {schema}.slow()"
+            )
+            done: list[object] = []
+            appender = threading.Thread(
+                target=lambda: done.append(store.append("s:1", [_msg(2)], expected_version=1))
+            )
+            appender.start()
+            killed: list[object] = []
+            for _ in range(100):
+                killed = admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE query LIKE '%%append_batch%%' AND state = 'active' "
+                    "AND pid <> pg_backend_pid()"
+                ).fetchall()
+                if killed:
+                    break
+                time.sleep(0.02)
+            appender.join(30)
+        assert killed  # the append was cut off inside its transaction
+        assert len(done) == 1  # and still went through, once
+        assert [r.version for r in store.read_stream("s:1")] == [1, 2]
+        assert store.head() == 2

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from typing import Any
 
 import msgspec
 import psycopg
-import psycopg_pool
 import structlog
 from psycopg import sql
 
@@ -35,8 +33,8 @@ from stalwart.errors import (
 )
 from stalwart.events import DEFAULT_CODEC, Codec, Event, RecordedEvent, event_tag
 
-from ._postgres_connect import PostgresUrl, connect
-from ._postgres_schema import SCHEMA_VERSION, channel_name, ensure_schema
+from ._postgres_connect import Connections, PostgresUrl, connect, lost
+from ._postgres_schema import SCHEMA_VERSION, Statements, channel_name, ensure_schema
 from ._postgres_tail import Doorbell, deadline_after, remaining
 from ._postgres_writer import AppendJob, ConnectionLostError, Writer, batch_params
 from ._protocol import Fence, NewEvent, Snapshot, StreamInfo, check_stream
@@ -49,7 +47,6 @@ SNAPSHOTS_KEPT = 3
 #: The ``application_name`` of the listener connections (to find them in pg_stat_activity).
 LISTENER_NAME = "stalwart-listener"
 _LAST = (1 << 63) - 1
-_COLUMNS = "position, stream, version, ts, id, causation_id, correlation_id, schema, data"
 
 
 class PostgresEventStore:
@@ -77,11 +74,10 @@ class PostgresEventStore:
         self._url = PostgresUrl(url)
         self._codec = codec
         self._clock = clock or SystemClock()
-        self._poll_interval = poll_interval
         self._timeout = connect_timeout
         self._closed = False
         names = sql.Identifier(self._url.schema)
-        self._sql = _Statements(names)
+        self._sql = Statements(names)
         with connect(self._url, timeout=connect_timeout) as conn:
             try:
                 migrated = ensure_schema(conn, self._url.schema, self.location, create=create)
@@ -93,19 +89,7 @@ class PostgresEventStore:
         #: The schema version this handle found before migrating it (0: it created the
         #: schema), or None when the schema was already current.
         self.migrated_from = migrated
-        self._pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] = (
-            psycopg_pool.ConnectionPool(
-                self._url.conninfo,
-                kwargs={"autocommit": True, "connect_timeout": max(1, round(connect_timeout))},
-                min_size=1,
-                max_size=pool_size,
-                open=False,
-                num_workers=1,
-                timeout=connect_timeout,
-                name="stalwart-pg",
-            )
-        )
-        self._pool.open(wait=False)
+        self._db = Connections(self._url, pool_size=pool_size, timeout=connect_timeout)
         self._bell = Doorbell(
             self._listener_connection,
             channel_name(self._url.schema),
@@ -134,48 +118,55 @@ class PostgresEventStore:
     def _listener_connection(self) -> psycopg.Connection[Any]:
         return connect(self._url, timeout=self._timeout, application_name=LISTENER_NAME)
 
-    @contextmanager
-    def _connection(self, doing: str) -> Iterator[psycopg.Connection[Any]]:
-        """A pooled connection; a failure becomes a StoreError naming what was being done."""
-        self._live()
-        try:
-            with self._pool.connection() as conn:
-                yield conn
-        except psycopg_pool.PoolTimeout as exc:
-            raise StoreError(
-                f"no connection to the store at {self.location} within {self._timeout:g} s "
-                f"to {doing}: is the server up?"
-            ) from exc
-        except psycopg.OperationalError as exc:
-            raise StoreError(
-                f"lost the connection to the store at {self.location} while trying to {doing} "
-                f"({type(exc).__name__})"
-            ) from exc
-        except psycopg.Error as exc:
-            raise StoreError(
-                f"the store at {self.location} could not {doing}: "
-                f"{type(exc).__name__} ({exc.sqlstate})"
-            ) from exc
-        except psycopg_pool.PoolClosed as exc:
-            raise StoreClosedError(f"the store at {self.location} is closed") from exc
+    def _append_batch(
+        self, jobs: list[AppendJob], *, again: bool = True
+    ) -> list[tuple[str, int, int, int]]:
+        """Send a batch of appends (the writer thread's call); one result row per append.
 
-    def _append_batch(self, jobs: list[AppendJob]) -> list[tuple[str, int, int, int]]:
-        """Send a batch of appends (the writer thread's call); one result row per append."""
+        When the connection breaks (a server restart, a failover, a killed session), the
+        batch may or may not have committed. Its old session is ended first (waiting for
+        it to go), so it cannot commit later; then each append whose first event is in
+        the log was written, and the others are sent once more on a new connection.
+        """
         doing = f"append to {jobs[0].stream!r}" if len(jobs) == 1 else "append a batch"
+        pid: list[int] = []
         try:
-            return self._fetch(doing, self._sql.append_batch, batch_params(jobs))
+            with self._db.connection(doing) as conn, conn.cursor(binary=True) as cursor:
+                pid.append(conn.info.backend_pid)
+                cursor.execute(self._sql.append_batch, batch_params(jobs))
+                return cursor.fetchall()
         except StoreError as exc:
-            if isinstance(exc.__cause__, psycopg.OperationalError):
-                raise ConnectionLostError(
-                    f"lost the connection to the store at {self.location} during an append: "
-                    "it may or may not have been written"
-                ) from exc.__cause__
-            raise
+            if not lost(exc):
+                raise
+            unsure = ConnectionLostError(
+                f"lost the connection to the store at {self.location} during an append; "
+                "it may or may not have been written"
+            )
+            if not again:
+                raise unsure from exc.__cause__
+            try:
+                return self._recover(jobs, pid[0] if pid else None)
+            except StoreError as again_exc:
+                raise unsure from again_exc
 
-    def _fetch(self, doing: str, query: Any, params: Sequence[Any] = ()) -> list[Any]:
-        with self._connection(doing) as conn, conn.cursor(binary=True) as cursor:
-            cursor.execute(query, params)
-            return cursor.fetchall()
+    def _recover(self, jobs: list[AppendJob], pid: int | None) -> list[tuple[str, int, int, int]]:
+        self._db.check()  # drop every pooled connection the server closed
+        found: list[tuple[str, int, int, int] | None] = []
+        with self._db.connection("check a lost append") as conn:
+            if pid is not None:
+                conn.execute(self._sql.end_session, (pid,))
+            for job in jobs:
+                row = conn.execute(self._sql.find_event, (job.stream, job.ids[0])).fetchone()
+                found.append(None if row is None else ("ok", row[0], row[1] - 1, 0))
+        log.warning(
+            "store.append_recovered",
+            location=self.location,
+            written=len(found) - found.count(None),
+            resent=found.count(None),
+        )
+        resend = [job for job, result in zip(jobs, found, strict=True) if result is None]
+        sent = iter(self._append_batch(resend, again=False) if resend else [])
+        return [result if result is not None else next(sent) for result in found]
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -267,7 +258,7 @@ class PostgresEventStore:
         last = _LAST if to_position is None else min(to_position, _LAST)
         while position <= last:
             end = min(last, position + READ_BATCH - 1)  # positions have no gaps
-            rows = self._fetch("read the log", self._sql.read_all, (position, end))
+            rows = self._db.fetch("read the log", self._sql.read_all, (position, end))
             records, error = self._decode(rows)
             yield from records
             if error is not None:
@@ -285,7 +276,7 @@ class PostgresEventStore:
         last = _LAST if to_version is None else min(to_version, _LAST)
         while version <= last:
             end = min(last, version + READ_BATCH - 1)  # versions have no gaps
-            rows = self._fetch(
+            rows = self._db.fetch(
                 f"read stream {stream!r}", self._sql.read_stream, (stream, version, end)
             )
             records, error = self._decode(rows)
@@ -297,7 +288,7 @@ class PostgresEventStore:
             version = end + 1
 
     def head(self) -> int:
-        [(position,)] = self._fetch("read the head", self._sql.head)
+        [(position,)] = self._db.fetch("read the head", self._sql.head)
         return int(position)
 
     def wait_for(self, position: int, timeout: float | None) -> int:
@@ -324,16 +315,16 @@ class PostgresEventStore:
 
     def stream_version(self, stream: str) -> int:
         check_stream(stream)
-        rows = self._fetch("read a stream's version", self._sql.stream_row, (stream,))
+        rows = self._db.fetch("read a stream's version", self._sql.stream_row, (stream,))
         return int(rows[0][0]) if rows else 0
 
     def lease_epoch(self, stream: str) -> int:
         check_stream(stream)
-        rows = self._fetch("read a stream's lease epoch", self._sql.stream_row, (stream,))
+        rows = self._db.fetch("read a stream's lease epoch", self._sql.stream_row, (stream,))
         return int(rows[0][1]) if rows else 0
 
     def streams(self) -> list[StreamInfo]:
-        rows = self._fetch("list the streams", self._sql.streams)
+        rows = self._db.fetch("list the streams", self._sql.streams)
         return [
             StreamInfo(
                 stream=stream,
@@ -350,7 +341,7 @@ class PostgresEventStore:
     def put_snapshot(self, snapshot: Snapshot) -> None:
         check_stream(snapshot.stream)
         key = (snapshot.stream, snapshot.name)
-        with self._connection("save a snapshot") as conn, conn.transaction():
+        with self._db.connection("save a snapshot") as conn, conn.transaction():
             conn.execute(
                 self._sql.put_snapshot,
                 (
@@ -365,7 +356,7 @@ class PostgresEventStore:
 
     def snapshots(self, stream: str, name: str) -> Iterator[Snapshot]:
         check_stream(stream)
-        rows = self._fetch("read snapshots", self._sql.snapshots, (stream, name))
+        rows = self._db.fetch("read snapshots", self._sql.snapshots, (stream, name))
         for version, position, crc, data in rows:
             if zlib.crc32(data) != crc:
                 log.warning(
@@ -386,7 +377,7 @@ class PostgresEventStore:
         self._closed = True
         self._writer.close()
         self._bell.close()
-        self._pool.close(timeout=self._timeout)
+        self._db.close()
 
     def __enter__(self) -> PostgresEventStore:
         return self
@@ -409,47 +400,3 @@ def _check_texts(stream: str, texts: list[Any]) -> None:
                 f"cannot append to {stream!r}: an event id, causation id or correlation id "
                 "is not storable text (not a string, a NUL character or invalid UTF-8)"
             )
-
-
-class _Statements:
-    """The store's SQL, with its schema name filled in once."""
-
-    def __init__(self, schema: sql.Identifier) -> None:
-        def q(text: str) -> sql.Composed:
-            return sql.SQL(text).format(s=schema)
-
-        self.append_batch = q(
-            "SELECT outcome, first_position, old_version, epoch FROM {s}.append_batch("
-            "%s::text[], %s::int8[], %s::int8[], %s::bool[], %s::int4[], %s::float8[], "
-            "%s::text[], %s::text[], %s::text[], %s::int4[], %s::text[], %s::bytea[])"
-        )
-        self.read_all = q(
-            f"SELECT {_COLUMNS} FROM {{s}}.events WHERE position BETWEEN %s AND %s "
-            "ORDER BY position"
-        )
-        self.read_stream = q(
-            f"SELECT {_COLUMNS} FROM {{s}}.events WHERE stream = %s "
-            "AND version BETWEEN %s AND %s ORDER BY version"
-        )
-        self.head = q("SELECT position FROM {s}.head")
-        self.stream_row = q(
-            "SELECT version, lease_epoch FROM {s}.streams WHERE stream = %s AND version > 0"
-        )
-        self.streams = q(
-            "SELECT stream, version, last_position, last_ts, lease_epoch FROM {s}.streams "
-            "WHERE version > 0 ORDER BY stream"
-        )
-        self.put_snapshot = q(
-            "INSERT INTO {s}.snapshots (stream, name, version, position, crc, data) "
-            "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (stream, name, version) "
-            "DO UPDATE SET position = EXCLUDED.position, crc = EXCLUDED.crc, data = EXCLUDED.data"
-        )
-        self.prune_snapshots = q(
-            "DELETE FROM {s}.snapshots WHERE stream = %s AND name = %s AND version NOT IN "
-            "(SELECT version FROM {s}.snapshots WHERE stream = %s AND name = %s "
-            "ORDER BY version DESC LIMIT %s)"
-        )
-        self.snapshots = q(
-            "SELECT version, position, crc, data FROM {s}.snapshots "
-            "WHERE stream = %s AND name = %s ORDER BY version DESC"
-        )

@@ -7,12 +7,15 @@ parameter. The library's own message is not passed on, only its class of failure
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 import psycopg
+import psycopg_pool
 
-from stalwart.errors import StoreError, StoreNotFoundError
+from stalwart.errors import StoreClosedError, StoreError, StoreNotFoundError
 
 DEFAULT_SCHEMA = "stalwart"
 SCHEMES = ("postgresql", "postgres")
@@ -102,3 +105,79 @@ def connect(url: PostgresUrl, *, timeout: float, **kwargs: Any) -> psycopg.Conne
         )
     except psycopg.Error as exc:
         raise connect_error(exc, url) from exc
+
+
+def lost(exc: StoreError) -> bool:
+    """Whether a StoreError is a connection that broke or that the server closed."""
+    cause = exc.__cause__
+    return isinstance(cause, psycopg.OperationalError) and not isinstance(
+        cause, psycopg_pool.PoolTimeout
+    )
+
+
+class Connections:
+    """A store handle's pool of autocommit connections, with its failures made StoreErrors.
+
+    The messages name the store's password-free location and what was being done.
+    """
+
+    def __init__(self, url: PostgresUrl, *, pool_size: int, timeout: float) -> None:
+        self._location = url.location
+        self._timeout = timeout
+        self._pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] = (
+            psycopg_pool.ConnectionPool(
+                url.conninfo,
+                kwargs={"autocommit": True, "connect_timeout": max(1, round(timeout))},
+                min_size=1,
+                max_size=pool_size,
+                open=False,
+                num_workers=1,
+                timeout=timeout,
+                name="stalwart-pg",
+            )
+        )
+        self._pool.open(wait=False)
+
+    @contextmanager
+    def connection(self, doing: str) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection; a failure becomes a StoreError naming what was being done."""
+        where = self._location
+        try:
+            with self._pool.connection() as conn:
+                yield conn
+        except psycopg_pool.PoolTimeout as exc:
+            raise StoreError(
+                f"no connection to the store at {where} within {self._timeout:g} s "
+                f"to {doing}: is the server up?"
+            ) from exc
+        except psycopg.OperationalError as exc:
+            raise StoreError(
+                f"lost the connection to the store at {where} while trying to {doing} "
+                f"({type(exc).__name__})"
+            ) from exc
+        except psycopg.Error as exc:
+            raise StoreError(
+                f"the store at {where} could not {doing}: {type(exc).__name__} ({exc.sqlstate})"
+            ) from exc
+        except psycopg_pool.PoolClosed as exc:
+            raise StoreClosedError(f"the store at {where} is closed") from exc
+
+    def fetch(self, doing: str, query: Any, params: Sequence[Any] = ()) -> list[Any]:
+        """Run a read; a connection the server closed is replaced and the read run again."""
+        for attempt in (1, 2):
+            try:
+                with self.connection(doing) as conn, conn.cursor(binary=True) as cursor:
+                    cursor.execute(query, params)
+                    return cursor.fetchall()
+            except StoreError as exc:
+                if attempt == 2 or not lost(exc):
+                    raise
+                self.check()
+        raise AssertionError("unreachable")
+
+    def check(self) -> None:
+        """Drop every idle pooled connection that no longer works."""
+        self._pool.check()
+
+    def close(self) -> None:
+        self._pool.close(timeout=self._timeout)

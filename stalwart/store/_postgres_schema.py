@@ -249,3 +249,58 @@ def ensure_schema(
         if version == SCHEMA_VERSION:
             return None
     return migrate(conn, schema, location)
+
+
+COLUMNS = "position, stream, version, ts, id, causation_id, correlation_id, schema, data"
+
+
+class Statements:
+    """The store's SQL, with its schema name filled in once."""
+
+    def __init__(self, schema: sql.Identifier) -> None:
+        def q(text: str) -> sql.Composed:
+            return sql.SQL(text).format(s=schema)
+
+        self.append_batch = q(
+            "SELECT outcome, first_position, old_version, epoch FROM {s}.append_batch("
+            "%s::text[], %s::int8[], %s::int8[], %s::bool[], %s::int4[], %s::float8[], "
+            "%s::text[], %s::text[], %s::text[], %s::int4[], %s::text[], %s::bytea[])"
+        )
+        self.read_all = q(
+            f"SELECT {COLUMNS} FROM {{s}}.events WHERE position BETWEEN %s AND %s ORDER BY position"
+        )
+        self.read_stream = q(
+            f"SELECT {COLUMNS} FROM {{s}}.events WHERE stream = %s "
+            "AND version BETWEEN %s AND %s ORDER BY version"
+        )
+        self.head = q("SELECT position FROM {s}.head")
+        self.stream_row = q(
+            "SELECT version, lease_epoch FROM {s}.streams WHERE stream = %s AND version > 0"
+        )
+        self.streams = q(
+            "SELECT stream, version, last_position, last_ts, lease_epoch FROM {s}.streams "
+            "WHERE version > 0 ORDER BY stream"
+        )
+        self.put_snapshot = q(
+            "INSERT INTO {s}.snapshots (stream, name, version, position, crc, data) "
+            "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (stream, name, version) "
+            "DO UPDATE SET position = EXCLUDED.position, crc = EXCLUDED.crc, data = EXCLUDED.data"
+        )
+        self.prune_snapshots = q(
+            "DELETE FROM {s}.snapshots WHERE stream = %s AND name = %s AND version NOT IN "
+            "(SELECT version FROM {s}.snapshots WHERE stream = %s AND name = %s "
+            "ORDER BY version DESC LIMIT %s)"
+        )
+        # the session of a lost append, gone before we look (waits up to 5 s for it)
+        self.end_session = q(
+            "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE pid = %s "
+            "AND usename = current_user AND datname = current_database()"
+        )
+        self.find_event = q(
+            "SELECT position, version FROM {s}.events WHERE stream = %s AND id = %s "
+            "ORDER BY version DESC LIMIT 1"
+        )
+        self.snapshots = q(
+            "SELECT version, position, crc, data FROM {s}.snapshots "
+            "WHERE stream = %s AND name = %s ORDER BY version DESC"
+        )
