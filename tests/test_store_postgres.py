@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import msgspec
 import psycopg
 import pytest
 from click.testing import CliRunner
@@ -15,9 +16,9 @@ from click.testing import CliRunner
 from stalwart import store as store_module
 from stalwart.cli import cli
 from stalwart.clock import FakeClock
-from stalwart.errors import EventError, StoreError, StoreNotFoundError
-from stalwart.events import MessageAppended, SessionCreated
-from stalwart.store import EventStore, NewEvent, PostgresEventStore
+from stalwart.errors import CorruptRecordError, EventError, StoreError, StoreNotFoundError
+from stalwart.events import MessageAppended, SessionCreated, UnknownEvent
+from stalwart.store import EventStore, NewEvent, PostgresEventStore, Snapshot
 from stalwart.testing import PostgresServer
 
 from .store_contract import EventStoreContract
@@ -262,3 +263,49 @@ def test_an_append_cut_off_mid_transaction_is_written_once(
         assert len(done) == 1  # and still went through, once
         assert [r.version for r in store.read_stream("s:1")] == [1, 2]
         assert store.head() == 2
+
+
+def _sql(server: PostgresServer, statement: str, params: tuple[object, ...] = ()) -> None:
+    with psycopg.connect(server.url("stalwart_test"), autocommit=True) as admin:
+        admin.execute(statement.encode(), params)
+
+
+def test_a_corrupt_record_is_a_typed_error_naming_its_position(
+    pg_server: PostgresServer, pg_url: str
+) -> None:
+    schema = pg_url.rsplit("schema=", 1)[1]
+    with PostgresEventStore(pg_url) as store:
+        store.append("s:1", [_msg(1), _msg(2), _msg(3)])
+        _sql(pg_server, f"UPDATE {schema}.events SET data = %s WHERE position = 2", (b"\xc1",))
+        got: list[int] = []
+        with pytest.raises(CorruptRecordError) as caught:
+            got.extend(r.position for r in store.read_all())
+        assert caught.value.position == 2
+        assert got == [1]  # every good record before it first
+        assert [r.position for r in store.read_all(3)] == [3]
+
+
+def test_an_unknown_event_type_is_kept_as_raw_bytes(pg_server: PostgresServer, pg_url: str) -> None:
+    schema = pg_url.rsplit("schema=", 1)[1]
+    payload = msgspec.msgpack.encode({"type": "future:thing", "size": 3})
+    with PostgresEventStore(pg_url) as store:
+        store.append("s:1", [_msg(1)])
+        _sql(
+            pg_server,
+            f"UPDATE {schema}.events SET data = %s, type = 'future:thing' WHERE position = 1",
+            (payload,),
+        )
+        [record] = store.read_all()
+        assert isinstance(record.event, UnknownEvent)
+        assert (record.type, record.event.raw) == ("future:thing", payload)
+
+
+def test_a_corrupt_snapshot_is_skipped(pg_server: PostgresServer, pg_url: str) -> None:
+    schema = pg_url.rsplit("schema=", 1)[1]
+    with PostgresEventStore(pg_url) as store:
+        for version in (1, 2):
+            store.put_snapshot(
+                Snapshot(stream="s:1", name="f", version=version, position=version, data=b"ok")
+            )
+        _sql(pg_server, f"UPDATE {schema}.snapshots SET data = 'bad' WHERE version = 2")
+        assert [s.version for s in store.snapshots("s:1", "f")] == [1]
