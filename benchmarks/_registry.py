@@ -37,6 +37,7 @@ MODULES: tuple[str, ...] = (
     "benchmarks.supervision",
     "benchmarks.postgres",
     "benchmarks.context",
+    "benchmarks.verify",
 )
 
 Op = Literal[">=", "<="]

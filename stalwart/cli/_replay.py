@@ -17,8 +17,25 @@ import msgspec
 
 from stalwart.config import AgentSettings, Config, ProviderSettings
 from stalwart.errors import CorruptRecordError, StoreError
-from stalwart.events import Event, RecordedEvent, RuntimeStarted, RuntimeStopped, ToolBlocked
-from stalwart.state import VERIFIERS, ApplyFolder, Knobs, Registry, Verification, Verifier
+from stalwart.events import (
+    Event,
+    RecordedEvent,
+    RuntimeStarted,
+    RuntimeStopped,
+    ToolBlocked,
+    ToolCompleted,
+    ToolFailed,
+    ToolStarted,
+)
+from stalwart.state import (
+    VERIFIERS,
+    ApplyFolder,
+    Knobs,
+    Registry,
+    Selective,
+    Verification,
+    Verifier,
+)
 from stalwart.state import VerifyReport as Report
 from stalwart.store import EventStore
 from stalwart.tools import ToolBreakerState, apply_tool_breaker, decide_tool_call
@@ -58,7 +75,12 @@ def _tool_blocked(state: ToolBreakerState, record: RecordedEvent, knobs: Knobs) 
 
 #: The built-in verifiers and the tool breaker's (the tools package sits above state).
 REGISTRY: Registry = VERIFIERS.with_(
-    Verifier("tool:blocked", _ToolBreakerAggregate(), _tool_blocked, "session:")
+    Verifier(
+        "tool:blocked",
+        Selective(_ToolBreakerAggregate(), (ToolStarted, ToolCompleted, ToolFailed, ToolBlocked)),
+        _tool_blocked,
+        "session:",
+    )
 )
 
 

@@ -154,7 +154,7 @@ from ._summary import SUMMARY, StreamSummary, StreamSummaryAggregate, SummaryFol
 from ._supervision import decide_restart, restart_backoff_ms, restart_history
 from ._verify import DEFAULT_GRACE_MS, Finding, Verification, VerifyReport, verify
 from ._verify_folds import CALLS, RESTARTS, CallsState, RestartsState
-from ._verify_registry import Deadline, Knobs, Registry, Verifier
+from ._verify_registry import Deadline, Knobs, Registry, Selective, Verifier
 from ._verify_rules import DECISIONS, VERIFIERS
 
 __all__ = [
@@ -231,6 +231,7 @@ __all__ = [
     "RunAggregate",
     "RunState",
     "RunStatus",
+    "Selective",
     "SessionAggregate",
     "SessionFolder",
     "SessionState",

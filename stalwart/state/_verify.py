@@ -95,6 +95,14 @@ def _same(expected: Event, found: Event, ignore: tuple[str, ...]) -> bool:
     return all(a.get(k) == b.get(k) for k in a.keys() | b.keys() if k not in ignore)
 
 
+_Plan = tuple[list[tuple[object, FoldSpec[Any]]], list[tuple[int, object, frozenset[type[Event]]]]]
+
+
+_Walk = tuple[list[Folder[Any]], list[tuple[int, Folder[Any], frozenset[type[Event]]]]]
+#: the walk of a stream that is not verified
+_SKIP: _Walk = ([], [])
+
+
 class _Armed(msgspec.Struct, frozen=True, order=True):
     at: float  # due + slack + grace: an event later than this proves the miss
     due: float
@@ -128,7 +136,10 @@ class Verification:
         for verifier in registry.verifiers:
             self._by_tag.setdefault(verifier.tag, []).append(verifier)
         self._folders: dict[str, dict[object, Folder[Any]]] = {}
-        self._plans: dict[str, tuple[list[tuple[object, FoldSpec[Any]]], list[int]]] = {}
+        self._plans: dict[str, _Plan] = {}
+        self._walks: dict[str, _Walk] = {}
+        self._decision_kinds: set[type[Event]] = set()
+        self._other_kinds: set[type[Event]] = set()
         self._pending: dict[tuple[str, int], float] = {}
         self._orphaned: dict[tuple[str, int], float] = {}
         self._heap: list[_Armed] = []
@@ -150,21 +161,41 @@ class Verification:
         if self._heap and self._heap[0].at < ts:
             self._expire(record)
         event = record.event
-        if isinstance(event, RuntimeStarted):
+        kind = type(event)
+        if kind is RuntimeStarted:
+            assert isinstance(event, RuntimeStarted)
             self._knobs = Knobs(event.config, self._defaults)
             self._restarted(ts)
-        if not self._verify(record.stream):
-            return
-        if isinstance(event, UnknownEvent):
-            self._undecodable_event(record, event)
-        tag = record.type
-        if tag in self._registry.decisions:
-            verifiers = self._by_tag.get(tag)
-            if verifiers is None:
-                self._unchecked[tag] = self._unchecked.get(tag, 0) + 1
+        walk = self._walks.get(record.stream)
+        if walk is None:
+            if self._verify(record.stream):
+                walk = self._walk(record.stream)
             else:
-                self._check(record, verifiers)
-        self._fold(record)
+                walk = self._walks[record.stream] = _SKIP
+        if walk is _SKIP:
+            return
+        if kind is UnknownEvent:
+            assert isinstance(event, UnknownEvent)
+            self._undecodable_event(record, event)
+        if kind in self._decision_kinds or kind is UnknownEvent:
+            self._decision(record)
+        elif kind not in self._other_kinds:
+            if record.type in self._registry.decisions:
+                self._decision_kinds.add(kind)
+                self._decision(record)
+            else:
+                self._other_kinds.add(kind)
+        self._fold(record, walk)
+
+    def _decision(self, record: RecordedEvent) -> None:
+        tag = record.type
+        if tag not in self._registry.decisions:
+            return  # an unknown event
+        verifiers = self._by_tag.get(tag)
+        if verifiers is None:
+            self._unchecked[tag] = self._unchecked.get(tag, 0) + 1
+        else:
+            self._check(record, verifiers)
 
     def undecodable(self, position: int, reason: str, stream: str = "") -> None:
         """A record the reader could not decode (a ``CorruptRecordError``): reported."""
@@ -199,18 +230,19 @@ class Verification:
 
     # -- folds -----------------------------------------------------------------------------------
 
-    def _plan(self, stream: str) -> tuple[list[tuple[object, FoldSpec[Any]]], list[int]]:
+    def _plan(self, stream: str) -> _Plan:
         plan = self._plans.get(stream)
         if plan is None:
             folds: dict[object, FoldSpec[Any]] = {}
             for verifier in self._registry.verifiers:
                 if stream.startswith(verifier.streams):
                     folds.setdefault(fold_key(verifier.fold), verifier.fold)
-            deadlines = []
+            deadlines: list[tuple[int, object, frozenset[type[Event]]]] = []
             for index, deadline in enumerate(self._registry.deadlines):
                 if stream.startswith(deadline.streams):
-                    folds.setdefault(fold_key(deadline.fold), deadline.fold)
-                    deadlines.append(index)
+                    key = fold_key(deadline.fold)
+                    folds.setdefault(key, deadline.fold)
+                    deadlines.append((index, key, deadline.moves))
             plan = self._plans[stream] = (list(folds.items()), deadlines)
         return plan
 
@@ -226,12 +258,21 @@ class Verification:
     def _state(self, stream: str, spec: FoldSpec[Any]) -> Any:
         return self._folders_of(stream)[fold_key(spec)].state()
 
-    def _fold(self, record: RecordedEvent) -> None:
-        stream = record.stream
-        for folder in self._folders_of(stream).values():
+    def _walk(self, stream: str) -> _Walk:
+        """The stream's folders and deadlines, made at its first event (or skipped)."""
+        folders = self._folders_of(stream)
+        deadlines = [(i, folders[key], moves) for i, key, moves in self._plan(stream)[1]]
+        walk = self._walks[stream] = (list(folders.values()), deadlines)
+        return walk
+
+    def _fold(self, record: RecordedEvent, walk: _Walk) -> None:
+        folders, deadlines = walk
+        for folder in folders:
             folder.add(record)
-        for index in self._plan(stream)[1]:
-            self._rearm(stream, index, record)
+        kind = type(record.event)
+        for index, folder, moves in deadlines:
+            if not moves or kind in moves:
+                self._rearm(record.stream, index, folder, record)
 
     # -- decisions -------------------------------------------------------------------------------
 
@@ -293,13 +334,17 @@ class Verification:
 
     # -- deadlines -------------------------------------------------------------------------------
 
-    def _rearm(self, stream: str, index: int, record: RecordedEvent) -> None:
-        deadline = self._registry.deadlines[index]
-        key = (stream, index)
+    def _due(self, index: int, folder: Folder[Any]) -> float | None:
         try:
-            due = deadline.due(self._state(stream, deadline.fold), self._knobs)
+            return self._registry.deadlines[index].due(folder.state(), self._knobs)
         except StalwartError:
-            due = None  # a knob nobody recorded: the decision's own check says so
+            return None  # a knob nobody recorded: the decision's own check says so
+
+    def _rearm(
+        self, stream: str, index: int, folder: Folder[Any], record: RecordedEvent | None
+    ) -> None:
+        key = (stream, index)
+        due = self._due(index, folder)
         if due == self._pending.get(key):
             return
         suspect = self._suspects.get(key)
@@ -319,13 +364,20 @@ class Verification:
         heapq.heappush(self._heap, _Armed(due + slack + self._grace_s, due, stream, index))
 
     def _restarted(self, ts: float) -> None:
-        """A new process: timers of the old one are gone; log-read deadlines are owed anew."""
+        """A new process (and config): timers of the old one are gone; deadlines read
+        from the log are owed anew, at the new config's times."""
         self._heap = []
-        for (stream, index), due in self._pending.items():
-            if self._registry.deadlines[index].survives_restart:
-                self._push(stream, index, max(due, ts))
-            else:
-                self._orphaned[(stream, index)] = due
+        for stream, folders in self._folders.items():
+            for index, key, _ in self._plan(stream)[1]:
+                due = self._due(index, folders[key])
+                if due is None:
+                    self._pending.pop((stream, index), None)
+                    continue
+                self._pending[(stream, index)] = due
+                if self._registry.deadlines[index].survives_restart:
+                    self._push(stream, index, max(due, ts))
+                else:
+                    self._orphaned[(stream, index)] = due
 
     def _expire(self, record: RecordedEvent) -> None:
         """Deadlines whose due + slack + grace is before ``record``: suspected missed."""

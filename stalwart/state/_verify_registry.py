@@ -37,14 +37,14 @@ any name (``providers.*.breaker_failure_threshold``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from stalwart.errors import ConfigError
 from stalwart.events import Event, RecordedEvent
 
-from ._aggregate import Aggregate
+from ._aggregate import Aggregate, Folder
 
 S = TypeVar("S")
 
@@ -52,13 +52,20 @@ S = TypeVar("S")
 class Knobs:
     """The config in force: the recorded config (a ``Config.to_record()``) over defaults."""
 
-    __slots__ = ("_layers",)
+    __slots__ = ("_found", "_layers")
 
     def __init__(self, recorded: Mapping[str, Any] | None, defaults: Mapping[str, Any]) -> None:
         self._layers = (recorded or {}, defaults)
+        self._found: dict[str, Any] = {}
 
     def get(self, path: str) -> Any:
         """The value at ``path`` (``"subagents.per_step_timeout_ms"``); ConfigError if none."""
+        found = self._found.get(path, _MISSING)
+        if found is _MISSING:
+            found = self._found[path] = self._look(path)
+        return found
+
+    def _look(self, path: str) -> Any:
         for layer in self._layers:
             found = _lookup(layer, path.split("."))
             if found is not _MISSING:
@@ -116,6 +123,8 @@ class Deadline(Generic[S]):
     streams: str = ""
     slack_ms: Callable[[Knobs], int] = lambda knobs: 0
     survives_restart: bool = False
+    #: the event types that can move ``due`` (empty: any event); a new config moves it too
+    moves: frozenset[type[Event]] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -148,3 +157,42 @@ def aggregate_of(spec: FoldSpec[S], knobs: Knobs) -> Aggregate[S]:
     if hasattr(spec, "initial"):
         return spec  # type: ignore[return-value]
     return spec(knobs)
+
+
+class Selective(Generic[S]):
+    """``aggregate`` folding only events of ``types`` (and ignoring the rest entirely, so a
+    state field counting every event, like a ``version``, is not kept): for a fold that
+    replay verification runs over every stream of a prefix but that few events move."""
+
+    def __init__(self, aggregate: Aggregate[S], types: Iterable[type[Event]]) -> None:
+        self.aggregate = aggregate
+        self.types = frozenset(types)
+        self.name = f"{aggregate.name}:selective"
+        self.version = aggregate.version
+        self.state_type = aggregate.state_type
+
+    def initial(self, stream: str) -> S:
+        return self.aggregate.initial(stream)
+
+    def apply(self, state: S, record: RecordedEvent) -> S:
+        if type(record.event) in self.types:
+            return self.aggregate.apply(state, record)
+        return state
+
+    def folder(self, state: S) -> _SelectiveFolder[S]:
+        return _SelectiveFolder(self.aggregate.folder(state), self.types)
+
+
+class _SelectiveFolder(Generic[S]):
+    __slots__ = ("_folder", "_types")
+
+    def __init__(self, folder: Folder[S], types: frozenset[type[Event]]) -> None:
+        self._folder = folder
+        self._types = types
+
+    def add(self, record: RecordedEvent) -> None:
+        if type(record.event) in self._types:
+            self._folder.add(record)
+
+    def state(self) -> S:
+        return self._folder.state()

@@ -36,13 +36,30 @@ from typing import Any
 import msgspec
 
 from stalwart.events import (
+    AnnouncementDeadLetterDelivered,
+    AnnouncementDeadLettered,
+    AnnouncementDeadLetterExpired,
     Event,
     ExecutionAborted,
+    PromptActivity,
+    PromptCompleted,
+    PromptFailed,
+    PromptStarted,
     PromptTimeout,
     RecordedEvent,
+    SubagentArtifact,
+    SubagentCompleted,
+    SubagentGhostSwept,
+    SubagentProgress,
     SubagentRecoveryDecided,
+    SubagentSpawned,
+    SubagentSuspicious,
+    SubagentWatchdogTimeout,
     SupervisorGaveUp,
     SupervisorRestarted,
+    TurnCompleted,
+    TurnStarted,
+    UserInterrupt,
 )
 
 from ._breaker import BREAKER, BreakerState, decide_breaker
@@ -63,7 +80,7 @@ from ._subagent import (
 )
 from ._supervision import decide_restart
 from ._verify_folds import CALLS, RESTARTS, CallsState, RestartsState
-from ._verify_registry import Deadline, Knobs, Registry, Verifier
+from ._verify_registry import Deadline, Knobs, Registry, Selective, Verifier
 
 #: Every decision tag of DESIGN's catalogue: one with no verifier is counted as unchecked.
 DECISIONS = frozenset(
@@ -286,11 +303,31 @@ def _pipeline_timeout(event: Event) -> bool:
 
 
 _RUNS = "session:"
+#: the run fold, over the events that move it (a session's other events cost a lookup)
+_RUN = Selective(
+    RUN,
+    (
+        *(SubagentSpawned, SubagentProgress, SubagentArtifact, SubagentCompleted),
+        *(SubagentWatchdogTimeout, SubagentGhostSwept, SubagentSuspicious),
+        SubagentRecoveryDecided,
+    ),
+)
+_RUN_ENDS: frozenset[type[Event]] = frozenset(
+    {SubagentSpawned, SubagentCompleted, SubagentWatchdogTimeout, SubagentGhostSwept}
+)
+_CALL_ENDS = (TurnCompleted, ExecutionAborted, UserInterrupt)
+_CALL_MOVES: frozenset[type[Event]] = frozenset(
+    {PromptStarted, PromptActivity, PromptCompleted, PromptFailed, PromptTimeout, *_CALL_ENDS}
+)
+_TURN_MOVES: frozenset[type[Event]] = frozenset({TurnStarted, *_CALL_ENDS})
+_LETTER_MOVES: frozenset[type[Event]] = frozenset(
+    {AnnouncementDeadLettered, AnnouncementDeadLetterDelivered, AnnouncementDeadLetterExpired}
+)
 BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
-    Verifier("subagent:watchdog_timeout", RUN, _watchdog, _RUNS, why=_watchdog_why),
-    Verifier("subagent:ghost_swept", RUN, _ghost, _RUNS, why=_ghost_why),
-    Verifier("subagent:suspicious", RUN, _suspicious, _RUNS),
-    Verifier("subagent:recovery_decided", RUN, _recovery, _RUNS),
+    Verifier("subagent:watchdog_timeout", _RUN, _watchdog, _RUNS, why=_watchdog_why),
+    Verifier("subagent:ghost_swept", _RUN, _ghost, _RUNS, why=_ghost_why),
+    Verifier("subagent:suspicious", _RUN, _suspicious, _RUNS),
+    Verifier("subagent:recovery_decided", _RUN, _recovery, _RUNS),
     Verifier("execution:prompt_timeout", CALLS, _prompt_timeout, _RUNS, why=_prompt_why),
     Verifier(
         "execution:aborted", CALLS, _execution, _RUNS, why=_execution_why, when=_pipeline_timeout
@@ -303,18 +340,30 @@ BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
     Verifier("announcement:dead_letter_expired", DEADLETTER, _expiry, "deadletter"),
     Verifier("supervisor:restarted", RESTARTS, _restart, "runtime"),
     Verifier("supervisor:gave_up", RESTARTS, _restart, "runtime"),
-    Deadline("sub-agent watchdog", "subagent:watchdog_timeout", RUN, _run_due("watchdog"), _RUNS),
+    Deadline(
+        "sub-agent watchdog",
+        "subagent:watchdog_timeout",
+        _RUN,
+        _run_due("watchdog"),
+        _RUNS,
+        moves=_RUN_ENDS,
+    ),
     Deadline(
         "ghost sweep",
         "subagent:ghost_swept",
-        RUN,
+        _RUN,
         _run_due("ghost"),
         _RUNS,
         slack_ms=_ms("subagents.ghost_sweep_interval_ms"),
         survives_restart=True,
+        moves=_RUN_ENDS,
     ),
-    Deadline("prompt timeout", "execution:prompt_timeout", CALLS, _prompt_due, _RUNS),
-    Deadline("execution timeout", "execution:aborted", CALLS, _execution_due, _RUNS),
+    Deadline(
+        "prompt timeout", "execution:prompt_timeout", CALLS, _prompt_due, _RUNS, moves=_CALL_MOVES
+    ),
+    Deadline(
+        "execution timeout", "execution:aborted", CALLS, _execution_due, _RUNS, moves=_TURN_MOVES
+    ),
     Deadline(
         "dead-letter expiry",
         "announcement:dead_letter_expired",
@@ -322,6 +371,7 @@ BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
         _expiry_due,
         "deadletter",
         survives_restart=True,
+        moves=_LETTER_MOVES,
     ),
 )
 
