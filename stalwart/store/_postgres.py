@@ -1,8 +1,10 @@
 """The EventStore on PostgreSQL: one log shared by workers on any number of hosts.
 
-Each append is one call of the schema's ``append`` function on an autocommit pooled
-connection: one round trip, one transaction. How that keeps positions gap-free and
-skip-free is told in ``_postgres_schema``; how readers tail in ``_postgres_tail``.
+Appends go through the handle's writer thread (``_postgres_writer``), which sends the
+appends queued in this process as one call of the schema's ``append_batch`` function
+on an autocommit pooled connection: one round trip, one transaction. How that keeps
+positions gap-free and skip-free is told in ``_postgres_schema``; how readers tail in
+``_postgres_tail``.
 
 A row holds the event's own msgpack bytes beside its envelope columns; a read joins
 them back into the codec's record form (one small encode per row) so upcasting and
@@ -56,8 +58,9 @@ class PostgresEventStore:
     parameters, plus ``schema=`` to keep several stores in one database. The schema is
     created or upgraded on first use (``create=False`` refuses a database without one,
     as read-only tools want). ``pool_size`` bounds this handle's connections; tailing
-    readers share one more, the listener. ``poll_interval`` is how often a waiting
-    reader looks at the head when no notification comes.
+    readers share one more, the listener. ``poll_interval`` is how often the head is
+    read while something waits and no notification comes: the most a lost
+    notification can delay a reader.
     """
 
     def __init__(
@@ -195,25 +198,9 @@ class PostgresEventStore:
             if expected_version is not None and expected_version != version:
                 raise ConcurrencyError(stream, expected_version, version)
             return []
-        now = self._clock.now()
-        stamped = [(now if new.ts is None else new.ts, new.id or ids.new_id(), new) for new in news]
-        try:
-            data = [self._header.encode(new.event) for _, _, new in stamped]
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise EventError(f"cannot encode an event for {stream!r}: {exc}") from exc
-        schemas = [codec.schema_of(new.event) for new in news]
-        columns = (
-            [ts for ts, _, _ in stamped],
-            [event_id for _, event_id, _ in stamped],
-            [new.causation_id for new in news],
-            [new.correlation_id for new in news],
-            schemas,
-            [event_tag(new.event) for new in news],
-        )
-        for texts in columns[1:4]:
-            _check_texts(stream, texts)
-        job = AppendJob(stream, expected_version, fence, columns, data)
+        job = self._job(stream, news, expected_version, fence)
         outcome, first, old_version, epoch = self._writer.submit(job)
+        news = job.news
         if outcome == "conflict":
             assert expected_version is not None
             raise ConcurrencyError(stream, expected_version, old_version)
@@ -226,15 +213,36 @@ class PostgresEventStore:
                 position=first + i,
                 stream=stream,
                 version=old_version + 1 + i,
-                ts=ts,
-                id=event_id,
+                ts=job.stamps[i],
+                id=job.ids[i],
                 causation_id=new.causation_id,
                 correlation_id=new.correlation_id,
-                schema=schema,
+                schema=job.schemas[i],
                 event=new.event,
             )
-            for i, ((ts, event_id, new), schema) in enumerate(zip(stamped, schemas, strict=True))
+            for i, new in enumerate(news)
         ]
+
+    def _job(
+        self, stream: str, news: list[NewEvent], expected: int | None, fence: Fence | None
+    ) -> AppendJob:
+        """The append as the writer sends it: stamped, given ids, encoded and checked."""
+        now = self._clock.now()
+        try:
+            data = [self._header.encode(new.event) for new in news]
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise EventError(f"cannot encode an event for {stream!r}: {exc}") from exc
+        columns = (
+            [now if new.ts is None else new.ts for new in news],
+            [new.id or ids.new_id() for new in news],
+            [new.causation_id for new in news],
+            [new.correlation_id for new in news],
+            [self._codec.schema_of(new.event) for new in news],
+            [event_tag(new.event) for new in news],
+        )
+        for texts in columns[1:4]:
+            _check_texts(stream, texts)
+        return AppendJob(stream, expected, fence, columns, data, news)
 
     # -- reading -------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from stalwart.errors import StoreClosedError, StoreError
 
-from ._protocol import Fence
+from ._protocol import Fence, NewEvent
 
 MAX_BATCH_EVENTS = 4096
 _STOP = object()
@@ -41,6 +41,7 @@ class AppendJob:
         "fence",
         "ids",
         "lock",
+        "news",
         "result",
         "schemas",
         "stamps",
@@ -55,12 +56,14 @@ class AppendJob:
         fence: Fence | None,
         columns: tuple[list[float], list[str], list[Any], list[Any], list[int], list[str]],
         data: list[bytes],
+        news: list[NewEvent],
     ) -> None:
         self.stream = stream
         self.expected = expected
         self.fence = fence
         self.stamps, self.ids, self.causation, self.correlation, self.schemas, self.tags = columns
         self.data = data
+        self.news = news
         self.result: tuple[str, int, int, int] | None = None
         self.error: BaseException | None = None
         self.lock = threading.Lock()
