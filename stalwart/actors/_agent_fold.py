@@ -19,7 +19,13 @@ from stalwart.events import (
     TurnStarted,
 )
 from stalwart.providers import Message
-from stalwart.state import SESSION, SessionFolder, SessionState
+from stalwart.state import (  # the execution timeout's pure decision lives in state
+    SESSION,
+    SessionFolder,
+    SessionState,
+    decide_execution_timeout,
+    execution_deadline,
+)
 from stalwart.tools import ToolBreakerState, apply_tool_breaker
 
 __all__ = [
@@ -146,27 +152,3 @@ def request_messages(
 
 def _unanswered(calls: list[ToolCall]) -> list[Message]:
     return [Message(role="tool", content=UNANSWERED_TOOL_TEXT, tool_call_id=c.id) for c in calls]
-
-
-def execution_deadline(started_at: float, limit_ms: int) -> float:
-    """When a turn that started at ``started_at`` reaches the execution timeout."""
-    return started_at + limit_ms / 1000
-
-
-def decide_execution_timeout(
-    turn_id: str, started_at: float, now: float, limit_ms: int
-) -> ExecutionAborted | None:
-    """``execution:aborted`` (``pipeline_timeout``) once ``now`` reached the deadline.
-
-    The boundary is exact: at the deadline it fires, a moment before it does not. The
-    comparison is on :func:`execution_deadline`, the same number the timer was armed at,
-    so a timer that fires always finds the decision true.
-    """
-    if now < execution_deadline(started_at, limit_ms):
-        return None
-    return ExecutionAborted(
-        reason="pipeline_timeout",
-        turn_id=turn_id,
-        limit_ms=limit_ms,
-        elapsed_ms=round((now - started_at) * 1000),
-    )
