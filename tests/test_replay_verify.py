@@ -62,8 +62,8 @@ def test_the_doctored_golden_log_fails_with_each_finding_in_words(doctored: Path
     assert "it fired 50000 ms before it" in out
     assert '"elapsed_ms":70000' in out  # found
     assert out.count("MISSED DEADLINE") == 2
-    assert "the sub-agent watchdog was due at 1790000251.000" in out
-    assert "the ghost sweep was due at 1790000371.000" in out
+    assert "the sub-agent watchdog was due at 2026-09-21T14:17:31.000Z" in out
+    assert "the ghost sweep was due at 2026-09-21T14:19:31.000Z" in out
     assert out.rstrip().endswith("NOT CLEAN: 1 decision that does not follow, 2 missed deadlines")
 
 

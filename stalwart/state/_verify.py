@@ -36,7 +36,7 @@ from stalwart.errors import StalwartError
 from stalwart.events import Event, RecordedEvent, RuntimeStarted, UnknownEvent
 
 from ._aggregate import Folder
-from ._verify_registry import FoldSpec, Knobs, Registry, Verifier, aggregate_of, fold_key
+from ._verify_registry import FoldSpec, Knobs, Registry, Verifier, aggregate_of, fold_key, moment
 
 FindingKind = Literal["mismatch", "missed", "undecodable"]
 #: the default grace: how late past a deadline an event may come before it proves a miss
@@ -417,7 +417,7 @@ class Verification:
                 tag=deadline.decision,
                 ts=proof.ts,
                 message=(
-                    f"the {deadline.name} was due at {due:.3f} but no {deadline.decision} "
+                    f"the {deadline.name} was due at {moment(due)} but no {deadline.decision} "
                     f"followed: {proof.type} at position {proof.position}{where} is "
                     f"{late_ms} ms past it"
                 ),

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Generic, TypeVar
 
 from stalwart.errors import ConfigError
@@ -145,6 +146,12 @@ class Registry:
             deadlines=(*self.deadlines, *deadlines),
             decisions=self.decisions | tags,
         )
+
+
+def moment(ts: float) -> str:
+    """A log time as replay reports say it: UTC with milliseconds (``...T14:03:05.123Z``)."""
+    stamp = datetime.fromtimestamp(ts, tz=UTC)
+    return stamp.strftime("%Y-%m-%dT%H:%M:%S.") + f"{stamp.microsecond // 1000:03d}Z"
 
 
 def fold_key(spec: FoldSpec[Any]) -> object:

@@ -80,7 +80,7 @@ from ._subagent import (
 )
 from ._supervision import decide_restart
 from ._verify_folds import CALLS, RESTARTS, CallsState, RestartsState
-from ._verify_registry import Deadline, Knobs, Registry, Selective, Verifier
+from ._verify_registry import Deadline, Knobs, Registry, Selective, Verifier, moment
 
 #: Every decision tag of DESIGN's catalogue: one with no verifier is counted as unchecked.
 DECISIONS = frozenset(
@@ -120,7 +120,7 @@ def _watchdog_why(state: RunState, record: RecordedEvent, knobs: Knobs) -> str:
     limit_ms, knob = watchdog_limit(state, per_step_timeout_ms=per_step)
     early = round((deadline - record.ts) * 1000)
     when = f"{early} ms before it" if early > 0 else "at it"
-    return f"the deadline is {deadline:.3f} (started + {limit_ms} ms, {knob}); it fired {when}"
+    return f"the deadline is {moment(deadline)} (started + {limit_ms} ms, {knob}); it fired {when}"
 
 
 def _ghost(state: RunState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
@@ -133,7 +133,7 @@ def _ghost_why(state: RunState, record: RecordedEvent, knobs: Knobs) -> str:
     if deadline is None:
         return f"the run is {state.status}, not running"
     early = round((deadline - record.ts) * 1000)
-    return f"a ghost from {deadline:.3f} (limit + ghost_grace_ms {grace}); {early} ms early"
+    return f"a ghost from {moment(deadline)} (limit + ghost_grace_ms {grace}); {early} ms early"
 
 
 def _suspicious(state: RunState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
@@ -195,7 +195,7 @@ def _prompt_why(state: CallsState, record: RecordedEvent, knobs: Knobs) -> str:
         return f"no call {found.call_id!r} is open"
     when, limit, limit_ms = next_deadline(window)
     early = round((when - record.ts) * 1000)
-    return f"the {limit} limit ({limit_ms} ms) falls at {when:.3f}; {early} ms later"
+    return f"the {limit} limit ({limit_ms} ms) falls at {moment(when)}; {early} ms later"
 
 
 def _prompt_due(state: CallsState, knobs: Knobs) -> float | None:
@@ -223,8 +223,9 @@ def _execution_why(state: CallsState, record: RecordedEvent, knobs: Knobs) -> st
     limit = knobs.get_int("supervision.execution_timeout_ms")
     deadline = execution_deadline(state.turn_started_at, limit)
     early = round((deadline - record.ts) * 1000)
-    return f"turn {state.turn_id!r} reaches execution_timeout_ms ({limit}) at {deadline:.3f}; " + (
-        f"{early} ms later" if early > 0 else "the turn id or numbers differ"
+    return (
+        f"turn {state.turn_id!r} reaches execution_timeout_ms ({limit}) at {moment(deadline)}; "
+        + (f"{early} ms later" if early > 0 else "the turn id or numbers differ")
     )
 
 
