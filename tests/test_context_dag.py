@@ -30,32 +30,69 @@ def conversation(turns: int, *, words: int = 30, start: int = 0) -> list[Context
         seq = len(out)
         call = ToolCall(id=f"c{turn}", name="lookup", arguments=f'{{"n": {turn}}}')
         out += [
-            ContextMessage(message_id=f"u{turn}", seq=seq, role="user", turn=turn,
-                           content=f"Question {turn}. " + "word " * words, ts=1000.0 + turn),
-            ContextMessage(message_id=f"a{turn}", seq=seq + 1, role="assistant", turn=turn,
-                           tool_calls=(call,), ts=1000.0 + turn),
-            ContextMessage(message_id=f"r{turn}", seq=seq + 2, role="tool", turn=turn,
-                           tool_call_id=f"c{turn}", content=f"Result {turn}. " + "data " * words,
-                           ts=1000.0 + turn),
-            ContextMessage(message_id=f"b{turn}", seq=seq + 3, role="assistant", turn=turn,
-                           content=f"Answer {turn}. " + "text " * words, ts=1000.0 + turn),
-        ]  # fmt: skip
+            ContextMessage(
+                message_id=f"u{turn}",
+                seq=seq,
+                role="user",
+                turn=turn,
+                content=f"Question {turn}. " + "word " * words,
+                ts=1000.0 + turn,
+            ),
+            ContextMessage(
+                message_id=f"a{turn}",
+                seq=seq + 1,
+                role="assistant",
+                turn=turn,
+                tool_calls=(call,),
+                ts=1000.0 + turn,
+            ),
+            ContextMessage(
+                message_id=f"r{turn}",
+                seq=seq + 2,
+                role="tool",
+                turn=turn,
+                tool_call_id=f"c{turn}",
+                content=f"Result {turn}. " + "data " * words,
+                ts=1000.0 + turn,
+            ),
+            ContextMessage(
+                message_id=f"b{turn}",
+                seq=seq + 3,
+                role="assistant",
+                turn=turn,
+                content=f"Answer {turn}. " + "text " * words,
+                ts=1000.0 + turn,
+            ),
+        ]
     return out
 
 
 def engine(clock: FakeClock, **knobs: object) -> DagEngine:
     settings = msgspec.structs.replace(ContextEngineSettings(), **knobs)
     counter = iter(range(10**6))
-    return DagEngine(settings, summarizer=ExtractiveSummarizer(), clock=clock,
-                     make_id=lambda: f"s{next(counter)}")  # fmt: skip
+    return DagEngine(
+        settings,
+        summarizer=ExtractiveSummarizer(),
+        clock=clock,
+        make_id=lambda: f"s{next(counter)}",
+    )
 
 
 def recorded(events: list[object], stream: str = "context:s1") -> list[RecordedEvent]:
     return [
-        RecordedEvent(position=i + 1, stream=stream, version=i + 1, ts=1.0, id=str(i),
-                      causation_id=None, correlation_id=None, schema=1, event=event)  # type: ignore[arg-type]
+        RecordedEvent(
+            position=i + 1,
+            stream=stream,
+            version=i + 1,
+            ts=1.0,
+            id=str(i),
+            causation_id=None,
+            correlation_id=None,
+            schema=1,
+            event=event,
+        )  # type: ignore[arg-type]
         for i, event in enumerate(events)
-    ]  # fmt: skip
+    ]
 
 
 def test_everything_under_budget_is_passed_verbatim_with_the_dag_clause(clock: FakeClock) -> None:
@@ -149,11 +186,11 @@ def test_a_tail_over_budget_shrinks_by_whole_turns_and_is_recorded(clock: FakeCl
 def test_a_single_turn_over_budget_is_clipped_with_a_marker(clock: FakeClock) -> None:
     huge = [
         ContextMessage(message_id="u", seq=0, role="user", content="read it"),
-        ContextMessage(message_id="a", seq=1, role="assistant",
-                       tool_calls=(ToolCall(id="c", name="read"),)),
-        ContextMessage(message_id="r", seq=2, role="tool", tool_call_id="c",
-                       content="x" * 40_000),
-    ]  # fmt: skip
+        ContextMessage(
+            message_id="a", seq=1, role="assistant", tool_calls=(ToolCall(id="c", name="read"),)
+        ),
+        ContextMessage(message_id="r", seq=2, role="tool", tool_call_id="c", content="x" * 40_000),
+    ]
     result = engine(clock).assemble("s1", huge, 2_000)
     assert result.tokens <= 2_000
     assert result.clipped == 1

@@ -101,12 +101,18 @@ class DagSession:
 
         ContextScopeError (nothing stored) when the input would rewrite history: a known
         id whose role or content differs, or a new message older than the newest stored.
+        An input that extends the stored history (same first message, same newest stored
+        message at the same place) is checked from there on only.
         """
         known = len(self.messages)
         start = 0
         if known and len(messages) >= known:
-            anchor = messages[known - 1]
-            if anchor.message_id == self.messages[known - 1].message_id:
+            # the session stream is append-only: when the input starts and reaches the
+            # stored history at the same messages, only what follows is new (O(new))
+            last, first = messages[known - 1], messages[0]
+            if (last is self.messages[-1] or last == self.messages[-1]) and (
+                first.message_id == self.messages[0].message_id
+            ):
                 start = known
         fresh: list[ContextMessage] = []
         seen: set[str] = set()

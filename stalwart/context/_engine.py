@@ -233,9 +233,16 @@ class DagEngine(Summaries, Recall):
                     history.extend(session.messages[unit.start : unit.end])
             assembled, repairs = repair([system, *history, *tail_messages])
             raw_total = sum(self._count(session, message) for message in assembled)
-            if raw_total <= raw_budget or not kept:
+            over = raw_total - raw_budget
+            if over <= 0:
                 break
-            available -= raw_total - raw_budget
+            if kept:  # what repair added (a synthetic result, say) comes out of history
+                available = sum(unit.tokens for unit in kept) - over
+                continue
+            tail_messages, more = clip_tail(tail_messages, tail_tokens - over)
+            tail_tokens = sum(estimate_message_tokens(message) for message in tail_messages)
+            clipped = max(clipped, more)
+            turn.layers["clip"] = None
         summaries = [unit.summary_id for unit in kept if unit.summary_id is not None]
         settled = sum(1 for summary in summaries if session.nodes[summary].depth > 0)
         fence = 1 + settled

@@ -90,29 +90,50 @@ def _by_relevance(
 
 
 def clip_tail(messages: Sequence[ContextMessage], room: int) -> tuple[list[ContextMessage], int]:
-    """The tail with its largest messages cut (marked) until it fits in ``room``."""
+    """The tail with its largest messages cut (marked) until it fits in ``room``; when
+    cutting is not enough, whole units go, oldest first (the opening user message last).
+    Returns the tail and how many messages were cut or left out."""
     out = list(messages)
     sizes = [estimate_message_tokens(message) for message in out]
     clipped: set[int] = set()
     for _ in range(len(out)):
         over = sum(sizes) - room
         if over <= 0:
-            break
+            return out, len(clipped)
         index = max(range(len(out)), key=lambda i: (i not in clipped, sizes[i]))
         if index in clipped:
             break
-        message = out[index]
-        keep = max(200, len(message.content) - over * 4 - 200)
-        if keep >= len(message.content) and not message.images:
-            clipped.add(index)
-            continue
-        cut = len(message.content) - min(keep, len(message.content))
-        text = message.content[: len(message.content) - cut] + (
-            f"\n[stalwart: {cut} more characters and {len(message.images)} images of this "
-            f"message are not shown to fit the context budget; ctx_expand "
-            f"id={message.message_id} returns it whole]"
-        )
-        out[index] = msgspec.structs.replace(message, content=text, images=())
-        sizes[index] = estimate_message_tokens(out[index])
         clipped.add(index)
-    return out, len(clipped)
+        cut = _cut(out[index], sizes[index] - over)
+        if cut is not None:
+            out[index] = cut
+            sizes[index] = estimate_message_tokens(cut)
+    dropped = 0
+    while sum(sizes) > room and len(out) > 1:
+        start = 1 if out[0].role == "user" and len(out) > 1 else 0
+        end = start + 1
+        while end < len(out) and out[end].role == "tool":
+            end += 1
+        del out[start:end], sizes[start:end]
+        dropped += end - start
+    return out, len(clipped) + dropped
+
+
+def _cut(message: ContextMessage, target: int) -> ContextMessage | None:
+    """``message`` cut to about ``target`` tokens with a marker, or None if it cannot
+    get smaller."""
+    content = message.content
+    marker = (
+        "\n[stalwart: {cut} more characters and {images} images of this message are not "
+        f"shown to fit the context budget; ctx_expand id={message.message_id} returns it whole]"
+    )
+    keep = len(content)
+    for _ in range(32):
+        keep = min(keep, max(40, keep - max(1, keep // 4)))
+        text = content[:keep] + marker.format(cut=len(content) - keep, images=len(message.images))
+        candidate = msgspec.structs.replace(message, content=text, images=())
+        if estimate_message_tokens(candidate) <= target or keep == 40:
+            break
+    if keep >= len(content) and not message.images:
+        return None
+    return candidate

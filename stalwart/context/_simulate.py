@@ -12,13 +12,12 @@ context simulate`` and the benchmark.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import msgspec
 
-from stalwart.clock import Clock, FakeClock
+from stalwart.clock import Clock, FakeClock, SystemClock
 
 from ._engine import DagEngine, ModelProfile
 from ._repair import validity_violations
@@ -26,6 +25,8 @@ from ._types import ContextMessage, Summarizer
 from .pipeline import PipelineConfig, PipelineEngine
 
 __all__ = ["MODEL_PROFILES", "CallReport", "call_points", "simulate"]
+
+_WALL = SystemClock()
 
 MODEL_PROFILES: dict[str, ModelProfile] = {
     "caching": ModelProfile(provider="anthropic", caching=True),
@@ -72,21 +73,23 @@ def simulate(
     profile: ModelProfile | None = None,
     session_id: str = "simulation",
     dag: DagEngine | None = None,
+    timer: Callable[[], float] = _WALL.monotonic,
 ) -> Iterator[CallReport]:
-    """Reports of every call, in order; the last carries the assembled messages."""
+    """Reports of every call, in order; the last carries the assembled messages.
+    ``timer`` measures each assembly (a real monotonic clock by default)."""
     profile = profile or MODEL_PROFILES["caching"]
     points = call_points(messages)
     if engine == "pipeline":
-        yield from _pipeline(messages, points, budget, summarizer, clock, profile)
+        yield from _pipeline(messages, points, budget, summarizer, clock, profile, timer)
         return
     dag = dag or DagEngine(summarizer=summarizer, clock=clock)
     previous: tuple[ContextMessage, ...] | None = None
     previous_fence = 0
     for call, point in enumerate(points):
         _follow(clock, messages[point - 1].ts)
-        started = time.perf_counter()
+        started = timer()
         result = dag.assemble(session_id, messages[:point], budget, profile=profile)
-        elapsed = (time.perf_counter() - started) * 1000
+        elapsed = (timer() - started) * 1000
         unchanged = None
         if previous is not None:
             unchanged = result.messages[:previous_fence] == previous[:previous_fence]
@@ -121,13 +124,14 @@ def _pipeline(
     summarizer: Summarizer,
     clock: Clock,
     profile: ModelProfile,
+    timer: Callable[[], float],
 ) -> Iterator[CallReport]:
     pipeline = PipelineEngine(PipelineConfig(), summarizer=summarizer, clock=clock)
     for call, point in enumerate(points):
         _follow(clock, messages[point - 1].ts)
-        started = time.perf_counter()
+        started = timer()
         result = pipeline.assemble(messages[:point], budget, provider=profile.provider)
-        elapsed = (time.perf_counter() - started) * 1000
+        elapsed = (timer() - started) * 1000
         yield CallReport(
             call=call,
             messages_in=point,
