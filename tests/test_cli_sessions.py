@@ -588,7 +588,7 @@ def test_interrupt_from_the_runtime_shows_in_status(
     assert data["epoch"] == 4
     assert data["last_outcome"]["status"] == "cancelled"
     assert data["retry"]["attempt"] is None
-    assert [c["ended"] for c in data["history"]] == ["expired", "requeued", "superseded"]
+    assert [c["ended"] for c in data["history"]] == ["expired", "requeued", "interrupted"]
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from stalwart.actors import APPROVAL_TEXT, DENIED_TEXT
+from stalwart.actors import APPROVAL_TEXT, DENIED_TEXT, UNRECONCILED_TEXT
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
 from stalwart.config import Config, parse_config
@@ -23,15 +23,20 @@ from stalwart.events import (
     AnnouncementDelivered,
     LeaseRenewed,
     MessageAppended,
+    SessionCreated,
     SessionRequiresAction,
+    ToolCall,
     ToolCompleted,
+    ToolFailed,
     ToolStarted,
     TurnCompleted,
+    TurnStarted,
     UserInterrupt,
 )
 from stalwart.runtime import Runtime
-from stalwart.store import EventStore
+from stalwart.store import EventStore, Fence
 from stalwart.testing import Answer, FakeProvider, FakeToolCall, Hang
+from stalwart.tools import current_call
 from tests._runtime_support import GUARD, delivered, has, log_until, of
 
 AGENT: dict[str, Any] = {
@@ -78,7 +83,8 @@ def test_a_message_is_an_activation_leased_run_and_acked_in_one_append(
     completed = next(r for r in records if isinstance(r.event, TurnCompleted))
     assert acked.position == completed.position + 2  # turn end, announcement, ack: one append
     [leased] = of(ActivationLeased, records)
-    assert leased.owner == rt.worker().owner and leased.epoch == 1
+    assert leased.owner == rt.worker().owner
+    assert leased.epoch == 1
     assert store.lease_epoch("session:s1") == 1
     assert rt.worker().running == {}
 
@@ -110,7 +116,8 @@ def test_a_lease_is_renewed_while_the_wake_runs(
     fake.wait_for(lambda requests: len(requests) == 1, GUARD)
     clock.advance(10.0)
     [renewed] = of(LeaseRenewed, log_until(store, "session:s1", has(LeaseRenewed)))
-    assert renewed.epoch == 1 and renewed.expires_at == clock.now() + 30.0
+    assert renewed.epoch == 1
+    assert renewed.expires_at == clock.now() + 30.0
 
 
 def _approval_runtime(
@@ -159,7 +166,8 @@ def test_an_approval_pauses_the_session_and_an_allow_runs_the_stored_input_once(
             rt.confirm("s1", request.request_id, allow=True)  # a second answer
     assert runs == [{"order": 7, "amount": 12.5}]
     records = list(store.read_stream("session:s1"))
-    assert len(of(ToolStarted, records)) == 1 and len(of(ToolCompleted, records)) == 1
+    assert len(of(ToolStarted, records)) == 1
+    assert len(of(ToolCompleted, records)) == 1
     outcomes = [e.outcome for e in of(TurnCompleted, records)]
     assert outcomes == ["paused", "answered"]
 
@@ -219,7 +227,8 @@ def test_an_interrupt_clears_the_request_and_cancels_queued_work(
         assert late.value.reason == "not_pending"
         records = list(store.read_stream("session:s1"))
         [interrupted] = of(UserInterrupt, records)
-        assert interrupted.epoch == 2 and store.lease_epoch("session:s1") == 2
+        assert interrupted.epoch == 2
+        assert store.lease_epoch("session:s1") == 2
         assert len(of(ActivationCancelled, records)) == 1
     assert runs == []
 
@@ -234,7 +243,8 @@ def test_an_interrupt_stops_a_running_wake_which_appends_nothing_more(
     assert fake.wait_finished(0, GUARD).outcome == "client_closed"
     records = list(store.read_stream("session:s1"))
     assert records[-1].type in {"activation:cancelled", "activation:lease_lost"}
-    assert not of(ActivationAcked, records) and not chat.attempted
+    assert not of(ActivationAcked, records)
+    assert not chat.attempted
 
 
 def test_a_delayed_wake_runs_once_when_due_and_dedupes_by_key(
@@ -269,3 +279,81 @@ def test_wake_caps_are_refused_with_a_clear_error(
         with pytest.raises(SessionActionError, match="too_many") as full:
             rt.wake_at("s1", clock.now() + 30, "another")
         assert full.value.reason == "wake_refused"
+
+
+# -- a wake a crash cut short: resumed, its started calls reconciled, never re-run blindly
+
+
+def _crashed_mid_tool(store: EventStore, clock: FakeClock) -> None:
+    """The log a process leaves when it dies while a tool call runs."""
+    call = ToolCall(id="c1", name="refund", arguments='{"order":7}')
+    events = [
+        SessionCreated(agent="default", channel="chat"),
+        ActivationReady(activation_id="a1", kind="message", message_id="m1", text="refund 7"),
+        ActivationLeased(activation_id="a1", owner="dead", epoch=1, expires_at=clock.now() - 1),
+        TurnStarted(turn_id="t1", trigger="message"),
+        MessageAppended(message_id="m1", role="user", content="refund 7", turn_id="t1"),
+        MessageAppended(message_id="x", role="assistant", tool_calls=(call,), turn_id="t1"),
+        ToolStarted(call_id="c1", tool="refund", idempotency_key="session:s1/c1", turn_id="t1"),
+    ]
+    store.append("session:s1", events, fence=Fence(1, claim=True))
+
+
+@pytest.mark.parametrize("effect_happened", [True, False])
+def test_a_cut_short_call_is_reconciled_by_its_tool(
+    store: EventStore,
+    clock: FakeClock,
+    fake: FakeProvider,
+    chat: MemoryChannel,
+    effect_happened: bool,
+) -> None:
+    _crashed_mid_tool(store, clock)
+    runs: list[str | None] = []
+    checks: list[tuple[str, dict[str, Any]]] = []
+
+    def check(key: str, arguments: dict[str, Any]) -> str | None:
+        checks.append((key, arguments))
+        return "refund 7 was already made" if effect_happened else None
+
+    fake.add(Answer(text="Done."))
+    with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
+
+        @rt.tool(reconcile=check)
+        def refund(order: int) -> str:
+            """Refund an order."""
+            context = current_call()
+            runs.append(context.idempotency_key if context else None)
+            return f"refunded {order}"
+
+        [reply] = delivered(rt, chat, 1)
+    assert reply.text == "Done."
+    assert checks == [("session:s1/c1", {"order": 7})]
+    assert runs == ([] if effect_happened else ["session:s1/c1"])
+    records = list(store.read_stream("session:s1"))
+    [completed] = of(ToolCompleted, records)
+    assert completed.reconciled is effect_happened
+    types = [r.type for r in records]
+    assert types[7:9] == ["lease:expired", "activation:leased"]
+    assert of(TurnCompleted, records)[0].outcome == "interrupted"
+    assert len(of(MessageAppended, records)) == 4  # the user message was not added again
+
+
+def test_a_cut_short_call_without_a_check_is_surfaced_not_run(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    _crashed_mid_tool(store, clock)
+    runs: list[int] = []
+    fake.add(Answer(text="I could not confirm the refund."))
+    with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
+
+        @rt.tool
+        def refund(order: int) -> str:
+            """Refund an order."""
+            runs.append(order)
+            return "refunded"
+
+        delivered(rt, chat, 1)
+    assert runs == []
+    [failed] = of(ToolFailed, list(store.read_stream("session:s1")))
+    assert failed.error_class == "unreconciled"
+    assert fake.requests[0].body["messages"][-1]["content"] == UNRECONCILED_TEXT

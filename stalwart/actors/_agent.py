@@ -406,7 +406,12 @@ class AgentActor(pykka.ThreadingActor):
         events: list[Event] = list(before)
         blocked: dict[int, ToolOutcome] = {}
         to_run: list[ToolCall] = []
+        reconcile: set[str] = set()
         for index, call in enumerate(calls):
+            if self._ledger.cut_short(call) and self._can_reconcile(call):
+                reconcile.add(call.id)  # its tool checks whether the effect happened
+                to_run.append(call)
+                continue
             settled = self._settled_outcome(call)
             if settled is not None:
                 events.append(settled[0])
@@ -417,7 +422,8 @@ class AgentActor(pykka.ThreadingActor):
                 events.append(decision)
                 blocked[index] = blocked_outcome(call, decision)
             else:
-                events.append(started_event(call, turn_id=turn.turn_id))
+                key = self._idempotency_key(call)
+                events.append(started_event(call, turn_id=turn.turn_id, idempotency_key=key))
                 to_run.append(call)
         self._append(events)
         turn.calls, turn.blocked = calls, blocked
@@ -425,7 +431,10 @@ class AgentActor(pykka.ThreadingActor):
             self._on_tools_done(ToolsDone(turn_id=turn.turn_id, step=turn.step))
             return
         limit = self._settings.tool_limit
-        future = self._portal.submit(run_calls, self._tools, tuple(to_run), limit)
+        keys = {call.id: self._idempotency_key(call) for call in to_run}
+        future = self._portal.submit(
+            run_calls, self._tools, tuple(to_run), limit, keys, frozenset(reconcile)
+        )
         turn.future = future
         turn_id, step = turn.turn_id, turn.step
         future.add_done_callback(lambda done: self._tell(tools_done(turn_id, step, done)))
@@ -442,6 +451,14 @@ class AgentActor(pykka.ThreadingActor):
             turn, "aborted", "pipeline_timeout", TIMEOUT_TEXT, "failure_notice", before=[aborted]
         )
         return True
+
+    def _idempotency_key(self, call: ToolCall) -> str:
+        """Stable across crashes and retries of the call: the session and the call id."""
+        return f"{self._stream}/{call.id}"
+
+    def _can_reconcile(self, call: ToolCall) -> bool:
+        tool = self._tools.get(call.name)
+        return tool is not None and tool.reconcile is not None
 
     def _settled_outcome(self, call: ToolCall) -> tuple[Event, ToolOutcome] | None:
         """A call that must not run: refused by the user, answered by the host (a custom
@@ -656,6 +673,8 @@ class AgentActor(pykka.ThreadingActor):
         """Append at now (fenced by the wake's lease), then fold the stream up to its head
         (the model caller appends prompt events to it too, so what was recorded meanwhile
         is folded in order). FencedError when the lease was taken over."""
+        if not events:
+            return []
         now = self._clock.now()
         news = [NewEvent(event=e, ts=now) for e in events]
         recorded = self._store.append(self._stream, news, fence=self._fence)

@@ -8,6 +8,7 @@ was stopped on purpose). No error text goes into a message, only stable classes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any, Literal
 
@@ -57,10 +58,15 @@ class LiveTurn:
 
 
 async def run_calls(
-    registry: ToolRegistry, calls: tuple[ToolCall, ...], limit: int
+    registry: ToolRegistry,
+    calls: tuple[ToolCall, ...],
+    limit: int,
+    keys: Mapping[str, str] | None = None,
+    reconcile: frozenset[str] = frozenset(),
 ) -> tuple[ToolOutcome, ...]:
-    """Run ``calls``, at most ``limit`` at once (outcomes in the calls' order)."""
-    return await run_tools(registry, calls, limit=limit)
+    """Run ``calls``, at most ``limit`` at once (outcomes in the calls' order), each with
+    its idempotency key; the ``reconcile`` ones are checked by their tool first."""
+    return await run_tools(registry, calls, limit=limit, keys=keys, reconcile=reconcile)
 
 
 async def deliver(channel: Channel, message: OutboundMessage, timeout_s: float) -> Delivery:

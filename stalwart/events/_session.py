@@ -76,10 +76,14 @@ class ToolStarted(Event, frozen=True, tag="tool:started"):
 
 
 class ToolCompleted(Event, frozen=True, tag="tool:completed"):
+    """A call's result. ``reconciled``: a crash cut the call short and the tool's own
+    check found its effect had happened (``output`` is what the check reported)."""
+
     call_id: str
     tool: str
     output: str = ""
     duration_ms: int = 0
+    reconciled: bool = False
 
 
 class ToolFailed(Event, frozen=True, tag="tool:failed"):

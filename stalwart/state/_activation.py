@@ -253,8 +253,15 @@ def apply_activations(state: ActivationsState, record: RecordedEvent) -> Activat
                 return msgspec.structs.replace(state, blocked_on=None)
             return state
         case UserInterrupt():
+            history = state.history
+            if state.lease is not None and history and history[-1].ended is None:
+                history = (*history[:-1], msgspec.structs.replace(history[-1], ended="interrupted"))
             return msgspec.structs.replace(
-                state, blocked_on=None, lease=None, epoch=max(state.epoch, event.epoch)
+                state,
+                blocked_on=None,
+                lease=None,
+                history=history,
+                epoch=max(state.epoch, event.epoch),
             )
         case _:
             return state

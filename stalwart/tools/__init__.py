@@ -25,6 +25,7 @@ from ._breaker import (
     decide_tool_call,
     fold_tool_breaker,
 )
+from ._context import CallContext, current_call
 from ._outcome import (
     Status,
     ToolOutcome,
@@ -48,6 +49,7 @@ __all__ = [
     "NEVER_BLOCK",
     "PATTERNS",
     "Action",
+    "CallContext",
     "PendingCall",
     "Status",
     "Tool",
@@ -62,6 +64,7 @@ __all__ = [
     "build_tool",
     "canonical_arguments",
     "classify_tool_error",
+    "current_call",
     "decide_tool_call",
     "fold_tool_breaker",
     "outcome_event",

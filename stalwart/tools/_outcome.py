@@ -55,6 +55,7 @@ class ToolOutcome(msgspec.Struct, frozen=True, kw_only=True):
     action: Action | None = None
     elapsed_ms: int = 0
     blocked: ToolBlocked | None = None
+    reconciled: bool = False
 
     @property
     def ok(self) -> bool:
@@ -122,6 +123,7 @@ def outcome_event(outcome: ToolOutcome) -> ToolCompleted | ToolFailed | ToolBloc
             tool=outcome.tool,
             output=outcome.text,
             duration_ms=outcome.elapsed_ms,
+            reconciled=outcome.reconciled,
         )
     if outcome.status == "blocked":
         if outcome.blocked is None:

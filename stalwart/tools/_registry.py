@@ -42,6 +42,9 @@ class Tool:
     arguments: type[msgspec.Struct]
     extra_keywords: bool
     custom: bool = False
+    #: ``reconcile(idempotency_key, arguments) -> output | None``: after a crash cut a call
+    #: short, whether its effect happened (its output), or None (it did not: run it).
+    reconcile: Callable[[str, dict[str, Any]], str | None] | None = None
 
     @property
     def spec(self) -> ToolSpec:
@@ -76,6 +79,7 @@ class ToolRegistry:
         parameters: dict[str, Any] | None = None,
         timeout_ms: int = DEFAULT_TIMEOUT_MS,
         needs_confirmation: bool = False,
+        reconcile: Callable[[str, dict[str, Any]], str | None] | None = None,
     ) -> F: ...
 
     @overload
@@ -88,6 +92,7 @@ class ToolRegistry:
         parameters: dict[str, Any] | None = None,
         timeout_ms: int = DEFAULT_TIMEOUT_MS,
         needs_confirmation: bool = False,
+        reconcile: Callable[[str, dict[str, Any]], str | None] | None = None,
     ) -> Callable[[F], F]: ...
 
     def register(
@@ -99,6 +104,7 @@ class ToolRegistry:
         parameters: dict[str, Any] | None = None,
         timeout_ms: int = DEFAULT_TIMEOUT_MS,
         needs_confirmation: bool = False,
+        reconcile: Callable[[str, dict[str, Any]], str | None] | None = None,
     ) -> F | Callable[[F], F]:
         """Register ``fn`` (sync or async) and return it unchanged; a decorator without it.
 
@@ -118,6 +124,8 @@ class ToolRegistry:
                 timeout_ms=timeout_ms,
                 needs_confirmation=needs_confirmation,
             )
+            if reconcile is not None:
+                tool = dataclasses.replace(tool, reconcile=reconcile)
             if tool.name in self._tools:
                 raise ToolRegistrationError(
                     f"a tool named {tool.name!r} is already registered",

@@ -10,9 +10,10 @@ caller's own deadline) is not an outcome: it propagates.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import anyio
@@ -24,6 +25,7 @@ from stalwart.errors import ToolError
 from stalwart.events import ToolCall
 
 from ._breaker import action_for, classify_tool_error
+from ._context import CallContext, bind, unbind
 from ._outcome import (
     Status,
     ToolOutcome,
@@ -62,12 +64,22 @@ def result_text(result: Any) -> str:
     return msgspec.json.encode(result).decode()
 
 
-async def _invoke(tool: Tool, kwargs: dict[str, Any], limiter: anyio.CapacityLimiter | None) -> Any:
-    if tool.is_async:
-        return await tool.fn(**kwargs)
-    result = await anyio.to_thread.run_sync(
-        functools.partial(tool.fn, **kwargs), abandon_on_cancel=True, limiter=limiter
-    )
+async def _invoke(
+    fn: Callable[..., Any],
+    is_async: bool,
+    kwargs: dict[str, Any],
+    limiter: anyio.CapacityLimiter | None,
+    context: CallContext | None,
+) -> Any:
+    token = bind(context)
+    try:
+        if is_async:
+            return await fn(**kwargs)
+        # the worker thread runs in a copy of this context: current_call() works there too
+        run = functools.partial(contextvars.copy_context().run, fn, **kwargs)
+        result = await anyio.to_thread.run_sync(run, abandon_on_cancel=True, limiter=limiter)
+    finally:
+        unbind(token)
     if inspect.isawaitable(result):  # a sync callable that hands back a coroutine
         result = await result
     return result
@@ -79,11 +91,15 @@ async def run_tool(
     *,
     clock: Clock | None = None,
     limiter: anyio.CapacityLimiter | None = None,
+    context: CallContext | None = None,
+    reconcile: bool = False,
 ) -> ToolOutcome:
     """Run one call and say how it ended; never raises for anything the tool or model did.
 
     ``limiter`` bounds the worker threads of sync tools (anyio's default one otherwise);
-    ``clock`` measures ``elapsed_ms``.
+    ``clock`` measures ``elapsed_ms``; ``context`` is what :func:`current_call` returns
+    inside the tool. ``reconcile``: the call was cut short by a crash; ask the tool's
+    ``reconcile`` check first, and run the call only when it says the effect is absent.
     """
     clock = clock or _SYSTEM_CLOCK
     started = clock.monotonic()
@@ -110,7 +126,13 @@ async def run_tool(
         return outcome("invalid_arguments", text, "invalid_arguments")
     try:
         with anyio.move_on_after(tool.timeout_ms / 1000) as scope:
-            result = await _invoke(tool, kwargs, limiter)
+            if reconcile and tool.reconcile is not None:
+                key = (context.idempotency_key if context is not None else None) or call.id
+                check = functools.partial(tool.reconcile, key, kwargs)
+                found = await anyio.to_thread.run_sync(check, limiter=limiter)
+                if found is not None:
+                    return msgspec.structs.replace(outcome("ok", str(found)), reconciled=True)
+            result = await _invoke(tool.fn, tool.is_async, kwargs, limiter, context)
     except Exception as exc:
         error_class, action = classify_tool_error(exc)
         text = error_text(tool.name, error_class, action)
@@ -133,10 +155,14 @@ async def run_tools(
     *,
     limit: int,
     clock: Clock | None = None,
+    keys: Mapping[str, str] | None = None,
+    reconcile: frozenset[str] = frozenset(),
 ) -> tuple[ToolOutcome, ...]:
     """Run ``calls`` concurrently, at most ``limit`` at once; outcomes in the calls' order.
 
-    A call's timeout starts when it gets its turn, not while it waits for one.
+    A call's timeout starts when it gets its turn, not while it waits for one. ``keys``
+    gives calls their idempotency keys (by call id); calls in ``reconcile`` are checked
+    with their tool's ``reconcile`` before they run (see :func:`run_tool`).
     """
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be a positive integer, got {limit!r}")
@@ -147,7 +173,17 @@ async def run_tools(
 
     async def one(index: int, call: ToolCall) -> None:
         async with turns:
-            outcomes[index] = await run_tool(registry, call, clock=clock, limiter=threads)
+            context = CallContext(
+                call_id=call.id, tool=call.name, idempotency_key=(keys or {}).get(call.id)
+            )
+            outcomes[index] = await run_tool(
+                registry,
+                call,
+                clock=clock,
+                limiter=threads,
+                context=context,
+                reconcile=call.id in reconcile,
+            )
 
     async with anyio.create_task_group() as group:
         for index, call in enumerate(pending):
