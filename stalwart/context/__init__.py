@@ -22,7 +22,12 @@ from ._tokens import (
     estimate_text_tokens,
     estimate_tokens,
 )
-from ._transcript import TranscriptError, parse_transcript, read_transcript
+from ._transcript import (
+    TranscriptError,
+    messages_from_records,
+    parse_transcript,
+    read_transcript,
+)
 from ._types import ContextMessage, Summarizer, SummaryRequest, ThinkingBlock
 
 __all__ = [
@@ -52,6 +57,7 @@ __all__ = [
     "estimate_message_tokens",
     "estimate_text_tokens",
     "estimate_tokens",
+    "messages_from_records",
     "neutralise",
     "parse_transcript",
     "read_transcript",

@@ -14,11 +14,11 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from stalwart.errors import StalwartError
-from stalwart.events import ToolCall
+from stalwart.events import MessageAppended, RecordedEvent, ToolCall
 
 from ._types import ContextMessage, ThinkingBlock
 
-__all__ = ["TranscriptError", "parse_transcript", "read_transcript"]
+__all__ = ["TranscriptError", "messages_from_records", "parse_transcript", "read_transcript"]
 
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -162,3 +162,30 @@ def _fields(item: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 def _arguments(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def messages_from_records(records: Iterable[RecordedEvent]) -> list[ContextMessage]:
+    """A session's stored messages from its ``session:<id>`` stream (``message:appended``
+    events, in order; ``seq`` numbers them, ``turn`` counts user messages)."""
+    out: list[ContextMessage] = []
+    turn = 0
+    for record in records:
+        event = record.event
+        if not isinstance(event, MessageAppended):
+            continue
+        if event.role == "user":
+            turn += 1
+        out.append(
+            ContextMessage(
+                message_id=event.message_id,
+                seq=len(out),
+                role=event.role,
+                content=event.content,
+                tool_calls=event.tool_calls,
+                tool_call_id=event.tool_call_id,
+                name=event.name,
+                turn=turn,
+                ts=record.ts,
+            )
+        )
+    return out

@@ -1,0 +1,395 @@
+"""ContextStore: the only writer of the ``context:<session>`` streams (seed 001).
+
+Before each provider call an Agent asks it for the session's context::
+
+    ref = ContextStoreActor.start(store=store, clock=clock, summarizer=summarizer,
+                                  settings=config.context_engine)
+    reply = ref.ask(Assemble(session_id=sid, messages=messages, budget=budget,
+                             tenant=tenant, profile=ModelProfile(provider="anthropic",
+                             model=model, caching=True)), timeout=30)
+    request = ProviderRequest(messages=reply.messages, ...)
+
+A thin shell: receive, fold (a session it has not seen this run is rebuilt from its
+``context:`` stream and the messages the Agent passes), decide (the engine), append the
+decisions with a ``context:assembled`` record, and only then reply. In dag mode that is
+the :class:`~stalwart.context.DagEngine`; with ``context_engine.version = "pipeline"``,
+one :class:`~stalwart.context.pipeline.PipelineEngine` per session. A refused write
+(fail-closed rollover) records ``context:dag_degraded`` and the ask raises
+:class:`~stalwart.context.ContextScopeError`. The summarizer governor is folded from
+every ``context:`` stream at start, so spend caps and the breaker survive a restart.
+
+:func:`context_tools` gives an agent ``ctx_search`` / ``ctx_inspect`` / ``ctx_expand``
+bound to its own session and tenant (dag mode only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+import msgspec
+import pykka
+import structlog
+
+from stalwart.clock import Clock
+from stalwart.config import ContextEngineSettings
+from stalwart.context import (
+    Assembly,
+    ContextMessage,
+    ContextScopeError,
+    DagEngine,
+    ModelProfile,
+    Summarizer,
+    messages_from_records,
+    valid_session_id,
+)
+from stalwart.context.pipeline import PipelineEngine
+from stalwart.errors import ToolError
+from stalwart.events import ContextAssembled, Event
+from stalwart.providers import Message
+from stalwart.store import EventStore
+from stalwart.tools import ToolRegistry
+
+__all__ = [
+    "REFUSALS_STREAM",
+    "Assemble",
+    "Assembled",
+    "Calibrate",
+    "ContextStoreActor",
+    "ExpandContext",
+    "InspectContext",
+    "SearchContext",
+    "context_tools",
+    "to_provider_messages",
+]
+
+log = structlog.get_logger(__name__)
+
+#: Where a refusal goes whose session id is too malformed to name a stream.
+REFUSALS_STREAM = "context-refusals"
+
+
+class Assemble(msgspec.Struct, frozen=True, kw_only=True):
+    """Assemble ``session_id``'s context within ``budget`` tokens: ``messages`` are the
+    session's stored messages in order (all of them; the store keeps only what is new)."""
+
+    session_id: str
+    messages: tuple[ContextMessage, ...]
+    budget: int
+    tenant: str | None = None
+    profile: ModelProfile = msgspec.field(default_factory=ModelProfile)
+
+
+class Assembled(msgspec.Struct, frozen=True, kw_only=True):
+    """The reply: provider messages in order, what the engine did, and (dag mode) the
+    cache fence and the ``cache_control`` breakpoints (message indices, at most 4)."""
+
+    messages: tuple[Message, ...]
+    tokens: int
+    budget: int
+    engine: str
+    fence: int = 0
+    breakpoints: tuple[int, ...] = ()
+    summaries_made: tuple[str, ...] = ()
+    degraded: tuple[str, ...] = ()
+    layers_fired: tuple[str, ...] = ()
+    evicted: int = 0
+    repairs: int = 0
+
+
+class Calibrate(msgspec.Struct, frozen=True, kw_only=True):
+    """The provider reported ``reported`` input tokens for an assembly of ``estimated``."""
+
+    profile: ModelProfile
+    estimated: int
+    reported: int
+
+
+class SearchContext(msgspec.Struct, frozen=True, kw_only=True):
+    session_id: str
+    tenant: str | None
+    query: str
+    limit: int = 10
+
+
+class InspectContext(msgspec.Struct, frozen=True, kw_only=True):
+    session_id: str
+    tenant: str | None
+    summary_id: str
+
+
+class ExpandContext(msgspec.Struct, frozen=True, kw_only=True):
+    session_id: str
+    tenant: str | None
+    target: str
+    max_tokens: int | None = None
+    after: str | None = None
+    offset: int = 0
+
+
+def to_provider_messages(messages: Sequence[ContextMessage]) -> tuple[Message, ...]:
+    """The provider-neutral shape of assembled messages."""
+    return tuple(
+        Message(
+            role=message.role,
+            content=message.content,
+            tool_calls=message.tool_calls,
+            tool_call_id=message.tool_call_id,
+            images=message.images,
+        )
+        for message in messages
+    )
+
+
+class ContextStoreActor(pykka.ThreadingActor):
+    """Owns every ``context:<session>`` stream. Start with ``ContextStoreActor.start(
+    store=..., clock=..., summarizer=..., settings=ContextEngineSettings())``.
+
+    Messages: :class:`Assemble` (replies :class:`Assembled`), :class:`Calibrate`,
+    :class:`SearchContext`, :class:`InspectContext`, :class:`ExpandContext` (reply with
+    the engine's answer; dag mode). A store error or an append conflict fails the actor;
+    a restart rebuilds everything from the log.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: EventStore,
+        clock: Clock,
+        summarizer: Summarizer,
+        settings: ContextEngineSettings | None = None,
+        on_crash: Callable[[str], object] | None = None,
+    ) -> None:
+        super().__init__()
+        self._store = store
+        self._clock = clock
+        self._summarizer = summarizer
+        self._settings = settings or ContextEngineSettings()
+        self._on_crash = on_crash
+        self._dag = DagEngine(self._settings, summarizer=summarizer, clock=clock)
+        self._pipelines: dict[str, PipelineEngine] = {}
+        self._versions: dict[str, int] = {}
+
+    @property
+    def mode(self) -> str:
+        return self._settings.version
+
+    def on_start(self) -> None:
+        streams = [info.stream for info in self._store.streams()]
+        for stream in streams:
+            if stream.startswith("context:"):
+                self._dag.observe(self._store.read_stream(stream))
+        log.info("context_store.started", engine=self.mode, tenants=len(self._dag.governors))
+
+    def on_failure(
+        self,
+        exception_type: type[BaseException] | None,
+        exception_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        from ._restarts import crashed  # noqa: PLC0415 (_restarts imports the actors)
+
+        crashed(self._on_crash, (exception_type, exception_value, traceback))
+
+    def on_receive(self, message: Any) -> Any:
+        match message:
+            case Assemble():
+                return self._assemble(message)
+            case Calibrate():
+                return self._dag.calibrate(message.profile, message.estimated, message.reported)
+            case SearchContext():
+                self._load(message.session_id)
+                return self._dag.search(
+                    message.session_id, message.query, tenant=message.tenant, limit=message.limit
+                )
+            case InspectContext():
+                self._load(message.session_id)
+                return self._dag.inspect(
+                    message.session_id, message.summary_id, tenant=message.tenant
+                )
+            case ExpandContext():
+                self._load(message.session_id)
+                return self._dag.expand(
+                    message.session_id,
+                    message.target,
+                    tenant=message.tenant,
+                    max_tokens=message.max_tokens,
+                    after=message.after,
+                    offset=message.offset,
+                )
+            case _:
+                raise TypeError(f"ContextStoreActor does not understand {type(message).__name__}")
+
+    # -- assembly -------------------------------------------------------------------------
+
+    def _assemble(self, message: Assemble) -> Assembled:
+        if self.mode == "pipeline":
+            return self._pipeline(message)
+        session_id = message.session_id
+        if valid_session_id(session_id) and session_id not in self._dag.sessions:
+            self._restore(session_id, message.messages)
+        try:
+            result = self._dag.assemble(
+                session_id,
+                message.messages,
+                message.budget,
+                tenant=message.tenant,
+                profile=message.profile,
+            )
+        except ContextScopeError as exc:
+            stream = f"context:{session_id}" if valid_session_id(session_id) else None
+            self._append(stream or REFUSALS_STREAM, exc.events, versioned=stream is not None)
+            raise
+        self._append(f"context:{session_id}", [*result.events, self._record(message, result)])
+        return Assembled(
+            messages=to_provider_messages(result.messages),
+            tokens=result.tokens,
+            budget=result.budget,
+            engine="dag",
+            fence=result.fence,
+            breakpoints=result.breakpoints,
+            summaries_made=result.summaries_made,
+            degraded=result.degraded,
+            layers_fired=result.layers_fired,
+            evicted=result.evicted,
+            repairs=result.repairs,
+        )
+
+    def _record(self, message: Assemble, result: Assembly) -> ContextAssembled:
+        return ContextAssembled(
+            tokens_in=self._dag.sessions[message.session_id].cum[-1],
+            tokens_out=result.tokens,
+            budget=result.budget,
+            layers_fired=result.layers_fired,
+            engine="dag",
+            provider=message.profile.provider,
+            messages_in=len(message.messages),
+            messages_out=len(result.messages),
+            summaries_made=len(result.summaries_made),
+            fence=result.fence,
+            evicted=result.evicted,
+            repairs=result.repairs,
+        )
+
+    def _pipeline(self, message: Assemble) -> Assembled:
+        session_id = message.session_id
+        if not valid_session_id(session_id):
+            raise ContextScopeError("the session id is malformed")
+        stream = f"context:{session_id}"
+        engine = self._pipelines.get(session_id)
+        if engine is None:
+            engine = PipelineEngine.from_events(
+                self._store.read_stream(stream),
+                summarizer=self._summarizer,
+                clock=self._clock,
+                session=session_id,
+            )
+            self._pipelines[session_id] = engine
+            self._versions[session_id] = self._store.stream_version(stream)
+        result = engine.assemble(
+            message.messages, message.budget, provider=message.profile.provider
+        )
+        self._append(stream, result.events)
+        return Assembled(
+            messages=result.provider_messages(Message),
+            tokens=result.tokens_out,
+            budget=result.budget,
+            engine="pipeline",
+            layers_fired=result.layers_fired,
+            repairs=result.repairs,
+        )
+
+    # -- the log ------------------------------------------------------------------------
+
+    def _restore(self, session_id: str, messages: Sequence[ContextMessage]) -> None:
+        stream = f"context:{session_id}"
+        records = list(self._store.read_stream(stream))
+        self._versions[session_id] = records[-1].version if records else 0
+        if records:
+            self._dag.restore(session_id, records, messages)
+
+    def _load(self, session_id: str) -> None:
+        """Rebuild a session for recall from the log alone (its messages come from its
+        ``session:`` stream) when this run has not assembled it yet."""
+        if session_id in self._dag.sessions or not valid_session_id(session_id):
+            return
+        messages = messages_from_records(self._store.read_stream(f"session:{session_id}"))
+        self._restore(session_id, messages)
+
+    def _append(self, stream: str, events: Sequence[Event], *, versioned: bool = True) -> None:
+        if not events:
+            return
+        session_id = stream.removeprefix("context:")
+        expected = self._versions.get(session_id) if versioned else None
+        if versioned and expected is None:
+            expected = self._store.stream_version(stream)
+        recorded = self._store.append(stream, list(events), expected_version=expected)
+        if versioned and recorded:
+            self._versions[session_id] = recorded[-1].version
+
+
+# -- the agent's recall tools ---------------------------------------------------------------
+
+_SEARCH = (
+    "Search this conversation's full history, including parts shown only as summaries, "
+    "by keywords (BM25). Returns message and summary ids with snippets; pass an id to "
+    "ctx_expand for the exact text."
+)
+_INSPECT = "Show what a summary covers: its depth, message range, time range and children."
+_EXPAND = (
+    "Return the exact stored messages under a summary id (or one message id), up to "
+    "max_tokens; when 'next_after' is set, call again with after and offset to continue."
+)
+
+
+def context_tools(
+    ref: pykka.ActorRef[Any],
+    session_id: str,
+    tenant: str | None,
+    *,
+    settings: ContextEngineSettings | None = None,
+    timeout: float = 10.0,
+) -> ToolRegistry:
+    """``ctx_search``, ``ctx_inspect`` and ``ctx_expand`` bound to one session and tenant
+    (the model cannot name another); an empty registry in pipeline mode. Each call asks
+    the ContextStore within ``timeout`` seconds; an id outside the session is refused
+    with the same static sentence whatever the reason."""
+    tools = ToolRegistry()
+    if (settings or ContextEngineSettings()).version != "dag":
+        return tools
+
+    def ask(message: object) -> str:
+        try:
+            answer = ref.ask(message, timeout=timeout)
+        except ContextScopeError as exc:
+            raise ToolError(str(exc), error_class="not_found") from None
+        return msgspec.json.encode(answer).decode()
+
+    def ctx_search(query: str, limit: int = 5) -> str:
+        return ask(SearchContext(session_id=session_id, tenant=tenant, query=query, limit=limit))
+
+    def ctx_inspect(summary_id: str) -> str:
+        return ask(InspectContext(session_id=session_id, tenant=tenant, summary_id=summary_id))
+
+    def ctx_expand(
+        id: str,
+        max_tokens: int = 2_000,
+        after: str | None = None,
+        offset: int = 0,
+    ) -> str:
+        return ask(
+            ExpandContext(
+                session_id=session_id,
+                tenant=tenant,
+                target=id,
+                max_tokens=max_tokens,
+                after=after,
+                offset=offset,
+            )
+        )
+
+    tools.register(ctx_search, description=_SEARCH)
+    tools.register(ctx_inspect, description=_INSPECT)
+    tools.register(ctx_expand, description=_EXPAND)
+    return tools

@@ -1,0 +1,176 @@
+"""The ContextStore actor: the context streams on a real LMDB store, restarts, the
+agent's recall tools (issue 6, items 1 and 2)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from stalwart.actors import (
+    Assemble,
+    ContextStoreActor,
+    SearchContext,
+    context_tools,
+)
+from stalwart.clock import FakeClock
+from stalwart.config import ContextEngineSettings
+from stalwart.context import ContextMessage, ContextScopeError, ExtractiveSummarizer, ModelProfile
+from stalwart.errors import ToolError
+from stalwart.events import (
+    ContextAssembled,
+    ContextBound,
+    ContextDagDegraded,
+    ContextSummaryCreated,
+    MessageAppended,
+)
+from stalwart.providers import Message
+from stalwart.store import EventStore
+
+ASK = 10.0
+
+
+def history(turns: int) -> tuple[ContextMessage, ...]:
+    out = [ContextMessage(message_id="sys", seq=0, role="system", content="Be brief.")]
+    for n in range(turns):
+        code = f" Remember code ZEBRA{n:03d}." if n == 2 else ""
+        out += [
+            ContextMessage(
+                message_id=f"u{n}",
+                seq=len(out),
+                role="user",
+                content=f"Turn {n}.{code} " + "w " * 150,
+            ),
+            ContextMessage(
+                message_id=f"b{n}",
+                seq=len(out) + 1,
+                role="assistant",
+                content=f"Reply {n}. " + "r " * 150,
+            ),
+        ]
+    return tuple(out)
+
+
+@pytest.fixture
+def start(store: EventStore, clock: FakeClock) -> Iterator[object]:
+    refs = []
+
+    def started(settings: ContextEngineSettings | None = None):  # type: ignore[no-untyped-def]
+        ref = ContextStoreActor.start(
+            store=store,
+            clock=clock,
+            summarizer=ExtractiveSummarizer(),
+            settings=settings or ContextEngineSettings(fresh_tail_turns=2),
+        )
+        refs.append(ref)
+        return ref
+
+    yield started
+    for ref in refs:
+        ref.stop()
+
+
+def test_assembly_is_recorded_before_the_reply_and_survives_a_restart(
+    start, store: EventStore
+) -> None:  # type: ignore[no-untyped-def]
+    ref = start()
+    messages = history(30)
+    reply = ref.ask(
+        Assemble(session_id="s1", messages=messages, budget=2_500, tenant="acme"), timeout=ASK
+    )
+    assert reply.engine == "dag"
+    assert reply.tokens <= 2_500
+    assert all(isinstance(m, Message) for m in reply.messages)
+    assert reply.summaries_made
+    events = [r.event for r in store.read_stream("context:s1")]
+    assert isinstance(events[0], ContextBound)
+    assert events[0].tenant == "acme"
+    assert isinstance(events[-1], ContextAssembled)
+    assert events[-1].summaries_made == len(reply.summaries_made)
+    assert {e.summary_id for e in events if isinstance(e, ContextSummaryCreated)} >= set(
+        reply.summaries_made
+    )
+    ref.stop()
+    again = start().ask(
+        Assemble(session_id="s1", messages=messages, budget=2_500, tenant="acme"), timeout=ASK
+    )
+    assert again.messages == reply.messages
+    assert again.summaries_made == ()  # rebuilt from the log, nothing summarized twice
+
+
+def test_a_refused_write_is_recorded_and_raised(start, store: EventStore) -> None:  # type: ignore[no-untyped-def]
+    ref = start()
+    ref.ask(
+        Assemble(session_id="s1", messages=history(2), budget=9_000, tenant="acme"), timeout=ASK
+    )
+    with pytest.raises(ContextScopeError):
+        ref.ask(
+            Assemble(session_id="s1", messages=history(3), budget=9_000, tenant="evil"), timeout=ASK
+        )
+    last = list(store.read_stream("context:s1"))[-1].event
+    assert isinstance(last, ContextDagDegraded)
+    assert last.reason == "fail_closed_rollover"
+    with pytest.raises(ContextScopeError):
+        ref.ask(Assemble(session_id="context:s1", messages=history(1), budget=9_000), timeout=ASK)
+    refused = [r.event for r in store.read_stream("context-refusals")]
+    assert [e.reason for e in refused] == ["fail_closed_rollover"]  # type: ignore[attr-defined]
+
+
+def test_the_recall_tools_are_bound_to_the_callers_session(start) -> None:  # type: ignore[no-untyped-def]
+    ref = start()
+    for session, tenant in (("s1", "acme"), ("s2", "acme")):
+        ref.ask(
+            Assemble(session_id=session, messages=history(30), budget=2_500, tenant=tenant),
+            timeout=ASK,
+        )
+    mine = context_tools(ref, "s1", "acme")
+    assert mine.names() == ("ctx_search", "ctx_inspect", "ctx_expand")
+    hits = json.loads(mine.get("ctx_search").fn(query="ZEBRA002"))  # type: ignore[union-attr]
+    assert hits[0]["id"] == "u2"
+    leaf = hits[0]["summary_id"]
+    expanded = json.loads(mine.get("ctx_expand").fn(id=leaf, max_tokens=5_000))  # type: ignore[union-attr]
+    texts = {m["message_id"]: m["content"] for m in expanded["messages"]}
+    assert texts["u2"] == history(30)[5].content
+    info = json.loads(mine.get("ctx_inspect").fn(summary_id=leaf))  # type: ignore[union-attr]
+    assert info["depth"] == 0
+    theirs = context_tools(ref, "s2", "acme")
+    with pytest.raises(ToolError, match="no summary or message with that id in this session"):
+        theirs.get("ctx_expand").fn(id=leaf)  # type: ignore[union-attr]
+    other_tenant = context_tools(ref, "s1", "evil")
+    with pytest.raises(ToolError):
+        other_tenant.get("ctx_search").fn(query="ZEBRA002")  # type: ignore[union-attr]
+
+
+def test_pipeline_mode_uses_the_pipeline_engine_and_offers_no_recall_tools(start) -> None:  # type: ignore[no-untyped-def]
+    settings = ContextEngineSettings(version="pipeline")
+    ref = start(settings)
+    reply = ref.ask(
+        Assemble(
+            session_id="s1",
+            messages=history(5),
+            budget=20_000,
+            profile=ModelProfile(provider="openai"),
+        ),
+        timeout=ASK,
+    )
+    assert reply.engine == "pipeline"
+    assert reply.messages[-1].content == history(5)[-1].content
+    assert len(context_tools(ref, "s1", None, settings=settings)) == 0
+
+
+def test_recall_after_a_restart_reads_the_session_stream(start, store: EventStore) -> None:  # type: ignore[no-untyped-def]
+    messages = history(30)
+    store.append(
+        "session:s1",
+        [
+            MessageAppended(message_id=m.message_id, role=m.role, content=m.content)
+            for m in messages
+        ],
+    )
+    first = start()
+    first.ask(Assemble(session_id="s1", messages=messages, budget=2_500), timeout=ASK)
+    first.stop()
+    hits = start().ask(SearchContext(session_id="s1", tenant=None, query="ZEBRA002"), timeout=ASK)
+    assert hits[0].id == "u2"
+    assert hits[0].summary_id is not None
