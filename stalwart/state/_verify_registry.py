@@ -7,32 +7,43 @@ built-in one is :data:`~stalwart.state.VERIFIERS`. Adding a decision takes a few
 in ``stalwart/state/_verify_rules.py`` (appended to ``BUILTIN``) or wherever its policy
 lives, with ``VERIFIERS.with_(...)``::
 
-    def _requeued(state: ActivationState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
-        return decide_activation(
-            state, record.ts, base_ms=knobs.get_int("activations.backoff_base_ms"), ...
-        )
+    def _leased(state: ActivationsState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+        assert isinstance(record.event, ActivationLeased | LeaseExpired)
+        policy = ActivationPolicy(lease_ttl_ms=knobs.get_int("activations.lease_ttl_ms"), ...)
+        # the worker's name is an input the event records; the rest is the fold and the ts
+        return decide_lease(state, record.event.owner, record.ts, policy)
 
-    Verifier(
-        tag="activation:requeued",  # the decision event it checks
-        fold=ACTIVATION,  # the Aggregate whose state (of the event's stream) decide reads
-        decide=_requeued,  # what the pure decide gives just before the event, at its ts
-        streams="session:",  # only streams with this prefix ("" for any)
-        ignore=("jitter_ms",),  # fields not compared (none by default)
-    )
-    Deadline(
-        name="lease expiry",
-        decision="lease:expired",
-        fold=ACTIVATION,
-        due=lambda state, knobs: state.lease_expires_at,  # None when nothing is due
-        survives_restart=True,  # the next worker owes it, whoever holds the lease
+    VERIFIERS.with_(
+        Verifier(
+            tag="activation:leased",  # the decision event it checks
+            fold=ACTIVATIONS,  # the Aggregate whose state (of the event's stream) decide reads
+            decide=_leased,  # what the pure decide gives just before the event, at its ts
+            streams="session:",  # only streams with this prefix ("" for any)
+            ignore=(),  # fields not compared (ids made at decision time, say)
+        ),
+        Verifier("lease:expired", ACTIVATIONS, _leased, "session:"),  # a takeover's first
+        Deadline(  # only where an actor is bound to decide by then (a sweep every poll_ms)
+            name="lease expiry",
+            decision="lease:expired",
+            fold=ACTIVATIONS,
+            due=lambda state, knobs: state.lease.expires_at if state.lease else None,
+            streams="session:",
+            slack_ms=lambda knobs: knobs.get_int("activations.poll_ms"),
+            survives_restart=True,  # the next worker owes it, whoever held the lease
+            moves=frozenset({ActivationLeased, LeaseRenewed, LeaseExpired, ActivationAcked}),
+        ),
     )
 
 ``fold`` is an :class:`~stalwart.state.Aggregate` (folds are shared by ``name``), or a
 function of the config in force giving one (when its shape depends on a knob). A
 ``decide`` that raises a :class:`~stalwart.errors.StalwartError` is reported as a
 mismatch; an optional ``why(state, record, knobs)`` explains a mismatch in words.
-Knobs are read by dotted path (:class:`Knobs`); a ``*`` key in the defaults stands for
-any name (``providers.*.breaker_failure_threshold``).
+A verifier's ``when(event)`` narrows which events of its tag it checks. A deadline's
+``moves`` names the event types that can change when it falls due, so it is recomputed
+only on those (and on a new config); :class:`Selective` folds only the event types that
+move a fold, for speed over busy streams. Knobs are read by dotted path
+(:class:`Knobs`); a ``*`` key in the defaults stands for any name
+(``providers.*.breaker_failure_threshold``).
 """
 
 from __future__ import annotations
