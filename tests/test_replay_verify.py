@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import lmdb
@@ -174,3 +175,44 @@ def test_the_older_golden_logs_unknown_and_broken_records() -> None:
     assert [(f.kind, f.position) for f in findings if f.kind == "undecodable"] == [
         ("undecodable", 3)
     ]
+
+
+def _transcript() -> list[tuple[list[str], str]]:
+    """Every ``$ stalwart ...`` command of docs/replay.md with the output it shows."""
+    text = (Path(__file__).parent.parent / "docs" / "replay.md").read_text()
+    blocks = text.split("```")[1::2]
+    found: list[tuple[list[str], str]] = []
+    for block in blocks:
+        command: list[str] | None = None
+        lines: list[str] = []
+        for line in [*block.splitlines()[1:], "$ end"]:
+            if line.startswith("$ "):
+                if command is not None:
+                    found.append((command, "\n".join(lines)))
+                argv = shlex.split(line[2:])
+                command = argv[1:] if argv[0] == "stalwart" else None
+                lines = []
+            else:
+                lines.append(line)
+    return found
+
+
+def test_the_transcript_in_replay_md_is_what_the_commands_print(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    load("verify-clean.log", tmp_path / "clean").close()
+    load("verify-doctored.log", tmp_path / "doctored").close()
+    monkeypatch.chdir(tmp_path)
+    commands = _transcript()
+    assert len(commands) >= 7
+    for argv, shown in commands:
+        result = CliRunner().invoke(cli, argv)
+        printed = result.output.rstrip("\n").splitlines()
+        expected = shown.splitlines()
+        if "..." in expected:  # an excerpt: the lines before the ellipsis, then the rest in order
+            cut = expected.index("...")
+            assert printed[:cut] == expected[:cut], argv
+            rest = iter(printed[cut:])
+            assert all(line in rest for line in expected[cut + 1 :]), argv
+        else:
+            assert printed == expected, argv
