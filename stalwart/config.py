@@ -198,7 +198,8 @@ class ActivationSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     backoff_base_ms x 2**(n-1))`` (plus up to ``jitter_ms``, recorded) until
     ``max_attempts`` failures abandon it; delayed wakes are capped at
     ``max_pending_wakes`` per session and ``max_wake_horizon_ms`` ahead. An idle session's
-    Agent is stopped after ``passivate_after_ms`` and rebuilt on its next wake."""
+    Agent is stopped after ``passivate_after_ms`` and rebuilt on its next wake. A staged
+    draft holds at most ``max_draft_bytes``."""
 
     lease_ttl_ms: Positive = 30_000
     renew_every_ms: Positive = 10_000
@@ -210,6 +211,7 @@ class ActivationSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     max_wake_horizon_ms: Positive = 30 * 24 * 3_600_000
     poll_ms: Annotated[int, msgspec.Meta(ge=1, le=60_000)] = 1_000
     passivate_after_ms: NonNegative = 300_000
+    max_draft_bytes: Positive = 262_144
 
     def __post_init__(self) -> None:
         _ordered(

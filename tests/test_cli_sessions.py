@@ -23,6 +23,8 @@ from stalwart.events import (
     ActivationReady,
     ActivationRequeued,
     AnnouncementDeadLettered,
+    DraftCommitted,
+    DraftStaged,
     LeaseExpired,
     LeaseRenewed,
     ProviderDegraded,
@@ -253,7 +255,9 @@ def test_status_of_one_session_as_json(store_dir: Path, log: dict[str, str]) -> 
         "history",
         "counters",
         "dead_letters",
+        "drafts",
     }
+    assert data["drafts"] == []
     assert data["status"] == "requires_action"
     assert data["pending"]["kind"] == "custom_tool"
     assert data["blocked_on"] == "r2"
@@ -624,3 +628,29 @@ def test_watch_lists_only_the_newest_dead_letters(store_dir: Path, log: dict[str
     assert "  ... and 4 older" in out
     full = run("--store", str(store_dir), "status")[1]
     assert sum(line.startswith("  activation ") for line in full.splitlines()) == 9
+
+
+def test_status_shows_staged_and_committed_drafts(tmp_path: Path) -> None:
+    store_dir = tmp_path / "store"
+    with store_module.open(store_dir) as store:
+        staged = DraftStaged(path="a.md", content="x", content_hash="ab" * 32, size=1)
+        store.append(
+            "session:d",
+            [
+                SessionCreated(agent="default"),
+                staged,
+                DraftStaged(path="b.md", content="yy", content_hash="cd" * 32, size=2),
+                DraftCommitted(path="b.md", content_hash="cd" * 32),
+            ],
+        )
+    result = CliRunner().invoke(cli, ["--store", str(store_dir), "status", "d"])
+    assert result.exit_code == 0, result.output
+    assert "drafts: 1 staged, not committed" in result.output
+    assert "a.md" in result.output
+    assert "committed" in result.output
+    result = CliRunner().invoke(cli, ["--store", str(store_dir), "status", "d", "--json"])
+    drafts = json.loads(result.output)["drafts"]
+    assert [(d["path"], d["status"], d["size"]) for d in drafts] == [
+        ("a.md", "staged", 1),
+        ("b.md", "committed", 2),
+    ]

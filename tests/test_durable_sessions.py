@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from stalwart.actors import APPROVAL_TEXT, DENIED_TEXT, UNRECONCILED_TEXT
+from stalwart.actors import APPROVAL_TEXT, DENIED_TEXT, UNRECONCILED_TEXT, drafts_note
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
 from stalwart.config import Config, parse_config
@@ -34,6 +34,7 @@ from stalwart.events import (
     UserInterrupt,
 )
 from stalwart.runtime import Runtime
+from stalwart.state import DRAFTS, fold
 from stalwart.store import EventStore, Fence
 from stalwart.testing import Answer, FakeProvider, FakeToolCall, Hang
 from stalwart.tools import current_call
@@ -357,3 +358,43 @@ def test_a_cut_short_call_without_a_check_is_surfaced_not_run(
     [failed] = of(ToolFailed, list(store.read_stream("session:s1")))
     assert failed.error_class == "unreconciled"
     assert fake.requests[0].body["messages"][-1]["content"] == UNRECONCILED_TEXT
+
+
+def test_drafts_are_staged_survive_the_wake_and_are_committed_only_on_request(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    written: list[tuple[str, str, str, str]] = []
+    write = FakeToolCall(
+        id="w1", name="draft_write", arguments={"path": "notes.md", "content": "v1\n"}
+    )
+    commit = FakeToolCall(id="w2", name="draft_commit", arguments={"path": "notes.md"})
+    fake.add(
+        Answer(text="", tool_calls=(write,)),
+        Answer(text="Staged."),
+        Answer(text="", tool_calls=(commit,)),
+        Answer(text="Committed."),
+    )
+    with Runtime(
+        config(fake.base_url),
+        store=store,
+        clock=clock,
+        channels={"chat": chat},
+        committer=lambda *args: written.append(args),
+    ) as rt:
+        session = rt.session("s1", channel="chat")
+        session.send("draft the notes")
+        delivered(rt, chat, 1)
+        assert written == []  # staged, not written out
+        session.send("commit them")
+        replies = delivered(rt, chat, 2)
+    assert replies[-1].text == "Committed."
+    [(session_id, path, content, digest)] = written
+    assert (session_id, path, content) == ("s1", "notes.md", "v1\n")
+    system = fake.requests[2].body["messages"][0]
+    assert system["role"] == "system"
+    assert "notes.md (revision 1, 3 bytes" in system["content"]
+    records = list(store.read_stream("session:s1"))
+    drafts = fold(DRAFTS, "session:s1", records)
+    assert drafts.drafts["notes.md"].status == "committed"
+    assert drafts.drafts["notes.md"].content_hash == digest
+    assert "notes.md" not in (drafts_note(drafts.open()) or "")

@@ -29,7 +29,7 @@ from ._agent_messages import (
     ToolsDone,
     UserMessage,
 )
-from ._agent_wake import DENIED_TEXT, UNRECONCILED_TEXT, WAKE_PREFIX, WakeLedger
+from ._agent_wake import DENIED_TEXT, UNRECONCILED_TEXT, WAKE_PREFIX, WakeLedger, drafts_note
 from ._announcer import Announcer, Batch, GetBatches, Track, batch_text
 from ._context import (
     REFUSALS_STREAM,
@@ -202,6 +202,7 @@ __all__ = [
     "crashed",
     "decide_crash",
     "decide_execution_timeout",
+    "drafts_note",
     "execution_deadline",
     "failure_notice",
     "request_messages",

@@ -100,6 +100,7 @@ from ._agent_wake import (
     UNRECONCILED_TEXT,
     WAKE_PREFIX,
     WakeLedger,
+    drafts_note,
     pause_for,
     wake_result,
 )
@@ -381,8 +382,12 @@ class AgentActor(pykka.ThreadingActor):
             self._finish(turn, "deferred", "provider_degraded", DEGRADED_TEXT, "static_reply")
             return
         turn.step += 1
+        system = self._settings.system_prompt
+        note = drafts_note(self._ledger.drafts.open()) if self._wake is not None else None
+        if note is not None:  # an interrupted wake's drafts: continue them, not start over
+            system = f"{system}\n\n{note}" if system else note
         request = ProviderRequest(
-            messages=request_messages(self._folder.messages, self._settings.system_prompt),
+            messages=request_messages(self._folder.messages, system),
             tools=self._tools.specs(),
             max_tokens=self._caller.agent.max_tokens,
         )

@@ -28,7 +28,15 @@ from stalwart.events import (
     UserToolConfirmation,
 )
 from stalwart.ids import new_id
-from stalwart.state import ACTIVATIONS, ActivationsState, WakeResult
+from stalwart.state import (
+    ACTIVATIONS,
+    DRAFTS,
+    ActivationsState,
+    Draft,
+    DraftsState,
+    WakeResult,
+    apply_drafts,
+)
 from stalwart.tools import Tool
 
 __all__ = [
@@ -37,6 +45,7 @@ __all__ = [
     "WAKE_PREFIX",
     "Resolution",
     "WakeLedger",
+    "drafts_note",
     "pause_for",
     "wake_result",
 ]
@@ -69,6 +78,7 @@ class WakeLedger:
 
     __slots__ = (
         "activations",
+        "drafts",
         "last_calls",
         "message_ids",
         "requests",
@@ -79,6 +89,7 @@ class WakeLedger:
 
     def __init__(self, stream: str) -> None:
         self.activations: ActivationsState = ACTIVATIONS.initial(stream)
+        self.drafts: DraftsState = DRAFTS.initial(stream)
         self.message_ids: set[str] = set()
         self.last_calls: tuple[ToolCall, ...] = ()
         self.results: set[str] = set()
@@ -88,6 +99,7 @@ class WakeLedger:
 
     def add(self, record: RecordedEvent) -> None:
         self.activations = ACTIVATIONS.apply(self.activations, record)
+        self.drafts = apply_drafts(self.drafts, record)
         event = record.event
         match event:
             case MessageAppended():
@@ -144,6 +156,21 @@ def pause_for(
         arguments=call.arguments,
         call_id=call.id,
         turn_id=turn_id,
+    )
+
+
+def drafts_note(drafts: list[Draft]) -> str | None:
+    """The system prompt's note on drafts still open (None when there are none)."""
+    if not drafts:
+        return None
+    lines = [
+        f"- {d.path} (revision {d.revision}, {d.size} bytes, sha256 {d.content_hash[:12]})"
+        for d in drafts
+    ]
+    return (
+        "Drafts staged in this session's workspace and not committed yet (continue them "
+        "with draft_read; nothing reaches the shared resource until draft_commit):\n"
+        + "\n".join(lines)
     )
 
 

@@ -209,8 +209,31 @@ def detail_lines(view: dict[str, Any]) -> list[str]:
     lines.append("")
     lines += _history_lines(view["history"], now)
     lines.append("")
+    lines += _draft_lines(view["drafts"], now)
+    lines.append("")
     lines += dead_letter_lines(view["dead_letters"], now)
     return lines
+
+
+def _draft_lines(drafts: list[dict[str, Any]], now: float) -> list[str]:
+    if not drafts:
+        return ["drafts: none"]
+    rows = [
+        (
+            d["path"],
+            d["status"],
+            str(d["revision"]),
+            str(d["size"]),
+            d["content_hash"][:12],
+            _when(d["updated_at"], now),
+        )
+        for d in drafts
+    ]
+    staged = sum(d["status"] == "staged" for d in drafts)
+    return [
+        f"drafts: {staged} staged, not committed",
+        *table(("PATH", "STATUS", "REV", "BYTES", "SHA256", "UPDATED"), rows, "  "),
+    ]
 
 
 def _backlog_lines(backlog: list[dict[str, Any]], now: float) -> list[str]:

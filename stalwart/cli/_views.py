@@ -270,4 +270,17 @@ def session_detail(state: OrchestratorState, view: SessionView, now: float) -> d
             "lease_expired": activations.expired,
         },
         "dead_letters": _dead_letters(state, view.stream),
+        "drafts": [
+            {
+                "path": d.path,
+                "status": d.status,
+                "revision": d.revision,
+                "size": d.size,
+                "content_hash": d.content_hash,
+                "updated_at": d.updated_at,
+            }
+            for d in sorted(
+                (view.drafts.drafts.values() if view.drafts else ()), key=lambda d: d.path
+            )
+        ],
     }

@@ -51,6 +51,7 @@ from ._context import (
     ContextSummarizerFailed,
     ContextSummaryCreated,
 )
+from ._draft import DraftCommitted, DraftDiscarded, DraftStaged
 from ._prompt import (
     ExecutionAborted,
     ModelFallbackAttempt,
@@ -133,6 +134,9 @@ __all__ = [
     "ContextLayerHalfOpened",
     "ContextSummarizerFailed",
     "ContextSummaryCreated",
+    "DraftCommitted",
+    "DraftDiscarded",
+    "DraftStaged",
     "Event",
     "ExecutionAborted",
     "LeaseExpired",

@@ -23,6 +23,7 @@ from . import (  # noqa: F401  (imported for their Event subclasses)
     _activation,
     _announcement,
     _context,
+    _draft,
     _prompt,
     _provider,
     _runtime,

@@ -79,6 +79,7 @@ from ._handles import (
 )
 from ._layer import ProviderLayer
 from ._tools import SPAWN_TOOL, SessionTools, spawn_tool_fn
+from ._workspace import Committer, draft_tools
 
 __all__ = ["Runtime"]
 
@@ -108,8 +109,10 @@ class Runtime:
         clock: Clock | None = None,
         channels: Mapping[str, Channel] | None = None,
         tools: ToolRegistry | None = None,
+        committer: Committer | None = None,
     ) -> None:
         self.config = config
+        self._committer = committer
         self.clock = clock or SystemClock()
         self.tools = tools if tools is not None else ToolRegistry()
         self.health_view = HealthView()
@@ -474,9 +477,23 @@ class Runtime:
                     [NewEvent(event=created, ts=self.clock.now())],
                     expected_version=NO_STREAM,
                 )
-        tools = self.tools
+        tools: ToolRegistry = self.tools
+        own: list[Tool] = []
         if settings.subagents and supervised:
-            tools = SessionTools(self.tools, self._spawn_tool(session_id, agent))
+            own.append(self._spawn_tool(session_id, agent))
+        if durable is not None and self._committer is not None:
+            own.extend(
+                draft_tools(
+                    self.store,
+                    self._layer.sink,
+                    self.clock,
+                    session_id,
+                    self._committer,
+                    max_bytes=self.config.activations.max_draft_bytes,
+                )
+            )
+        if own:
+            tools = SessionTools(self.tools, *own)
         ref = AgentActor.start(
             session_id,
             self.store,

@@ -71,6 +71,7 @@ from ._deadletter import (
     next_retry_at,
     retry_at,
 )
+from ._drafts import DRAFTS, Draft, DraftsAggregate, DraftsState, apply_drafts
 from ._execution import decide_execution_timeout, execution_deadline
 from ._health import (
     DEFAULT_HORIZON_MS,
@@ -169,6 +170,7 @@ __all__ = [
     "DEFAULT_GRACE_MS",
     "DEFAULT_HORIZON_MS",
     "DEFAULT_MAX_OPEN_CALLS",
+    "DRAFTS",
     "HEALTH",
     "KNOBS",
     "PROBE_AGENT",
@@ -198,6 +200,9 @@ __all__ = [
     "DeadLetterEntry",
     "DeadLetterState",
     "Deadline",
+    "Draft",
+    "DraftsAggregate",
+    "DraftsState",
     "Finding",
     "Folder",
     "GovernorState",
@@ -254,6 +259,7 @@ __all__ = [
     "apply_context",
     "apply_context_event",
     "apply_deadletter",
+    "apply_drafts",
     "apply_governor",
     "apply_governor_event",
     "apply_health",

@@ -20,6 +20,7 @@ from stalwart.events import ActivationAbandoned, RecordedEvent
 from ._activation import ACTIVATIONS, ActivationsState, apply_activations
 from ._breaker import BREAKER, BreakerState, apply_breaker
 from ._deadletter import DeadLetterEntry, DeadLetterState, apply_deadletter
+from ._drafts import DRAFTS, DraftsState, apply_drafts
 from ._health import HEALTH, HealthState, apply_health
 from ._session import SESSION, SessionFolder, SessionState
 
@@ -74,6 +75,7 @@ class SessionView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     stream: str
     session: SessionState
     activations: ActivationsState
+    drafts: DraftsState | None = None
 
 
 class ProviderView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -131,11 +133,14 @@ def session_dead_letters(
 
 
 class _Session:
-    __slots__ = ("activations", "folder")
+    __slots__ = ("activations", "drafts", "folder")
 
-    def __init__(self, session: SessionState, activations: ActivationsState) -> None:
+    def __init__(
+        self, session: SessionState, activations: ActivationsState, drafts: DraftsState
+    ) -> None:
         self.folder = SessionFolder(session)
         self.activations = activations
+        self.drafts = drafts
 
 
 class OrchestratorFolder:
@@ -148,7 +153,10 @@ class OrchestratorFolder:
         start = state if state is not None else OrchestratorState()
         self._position = start.position
         self._newest = start.newest_ts
-        self._sessions = {v.stream: _Session(v.session, v.activations) for v in start.sessions}
+        self._sessions = {
+            v.stream: _Session(v.session, v.activations, v.drafts or DRAFTS.initial(v.stream))
+            for v in start.sessions
+        }
         self._deadletter = start.deadletter
         self._abandoned = list(start.abandoned)
         self._abandoned_total = start.abandoned_total
@@ -179,13 +187,16 @@ class OrchestratorFolder:
     def _session_event(self, stream: str, record: RecordedEvent) -> None:
         held = self._sessions.get(stream)
         if held is None:
-            held = _Session(SESSION.initial(stream), ACTIVATIONS.initial(stream))
+            held = _Session(
+                SESSION.initial(stream), ACTIVATIONS.initial(stream), DRAFTS.initial(stream)
+            )
             self._sessions[stream] = held
         event = record.event
         if isinstance(event, ActivationAbandoned):
             self._abandon(stream, held.activations, event, record)
         held.folder.add(record)
         held.activations = apply_activations(held.activations, record)
+        held.drafts = apply_drafts(held.drafts, record)
 
     def _abandon(
         self,
@@ -213,7 +224,12 @@ class OrchestratorFolder:
 
     def state(self) -> OrchestratorState:
         sessions = tuple(
-            SessionView(stream=stream, session=held.folder.state(), activations=held.activations)
+            SessionView(
+                stream=stream,
+                session=held.folder.state(),
+                activations=held.activations,
+                drafts=held.drafts,
+            )
             for stream, held in sorted(self._sessions.items())
         )
         providers = tuple(
