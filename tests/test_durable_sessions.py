@@ -398,3 +398,24 @@ def test_drafts_are_staged_survive_the_wake_and_are_committed_only_on_request(
     assert drafts.drafts["notes.md"].status == "committed"
     assert drafts.drafts["notes.md"].content_hash == digest
     assert "notes.md" not in (drafts_note(drafts.open()) or "")
+
+
+def test_an_idle_agent_is_passivated_and_rebuilt_by_its_next_wake(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    cfg = config(fake.base_url, activations={"passivate_after_ms": 60_000})
+    with Runtime(cfg, store=store, clock=clock, channels={"chat": chat}) as rt:
+        session = rt.session("s1", channel="chat")
+        session.send("one")
+        delivered(rt, chat, 1)
+        first = session.ref
+        clock.advance(30.0)
+        assert first.is_alive()  # not idle long enough yet
+        clock.advance(60.0)
+        first.actor_stopped.wait(GUARD)
+        assert not first.is_alive()
+        session.send("two")
+        replies = delivered(rt, chat, 2)
+        assert replies[-1].text == "default answer"
+        assert session.ref is not first and session.ref.is_alive()
+        assert session.status(GUARD).session.turns == 2  # rebuilt from the log

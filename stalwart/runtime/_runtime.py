@@ -553,14 +553,16 @@ class Runtime:
             agent = session.agent if session.agent in self.config.agents else "default"
             channel = session.channel if session.channel in self._channels else None
             try:
-                if handle is not None:
-                    return self.session(
+                if handle is not None:  # passivated or crashed: the host's handle stays valid
+                    fresh = self._start_agent(
                         session_id,
-                        agent=handle.agent,
-                        channel=handle.channel,
-                        conversation=handle.conversation,
-                        thread=handle.thread,
-                    ).ref
+                        handle.agent,
+                        handle.channel,
+                        handle.conversation,
+                        handle.thread,
+                    )
+                    handle.ref = fresh.ref
+                    return handle.ref
                 return self.session(session_id, agent=agent, channel=channel).ref
             except ConfigError as exc:
                 log.warning("runtime.wake_without_agent", session=session_id, key=exc.key)
