@@ -2,6 +2,7 @@
 
 from . import (  # noqa: F401  (they register their commands)
     _check,
+    _context,
     _db,
     _demo,
     _fake,

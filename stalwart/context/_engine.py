@@ -319,7 +319,7 @@ class DagEngine(Summaries, Recall):
             log.warning(
                 "context_tail_over_budget",
                 session=session.session_id,
-                tokens=full,
+                tail_tokens=full,
                 room=room,
                 error_kind="resource",
             )
