@@ -35,7 +35,6 @@ import structlog
 from stalwart.clock import Clock
 from stalwart.config import ContextEngineSettings
 from stalwart.context import (
-    Assembly,
     ContextMessage,
     ContextScopeError,
     DagEngine,
@@ -46,7 +45,7 @@ from stalwart.context import (
 )
 from stalwart.context.pipeline import PipelineEngine
 from stalwart.errors import ToolError
-from stalwart.events import ContextAssembled, Event
+from stalwart.events import Event
 from stalwart.providers import Message
 from stalwart.store import EventStore
 from stalwart.tools import ToolRegistry
@@ -241,7 +240,7 @@ class ContextStoreActor(pykka.ThreadingActor):
             stream = f"context:{session_id}" if valid_session_id(session_id) else None
             self._append(stream or REFUSALS_STREAM, exc.events, versioned=stream is not None)
             raise
-        self._append(f"context:{session_id}", [*result.events, self._record(message, result)])
+        self._append(f"context:{session_id}", result.events)
         return Assembled(
             messages=to_provider_messages(result.messages),
             tokens=result.tokens,
@@ -252,22 +251,6 @@ class ContextStoreActor(pykka.ThreadingActor):
             summaries_made=result.summaries_made,
             degraded=result.degraded,
             layers_fired=result.layers_fired,
-            evicted=result.evicted,
-            repairs=result.repairs,
-        )
-
-    def _record(self, message: Assemble, result: Assembly) -> ContextAssembled:
-        return ContextAssembled(
-            tokens_in=self._dag.sessions[message.session_id].cum[-1],
-            tokens_out=result.tokens,
-            budget=result.budget,
-            layers_fired=result.layers_fired,
-            engine="dag",
-            provider=message.profile.provider,
-            messages_in=len(message.messages),
-            messages_out=len(result.messages),
-            summaries_made=len(result.summaries_made),
-            fence=result.fence,
             evicted=result.evicted,
             repairs=result.repairs,
         )

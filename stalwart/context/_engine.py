@@ -33,7 +33,13 @@ import structlog
 
 from stalwart.clock import Clock
 from stalwart.config import ContextEngineSettings
-from stalwart.events import ContextBound, ContextDagDegraded, Event, RecordedEvent
+from stalwart.events import (
+    ContextAssembled,
+    ContextBound,
+    ContextDagDegraded,
+    Event,
+    RecordedEvent,
+)
 from stalwart.ids import new_id
 from stalwart.state import CONTEXT_DAG, GovernorState, apply_governor_event, fold
 
@@ -67,7 +73,7 @@ class Assembly(msgspec.Struct, frozen=True, kw_only=True):
     turns, the conversation after them every turn). ``breakpoints`` are the message
     indices an Anthropic request marks with ``cache_control`` (at most 4: the system
     prompt, the fence, the last summary, the last message). ``events`` go to
-    ``context:<session>`` in order."""
+    ``context:<session>`` in order; the last is always the ``context:assembled`` record."""
 
     messages: tuple[ContextMessage, ...]
     tokens: int
@@ -223,7 +229,12 @@ class DagEngine(Summaries, Recall):
         available = room - tail_tokens
         for _ in range(16):
             kept, evicted = select_history(
-                session, tail, available, relevance, self.settings.relevance.recent_user_turns
+                session,
+                tail,
+                available,
+                relevance=relevance,
+                caching=profile.caching,
+                recent_turns=self.settings.relevance.recent_user_turns,
             )
             history: list[ContextMessage] = []
             for unit in kept:
@@ -249,9 +260,27 @@ class DagEngine(Summaries, Recall):
         for name, happened in (("evict", evicted), ("repair", repairs)):
             if happened:
                 turn.layers[name] = None
+        tokens = math.ceil(raw_total * factor)
+        turn.events.append(
+            ContextAssembled(
+                tokens_in=math.ceil(session.cum[-1] * factor),
+                tokens_out=tokens,
+                budget=budget,
+                layers_fired=tuple(turn.layers),
+                engine="dag",
+                provider=profile.provider,
+                messages_in=len(session.messages),
+                messages_out=len(assembled),
+                summaries_made=len(turn.made),
+                fence=fence,
+                evicted=evicted,
+                repairs=repairs,
+                shed=session.shed,
+            )
+        )
         return Assembly(
             messages=tuple(assembled),
-            tokens=math.ceil(raw_total * factor),
+            tokens=tokens,
             budget=budget,
             fence=fence,
             breakpoints=tuple(sorted({0, fence - 1, len(summaries), len(assembled) - 1})),

@@ -22,26 +22,42 @@ __all__ = ["clip_tail", "select_history"]
 
 
 def select_history(
-    session: DagSession, tail: int, available: int, relevance: bool, recent_turns: int
+    session: DagSession,
+    tail: int,
+    available: int,
+    *,
+    relevance: bool,
+    caching: bool,
+    recent_turns: int,
 ) -> tuple[list[Unit], int]:
-    """The history units between the system prompt and the tail that fit."""
+    """The history units between the system prompt and the tail that fit, and how many
+    were left out. On a caching profile, fenced summaries once left out stay out while
+    the fenced set only grows (``session.shed``), so the cached prefix does not flap."""
     units = [
         Unit(*session.spans[root], session.rendered(root)[1], summary_id=root)
         for root in session.roots
     ]
     units += session.units(session.covered, tail)
-    if sum(unit.tokens for unit in units) <= available:
-        return units, 0
     if relevance:
+        session.shed, session.fenced = 0, ()
+        if sum(unit.tokens for unit in units) <= available:
+            return units, 0
         return _by_relevance(session, units, available, recent_turns)
     settled = 0
     while settled < len(units) and _depth(session, units[settled]) > 0:
         settled += 1
-    fenced = sum(unit.tokens for unit in units[:settled])
-    if fenced <= available:
-        kept = units[:settled] + _newest(units[settled:], available - fenced)
-    else:
-        kept = _newest(units[:settled], available)
+    ids = tuple(unit.summary_id or "" for unit in units[:settled])
+    previous = session.fenced
+    sticky = caching and ids[: len(previous)] == previous
+    # a rewritten fenced set breaks the cache anyway: leave room for the tail to grow
+    # (half of what is available) so the new prefix is not shed again next turn
+    room = available if sticky or not caching else available // 2
+    shed = min(session.shed, settled) if sticky else 0
+    while shed < settled and sum(unit.tokens for unit in units[shed:settled]) > room:
+        shed += 1
+    session.shed, session.fenced = shed, ids
+    fenced = sum(unit.tokens for unit in units[shed:settled])
+    kept = units[shed:settled] + _newest(units[settled:], available - fenced)
     return kept, len(units) - len(kept)
 
 
