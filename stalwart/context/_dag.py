@@ -93,8 +93,6 @@ class DagSession:
         self.tail_degraded = False
         self.degraded: str | None = None
         self.system: tuple[int, ContextMessage] | None = None
-        self.shed = 0  # fenced summaries left out (see select_history)
-        self.fenced: tuple[str, ...] = ()
 
     # -- storing ----------------------------------------------------------------------
 
@@ -266,6 +264,3 @@ class DagSession:
             self.add_node(node)
         if self.roots != list(state.roots):
             raise ContextScopeError("the context stream's summaries do not fold consistently")
-        self.shed = state.shed
-        settled = [root for root in self.roots if self.nodes[root].depth > 0]
-        self.fenced = tuple(settled[: len(settled)])

@@ -68,11 +68,12 @@ class ModelProfile(msgspec.Struct, frozen=True, kw_only=True):
 
 class Assembly(msgspec.Struct, frozen=True, kw_only=True):
     """One assembled context. ``messages[:fence]`` is the cache fence's prefix: the
-    system prompt and the condensed summaries, which change only when a condensation
-    above depth 0 or an eviction rewrites them (the leaves after it change every few
-    turns, the conversation after them every turn). ``breakpoints`` are the message
-    indices an Anthropic request marks with ``cache_control`` (at most 4: the system
-    prompt, the fence, the last summary, the last message). ``events`` go to
+    system prompt and the condensed summaries that fit with room to spare, which change
+    only when a condensation above depth 0 rewrites them or the tail more than doubles
+    (the leaves after them change every few turns, the conversation every turn).
+    ``breakpoints`` are the message indices an Anthropic request marks with
+    ``cache_control`` (at most 4: the system prompt, the fence, the last summary, the
+    last message). ``events`` go to
     ``context:<session>`` in order; the last is always the ``context:assembled`` record."""
 
     messages: tuple[ContextMessage, ...]
@@ -228,12 +229,11 @@ class DagEngine(Summaries, Recall):
         relevance = self.relevance_first(profile)
         available = room - tail_tokens
         for _ in range(16):
-            kept, evicted = select_history(
+            kept, evicted, fenced = select_history(
                 session,
                 tail,
                 available,
                 relevance=relevance,
-                caching=profile.caching,
                 recent_turns=self.settings.relevance.recent_user_turns,
             )
             history: list[ContextMessage] = []
@@ -255,8 +255,7 @@ class DagEngine(Summaries, Recall):
             clipped = max(clipped, more)
             turn.layers["clip"] = None
         summaries = [unit.summary_id for unit in kept if unit.summary_id is not None]
-        settled = sum(1 for summary in summaries if session.nodes[summary].depth > 0)
-        fence = 1 + settled
+        fence = 1 + fenced
         for name, happened in (("evict", evicted), ("repair", repairs)):
             if happened:
                 turn.layers[name] = None
@@ -275,7 +274,6 @@ class DagEngine(Summaries, Recall):
                 fence=fence,
                 evicted=evicted,
                 repairs=repairs,
-                shed=session.shed,
             )
         )
         return Assembly(

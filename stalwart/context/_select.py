@@ -1,11 +1,11 @@
 """Which history fits: whole units kept by recency or by relevance, and tail clipping.
 
 A unit is a summary, or one message with the tool results that answer it, so a tool pair
-is always kept or dropped together. Recency-first keeps the condensed summaries before
-the cache fence whole when they fit (dropping one would break the provider's cached
-prefix), then the newest of the rest that fit; only when the fenced summaries alone do
-not fit does it drop the oldest of them. Relevance-first ranks every unit by BM25 against the recent
-user turns, keeps the best that fit, and puts them back in chronological order.
+is always kept or dropped together. Recency-first keeps the condensed summaries first
+(the cached prefix; when they do not all fit, the newest of them go, so what stays is
+still the same prefix), then the newest of the rest that fit. Relevance-first ranks
+every unit by BM25 against the recent user turns, keeps the best that fit, and puts them
+back in chronological order.
 """
 
 from __future__ import annotations
@@ -27,38 +27,45 @@ def select_history(
     available: int,
     *,
     relevance: bool,
-    caching: bool,
     recent_turns: int,
-) -> tuple[list[Unit], int]:
-    """The history units between the system prompt and the tail that fit, and how many
-    were left out. On a caching profile, fenced summaries once left out stay out while
-    the fenced set only grows (``session.shed``), so the cached prefix does not flap."""
+) -> tuple[list[Unit], int, int]:
+    """The history units between the system prompt and the tail that fit, how many were
+    left out, and how many of the kept ones are fenced (cache-stable) summaries.
+
+    Recency-first keeps the condensed summaries (depth 1 and up, the oldest history)
+    first, leaving out the newest of them when they do not all fit, then the newest of
+    the rest. The fence covers only the fenced summaries that fit in half of what was
+    available, so the tail can grow to twice its size before the cached prefix has to
+    change."""
     units = [
         Unit(*session.spans[root], session.rendered(root)[1], summary_id=root)
         for root in session.roots
     ]
     units += session.units(session.covered, tail)
     if relevance:
-        session.shed, session.fenced = 0, ()
         if sum(unit.tokens for unit in units) <= available:
-            return units, 0
-        return _by_relevance(session, units, available, recent_turns)
+            return units, 0, 0
+        kept, evicted = _by_relevance(session, units, available, recent_turns)
+        return kept, evicted, 0
     settled = 0
     while settled < len(units) and _depth(session, units[settled]) > 0:
         settled += 1
-    ids = tuple(unit.summary_id or "" for unit in units[:settled])
-    previous = session.fenced
-    sticky = caching and ids[: len(previous)] == previous
-    # a rewritten fenced set breaks the cache anyway: leave room for the tail to grow
-    # (half of what is available) so the new prefix is not shed again next turn
-    room = available if sticky or not caching else available // 2
-    shed = min(session.shed, settled) if sticky else 0
-    while shed < settled and sum(unit.tokens for unit in units[shed:settled]) > room:
-        shed += 1
-    session.shed, session.fenced = shed, ids
-    fenced = sum(unit.tokens for unit in units[shed:settled])
-    kept = units[shed:settled] + _newest(units[settled:], available - fenced)
-    return kept, len(units) - len(kept)
+    kept, used = _oldest(units[:settled], available)
+    fence, _ = _oldest(kept, available // 2)
+    kept += _newest(units[settled:], available - used)
+    return kept, len(units) - len(kept), len(fence)
+
+
+def _oldest(units: list[Unit], available: int) -> tuple[list[Unit], int]:
+    """The oldest units that fit (stops at the first that does not), and their tokens."""
+    kept: list[Unit] = []
+    used = 0
+    for unit in units:
+        if used + unit.tokens > available:
+            break
+        kept.append(unit)
+        used += unit.tokens
+    return kept, used
 
 
 def _depth(session: DagSession, unit: Unit) -> int:

@@ -55,7 +55,6 @@ class ContextAssembled(Event, frozen=True, tag="context:assembled"):
     fence: int = 0
     evicted: int = 0
     repairs: int = 0
-    shed: int = 0
     severity: ClassVar[Severity] = "debug"
 
 

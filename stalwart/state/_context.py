@@ -24,7 +24,6 @@ from typing import Literal
 import msgspec
 
 from stalwart.events import (
-    ContextAssembled,
     ContextBound,
     ContextDagDegraded,
     ContextSummarizerFailed,
@@ -59,9 +58,7 @@ class SummaryNode(msgspec.Struct, frozen=True, kw_only=True):
 
 class ContextDagState(msgspec.Struct, frozen=True, kw_only=True):
     """A session's DAG: its summaries, which are top-level (``roots``, oldest first), the
-    parent of each condensed child, and the id of the newest message a summary covers.
-    ``shed`` is how many of the oldest fenced summaries the last assembly left out (kept
-    out until the fenced set changes, so the cached prefix does not flap)."""
+    parent of each condensed child, and the id of the newest message a summary covers."""
 
     session: str
     tenant: str | None = None
@@ -72,7 +69,6 @@ class ContextDagState(msgspec.Struct, frozen=True, kw_only=True):
     roots: tuple[str, ...] = ()
     last_covered: str | None = None
     degraded: str | None = None
-    shed: int = 0
 
 
 def summary_node(event: ContextSummaryCreated, ts: float) -> SummaryNode:
@@ -131,8 +127,6 @@ def apply_context_event(
             )
         case ContextDagDegraded():
             return replace(state, version=version, degraded=event.reason)
-        case ContextAssembled() if event.engine == "dag":
-            return replace(state, version=version, shed=event.shed)
         case _:
             return replace(state, version=version)
 
