@@ -3,10 +3,12 @@ own ts with the config in force, deadlines missed, undecodable records, the regi
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import event as note
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -43,6 +45,8 @@ from stalwart.state import (
     VERIFIERS,
     Deadline,
     Knobs,
+    Registry,
+    Selective,
     Verification,
     Verifier,
     VerifyReport,
@@ -409,3 +413,75 @@ def test_a_knob_nobody_recorded_or_defaulted_is_a_mismatch_that_says_so() -> Non
     log = Log().add(RUN_STREAM, spawned(), 0).add(RUN_STREAM, watchdog(120_000), 120)
     [finding] = verify(log.records, VERIFIERS, defaults={}).findings
     assert "replay could not re-run the decision" in finding.message
+
+
+# -- the walk's shortcuts change nothing ----------------------------------------------------
+
+
+def _plain(registry: Registry) -> Registry:
+    """The registry without shortcuts: every fold sees every event, every deadline is
+    recomputed after every event."""
+
+    def unwrap(fold: Any) -> Any:
+        return fold.aggregate if isinstance(fold, Selective) else fold
+
+    return Registry(
+        verifiers=tuple(replace(v, fold=unwrap(v.fold)) for v in registry.verifiers),
+        deadlines=tuple(
+            replace(d, fold=unwrap(d.fold), moves=frozenset()) for d in registry.deadlines
+        ),
+        decisions=registry.decisions,
+    )
+
+
+_STEP = st.one_of(
+    st.tuples(st.just("progress"), st.integers(1, 50)),
+    st.tuples(st.just("watchdog"), st.integers(0, 1)),
+    st.tuples(st.just("complete"), st.just(0)),
+    st.tuples(st.just("call"), st.integers(0, 2)),
+    st.tuples(st.just("activity"), st.integers(0, 2)),
+    st.tuples(st.just("timeout"), st.integers(0, 2)),
+    st.tuples(st.just("restart"), st.just(0)),
+    st.tuples(st.just("other"), st.just(0)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(st.tuples(_STEP, st.floats(0, 90)), max_size=25))
+def test_the_shortcuts_find_what_the_plain_walk_finds(
+    steps: list[tuple[tuple[str, int], float]],
+) -> None:
+    log = Log().add(RUN_STREAM, spawned(max_steps=2), 0)
+    at = 0.0
+    for (kind, n), gap in steps:
+        at += gap
+        call = f"c{n}"
+        event: Event
+        stream = RUN_STREAM
+        if kind == "progress":
+            event = SubagentProgress(tokens=n, step=n % 3)
+        elif kind == "watchdog":
+            event = watchdog(round(at * 1000) - n, deadline_at=120, limit_ms=120_000)
+        elif kind == "complete":
+            event = SubagentCompleted()
+        elif kind == "call":
+            stream = "session:s"
+            event = PromptStarted(call_id=call, provider="p", model="m", timeout_ms=30_000)
+        elif kind == "activity":
+            stream, event = "session:s", PromptActivity(call_id=call)
+        elif kind == "timeout":
+            stream = "session:s"
+            event = PromptTimeout(
+                call_id=call, limit="stall", knob="prompt_timeout_ms", limit_ms=30_000,
+                elapsed_ms=30_000,
+            )  # fmt: skip
+        elif kind == "restart":
+            stream, event = "runtime", RuntimeStarted(config={}, stalwart_version="x")
+        else:
+            stream, event = "session:other", SessionCreated()
+        log.add(stream, event, at)
+    fast = verify(log.records, VERIFIERS, defaults=DEFAULTS)
+    plain = verify(log.records, _plain(VERIFIERS), defaults=DEFAULTS)
+    assert fast.findings == plain.findings
+    assert fast.checked == plain.checked
+    note(" ".join(sorted({f.kind for f in fast.findings})) or "clean")

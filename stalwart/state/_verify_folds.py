@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from stalwart.events import (
+    Event,
     ExecutionAborted,
     PromptActivity,
     PromptCompleted,
@@ -36,18 +37,30 @@ class CallsState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     turn_started_at: float | None = None
 
 
+_MOVES: frozenset[type[Event]] = frozenset(
+    {
+        *(PromptActivity, PromptStarted, PromptCompleted, PromptFailed, PromptTimeout),
+        *(TurnStarted, TurnCompleted, ExecutionAborted, UserInterrupt),
+    }
+)
+
+
 class CallsFolder:
     """The fold of :class:`CallsState`; events that do not concern it cost one lookup."""
 
-    __slots__ = ("_open", "_turn_id", "_turn_started_at")
+    __slots__ = ("_open", "_state", "_turn_id", "_turn_started_at")
 
     def __init__(self, state: CallsState) -> None:
         self._open = dict(state.open)
         self._turn_id = state.turn_id
         self._turn_started_at = state.turn_started_at
+        self._state: CallsState | None = state  # the frozen state, until the next change
 
     def add(self, record: RecordedEvent) -> None:
         event = record.event
+        if type(event) not in _MOVES:
+            return
+        self._state = None
         match event:
             case PromptActivity():
                 window = self._open.get(event.call_id)
@@ -67,9 +80,11 @@ class CallsFolder:
                 pass
 
     def state(self) -> CallsState:
-        return CallsState(
-            open=dict(self._open), turn_id=self._turn_id, turn_started_at=self._turn_started_at
-        )
+        if self._state is None:
+            self._state = CallsState(
+                open=dict(self._open), turn_id=self._turn_id, turn_started_at=self._turn_started_at
+            )
+        return self._state
 
 
 class CallsAggregate:
