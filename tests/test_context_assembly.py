@@ -18,8 +18,9 @@ from stalwart.context import (
     estimate_message_tokens,
     estimate_text_tokens,
     estimate_tokens,
+    request_budget,
 )
-from stalwart.events import ToolCall
+from stalwart.events import ToolCall, ToolSpec
 
 CACHING = ModelProfile(provider="anthropic", caching=True)
 SMALL = ModelProfile(provider="openai", caching=False, small=True)
@@ -184,3 +185,21 @@ def test_a_calibrated_estimator_shrinks_what_fits(clock: FakeClock) -> None:
     assert sum(estimate_message_tokens(m) for m in after.messages) < sum(
         estimate_message_tokens(m) for m in before.messages
     )
+
+
+def test_the_request_budget_leaves_room_for_the_reply_and_the_tools() -> None:
+    spec = ToolSpec(
+        name="search",
+        description="Search the documents.",
+        parameters={"type": "object", "properties": {"q": {"type": "string"}}},
+    )
+    bare = request_budget(128_000, max_output_tokens=4_096)
+    assert bare == 128_000 - 4_096
+    with_tools = request_budget(128_000, max_output_tokens=4_096, tools=[spec, spec])
+    assert bare - with_tools > 2 * 20
+    calibrated = TokenEstimator("anthropic")
+    calibrated.calibrate(100, 200)
+    assert request_budget(
+        128_000, max_output_tokens=4_096, tools=[spec], estimator=calibrated
+    ) < request_budget(128_000, max_output_tokens=4_096, tools=[spec])
+    assert request_budget(1_000, max_output_tokens=5_000) == 1

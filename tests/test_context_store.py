@@ -174,3 +174,16 @@ def test_recall_after_a_restart_reads_the_session_stream(start, store: EventStor
     hits = start().ask(SearchContext(session_id="s1", tenant=None, query="ZEBRA002"), timeout=ASK)
     assert hits[0].id == "u2"
     assert hits[0].summary_id is not None
+
+
+def test_a_history_missing_summarized_messages_is_refused_after_a_restart(
+    start, store: EventStore
+) -> None:  # type: ignore[no-untyped-def]
+    messages = history(30)
+    start().ask(Assemble(session_id="s1", messages=messages, budget=2_500), timeout=ASK)
+    fresh = start()
+    with pytest.raises(ContextScopeError):
+        fresh.ask(Assemble(session_id="s1", messages=messages[20:], budget=2_500), timeout=ASK)
+    last = list(store.read_stream("context:s1"))[-1].event
+    assert isinstance(last, ContextDagDegraded)
+    assert last.reason == "fail_closed_rollover"

@@ -45,7 +45,7 @@ from stalwart.context import (
 )
 from stalwart.context.pipeline import PipelineEngine
 from stalwart.errors import ToolError
-from stalwart.events import Event
+from stalwart.events import ContextDagDegraded, Event
 from stalwart.providers import Message
 from stalwart.store import EventStore
 from stalwart.tools import ToolRegistry
@@ -226,9 +226,9 @@ class ContextStoreActor(pykka.ThreadingActor):
         if self.mode == "pipeline":
             return self._pipeline(message)
         session_id = message.session_id
-        if valid_session_id(session_id) and session_id not in self._dag.sessions:
-            self._restore(session_id, message.messages)
         try:
+            if valid_session_id(session_id) and session_id not in self._dag.sessions:
+                self._restore(session_id, message.messages)
             result = self._dag.assemble(
                 session_id,
                 message.messages,
@@ -238,7 +238,12 @@ class ContextStoreActor(pykka.ThreadingActor):
             )
         except ContextScopeError as exc:
             stream = f"context:{session_id}" if valid_session_id(session_id) else None
-            self._append(stream or REFUSALS_STREAM, exc.events, versioned=stream is not None)
+            refusal = exc.events or (
+                ContextDagDegraded(
+                    reason="fail_closed_rollover", tenant=message.tenant, session=session_id
+                ),
+            )
+            self._append(stream or REFUSALS_STREAM, refusal, versioned=stream is not None)
             raise
         self._append(f"context:{session_id}", result.events)
         return Assembled(

@@ -21,6 +21,7 @@ from ._tokens import (
     estimate_message_tokens,
     estimate_text_tokens,
     estimate_tokens,
+    request_budget,
 )
 from ._transcript import (
     TranscriptError,
@@ -63,6 +64,7 @@ __all__ = [
     "read_transcript",
     "render_summary",
     "repair",
+    "request_budget",
     "valid_session_id",
     "validity_violations",
 ]

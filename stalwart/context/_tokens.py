@@ -15,13 +15,14 @@ is what the BPE vocabularies in use do to them.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 from typing import Protocol
 
 import msgspec
 
-from stalwart.events import ToolCall
+from stalwart.events import ToolCall, ToolSpec
 
 from ._types import ContextMessage
 
@@ -33,6 +34,7 @@ __all__ = [
     "estimate_message_tokens",
     "estimate_text_tokens",
     "estimate_tokens",
+    "request_budget",
 ]
 
 _FACTOR_MIN = 0.5
@@ -164,3 +166,23 @@ class TokenEstimator:
     def text(self, text: str) -> int:
         """A bare text's calibrated estimate (no message framing)."""
         return math.ceil(estimate_text_tokens(text, self.profile) * self.factor)
+
+
+def request_budget(
+    context_window: int,
+    *,
+    max_output_tokens: int,
+    tools: Iterable[ToolSpec] = (),
+    estimator: TokenEstimator | None = None,
+) -> int:
+    """The tokens a request's messages may use: the model's window less the reply it
+    may write (``max_tokens``) and the tool declarations sent with it (name, description
+    and JSON schema, estimated like text). Never below 1."""
+    profile = estimator.profile if estimator else DEFAULT_PROFILE
+    factor = estimator.factor if estimator else 1.0
+    declared = 0
+    for spec in tools:
+        schema = json.dumps(spec.parameters, separators=(",", ":"), sort_keys=True)
+        declared += profile.tool_call_overhead
+        declared += estimate_text_tokens(f"{spec.name} {spec.description} {schema}", profile)
+    return max(1, context_window - max_output_tokens - math.ceil(declared * factor))
