@@ -203,3 +203,13 @@ def test_the_request_budget_leaves_room_for_the_reply_and_the_tools() -> None:
         128_000, max_output_tokens=4_096, tools=[spec], estimator=calibrated
     ) < request_budget(128_000, max_output_tokens=4_096, tools=[spec])
     assert request_budget(1_000, max_output_tokens=5_000) == 1
+
+
+def test_engine_calibration_converges_on_the_true_ratio(clock: FakeClock) -> None:
+    dag = DagEngine(summarizer=ExtractiveSummarizer(), clock=clock)
+    messages = topical(10)
+    for _ in range(40):
+        result = dag.assemble("s", messages, 100_000, profile=FRONTIER)
+        raw = sum(estimate_message_tokens(m) for m in result.messages)
+        dag.calibrate(FRONTIER, result.tokens, reported=int(raw * 1.25))
+    assert dag.estimator(FRONTIER).factor == pytest.approx(1.25, rel=0.02)

@@ -155,8 +155,10 @@ class DagEngine(Summaries, Recall):
         return found
 
     def calibrate(self, profile: ModelProfile, estimated: int, reported: int) -> float:
-        """Feed the provider's reported input tokens for an assembly of ``estimated``."""
-        return self.estimator(profile).calibrate(estimated, reported)
+        """Feed the provider's reported input tokens for an assembly whose
+        ``Assembly.tokens`` was ``estimated`` (calibrated with the factor then in force)."""
+        estimator = self.estimator(profile)
+        return estimator.calibrate(round(estimated / estimator.factor), reported)
 
     # -- assembly ---------------------------------------------------------------------
 

@@ -140,7 +140,8 @@ class TokenEstimator:
         self.observations = 0
 
     def calibrate(self, estimated: int, reported: int) -> float:
-        """Feed one (estimated, provider-reported) pair; returns the new factor."""
+        """Feed one pair: ``estimated`` the uncalibrated estimate (:meth:`raw`, summed) of
+        what was sent, ``reported`` what the provider counted; returns the new factor."""
         if estimated <= 0 or reported <= 0:
             return self.factor
         ratio = min(_FACTOR_MAX, max(_FACTOR_MIN, reported / estimated))
