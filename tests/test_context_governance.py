@@ -193,11 +193,13 @@ def test_after_the_reset_timeout_one_trial_closes_or_reopens_it(clock: FakeClock
 
 def test_a_malformed_session_id_is_refused_and_recorded(clock: FakeClock) -> None:
     dag = engine(clock, ExtractiveSummarizer())
-    for bad in ("session:abc", "", "a b", "x" * 200):
+    for bad in ("session:abc", "context:abc", "", "a b", "tab\there", "x" * 200):
         with pytest.raises(ContextScopeError) as caught:
             dag.assemble(bad, turns(1), 1_000)
         assert [e.reason for e in caught.value.events] == ["fail_closed_rollover"]
     assert dag.sessions == {}
+    for good in ("telegram:12345", "9f3c2a", "user@example.com/thread-7"):
+        assert dag.assemble(good, turns(1), 1_000).tokens <= 1_000
 
 
 def test_another_tenant_or_a_rewritten_history_is_refused_not_merged(clock: FakeClock) -> None:

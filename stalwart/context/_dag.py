@@ -28,7 +28,9 @@ from ._types import ContextMessage
 
 __all__ = ["ContextScopeError", "DagSession", "Unit", "valid_session_id"]
 
-_SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_SESSION_ID = re.compile(r"[^\s\x00-\x1f\x7f]{1,128}")
+#: A session id that starts like a stream name was given the wrong thing: whose is it?
+_STREAM_PREFIXES = ("session:", "context:", "provider:", "runtime", "deadletter")
 
 
 class ContextScopeError(StalwartError):
@@ -40,8 +42,13 @@ class ContextScopeError(StalwartError):
 
 
 def valid_session_id(session_id: object) -> bool:
-    """Whether ``session_id`` is a bare session id (no stream prefix, no whitespace)."""
-    return isinstance(session_id, str) and _SESSION_ID.fullmatch(session_id) is not None
+    """Whether ``session_id`` is a bare session id: 1 to 128 characters, no whitespace or
+    control characters, and not a stream name (``session:...``, ``context:...``)."""
+    return (
+        isinstance(session_id, str)
+        and _SESSION_ID.fullmatch(session_id) is not None
+        and not session_id.startswith(_STREAM_PREFIXES)
+    )
 
 
 class Unit:
