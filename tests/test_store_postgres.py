@@ -53,6 +53,11 @@ def test_location_and_repr_hide_the_password(pg_server: PostgresServer, pg_url: 
         pg_server.url("stalwart_test", password=False) + f"?password={pg_server.password}&schema=pw"
     ) as store:
         assert pg_server.password not in store.location
+    short = pg_url.replace("postgresql://", "postgres://", 1)
+    with store_module.open(short) as store:  # type: ignore[attr-defined]
+        assert isinstance(store, PostgresEventStore)
+        assert store.location.startswith("postgres://")
+        assert pg_server.password not in store.location
 
 
 def _assert_clean(error: BaseException, password: str) -> None:
