@@ -111,7 +111,7 @@ def lost(exc: StoreError) -> bool:
     """Whether a StoreError is a connection that broke or that the server closed."""
     cause = exc.__cause__
     return isinstance(cause, psycopg.OperationalError) and not isinstance(
-        cause, psycopg_pool.PoolTimeout
+        cause, psycopg_pool.PoolTimeout | psycopg_pool.PoolClosed
     )
 
 
@@ -145,6 +145,8 @@ class Connections:
         try:
             with self._pool.connection() as conn:
                 yield conn
+        except psycopg_pool.PoolClosed as exc:
+            raise StoreClosedError(f"the store at {where} is closed") from exc
         except psycopg_pool.PoolTimeout as exc:
             raise StoreError(
                 f"no connection to the store at {where} within {self._timeout:g} s "
@@ -159,8 +161,6 @@ class Connections:
             raise StoreError(
                 f"the store at {where} could not {doing}: {type(exc).__name__} ({exc.sqlstate})"
             ) from exc
-        except psycopg_pool.PoolClosed as exc:
-            raise StoreClosedError(f"the store at {where} is closed") from exc
 
     def fetch(self, doing: str, query: Any, params: Sequence[Any] = ()) -> list[Any]:
         """Run a read; a connection the server closed is replaced and the read run again."""
