@@ -3,6 +3,7 @@ seeing a gap while several processes append at once."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -92,3 +93,30 @@ def test_no_reader_sees_a_gap_while_processes_append(pg_url: str) -> None:
         records = list(store.read_all())
         assert [r.position for r in records] == list(range(1, total + 1))
         assert store.head() == total
+
+
+@pytest.mark.slow
+def test_version_and_fence_races_across_processes_have_one_winner(pg_url: str) -> None:
+    procs, rounds = 3, 30
+    with PostgresEventStore(pg_url) as store:
+        store.append("s:warm", [])
+        children = [
+            subprocess.Popen(
+                [sys.executable, CHILD, "race", pg_url, f"p{n}", str(rounds)],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+            )
+            for n in range(procs)
+        ]
+        outputs = [child.communicate(timeout=60)[0] for child in children]
+        assert [child.returncode for child in children] == [0] * procs
+        wins = [json.loads(out) for out in outputs]
+        # each round's stream was created exactly once, by one of 12 racing threads
+        assert sum(w["created"] for w in wins) == rounds
+        assert all(store.stream_version(f"s:new-{r}") == 1 for r in range(rounds))
+        # every claim written raised the epoch: strictly increasing, none twice
+        claims = [int(r.event.message_id.split("/")[0]) for r in store.read_stream("s:claim")]  # type: ignore[attr-defined]
+        assert claims == sorted(set(claims))
+        assert len(claims) == sum(w["claimed"] for w in wins)
+        assert store.lease_epoch("s:claim") == claims[-1]
+        assert store.head() == rounds + len(claims)
