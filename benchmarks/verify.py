@@ -184,11 +184,12 @@ def generate(count: int) -> list[RecordedEvent]:
     """About ``count`` records in log order (global positions, stream versions)."""
     per_session = 20
     sessions = max(1, count // 376 + 1)  # ~376 records a session with its runs
-    sources = [_session(i, per_session) for i in range(sessions)]
+    # a session's runs interleave with its turns: each source sorted by time first
+    sources = [sorted(_session(i, per_session)) for i in range(sessions)]
     end = T0 + sessions * 20 + per_session * 40 + 200
     started = _at(T0 - 1, "runtime", RuntimeStarted(config=Config().to_record(),
                                                      stalwart_version="bench"))  # fmt: skip
-    merged = heapq.merge(iter([started]), _flaky(end), *sources)
+    merged = heapq.merge([started], _flaky(end), *sources)
     versions: dict[str, int] = {}
     out: list[RecordedEvent] = []
     for ts, _, stream, event in merged:
