@@ -35,6 +35,7 @@ MODULES: tuple[str, ...] = (
     "benchmarks.store",
     "benchmarks.providers",
     "benchmarks.supervision",
+    "benchmarks.activations",
     "benchmarks.postgres",
     "benchmarks.context",
     "benchmarks.verify",

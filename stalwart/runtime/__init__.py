@@ -39,6 +39,7 @@ from ._control import (
     send_message,
     submit_tool_result,
 )
+from ._durable import Durability, policy_of
 from ._handles import RUNTIME_STREAM, STOP_TIMEOUT_S, RunHandle, SessionHandle
 from ._layer import ProviderLayer, StoreSink
 from ._runtime import Runtime
@@ -48,6 +49,7 @@ __all__ = [
     "RUNTIME_STREAM",
     "SPAWN_TOOL",
     "STOP_TIMEOUT_S",
+    "Durability",
     "ProviderLayer",
     "RunHandle",
     "Runtime",
@@ -56,6 +58,7 @@ __all__ = [
     "confirm",
     "interrupt",
     "load_session",
+    "policy_of",
     "schedule_wake",
     "send_message",
     "submit_tool_result",
