@@ -21,12 +21,12 @@ for ``replay --all``), folds them as it goes and reports three kinds of :class:`
 * ``undecodable``: a record of a type this version does not know (``UnknownEvent``) or a
   corrupt one the reader could not decode (:meth:`Verification.undecodable`).
 
-The verifiers and deadlines it runs, and how to register one: :mod:`._verify_registry`.
+The verifiers and deadlines it runs, and how to register one: :mod:`._verify_registry`;
+how a deadline is watched: :mod:`._verify_deadlines`.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
@@ -36,6 +36,7 @@ from stalwart.errors import StalwartError
 from stalwart.events import Event, RecordedEvent, RuntimeStarted, UnknownEvent
 
 from ._aggregate import Folder
+from ._verify_deadlines import DeadlineWatch, Missed
 from ._verify_registry import FoldSpec, Knobs, Registry, Verifier, aggregate_of, fold_key, moment
 
 FindingKind = Literal["mismatch", "missed", "undecodable"]
@@ -103,13 +104,6 @@ _Walk = tuple[list[Folder[Any]], list[tuple[int, Folder[Any], frozenset[type[Eve
 _SKIP: _Walk = ([], [])
 
 
-class _Armed(msgspec.Struct, frozen=True, order=True):
-    at: float  # due + slack + grace: an event later than this proves the miss
-    due: float
-    stream: str
-    index: int  # the deadline's place in the registry
-
-
 class Verification:
     """The verification of one walk over the log; feed it with :meth:`add` in log order.
 
@@ -129,7 +123,6 @@ class Verification:
         self._registry = registry
         self._defaults = defaults
         self._knobs = Knobs(None, defaults)
-        self._grace_s = grace_ms / 1000
         self._grace_ms = grace_ms
         self._verify = verify or (lambda stream: True)
         self._by_tag: dict[str, list[Verifier[Any]]] = {}
@@ -140,10 +133,7 @@ class Verification:
         self._walks: dict[str, _Walk] = {}
         self._decision_kinds: set[type[Event]] = set()
         self._other_kinds: set[type[Event]] = set()
-        self._pending: dict[tuple[str, int], float] = {}
-        self._orphaned: dict[tuple[str, int], float] = {}
-        self._heap: list[_Armed] = []
-        self._suspects: dict[tuple[str, int], tuple[float, RecordedEvent]] = {}
+        self._deadlines = DeadlineWatch(registry.deadlines, grace_ms)
         self._findings: list[Finding] = []
         self._checked: dict[str, int] = {}
         self._unchecked: dict[str, int] = {}
@@ -157,9 +147,8 @@ class Verification:
         self._events += 1
         self._last = record
         ts = record.ts
-        self._confirm_suspects(record)
-        if self._heap and self._heap[0].at < ts:
-            self._expire(record)
+        for missed in self._deadlines.before(record):
+            self._missed(missed)
         event = record.event
         kind = type(event)
         if kind is RuntimeStarted:
@@ -213,9 +202,8 @@ class Verification:
 
     def report(self) -> VerifyReport:
         """The findings so far (suspected misses the log's end leaves unconfirmed count)."""
-        for (stream, index), (due, proof) in sorted(self._suspects.items(), key=_by_proof):
-            self._missed(stream, index, due, proof)
-        self._suspects.clear()
+        for missed in self._deadlines.end():
+            self._missed(missed)
         last = self._last
         return VerifyReport(
             events=self._events,
@@ -272,7 +260,8 @@ class Verification:
         kind = type(record.event)
         for index, folder, moves in deadlines:
             if not moves or kind in moves:
-                self._rearm(record.stream, index, folder, record)
+                due = self._due(index, folder)
+                self._deadlines.moved(record.stream, index, due, record, self._knobs)
 
     # -- decisions -------------------------------------------------------------------------------
 
@@ -340,72 +329,18 @@ class Verification:
         except StalwartError:
             return None  # a knob nobody recorded: the decision's own check says so
 
-    def _rearm(
-        self, stream: str, index: int, folder: Folder[Any], record: RecordedEvent | None
-    ) -> None:
-        key = (stream, index)
-        due = self._due(index, folder)
-        if due == self._pending.get(key):
-            return
-        suspect = self._suspects.get(key)
-        if suspect is not None and suspect[1] is not record:
-            del self._suspects[key]  # settled at the proof's moment (the clock had jumped)
-        if due is None:
-            del self._pending[key]
-            return
-        self._pending[key] = due
-        if self._orphaned.get(key) == due:
-            return  # armed by a process that is gone: nobody owes it
-        self._orphaned.pop(key, None)
-        self._push(stream, index, due)
-
-    def _push(self, stream: str, index: int, due: float) -> None:
-        slack = self._registry.deadlines[index].slack_ms(self._knobs) / 1000
-        heapq.heappush(self._heap, _Armed(due + slack + self._grace_s, due, stream, index))
-
     def _restarted(self, ts: float) -> None:
-        """A new process (and config): timers of the old one are gone; deadlines read
-        from the log are owed anew, at the new config's times."""
-        self._heap = []
-        for stream, folders in self._folders.items():
-            for index, key, _ in self._plan(stream)[1]:
-                due = self._due(index, folders[key])
-                if due is None:
-                    self._pending.pop((stream, index), None)
-                    continue
-                self._pending[(stream, index)] = due
-                if self._registry.deadlines[index].survives_restart:
-                    self._push(stream, index, max(due, ts))
-                else:
-                    self._orphaned[(stream, index)] = due
+        """A new process (and config): the deadlines of every stream, at the new config."""
+        dues = [
+            ((stream, index), self._due(index, folders[key]))
+            for stream, folders in self._folders.items()
+            for index, key, _ in self._plan(stream)[1]
+        ]
+        self._deadlines.restarted(ts, dues, self._knobs)
 
-    def _expire(self, record: RecordedEvent) -> None:
-        """Deadlines whose due + slack + grace is before ``record``: suspected missed."""
-        heap = self._heap
-        while heap and heap[0].at < record.ts:
-            armed = heapq.heappop(heap)
-            key = (armed.stream, armed.index)
-            if self._pending.get(key) != armed.due or key in self._suspects:
-                continue  # moved or decided since it was armed
-            decision = self._registry.deadlines[armed.index].decision
-            if record.stream == armed.stream and record.type == decision:
-                continue  # the decision itself, late: made, not missed
-            self._suspects[key] = (armed.due, record)
-
-    def _confirm_suspects(self, record: RecordedEvent) -> None:
-        """A suspect is missed once time moves past its proof still without the decision."""
-        if not self._suspects:
-            return
-        for key, (due, proof) in list(self._suspects.items()):
-            stream, index = key
-            if record.stream == stream and record.type == self._registry.deadlines[index].decision:
-                del self._suspects[key]  # made at the proof's moment (the clock had jumped)
-            elif record.ts > proof.ts:
-                del self._suspects[key]
-                self._missed(stream, index, due, proof)
-
-    def _missed(self, stream: str, index: int, due: float, proof: RecordedEvent) -> None:
-        deadline = self._registry.deadlines[index]
+    def _missed(self, missed: Missed) -> None:
+        stream, due, proof = missed.stream, missed.due, missed.proof
+        deadline = self._registry.deadlines[missed.index]
         late_ms = round((proof.ts - due) * 1000)
         where = "" if proof.stream == stream else f" in {proof.stream}"
         self._findings.append(
@@ -424,10 +359,6 @@ class Verification:
                 expected=[{"type": deadline.decision, "due": due}],
             )
         )
-
-
-def _by_proof(item: tuple[tuple[str, int], tuple[float, RecordedEvent]]) -> int:
-    return item[1][1].position
 
 
 def verify(

@@ -1,0 +1,131 @@
+"""Which deadlines replay verification is waiting on, and when one counts as missed.
+
+:class:`DeadlineWatch` is told when a stream's deadline moves (:meth:`~DeadlineWatch.moved`)
+and sees every record before it is folded (:meth:`~DeadlineWatch.before`). A deadline
+is *suspected* once a record is later than ``due + slack + grace`` (unless that record is
+the decision itself, late), and *missed* once time moves past that record still without
+the decision: a later record, or the end of the log (:meth:`~DeadlineWatch.end`). A
+suspect whose deadline moves or is met at the same moment as its proof is dropped (a
+fake clock that jumped made them simultaneous). A new process (:meth:`~DeadlineWatch.
+restarted`) drops the timers of the old one; deadlines that survive a restart are owed
+again from its start.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from stalwart.events import RecordedEvent
+
+from ._verify_registry import Deadline, Knobs
+
+Key = tuple[str, int]  # (stream, the deadline's index in the registry)
+
+
+class Missed(msgspec.Struct, frozen=True):
+    """A deadline that passed: its stream and index, when it was due, the record proving it."""
+
+    stream: str
+    index: int
+    due: float
+    proof: RecordedEvent
+
+
+class _Armed(msgspec.Struct, frozen=True, order=True):
+    at: float  # due + slack + grace: a record later than this proves the miss
+    due: float
+    stream: str
+    index: int
+
+
+class DeadlineWatch:
+    """The pending deadlines of every stream, a heap of when each would be missed."""
+
+    def __init__(self, deadlines: tuple[Deadline[Any], ...], grace_ms: int) -> None:
+        self._deadlines = deadlines
+        self._grace_s = grace_ms / 1000
+        self._pending: dict[Key, float] = {}
+        self._orphaned: dict[Key, float] = {}
+        self._heap: list[_Armed] = []
+        self._suspects: dict[Key, tuple[float, RecordedEvent]] = {}
+
+    def before(self, record: RecordedEvent) -> list[Missed]:
+        """Look at ``record`` before it is folded; the deadlines it proves missed."""
+        missed = self._confirm(record) if self._suspects else []
+        if self._heap and self._heap[0].at < record.ts:
+            self._expire(record)
+        return missed
+
+    def moved(
+        self, stream: str, index: int, due: float | None, record: RecordedEvent, knobs: Knobs
+    ) -> None:
+        """``stream``'s deadline ``index`` is now ``due`` (None: nothing pending)."""
+        key = (stream, index)
+        if due == self._pending.get(key):
+            return
+        suspect = self._suspects.get(key)
+        if suspect is not None and suspect[1] is not record:
+            del self._suspects[key]  # settled at the proof's moment (the clock had jumped)
+        if due is None:
+            del self._pending[key]
+            return
+        self._pending[key] = due
+        if self._orphaned.get(key) == due:
+            return  # armed by a process that is gone: nobody owes it
+        self._orphaned.pop(key, None)
+        self._push(stream, index, due, knobs)
+
+    def restarted(self, ts: float, dues: Iterable[tuple[Key, float | None]], knobs: Knobs) -> None:
+        """A new process at ``ts`` with the deadlines ``dues`` (under the new config)."""
+        self._heap = []
+        for key, due in dues:
+            if due is None:
+                self._pending.pop(key, None)
+                continue
+            self._pending[key] = due
+            if self._deadlines[key[1]].survives_restart:
+                self._push(key[0], key[1], max(due, ts), knobs)
+            else:
+                self._orphaned[key] = due
+
+    def end(self) -> list[Missed]:
+        """The log ended: suspects it leaves unconfirmed are missed (their proof is late)."""
+        missed = [
+            Missed(stream, index, due, proof)
+            for (stream, index), (due, proof) in sorted(
+                self._suspects.items(), key=lambda item: item[1][1].position
+            )
+        ]
+        self._suspects.clear()
+        return missed
+
+    def _push(self, stream: str, index: int, due: float, knobs: Knobs) -> None:
+        slack = self._deadlines[index].slack_ms(knobs) / 1000
+        heapq.heappush(self._heap, _Armed(due + slack + self._grace_s, due, stream, index))
+
+    def _expire(self, record: RecordedEvent) -> None:
+        heap = self._heap
+        while heap and heap[0].at < record.ts:
+            armed = heapq.heappop(heap)
+            key = (armed.stream, armed.index)
+            if self._pending.get(key) != armed.due or key in self._suspects:
+                continue  # moved or decided since it was armed
+            decision = self._deadlines[armed.index].decision
+            if record.stream == armed.stream and record.type == decision:
+                continue  # the decision itself, late: made, not missed
+            self._suspects[key] = (armed.due, record)
+
+    def _confirm(self, record: RecordedEvent) -> list[Missed]:
+        missed = []
+        for key, (due, proof) in list(self._suspects.items()):
+            stream, index = key
+            if record.stream == stream and record.type == self._deadlines[index].decision:
+                del self._suspects[key]  # made at the proof's moment (the clock had jumped)
+            elif record.ts > proof.ts:
+                del self._suspects[key]
+                missed.append(Missed(stream, index, due, proof))
+        return missed
