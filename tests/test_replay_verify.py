@@ -68,6 +68,15 @@ def test_the_doctored_golden_log_fails_with_each_finding_in_words(doctored: Path
     assert out.rstrip().endswith("NOT CLEAN: 1 decision that does not follow, 2 missed deadlines")
 
 
+def test_a_wider_grace_forgives_the_misses_but_not_the_early_watchdog(doctored: Path) -> None:
+    code, out = run(doctored, "--all", "--verify", "--grace-ms", "250000")
+    assert code == 1
+    assert "MISSED" not in out  # the log ends 249 s after run B's watchdog was due
+    code, out = run(doctored, "--all", "--verify", "--grace-ms", "150000")
+    assert out.count("MISSED") == 1  # at 159 s past it, the watchdog's miss shows again
+    assert "DOES NOT FOLLOW" in out
+
+
 def test_json_report(doctored: Path) -> None:
     code, out = run(doctored, "--all", "--verify", "--json")
     assert code == 1

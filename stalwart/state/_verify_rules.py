@@ -164,14 +164,13 @@ def _as_split(event: Event, found: SubagentRecoveryDecided) -> Event:
     return msgspec.structs.replace(event, subtasks=found.subtasks)
 
 
-def _run_due(decide: str) -> Any:
-    def due(state: RunState, knobs: Knobs) -> float | None:
-        if decide == "watchdog":
-            per_step = knobs.get_int("subagents.per_step_timeout_ms")
-            return watchdog_deadline(state, per_step_timeout_ms=per_step)
-        return ghost_deadline(state, ghost_grace_ms=knobs.get_int("subagents.ghost_grace_ms"))
+def _watchdog_due(state: RunState, knobs: Knobs) -> float | None:
+    per_step = knobs.get_int("subagents.per_step_timeout_ms")
+    return watchdog_deadline(state, per_step_timeout_ms=per_step)
 
-    return due
+
+def _ghost_due(state: RunState, knobs: Knobs) -> float | None:
+    return ghost_deadline(state, ghost_grace_ms=knobs.get_int("subagents.ghost_grace_ms"))
 
 
 # -- a session's calls and turn -----------------------------------------------------------
@@ -345,7 +344,7 @@ BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
         "sub-agent watchdog",
         "subagent:watchdog_timeout",
         _RUN,
-        _run_due("watchdog"),
+        _watchdog_due,
         _RUNS,
         moves=_RUN_ENDS,
     ),
@@ -353,7 +352,7 @@ BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
         "ghost sweep",
         "subagent:ghost_swept",
         _RUN,
-        _run_due("ghost"),
+        _ghost_due,
         _RUNS,
         slack_ms=_ms("subagents.ghost_sweep_interval_ms"),
         survives_restart=True,
