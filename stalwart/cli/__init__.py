@@ -11,6 +11,7 @@ from . import (  # noqa: F401  (they register their commands)
     _session,
     _status,
     _watch,
+    _worker,
 )
 from ._app import cli, main
 

@@ -1,0 +1,77 @@
+"""``stalwart worker``: run activations from the store until stopped; ``stalwart session
+send``: give a session a user message from the command line.
+
+A worker is a :class:`~stalwart.runtime.Runtime` on the config's providers and channels
+whose activation worker leases any session's due work in the store: run several (on one
+machine, or on several hosts with a PostgreSQL store) and each activation is run by
+exactly one of them at a time; a worker that dies has its work taken over after the
+lease TTL. SIGTERM or SIGINT stops it cleanly (its wakes in flight are taken over).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import click
+
+from stalwart.config import load_config
+from stalwart.runtime import Runtime, send_message
+from stalwart.store import open as open_store
+
+from ._app import DEFAULT_STORE, _State, cli, session
+
+
+@cli.command()
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="The runtime config (TOML, YAML or JSON): providers, agents, channels.",
+)
+@click.option(
+    "--for",
+    "seconds",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Stop after this many seconds (default: run until SIGTERM or Ctrl-C).",
+)
+@click.pass_obj
+def worker(state: _State, config_path: Path, seconds: float | None) -> None:
+    """Run the sessions' activations from the store until stopped."""
+    config = load_config(config_path)
+    store = state.store_for(config, create=True)
+    stop = threading.Event()
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        with Runtime(config, store=store) as rt:
+            owner = rt.worker().owner
+            click.echo(f"worker {owner} on {store.location}", err=True)
+            stop.wait(seconds)
+            click.echo(f"worker {owner} stopping", err=True)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        store.close()
+    sys.stdout.flush()
+
+
+@session.command("send")
+@click.argument("session_id", metavar="SESSION")
+@click.argument("text")
+@click.option("--agent", default="default", show_default=True, help="For a new session.")
+@click.option("--channel", default="console", show_default=True, help="For a new session.")
+@click.pass_obj
+def send(state: _State, session_id: str, text: str, agent: str, channel: str) -> None:
+    """Give SESSION a user message (durable when this returns); a worker answers it."""
+    store = open_store(state.location or DEFAULT_STORE, create=True)
+    try:
+        activation = send_message(store, session_id, text, agent=agent, channel=channel)
+    finally:
+        store.close()
+    click.echo(activation)

@@ -1,0 +1,87 @@
+"""``stalwart session send`` and ``stalwart worker``: a message given from the command line
+is answered by a worker process started from the command line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from stalwart import store as store_module
+from stalwart.cli import cli
+from stalwart.events import ActivationAcked, ActivationReady, AnnouncementQueued
+from stalwart.testing import Answer, FakeProvider
+
+GUARD = 30.0
+
+
+def _config(tmp_path: Path, base_url: str) -> Path:
+    path = tmp_path / "stalwart.toml"
+    path.write_text(
+        f"""
+[store]
+location = "{tmp_path / "store"}"
+
+[providers.main]
+kind = "openai"
+base_url = "{base_url}"
+
+[agents.default]
+provider = "main"
+model = "m1"
+
+[activations]
+poll_ms = 50
+"""
+    )
+    return path
+
+
+def test_a_message_sent_from_the_cli_is_answered_by_a_worker_process(tmp_path: Path) -> None:
+    store_dir = tmp_path / "store"
+    result = CliRunner().invoke(cli, ["--store", str(store_dir), "session", "send", "s1", "hi"])
+    assert result.exit_code == 0, result.output
+    activation = result.output.strip()
+    with FakeProvider() as fake:
+        fake.set_default(Answer(text="hello from the worker"))
+        config = _config(tmp_path, fake.base_url)
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "stalwart", "worker", "--config", str(config)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            give_up = time.monotonic() + GUARD
+            with store_module.open(store_dir) as store:
+                while True:
+                    records = list(store.read_stream("session:s1"))
+                    if any(isinstance(r.event, ActivationAcked) for r in records):
+                        break
+                    assert time.monotonic() < give_up, [r.type for r in records]
+                    store.wait_for(store.head() + 1, 0.5)
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            out, err = worker.communicate(timeout=GUARD)
+    assert worker.returncode == 0, err
+    assert "hello from the worker" in out  # the console channel of the worker
+    assert err.startswith("worker ") and "stopping" in err
+    [ready] = [r.event for r in records if isinstance(r.event, ActivationReady)]
+    assert ready.activation_id == activation
+    [queued] = [r.event for r in records if isinstance(r.event, AnnouncementQueued)]
+    assert queued.text == "hello from the worker"
+
+
+def test_worker_with_a_bad_config_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[activations]\nlease_ttl_ms = -1\n")
+    result = CliRunner().invoke(cli, ["worker", "--config", str(bad)])
+    assert result.exit_code == 1
+    assert "lease_ttl_ms" in result.stderr
+    assert "Traceback" not in result.output + result.stderr
