@@ -40,8 +40,11 @@ from ._context import (
     ExpandContext,
     InspectContext,
     SearchContext,
-    context_tools,
     to_provider_messages,
+)
+from ._context_tools import (
+    ProviderSummarizer,
+    context_tools,
 )
 from ._deadletter import (
     DEADLETTER_STREAM,
@@ -167,6 +170,7 @@ __all__ = [
     "Nudge",
     "PollHealth",
     "ProviderHealthActor",
+    "ProviderSummarizer",
     "QueueState",
     "Recovered",
     "RestartNoticeSent",

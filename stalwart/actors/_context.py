@@ -18,8 +18,9 @@ one :class:`~stalwart.context.pipeline.PipelineEngine` per session. A refused wr
 :class:`~stalwart.context.ContextScopeError`. The summarizer governor is folded from
 every ``context:`` stream at start, so spend caps and the breaker survive a restart.
 
-:func:`context_tools` gives an agent ``ctx_search`` / ``ctx_inspect`` / ``ctx_expand``
-bound to its own session and tenant (dag mode only).
+:func:`~stalwart.actors.context_tools` gives an agent ``ctx_search`` / ``ctx_inspect`` /
+``ctx_expand`` bound to its own session and tenant (dag mode only), and
+:class:`~stalwart.actors.ProviderSummarizer` summarizes with a model.
 """
 
 from __future__ import annotations
@@ -44,11 +45,9 @@ from stalwart.context import (
     valid_session_id,
 )
 from stalwart.context.pipeline import PipelineEngine
-from stalwart.errors import ToolError
 from stalwart.events import ContextDagDegraded, Event
 from stalwart.providers import Message
 from stalwart.store import EventStore
-from stalwart.tools import ToolRegistry
 
 __all__ = [
     "REFUSALS_STREAM",
@@ -59,7 +58,6 @@ __all__ = [
     "ExpandContext",
     "InspectContext",
     "SearchContext",
-    "context_tools",
     "to_provider_messages",
 ]
 
@@ -315,69 +313,3 @@ class ContextStoreActor(pykka.ThreadingActor):
         recorded = self._store.append(stream, list(events), expected_version=expected)
         if versioned and recorded:
             self._versions[session_id] = recorded[-1].version
-
-
-# -- the agent's recall tools ---------------------------------------------------------------
-
-_SEARCH = (
-    "Search this conversation's full history, including parts shown only as summaries, "
-    "by keywords (BM25). Returns message and summary ids with snippets; pass an id to "
-    "ctx_expand for the exact text."
-)
-_INSPECT = "Show what a summary covers: its depth, message range, time range and children."
-_EXPAND = (
-    "Return the exact stored messages under a summary id (or one message id), up to "
-    "max_tokens; when 'next_after' is set, call again with after and offset to continue."
-)
-
-
-def context_tools(
-    ref: pykka.ActorRef[Any],
-    session_id: str,
-    tenant: str | None,
-    *,
-    settings: ContextEngineSettings | None = None,
-    timeout: float = 10.0,
-) -> ToolRegistry:
-    """``ctx_search``, ``ctx_inspect`` and ``ctx_expand`` bound to one session and tenant
-    (the model cannot name another); an empty registry in pipeline mode. Each call asks
-    the ContextStore within ``timeout`` seconds; an id outside the session is refused
-    with the same static sentence whatever the reason."""
-    tools = ToolRegistry()
-    if (settings or ContextEngineSettings()).version != "dag":
-        return tools
-
-    def ask(message: object) -> str:
-        try:
-            answer = ref.ask(message, timeout=timeout)
-        except ContextScopeError as exc:
-            raise ToolError(str(exc), error_class="not_found") from None
-        return msgspec.json.encode(answer).decode()
-
-    def ctx_search(query: str, limit: int = 5) -> str:
-        return ask(SearchContext(session_id=session_id, tenant=tenant, query=query, limit=limit))
-
-    def ctx_inspect(summary_id: str) -> str:
-        return ask(InspectContext(session_id=session_id, tenant=tenant, summary_id=summary_id))
-
-    def ctx_expand(
-        id: str,
-        max_tokens: int = 2_000,
-        after: str | None = None,
-        offset: int = 0,
-    ) -> str:
-        return ask(
-            ExpandContext(
-                session_id=session_id,
-                tenant=tenant,
-                target=id,
-                max_tokens=max_tokens,
-                after=after,
-                offset=offset,
-            )
-        )
-
-    tools.register(ctx_search, description=_SEARCH)
-    tools.register(ctx_inspect, description=_INSPECT)
-    tools.register(ctx_expand, description=_EXPAND)
-    return tools

@@ -1,0 +1,144 @@
+"""What an agent gets from the ContextStore besides its context: the recall tools bound
+to its session, and an LLM summarizer through the provider layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import msgspec
+import pykka
+
+from stalwart.config import ContextEngineSettings
+from stalwart.context import (
+    SUMMARY_INSTRUCTIONS,
+    ContextMessage,
+    ContextScopeError,
+    SummaryRequest,
+)
+from stalwart.errors import ToolError
+from stalwart.providers import Message, ProviderClient, ProviderRequest
+from stalwart.tools import ToolRegistry
+
+from ._context import ExpandContext, InspectContext, SearchContext
+from ._portal import IoPortal
+
+__all__ = ["ProviderSummarizer", "context_tools"]
+
+
+# -- an LLM summarizer through the provider layer ------------------------------------------
+
+
+class ProviderSummarizer:
+    """A :class:`~stalwart.context.Summarizer` that asks a model through a
+    :class:`~stalwart.providers.ProviderClient` on the :class:`IoPortal`'s loop.
+
+    The call is bounded by ``timeout_s`` (a cancel scope on the loop, and the wait for
+    its result): a hung provider is a summarizer failure, which the engine records and
+    its breaker counts, never a hang. The chunk is sent as untrusted data inside one user
+    message, after the engine's instructions in the system prompt. The calling thread
+    waits for the answer (the ContextStore's mailbox does); keep ``timeout_s`` at or
+    under ``summarizer_breaker.half_open_timeout_ms``.
+    """
+
+    def __init__(
+        self, client: ProviderClient, model: str, portal: IoPortal, *, timeout_s: float = 30.0
+    ) -> None:
+        self.client = client
+        self.model = model
+        self.portal = portal
+        self.timeout_s = timeout_s
+
+    def __call__(self, request: SummaryRequest) -> tuple[str, int, int]:
+        chunk = "\n\n".join(
+            f"[{message.role} #{message.seq}]\n{_flatten(message)}" for message in request.messages
+        )
+        body = ProviderRequest(
+            messages=(
+                Message(role="system", content=request.instructions or SUMMARY_INSTRUCTIONS),
+                Message(role="user", content=f"<messages>\n{chunk}\n</messages>"),
+            ),
+            max_tokens=request.max_tokens,
+        )
+        future = self.portal.submit(self._complete, body)
+        try:
+            response = future.result(timeout=self.timeout_s + 1.0)
+        except TimeoutError:
+            future.cancel()
+            raise
+        return response.text, response.input_tokens, response.output_tokens
+
+    async def _complete(self, body: ProviderRequest) -> Any:
+        with anyio.fail_after(self.timeout_s):
+            return await self.client.complete(self.model, body)
+
+
+def _flatten(message: ContextMessage) -> str:
+    calls = "".join(f"\n(call {call.name} {call.arguments})" for call in message.tool_calls)
+    return message.content + calls
+
+
+# -- the agent's recall tools ---------------------------------------------------------------
+
+_SEARCH = (
+    "Search this conversation's full history, including parts shown only as summaries, "
+    "by keywords (BM25). Returns message and summary ids with snippets; pass an id to "
+    "ctx_expand for the exact text."
+)
+_INSPECT = "Show what a summary covers: its depth, message range, time range and children."
+_EXPAND = (
+    "Return the exact stored messages under a summary id (or one message id), up to "
+    "max_tokens; when 'next_after' is set, call again with after and offset to continue."
+)
+
+
+def context_tools(
+    ref: pykka.ActorRef[Any],
+    session_id: str,
+    tenant: str | None,
+    *,
+    settings: ContextEngineSettings | None = None,
+    timeout: float = 10.0,
+) -> ToolRegistry:
+    """``ctx_search``, ``ctx_inspect`` and ``ctx_expand`` bound to one session and tenant
+    (the model cannot name another); an empty registry in pipeline mode. Each call asks
+    the ContextStore within ``timeout`` seconds; an id outside the session is refused
+    with the same static sentence whatever the reason."""
+    tools = ToolRegistry()
+    if (settings or ContextEngineSettings()).version != "dag":
+        return tools
+
+    def ask(message: object) -> str:
+        try:
+            answer = ref.ask(message, timeout=timeout)
+        except ContextScopeError as exc:
+            raise ToolError(str(exc), error_class="not_found") from None
+        return msgspec.json.encode(answer).decode()
+
+    def ctx_search(query: str, limit: int = 5) -> str:
+        return ask(SearchContext(session_id=session_id, tenant=tenant, query=query, limit=limit))
+
+    def ctx_inspect(summary_id: str) -> str:
+        return ask(InspectContext(session_id=session_id, tenant=tenant, summary_id=summary_id))
+
+    def ctx_expand(
+        id: str,
+        max_tokens: int = 2_000,
+        after: str | None = None,
+        offset: int = 0,
+    ) -> str:
+        return ask(
+            ExpandContext(
+                session_id=session_id,
+                tenant=tenant,
+                target=id,
+                max_tokens=max_tokens,
+                after=after,
+                offset=offset,
+            )
+        )
+
+    tools.register(ctx_search, description=_SEARCH)
+    tools.register(ctx_inspect, description=_INSPECT)
+    tools.register(ctx_expand, description=_EXPAND)
+    return tools
