@@ -12,6 +12,7 @@ from stalwart.cli import cli
 from stalwart.clock import FakeClock
 from stalwart.context import ContextMessage, DagEngine, ExtractiveSummarizer
 from stalwart.events import MessageAppended
+from stalwart.testing import Answer, FakeProvider
 
 
 def openai_transcript(turns: int) -> list[dict[str, object]]:
@@ -183,3 +184,36 @@ def test_search_and_expand_a_stored_session(tmp_path: Path) -> None:
     unknown = CliRunner().invoke(cli, ["--store", str(location), "context", "expand", "s9", "nope"])
     assert unknown.exit_code == 1
     assert unknown.output == "stalwart: error: no summary or message with that id in this session\n"
+
+
+def test_simulate_can_summarize_with_a_real_model(tmp_path: Path, fake: FakeProvider) -> None:
+    fake.set_default(Answer(text="A short summary of the earlier turns.", input_tokens=500))
+    config = tmp_path / "stalwart.toml"
+    config.write_text(
+        f'[providers.fake]\nkind = "openai"\nbase_url = "{fake.base_url}"\n\n'
+        '[agents.default]\nprovider = "fake"\nmodel = "summarizer-1"\n'
+    )
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(openai_transcript(30)))
+    result = CliRunner().invoke(
+        cli,
+        [
+            "context",
+            "simulate",
+            "--transcript",
+            str(path),
+            "--budget",
+            "2500",
+            "--config",
+            str(config),
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    final = json.loads(result.stdout.splitlines()[-1])
+    assert final["summaries"] > 0
+    assert final["over_budget"] == 0
+    assert fake.requests
+    assert all(r.model == "summarizer-1" for r in fake.requests)
+    shown = "\n".join(m["content"] for m in final["messages"])
+    assert "| A short summary of the earlier turns." in shown

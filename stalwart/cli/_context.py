@@ -9,23 +9,27 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
 import click
 import msgspec
 
+from stalwart.actors import IoPortal, ProviderSummarizer
 from stalwart.clock import FakeClock
-from stalwart.config import ContextEngineSettings
+from stalwart.config import Config, ContextEngineSettings, load_config
 from stalwart.context import (
     ContextScopeError,
     DagEngine,
     ExtractiveSummarizer,
+    Summarizer,
     messages_from_records,
     read_transcript,
 )
 from stalwart.context._simulate import MODEL_PROFILES, CallReport, simulate
 from stalwart.errors import StalwartError
+from stalwart.providers import ProviderClient
 
 from ._app import _State, cli
 from ._render import to_json
@@ -65,8 +69,45 @@ def context() -> None:
     is_flag=True,
     help="One JSON object per call, then one with the assembled messages.",
 )
-def simulate_command(path: str, budget: int, engine: str, profile: str, as_json: bool) -> None:
-    """Run a transcript through the engine as an agent would, one call per assistant turn."""
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    help="Summarize with a real model: this config's agent (--agent) and its provider.",
+)
+@click.option("--agent", default="default", show_default=True, help="The agent of --config.")
+def simulate_command(
+    path: str,
+    budget: int,
+    engine: str,
+    profile: str,
+    as_json: bool,
+    config_path: str | None,
+    agent: str,
+) -> None:
+    """Run a transcript through the engine as an agent would, one call per assistant turn.
+
+    Summaries come from a deterministic stand-in (the same text for the same input), or
+    from a real model with --config."""
+    with contextlib.ExitStack() as stack:
+        summarizer: Summarizer = ExtractiveSummarizer()
+        if config_path is not None:
+            summarizer = _model_summarizer(load_config(config_path), agent, stack)
+        _simulate(path, budget, engine, profile, as_json, summarizer)
+
+
+def _model_summarizer(config: Config, agent: str, stack: contextlib.ExitStack) -> Summarizer:
+    settings = config.agent(agent)
+    client = ProviderClient(settings.provider, config.providers[settings.provider])
+    portal = stack.enter_context(IoPortal())
+    stack.callback(lambda: portal.submit(client.aclose).result(timeout=10))
+    timeout_s = config.context_engine.summarizer_breaker.half_open_timeout_ms / 1000
+    return ProviderSummarizer(client, settings.model, portal, timeout_s=timeout_s)
+
+
+def _simulate(
+    path: str, budget: int, engine: str, profile: str, as_json: bool, summarizer: Summarizer
+) -> None:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
@@ -75,7 +116,6 @@ def simulate_command(path: str, budget: int, engine: str, profile: str, as_json:
     if not messages:
         raise StalwartError(f"the transcript {path} has no messages")
     clock = FakeClock(start=max(1.0, messages[0].ts or 1.0))
-    summarizer = ExtractiveSummarizer()
     totals = {
         "calls": 0,
         "violations": 0,
