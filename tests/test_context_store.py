@@ -25,7 +25,7 @@ from stalwart.context import (
     ModelProfile,
     SummaryRequest,
 )
-from stalwart.errors import ToolError
+from stalwart.errors import ConcurrencyError, ToolError
 from stalwart.events import (
     ContextAssembled,
     ContextBound,
@@ -215,3 +215,21 @@ def test_the_provider_summarizer_asks_a_model_and_is_bounded(fake: FakeProvider)
         with pytest.raises(TimeoutError):
             summarizer(request)
         portal.submit(client.aclose).result(timeout=ASK)
+
+
+def test_decisions_that_could_not_be_recorded_are_forgotten(start, store: EventStore) -> None:  # type: ignore[no-untyped-def]
+    ref = start()
+    messages = history(30)
+    ref.ask(Assemble(session_id="s1", messages=messages[:11], budget=2_500), timeout=ASK)
+    # another writer on the stream: the actor's next append conflicts
+    store.append("context:s1", [ContextDagDegraded(reason="tail_over_budget", session="s1")])
+    with pytest.raises(ConcurrencyError):
+        ref.ask(Assemble(session_id="s1", messages=messages, budget=2_500), timeout=ASK)
+    reply = ref.ask(Assemble(session_id="s1", messages=messages, budget=2_500), timeout=ASK)
+    recorded = {
+        r.event.summary_id
+        for r in store.read_stream("context:s1")
+        if isinstance(r.event, ContextSummaryCreated)
+    }
+    assert set(reply.summaries_made) <= recorded
+    assert recorded  # the retry made (and recorded) the summaries the failed call lost

@@ -243,7 +243,14 @@ class ContextStoreActor(pykka.ThreadingActor):
             )
             self._append(stream or REFUSALS_STREAM, refusal, versioned=stream is not None)
             raise
-        self._append(f"context:{session_id}", result.events)
+        try:
+            self._append(f"context:{session_id}", result.events)
+        except Exception:
+            # what the engine decided is not in the log: forget it, so the next call
+            # rebuilds the session from what is (nothing is used before it is recorded)
+            self._dag.sessions.pop(session_id, None)
+            self._versions.pop(session_id, None)
+            raise
         return Assembled(
             messages=to_provider_messages(result.messages),
             tokens=result.tokens,
