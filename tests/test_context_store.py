@@ -233,3 +233,27 @@ def test_decisions_that_could_not_be_recorded_are_forgotten(start, store: EventS
     }
     assert set(reply.summaries_made) <= recorded
     assert recorded  # the retry made (and recorded) the summaries the failed call lost
+
+
+def test_idle_sessions_leave_memory_and_come_back_from_the_log(
+    store: EventStore, clock: FakeClock
+) -> None:
+    ref = ContextStoreActor.start(
+        store=store,
+        clock=clock,
+        summarizer=ExtractiveSummarizer(),
+        settings=ContextEngineSettings(fresh_tail_turns=2),
+        max_sessions=2,
+    )
+    try:
+        messages = history(30)
+        first = ref.ask(Assemble(session_id="a", messages=messages, budget=2_500), timeout=ASK)
+        for other in ("b", "c"):
+            ref.ask(Assemble(session_id=other, messages=messages, budget=2_500), timeout=ASK)
+        # "a" left memory: a record appended meanwhile is folded, not a conflict
+        store.append("context:a", [ContextDagDegraded(reason="tail_over_budget", session="a")])
+        again = ref.ask(Assemble(session_id="a", messages=messages, budget=2_500), timeout=ASK)
+        assert again.messages == first.messages
+        assert again.summaries_made == ()  # rebuilt from the log, nothing made twice
+    finally:
+        ref.stop()

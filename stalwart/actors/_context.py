@@ -25,6 +25,7 @@ every ``context:`` stream at start, so spend caps and the breaker survive a rest
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
@@ -143,6 +144,9 @@ class ContextStoreActor(pykka.ThreadingActor):
     """Owns every ``context:<session>`` stream. Start with ``ContextStoreActor.start(
     store=..., clock=..., summarizer=..., settings=ContextEngineSettings())``.
 
+    At most ``max_sessions`` sessions are kept in memory (the least recently used go and
+    are rebuilt from the log on their next call).
+
     Messages: :class:`Assemble` (replies :class:`Assembled`), :class:`Calibrate`,
     :class:`SearchContext`, :class:`InspectContext`, :class:`ExpandContext` (reply with
     the engine's answer; dag mode). A store error or an append conflict fails the actor;
@@ -157,8 +161,11 @@ class ContextStoreActor(pykka.ThreadingActor):
         summarizer: Summarizer,
         settings: ContextEngineSettings | None = None,
         on_crash: Callable[[str], object] | None = None,
+        max_sessions: int = 256,
     ) -> None:
         super().__init__()
+        self._max_sessions = max(1, max_sessions)
+        self._recent: OrderedDict[str, None] = OrderedDict()
         self._store = store
         self._clock = clock
         self._summarizer = summarizer
@@ -190,6 +197,9 @@ class ContextStoreActor(pykka.ThreadingActor):
         crashed(self._on_crash, (exception_type, exception_value, traceback))
 
     def on_receive(self, message: Any) -> Any:
+        session_id = getattr(message, "session_id", None)
+        if isinstance(session_id, str):
+            self._touch(session_id)
         match message:
             case Assemble():
                 return self._assemble(message)
@@ -292,6 +302,17 @@ class ContextStoreActor(pykka.ThreadingActor):
             layers_fired=result.layers_fired,
             repairs=result.repairs,
         )
+
+    def _touch(self, session_id: str) -> None:
+        """Keep the ``max_sessions`` most recently used sessions in memory; the others
+        are rebuilt from the log when they are next used."""
+        self._recent[session_id] = None
+        self._recent.move_to_end(session_id)
+        while len(self._recent) > self._max_sessions:
+            idle, _ = self._recent.popitem(last=False)
+            self._dag.sessions.pop(idle, None)
+            self._pipelines.pop(idle, None)
+            self._versions.pop(idle, None)
 
     # -- the log ------------------------------------------------------------------------
 
