@@ -14,7 +14,8 @@ from stalwart.context import (
     ModelProfile,
     validity_violations,
 )
-from stalwart.events import ToolCall
+from stalwart.events import ContextSummaryCreated, RecordedEvent, ToolCall
+from stalwart.state import CONTEXT_DAG, GovernorState, apply_governor, fold
 
 # a step: a user message, or an assistant answer, or a call with results (some missing:
 # a crash between call and result), texts of random sizes (identical texts included)
@@ -112,3 +113,48 @@ def test_assembly_is_valid_within_budget_and_expansion_is_lossless(
 
 def _fields(message: ContextMessage) -> dict[str, object]:
     return {name: getattr(message, name) for name in message.__struct_fields__}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(STEP, min_size=5, max_size=60), cut=st.floats(min_value=0, max_value=1))
+def test_folding_a_prefix_then_the_rest_equals_folding_all(
+    steps: list[tuple[str, str]], cut: float
+) -> None:
+    messages = build(steps)
+    dag = DagEngine(
+        ContextEngineSettings(fresh_tail_turns=1, condensed_min_fanout=2),
+        summarizer=ExtractiveSummarizer(),
+        clock=FakeClock(),
+    )
+    events = []
+    for end in range(1, len(messages) + 1):
+        events += dag.assemble("s", messages[:end], 1_500, tenant="t").events
+    records = [
+        RecordedEvent(
+            position=i + 1,
+            stream="context:s",
+            version=i + 1,
+            ts=float(i),
+            id=str(i),
+            causation_id=None,
+            correlation_id=None,
+            schema=1,
+            event=event,
+        )
+        for i, event in enumerate(events)
+    ]
+    split = int(len(records) * cut)
+    whole = fold(CONTEXT_DAG, "context:s", records)
+    halves = fold(
+        CONTEXT_DAG, "context:s", records[split:], fold(CONTEXT_DAG, "context:s", records[:split])
+    )
+    assert halves == whole
+    assert list(whole.roots) == dag.sessions["s"].roots
+    governor = GovernorState(tenant="t")
+    for record in records:
+        governor = apply_governor(governor, record)
+    assert governor.spend == tuple(
+        (r.ts, r.event.input_tokens + r.event.output_tokens)
+        for r in records
+        if isinstance(r.event, ContextSummaryCreated) and not r.event.fallback
+    )
