@@ -20,6 +20,7 @@ from stalwart.events import (
     ActivationCancelled,
     ActivationLeased,
     ActivationReady,
+    ActivationRequeued,
     AnnouncementDelivered,
     LeaseRenewed,
     MessageAppended,
@@ -417,5 +418,31 @@ def test_an_idle_agent_is_passivated_and_rebuilt_by_its_next_wake(
         session.send("two")
         replies = delivered(rt, chat, 2)
         assert replies[-1].text == "default answer"
-        assert session.ref is not first and session.ref.is_alive()
+        assert session.ref is not first
+        assert session.ref.is_alive()
         assert session.status(GUARD).session.turns == 2  # rebuilt from the log
+
+
+def test_an_agent_that_crashes_mid_wake_is_retried_with_backoff(
+    rt: Runtime, store: EventStore, fake: FakeProvider, clock: FakeClock, chat: MemoryChannel
+) -> None:
+    fake.add(Hang())
+    session = rt.session("s1", channel="chat")
+    session.send("hello", message_id="m1")
+    fake.wait_for(lambda requests: len(requests) == 1, GUARD)
+    session.ref.tell(object())  # the Agent dies of an exception mid-wake
+    records = log_until(store, "session:s1", has(ActivationRequeued))
+    [requeued] = of(ActivationRequeued, records)
+    assert (requeued.streak, requeued.delay_ms, requeued.error_class) == (1, 2000, "agent_crashed")
+    assert requeued.run_at == clock.now() + 2.0
+    clock.advance(0.5)  # the supervisor's restart backoff
+    assert len(of(ActivationLeased, list(store.read_stream("session:s1")))) == 1
+    clock.advance(1.5)  # the retry is due: leased again at the next epoch, answered
+    [reply] = delivered(rt, chat, 1)
+    assert reply.text == "default answer"
+    records = log_until(store, "session:s1", has(ActivationAcked))
+    assert [e.epoch for e in of(ActivationLeased, records)] == [1, 2]
+    assert of(ActivationAcked, records)[0].epoch == 2
+    assert [e.outcome for e in of(TurnCompleted, records)] == ["interrupted", "answered"]
+    users = [e for e in of(MessageAppended, records) if e.role == "user"]
+    assert [u.message_id for u in users] == ["m1"]  # the retry did not add it again
