@@ -29,7 +29,8 @@ from stalwart.context.pipeline._clean import (
     strip_reasoning_tags,
 )
 from stalwart.context.pipeline._compaction import apply_summary, compact
-from stalwart.context.pipeline._reinject import rehydrate, reinforce_objective
+from stalwart.context.pipeline._objective import reinforce_objective
+from stalwart.context.pipeline._reinject import rehydrate
 from stalwart.context.pipeline._run import Run
 from stalwart.context.pipeline._shape import evict_dead_content, mask_observations, window_history
 from stalwart.events import ContextAssembled, ContextCompacted
@@ -112,6 +113,7 @@ def make_run(
     state: PipelineState | None = None,
     summarizer: Summaries | None = None,
     reader: dict[str, str] | None = None,
+    estimator: TokenEstimator = ESTIMATOR,
 ) -> Run:
     return Run(
         config=config or PipelineConfig(),
@@ -122,7 +124,7 @@ def make_run(
         turn=max((m.turn for m in messages), default=0),
         replay=replay,
         state=state or PipelineState(),
-        estimator=ESTIMATOR,
+        estimator=estimator,
         summarizer=summarizer or Summaries(),
         reader=None if reader is None else reader.get,
     )
@@ -564,6 +566,20 @@ def test_rehydration_rereads_the_instructions_and_referenced_files() -> None:
     assert fence in reread.content
     assert "f13.py" not in reread.content  # still in the transcript: not re-read
     assert pairs_ok(out)
+
+
+def test_rehydration_never_pushes_past_the_budget() -> None:
+    messages = _long().all
+    compacted = compact(messages, make_run(messages, budget=3_000)).messages
+    room = 3_000 - ESTIMATOR.messages(compacted)
+    assert room > 300
+    files = {"AGENTS.md": "rule " * 10_000, "f5.py": "x" * 50_000}
+    out = rehydrate(compacted, make_run(messages, budget=3_000, reader=files)).messages
+    reread = next(m for m in out if m.message_id == "pipeline-rehydration")
+    assert "--- AGENTS.md (first " in reread.content
+    assert ESTIMATOR.messages(out) <= 3_000
+    tight = rehydrate(compacted, make_run(messages, budget=3_000 - room + 10, reader=files))
+    assert tight.messages == compacted  # no room left: nothing is re-read
 
 
 def test_no_rehydration_without_compaction() -> None:

@@ -5,13 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from stalwart.clock import FakeClock
 from stalwart.context import ContextMessage, SummaryRequest, validity_violations
 from stalwart.context.pipeline import LAYERS, PipelineConfig, PipelineEngine
+from stalwart.context.pipeline._compaction import _opening_cost, _reserve
 from stalwart.context.pipeline._engine import _LAYERS
+from stalwart.context.pipeline._objective import objective_tokens
 from stalwart.events import (
     ContextAssembled,
     ContextCompacted,
@@ -138,6 +140,36 @@ def test_one_assembly_is_provider_valid_and_no_layer_raises(
     assert result.repairs == len(synthetic)
 
 
+def _fits(
+    engine: PipelineEngine, messages: tuple[ContextMessage, ...], budget: int, provider: str
+) -> bool:
+    """Whether the newest turn, the system messages and what compaction adds fit under the
+    threshold: then the engine must fit the budget (else nothing could)."""
+    config = engine.config
+    estimator = engine.estimator(provider)
+    run = make_run(messages, config=config, provider=provider, budget=budget, estimator=estimator)
+    system = [m for m in messages if m.role == "system"]
+    newest = [m for m in messages if m.turn == messages[-1].turn and m.role != "system"]
+    floor = (
+        estimator.messages(system + newest)
+        + _reserve(run)
+        + objective_tokens(None, run)
+        + _opening_cost(run)
+    )
+    return floor <= budget * config.compaction_threshold
+
+
+@COMMON
+@given(sessions(), configs, st.integers(50, 60_000), st.sampled_from(("openai", "anthropic")))
+def test_within_the_budget_whenever_the_newest_turn_fits(
+    session: Transcript, config: PipelineConfig, budget: int, provider: str
+) -> None:
+    engine = PipelineEngine(config, summarizer=summarize, clock=FakeClock())
+    assume(_fits(engine, session.all, budget, provider))
+    result = engine.assemble(session.all, budget, provider=provider)
+    assert result.tokens_out <= budget
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sessions(), configs, st.integers(50, 20_000), st.data())
 def test_turn_by_turn_assembly_stays_valid_and_the_state_is_the_fold(
@@ -146,13 +178,17 @@ def test_turn_by_turn_assembly_stays_valid_and_the_state_is_the_fold(
     clock = FakeClock()
     engine = PipelineEngine(config, summarizer=summarize, clock=clock, reader=read)
     log: list[Event] = []
-    ends = [i + 1 for i, m in enumerate(session.messages) if m.role == "assistant"]
+    # as an agent calls the model: before each assistant message, and once at the end
+    ends = [i for i, m in enumerate(session.messages) if m.role == "assistant" and i > 0]
+    ends.append(len(session.messages))
     for end in ends:
         provider = data.draw(st.sampled_from(("openai", "anthropic")))
         prefix = session.all[:end]
         result = engine.assemble(prefix, budget, provider=provider)
         _check(result.messages, prefix)
         assert result.layers_failed == ()
+        if _fits(engine, prefix, budget, provider):
+            assert result.tokens_out <= budget
         log.extend(result.events)
         clock.advance(30)
     rebuilt = PipelineEngine.from_events(log, config, summarizer=summarize, clock=clock)

@@ -11,10 +11,12 @@ previous summary with the newer middle.
 
 from __future__ import annotations
 
+from stalwart.context._repair import OPENING
 from stalwart.context._types import ContextMessage, SummaryRequest
 from stalwart.events import ContextCompacted
 from stalwart.state import PipelineSummary
 
+from ._objective import objective_tokens
 from ._run import Outcome, Run
 from ._transcript import remove
 from ._wrap import MARKER, wrap_untrusted
@@ -31,6 +33,9 @@ INSTRUCTIONS = (
 )
 
 Group = tuple[ContextMessage, ...]
+
+#: How a summary cut to its maximum ends.
+CLIPPED = " [... cut: the summary was longer than its maximum]"
 
 
 def is_summary(message: ContextMessage) -> bool:
@@ -82,6 +87,17 @@ def _flat(groups: list[Group]) -> tuple[ContextMessage, ...]:
     return tuple(message for group in groups for message in group)
 
 
+def _opening_cost(run: Run) -> int:
+    """The marked opening the final repair adds when the first message after the system
+    messages is not the user's (Anthropic wants a user turn first)."""
+    return run.estimator.message(ContextMessage(message_id="", seq=0, role="user", content=OPENING))
+
+
+def _opening_tokens(messages: tuple[ContextMessage, ...], run: Run) -> int:
+    first = messages[_preamble(messages) :][:1]
+    return _opening_cost(run) if first and first[0].role != "user" else 0
+
+
 def summary_tokens(run: Run) -> int:
     """The most a summary may take: ``summary_max_tokens``, and a quarter of the
     threshold (a small window must not reserve more for the summary than it holds)."""
@@ -89,40 +105,69 @@ def summary_tokens(run: Run) -> int:
     return max(1, min(run.config.summary_max_tokens, int(limit / 4)))
 
 
+def _reserve(run: Run) -> int:
+    """The most the summary message may cost: the summary, and its header and fence."""
+    frame = _render("t9999999-s99999999-n99999999", "", 99_999_999, 99_999_999)
+    empty = ContextMessage(message_id="", seq=0, role="assistant", content=frame)
+    return summary_tokens(run) + run.estimator.message(empty)
+
+
+def _summary_message(
+    summary_id: str, text: str, covers: int, through_seq: int, run: Run
+) -> ContextMessage:
+    """The rendered summary message, its text cut (and marked so) until it costs no more
+    than :func:`_reserve`: a summarizer that ignores its ``max_tokens`` cannot push the
+    transcript past the budget."""
+    reserve = _reserve(run)
+    clipped = text
+    while True:
+        body = _render(summary_id, clipped, covers, through_seq)
+        message = ContextMessage(
+            message_id=SUMMARY_PREFIX + summary_id, seq=through_seq, role="assistant", content=body
+        )
+        if not clipped or run.estimator.message(message) <= reserve:
+            return message
+        keep = int(len(clipped) * 0.8) - len(CLIPPED)
+        clipped = text[:keep] + CLIPPED if keep > 0 else ""
+
+
 def _plan(
     messages: tuple[ContextMessage, ...], run: Run, limit: float
 ) -> tuple[Group, Group, Group] | None:
     """(head, middle, tail), or None when there is nothing to summarize. The tail
-    (newest turns) shrinks first, then the anchors, until head + summary + tail fit
-    under ``limit`` (the tail never below one turn)."""
+    (newest turns, after any summary) shrinks first, then the anchors (turns before any
+    summary), until something is left to summarize and head + summary + tail fit under
+    ``limit``; the tail never goes below one turn."""
     config = run.config
     preamble = _preamble(messages)
     groups = _groups(messages[preamble:])
-    anchors = 0
-    while anchors < min(config.compaction_prefix_anchor_turns, len(groups)) and not is_summary(
-        groups[anchors][0]
-    ):
-        anchors += 1
-    rest = groups[anchors:]
-    last_summary = max((i for i, g in enumerate(rest) if is_summary(g[0])), default=-1)
-    tail = min(config.compaction_tail_turns, len(rest) - 1, len(rest) - last_summary - 1)
-    if tail < 1:
+    summaries = [i for i, group in enumerate(groups) if is_summary(group[0])]
+    anchors = min(config.compaction_prefix_anchor_turns, summaries[0] if summaries else len(groups))
+    tail = min(config.compaction_tail_turns, len(groups) - (summaries[-1] + 1 if summaries else 0))
+    if tail < 1 or len(groups) < 2:
         return None
     estimate = run.estimator.messages
-    fixed = estimate(messages[:preamble]) + summary_tokens(run)
+    # the system messages, the summary, the objective layer 10 may restate, and the
+    # opening the final repair adds when no anchor turn is left before the summary
+    fixed = estimate(messages[:preamble]) + _reserve(run) + objective_tokens(None, run)
+    opening = _opening_cost(run)
 
-    def size() -> int:
-        return fixed + estimate(_flat(groups[:anchors])) + estimate(_flat(groups[-tail:]))
+    def too_big() -> bool:
+        if anchors + tail >= len(groups):
+            return True  # nothing left in the middle
+        head = estimate(_flat(groups[:anchors])) if anchors else opening
+        return fixed + head + estimate(_flat(groups[-tail:])) >= limit
 
-    while tail > 1 and size() >= limit:
+    while tail > 1 and too_big():
         tail -= 1
-    while anchors > 0 and size() >= limit:
+    while anchors > 0 and too_big():
         anchors -= 1  # an anchor turn that does not fit is summarized with the middle
-    head = messages[:preamble] + _flat(groups[:anchors])
+    if anchors + tail >= len(groups):
+        return None
     middle = _flat(groups[anchors:-tail])
     if all(is_summary(message) for message in middle):
         return None
-    return head, middle, _flat(groups[-tail:])
+    return messages[:preamble] + _flat(groups[:anchors]), middle, _flat(groups[-tail:])
 
 
 def _render(summary_id: str, text: str, covers: int, through_seq: int) -> str:
@@ -146,7 +191,12 @@ def compact(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
     if previous is not None:
         messages = apply_summary(messages, previous)
     limit = run.budget * config.compaction_threshold
-    tokens = run.estimator.messages(messages)
+    # counting what layer 10 and the final repair will add, so they cannot push past it
+    tokens = (
+        run.estimator.messages(messages)
+        + objective_tokens(messages, run)
+        + _opening_tokens(messages, run)
+    )
     if tokens < limit:
         return Outcome(messages)
     cooling = previous is not None and run.turn - previous.turn < config.compaction_cooldown_turns
@@ -171,10 +221,7 @@ def compact(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
     )
     through_seq = max([m.seq for m in covered] + ([previous.through_seq] if previous else []))
     summary_id = f"t{run.turn}-s{through_seq}-n{len(covers)}"
-    body = _render(summary_id, text, len(covers), through_seq)
-    message = ContextMessage(
-        message_id=SUMMARY_PREFIX + summary_id, seq=through_seq, role="assistant", content=body
-    )
+    message = _summary_message(summary_id, text, len(covers), through_seq, run)
     event = ContextCompacted(
         summary_id=summary_id,
         turn=run.turn,
@@ -186,7 +233,7 @@ def compact(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
         previous_turn=previous.turn if previous else None,
         input_tokens=input_tokens,
         output_tokens=output_tokens,
-        body=body,
+        body=message.content,
         rule="over_budget" if cooling else "threshold",
     )
     return Outcome((*head, message, *tail), (event,))

@@ -27,7 +27,8 @@ from stalwart.state import PipelineState, apply_pipeline_event
 from ._clean import clean_thinking, guard_surrogates, scrub_signatures, strip_reasoning_tags
 from ._compaction import compact
 from ._config import LAYERS, PipelineConfig
-from ._reinject import rehydrate, reinforce_objective
+from ._objective import reinforce_objective
+from ._reinject import rehydrate
 from ._run import FileReader, Outcome, Run
 from ._shape import evict_dead_content, mask_observations, window_history
 from ._transcript import chars, digest, latest_turn, to_provider

@@ -1,4 +1,4 @@
-"""Layers 9-10: what is put back after compaction (files read again, the objective)."""
+"""Layer 9: rehydration, the files read again after compaction."""
 
 from __future__ import annotations
 
@@ -9,16 +9,18 @@ import msgspec
 from stalwart.context._types import ContextMessage
 
 from ._compaction import is_summary
+from ._objective import objective_tokens
 from ._run import Outcome, Run
 from ._wrap import MARKER, wrap_untrusted
 
-__all__ = ["PATH_KEYS", "referenced_paths", "rehydrate", "reinforce_objective"]
+__all__ = ["PATH_KEYS", "referenced_paths", "rehydrate"]
 
 #: Tool-call argument keys whose string value is taken as a file path.
 PATH_KEYS = ("path", "file", "file_path", "filepath", "filename")
 
 REHYDRATION_ID = "pipeline-rehydration"
-OBJECTIVE_ID = "pipeline-objective"
+#: Below this many tokens of room left in the budget, no more files are re-read.
+MIN_ROOM = 64
 
 
 def _paths(arguments: str) -> Iterator[str]:
@@ -57,28 +59,46 @@ def _section(path: str, text: str, limit: int, *, trusted: bool) -> str:
     return f"--- {path}{note} ---\n" + wrap_untrusted(clipped, kind="file", label=path)
 
 
+def _fitted(path: str, text: str, room: int, run: Run, *, trusted: bool) -> str | None:
+    """The section for ``path`` clipped until it costs at most ``room`` tokens."""
+    limit = run.config.rehydrate_max_chars
+    while limit >= MIN_ROOM:
+        section = _section(path, text, limit, trusted=trusted)
+        if run.estimator.text(section) <= room:
+            return section
+        limit //= 2
+    return None
+
+
+def _files(messages: tuple[ContextMessage, ...], run: Run) -> list[tuple[str, bool]]:
+    """(path, trusted) to re-read: the instructions file first, then referenced files."""
+    instructions = run.config.instructions_file
+    wanted = [(instructions, True)] if instructions else []
+    kept = {message.message_id for message in messages}
+    paths = referenced_paths(run.original, kept, run.config.rehydrate_max_files)
+    return wanted + [(path, False) for path in paths if path != instructions]
+
+
 def rehydrate(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
     """Layer 9: when the transcript holds a compaction summary, a user message right after
     it carries, read through the engine's reader, the agent's instructions file (as the
     operator wrote it) and the files that summarized or dropped tool calls referenced
-    (wrapped as untrusted), each clipped to ``rehydrate_max_chars``."""
-    config = run.config
+    (wrapped as untrusted), each clipped to ``rehydrate_max_chars``. They never push the
+    transcript (with layer 10's restated objective) past the budget: a file is clipped
+    further to the room left, and skipped when too little is left."""
     at = next((i for i, m in enumerate(messages) if is_summary(m)), None)
     if at is None or run.reader is None:
         return Outcome(messages)
-    kept = {message.message_id for message in messages}
+    room = run.budget - run.estimator.messages(messages) - objective_tokens(messages, run) - 16
     sections: list[str] = []
-    instructions = config.instructions_file
-    if instructions:
-        text = run.reader(instructions)
-        if text is not None:
-            sections.append(_section(instructions, text, config.rehydrate_max_chars, trusted=True))
-    for path in referenced_paths(run.original, kept, config.rehydrate_max_files):
-        if path == instructions:
-            continue
+    for path, trusted in _files(messages, run):
+        if room < MIN_ROOM:
+            break
         text = run.reader(path)
-        if text is not None:
-            sections.append(_section(path, text, config.rehydrate_max_chars, trusted=False))
+        section = None if text is None else _fitted(path, text, room, run, trusted=trusted)
+        if section is not None:
+            sections.append(section)
+            room -= run.estimator.text(section) + 2
     if not sections:
         return Outcome(messages)
     summary = messages[at]
@@ -90,36 +110,3 @@ def rehydrate(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
         turn=summary.turn,
     )
     return Outcome((*messages[: at + 1], message, *messages[at + 1 :]))
-
-
-def reinforce_objective(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
-    """Layer 10: when the session's first user message (its objective) is no longer in
-    the transcript (summarized by compaction or dropped by the history window), it is
-    restated as a user message just before the newest user message, which stays last."""
-    objective = next((m for m in run.original if m.role == "user"), None)
-    if objective is None or any(m.message_id == objective.message_id for m in messages):
-        return Outcome(messages)
-    at = next(
-        (
-            i
-            for i in range(len(messages) - 1, -1, -1)
-            if messages[i].role == "user" and not messages[i].message_id.startswith("pipeline-")
-        ),
-        None,
-    )
-    if at is None:
-        at = 0
-        while at < len(messages) and messages[at].role == "system":
-            at += 1
-    anchor = messages[at] if at < len(messages) else objective
-    message = ContextMessage(
-        message_id=OBJECTIVE_ID,
-        seq=anchor.seq,
-        role="user",
-        content=(
-            f"{MARKER}objective] The original objective of this session, restated because "
-            f"earlier turns were summarized or dropped:\n{objective.content}"
-        ),
-        turn=anchor.turn,
-    )
-    return Outcome((*messages[:at], message, *messages[at:]))
