@@ -37,14 +37,17 @@ layers (names as events and logs give them):
 7. ``observation_masker``: over 120,000 characters, standard results older than the 25
    newest are masked, ephemeral ones older than the 10 newest removed with their call.
 8. ``compaction``: at 85% of the budget, the middle (after 2 anchor turns, before the
-   newest turns) becomes one summary message, at most every 5 user turns.
+   newest turns) becomes one summary message, at most every 5 user turns unless the
+   transcript is over the budget itself; it stays in force on later runs.
 9. ``rehydration``: after compaction, the instructions file and the files summarized
-   tool calls referenced, read through ``reader``.
+   tool calls referenced, read through ``reader``, within the room the budget leaves.
 10. ``objective_reinforcement``: the session's first user message, restated when it is
     no longer in the transcript.
 
 A layer that raises is skipped for that run; after 3 failures in a row it is disabled
-(``context:layer_disabled``, a WARN) until its half-open trial 600 s later.
+(``context:layer_disabled``, a WARN) until its half-open trial 600 s later. The result
+is provider-valid (pairs kept together; the DAG engine's ``repair`` as a last guarantee)
+and fits the budget whenever the newest turn does. See ``docs/context-pipeline.md``.
 """
 
 from ._config import LAYERS, ObservationTier, PipelineConfig
