@@ -11,6 +11,7 @@ import pytest
 
 from stalwart.actors import APPROVAL_TEXT, DENIED_TEXT, UNRECONCILED_TEXT, drafts_note
 from stalwart.channels import MemoryChannel
+from stalwart.cli._replay import verify_store
 from stalwart.clock import FakeClock
 from stalwart.config import Config, parse_config
 from stalwart.errors import SessionActionError
@@ -36,7 +37,7 @@ from stalwart.events import (
 )
 from stalwart.runtime import Runtime
 from stalwart.state import DRAFTS, fold
-from stalwart.store import EventStore, Fence
+from stalwart.store import EventStore, Fence, NewEvent
 from stalwart.testing import Answer, FakeProvider, FakeToolCall, Hang
 from stalwart.tools import current_call
 from tests._runtime_support import GUARD, delivered, has, log_until, of
@@ -446,3 +447,54 @@ def test_an_agent_that_crashes_mid_wake_is_retried_with_backoff(
     assert [e.outcome for e in of(TurnCompleted, records)] == ["interrupted", "answered"]
     users = [e for e in of(MessageAppended, records) if e.role == "user"]
     assert [u.message_id for u in users] == ["m1"]  # the retry did not add it again
+
+
+def test_the_durable_log_verifies_clean(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """Every lease, settlement, retry, pause and interrupt of a run of the runtime is
+    re-derived by ``replay --verify`` from the state just before it."""
+    rt, _runs = _approval_runtime(store, clock, fake, chat)
+    with rt:
+        records = log_until(store, "session:s1", has(ActivationBlocked))
+        [request] = of(SessionRequiresAction, records)
+        rt.confirm("s1", request.request_id, allow=True)
+        delivered(rt, chat, 2)
+        fake.add(Hang())
+        other = rt.session("s2", channel="chat")
+        other.send("hello")
+        fake.wait_for(lambda requests: len(requests) == 3, GUARD)
+        other.ref.tell(object())  # a crash mid-wake: requeued, retried
+        log_until(store, "session:s2", has(ActivationRequeued))
+        clock.advance(2.0)
+        log_until(store, "session:s2", has(ActivationAcked))
+        rt.session("s3", channel="chat").send("one")
+        rt.interrupt("s3")
+        rt.wake_at("s1", clock.now() + 5, "later")
+        clock.advance(5.0)
+        log_until(store, "session:s1", has(ActivationAcked, 2))
+    report = verify_store(store, None)
+    assert report.findings == ()
+    for tag in ("activation:leased", "activation:acked", "activation:requeued"):
+        assert report.checked[tag] >= 1, tag
+    assert report.checked["activation:blocked"] == 1
+    assert report.checked["user:interrupt"] == 1
+
+
+def test_a_settlement_under_a_stale_lease_fails_verification(
+    store: EventStore, clock: FakeClock
+) -> None:
+    now = clock.now()
+    events = [
+        ActivationReady(activation_id="a1", kind="message", message_id="m1", text="x"),
+        ActivationLeased(
+            activation_id="a1", owner="w1", epoch=1, expires_at=now + 30, ttl_ms=30_000
+        ),
+        ActivationAcked(activation_id="a1", epoch=7),
+    ]
+    store.append("session:s9", [NewEvent(event=e, ts=now) for e in events])
+    report = verify_store(store, "session:s9")
+    [finding] = report.findings
+    assert finding.kind == "mismatch"
+    assert finding.tag == "activation:acked"
+    assert "settled at epoch 7 while the live lease was epoch 1" in finding.message

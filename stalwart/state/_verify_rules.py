@@ -79,6 +79,7 @@ from ._subagent import (
     watchdog_limit,
 )
 from ._supervision import decide_restart
+from ._verify_activations import ACTIVATION_RULES
 from ._verify_folds import CALLS, RESTARTS, CallsState, RestartsState
 from ._verify_registry import Deadline, Knobs, Registry, Selective, Verifier, moment
 
@@ -376,4 +377,4 @@ BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
 )
 
 #: The built-in registry: every decision above, and DESIGN's decision tags.
-VERIFIERS = Registry(decisions=DECISIONS).with_(*BUILTIN)
+VERIFIERS = Registry(decisions=DECISIONS).with_(*BUILTIN, *ACTIVATION_RULES)

@@ -1,0 +1,192 @@
+"""Replay verification of the activation decisions (leases, takeovers, settlements,
+interrupts) and the lease-expiry deadline.
+
+- ``activation:leased`` and a takeover's ``lease:expired`` (and the abandonment an expiry
+  can make): :func:`decide_lease` at the event's time, for the owner the event names;
+- ``activation:requeued`` / ``activation:abandoned`` / ``activation:acked`` /
+  ``activation:blocked``: :func:`decide_settlement` for the wake result the event records
+  (its error class, whether it was retryable, the jitter drawn), and only under the lease
+  in force: a settlement by a holder whose epoch is not the live lease's is a mismatch
+  (the fence should have refused it);
+- ``user:interrupt`` and the ``activation:cancelled`` that follow it: :func:`decide_interrupt`;
+- the **lease expiry** deadline: once a lease has run out, the next worker owes its
+  takeover within ``activations.poll_ms`` (a worker that polls); it survives a restart
+  (any worker owes it), and a log whose end cuts it off is not flagged.
+"""
+
+from __future__ import annotations
+
+from stalwart.events import (
+    ActivationAbandoned,
+    ActivationAcked,
+    ActivationBlocked,
+    ActivationLeased,
+    ActivationRequeued,
+    Event,
+    LeaseExpired,
+    LeaseRenewed,
+    RecordedEvent,
+    UserInterrupt,
+)
+
+from ._activation import (
+    ACTIVATIONS,
+    ActivationPolicy,
+    ActivationsState,
+    WakeResult,
+    decide_interrupt,
+    decide_lease,
+    decide_settlement,
+)
+from ._verify_registry import Deadline, Knobs, Verifier, moment
+
+__all__ = ["ACTIVATION_RULES"]
+
+_SESSIONS = "session:"
+
+
+def policy(knobs: Knobs) -> ActivationPolicy:
+    """The activation policy of the config in force."""
+    return ActivationPolicy(
+        **{
+            name: knobs.get_int(f"activations.{name}")
+            for name in ActivationPolicy.__struct_fields__
+        }
+    )
+
+
+def _leased(state: ActivationsState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    event = record.event
+    assert isinstance(event, ActivationLeased | LeaseExpired | ActivationAbandoned)
+    # an expiry (and the abandonment it may bring) does not depend on who takes over
+    owner = event.owner if isinstance(event, ActivationLeased) else ""
+    return decide_lease(state, owner, record.ts, policy(knobs))
+
+
+def _leased_why(state: ActivationsState, record: RecordedEvent, knobs: Knobs) -> str:
+    lease = state.lease
+    if lease is not None and record.ts < lease.expires_at:
+        return (
+            f"epoch {lease.epoch} held by {lease.owner} was live until "
+            f"{moment(lease.expires_at)}: nobody may lease before then"
+        )
+    if state.blocked_on is not None:
+        return f"the session waits for request {state.blocked_on}: nothing may run"
+    due = [a for a in state.queue if a.run_at <= record.ts]
+    if not due:
+        return "no activation was due at that time"
+    return f"the due activation was {due[0].activation_id}, at epoch {state.epoch + 1}"
+
+
+def _under_lease(state: ActivationsState, activation_id: str, epoch: int) -> bool:
+    lease = state.lease
+    return lease is not None and lease.epoch == epoch and lease.activation_id == activation_id
+
+
+def _settled(state: ActivationsState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    event = record.event
+    if isinstance(event, ActivationAcked):
+        result = WakeResult(status="ok", outcome=event.outcome)
+    elif isinstance(event, ActivationBlocked):
+        result = WakeResult(status="blocked", request_id=event.request_id)
+    elif isinstance(event, ActivationRequeued):
+        result = WakeResult(status="failed", error_class=event.error_class, retryable=True)
+    else:
+        assert isinstance(event, ActivationAbandoned)
+        result = WakeResult(
+            status="failed", error_class=event.error_class, retryable=event.retryable
+        )
+    if not _under_lease(state, event.activation_id, event.epoch):
+        return []
+    jitter = event.jitter_ms if isinstance(event, ActivationRequeued) else 0
+    decided = decide_settlement(
+        state, event.activation_id, event.epoch, result, record.ts, policy(knobs), jitter_ms=jitter
+    )
+    return [decided]
+
+
+def _settled_why(state: ActivationsState, record: RecordedEvent, knobs: Knobs) -> str:
+    event = record.event
+    assert isinstance(
+        event, ActivationAcked | ActivationBlocked | ActivationRequeued | ActivationAbandoned
+    )
+    lease = state.lease
+    if not _under_lease(state, event.activation_id, event.epoch):
+        held = "no lease" if lease is None else f"epoch {lease.epoch} on {lease.activation_id}"
+        return f"settled at epoch {event.epoch} while the live lease was {held}"
+    held_activation = state.find(event.activation_id)
+    streak = held_activation.streak if held_activation else 0
+    return f"failure number {streak + 1} of {policy(knobs).max_attempts} allowed"
+
+
+def _not_on_expiry(event: Event) -> bool:
+    return not (isinstance(event, ActivationAbandoned) and event.error_class == "lease_expired")
+
+
+def _interrupted(state: ActivationsState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    event = record.event
+    assert isinstance(event, UserInterrupt)
+    return decide_interrupt(state, event.reason)
+
+
+def _cancelled(state: ActivationsState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    """A cancellation follows its interrupt in one append: the state before it has the
+    interrupt folded, and the activation still queued."""
+    return [
+        e
+        for e in decide_interrupt(state, "")[1:]
+        if getattr(e, "activation_id", None) == getattr(record.event, "activation_id", "")
+    ]
+
+
+def _lease_due(state: ActivationsState, knobs: Knobs) -> float | None:
+    lease = state.lease
+    return lease.expires_at if lease is not None else None
+
+
+ACTIVATION_RULES: tuple[Verifier[ActivationsState] | Deadline[ActivationsState], ...] = (
+    Verifier("activation:leased", ACTIVATIONS, _leased, _SESSIONS, why=_leased_why),
+    Verifier("lease:expired", ACTIVATIONS, _leased, _SESSIONS, why=_leased_why),
+    Verifier(
+        "activation:abandoned",
+        ACTIVATIONS,
+        _leased,
+        _SESSIONS,
+        why=_leased_why,
+        when=lambda e: not _not_on_expiry(e),
+    ),
+    Verifier(
+        "activation:abandoned",
+        ACTIVATIONS,
+        _settled,
+        _SESSIONS,
+        why=_settled_why,
+        when=_not_on_expiry,
+    ),
+    Verifier("activation:requeued", ACTIVATIONS, _settled, _SESSIONS, why=_settled_why),
+    Verifier("activation:acked", ACTIVATIONS, _settled, _SESSIONS, why=_settled_why),
+    Verifier("activation:blocked", ACTIVATIONS, _settled, _SESSIONS, why=_settled_why),
+    Verifier("user:interrupt", ACTIVATIONS, _interrupted, _SESSIONS),
+    Verifier("activation:cancelled", ACTIVATIONS, _cancelled, _SESSIONS),
+    Deadline(
+        "lease expiry",
+        "lease:expired",
+        ACTIVATIONS,
+        _lease_due,
+        _SESSIONS,
+        slack_ms=lambda knobs: knobs.get_int("activations.poll_ms"),
+        survives_restart=True,
+        moves=frozenset(
+            {
+                ActivationLeased,
+                LeaseRenewed,
+                LeaseExpired,
+                ActivationAcked,
+                ActivationBlocked,
+                ActivationRequeued,
+                ActivationAbandoned,
+                UserInterrupt,
+            }
+        ),
+    ),
+)
