@@ -453,7 +453,13 @@ class AgentActor(pykka.ThreadingActor):
             return False
         log.warning("agent.execution_timeout", stream=self._stream, elapsed_ms=aborted.elapsed_ms)
         self._finish(
-            turn, "aborted", "pipeline_timeout", TIMEOUT_TEXT, "failure_notice", before=[aborted]
+            turn,
+            "aborted",
+            "pipeline_timeout",
+            TIMEOUT_TEXT,
+            "failure_notice",
+            before=[aborted],
+            now=now,
         )
         return True
 
@@ -496,18 +502,20 @@ class AgentActor(pykka.ThreadingActor):
         kind: Kind,
         *,
         before: Sequence[Event] = (),
+        now: float | None = None,
     ) -> None:
         """End the turn: append its end and the announcement, stop what is in flight,
         and send the one user-facing message (``on_receive`` then takes the next one).
 
         In a wake, the settlement goes in the same append: a failure a retry may fix
         requeues the wake with no message to the user; the rest ack (or abandon) it."""
+        now = self._clock.now() if now is None else now  # the decisions' time and the ts
         completed = TurnCompleted(
             turn_id=turn.turn_id, outcome=outcome, reason=reason, steps=turn.step
         )
-        settlement = self._settlement(outcome, reason)
+        settlement = self._settlement(outcome, reason, now)
         if isinstance(settlement, ActivationRequeued):
-            self._append([*before, completed, settlement])
+            self._append([*before, completed, settlement], now=now)
             turn.stop()
             self._turn = None
             self._end_wake()
@@ -516,13 +524,13 @@ class AgentActor(pykka.ThreadingActor):
         queued = AnnouncementQueued(
             announcement_id=announcement_id, channel=self._channel.name, kind=kind, text=text
         )
-        self._append([*before, completed, queued, *([settlement] if settlement else [])])
+        self._append([*before, completed, queued, *([settlement] if settlement else [])], now=now)
         turn.stop()
         self._turn = None
         self._end_wake()
         self._send(turn.turn_id, announcement_id, text, kind)
 
-    def _settlement(self, outcome: str, reason: str | None) -> Event | None:
+    def _settlement(self, outcome: str, reason: str | None, now: float) -> Event | None:
         wake, policy = self._wake, self._policy
         if wake is None or policy is None:
             return None
@@ -532,7 +540,7 @@ class AgentActor(pykka.ThreadingActor):
             wake.activation_id,
             wake.epoch,
             wake_result(outcome, reason),
-            self._clock.now(),
+            now,
             policy,
             jitter_ms=jitter,
         )
@@ -674,13 +682,13 @@ class AgentActor(pykka.ThreadingActor):
 
     # -- the log and the mailbox -------------------------------------------------------------
 
-    def _append(self, events: Sequence[Event]) -> list[RecordedEvent]:
+    def _append(self, events: Sequence[Event], *, now: float | None = None) -> list[RecordedEvent]:
         """Append at now (fenced by the wake's lease), then fold the stream up to its head
         (the model caller appends prompt events to it too, so what was recorded meanwhile
         is folded in order). FencedError when the lease was taken over."""
         if not events:
             return []
-        now = self._clock.now()
+        now = self._clock.now() if now is None else now
         news = [NewEvent(event=e, ts=now) for e in events]
         recorded = self._store.append(self._stream, news, fence=self._fence)
         self._refresh()
