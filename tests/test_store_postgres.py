@@ -164,7 +164,7 @@ def test_db_init_creates_then_finds_the_schema_current(pg_url: str) -> None:
     first = runner.invoke(cli, ["--store", pg_url, "db", "init"])
     assert first.exit_code == 0, first.output
     assert "created the store" in first.output
-    assert "schema version 1" in first.output
+    assert "schema version 2" in first.output
     again = runner.invoke(cli, ["--store", pg_url, "db", "init"])
     assert again.exit_code == 0, again.output
     assert "up to date" in again.output

@@ -72,6 +72,7 @@ from ._deadletter import (
     retry_at,
 )
 from ._drafts import DRAFTS, Draft, DraftsAggregate, DraftsState, apply_drafts
+from ._due import due_at, due_hint
 from ._execution import decide_execution_timeout, execution_deadline
 from ._health import (
     DEFAULT_HORIZON_MS,
@@ -287,6 +288,8 @@ __all__ = [
     "decide_wake",
     "decide_watchdog",
     "drain",
+    "due_at",
+    "due_hint",
     "due_retries",
     "execution_deadline",
     "expected_ms",

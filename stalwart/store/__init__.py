@@ -9,7 +9,18 @@ import typing
 from ._lmdb import LmdbEventStore
 from ._open import open
 from ._projection import DEFAULT_SNAPSHOT_EVERY, load_state, snapshot_name
-from ._protocol import NO_STREAM, EventStore, Fence, NewEvent, Snapshot, StreamInfo
+from ._protocol import (
+    NO_STREAM,
+    Due,
+    DueClaim,
+    DueWork,
+    EventStore,
+    Fence,
+    NewEvent,
+    Snapshot,
+    StreamInfo,
+    WorkQueue,
+)
 from ._subscription import Subscription
 
 if typing.TYPE_CHECKING:
@@ -18,6 +29,9 @@ if typing.TYPE_CHECKING:
 __all__ = [
     "DEFAULT_SNAPSHOT_EVERY",
     "NO_STREAM",
+    "Due",
+    "DueClaim",
+    "DueWork",
     "EventStore",
     "Fence",
     "LmdbEventStore",
@@ -26,6 +40,7 @@ __all__ = [
     "Snapshot",
     "StreamInfo",
     "Subscription",
+    "WorkQueue",
     "load_state",
     "open",
     "snapshot_name",

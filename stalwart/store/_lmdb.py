@@ -7,6 +7,7 @@ Layout (sub-databases, integer keys big-endian so byte order is numeric order):
 ``streams``    stream -> [version, last position, last ts]
 ``snapshots``  stream + NUL + fold name + NUL + version -> [position, crc32, data]
 ``meta``       b"format" -> format marker
+``due``        session stream -> its due time and hold: the work queue (``_lmdb_due``)
 
 The environment and its single group-committing writer live in ``_environment``; this
 module is the store's face: appends handed to the writer, and the read paths.
@@ -50,7 +51,8 @@ from ._environment import (
     _PutSnapshot,
     stream_row,
 )
-from ._protocol import Fence, NewEvent, Snapshot, StreamInfo, check_stream
+from ._lmdb_due import SESSION_PREFIX, ClaimDue, DueAppend, SetDue, due_db
+from ._protocol import Due, DueWork, Fence, NewEvent, Snapshot, StreamInfo, check_stream
 from ._subscription import Subscription
 
 log = structlog.get_logger(__name__)
@@ -178,9 +180,12 @@ class LmdbEventStore:
         expected_version: int | None = None,
         *,
         fence: Fence | None = None,
+        due: Due | None = None,
     ) -> list[RecordedEvent]:
         env = self._live()
         stream_key = check_stream(stream)
+        if due is not None and expected_version is None:
+            raise ValueError("an append with a due time needs expected_version")
         news = [e if isinstance(e, NewEvent) else NewEvent(event=e) for e in events]
         codec = env.codec
         for new in news:
@@ -196,10 +201,25 @@ class LmdbEventStore:
             if expected_version is not None and expected_version != version:
                 raise ConcurrencyError(stream, expected_version, version)
             return []
-        recorded: list[RecordedEvent] = env.submit(
-            _Append(stream, stream_key, news, expected_version, fence)
-        )
+        args = (stream, stream_key, news, expected_version, fence)
+        if due is not None or stream_key.startswith(SESSION_PREFIX):
+            job: _Append = DueAppend(*args, due=due, db=due_db(env))
+        else:
+            job = _Append(*args)
+        recorded: list[RecordedEvent] = env.submit(job)
         return recorded
+
+    # -- the work queue (WorkQueue) -------------------------------------------------------------
+
+    def claim_due(self, owner: str, now: float, limit: int, hold_s: float) -> DueWork:
+        env = self._live()
+        work: DueWork = env.submit(ClaimDue(due_db(env), owner, now, limit, hold_s))
+        return work
+
+    def set_due(self, stream: str, version: int, at: float | None, owner: str) -> bool:
+        env = self._live()
+        done: bool = env.submit(SetDue(due_db(env), check_stream(stream), version, at, owner))
+        return done
 
     # -- reading -------------------------------------------------------------------------------
 

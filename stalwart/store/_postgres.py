@@ -34,12 +34,14 @@ from stalwart.errors import (
     UnknownEventTypeError,
 )
 from stalwart.events import DEFAULT_CODEC, Codec, Event, RecordedEvent, event_tag
+from stalwart.state import due_hint
 
 from ._postgres_connect import Connections, PostgresUrl, connect, lost
+from ._postgres_due import DueStatements, claim_due, set_due
 from ._postgres_schema import SCHEMA_VERSION, Statements, channel_name, ensure_schema
 from ._postgres_tail import Doorbell, deadline_after, remaining
 from ._postgres_writer import AppendJob, ConnectionLostError, Writer, batch_params
-from ._protocol import Fence, NewEvent, Snapshot, StreamInfo, check_stream
+from ._protocol import Due, DueWork, Fence, NewEvent, Snapshot, StreamInfo, check_stream
 from ._subscription import Subscription
 
 log = structlog.get_logger(__name__)
@@ -49,6 +51,7 @@ SNAPSHOTS_KEPT = 3
 #: The ``application_name`` of the listener connections (to find them in pg_stat_activity).
 LISTENER_NAME = "stalwart-listener"
 _LAST = (1 << 63) - 1
+SESSION_PREFIX = "session:"
 
 
 class PostgresEventStore:
@@ -81,6 +84,7 @@ class PostgresEventStore:
         self._closed = False
         names = sql.Identifier(self._url.schema)
         self._sql = Statements(names)
+        self._due_sql = DueStatements(names)
         with connect(self._url, timeout=connect_timeout) as conn:
             try:
                 migrated = ensure_schema(conn, self._url.schema, self.location, create=create)
@@ -180,9 +184,12 @@ class PostgresEventStore:
         expected_version: int | None = None,
         *,
         fence: Fence | None = None,
+        due: Due | None = None,
     ) -> list[RecordedEvent]:
         self._live()
         check_stream(stream)
+        if due is not None and expected_version is None:
+            raise ValueError("an append with a due time needs expected_version")
         news = [e if isinstance(e, NewEvent) else NewEvent(event=e) for e in events]
         codec = self._codec
         for new in news:
@@ -199,6 +206,11 @@ class PostgresEventStore:
                 raise ConcurrencyError(stream, expected_version, version)
             return []
         job = self._job(stream, news, expected_version, fence)
+        if due is not None:
+            job.due_kind, job.due = 1, due.at
+        elif stream.startswith(SESSION_PREFIX):
+            job.due = due_hint(zip((n.event for n in job.news), job.stamps, strict=True))
+            job.due_kind = 0 if job.due is None else 2
         outcome, first, old_version, epoch = self._writer.submit(job)
         news = job.news
         if outcome == "conflict":
@@ -243,6 +255,17 @@ class PostgresEventStore:
         for texts in columns[1:4]:
             _check_texts(stream, texts)
         return AppendJob(stream, expected, fence, columns, data, news)
+
+    # -- the work queue (WorkQueue) -------------------------------------------------------------
+
+    def claim_due(self, owner: str, now: float, limit: int, hold_s: float) -> DueWork:
+        self._live()
+        return claim_due(self._db, self._due_sql, owner, now, limit, hold_s)
+
+    def set_due(self, stream: str, version: int, at: float | None, owner: str) -> bool:
+        self._live()
+        check_stream(stream)
+        return set_due(self._db, self._due_sql, stream, version, at, owner)
 
     # -- reading -------------------------------------------------------------------------------
 

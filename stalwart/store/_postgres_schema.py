@@ -6,6 +6,8 @@ Everything lives in one schema (``stalwart`` unless the URL says ``?schema=``):
 ``events``          position -> stream, version, metadata, the event's msgpack bytes
 ``streams``         stream -> version, last position, last ts, lease epoch
 ``snapshots``       (stream, fold name, version) -> position, crc32, data
+``due``             session stream -> due time, the version that wrote it, a hold:
+                    the work queue (``_postgres_due``), kept by ``append_batch``
 ``schema_version``  the migrations applied, one row each
 
 ``append_batch(...)`` does a batch of appends in one statement, so it is one round trip
@@ -35,7 +37,7 @@ from stalwart.errors import StoreError, StoreNotFoundError
 log = structlog.get_logger(__name__)
 
 #: The schema version this code writes; a database at a newer one is refused.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _V1 = """
 CREATE TABLE {s}.head (
@@ -164,8 +166,129 @@ END
 $fn$;
 """
 
+#: Version 2: the work queue (``due``), written by ``append_batch`` in the append's
+#: transaction. Sessions already in the log are due at once, so a worker looks at each.
+_V2 = """
+CREATE TABLE {s}.due (
+    stream text COLLATE "C" PRIMARY KEY,
+    due_at double precision NOT NULL,
+    version bigint NOT NULL,
+    held_by text,
+    held_until double precision NOT NULL DEFAULT 0
+);
+CREATE INDEX due_at_idx ON {s}.due (due_at);
+INSERT INTO {s}.due (stream, due_at, version)
+    SELECT stream, 0, 0 FROM {s}.streams WHERE stream LIKE 'session:%' AND version > 0;
+
+DROP FUNCTION {s}.append_batch(text[], bigint[], bigint[], boolean[], integer[],
+    double precision[], text[], text[], text[], integer[], text[], bytea[]);
+
+CREATE FUNCTION {s}.append_batch(
+    p_streams text[],
+    p_expected bigint[],
+    p_fence bigint[],
+    p_claim boolean[],
+    p_counts integer[],
+    p_ts double precision[],
+    p_ids text[],
+    p_causation text[],
+    p_correlation text[],
+    p_schemas integer[],
+    p_types text[],
+    p_data bytea[],
+    p_due_kind smallint[],
+    p_due double precision[]
+) RETURNS TABLE (outcome text, first_position bigint, old_version bigint, epoch bigint)
+LANGUAGE plpgsql AS $fn$
+#variable_conflict use_column
+DECLARE
+    sname text;
+    a integer;
+    v bigint;
+    e bigint;
+    n integer;
+    head_before bigint;
+    h bigint;
+    lo integer := 1;
+    hi integer;
+BEGIN
+    -- 1. every stream row of the batch, locked in one order for everyone (no deadlock);
+    --    a concurrent creator makes the insert wait for its commit, then do nothing
+    FOR sname IN SELECT DISTINCT x FROM unnest(p_streams) AS x ORDER BY x LOOP
+        PERFORM 1 FROM {s}.streams st WHERE st.stream = sname FOR UPDATE;
+        IF NOT FOUND THEN
+            INSERT INTO {s}.streams (stream) VALUES (sname) ON CONFLICT DO NOTHING;
+            PERFORM 1 FROM {s}.streams st WHERE st.stream = sname FOR UPDATE;
+        END IF;
+    END LOOP;
+    -- 2. each append in order: its checks, then its events
+    FOR a IN 1 .. cardinality(p_streams) LOOP
+        n := p_counts[a];
+        hi := lo + n - 1;
+        SELECT st.version, st.lease_epoch INTO v, e
+            FROM {s}.streams st WHERE st.stream = p_streams[a];
+        outcome := 'ok';
+        IF p_expected[a] IS NOT NULL AND p_expected[a] <> v THEN
+            outcome := 'conflict';
+        ELSIF p_fence[a] IS NOT NULL THEN
+            IF (p_claim[a] AND p_fence[a] <= e) OR (NOT p_claim[a] AND p_fence[a] <> e) THEN
+                outcome := 'fenced';
+            ELSE
+                e := p_fence[a];
+            END IF;
+        END IF;
+        IF outcome = 'ok' THEN
+            IF h IS NULL THEN
+                -- the position counter: taken last, held until commit (module docstring)
+                SELECT hd.position INTO h FROM {s}.head hd FOR UPDATE;
+                head_before := h;
+            END IF;
+            INSERT INTO {s}.events
+                (position, stream, version, ts, id, causation_id, correlation_id, schema,
+                 type, data)
+                SELECT h + u.i, p_streams[a], v + u.i, u.ts, u.id, u.c, u.k, u.sc, u.ty, u.d
+                FROM unnest(p_ts[lo:hi], p_ids[lo:hi], p_causation[lo:hi],
+                            p_correlation[lo:hi], p_schemas[lo:hi],
+                            p_types[lo:hi], p_data[lo:hi])
+                    WITH ORDINALITY AS u(ts, id, c, k, sc, ty, d, i);
+            UPDATE {s}.streams
+                SET version = v + n, last_position = h + n, last_ts = p_ts[hi],
+                    lease_epoch = e
+                WHERE stream = p_streams[a];
+            -- the work queue's row, in the same transaction (module docstring)
+            IF p_due_kind[a] = 1 AND p_due[a] IS NULL THEN
+                DELETE FROM {s}.due WHERE stream = p_streams[a];
+            ELSIF p_due_kind[a] = 1 THEN
+                INSERT INTO {s}.due AS d (stream, due_at, version)
+                    VALUES (p_streams[a], p_due[a], v + n)
+                    ON CONFLICT (stream) DO UPDATE SET due_at = EXCLUDED.due_at,
+                        version = EXCLUDED.version, held_by = NULL, held_until = 0;
+            ELSIF p_due_kind[a] = 2 THEN
+                INSERT INTO {s}.due AS d (stream, due_at, version)
+                    VALUES (p_streams[a], p_due[a], v + n)
+                    ON CONFLICT (stream) DO UPDATE SET
+                        due_at = LEAST(d.due_at, EXCLUDED.due_at), version = EXCLUDED.version;
+            END IF;
+            first_position := h + 1;
+            h := h + n;
+        ELSE
+            first_position := 0;
+        END IF;
+        old_version := v;
+        epoch := e;
+        RETURN NEXT;
+        lo := hi + 1;
+    END LOOP;
+    IF h IS NOT NULL AND h > head_before THEN
+        UPDATE {s}.head SET position = h;
+        PERFORM pg_notify({channel}, h::text);
+    END IF;
+END
+$fn$;
+"""
+
 #: Migration ``i`` takes the schema from version ``i`` to ``i + 1``.
-MIGRATIONS: tuple[str, ...] = (_V1,)
+MIGRATIONS: tuple[str, ...] = (_V1, _V2)
 
 
 def channel_name(schema: str) -> str:
@@ -264,7 +387,8 @@ class Statements:
         self.append_batch = q(
             "SELECT outcome, first_position, old_version, epoch FROM {s}.append_batch("
             "%s::text[], %s::int8[], %s::int8[], %s::bool[], %s::int4[], %s::float8[], "
-            "%s::text[], %s::text[], %s::text[], %s::int4[], %s::text[], %s::bytea[])"
+            "%s::text[], %s::text[], %s::text[], %s::int4[], %s::text[], %s::bytea[], "
+            "%s::int2[], %s::float8[])"
         )
         self.read_all = q(
             f"SELECT {COLUMNS} FROM {{s}}.events WHERE position BETWEEN %s AND %s ORDER BY position"

@@ -36,6 +36,8 @@ class AppendJob:
         "causation",
         "correlation",
         "data",
+        "due",
+        "due_kind",
         "error",
         "expected",
         "fence",
@@ -64,6 +66,9 @@ class AppendJob:
         self.stamps, self.ids, self.causation, self.correlation, self.schemas, self.tags = columns
         self.data = data
         self.news = news
+        #: the work queue's row: 0 untouched, 1 set to ``due``, 2 lowered to ``due``
+        self.due_kind = 0
+        self.due: float | None = None
         self.result: tuple[str, int, int, int] | None = None
         self.error: BaseException | None = None
         self.lock = threading.Lock()
@@ -72,14 +77,16 @@ class AppendJob:
 
 def batch_params(jobs: list[AppendJob]) -> tuple[list[Any], ...]:
     """The ``append_batch`` arguments of ``jobs``: per-append arrays, then per-event ones."""
-    params: tuple[list[Any], ...] = tuple([] for _ in range(12))
-    streams, expected, fences, claims, counts, *events = params
+    params: tuple[list[Any], ...] = tuple([] for _ in range(14))
+    streams, expected, fences, claims, counts, *events, due_kinds, dues = params
     for job in jobs:
         streams.append(job.stream)
         expected.append(job.expected)
         fences.append(None if job.fence is None else job.fence.epoch)
         claims.append(False if job.fence is None else job.fence.claim)
         counts.append(len(job.data))
+        due_kinds.append(job.due_kind)
+        dues.append(job.due)
         per_event: tuple[list[Any], ...] = (
             job.stamps,
             job.ids,
@@ -91,7 +98,7 @@ def batch_params(jobs: list[AppendJob]) -> tuple[list[Any], ...]:
         )
         for column, values in zip(events, per_event, strict=True):
             column.extend(values)
-    return params
+    return (streams, expected, fences, claims, counts, *events, due_kinds, dues)
 
 
 class Writer:

@@ -150,6 +150,81 @@ class EventStore(Protocol):
         ...
 
 
+class Due(msgspec.Struct, frozen=True):
+    """A session's next due time as the pure fold computes it after an append's events
+    (:func:`~stalwart.state.due_at`: the lease's expiry while leased, None when it has
+    no work), for :meth:`WorkQueue.append`. It is exact only for an append with
+    ``expected_version`` (the appender folded exactly that version), so it is refused
+    without one."""
+
+    at: float | None
+
+
+class DueClaim(msgspec.Struct, frozen=True, kw_only=True):
+    """A session stream whose work is due, now held by the claiming worker."""
+
+    stream: str
+    due_at: float
+
+
+class DueWork(msgspec.Struct, frozen=True, kw_only=True):
+    """What :meth:`WorkQueue.claim_due` handed to a worker, and ``next_at``: the earliest
+    due time after ``now`` of any session (None: nothing is scheduled), when to look
+    again."""
+
+    claimed: list[DueClaim]
+    next_at: float | None
+
+
+@runtime_checkable
+class WorkQueue(Protocol):
+    """An optional store capability: which sessions have work due, so N workers split them.
+
+    The store keeps one row per session stream with activations: a due time, the stream
+    version that last wrote it, and a short hold (owner, until). The row changes only in
+    the transaction of the append that changes it:
+
+    - an append with ``due=Due(at)`` (and ``expected_version``) sets it to ``at`` exactly
+      and releases the hold (None removes the row);
+    - any other append to a ``session:`` stream lowers it to
+      :func:`~stalwart.state.due_hint` of its events (a new activation, a settlement, an
+      answer, an interrupt: the time it may have made work runnable), so an appender that
+      did not fold the stream (a user message, an Agent's settlement) never delays work;
+      an early time only costs a worker a fold.
+
+    :meth:`claim_due` hands out rows that are due and not held by another worker, each to
+    one caller (PostgreSQL: ``SELECT ... FOR UPDATE SKIP LOCKED``; LMDB: a scan in one
+    write transaction); :meth:`set_due` writes back what a worker's fold found. A claim
+    is a hint for distribution, never a right: the lease itself is the pure
+    ``decide_lease`` decision appended with ``expected_version`` and a fence claim, so a
+    stale claim, a hold that ran out, or two workers at one stream cannot both lease.
+    """
+
+    def append(
+        self,
+        stream: str,
+        events: Sequence[Event | NewEvent],
+        expected_version: int | None = None,
+        *,
+        fence: Fence | None = None,
+        due: Due | None = None,
+    ) -> list[RecordedEvent]:
+        """:meth:`EventStore.append`, and with ``due`` the stream's due time in the same
+        transaction (ValueError without ``expected_version``)."""
+        ...
+
+    def claim_due(self, owner: str, now: float, limit: int, hold_s: float) -> DueWork:
+        """Up to ``limit`` streams due at ``now`` (earliest first) that no other worker
+        holds, each now held by ``owner`` until ``now + hold_s``."""
+        ...
+
+    def set_due(self, stream: str, version: int, at: float | None, owner: str) -> bool:
+        """Set the stream's due time to ``at`` (from a fold of ``version``) and release
+        ``owner``'s hold, unless an append after ``version`` has written it since;
+        whether it was written."""
+        ...
+
+
 def check_stream(stream: str) -> bytes:
     """The stream id as stored, or InvalidStreamError naming what is wrong."""
     if not isinstance(stream, str) or not stream:

@@ -1,0 +1,73 @@
+"""The PostgreSQL store's work queue (:class:`~stalwart.store.WorkQueue`): the ``due`` table.
+
+``due``  stream -> due_at, version (of the append or fold that wrote it), held_by,
+held_until; rows only for session streams with work (a row whose fold found none is
+deleted).
+
+Appends write their row inside ``append_batch`` (``_postgres_schema``), so a row never
+disagrees with a committed append. A claim is one ``UPDATE ... RETURNING`` over a
+``SELECT ... ORDER BY due_at LIMIT n FOR UPDATE SKIP LOCKED``: concurrent workers each
+lock different due rows and never wait on each other's (nor on a row an append is
+writing: that one is picked up at the next poll). A worker's write-back of what its
+fold found is conditional on the row's version, in the same statement, so it never
+overwrites the mark of an append it has not folded.
+"""
+
+from __future__ import annotations
+
+from psycopg import sql
+
+from ._postgres_connect import Connections
+from ._protocol import DueClaim, DueWork
+
+
+class DueStatements:
+    def __init__(self, schema: sql.Identifier) -> None:
+        def q(text: str) -> sql.Composed:
+            return sql.SQL(text).format(s=schema)
+
+        self.claim = q(
+            "WITH c AS (SELECT stream FROM {s}.due WHERE due_at <= %s AND "
+            "(held_by IS NULL OR held_by = %s OR held_until <= %s) "
+            "ORDER BY due_at LIMIT %s FOR UPDATE SKIP LOCKED) "
+            "UPDATE {s}.due d SET held_by = %s, held_until = %s "
+            "FROM c WHERE d.stream = c.stream RETURNING d.stream, d.due_at"
+        )
+        self.next_at = q("SELECT min(due_at) FROM {s}.due WHERE due_at > %s")
+        self.set = q(
+            "INSERT INTO {s}.due AS d (stream, due_at, version) VALUES (%s, %s, %s) "
+            "ON CONFLICT (stream) DO UPDATE SET due_at = EXCLUDED.due_at, "
+            "version = EXCLUDED.version, held_by = NULL, held_until = 0 "
+            "WHERE d.version <= EXCLUDED.version RETURNING 1"
+        )
+        self.clear = q("DELETE FROM {s}.due WHERE stream = %s AND version <= %s RETURNING 1")
+        self.release = q(
+            "UPDATE {s}.due SET held_by = NULL, held_until = 0 "
+            "WHERE stream = %s AND held_by = %s RETURNING 1"
+        )
+
+
+def claim_due(
+    db: Connections, q: DueStatements, owner: str, now: float, limit: int, hold_s: float
+) -> DueWork:
+    params = (now, owner, now, limit, owner, now + hold_s)
+    rows = db.fetch("claim due sessions", q.claim, params)
+    rows.sort(key=lambda row: row[1])
+    later = db.fetch("read the next due time", q.next_at, (now,))
+    return DueWork(
+        claimed=[DueClaim(stream=stream, due_at=at) for stream, at in rows],
+        next_at=later[0][0] if later else None,
+    )
+
+
+def set_due(
+    db: Connections, q: DueStatements, stream: str, version: int, at: float | None, owner: str
+) -> bool:
+    if at is None:
+        done = db.fetch("clear a due time", q.clear, (stream, version))
+    else:
+        done = db.fetch("set a due time", q.set, (stream, at, version))
+    if done:
+        return True
+    db.fetch("release a due row", q.release, (stream, owner))
+    return False
