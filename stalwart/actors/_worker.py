@@ -1,13 +1,20 @@
 """The ActivationWorker: leases due activations, keeps their leases alive, hands the wakes
 to the sessions' Agents.
 
-One per process (``owner`` names it: host, pid and a runtime id). It folds the activation
-state of every session stream from the log (its own appends and other processes' alike:
-it reads new records on every poll), and for each session with work due it appends the
-pure :func:`~stalwart.state.decide_lease` decision with a fence claim and the folded
-version as ``expected_version``: of two workers racing for a session, one wins and the
-other refolds. A lease is renewed every ``renew_every_ms`` with a fenced append; a renewal
-that is fenced out means the lease was taken over (this process froze past the TTL, or an
+One per process (``owner`` names it: host, pid and a runtime id). On a store with a work
+queue (:class:`~stalwart.store.WorkQueue`, both of ours) each poll claims the sessions
+whose work is due and that no other worker holds, folds only those (reading each stream
+from the version it last folded) and writes back the due time its fold found; N workers
+so split the sessions instead of each folding the whole log. On a store without one it
+folds the activation state of every session stream from the log (its own appends and
+other processes' alike: it reads new records on every poll). Either way, for a session
+with work due it appends the pure :func:`~stalwart.state.decide_lease` decision with a
+fence claim and the folded version as ``expected_version``: of two workers racing for a
+session, one wins and the other refolds. A claim is only a hint; the lease is decided
+and fenced the same way whatever the claim said.
+
+A lease is renewed every ``renew_every_ms`` with a fenced append; a renewal that is
+fenced out means the lease was taken over (this process froze past the TTL, or an
 interrupt claimed the session): the Agent is told to stop (:class:`LeaseLost`) and the
 worker records ``activation:lease_lost``. The Agent settles the wake itself, in the same
 append as the turn's outcome, and tells the worker :class:`WakeEnded`.
@@ -43,8 +50,9 @@ from stalwart.state import (
     WakeResult,
     decide_lease,
     decide_settlement,
+    due_at,
 )
-from stalwart.store import EventStore, Fence, NewEvent
+from stalwart.store import Due, EventStore, Fence, NewEvent, WorkQueue
 
 from ._restarts import crashed
 from ._scheduler import Scheduler
@@ -65,6 +73,10 @@ log = structlog.get_logger(__name__)
 SESSION_PREFIX = "session:"
 #: How many times a poll decides again for one session after losing a race.
 LEASE_TRIES = 8
+#: How many due sessions one poll claims (a full claim polls again at once).
+CLAIM_LIMIT = 64
+#: How long a claim keeps other workers off a session while this one decides for it.
+HOLD_S = 5.0
 
 
 class Wake(msgspec.Struct, frozen=True, kw_only=True):
@@ -157,6 +169,7 @@ class ActivationWorker(pykka.ThreadingActor):
         self._poll_ms = poll_ms
         self._on_crash = on_crash
         self._position = 0
+        self._queue = store if isinstance(store, WorkQueue) else None
         self._states: dict[str, ActivationsState] = {}
         self._running: dict[str, int] = {}  # stream -> the epoch this worker holds
 
@@ -215,7 +228,23 @@ class ActivationWorker(pykka.ThreadingActor):
                 state = ACTIVATIONS.initial(stream)
             states[stream] = ACTIVATIONS.apply(state, record)
 
+    def _refresh(self, stream: str) -> None:
+        """Fold the records of ``stream`` appended since this worker last folded it."""
+        state = self._states.get(stream) or ACTIVATIONS.initial(stream)
+        for record in self._store.read_stream(stream, state.version + 1):
+            state = ACTIVATIONS.apply(state, record)
+        self._states[stream] = state
+
+    def _sync(self, stream: str) -> None:
+        if self._queue is not None:
+            self._refresh(stream)
+        else:
+            self._catch_up()
+
     def _poll(self) -> None:
+        if self._queue is not None:
+            self._poll_queue(self._queue)
+            return
         try:
             self._catch_up()
         except StoreError as exc:
@@ -227,34 +256,61 @@ class ActivationWorker(pykka.ThreadingActor):
             self._try_lease(stream, now)
         self._arm(self._next_due(now))
 
-    def _try_lease(self, stream: str, now: float) -> None:
-        """Lease the stream's due work; on a race, fold what won and decide again."""
+    def _poll_queue(self, queue: WorkQueue) -> None:
+        """Claim the due sessions no other worker holds, decide for each, write back."""
+        now = self._clock.now()
+        try:
+            work = queue.claim_due(self._owner, now, CLAIM_LIMIT, HOLD_S)
+        except StoreError as exc:
+            log.warning("worker.claim_failed", error_class=type(exc).__name__)
+            self._arm(None)
+            return
+        for claim in work.claimed:
+            stream = claim.stream
+            try:
+                self._refresh(stream)
+                if not self._try_lease(stream, now):
+                    state = self._states[stream]
+                    queue.set_due(stream, state.version, due_at(state), self._owner)
+            except StoreError as exc:  # the hold runs out and the session is claimed again
+                log.warning("worker.claim_unsettled", stream=stream, error=type(exc).__name__)
+        if len(work.claimed) >= CLAIM_LIMIT:
+            self._tell(Nudge())
+        self._arm(work.next_at)
+
+    def _try_lease(self, stream: str, now: float) -> bool:
+        """Lease the stream's due work; on a race, fold what won and decide again.
+
+        True when this worker leased it (the lease's append set the stream's due time:
+        the lease's expiry).
+        """
         for _ in range(LEASE_TRIES):
             state = self._states[stream]
             if stream in self._running or (not state.queue and state.lease is None):
-                return
+                return False
             events = decide_lease(state, self._owner, now, self._policy)
             if not events:
-                return
+                return False
             leased = events[-1] if isinstance(events[-1], ActivationLeased) else None
             claim = leased.epoch if leased is not None else _abandon_epoch(events)
             fence = Fence(claim, claim=True) if claim is not None else None
+            news = [NewEvent(event=e, ts=now) for e in events]
             try:
-                self._store.append(
-                    stream,
-                    [NewEvent(event=e, ts=now) for e in events],
-                    expected_version=state.version,
-                    fence=fence,
-                )
+                if self._queue is not None and leased is not None:
+                    due = Due(leased.expires_at)  # what due_at folds from the new lease
+                    self._queue.append(stream, news, state.version, fence=fence, due=due)
+                else:
+                    self._store.append(stream, news, expected_version=state.version, fence=fence)
             except (ConcurrencyError, FencedError):
-                self._catch_up()  # another worker, the Agent or an action appended first
+                self._sync(stream)  # another worker, the Agent or an action appended first
                 continue
-            self._catch_up()
+            self._sync(stream)
             if leased is None:
                 log.warning("worker.abandoned_on_expiry", stream=stream)
-                return
+                return False
             self._start(stream, self._states[stream], leased)
-            return
+            return True
+        return False
 
     def _start(self, stream: str, state: ActivationsState, leased: ActivationLeased) -> None:
         head = state.find(leased.activation_id)
@@ -340,7 +396,7 @@ class ActivationWorker(pykka.ThreadingActor):
         epoch = self._running.get(message.stream)
         if epoch is None:
             return
-        self._catch_up()
+        self._sync(message.stream)
         state = self._states[message.stream]
         lease = state.lease
         self._ended(WakeEnded(message.stream, epoch))
