@@ -241,6 +241,19 @@ def test_replay_is_a_provider_change_or_rewritten_history() -> None:
     )
 
 
+def test_the_replay_rule_holds_across_a_restart() -> None:
+    t = _signed()
+    engine = PipelineEngine(summarizer=Summaries(), clock=FakeClock())
+    log = list(engine.assemble(t.all, 100_000, provider="anthropic").events)
+    t.user("more")
+    rebuilt = PipelineEngine.from_events(log, summarizer=Summaries(), clock=FakeClock())
+    assert rebuilt.state == engine.state
+    extended = rebuilt.assemble(t.all, 100_000, provider="anthropic")
+    assert "signature_scrubber" not in extended.layers_fired
+    again = PipelineEngine.from_events(log, summarizer=Summaries(), clock=FakeClock())
+    assert "signature_scrubber" in again.assemble(t.all, 100_000, provider="openai").layers_fired
+
+
 # -- 3. UTF-16 surrogate guard ---------------------------------------------------------
 
 

@@ -218,3 +218,21 @@ def test_a_reader_that_raises_trips_the_rehydration_layer(clock: FakeClock) -> N
     assert [e.layer for e in result.events if isinstance(e, ContextLayerDisabled)] == [
         "rehydration"
     ]
+
+
+def test_a_summarizer_outage_does_not_undo_the_compaction_in_force(clock: FakeClock) -> None:
+    summarizer = FlakySummarizer()
+    summarizer.down = False
+    engine = PipelineEngine(summarizer=summarizer, clock=clock)
+    t = _long(14)
+    t.user("more")
+    first = engine.assemble(t.all, 1_000, provider="openai")
+    assert first.compacted
+    summarizer.down = True
+    for _ in range(8):  # failing, then disabled: the summary stays applied all along
+        t.user("more " + "x" * 4_000)  # over the budget: compaction is tried each turn
+        result = engine.assemble(t.all, 1_000, provider="openai")
+        assert any(m.message_id.startswith("pipeline-summary:") for m in result.messages)
+        assert engine.state.summary is not None
+        assert engine.state.summary.covers.isdisjoint(m.message_id for m in result.messages)
+    assert engine.state.breaker("compaction").status == "open"

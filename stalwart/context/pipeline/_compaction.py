@@ -21,7 +21,7 @@ from ._run import Outcome, Run
 from ._transcript import remove
 from ._wrap import MARKER, wrap_untrusted
 
-__all__ = ["SUMMARY_PREFIX", "apply_summary", "compact", "is_summary"]
+__all__ = ["SUMMARY_PREFIX", "apply_summary", "compact", "is_summary", "keep_summary"]
 
 #: The message id prefix of the message a compaction renders to.
 SUMMARY_PREFIX = "pipeline-summary:"
@@ -65,6 +65,13 @@ def apply_summary(
     while at < len(rest) and rest[at].seq <= summary.through_seq:
         at += 1
     return (*rest[:at], message, *rest[at:])
+
+
+def keep_summary(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
+    """Layer 8's stand-in while it is failing or disabled: the compaction in force stays
+    applied (no new one is made), so a summarizer outage does not undo past ones."""
+    summary = run.state.summary
+    return Outcome(messages if summary is None else apply_summary(messages, summary))
 
 
 def _groups(body: tuple[ContextMessage, ...]) -> list[Group]:

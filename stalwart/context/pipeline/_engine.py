@@ -25,7 +25,7 @@ from stalwart.events import (
 from stalwart.state import PipelineState, apply_pipeline_event
 
 from ._clean import clean_thinking, guard_surrogates, scrub_signatures, strip_reasoning_tags
-from ._compaction import compact
+from ._compaction import compact, keep_summary
 from ._config import LAYERS, PipelineConfig
 from ._objective import reinforce_objective
 from ._reinject import rehydrate
@@ -56,6 +56,10 @@ _LAYERS: tuple[tuple[str, Layer], ...] = tuple(
         strict=True,
     )
 )
+
+#: What runs instead of a layer that raised or is disabled, where skipping it outright
+#: would undo earlier work: the compaction in force stays applied.
+_FALLBACKS: dict[str, Layer] = {"compaction": keep_summary}
 
 log = structlog.get_logger("stalwart.context.pipeline")
 
@@ -289,6 +293,7 @@ class PipelineEngine:
             trial = breaker.status != "closed"
             if trial:
                 if breaker.retry_at is None or run.now < breaker.retry_at:
+                    current = self._fallback(name, current, run)
                     continue
                 events.append(ContextLayerHalfOpened(layer=name))
                 log.info("context layer half-open", session=self.session, layer=name)
@@ -297,34 +302,57 @@ class PipelineEngine:
             except Exception as exc:  # any layer bug must not fail the turn
                 failed.append(name)
                 events.extend(self._failure(name, breaker.failures + 1, exc, run.now, trial))
+                current = self._fallback(name, current, run)
                 continue
             if trial:
                 events.append(ContextLayerEnabled(layer=name))
                 log.info("context layer re-enabled", session=self.session, layer=name)
             if outcome.messages != current:
                 fired.append(name)
-                log.debug(
-                    "context layer fired",
-                    session=self.session,
-                    layer=name,
-                    messages_before=len(current),
-                    messages_after=len(outcome.messages),
-                )
-            for event in outcome.events:
-                if isinstance(event, ContextCompacted):
-                    log.info(
-                        "LLM compaction triggered",
-                        session=self.session,
-                        summary_id=event.summary_id,
-                        turn=event.turn,
-                        pruned_messages=len(event.covers),
-                        tokens=event.tokens,
-                        budget=event.budget,
-                        threshold=event.threshold,
-                    )
+                self._log_fired(name, current, outcome)
             current = outcome.messages
             events.extend(outcome.events)
         return current, events, fired, failed
+
+    def _fallback(
+        self, name: str, current: tuple[ContextMessage, ...], run: Run
+    ) -> tuple[ContextMessage, ...]:
+        """What stands in for a layer that failed or is disabled (the compaction in force
+        stays applied when the summarizer is down); unchanged for the other layers."""
+        fallback = _FALLBACKS.get(name)
+        if fallback is None:
+            return current
+        try:
+            return fallback(current, run).messages
+        except Exception as exc:  # the stand-in is pure; if it breaks, carry on without it
+            log.warning(
+                "context layer fallback failed",
+                session=self.session,
+                layer=name,
+                error=type(exc).__name__,
+            )
+            return current
+
+    def _log_fired(self, name: str, current: tuple[ContextMessage, ...], outcome: Outcome) -> None:
+        log.debug(
+            "context layer fired",
+            session=self.session,
+            layer=name,
+            messages_before=len(current),
+            messages_after=len(outcome.messages),
+        )
+        for event in outcome.events:
+            if isinstance(event, ContextCompacted):
+                log.info(
+                    "LLM compaction triggered",
+                    session=self.session,
+                    summary_id=event.summary_id,
+                    turn=event.turn,
+                    pruned_messages=len(event.covers),
+                    tokens=event.tokens,
+                    budget=event.budget,
+                    threshold=event.threshold,
+                )
 
     def _failure(
         self, name: str, failures: int, exc: Exception, now: float, trial: bool
