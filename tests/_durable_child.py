@@ -15,12 +15,14 @@ from typing import Any
 
 import structlog
 
+import stalwart.store._postgres  # noqa: F401  (imported once in the forkserver, not per child)
 from stalwart.channels import MemoryChannel
 from stalwart.config import parse_config
 from stalwart.runtime import Runtime
 
 
-def run(store_dir: str, base_url: str, activations: dict[str, Any], ready: Any) -> None:
+def run(location: str, base_url: str, activations: dict[str, Any], ready: Any) -> None:
+    """Run a worker on the store at ``location`` (a directory or a PostgreSQL URL)."""
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
     config = parse_config(
         {
@@ -31,6 +33,6 @@ def run(store_dir: str, base_url: str, activations: dict[str, Any], ready: Any) 
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with Runtime(config, store=store_dir, channels={"chat": MemoryChannel("chat")}) as rt:
+    with Runtime(config, store=location, channels={"chat": MemoryChannel("chat")}) as rt:
         ready.put(rt.worker().owner)
         stop.wait()

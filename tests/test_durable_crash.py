@@ -1,5 +1,6 @@
-"""Durable sessions across real processes: worker processes on one LMDB store, SIGKILLed
-at random points over 50 seeded rounds, and a worker frozen with SIGSTOP past its lease.
+"""Durable sessions across real processes: worker processes on one store (an LMDB
+directory, or one PostgreSQL database), SIGKILLed at random points over 50 seeded rounds,
+a worker frozen with SIGSTOP past its lease, and three workers splitting the sessions.
 
 What must hold, read from the log alone:
 
@@ -36,6 +37,7 @@ from stalwart.events import (
     ActivationLeaseLost,
     ActivationReady,
     ActivationRequeued,
+    AnnouncementDelivered,
     MessageAppended,
     PromptCompleted,
     PromptStarted,
@@ -57,17 +59,25 @@ _CONTEXT.set_forkserver_preload(["tests._durable_child"])
 
 
 class Worker:
-    """One worker process; ``owner`` is its worker's lease owner name."""
+    """One worker process; ``owner`` is its worker's lease owner name (waiting until the
+    process is up: a kill may land while it is still starting, itself a crash point)."""
 
-    def __init__(self, store_dir: Path, base_url: str, settings: dict[str, Any]) -> None:
+    def __init__(self, location: str, base_url: str, settings: dict[str, Any]) -> None:
         ready = _CONTEXT.Queue()
         self.process: BaseProcess = _CONTEXT.Process(
             target=_durable_child.run,
-            args=(str(store_dir), base_url, settings, ready),
+            args=(location, base_url, settings, ready),
             daemon=True,
         )
         self.process.start()
-        self.owner: str = ready.get(timeout=30)
+        self._ready = ready
+        self._owner: str | None = None
+
+    @property
+    def owner(self) -> str:
+        if self._owner is None:
+            self._owner = self._ready.get(timeout=30)
+        return self._owner
 
     def signal(self, signum: int) -> None:
         assert self.process.pid is not None
@@ -85,6 +95,15 @@ class Worker:
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join(5)
+
+
+@pytest.fixture(params=["lmdb", "postgres"])
+def location(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where the workers' shared store is: an LMDB directory or a PostgreSQL URL."""
+    if request.param == "postgres":
+        url: str = request.getfixturevalue("pg_url")
+        return url
+    return str(tmp_path / "store")
 
 
 @pytest.fixture
@@ -160,14 +179,14 @@ def check_log(store: EventStore, acknowledged: list[str]) -> Counter[str]:
 
 
 def test_sigkill_at_random_points_never_loses_or_repeats_work(
-    tmp_path: Path, workers: list[Worker]
+    location: str, workers: list[Worker]
 ) -> None:
-    store_dir = tmp_path / "store"
-    store = store_module.open(store_dir)
+    store = store_module.open(location)
     acknowledged: list[str] = []
     with FakeProvider() as fake:
         fake.set_default(Answer(text="ok", first_delay_ms=20))
-        workers.extend(Worker(store_dir, fake.base_url, LEASES) for _ in range(2))
+        workers.extend(Worker(location, fake.base_url, LEASES) for _ in range(2))
+        assert all(worker.owner for worker in workers)
         for seed in range(ROUNDS):
             chance = random.Random(seed)
             for _ in range(chance.randint(1, 3)):
@@ -176,7 +195,7 @@ def test_sigkill_at_random_points_never_loses_or_repeats_work(
             time.sleep(chance.uniform(0.0, 0.25))
             victim = chance.randrange(len(workers))
             workers[victim].kill()
-            workers[victim] = Worker(store_dir, fake.base_url, LEASES)
+            workers[victim] = Worker(location, fake.base_url, LEASES)
         _wait(store, _all_settled, SETTLE_S)
     how = check_log(store, acknowledged)
     expired = sum(r.type == "lease:expired" for r in store.read_all())
@@ -187,21 +206,22 @@ def test_sigkill_at_random_points_never_loses_or_repeats_work(
 
 
 def test_a_frozen_holder_is_fenced_out_after_the_takeover(
-    tmp_path: Path, workers: list[Worker]
+    location: str, workers: list[Worker]
 ) -> None:
-    store_dir = tmp_path / "store"
-    store = store_module.open(store_dir)
+    store = store_module.open(location)
     settings = {"lease_ttl_ms": 800, "renew_every_ms": 200, "poll_ms": 50}
     with FakeProvider() as fake:
         fake.add(Answer(text="from the frozen one", first_delay_ms=1_500))
         fake.set_default(Answer(text="from the new holder"))
-        frozen = Worker(store_dir, fake.base_url, settings)
+        frozen = Worker(location, fake.base_url, settings)
         workers.append(frozen)
+        assert frozen.owner
         acknowledged = [send_message(store, "s1", "hello", channel="chat")]
         fake.wait_for(lambda requests: len(requests) == 1, 30)
         frozen.signal(signal.SIGSTOP)
-        workers.append(Worker(store_dir, fake.base_url, settings))
-        _wait(store, _all_settled, 30)
+        workers.append(Worker(location, fake.base_url, settings))
+        # settled, and the new holder's answer delivered: it appends nothing more
+        _wait(store, lambda s: _all_settled(s) and _has(s, AnnouncementDelivered), 30)
         takeover = store.head()
         frozen.signal(signal.SIGCONT)
         _wait(store, lambda s: _has(s, ActivationLeaseLost), 30)
@@ -222,3 +242,26 @@ def test_a_frozen_holder_is_fenced_out_after_the_takeover(
 
 def _has(store: EventStore, kind: type) -> bool:
     return any(isinstance(r.event, kind) for r in store.read_stream("session:s1"))
+
+
+def test_three_workers_split_the_sessions_with_no_overlapping_lease(
+    location: str, workers: list[Worker]
+) -> None:
+    store = store_module.open(location)
+    acknowledged: list[str] = []
+    with FakeProvider() as fake:
+        fake.set_default(Answer(text="ok", first_delay_ms=30))
+        workers.extend(Worker(location, fake.base_url, LEASES) for _ in range(3))
+        assert all(worker.owner for worker in workers)
+        for i in range(36):
+            acknowledged.append(send_message(store, f"s{i % 12}", f"message {i}", channel="chat"))
+            time.sleep(0.02)  # messages arrive over time, at every worker's polls
+        _wait(store, _all_settled, SETTLE_S)
+    how = check_log(store, acknowledged)  # epochs grow, each settlement under its lease
+    assert how == {"ActivationAcked": 36}
+    records = list(store.read_all())
+    assert not [r for r in records if r.type in ("lease:expired", "activation:lease_lost")]
+    owners = Counter(r.event.owner for r in records if isinstance(r.event, ActivationLeased))
+    print(f"leases per worker: {sorted(owners.values())}")
+    assert set(owners) == {worker.owner for worker in workers}  # each worker leased some
+    store.close()

@@ -73,6 +73,8 @@ log = structlog.get_logger(__name__)
 SESSION_PREFIX = "session:"
 #: How many times a poll decides again for one session after losing a race.
 LEASE_TRIES = 8
+#: How a claim ends when its own wake settled it (not an expiry or an interrupt).
+_SETTLED = frozenset({"acked", "blocked", "requeued", "abandoned"})
 #: How many due sessions one poll claims (a full claim polls again at once).
 CLAIM_LIMIT = 64
 #: How long a claim keeps other workers off a session while this one decides for it.
@@ -374,11 +376,23 @@ class ActivationWorker(pykka.ThreadingActor):
         try:
             self._store.append(stream, [NewEvent(event=renewed, ts=now)], fence=Fence(epoch))
         except FencedError as exc:
+            if self._settled(stream, epoch):  # the Agent's WakeEnded is on its way
+                self._ended(WakeEnded(stream, epoch))
+                return
             self._lose(stream, epoch, activation_id, exc.current)
             return
         except StoreError as exc:
             log.warning("worker.renew_failed", stream=stream, error_class=type(exc).__name__)
         self._arm_renewal(stream, epoch)
+
+    def _settled(self, stream: str, epoch: int) -> bool:
+        """Whether the log shows the lease ``epoch`` settled by its wake (so a fenced
+        renewal raced the next lease, by any worker, after a normal end: nothing was lost)."""
+        with contextlib.suppress(StoreError):
+            self._sync(stream)
+        state = self._states.get(stream)
+        history = state.history if state is not None else ()
+        return any(c.epoch == epoch and c.ended in _SETTLED for c in history)
 
     def _lose(self, stream: str, epoch: int, activation_id: str, current: int) -> None:
         """The lease was taken over: stop the wake, record that this holder noticed."""
