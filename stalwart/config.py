@@ -72,7 +72,9 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     Models in ``fallback_models`` and ``vision_fallback_models`` are ``provider:model``.
     The loop makes at most ``max_steps`` model calls per turn and runs at most
     ``tool_limit`` tool calls at once; ``system_prompt``, when set, starts every request.
-    ``subagents`` offers its model the built-in ``spawn_subagent`` tool.
+    ``subagents`` offers its model the built-in ``spawn_subagent`` tool. ``context_window``
+    is the model's window in tokens: the context engine fits every request into it, less
+    the reply (``max_tokens``), the tool declarations and the system prompt.
     (The turn's execution timeout is ``supervision.execution_timeout_ms`` and a send's
     deadline ``dead_letters.announce_timeout_ms``.)
     """
@@ -95,6 +97,7 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     tool_limit: Positive = 4
     system_prompt: str | None = None
     subagents: bool = False
+    context_window: Positive = 128_000
 
 
 def _ordered(section: str, low: str, low_value: int, high: str, high_value: int) -> None:

@@ -225,7 +225,8 @@ def test_the_tool_is_offered_only_where_the_config_enables_it(
 ) -> None:
     rt.session("p2", agent="plain", channel="chat").send("hi")
     delivered(rt, chat, 1)
-    assert "tools" not in fake.requests[0].body or not fake.requests[0].body["tools"]
+    offered = [t["function"]["name"] for t in fake.requests[0].body.get("tools") or ()]
+    assert SPAWN_TOOL not in offered
 
 
 # -- batched completion announcements -------------------------------------------------------

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from functools import partial
 from typing import Any, Literal
 
@@ -39,6 +40,7 @@ import structlog
 
 from stalwart.channels import Channel, MessageKind, OutboundMessage
 from stalwart.clock import Clock
+from stalwart.context import ModelProfile
 from stalwart.errors import ConcurrencyError, FencedError
 from stalwart.events import (
     ActivationReady,
@@ -58,7 +60,7 @@ from stalwart.events import (
     TurnStarted,
 )
 from stalwart.ids import new_id
-from stalwart.providers import ModelCaller, ProviderRequest
+from stalwart.providers import ModelCaller, ProviderRequest, ProviderResponse
 from stalwart.state import ActivationPolicy, WakeResult, decide_settlement
 from stalwart.store import NO_STREAM, EventStore, Fence, NewEvent, load_state
 from stalwart.tools import (
@@ -70,6 +72,7 @@ from stalwart.tools import (
     started_event,
 )
 
+from ._agent_context import ContextGate, ContextLog, call_through_context, context_budget
 from ._agent_fold import (
     AGENT_VIEW,
     AgentViewFolder,
@@ -104,6 +107,7 @@ from ._agent_wake import (
     pause_for,
     wake_result,
 )
+from ._context import Assemble
 from ._deadletter import Enqueue
 from ._portal import IoPortal
 from ._restarts import crashed
@@ -159,6 +163,8 @@ class AgentActor(pykka.ThreadingActor):
         worker: Callable[[object], object] | None = None,
         jitter_ms: Callable[[], int] | None = None,
         hold: Callable[[str, Fence | None], object] | None = None,
+        context: ContextGate | None = None,
+        profile: ModelProfile | None = None,
     ) -> None:
         super().__init__()
         self._stream = f"session:{session_id}"
@@ -185,6 +191,10 @@ class AgentActor(pykka.ThreadingActor):
         self._worker = worker
         self._jitter_ms = jitter_ms
         self._hold = hold
+        # the context engine (a ContextStore behind a gate): every model call goes through it
+        self._context = context
+        self._profile = profile or ModelProfile()
+        self._context_log = ContextLog()
         self._ledger = WakeLedger(self._stream)
         self._wake: Wake | None = None
         self._fence: Fence | None = None
@@ -195,6 +205,7 @@ class AgentActor(pykka.ThreadingActor):
         self._folder = AGENT_VIEW.folder(load_state(self._store, self._stream, AGENT_VIEW))
         for record in self._store.read_stream(self._stream, 1, self._folder.version):
             self._ledger.add(record)
+            self._context_log.add(record)
         if self._folder.version == 0:
             created = SessionCreated(agent=self._agent_name, channel=self._channel.name)
             with contextlib.suppress(ConcurrencyError):  # a first message created it
@@ -269,6 +280,9 @@ class AgentActor(pykka.ThreadingActor):
         turn.future = None
         if message.error == "context_overflow":
             self._finish(turn, "failed", "context_overflow", OVERFLOW_TEXT, "failure_notice")
+            return
+        if message.error == "context_refused":  # fail-closed: never merged, never retried
+            self._finish(turn, "failed", "context_refused", FAILED_TEXT, "failure_notice")
             return
         if message.error is not None or message.response is None:
             reason = message.error or "internal"
@@ -386,12 +400,34 @@ class AgentActor(pykka.ThreadingActor):
         note = drafts_note(self._ledger.drafts.open()) if self._wake is not None else None
         if note is not None:  # an interrupted wake's drafts: continue them, not start over
             system = f"{system}\n\n{note}" if system else note
-        request = ProviderRequest(
-            messages=request_messages(self._folder.messages, system),
-            tools=self._tools.specs(),
-            max_tokens=self._caller.agent.max_tokens,
-        )
-        future = self._portal.submit(self._caller.call, self._stream, request)
+        tools, max_tokens = self._tools.specs(), self._caller.agent.max_tokens
+        future: Future[ProviderResponse]
+        if self._context is not None:
+            base = ProviderRequest(messages=(), tools=tools, max_tokens=max_tokens)
+            window = self._settings.context_window
+            assemble = Assemble(
+                session_id=self._stream.removeprefix("session:"),
+                messages=tuple(self._context_log.messages),
+                budget=context_budget(window, base, system, self._profile),
+                tenant=self._folder.session().tenant,
+                profile=self._profile,
+            )
+            future = self._portal.submit(
+                call_through_context,
+                self._caller,
+                self._stream,
+                base,
+                self._context,
+                assemble,
+                system,
+            )
+        else:
+            request = ProviderRequest(
+                messages=request_messages(self._folder.messages, system),
+                tools=tools,
+                max_tokens=max_tokens,
+            )
+            future = self._portal.submit(self._caller.call, self._stream, request)
         turn.future = future
         turn_id, step = turn.turn_id, turn.step
         future.add_done_callback(lambda done: self._tell(model_done(turn_id, step, done)))
@@ -698,6 +734,7 @@ class AgentActor(pykka.ThreadingActor):
         for record in self._store.read_stream(self._stream, self._folder.version + 1):
             self._folder.add(record)
             self._ledger.add(record)
+            self._context_log.add(record)
 
     def _current(self, turn_id: str, step: int, what: str) -> LiveTurn | None:
         turn = self._turn

@@ -16,12 +16,13 @@ import anyio
 import structlog
 
 from stalwart.channels import Channel, Delivery, OutboundMessage
+from stalwart.context import ContextScopeError
 from stalwart.errors import ChannelError, ContextOverflowError, ProviderError
 from stalwart.events import ToolCall
 from stalwart.providers import ProviderResponse
 from stalwart.tools import ToolOutcome, ToolRegistry, run_tools
 
-from ._agent_messages import ModelDone, SendDone, ToolsDone
+from ._agent_messages import ModelDone, ModelError, SendDone, ToolsDone
 from ._scheduler import TimerHandle
 
 __all__ = ["LiveTurn", "deliver", "model_done", "run_calls", "sent", "tools_done"]
@@ -82,9 +83,13 @@ def model_done(turn_id: str, step: int, future: Future[ProviderResponse]) -> Mod
     exc = future.exception()
     if exc is None:
         return ModelDone(turn_id=turn_id, step=step, response=future.result())
+    error: ModelError
     if isinstance(exc, ContextOverflowError):
-        error: Literal["all_models_failed", "context_overflow", "internal"] = "context_overflow"
+        error = "context_overflow"
         return ModelDone(turn_id=turn_id, step=step, error=error, error_class=exc.kind)
+    if isinstance(exc, ContextScopeError):
+        log.error("agent.context_refused", turn_id=turn_id)
+        return ModelDone(turn_id=turn_id, step=step, error="context_refused", error_class="scope")
     if isinstance(exc, ProviderError):
         error = "all_models_failed"
         return ModelDone(turn_id=turn_id, step=step, error=error, error_class=exc.kind)

@@ -66,8 +66,9 @@ EMPTY_ANSWER_TEXT = "Sorry, the model finished without writing an answer. Please
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 #: Why a model call produced no response: ``all_models_failed`` (a ProviderError after
-#: the whole chain), ``context_overflow``, or ``internal`` (anything else: a bug).
-ModelError = Literal["all_models_failed", "context_overflow", "internal"]
+#: the whole chain), ``context_overflow``, ``context_refused`` (the context engine
+#: refused the session's write: fail-closed), or ``internal`` (anything else: a bug).
+ModelError = Literal["all_models_failed", "context_overflow", "context_refused", "internal"]
 
 
 class AgentLoopSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -84,6 +85,7 @@ class AgentLoopSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     execution_timeout_ms: Positive = 600_000
     send_timeout_ms: Positive = 30_000
     system_prompt: str | None = None
+    context_window: Positive = 128_000
 
 
 # -- told -----------------------------------------------------------------------------------

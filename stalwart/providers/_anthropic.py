@@ -57,18 +57,37 @@ def _blocks(message: Message) -> list[dict[str, Any]]:
     return blocks
 
 
-def _messages(messages: tuple[Message, ...]) -> tuple[str, list[dict[str, Any]]]:
-    """The system text, and the turns with consecutive same-role blocks merged."""
-    system = "\n\n".join(m.content for m in messages if m.role == "system")
+#: Anthropic allows at most this many ``cache_control`` breakpoints per request.
+MAX_BREAKPOINTS = 4
+_EPHEMERAL = {"type": "ephemeral"}
+
+
+def _messages(
+    messages: tuple[Message, ...],
+) -> tuple[str | list[dict[str, Any]], list[dict[str, Any]]]:
+    """The system (text, or one cached block), and the turns with consecutive same-role
+    blocks merged; a message marked ``cache`` puts ``cache_control`` on its last block
+    (the first ``MAX_BREAKPOINTS`` marks count)."""
+    budget = MAX_BREAKPOINTS
+    systems = [m for m in messages if m.role == "system"]
+    text = "\n\n".join(m.content for m in systems)
+    system: str | list[dict[str, Any]] = text
+    if text and any(m.cache for m in systems):
+        system = [{"type": "text", "text": text, "cache_control": _EPHEMERAL}]
+        budget -= 1
     turns: list[dict[str, Any]] = []
     for message in messages:
         if message.role == "system":
             continue
         role = "assistant" if message.role == "assistant" else "user"
+        blocks = _blocks(message)
+        if message.cache and blocks and budget > 0:
+            blocks[-1] = {**blocks[-1], "cache_control": _EPHEMERAL}
+            budget -= 1
         if turns and turns[-1]["role"] == role:
-            turns[-1]["content"] += _blocks(message)
+            turns[-1]["content"] += blocks
         else:
-            turns.append({"role": role, "content": _blocks(message)})
+            turns.append({"role": role, "content": blocks})
     return system, turns
 
 

@@ -23,13 +23,18 @@ __all__ = [
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True):
-    """A chat message. Images are URLs or ``data:`` URLs and make a request a vision one."""
+    """A chat message. Images are URLs or ``data:`` URLs and make a request a vision one.
+
+    ``cache`` marks a prompt-cache breakpoint: the prefix up to and including this message
+    is meant to stay the same on the next request (Anthropic: ``cache_control`` on its last
+    block; OpenAI caches prefixes by itself and ignores it)."""
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     images: tuple[str, ...] = ()
+    cache: bool = False
 
 
 class ProviderRequest(msgspec.Struct, frozen=True, kw_only=True):

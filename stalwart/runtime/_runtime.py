@@ -59,6 +59,7 @@ from stalwart.state import DeadLetterState, spawn_timeout
 from stalwart.store import NO_STREAM, EventStore, NewEvent
 from stalwart.tools import Tool, ToolRegistry, build_tool
 
+from ._context import ContextLayer
 from ._control import (
     confirm,
     interrupt,
@@ -143,6 +144,7 @@ class Runtime:
         self._tracks: dict[str, Track] = {}  # what a restarted announcer is told again
         self._dead_letters_ref = LiveRef(lambda: self._dead_letters, "deadletter")
         self._durable: Durability | None = None
+        self._context: ContextLayer | None = None
         self._supervisor_ref = LiveRef(lambda: self._supervisor, "supervisor")
         self._announcer_ref = LiveRef(lambda: self._announcer, "announcer")
 
@@ -221,6 +223,18 @@ class Runtime:
         self._start_supervision()
         for provider in self.config.providers:
             self._health[provider] = self._start_health(provider)
+        if self.config.agents:
+            self._context = ContextLayer(
+                self.config,
+                self._store,
+                self.clock,
+                self._portal,
+                self._layer,
+                on_crash=lambda start, reason: self._part_crashed(
+                    "context", partial(self._restart_part, "context", start), reason
+                ),
+            )
+            self._context.start()
         self._durable = Durability(
             self._store,
             self.clock,
@@ -334,6 +348,7 @@ class Runtime:
             ("supervision", lambda: _stop_actors([self._announcer, self._supervisor])),
             ("health", lambda: _stop_actors(list(self._health.values()))),
             ("dead_letters", lambda: _stop_actors([self._dead_letters])),
+            ("context", lambda: self._context.stop() if self._context else None),
             ("providers", lambda: self._on_loop(self._layer.aclose if self._layer else None)),
             ("channels", self._close_channels),
             ("threads", self._stop_threads),
@@ -467,6 +482,7 @@ class Runtime:
             execution_timeout_ms=self.config.supervision.execution_timeout_ms,
             send_timeout_ms=self.config.dead_letters.announce_timeout_ms,
             system_prompt=settings.system_prompt,
+            context_window=settings.context_window,
         )
         durable = self._durable if supervised else None
         if durable is not None:  # the session exists when session() returns
@@ -492,6 +508,9 @@ class Runtime:
                     max_bytes=self.config.activations.max_draft_bytes,
                 )
             )
+        context = self._context if supervised else None
+        if context is not None:
+            own.extend(context.tools(session_id, None))
         if own:
             tools = SessionTools(self.tools, *own)
         ref = AgentActor.start(
@@ -514,6 +533,8 @@ class Runtime:
             worker=durable.tell if durable is not None else None,
             jitter_ms=durable.jitter_ms if durable is not None else None,
             hold=self._layer.sink.hold if durable is not None else None,
+            context=context.gate if context is not None else None,
+            profile=context.profile(agent) if context is not None else None,
         )
         return SessionHandle(
             session_id,

@@ -1,0 +1,115 @@
+"""A runtime's context engine: one ContextStore actor, and what its Agents get of it.
+
+The ContextStore (``stalwart.actors.ContextStoreActor``) owns the ``context:<session>``
+streams. Its summarizer is a model of the config: the ``default`` agent's (or the first
+agent's) provider and model, through the provider layer's client, bounded by the
+summarizer breaker's half-open time. Every session's Agent gets a :class:`ContextGate`
+that reaches the store through a live reference (so a restarted ContextStore needs no
+re-wiring), and in ``dag`` mode the ``ctx_search`` / ``ctx_inspect`` / ``ctx_expand``
+tools bound to its session and tenant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import pykka
+
+from stalwart.actors import (
+    Assemble,
+    Assembled,
+    Calibrate,
+    ContextStoreActor,
+    IoPortal,
+    ProviderSummarizer,
+    context_tools,
+)
+from stalwart.clock import Clock
+from stalwart.config import Config
+from stalwart.context import ModelProfile
+from stalwart.store import EventStore
+from stalwart.tools import Tool
+
+from ._handles import LiveRef
+from ._layer import ProviderLayer
+
+__all__ = ["ContextLayer"]
+
+#: How long an Agent waits for an assembly: a summarizer call (bounded by its own
+#: timeout) and the engine's work, with room to spare.
+ASSEMBLE_TIMEOUT_S = 90.0
+
+
+class _Gate:
+    """The ContextGate an Agent uses (see ``stalwart.actors.ContextGate``)."""
+
+    def __init__(self, ref: pykka.ActorRef[Any]) -> None:
+        self._ref = ref
+
+    def assemble(self, request: Assemble) -> Assembled:
+        assembled = self._ref.ask(request, timeout=ASSEMBLE_TIMEOUT_S)
+        assert isinstance(assembled, Assembled)
+        return assembled
+
+    def calibrate(self, request: Calibrate) -> None:
+        with contextlib.suppress(pykka.ActorDeadError):  # a hint: the next call brings one
+            self._ref.tell(request)
+
+
+class ContextLayer:
+    """Starts (and restarts) the ContextStore; hands out gates, profiles and tools."""
+
+    def __init__(
+        self,
+        config: Config,
+        store: EventStore,
+        clock: Clock,
+        portal: IoPortal,
+        layer: ProviderLayer,
+        *,
+        on_crash: Callable[[Callable[[], None], str], object],
+    ) -> None:
+        self._config = config
+        self._store = store
+        self._clock = clock
+        self._portal = portal
+        self._layer = layer
+        self._on_crash = on_crash
+        self._actor: pykka.ActorRef[Any] | None = None
+        self.ref = LiveRef(lambda: self._actor, "context")
+        self.gate = _Gate(self.ref)
+
+    def start(self) -> None:
+        settings = self._config.context_engine
+        name = "default" if "default" in self._config.agents else next(iter(self._config.agents))
+        agent = self._config.agents[name]
+        timeout_s = settings.summarizer_breaker.half_open_timeout_ms / 1000
+        summarizer = ProviderSummarizer(
+            self._layer.clients[agent.provider], agent.model, self._portal, timeout_s=timeout_s
+        )
+        self._actor = ContextStoreActor.start(
+            store=self._store,
+            clock=self._clock,
+            summarizer=summarizer,
+            settings=settings,
+            on_crash=lambda reason: self._on_crash(self.start, reason),
+        )
+
+    def stop(self) -> None:
+        actor = self._actor
+        if actor is not None:
+            with contextlib.suppress(pykka.ActorDeadError, pykka.Timeout):
+                actor.stop(timeout=5.0)
+
+    def profile(self, agent: str) -> ModelProfile:
+        """What the engine needs to know of an agent's model: Anthropic caches prompts."""
+        settings = self._config.agent(agent)
+        kind = self._config.providers[settings.provider].kind
+        return ModelProfile(provider=kind, model=settings.model, caching=kind == "anthropic")
+
+    def tools(self, session_id: str, tenant: str | None) -> tuple[Tool, ...]:
+        """The session's ``ctx_*`` tools (none in pipeline mode)."""
+        registry = context_tools(self.ref, session_id, tenant, settings=self._config.context_engine)
+        return tuple(registry)
