@@ -23,6 +23,8 @@ from stalwart.events import (
     ActivationReady,
     ActivationRequeued,
     AnnouncementDelivered,
+    ContextAssembled,
+    ContextSummaryCreated,
     LeaseRenewed,
     MessageAppended,
     SessionCreated,
@@ -498,3 +500,23 @@ def test_a_settlement_under_a_stale_lease_fails_verification(
     assert finding.kind == "mismatch"
     assert finding.tag == "activation:acked"
     assert "settled at epoch 7 while the live lease was epoch 1" in finding.message
+
+
+def test_a_long_session_is_fitted_into_the_window_by_the_context_engine(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    agents = {"default": AGENT | {"context_window": 3_000, "max_tokens": 200}}
+    cfg = config(fake.base_url, agents=agents, context_engine={"fresh_tail_turns": 2})
+    with Runtime(cfg, store=store, clock=clock, channels={"chat": chat}) as rt:
+        session = rt.session("s1", channel="chat")
+        for n in range(12):
+            fake.add(Answer(text=f"noted {n}. " + "words " * 150))
+            session.send(f"fact {n}: the code is {n * 7}. " + "detail " * 150)
+            delivered(rt, chat, n + 1)
+    summaries = of(ContextSummaryCreated, list(store.read_stream("context:s1")))
+    assert summaries  # the oldest turns were summarized, not dropped
+    last = fake.requests[-1].body["messages"]
+    assert "fact 11" in last[-1]["content"]  # the newest turn is verbatim
+    assert any("stalwart:summary" in m["content"] for m in last)
+    assembled = of(ContextAssembled, list(store.read_stream("context:s1")))
+    assert assembled and all(a.tokens_out <= a.budget for a in assembled)
