@@ -519,4 +519,5 @@ def test_a_long_session_is_fitted_into_the_window_by_the_context_engine(
     assert "fact 11" in last[-1]["content"]  # the newest turn is verbatim
     assert any("stalwart:summary" in m["content"] for m in last)
     assembled = of(ContextAssembled, list(store.read_stream("context:s1")))
-    assert assembled and all(a.tokens_out <= a.budget for a in assembled)
+    assert assembled
+    assert all(a.tokens_out <= a.budget for a in assembled)
