@@ -28,6 +28,7 @@ from stalwart.events import (
 )
 from stalwart.state import (
     BREAKER,
+    CONTEXT_DAG,
     SESSION,
     SUMMARY,
     SessionState,
@@ -320,3 +321,7 @@ def test_bit_rot_in_a_snapshot_is_caught_by_its_checksum(store_dir: Path) -> Non
     with store_module.open(store_dir) as store:  # type: ignore[attr-defined]
         assert [s.version for s in store.snapshots("session:s", snapshot_name(SESSION))] == [30]
         assert load_state(store, "session:s", SESSION, snapshot_every=0) == full
+
+
+def test_a_context_stream_replays_with_the_dag_fold() -> None:
+    assert aggregate_for("context:s1") is CONTEXT_DAG

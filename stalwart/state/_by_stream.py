@@ -6,6 +6,7 @@ from typing import Any
 
 from ._aggregate import Aggregate
 from ._breaker import BREAKER
+from ._context import CONTEXT_DAG
 from ._deadletter import DEADLETTER
 from ._session import SESSION
 from ._summary import SUMMARY
@@ -15,7 +16,9 @@ def aggregate_for(stream: str) -> Aggregate[Any]:
     """The fold ``replay`` uses for a stream: by its name, else the summary fold.
 
     A sub-agent run is a ``session:`` stream and replays with the session fold; its run
-    fold (``RUN``) and a provider's health fold (``HEALTH``) are applied by name.
+    fold (``RUN``) and a provider's health fold (``HEALTH``) are applied by name. A
+    ``context:`` stream replays with the DAG engine's fold (its summaries, spend and
+    breaker); the pipeline engine's layer breakers are ``CONTEXT_PIPELINE``.
     """
     if stream.startswith("session:"):
         return SESSION
@@ -23,4 +26,6 @@ def aggregate_for(stream: str) -> Aggregate[Any]:
         return BREAKER
     if stream == "deadletter":
         return DEADLETTER
+    if stream.startswith("context:"):
+        return CONTEXT_DAG
     return SUMMARY
