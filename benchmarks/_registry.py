@@ -37,6 +37,7 @@ MODULES: tuple[str, ...] = (
     "benchmarks.supervision",
     "benchmarks.activations",
     "benchmarks.postgres",
+    "benchmarks.workers",
     "benchmarks.context",
     "benchmarks.verify",
 )

@@ -20,7 +20,8 @@ worker records ``activation:lease_lost``. The Agent settles the wake itself, in 
 append as the turn's outcome, and tells the worker :class:`WakeEnded`.
 
 Polls come from the scheduler (every ``poll_ms``, and at the next due time it knows of),
-and from :class:`Nudge` when this process appends work.
+and from :class:`Nudge` when this process appends work; when a wake ends, the worker
+decides again for that session (with a work queue, for that one alone).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ LEASE_TRIES = 8
 #: How a claim ends when its own wake settled it (not an expiry or an interrupt).
 _SETTLED = frozenset({"acked", "blocked", "requeued", "abandoned"})
 #: How many due sessions one poll claims (a full claim polls again at once).
-CLAIM_LIMIT = 64
+CLAIM_LIMIT = 8
 #: How long a claim keeps other workers off a session while this one decides for it.
 HOLD_S = 5.0
 
@@ -195,12 +196,12 @@ class ActivationWorker(pykka.ThreadingActor):
                 self._poll()
             case WakeEnded():
                 self._ended(message)
-                self._poll()
+                self._next_wake(message.stream)
             case _Renew():
                 self._renew(message)
             case WakeFailed():
                 self._failed(message)
-                self._poll()
+                self._next_wake(message.stream)
             case WorkerStatus():
                 return self._report()
             case _:
@@ -279,6 +280,22 @@ class ActivationWorker(pykka.ThreadingActor):
         if len(work.claimed) >= CLAIM_LIMIT:
             self._tell(Nudge())
         self._arm(work.next_at)
+
+    def _next_wake(self, stream: str) -> None:
+        """After a wake of ``stream`` ended: with a work queue, decide for that session at
+        once (it needs no claim: the lease is fenced all the same) and write back its due
+        time, so its settlement costs no other worker a look; else poll everything."""
+        queue = self._queue
+        if queue is None:
+            self._poll()
+            return
+        try:
+            self._refresh(stream)
+            if not self._try_lease(stream, self._clock.now()):
+                state = self._states[stream]
+                queue.set_due(stream, state.version, due_at(state), self._owner)
+        except StoreError as exc:  # its due row still says "look now": a poll will
+            log.warning("worker.claim_unsettled", stream=stream, error=type(exc).__name__)
 
     def _try_lease(self, stream: str, now: float) -> bool:
         """Lease the stream's due work; on a race, fold what won and decide again.

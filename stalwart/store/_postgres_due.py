@@ -11,9 +11,16 @@ lock different due rows and never wait on each other's (nor on a row an append i
 writing: that one is picked up at the next poll). A worker's write-back of what its
 fold found is conditional on the row's version, in the same statement, so it never
 overwrites the mark of an append it has not folded.
+
+Claims and write-backs commit with ``synchronous_commit = off``: they are hints, so one
+lost in a crash costs a worker a fold at most (the rows fall back to an earlier, never a
+later, due time), and a worker does not wait for a WAL flush to hand out work. Appends,
+and the due rows written with them, stay fully durable.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from psycopg import sql
 
@@ -47,11 +54,21 @@ class DueStatements:
         )
 
 
+_HINT = b"SET LOCAL synchronous_commit = off"
+
+
+def _hint(db: Connections, doing: str, query: Any, params: tuple[Any, ...]) -> list[Any]:
+    """Run a write of hints in a transaction that does not wait for its WAL flush."""
+    with db.connection(doing) as conn, conn.transaction():
+        conn.execute(_HINT)
+        return conn.execute(query, params).fetchall()
+
+
 def claim_due(
     db: Connections, q: DueStatements, owner: str, now: float, limit: int, hold_s: float
 ) -> DueWork:
     params = (now, owner, now, limit, owner, now + hold_s)
-    rows = db.fetch("claim due sessions", q.claim, params)
+    rows = _hint(db, "claim due sessions", q.claim, params)
     rows.sort(key=lambda row: row[1])
     later = db.fetch("read the next due time", q.next_at, (now,))
     return DueWork(
@@ -64,10 +81,10 @@ def set_due(
     db: Connections, q: DueStatements, stream: str, version: int, at: float | None, owner: str
 ) -> bool:
     if at is None:
-        done = db.fetch("clear a due time", q.clear, (stream, version))
+        done = _hint(db, "clear a due time", q.clear, (stream, version))
     else:
-        done = db.fetch("set a due time", q.set, (stream, at, version))
+        done = _hint(db, "set a due time", q.set, (stream, at, version))
     if done:
         return True
-    db.fetch("release a due row", q.release, (stream, owner))
+    _hint(db, "release a due row", q.release, (stream, owner))
     return False
