@@ -339,6 +339,10 @@ class ContextEngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     summarizer_breaker: SummarizerBreakerSettings = msgspec.field(
         default_factory=SummarizerBreakerSettings
     )
+    #: the pipeline engine's knobs (``stalwart.context.pipeline.PipelineConfig``'s fields:
+    #: ``history_turns``, ``observation_trigger_chars``, ``compaction_threshold`` ...),
+    #: checked when the runtime starts its ContextStore
+    pipeline: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

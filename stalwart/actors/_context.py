@@ -45,7 +45,8 @@ from stalwart.context import (
     messages_from_records,
     valid_session_id,
 )
-from stalwart.context.pipeline import PipelineEngine
+from stalwart.context.pipeline import PipelineConfig, PipelineEngine
+from stalwart.errors import ConfigError
 from stalwart.events import ContextDagDegraded, Event
 from stalwart.providers import Message
 from stalwart.store import EventStore
@@ -173,6 +174,7 @@ class ContextStoreActor(pykka.ThreadingActor):
         self._on_crash = on_crash
         self._dag = DagEngine(self._settings, summarizer=summarizer, clock=clock)
         self._pipelines: dict[str, PipelineEngine] = {}
+        self._pipeline_config = pipeline_config(self._settings)
         self._versions: dict[str, int] = {}
 
     @property
@@ -284,6 +286,7 @@ class ContextStoreActor(pykka.ThreadingActor):
         if engine is None:
             engine = PipelineEngine.from_events(
                 self._store.read_stream(stream),
+                self._pipeline_config,
                 summarizer=self._summarizer,
                 clock=self._clock,
                 session=session_id,
@@ -341,3 +344,14 @@ class ContextStoreActor(pykka.ThreadingActor):
         recorded = self._store.append(stream, list(events), expected_version=expected)
         if versioned and recorded:
             self._versions[session_id] = recorded[-1].version
+
+
+def pipeline_config(settings: ContextEngineSettings) -> PipelineConfig:
+    """The pipeline engine's config from ``context_engine.pipeline``; ConfigError naming
+    the key when it is not one of ``PipelineConfig``'s, or out of shape."""
+    try:
+        return msgspec.convert(settings.pipeline, PipelineConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(
+            f"key 'context_engine.pipeline': {exc}", key="context_engine.pipeline"
+        ) from None
