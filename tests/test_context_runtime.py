@@ -37,7 +37,8 @@ def test_the_pipeline_engine_runs_the_turns_when_the_operator_chooses_it(
             session.send(f"question {n}")
             delivered(rt, chat, n + 1)
     assembled = of(ContextAssembled, list(store.read_stream("context:s1")))
-    assert assembled and {a.engine for a in assembled} == {"pipeline"}
+    assert assembled
+    assert {a.engine for a in assembled} == {"pipeline"}
     sent = fake.requests[-1].body["messages"]
     users = [m["content"] for m in sent if m["role"] == "user"]
     assert "question 3" in users[-1]
