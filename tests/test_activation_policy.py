@@ -72,7 +72,8 @@ def test_a_ready_message_is_due_at_once_and_leased_at_the_next_epoch() -> None:
         )
     ]
     apply_all(folded, events, 10.0)
-    assert folded.state.lease is not None and folded.state.epoch == 1
+    assert folded.state.lease is not None
+    assert folded.state.epoch == 1
     assert decide_lease(folded.state, "w2", 39.999, POLICY) == []  # a live lease holds
 
 
@@ -81,11 +82,13 @@ def test_messages_queued_behind_are_covered_by_the_same_wake() -> None:
     for n in (1, 2, 3):
         message(folded, n, 1.0)
     (leased,) = decide_lease(folded.state, "w", 1.0, POLICY)
-    assert isinstance(leased, ActivationLeased) and leased.covers == ("a2", "a3")
+    assert isinstance(leased, ActivationLeased)
+    assert leased.covers == ("a2", "a3")
     folded.add(leased, 1.0)
     folded.add(ActivationAcked(activation_id="a1", epoch=1), 2.0)
     assert folded.state.queue == ()
-    assert folded.state.last_outcome is not None and folded.state.last_outcome.status == "acked"
+    assert folded.state.last_outcome is not None
+    assert folded.state.last_outcome.status == "acked"
 
 
 def test_lease_expiry_boundary_and_takeover_records_the_expiry() -> None:
@@ -97,11 +100,16 @@ def test_lease_expiry_boundary_and_takeover_records_the_expiry() -> None:
     events = decide_lease(folded.state, "w2", 45.0, POLICY)
     assert [type(e) for e in events] == [LeaseExpired, ActivationLeased]
     expired, leased = events
-    assert isinstance(expired, LeaseExpired) and expired.streak == 1 and expired.owner == "w1"
-    assert isinstance(leased, ActivationLeased) and leased.epoch == 2 and leased.owner == "w2"
+    assert isinstance(expired, LeaseExpired)
+    assert expired.streak == 1
+    assert expired.owner == "w1"
+    assert isinstance(leased, ActivationLeased)
+    assert leased.epoch == 2
+    assert leased.owner == "w2"
     apply_all(folded, events, 45.0)
     held = folded.state.find("a1")
-    assert held is not None and held.streak == 1
+    assert held is not None
+    assert held.streak == 1
     assert [c.ended for c in folded.state.history] == ["expired", None]
 
 
@@ -119,7 +127,8 @@ def test_a_lease_that_keeps_expiring_is_abandoned_at_max_attempts() -> None:
     assert isinstance(abandoned, ActivationAbandoned)
     assert (abandoned.attempts, abandoned.error_class) == (5, "lease_expired")
     apply_all(folded, events, now)
-    assert folded.state.queue == () and folded.state.abandoned == 1
+    assert folded.state.queue == ()
+    assert folded.state.abandoned == 1
 
 
 @pytest.mark.parametrize("max_attempts", [7])
@@ -144,7 +153,8 @@ def test_backoff_sequence_is_2_4_8_16_30_30(max_attempts: int) -> None:
     final = decide_lease(folded.state, "w", now, long)
     apply_all(folded, final, now)
     abandoned = decide_settlement(folded.state, "a1", folded.state.epoch, FAIL, now, long)
-    assert isinstance(abandoned, ActivationAbandoned) and abandoned.attempts == 7
+    assert isinstance(abandoned, ActivationAbandoned)
+    assert abandoned.attempts == 7
 
 
 def test_a_success_resets_the_streak_and_a_non_retryable_failure_abandons_at_once() -> None:
@@ -158,7 +168,9 @@ def test_a_success_resets_the_streak_and_a_non_retryable_failure_abandons_at_onc
     message(folded, 2, 5.0)  # a new activation starts with no streak
     apply_all(folded, decide_lease(folded.state, "w", 5.0, POLICY), 5.0)
     again = decide_settlement(folded.state, "a2", 3, FAIL, 6.0, POLICY)
-    assert isinstance(again, ActivationRequeued) and again.streak == 1 and again.delay_ms == 2000
+    assert isinstance(again, ActivationRequeued)
+    assert again.streak == 1
+    assert again.delay_ms == 2000
     fatal = WakeResult(status="failed", error_class="bad_request", retryable=False)
     abandoned = decide_settlement(folded.state, "a2", 3, fatal, 6.0, POLICY)
     assert isinstance(abandoned, ActivationAbandoned)
@@ -181,22 +193,26 @@ def test_a_blocked_session_runs_nothing_until_confirmed() -> None:
     folded.add(SessionRequiresAction(request_id="r1", kind="approval", tool="rm"), 1.0)
     folded.add(ActivationBlocked(activation_id="a1", epoch=1, request_id="r1"), 1.0)
     message(folded, 2, 2.0)
-    assert folded.state.blocked_on == "r1" and next_due(folded.state, 100.0) is None
+    assert folded.state.blocked_on == "r1"
+    assert next_due(folded.state, 100.0) is None
     folded.add(UserToolConfirmation(request_id="other", allow=True), 3.0)
     assert folded.state.blocked_on == "r1"
     folded.add(UserToolConfirmation(request_id="r1", allow=True), 3.0)
     folded.add(ActivationReady(activation_id="r", kind="resume"), 3.0)
     due = next_due(folded.state, 3.0)
-    assert due is not None and due.activation_id == "a2"  # arrival order: a2 came first
+    assert due is not None
+    assert due.activation_id == "a2"
 
 
 def test_delayed_wakes_dedupe_caps_and_horizon() -> None:
     folded = log()
     ready = decide_wake(folded.state, "w1", 100.0, "daily", "check", 0.0, POLICY)
-    assert isinstance(ready, ActivationReady) and ready.wake_at == 100.0
+    assert isinstance(ready, ActivationReady)
+    assert ready.wake_at == 100.0
     folded.add(ready, 0.0)
     same = decide_wake(folded.state, "w2", 200.0, "daily", "check", 0.0, POLICY)
-    assert isinstance(same, Activation) and same.activation_id == "w1"
+    assert isinstance(same, Activation)
+    assert same.activation_id == "w1"
     for n in (3, 4):
         wake = decide_wake(folded.state, f"w{n}", 50.0, None, "x", 0.0, POLICY)
         assert isinstance(wake, ActivationReady)
@@ -209,7 +225,8 @@ def test_delayed_wakes_dedupe_caps_and_horizon() -> None:
     assert isinstance(edge, ActivationReady)
     assert next_due(folded.state, 49.999) is None
     due = next_due(folded.state, 50.0)
-    assert due is not None and due.activation_id == "w3"
+    assert due is not None
+    assert due.activation_id == "w3"
 
 
 def test_a_wake_does_not_wait_behind_a_retrying_message() -> None:
@@ -219,7 +236,8 @@ def test_a_wake_does_not_wait_behind_a_retrying_message() -> None:
     apply_all(folded, decide_lease(folded.state, "x", 0.0, POLICY), 0.0)
     folded.add(decide_settlement(folded.state, "a1", 1, FAIL, 0.5, POLICY), 0.5)
     due = next_due(folded.state, 1.0)
-    assert due is not None and due.activation_id == "w"
+    assert due is not None
+    assert due.activation_id == "w"
 
 
 def test_an_interrupt_cancels_everything_unsettled_and_claims_the_next_epoch() -> None:

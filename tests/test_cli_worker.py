@@ -71,7 +71,8 @@ def test_a_message_sent_from_the_cli_is_answered_by_a_worker_process(tmp_path: P
             out, err = worker.communicate(timeout=GUARD)
     assert worker.returncode == 0, err
     assert "hello from the worker" in out  # the console channel of the worker
-    assert err.startswith("worker ") and "stopping" in err
+    assert err.startswith("worker ")
+    assert "stopping" in err
     [ready] = [r.event for r in records if isinstance(r.event, ActivationReady)]
     assert ready.activation_id == activation
     [queued] = [r.event for r in records if isinstance(r.event, AnnouncementQueued)]
