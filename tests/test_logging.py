@@ -52,3 +52,13 @@ def test_importing_the_library_configures_nothing() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )
     assert proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_token_counts_are_not_taken_for_secrets() -> None:
+    event = {"input_tokens": 12, "tail_tokens": 40, "auth_token": "abc", "token": "x"}
+    assert redact(None, "info", dict(event)) == {
+        "input_tokens": 12,
+        "tail_tokens": 40,
+        "auth_token": REDACTED,
+        "token": REDACTED,
+    }

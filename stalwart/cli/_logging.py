@@ -10,7 +10,8 @@ from typing import Any
 
 import structlog
 
-_SECRET_KEYS = re.compile(r"(api[_-]?key|token|secret|password|authorization|cookie)", re.I)
+#: a key naming a secret; ``token`` but not ``tokens`` (``input_tokens`` is a count)
+_SECRET_KEYS = re.compile(r"(api[_-]?key|token(?!s)|secret|password|authorization|cookie)", re.I)
 _SECRET_VALUES = re.compile(r"(sk-[A-Za-z0-9_\-]{8,}|Bearer\s+\S+)")
 REDACTED = "[redacted]"
 
