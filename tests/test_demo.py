@@ -40,6 +40,12 @@ def test_the_demo_plays_every_scene_and_leaves_an_inspectable_log(tmp_path: Path
         "Invoices reconciled: two duplicate charges found.",
         "recovery: respawn_continue (partial_work)",
         "Incident summary: written (part 1 reused, part 2 added).",
+        "the session PAUSED: 'refund' needs an approval",
+        "the operator ALLOWED the request",
+        "the tool 'refund' ran once: refunded 12.50 on order 7",
+        "user sees (grace): Done: 12.50 is back on your card.",
+        "the wake failed (agent_crashed): requeued, retry 1 in 500 ms",
+        "user sees (heidi): Your balance is 42.00.",
         f"stalwart --store {directory} tail",
     ):
         assert line in out, f"missing {line!r} in the demo's output:\n{out}"
@@ -57,6 +63,8 @@ def test_the_demo_plays_every_scene_and_leaves_an_inspectable_log(tmp_path: Path
         "subagent:ghost_swept",
         "subagent:recovery_decided",
         "subagent:completed",
+        "session:requires_action",
+        "activation:requeued",
         "runtime:stopped",
     ):
         assert expected in types

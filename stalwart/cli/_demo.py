@@ -36,6 +36,7 @@ from stalwart.runtime import Runtime
 from stalwart.testing import Answer, Fail, FakeProvider, Stall
 
 from ._app import _State, cli
+from ._demo_durable import crash_scene, pause_scene
 from ._demo_narrator import Narrator
 from ._logging import configure_logging
 
@@ -72,6 +73,9 @@ window_ms = 3000
 [dead_letters]
 announce_timeout_ms = 2000
 retry_base_ms = 60000
+
+[activations]
+backoff_base_ms = 500
 
 [subagents]
 ghost_grace_ms = 1000
@@ -332,7 +336,26 @@ def _recovery(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrato
     screen.wait_text("Incident summary", timeout=30)
 
 
-SCENES: tuple[Scene, ...] = (_normal, _stall, _outage, _watchdog, _ghost, _recovery)
+def _pause(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) -> None:
+    pause_scene(7, rt, fake, narrator)
+    screen.wait_text("12.50 is back")
+
+
+def _crash(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) -> None:
+    crash_scene(8, rt, fake, narrator)
+    screen.wait_for("heidi")
+
+
+SCENES: tuple[Scene, ...] = (
+    _normal,
+    _stall,
+    _outage,
+    _watchdog,
+    _ghost,
+    _recovery,
+    _pause,
+    _crash,
+)
 
 
 def _prepare(directory: Path) -> None:
@@ -385,3 +408,5 @@ def demo(state: _State) -> None:
     click.echo(f"  stalwart {store} tail --type 'provider:*'    # the outage")
     click.echo(f"  stalwart {store} replay session:alice        # one conversation's state")
     click.echo(f"  stalwart {store} incidents                   # failures per provider/model")
+    click.echo(f"  stalwart {store} status grace                # a session's leases and pauses")
+    click.echo(f"  stalwart {store} replay --all --verify       # every decision re-derived")

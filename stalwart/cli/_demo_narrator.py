@@ -66,6 +66,23 @@ SENTENCES: dict[str, Say] = {
         f"recovery: {e.action} ({e.reason})" + (f': "{e.context}"' if e.context else "")
     ),
     "subagent:completed": lambda e: f"sub-agent finished: {e.outcome}",
+    "session:requires_action": lambda e: (
+        f"the session PAUSED: '{e.tool}' needs an approval (request {e.request_id[:8]}, "
+        f"input {_excerpt(e.arguments)} stored)"
+        if e.kind == "approval"
+        else f"the session PAUSED for the host's tool '{e.tool}'"
+    ),
+    "user:tool_confirmation": lambda e: (
+        f"the operator {'ALLOWED' if e.allow else 'DENIED'} the request; the session resumes"
+    ),
+    "tool:completed": lambda e: f"the tool '{e.tool}' ran once: {_excerpt(e.output)}",
+    "activation:requeued": lambda e: (
+        f"the wake failed ({e.error_class}): requeued, retry {e.streak} in {e.delay_ms} ms"
+    ),
+    "activation:leased": lambda e: (
+        f"leased again by this worker at epoch {e.epoch}" if e.epoch > 1 else ""
+    ),
+    "activation:abandoned": lambda e: f"the wake was given up after {e.attempts} attempts",
 }
 
 
@@ -89,8 +106,9 @@ class Narrator:
         while not self._subscription.closed:
             for record in self._subscription.poll(timeout=0.1):
                 say = SENTENCES.get(record.type)
-                if say is not None:  # said before it counts as seen: waits see it printed
-                    click.secho(f"{self._indent}[log] {say(record.event)}", fg="cyan")
+                line = say(record.event) if say is not None else ""
+                if line:  # said before it counts as seen: waits see it printed
+                    click.secho(f"{self._indent}[log] {line}", fg="cyan")
                 with self._changed:
                     self.seen.append(record)
                     self._changed.notify_all()
