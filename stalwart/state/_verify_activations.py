@@ -34,6 +34,7 @@ from ._activation import (
     ActivationPolicy,
     ActivationsState,
     WakeResult,
+    activation_backoff_ms,
     decide_interrupt,
     decide_lease,
     decide_settlement,
@@ -115,8 +116,18 @@ def _settled_why(state: ActivationsState, record: RecordedEvent, knobs: Knobs) -
         held = "no lease" if lease is None else f"epoch {lease.epoch} on {lease.activation_id}"
         return f"settled at epoch {event.epoch} while the live lease was {held}"
     held_activation = state.find(event.activation_id)
-    streak = held_activation.streak if held_activation else 0
-    return f"failure number {streak + 1} of {policy(knobs).max_attempts} allowed"
+    streak = (held_activation.streak if held_activation else 0) + 1
+    rules = policy(knobs)
+    if isinstance(event, ActivationRequeued) and streak < rules.max_attempts:
+        delay = activation_backoff_ms(streak, rules.backoff_base_ms, rules.backoff_cap_ms)
+        return (
+            f"failure {streak} of {rules.max_attempts} waits {delay} ms (base "
+            f"{rules.backoff_base_ms} ms x 2^{streak - 1}, cap {rules.backoff_cap_ms} ms) "
+            f"plus the recorded jitter; it waited {event.delay_ms} ms"
+        )
+    if streak >= rules.max_attempts:
+        return f"failure {streak} reached max_attempts {rules.max_attempts}: abandoned"
+    return f"failure {streak} of {rules.max_attempts}"
 
 
 def _not_on_expiry(event: Event) -> bool:
