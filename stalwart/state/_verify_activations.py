@@ -29,10 +29,9 @@ from stalwart.events import (
     UserInterrupt,
 )
 
-from ._activation import (
-    ACTIVATIONS,
+from ._activation import ACTIVATIONS, ActivationsState
+from ._activation_policy import (
     ActivationPolicy,
-    ActivationsState,
     WakeResult,
     activation_backoff_ms,
     decide_interrupt,
