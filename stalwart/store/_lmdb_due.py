@@ -3,7 +3,8 @@
 ``due``  session stream -> [due at, version that wrote it, holder or None, held until]
 
 Every write to it is a job of the environment's one writer, so it happens in the write
-transaction of the append that changes it (or of the claim), never beside it. The
+transaction of the append that changes it (or of the claim), never beside it; claims
+and write-backs are group-committed with the appends queued beside them. The
 sub-database is made on first use; a store written before it existed gets a row "due
 now" for each of its sessions, so a worker looks at every one once.
 """

@@ -33,35 +33,35 @@ class DueStatements:
         def q(text: str) -> sql.Composed:
             return sql.SQL(text).format(s=schema)
 
+        # each write of hints turns off waiting for its own WAL flush, in the statement
+        hint = "(SELECT set_config('synchronous_commit', 'off', true)) AS hint"
         self.claim = q(
             "WITH c AS (SELECT stream FROM {s}.due WHERE due_at <= %s AND "
             "(held_by IS NULL OR held_by = %s OR held_until <= %s) "
             "ORDER BY due_at LIMIT %s FOR UPDATE SKIP LOCKED) "
-            "UPDATE {s}.due d SET held_by = %s, held_until = %s "
-            "FROM c WHERE d.stream = c.stream RETURNING d.stream, d.due_at"
+            f"UPDATE {{s}}.due d SET held_by = %s, held_until = %s FROM c, {hint} "
+            "WHERE d.stream = c.stream RETURNING d.stream, d.due_at"
         )
         self.next_at = q("SELECT min(due_at) FROM {s}.due WHERE due_at > %s")
         self.set = q(
-            "INSERT INTO {s}.due AS d (stream, due_at, version) VALUES (%s, %s, %s) "
+            "INSERT INTO {s}.due AS d (stream, due_at, version) "
+            f"SELECT %s, %s::float8, %s::int8 FROM {hint} "
             "ON CONFLICT (stream) DO UPDATE SET due_at = EXCLUDED.due_at, "
             "version = EXCLUDED.version, held_by = NULL, held_until = 0 "
             "WHERE d.version <= EXCLUDED.version RETURNING 1"
         )
-        self.clear = q("DELETE FROM {s}.due WHERE stream = %s AND version <= %s RETURNING 1")
+        self.clear = q(
+            f"DELETE FROM {{s}}.due USING {hint} WHERE stream = %s AND version <= %s RETURNING 1"
+        )
         self.release = q(
-            "UPDATE {s}.due SET held_by = NULL, held_until = 0 "
+            f"UPDATE {{s}}.due SET held_by = NULL, held_until = 0 FROM {hint} "
             "WHERE stream = %s AND held_by = %s RETURNING 1"
         )
 
 
-_HINT = b"SET LOCAL synchronous_commit = off"
-
-
 def _hint(db: Connections, doing: str, query: Any, params: tuple[Any, ...]) -> list[Any]:
-    """Run a write of hints in a transaction that does not wait for its WAL flush."""
-    with db.connection(doing) as conn, conn.transaction():
-        conn.execute(_HINT)
-        return conn.execute(query, params).fetchall()
+    """Run a write of hints (its statement sets ``synchronous_commit`` off for itself)."""
+    return db.fetch(doing, query, params)
 
 
 def claim_due(

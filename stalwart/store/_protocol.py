@@ -219,9 +219,9 @@ class WorkQueue(Protocol):
         ...
 
     def set_due(self, stream: str, version: int, at: float | None, owner: str) -> bool:
-        """Set the stream's due time to ``at`` (from a fold of ``version``) and release
-        ``owner``'s hold, unless an append after ``version`` has written it since;
-        whether it was written."""
+        """Set the stream's due time to ``at`` (from a fold of ``version``; None: no
+        work) unless an append after ``version`` has written it since, and release
+        ``owner``'s hold either way; whether the time was written."""
         ...
 
 
