@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import queue
 import random
 import threading
 import time
@@ -145,6 +146,41 @@ def concurrent_rate(workers: Sequence[Callable[[], object]], seconds: float) -> 
     if errors:
         raise errors[0]
     return sum(counts) / elapsed
+
+
+def handoff_rate(threads: int, seconds: float) -> float:
+    """Calls per second when ``threads`` threads each hand a call to one server thread and
+    wait for its answer, which it gives to every waiting call at once: the workload of the
+    append benchmark with no store and no disk, its ceiling for threads of this process."""
+    requests: queue.SimpleQueue[threading.Lock | None] = queue.SimpleQueue()
+
+    def serve() -> None:
+        while (first := requests.get()) is not None:
+            waiting = [first]
+            while True:
+                try:
+                    more = requests.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    return
+                waiting.append(more)
+            for answered in waiting:
+                answered.release()
+
+    def call() -> None:
+        done = threading.Lock()
+        done.acquire()
+        requests.put(done)
+        done.acquire()
+
+    server = threading.Thread(target=serve, name="bench-handoff", daemon=True)
+    server.start()
+    try:
+        return concurrent_rate([call] * threads, seconds)
+    finally:
+        requests.put(None)
+        server.join()
 
 
 def fsync_rate(directory: str, seconds: float) -> float:

@@ -1,7 +1,8 @@
 """The store's benchmarks, each against the limit or a peer measured in the same run.
 
 ``append``                   durable appends from 1, 8, 64 threads vs raw LMDB committing
-                             as many events per durable transaction, and the fsync rate
+                             as many events per durable transaction, the fsync rate, and
+                             the same threads handing calls to one thread with no store
 ``append_vs_eventsourcing``  the same workload on eventsourcing's SQLite recorder
 ``replay``                   read + decode + session fold vs a bare msgspec decode loop
 ``tail_latency``             commit to a follower in another process (and in a thread)
@@ -33,6 +34,7 @@ from ._registry import Result, benchmark, ratio
 from ._workload import (
     concurrent_rate,
     fsync_rate,
+    handoff_rate,
     message,
     percentile,
     record_bytes,
@@ -96,6 +98,10 @@ def append(quick: bool) -> Result:
             figures[f"stalwart_n{n}_events_per_s"] = ours
             figures[f"raw_lmdb_{n}_per_txn_events_per_s"] = theirs
             result.ratios[f"vs_raw_lmdb_n{n}"] = ratio(ours, theirs)
+            # what N threads that each wait for another thread can do at all, store or not
+            handoff = handoff_rate(n, seconds)
+            figures[f"thread_handoff_n{n}_per_s"] = handoff
+            result.ratios[f"thread_handoff_vs_raw_lmdb_n{n}"] = ratio(handoff, theirs)
     result.ratios["stalwart_n1_vs_fsync"] = ratio(
         figures["stalwart_n1_events_per_s"], figures["fsync_per_s"]
     )
@@ -362,7 +368,8 @@ def tail_latency(quick: bool) -> Result:
             child.start()
             if not ours.poll(60) or ours.recv() != "ready":
                 raise RuntimeError("the follower process did not start")
-            ready, here = threading.Event(), []
+            ready = threading.Event()
+            here: list[tuple[int, float]] = []
             thread = threading.Thread(
                 target=_follow_here, args=(store, start, count, ready, here), daemon=True
             )

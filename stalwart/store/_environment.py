@@ -2,7 +2,12 @@
 
 All appends of a process go through one writer thread that takes every request waiting
 in its queue and commits them in one durable transaction, so N concurrent appenders pay
-about one fsync per batch. LMDB's own writer lock serializes writers across processes.
+about one fsync per batch. After a commit that answered several appenders it waits a
+little (at most LINGER of a commit's time) for them to come back, so that a steady set of
+appenders makes one batch per commit rather than two alternating halves. The writer stages
+a batch's writes and puts them with one call per sub-database, and remembers the stream
+rows it wrote for as long as no other process has appended. LMDB's own writer lock
+serializes writers across processes.
 One environment per directory per process is shared by every handle (LMDB forbids two
 on one file in a process); a forked child starts without the parent's.
 """
@@ -41,7 +46,12 @@ log = structlog.get_logger(__name__)
 FORMAT = b"stalwart-lmdb-1"
 DEFAULT_MAP_SIZE = 64 << 20
 MAX_BATCH = 4096
+#: how long, as a share of the last commit's time, a batch may wait for appenders that
+#: the last commit answered (only after a commit that answered more than one)
+LINGER = 0.5
 READ_BATCH = 1024
+#: at most this many stream rows are kept by the writer between batches
+ROWS_KEPT = 65536
 SNAPSHOTS_KEPT = 3
 #: LMDB's reader table (shared by every process on the store), and this process's share.
 MAX_READERS = 1024
@@ -70,8 +80,22 @@ class _Job(abc.ABC):
         self.lock.acquire()
 
     @abc.abstractmethod
-    def run(self, env: _Environment, txn: Any, head: list[int]) -> None:
-        """Do the job inside the batch's write transaction; ``head`` is the last position."""
+    def run(self, env: _Environment, txn: Any, batch: _Batch) -> None:
+        """Do the job inside the batch's write transaction."""
+
+
+class _Batch:
+    """What the appends of one write transaction have written so far: the log's last
+    position, and the log, index and stream rows to put when every request has run."""
+
+    __slots__ = ("index", "log", "position", "rows")
+
+    def __init__(self, position: int) -> None:
+        self.position = position
+        self.log: list[tuple[bytes, bytes]] = []
+        self.index: list[tuple[bytes, bytes]] = []
+        #: stream key -> (version, last position, last ts, lease epoch)
+        self.rows: dict[bytes, tuple[int, int, float, int]] = {}
 
 
 class _Append(_Job):
@@ -92,8 +116,8 @@ class _Append(_Job):
         self.expected = expected
         self.fence = fence
 
-    def run(self, env: _Environment, txn: Any, head: list[int]) -> None:
-        env.append_in(txn, self, head)
+    def run(self, env: _Environment, txn: Any, batch: _Batch) -> None:
+        env.append_in(txn, self, batch)
 
 
 class _PutSnapshot(_Job):
@@ -105,7 +129,7 @@ class _PutSnapshot(_Job):
         self.version = version
         self.value = value
 
-    def run(self, env: _Environment, txn: Any, head: list[int]) -> None:
+    def run(self, env: _Environment, txn: Any, batch: _Batch) -> None:
         prefix = self.prefix
         txn.put(prefix + _key(self.version), self.value, db=env.snapshot_db)
         cursor = txn.cursor(db=env.snapshot_db)
@@ -124,6 +148,7 @@ _Chunk = tuple[list[RecordedEvent], CorruptRecordError | None]
 _STOP = object()
 _VALUE = itemgetter(1)
 _REAL_TIME = SystemClock()
+_ENCODE = msgspec.msgpack.Encoder().encode
 
 
 class _Environment:
@@ -163,6 +188,12 @@ class _Environment:
                 raise StoreError(
                     f"{path} holds store format {bytes(marker)!r}, this version reads {FORMAT!r}"
                 )
+        # the writer's copy of the stream rows its last batches wrote, good while the log's
+        # head is still where its last commit left it: every write of a row comes with an
+        # append, so no other process has written one since (the transaction re-checks)
+        self._rows: dict[bytes, tuple[int, int]] = {}
+        self._rows_head = -1
+        self._batch: _Batch | None = None
         self._queue: queue.SimpleQueue[_Job | object] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="stalwart-lmdb-writer")
         self._writer.daemon = True
@@ -264,6 +295,9 @@ class _Environment:
     def _write_loop(self) -> None:
         get = self._queue.get
         get_nowait = self._queue.get_nowait
+        clock = _REAL_TIME.monotonic
+        expect = 0  # requests expected soon: the last batch's appenders and those behind it
+        took = 0.0  # how long the last commit took
         while True:
             item = get()
             if item is _STOP:
@@ -279,14 +313,40 @@ class _Environment:
                     stop = True
                     break
                 batch.append(more)  # type: ignore[arg-type]
+            if not stop and len(batch) < min(expect, MAX_BATCH):
+                # Threads that append and wait in a loop split into two cohorts that
+                # alternate, each half as big as it could be: the appenders of one batch
+                # come back while the next is committing. Waiting a little for them
+                # (at most LINGER of a commit) makes one batch of all of them.
+                deadline = clock() + took * LINGER
+                while len(batch) < expect and (left := deadline - clock()) > 0:
+                    try:
+                        more = get(timeout=left)
+                    except queue.Empty:
+                        break
+                    if more is _STOP:
+                        stop = True
+                        break
+                    batch.append(more)  # type: ignore[arg-type]
+            started = clock()
             self._commit(batch)
+            took = clock() - started
+            expect = len(batch) + self._queue.qsize() if len(batch) > 1 else 0
             if stop:
                 return
 
     def _commit(self, batch: list[_Job]) -> None:
         try:
             self._write(lambda txn: self._write_batch(txn, batch))
+            done = self._batch
+            if done is not None:
+                if len(self._rows) > ROWS_KEPT:
+                    self._rows.clear()
+                for key, row in done.rows.items():
+                    self._rows[key] = (row[0], row[3])
+                self._rows_head = done.position
         except BaseException as exc:
+            self._rows_head = -1
             error = exc
             if not isinstance(exc, StoreError):
                 error = StoreError(f"write to {self.path} failed: {type(exc).__name__}: {exc}")
@@ -299,18 +359,38 @@ class _Environment:
         with self.appended:
             self.appended.notify_all()
 
-    def _write_batch(self, txn: Any, batch: list[_Job]) -> None:
+    def _write_batch(self, txn: Any, jobs: list[_Job]) -> None:
+        self._batch = None
         cursor = txn.cursor(db=self.log)
-        head = [int.from_bytes(cursor.key(), "big") if cursor.last() else 0]
-        for job in batch:
+        head = int.from_bytes(cursor.key(), "big") if cursor.last() else 0
+        if head != self._rows_head:
+            self._rows.clear()  # another process appended: its rows are in the txn only
+        batch = _Batch(head)
+        for job in jobs:
             job.error = None
             job.result = None
-            job.run(self, txn, head)
+            job.run(self, txn, batch)
+        if batch.log:
+            _, added = cursor.putmulti(batch.log, append=True)
+            if added != len(batch.log):
+                raise StoreError(f"the log of {self.path} already holds a position written now")
+            txn.cursor(db=self.index).putmulti(batch.index)
+            encode = _ENCODE
+            rows = [(key, encode(row)) for key, row in batch.rows.items()]
+            txn.cursor(db=self.stream_db).putmulti(rows)
+        self._batch = batch
 
-    def append_in(self, txn: Any, request: _Append, head: list[int]) -> None:
-        """Write one append request inside the batch transaction."""
-        raw = txn.get(request.stream_key, db=self.stream_db)
-        version, epoch = stream_row(raw)
+    def append_in(self, txn: Any, request: _Append, batch: _Batch) -> None:
+        """Check one append request, and stage its writes in the batch."""
+        key = request.stream_key
+        row = batch.rows.get(key)
+        if row is not None:
+            version, epoch = row[0], row[3]
+        else:
+            cached = self._rows.get(key)
+            if cached is None:
+                cached = stream_row(txn.get(key, db=self.stream_db))
+            version, epoch = cached
         if request.expected is not None and request.expected != version:
             request.error = ConcurrencyError(request.stream, request.expected, version)
             return
@@ -321,43 +401,41 @@ class _Environment:
                 request.error = FencedError(request.stream, fence.epoch, epoch, claim=fence.claim)
                 return
             epoch = fence.epoch
-        position = head[0]
+        stream = request.stream
+        position = batch.position
         now = self.clock.now()
+        codec = self.codec
         records: list[RecordedEvent] = []
-        for new in request.events:
-            position += 1
-            version += 1
-            records.append(
-                RecordedEvent(
-                    position=position,
-                    stream=request.stream,
-                    version=version,
-                    ts=now if new.ts is None else new.ts,
-                    id=new.id or ids.new_id(),
-                    causation_id=new.causation_id,
-                    correlation_id=new.correlation_id,
-                    schema=self.codec.schema_of(new.event),
-                    event=new.event,
-                )
-            )
         try:
-            encoded = [self.codec.encode(record) for record in records]
+            values = []
+            for new in request.events:
+                position += 1
+                version += 1
+                record = RecordedEvent(
+                    position,
+                    stream,
+                    version,
+                    now if new.ts is None else new.ts,
+                    new.id or ids.new_id(),
+                    new.causation_id,
+                    new.correlation_id,
+                    codec.schema_of(new.event),
+                    new.event,
+                )
+                records.append(record)
+                values.append(codec.encode(record))
         except (TypeError, ValueError, OverflowError) as exc:
             # this request alone fails; the rest of the batch is written
-            request.error = EventError(f"cannot encode an event for {request.stream!r}: {exc}")
+            request.error = EventError(f"cannot encode an event for {stream!r}: {exc}")
             return
-        prefix = request.stream_key + b"\x00"
-        log_db, index_db = self.log, self.index
-        for record, value in zip(records, encoded, strict=True):
-            key = _key(record.position)
-            txn.put(key, value, db=log_db, append=True)
-            txn.put(prefix + _key(record.version), key, db=index_db)
-        txn.put(
-            request.stream_key,
-            msgspec.msgpack.encode((version, position, records[-1].ts, epoch)),
-            db=self.stream_db,
-        )
-        head[0] = position
+        prefix = key + b"\x00"
+        log, index = batch.log, batch.index
+        for record, value in zip(records, values, strict=True):
+            position_key = _key(record.position)
+            log.append((position_key, value))
+            index.append((prefix + _key(record.version), position_key))
+        batch.rows[key] = (version, position, records[-1].ts, epoch)
+        batch.position = position
         request.result = records
 
     def close(self) -> None:
