@@ -175,7 +175,6 @@ class ActivationWorker(pykka.ThreadingActor):
         self._queue = store if isinstance(store, WorkQueue) else None
         self._states: dict[str, ActivationsState] = {}
         self._running: dict[str, int] = {}  # stream -> the epoch this worker holds
-        self._expires: dict[str, float] = {}  # stream -> when this worker's lease ends
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -272,10 +271,6 @@ class ActivationWorker(pykka.ThreadingActor):
         for claim in work.claimed:
             stream = claim.stream
             try:
-                if stream in self._running:  # its wake runs here: the lease's expiry it is
-                    state = self._states[stream]
-                    queue.set_due(stream, state.version, self._expires[stream], self._owner)
-                    continue
                 self._refresh(stream)
                 if not self._try_lease(stream, now):
                     state = self._states[stream]
@@ -349,7 +344,6 @@ class ActivationWorker(pykka.ThreadingActor):
             activations=(head, *(a for a in covered if a is not None)),
         )
         self._running[stream] = leased.epoch
-        self._expires[stream] = leased.expires_at
         log.info("worker.leased", stream=stream, epoch=leased.epoch, kind=head.kind)
         self._arm_renewal(stream, leased.epoch)
         if not self._wake(wake):
@@ -398,7 +392,6 @@ class ActivationWorker(pykka.ThreadingActor):
         )
         try:
             self._store.append(stream, [NewEvent(event=renewed, ts=now)], fence=Fence(epoch))
-            self._expires[stream] = renewed.expires_at
         except FencedError as exc:
             if self._settled(stream, epoch):  # the Agent's WakeEnded is on its way
                 self._ended(WakeEnded(stream, epoch))
@@ -421,7 +414,6 @@ class ActivationWorker(pykka.ThreadingActor):
     def _lose(self, stream: str, epoch: int, activation_id: str, current: int) -> None:
         """The lease was taken over: stop the wake, record that this holder noticed."""
         self._running.pop(stream, None)
-        self._expires.pop(stream, None)
         self._scheduler.cancel(("worker:renew", self._owner, stream))
         log.warning("worker.lease_lost", stream=stream, epoch=epoch, current=current)
         self._lost(LeaseLost(stream, epoch))
@@ -454,7 +446,6 @@ class ActivationWorker(pykka.ThreadingActor):
     def _ended(self, message: WakeEnded) -> None:
         if self._running.get(message.stream) == message.epoch:
             del self._running[message.stream]
-            self._expires.pop(message.stream, None)
             self._scheduler.cancel(("worker:renew", self._owner, message.stream))
 
     def _tell(self, message: object) -> None:
