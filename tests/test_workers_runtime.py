@@ -1,0 +1,84 @@
+"""The worker with and without a store's work queue, through a real runtime: with one it
+folds only the sessions it claimed; on a store without one (any EventStore) it folds the
+whole log and still runs every wake, delayed ones included."""
+
+from __future__ import annotations
+
+import pytest
+
+from stalwart.channels import MemoryChannel
+from stalwart.clock import FakeClock
+from stalwart.events import ActivationAcked, ActivationLeased, ActivationReady, RecordedEvent
+from stalwart.runtime import Runtime
+from stalwart.store import NO_STREAM, Due, EventStore, Fence, NewEvent, WorkQueue
+from stalwart.testing import FakeProvider
+from tests._runtime_support import delivered, has, log_until, of
+from tests.test_durable_sessions import config
+
+
+class PlainStore:
+    """An EventStore without the optional work queue (as a third-party store may be)."""
+
+    def __init__(self, store: EventStore) -> None:
+        self.inner = store
+        self.append = store.append
+        self.read_all = store.read_all
+        self.read_stream = store.read_stream
+        self.head = store.head
+        self.wait_for = store.wait_for
+        self.subscribe = store.subscribe
+        self.stream_version = store.stream_version
+        self.lease_epoch = store.lease_epoch
+        self.streams = store.streams
+        self.put_snapshot = store.put_snapshot
+        self.snapshots = store.snapshots
+        self.close = store.close
+
+    @property
+    def location(self) -> str:
+        return self.inner.location
+
+
+def _settled_history(store: EventStore, sessions: int, now: float) -> None:
+    """Sessions whose one activation was leased and acked long ago (no work left)."""
+    assert isinstance(store, WorkQueue)
+    for i in range(sessions):
+        events = [
+            ActivationReady(activation_id=f"old{i}", kind="wake", text="tick"),
+            ActivationLeased(activation_id=f"old{i}", owner="gone", epoch=1, expires_at=now),
+            ActivationAcked(activation_id=f"old{i}", epoch=1),
+        ]
+        news = [NewEvent(event=e, ts=now - 3600) for e in events]
+        store.append(f"session:old{i}", news, NO_STREAM, fence=Fence(1, claim=True), due=Due(None))
+
+
+def test_a_worker_folds_only_the_sessions_it_claimed(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    _settled_history(store, 10, clock.now())
+    with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
+        rt.session("new", channel="chat").send("hello")
+        [reply] = delivered(rt, chat, 1)
+        assert reply.text == "default answer"
+        assert rt.worker().sessions == 1  # not the ten in the log's history
+
+
+@pytest.fixture
+def plain(store: EventStore) -> PlainStore:
+    return PlainStore(store)
+
+
+def test_a_store_without_a_work_queue_still_runs_every_wake(
+    plain: PlainStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    assert not isinstance(plain, WorkQueue)
+    _settled_history(plain.inner, 3, clock.now())
+    with Runtime(config(fake.base_url), store=plain, clock=clock, channels={"chat": chat}) as rt:
+        rt.session("s1", channel="chat").send("hello")
+        delivered(rt, chat, 1)
+        rt.wake_at("s1", clock.now() + 60, "check the order")
+        clock.advance(60.0)
+        delivered(rt, chat, 2)
+        records: list[RecordedEvent] = log_until(plain, "session:s1", has(ActivationAcked, 2))
+        assert [leased.epoch for leased in of(ActivationLeased, records)] == [1, 2]
+        assert rt.worker().sessions == 4  # it folded the whole log: the history too
