@@ -135,6 +135,10 @@ class WorkerStatus(msgspec.Struct, frozen=True):
 
 
 class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What the worker runs (``running``: stream -> epoch), how many sessions it has
+    folded, and the log position it folded to (0 with a work queue: it reads the
+    sessions it claimed, not the log)."""
+
     owner: str
     position: int
     running: dict[str, int]
