@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from stalwart import store as store_module
+from stalwart.cli._replay import verify_store
 from stalwart.events import (
     ActivationAbandoned,
     ActivationAcked,
@@ -175,6 +176,9 @@ def check_log(store: EventStore, acknowledged: list[str]) -> Counter[str]:
     abandoned = how["ActivationAbandoned"]
     assert all(users[m] <= 1 for m in messages)  # never appended twice
     assert len(answered) - abandoned <= sum(users.values()) <= len(messages)
+    report = verify_store(store, None)  # replay --verify: every decision follows
+    assert report.findings == (), [f"{f.kind} {f.tag}: {f.message}" for f in report.findings]
+    assert report.checked["activation:leased"] > 0
     return how
 
 
