@@ -30,6 +30,7 @@ from stalwart.events import (
     ProviderDegraded,
     SessionCreated,
     SessionRequiresAction,
+    SubagentSpawned,
 )
 from stalwart.runtime import interrupt, send_message
 
@@ -170,7 +171,14 @@ def test_status_json_keys_are_stable(store_dir: Path, log: dict[str, str]) -> No
     data = json.loads(out)
     assert set(data) == {"now", "position", "counts", "sessions", "dead_letters", "providers"}
     assert data["now"] == T0 + 55  # the newest event: the log is ahead of the real clock
-    assert data["counts"] == {"new": 0, "idle": 2, "running": 0, "requires_action": 2, "closed": 0}
+    assert data["counts"] == {
+        "new": 0,
+        "idle": 2,
+        "running": 0,
+        "requires_action": 2,
+        "closed": 0,
+        "run": 0,
+    }
     assert {s["session"] for s in data["sessions"]} == {f"session:s{i}" for i in range(1, 5)}
     s1 = next(s for s in data["sessions"] if s["session"] == "session:s1")
     assert set(s1) == {
@@ -654,3 +662,17 @@ def test_status_shows_staged_and_committed_drafts(tmp_path: Path) -> None:
         ("a.md", "staged", 1),
         ("b.md", "committed", 2),
     ]
+
+
+def test_a_sub_agent_run_stream_shows_as_a_run_not_a_new_session(tmp_path: Path) -> None:
+    store_dir = tmp_path / "store"
+    with store_module.open(store_dir) as store:
+        store.append(
+            "session:r1",
+            [SubagentSpawned(parent="p", task="t", task_class="formatting", timeout_ms=1000)],
+        )
+    result = CliRunner().invoke(cli, ["--store", str(store_dir), "status", "--json"])
+    data = json.loads(result.output)
+    assert data["counts"]["run"] == 1
+    assert data["counts"]["new"] == 0
+    assert [row["status"] for row in data["sessions"]] == ["run"]

@@ -21,7 +21,14 @@ from stalwart.state import (
 )
 from stalwart.store import EventStore
 
-STATUSES = ("new", "idle", "running", "requires_action", "closed")
+STATUSES = ("new", "idle", "running", "requires_action", "closed", "run")
+
+
+def shown_status(view: SessionView) -> str:
+    """The session's status; ``run`` for a sub-agent run's stream that is no session."""
+    status = view.session.status
+    return "run" if view.run and status == "new" else status
+
 
 # -- time -------------------------------------------------------------------------------------
 
@@ -139,7 +146,7 @@ def session_row(view: SessionView, now: float) -> dict[str, Any]:
     activations = view.activations
     return {
         "session": view.stream,
-        "status": view.session.status,
+        "status": shown_status(view),
         "agent": view.session.agent,
         "queued": activations.backlog,
         "lease": _lease(activations, now),
@@ -203,7 +210,8 @@ def overview(state: OrchestratorState, now: float) -> dict[str, Any]:
     """``status --json`` without a session: one object."""
     counts = dict.fromkeys(STATUSES, 0)
     for view in state.sessions:
-        counts[view.session.status] = counts.get(view.session.status, 0) + 1
+        shown = shown_status(view)
+        counts[shown] = counts.get(shown, 0) + 1
     return {
         "now": now,
         "position": state.position,
@@ -230,7 +238,7 @@ def session_detail(state: OrchestratorState, view: SessionView, now: float) -> d
     return {
         "now": now,
         "session": view.stream,
-        "status": session.status,
+        "status": shown_status(view),
         "agent": session.agent,
         "parent": session.parent,
         "turns": session.turns,

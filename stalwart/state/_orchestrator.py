@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
-from stalwart.events import ActivationAbandoned, RecordedEvent
+from stalwart.events import ActivationAbandoned, RecordedEvent, SubagentSpawned
 
 from ._activation import ACTIVATIONS, ActivationsState, apply_activations
 from ._breaker import BREAKER, BreakerState, apply_breaker
@@ -76,6 +76,8 @@ class SessionView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     session: SessionState
     activations: ActivationsState
     drafts: DraftsState | None = None
+    #: a sub-agent run's stream (it starts with ``subagent:spawned``, not a session)
+    run: bool = False
 
 
 class ProviderView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -133,7 +135,7 @@ def session_dead_letters(
 
 
 class _Session:
-    __slots__ = ("activations", "drafts", "folder")
+    __slots__ = ("activations", "drafts", "folder", "run")
 
     def __init__(
         self, session: SessionState, activations: ActivationsState, drafts: DraftsState
@@ -141,6 +143,7 @@ class _Session:
         self.folder = SessionFolder(session)
         self.activations = activations
         self.drafts = drafts
+        self.run = False
 
 
 class OrchestratorFolder:
@@ -153,10 +156,11 @@ class OrchestratorFolder:
         start = state if state is not None else OrchestratorState()
         self._position = start.position
         self._newest = start.newest_ts
-        self._sessions = {
-            v.stream: _Session(v.session, v.activations, v.drafts or DRAFTS.initial(v.stream))
-            for v in start.sessions
-        }
+        self._sessions: dict[str, _Session] = {}
+        for v in start.sessions:
+            held = _Session(v.session, v.activations, v.drafts or DRAFTS.initial(v.stream))
+            held.run = v.run
+            self._sessions[v.stream] = held
         self._deadletter = start.deadletter
         self._abandoned = list(start.abandoned)
         self._abandoned_total = start.abandoned_total
@@ -192,6 +196,8 @@ class OrchestratorFolder:
             )
             self._sessions[stream] = held
         event = record.event
+        if isinstance(event, SubagentSpawned):
+            held.run = True
         if isinstance(event, ActivationAbandoned):
             self._abandon(stream, held.activations, event, record)
         held.folder.add(record)
@@ -229,6 +235,7 @@ class OrchestratorFolder:
                 session=held.folder.state(),
                 activations=held.activations,
                 drafts=held.drafts,
+                run=held.run,
             )
             for stream, held in sorted(self._sessions.items())
         )
