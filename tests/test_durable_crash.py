@@ -196,7 +196,7 @@ def test_sigkill_at_random_points_never_loses_or_repeats_work(
             for _ in range(chance.randint(1, 3)):
                 session = f"s{chance.randrange(SESSIONS)}"
                 acknowledged.append(send_message(store, session, f"round {seed}", channel="chat"))
-            time.sleep(chance.uniform(0.0, 0.25))
+            time.sleep(chance.uniform(0.0, 0.25))  # real-time: the SIGKILL lands at a seeded moment
             victim = chance.randrange(len(workers))
             workers[victim].kill()
             workers[victim] = Worker(location, fake.base_url, LEASES)
@@ -229,7 +229,8 @@ def test_a_frozen_holder_is_fenced_out_after_the_takeover(
         takeover = store.head()
         frozen.signal(signal.SIGCONT)
         _wait(store, lambda s: _has(s, ActivationLeaseLost), 30)
-        time.sleep(2.0)  # the thawed holder's call ends (or is cancelled) meanwhile
+        fake.wait_finished(0, 30)  # the thawed holder's call ended (or was cancelled)
+        frozen.stop()  # a clean stop: whatever it still had in flight has run its course
     records = list(store.read_stream("session:s1"))
     after = [r for r in records if r.position > takeover]
     assert [r.type for r in after] == ["activation:lease_lost"]
@@ -259,7 +260,7 @@ def test_three_workers_split_the_sessions_with_no_overlapping_lease(
         assert all(worker.owner for worker in workers)
         for i in range(36):
             acknowledged.append(send_message(store, f"s{i % 12}", f"message {i}", channel="chat"))
-            time.sleep(0.02)  # messages arrive over time, at every worker's polls
+            time.sleep(0.02)  # real-time: messages arrive over time, at every worker's polls
         _wait(store, _all_settled, SETTLE_S)
     how = check_log(store, acknowledged)  # epochs grow, each settlement under its lease
     assert how == {"ActivationAcked": 36}

@@ -144,7 +144,7 @@ def _listeners(server: PostgresServer) -> int:
             ).fetchone()
             if row and row[0]:
                 return int(row[0])
-            time.sleep(0.05)
+            time.sleep(0.05)  # real-time: polls the server's pg_stat_activity (no event)
     return 0
 
 
@@ -262,7 +262,7 @@ def test_an_append_cut_off_mid_transaction_is_written_once(
                 ).fetchall()
                 if killed:
                     break
-                time.sleep(0.02)
+                time.sleep(0.02)  # real-time: polls pg_stat_activity for the append
             appender.join(30)
         assert killed  # the append was cut off inside its transaction
         assert len(done) == 1  # and still went through, once
