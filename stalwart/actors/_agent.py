@@ -40,7 +40,7 @@ import structlog
 
 from stalwart.channels import Channel, MessageKind, OutboundMessage
 from stalwart.clock import Clock
-from stalwart.context import ModelProfile
+from stalwart.context import ModelProfile, SessionMessages
 from stalwart.errors import ConcurrencyError, FencedError
 from stalwart.events import (
     ActivationReady,
@@ -72,7 +72,7 @@ from stalwart.tools import (
     started_event,
 )
 
-from ._agent_context import ContextGate, ContextLog, call_through_context, context_budget
+from ._agent_context import ContextGate, call_through_context, context_budget
 from ._agent_fold import (
     AGENT_VIEW,
     AgentViewFolder,
@@ -194,7 +194,7 @@ class AgentActor(pykka.ThreadingActor):
         # the context engine (a ContextStore behind a gate): every model call goes through it
         self._context = context
         self._profile = profile or ModelProfile()
-        self._context_log = ContextLog()
+        self._context_log = SessionMessages()
         self._ledger = WakeLedger(self._stream)
         self._wake: Wake | None = None
         self._fence: Fence | None = None

@@ -16,15 +16,13 @@ from typing import Protocol
 import anyio.to_thread
 import msgspec
 
-from stalwart.context import ContextMessage, ModelProfile, estimate_text_tokens, request_budget
-from stalwart.events import MessageAppended, RecordedEvent
+from stalwart.context import ModelProfile, estimate_text_tokens, request_budget
 from stalwart.providers import Message, ModelCaller, ProviderRequest, ProviderResponse
 
 from ._context import Assemble, Assembled, Calibrate
 
 __all__ = [
     "ContextGate",
-    "ContextLog",
     "call_through_context",
     "context_budget",
     "with_system",
@@ -41,36 +39,6 @@ class ContextGate(Protocol):
     def calibrate(self, request: Calibrate) -> None:
         """Feed the estimator what the provider reported (fire and forget)."""
         ...
-
-
-class ContextLog:
-    """The session's stored messages as the engine takes them, folded record by record."""
-
-    __slots__ = ("messages", "turn")
-
-    def __init__(self) -> None:
-        self.messages: list[ContextMessage] = []
-        self.turn = 0
-
-    def add(self, record: RecordedEvent) -> None:
-        event = record.event
-        if not isinstance(event, MessageAppended):
-            return
-        if event.role == "user":
-            self.turn += 1
-        self.messages.append(
-            ContextMessage(
-                message_id=event.message_id,
-                seq=len(self.messages),
-                role=event.role,
-                content=event.content,
-                tool_calls=event.tool_calls,
-                tool_call_id=event.tool_call_id,
-                name=event.name,
-                turn=self.turn,
-                ts=record.ts,
-            )
-        )
 
 
 def with_system(system: str | None, assembled: Assembled) -> tuple[Message, ...]:

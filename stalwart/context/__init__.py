@@ -24,6 +24,7 @@ from ._tokens import (
     request_budget,
 )
 from ._transcript import (
+    SessionMessages,
     TranscriptError,
     messages_from_records,
     parse_transcript,
@@ -49,6 +50,7 @@ __all__ = [
     "ModelProfile",
     "Provider",
     "SearchHit",
+    "SessionMessages",
     "Summarizer",
     "SummaryRequest",
     "ThinkingBlock",

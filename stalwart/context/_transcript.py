@@ -18,7 +18,13 @@ from stalwart.events import MessageAppended, RecordedEvent, ToolCall
 
 from ._types import ContextMessage, ThinkingBlock
 
-__all__ = ["TranscriptError", "messages_from_records", "parse_transcript", "read_transcript"]
+__all__ = [
+    "SessionMessages",
+    "TranscriptError",
+    "messages_from_records",
+    "parse_transcript",
+    "read_transcript",
+]
 
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -164,28 +170,41 @@ def _arguments(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-def messages_from_records(records: Iterable[RecordedEvent]) -> list[ContextMessage]:
-    """A session's stored messages from its ``session:<id>`` stream (``message:appended``
-    events, in order; ``seq`` numbers them, ``turn`` counts user messages)."""
-    out: list[ContextMessage] = []
-    turn = 0
-    for record in records:
+class SessionMessages:
+    """A session's stored messages as the engines take them, folded record by record from
+    its ``session:<id>`` stream (``message:appended`` events, in order; ``seq`` numbers
+    them, ``turn`` counts user messages); other records are skipped."""
+
+    __slots__ = ("messages", "turn")
+
+    def __init__(self) -> None:
+        self.messages: list[ContextMessage] = []
+        self.turn = 0
+
+    def add(self, record: RecordedEvent) -> None:
         event = record.event
         if not isinstance(event, MessageAppended):
-            continue
+            return
         if event.role == "user":
-            turn += 1
-        out.append(
+            self.turn += 1
+        self.messages.append(
             ContextMessage(
                 message_id=event.message_id,
-                seq=len(out),
+                seq=len(self.messages),
                 role=event.role,
                 content=event.content,
                 tool_calls=event.tool_calls,
                 tool_call_id=event.tool_call_id,
                 name=event.name,
-                turn=turn,
+                turn=self.turn,
                 ts=record.ts,
             )
         )
-    return out
+
+
+def messages_from_records(records: Iterable[RecordedEvent]) -> list[ContextMessage]:
+    """A session's stored messages from its stream (see :class:`SessionMessages`)."""
+    folded = SessionMessages()
+    for record in records:
+        folded.add(record)
+    return folded.messages
