@@ -37,7 +37,7 @@ from stalwart.testing import Answer, Fail, FakeProvider, Stall
 
 from ._app import _State, cli
 from ._demo_durable import crash_scene, pause_scene
-from ._demo_narrator import Narrator
+from ._demo_narrator import Narrator, scene
 from ._logging import configure_logging
 
 DEFAULT_DIR = "stalwart-demo"
@@ -151,12 +151,6 @@ class Screen:
         return None
 
 
-def _scene(number: int, title: str, what: str) -> None:
-    click.echo()
-    click.secho(f"{number}. {title}", bold=True)
-    click.echo(f"   {what}")
-
-
 def _wait(narrator: Narrator, event_type: str, count: int = 1, timeout: float = 20.0) -> None:
     if not narrator.wait_for(event_type, count, timeout):
         raise StalwartError(f"demo: expected {event_type} within {timeout:.0f} s; it never came")
@@ -166,14 +160,14 @@ Scene = Callable[[Runtime, FakeProvider, Screen, Narrator], None]
 
 
 def _normal(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) -> None:
-    _scene(1, "A normal answer", "A customer asks; the model answers; every step is an event.")
+    scene(1, "A normal answer", "A customer asks; the model answers; every step is an event.")
     fake.add(Answer(model="gpt-demo", text="Your refund was issued on Monday."))
     rt.session("alice", agent="support", channel="chat").send("Where is my refund?")
     screen.wait_for("alice")
 
 
 def _stall(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) -> None:
-    _scene(
+    scene(
         2,
         "A stalled stream",
         "The model sends three words and goes silent. The stall budget (1 s here, 3 min by "
@@ -187,7 +181,7 @@ def _stall(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) 
 
 
 def _outage(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) -> None:
-    _scene(
+    scene(
         3,
         "A provider outage",
         "Two agents get 503s within the health window (3 s here, 60 s by default): the "
@@ -238,7 +232,7 @@ class _HalfDone:
 
 
 def _watchdog(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) -> None:
-    _scene(
+    scene(
         4,
         "A sub-agent that never returns",
         "Every spawn has a timeout, no exceptions (here a custom 2 s, with its reason). "
@@ -269,7 +263,7 @@ def _escalated(record: RecordedEvent) -> bool:
 
 
 def _ghost(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) -> None:
-    _scene(
+    scene(
         5,
         "A run left behind by a crash",
         "Another process starts a sub-agent run and is killed with SIGKILL. Nobody is left "
@@ -310,7 +304,7 @@ def _settled(narrator: Narrator, task: str) -> Callable[[RecordedEvent], bool]:
 
 
 def _recovery(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) -> None:
-    _scene(
+    scene(
         6,
         "Recovery: resume, do not restart",
         "A sub-agent saves part of its work and then hangs. After the watchdog, the "

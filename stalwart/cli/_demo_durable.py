@@ -12,15 +12,9 @@ from stalwart.events import RecordedEvent, SessionRequiresAction
 from stalwart.runtime import Runtime
 from stalwart.testing import Answer, FakeProvider, FakeToolCall, Hang
 
-from ._demo_narrator import Narrator
+from ._demo_narrator import Narrator, scene
 
 __all__ = ["crash_scene", "pause_scene"]
-
-
-def _scene(number: int, title: str, what: str) -> None:
-    click.echo()
-    click.secho(f"{number}. {title}", bold=True)
-    click.echo(f"   {what}")
 
 
 def _wait(narrator: Narrator, matches: Callable[[RecordedEvent], bool], what: str) -> None:
@@ -33,7 +27,7 @@ def _type(event_type: str, stream: str) -> Callable[[RecordedEvent], bool]:
 
 
 def pause_scene(number: int, rt: Runtime, fake: FakeProvider, narrator: Narrator) -> None:
-    _scene(
+    scene(
         number,
         "A pause for a human",
         "A refund needs an operator's yes. The session stops with the request and its input "
@@ -66,7 +60,7 @@ def pause_scene(number: int, rt: Runtime, fake: FakeProvider, narrator: Narrator
 
 
 def crash_scene(number: int, rt: Runtime, fake: FakeProvider, narrator: Narrator) -> None:
-    _scene(
+    scene(
         number,
         "An agent dies mid-answer",
         "The session's Agent crashes while its model call runs. The wake is not lost: it is "

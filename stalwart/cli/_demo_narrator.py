@@ -86,6 +86,13 @@ SENTENCES: dict[str, Say] = {
 }
 
 
+def scene(number: int, title: str, what: str) -> None:
+    """A scene's heading and what it shows."""
+    click.echo()
+    click.secho(f"{number}. {title}", bold=True)
+    click.echo(f"   {what}")
+
+
 class Narrator:
     """Follows the log from a position on, printing a line for each event worth one."""
 
