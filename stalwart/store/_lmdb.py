@@ -27,12 +27,10 @@ import structlog
 
 from stalwart.clock import Clock, SystemClock
 from stalwart.errors import (
-    ConcurrencyError,
     CorruptRecordError,
     StoreClosedError,
     StoreError,
     StoreNotFoundError,
-    UnknownEventTypeError,
 )
 from stalwart.events import DEFAULT_CODEC, Codec, Event, RecordedEvent
 
@@ -52,7 +50,16 @@ from ._environment import (
     stream_row,
 )
 from ._lmdb_due import SESSION_PREFIX, ClaimDue, DueAppend, SetDue, due_db
-from ._protocol import Due, DueWork, Fence, NewEvent, Snapshot, StreamInfo, check_stream
+from ._protocol import (
+    Due,
+    DueWork,
+    Fence,
+    NewEvent,
+    Snapshot,
+    StreamInfo,
+    check_stream,
+    checked_events,
+)
 from ._subscription import Subscription
 
 log = structlog.get_logger(__name__)
@@ -184,22 +191,8 @@ class LmdbEventStore:
     ) -> list[RecordedEvent]:
         env = self._live()
         stream_key = check_stream(stream)
-        if due is not None and expected_version is None:
-            raise ValueError("an append with a due time needs expected_version")
-        news = [e if isinstance(e, NewEvent) else NewEvent(event=e) for e in events]
-        codec = env.codec
-        for new in news:
-            if not codec.knows(new.event):
-                raise UnknownEventTypeError(
-                    f"cannot append {type(new.event).__qualname__}: "
-                    "not an event this version writes"
-                )
+        news = checked_events(self, env.codec, stream, events, expected_version, fence, due)
         if not news:
-            if fence is not None:
-                raise ValueError("a fenced append needs at least one event")
-            version = self.stream_version(stream)
-            if expected_version is not None and expected_version != version:
-                raise ConcurrencyError(stream, expected_version, version)
             return []
         args = (stream, stream_key, news, expected_version, fence)
         if due is not None or stream_key.startswith(SESSION_PREFIX):

@@ -31,7 +31,6 @@ from stalwart.errors import (
     FencedError,
     StoreClosedError,
     StoreError,
-    UnknownEventTypeError,
 )
 from stalwart.events import DEFAULT_CODEC, Codec, Event, RecordedEvent, event_tag
 from stalwart.state import due_hint
@@ -41,7 +40,16 @@ from ._postgres_due import DueStatements, claim_due, set_due
 from ._postgres_schema import SCHEMA_VERSION, Statements, channel_name, ensure_schema
 from ._postgres_tail import Doorbell, deadline_after, remaining
 from ._postgres_writer import AppendJob, ConnectionLostError, Writer, batch_params
-from ._protocol import Due, DueWork, Fence, NewEvent, Snapshot, StreamInfo, check_stream
+from ._protocol import (
+    Due,
+    DueWork,
+    Fence,
+    NewEvent,
+    Snapshot,
+    StreamInfo,
+    check_stream,
+    checked_events,
+)
 from ._subscription import Subscription
 
 log = structlog.get_logger(__name__)
@@ -188,22 +196,8 @@ class PostgresEventStore:
     ) -> list[RecordedEvent]:
         self._live()
         check_stream(stream)
-        if due is not None and expected_version is None:
-            raise ValueError("an append with a due time needs expected_version")
-        news = [e if isinstance(e, NewEvent) else NewEvent(event=e) for e in events]
-        codec = self._codec
-        for new in news:
-            if not codec.knows(new.event):
-                raise UnknownEventTypeError(
-                    f"cannot append {type(new.event).__qualname__}: "
-                    "not an event this version writes"
-                )
+        news = checked_events(self, self._codec, stream, events, expected_version, fence, due)
         if not news:
-            if fence is not None:
-                raise ValueError("a fenced append needs at least one event")
-            version = self.stream_version(stream)
-            if expected_version is not None and expected_version != version:
-                raise ConcurrencyError(stream, expected_version, version)
             return []
         job = self._job(stream, news, expected_version, fence)
         if due is not None:

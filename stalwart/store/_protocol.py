@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 
-from stalwart.errors import InvalidStreamError
-from stalwart.events import Event, RecordedEvent
+from stalwart.errors import ConcurrencyError, InvalidStreamError, UnknownEventTypeError
+from stalwart.events import Codec, Event, RecordedEvent
 
 if TYPE_CHECKING:
     from ._subscription import Subscription
@@ -237,3 +237,35 @@ def check_stream(stream: str) -> bytes:
             f"stream id is {len(encoded)} bytes, at most {MAX_STREAM_BYTES} are allowed"
         )
     return encoded
+
+
+def checked_events(
+    store: EventStore,
+    codec: Codec,
+    stream: str,
+    events: Sequence[Event | NewEvent],
+    expected_version: int | None,
+    fence: Fence | None,
+    due: object | None,
+) -> list[NewEvent]:
+    """What every store checks before an append, and the events as :class:`NewEvent`.
+
+    UnknownEventTypeError for an event this version does not write; ValueError for a due
+    time without ``expected_version`` or a fence on no events. An empty list means there
+    is nothing to write: the empty append's ``expected_version`` held (else
+    ConcurrencyError)."""
+    if due is not None and expected_version is None:
+        raise ValueError("an append with a due time needs expected_version")
+    news = [e if isinstance(e, NewEvent) else NewEvent(event=e) for e in events]
+    for new in news:
+        if not codec.knows(new.event):
+            raise UnknownEventTypeError(
+                f"cannot append {type(new.event).__qualname__}: not an event this version writes"
+            )
+    if not news:
+        if fence is not None:
+            raise ValueError("a fenced append needs at least one event")
+        version = store.stream_version(stream)
+        if expected_version is not None and expected_version != version:
+            raise ConcurrencyError(stream, expected_version, version)
+    return news
