@@ -641,8 +641,9 @@ class AgentActor(pykka.ThreadingActor):
     ) -> None:
         """Stop the session for a human: the request (with the call's input, verbatim),
         the turn paused, the wake blocked on it, all in one append."""
-        wake = self._wake
+        wake, policy = self._wake, self._policy
         assert wake is not None
+        assert policy is not None
         completed = TurnCompleted(turn_id=turn.turn_id, outcome="paused", steps=turn.step)
         blocked = decide_settlement(
             self._ledger.activations,
@@ -650,7 +651,7 @@ class AgentActor(pykka.ThreadingActor):
             wake.epoch,
             WakeResult(status="blocked", request_id=request.request_id),
             self._clock.now(),
-            self._policy,  # type: ignore[arg-type]
+            policy,
         )
         notice: list[Event] = []
         announcement_id = new_id()

@@ -13,6 +13,8 @@ a result, and the pause requests with their answers. From it:
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from stalwart.events import (
@@ -143,6 +145,7 @@ def pause_for(
     """The request that must stop the session before ``call`` runs, or None."""
     if tool is None or call.id in ledger.resolutions:
         return None
+    kind: Literal["approval", "custom_tool"]
     if tool.custom:
         kind = "custom_tool"
     elif tool.needs_confirmation:
@@ -151,7 +154,7 @@ def pause_for(
         return None
     return SessionRequiresAction(
         request_id=new_id(),
-        kind=kind,  # type: ignore[arg-type]
+        kind=kind,
         tool=call.name,
         arguments=call.arguments,
         call_id=call.id,
