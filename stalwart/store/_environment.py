@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import abc
 import os
-import queue
 import threading
 from collections.abc import Callable
 from operator import itemgetter
@@ -38,17 +37,23 @@ from stalwart.errors import (
 )
 from stalwart.events import Codec, RecordedEvent
 
+from ._inbox import Inbox
 from ._protocol import Fence, NewEvent
 from ._rwlock import SharedExclusiveLock
 
 log = structlog.get_logger(__name__)
 
-FORMAT = b"stalwart-lmdb-1"
+FORMAT = b"stalwart-lmdb-2"
+#: the format before the index lagged the log: every record indexed as it was appended
+FORMAT_1 = b"stalwart-lmdb-1"
+#: the log's records after the ``indexed`` mark that an append may leave unindexed: the
+#: append that would leave this many indexes them all, in its own transaction
+INDEX_LAG = 512
 DEFAULT_MAP_SIZE = 64 << 20
 MAX_BATCH = 4096
 #: how long, as a share of the last commit's time, a batch may wait for appenders that
 #: the last commit answered (only after a commit that answered more than one)
-LINGER = 0.5
+LINGER = 1.0
 READ_BATCH = 1024
 #: at most this many stream rows are kept by the writer between batches
 ROWS_KEPT = 65536
@@ -86,14 +91,15 @@ class _Job(abc.ABC):
 
 class _Batch:
     """What the appends of one write transaction have written so far: the log's last
-    position, and the log, index and stream rows to put when every request has run."""
+    position, the log records and stream rows to put when every request has run, and how
+    far the index reaches."""
 
-    __slots__ = ("index", "log", "position", "rows")
+    __slots__ = ("indexed", "log", "position", "rows")
 
-    def __init__(self, position: int) -> None:
+    def __init__(self, position: int, indexed: int) -> None:
         self.position = position
+        self.indexed = indexed
         self.log: list[tuple[bytes, bytes]] = []
-        self.index: list[tuple[bytes, bytes]] = []
         #: stream key -> (version, last position, last ts, lease epoch)
         self.rows: dict[bytes, tuple[int, int, float, int]] = {}
 
@@ -143,12 +149,22 @@ class _PutSnapshot(_Job):
             txn.delete(key, db=env.snapshot_db)
 
 
+class _Head(msgspec.Struct, array_like=True, gc=False):
+    """The first fields of a stored record: enough to index it without decoding it."""
+
+    position: int
+    stream: str
+    version: int
+
+
 _T = TypeVar("_T")
 _Chunk = tuple[list[RecordedEvent], CorruptRecordError | None]
-_STOP = object()
 _VALUE = itemgetter(1)
 _REAL_TIME = SystemClock()
 _ENCODE = msgspec.msgpack.Encoder().encode
+#: the head of a stored record (msgspec ignores the array's fields after the third)
+HEAD = msgspec.msgpack.Decoder(_Head).decode
+INDEXED = b"indexed"
 
 
 class _Environment:
@@ -184,6 +200,16 @@ class _Environment:
             marker = txn.get(b"format", db=self.meta)
             if marker is None:
                 txn.put(b"format", FORMAT, db=self.meta)
+                txn.put(INDEXED, _key(0), db=self.meta)
+            elif bytes(marker) == FORMAT_1:
+                # every record of a format-1 store is indexed: the mark starts at its head
+                # (a format-1 reader refuses the store from now on, as it must: it would
+                # not look past the index)
+                cursor = txn.cursor(db=self.log)
+                head = cursor.key() if cursor.last() else _key(0)
+                txn.put(INDEXED, bytes(head), db=self.meta)
+                txn.put(b"format", FORMAT, db=self.meta)
+                log.info("store.format_upgraded", path=path, format=FORMAT.decode())
             elif bytes(marker) != FORMAT:
                 raise StoreError(
                     f"{path} holds store format {bytes(marker)!r}, this version reads {FORMAT!r}"
@@ -193,8 +219,10 @@ class _Environment:
         # append, so no other process has written one since (the transaction re-checks)
         self._rows: dict[bytes, tuple[int, int]] = {}
         self._rows_head = -1
+        self._indexed = 0  # the index's reach as of _rows_head
+        self._stalled_at = 0  # the record indexing last stopped at, warned about once
         self._batch: _Batch | None = None
-        self._queue: queue.SimpleQueue[_Job | object] = queue.SimpleQueue()
+        self._inbox: Inbox[_Job] = Inbox()
         self._writer = threading.Thread(target=self._write_loop, name="stalwart-lmdb-writer")
         self._writer.daemon = True
         self._writer.start()
@@ -282,9 +310,8 @@ class _Environment:
     # -- the writer ----------------------------------------------------------------------------
 
     def submit(self, job: _Job) -> Any:
-        if self.closed:
+        if self.closed or not self._inbox.put(job):
             raise StoreClosedError(f"the store at {self.path} is closed")
-        self._queue.put(job)
         while not job.lock.acquire(timeout=1.0):
             if not self._writer.is_alive():
                 raise StoreClosedError(f"the store at {self.path} closed during the write")
@@ -293,47 +320,26 @@ class _Environment:
         return job.result
 
     def _write_loop(self) -> None:
-        get = self._queue.get
-        get_nowait = self._queue.get_nowait
+        inbox = self._inbox
         clock = _REAL_TIME.monotonic
         expect = 0  # requests expected soon: the last batch's appenders and those behind it
         took = 0.0  # how long the last commit took
         while True:
-            item = get()
-            if item is _STOP:
-                return
-            batch: list[_Job] = [item]  # type: ignore[list-item]
-            stop = False
-            while len(batch) < MAX_BATCH:
-                try:
-                    more = get_nowait()
-                except queue.Empty:
-                    break
-                if more is _STOP:
-                    stop = True
-                    break
-                batch.append(more)  # type: ignore[arg-type]
-            if not stop and len(batch) < min(expect, MAX_BATCH):
+            jobs: list[_Job] = []
+            if expect > 1:
                 # Threads that append and wait in a loop split into two cohorts that
                 # alternate, each half as big as it could be: the appenders of one batch
                 # come back while the next is committing. Waiting a little for them
-                # (at most LINGER of a commit) makes one batch of all of them.
-                deadline = clock() + took * LINGER
-                while len(batch) < expect and (left := deadline - clock()) > 0:
-                    try:
-                        more = get(timeout=left)
-                    except queue.Empty:
-                        break
-                    if more is _STOP:
-                        stop = True
-                        break
-                    batch.append(more)  # type: ignore[arg-type]
+                # (at most LINGER of a commit) makes one batch of all of them, and the
+                # writer wakes once for it.
+                jobs = inbox.take(expect, took * LINGER)
+            if not jobs and not (jobs := inbox.take()):
+                return  # closed, and every job taken
             started = clock()
-            self._commit(batch)
+            for at in range(0, len(jobs), MAX_BATCH):
+                self._commit(jobs[at : at + MAX_BATCH])
             took = clock() - started
-            expect = len(batch) + self._queue.qsize() if len(batch) > 1 else 0
-            if stop:
-                return
+            expect = min(len(jobs) + len(inbox), MAX_BATCH) if len(jobs) > 1 else 0
 
     def _commit(self, batch: list[_Job]) -> None:
         try:
@@ -345,6 +351,7 @@ class _Environment:
                 for key, row in done.rows.items():
                     self._rows[key] = (row[0], row[3])
                 self._rows_head = done.position
+                self._indexed = done.indexed
         except BaseException as exc:
             self._rows_head = -1
             error = exc
@@ -363,9 +370,12 @@ class _Environment:
         self._batch = None
         cursor = txn.cursor(db=self.log)
         head = int.from_bytes(cursor.key(), "big") if cursor.last() else 0
-        if head != self._rows_head:
+        if head == self._rows_head:
+            indexed = self._indexed
+        else:
             self._rows.clear()  # another process appended: its rows are in the txn only
-        batch = _Batch(head)
+            indexed = indexed_at(txn, self.meta)
+        batch = _Batch(head, indexed)
         for job in jobs:
             job.error = None
             job.result = None
@@ -374,11 +384,53 @@ class _Environment:
             _, added = cursor.putmulti(batch.log, append=True)
             if added != len(batch.log):
                 raise StoreError(f"the log of {self.path} already holds a position written now")
-            txn.cursor(db=self.index).putmulti(batch.index)
             encode = _ENCODE
             rows = [(key, encode(row)) for key, row in batch.rows.items()]
             txn.cursor(db=self.stream_db).putmulti(rows)
+            if batch.position - indexed >= INDEX_LAG:
+                batch.indexed = self._index_log(txn, indexed)
         self._batch = batch
+
+    def _index_log(self, txn: Any, indexed: int) -> int:
+        """Index the log's records after ``indexed``, in this transaction; the new mark.
+
+        Each stream's index entries sit together, so indexing every append would dirty a
+        page per stream per commit; a lagging index dirties them once per INDEX_LAG
+        records. Readers find the records after the mark by scanning the log. A record
+        that cannot be read stops the index before it, so that every record up to the
+        mark stays indexed (reads then scan a longer tail; the store says so once).
+        """
+        entries: list[tuple[bytes, bytes]] = []
+        reached = indexed
+        cursor = txn.cursor(db=self.log)
+        if cursor.set_range(_key(indexed + 1)):
+            for key, value in cursor.iternext():
+                position = int.from_bytes(key, "big")
+                try:
+                    if position != reached + 1:
+                        raise ValueError("missing from the log")
+                    head = HEAD(value)
+                    if head.position != position:
+                        raise ValueError(f"the record says it is at {head.position}")
+                    stream_key = head.stream.encode("utf-8")
+                except (msgspec.DecodeError, ValueError) as exc:
+                    if self._stalled_at != reached + 1:
+                        self._stalled_at = reached + 1
+                        log.warning(
+                            "store.index_stalled",
+                            path=self.path,
+                            position=reached + 1,
+                            reason=str(exc),
+                        )
+                    break
+                entries.append((stream_key + b"\x00" + _key(head.version), bytes(key)))
+                reached = position
+        if reached == indexed:
+            return indexed
+        entries.sort()
+        txn.cursor(db=self.index).putmulti(entries)
+        txn.put(INDEXED, _key(reached), db=self.meta)
+        return reached
 
     def append_in(self, txn: Any, request: _Append, batch: _Batch) -> None:
         """Check one append request, and stage its writes in the batch."""
@@ -428,12 +480,9 @@ class _Environment:
             # this request alone fails; the rest of the batch is written
             request.error = EventError(f"cannot encode an event for {stream!r}: {exc}")
             return
-        prefix = key + b"\x00"
-        log, index = batch.log, batch.index
+        log = batch.log
         for record, value in zip(records, values, strict=True):
-            position_key = _key(record.position)
-            log.append((position_key, value))
-            index.append((prefix + _key(record.version), position_key))
+            log.append((_key(record.position), value))
         batch.rows[key] = (version, position, records[-1].ts, epoch)
         batch.position = position
         request.result = records
@@ -441,13 +490,19 @@ class _Environment:
     def close(self) -> None:
         if self.closed:
             return
-        self._queue.put(_STOP)
+        self._inbox.close()
         self._writer.join()
         with self.rw.exclusive():
             self.closed = True
             self.env.close()
         with self.appended:
             self.appended.notify_all()
+
+
+def indexed_at(txn: Any, meta: Any) -> int:
+    """How far the index reaches: every record up to this position is indexed."""
+    raw = txn.get(INDEXED, db=meta)
+    return 0 if raw is None else int.from_bytes(raw, "big")
 
 
 def stream_row(raw: bytes | None) -> tuple[int, int]:

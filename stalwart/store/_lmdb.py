@@ -3,10 +3,10 @@
 Layout (sub-databases, integer keys big-endian so byte order is numeric order):
 
 ``log``        position -> encoded RecordedEvent (the record repeats its position)
-``index``      stream + NUL + version -> position
-``streams``    stream -> [version, last position, last ts]
+``index``      stream + NUL + version -> position, for every record up to ``indexed``
+``streams``    stream -> [version, last position, last ts, lease epoch]
 ``snapshots``  stream + NUL + fold name + NUL + version -> [position, crc32, data]
-``meta``       b"format" -> format marker
+``meta``       b"format" -> format marker; b"indexed" -> how far the index reaches
 ``due``        session stream -> its due time and hold: the work queue (``_lmdb_due``)
 
 The environment and its single group-committing writer live in ``_environment``; this
@@ -40,6 +40,7 @@ from ._environment import (
     _REAL_TIME,
     _VALUE,
     DEFAULT_MAP_SIZE,
+    HEAD,
     READ_BATCH,
     _Append,
     _at_key,
@@ -47,6 +48,7 @@ from ._environment import (
     _Environment,
     _key,
     _PutSnapshot,
+    indexed_at,
     stream_row,
 )
 from ._lmdb_due import SESSION_PREFIX, ClaimDue, DueAppend, SetDue, due_db
@@ -68,8 +70,84 @@ log = structlog.get_logger(__name__)
 _LAST_VERSION = (1 << 64) - 2  # so that the key of the version after it still fits
 
 
-def _stream_chunk(env: _Environment, txn: Any, prefix: bytes, first: int, last: int) -> _Chunk:
-    """Up to READ_BATCH records of one stream, versions ``first``..``last``, in order.
+def _stream_chunk(
+    env: _Environment, txn: Any, stream: str, prefix: bytes, first: int, last: int
+) -> _Chunk:
+    """Up to READ_BATCH records of one stream, versions ``first``..``last``, in order:
+    those the index reaches, then those in the log after it (fewer than INDEX_LAG)."""
+    out, error = _indexed_chunk(env, txn, prefix, first, last)
+    if error is not None or len(out) >= READ_BATCH:
+        return out, error
+    if out:
+        first = out[-1].version + 1
+    if first > last:
+        return out, None
+    raw = txn.get(prefix[:-1], db=env.stream_db)
+    if raw is None:
+        return out, None
+    version, end = msgspec.msgpack.decode(raw)[:2]
+    indexed = indexed_at(txn, env.meta)
+    if version < first or end <= indexed:
+        return out, None
+    return out, _tail_chunk(env, txn, stream, (indexed, end), first, min(last, version), out)
+
+
+def _tail_chunk(
+    env: _Environment,
+    txn: Any,
+    stream: str,
+    span: tuple[int, int],
+    first: int,
+    last: int,
+    out: list[RecordedEvent],
+) -> CorruptRecordError | None:
+    """Add to ``out`` the stream's records ``first``..``last`` from the unindexed log
+    positions in ``span`` (after its first, up to its last), reading only each record's
+    head to pick them. A record that cannot be read, or a missing position, is the error
+    only when one of the stream's versions is missing after it."""
+    indexed, end = span
+    keys: list[bytes] = []
+    values: list[bytes] = []
+    want = first
+    trouble: tuple[int, str] | None = None  # since the last of the stream's records
+    expected = indexed + 1
+    cursor = txn.cursor(db=env.log)
+    if cursor.set_range(_key(expected)):
+        for key, value in cursor.iternext():
+            position = int.from_bytes(key, "big")
+            if position > end:
+                break
+            if position != expected and trouble is None:
+                trouble = (expected, "missing from the log")
+            expected = position + 1
+            try:
+                head = HEAD(value)
+            except msgspec.DecodeError as exc:
+                trouble = trouble or (position, f"cannot decode the record: {exc}")
+                continue
+            if head.stream != stream or head.version < want:
+                continue
+            if head.version > want:
+                trouble = trouble or (position, f"holds version {head.version}, {want} was due")
+                break
+            keys.append(bytes(key))
+            values.append(value)
+            trouble = None
+            want += 1
+            if want > last:
+                break
+    if want <= last and trouble is None:
+        trouble = (expected, "missing from the log")
+    before = len(out)
+    error = env.codec.decode_batch(values, out)
+    if error is not None:
+        return _at_key(error, keys[len(out) - before])
+    return None if want > last else CorruptRecordError(*trouble)  # type: ignore[misc]
+
+
+def _indexed_chunk(env: _Environment, txn: Any, prefix: bytes, first: int, last: int) -> _Chunk:
+    """Up to READ_BATCH records of one stream, versions ``first``..``last``, that the
+    index reaches.
 
     A stream's versions have no gaps, so two index lookups give a batch's first and last
     entries. When the batch's records lie side by side in the log (a stream appended in
@@ -251,7 +329,7 @@ class LmdbEventStore:
         last = _LAST_VERSION if to_version is None else min(to_version, _LAST_VERSION)
 
         def chunk(txn: Any) -> _Chunk:
-            return _stream_chunk(env, txn, prefix, version, last)
+            return _stream_chunk(env, txn, stream, prefix, version, last)
 
         while version <= last:
             records, error = env.read(chunk)
