@@ -38,6 +38,7 @@ from stalwart.errors import (
 from stalwart.events import Codec, RecordedEvent
 
 from ._inbox import Inbox
+from ._lmdb_tail import Entry, LogTail, read_heads
 from ._protocol import Fence, NewEvent
 from ._rwlock import SharedExclusiveLock
 
@@ -94,12 +95,17 @@ class _Batch:
     position, the log records and stream rows to put when every request has run, and how
     far the index reaches."""
 
-    __slots__ = ("indexed", "log", "position", "rows")
+    __slots__ = ("entries", "indexed", "known", "log", "position", "rows", "start")
 
-    def __init__(self, position: int, indexed: int) -> None:
+    def __init__(self, position: int, indexed: int, known: list[Entry] | None) -> None:
+        self.start = position
         self.position = position
         self.indexed = indexed
+        #: the records after the mark before this batch (None: some cannot be read)
+        self.known = known
         self.log: list[tuple[bytes, bytes]] = []
+        #: this batch's records, as the tail knows them
+        self.entries: list[Entry] = []
         #: stream key -> (version, last position, last ts, lease epoch)
         self.rows: dict[bytes, tuple[int, int, float, int]] = {}
 
@@ -149,21 +155,11 @@ class _PutSnapshot(_Job):
             txn.delete(key, db=env.snapshot_db)
 
 
-class _Head(msgspec.Struct, array_like=True, gc=False):
-    """The first fields of a stored record: enough to index it without decoding it."""
-
-    position: int
-    stream: str
-    version: int
-
-
 _T = TypeVar("_T")
 _Chunk = tuple[list[RecordedEvent], CorruptRecordError | None]
 _VALUE = itemgetter(1)
 _REAL_TIME = SystemClock()
 _ENCODE = msgspec.msgpack.Encoder().encode
-#: the head of a stored record (msgspec ignores the array's fields after the third)
-HEAD = msgspec.msgpack.Decoder(_Head).decode
 INDEXED = b"indexed"
 
 
@@ -220,7 +216,11 @@ class _Environment:
         self._rows: dict[bytes, tuple[int, int]] = {}
         self._rows_head = -1
         self._indexed = 0  # the index's reach as of _rows_head
+        #: the records after the mark as of _rows_head (None: learn them from the log)
+        self._known: list[Entry] | None = None
         self._stalled_at = 0  # the record indexing last stopped at, warned about once
+        #: what this process's readers may take for the records after the mark
+        self.tail: LogTail | None = None
         self._batch: _Batch | None = None
         self._inbox: Inbox[_Job] = Inbox()
         self._writer = threading.Thread(target=self._write_loop, name="stalwart-lmdb-writer")
@@ -352,8 +352,10 @@ class _Environment:
                     self._rows[key] = (row[0], row[3])
                 self._rows_head = done.position
                 self._indexed = done.indexed
+                self._publish_tail(done)
         except BaseException as exc:
             self._rows_head = -1
+            self._known = None
             error = exc
             if not isinstance(exc, StoreError):
                 error = StoreError(f"write to {self.path} failed: {type(exc).__name__}: {exc}")
@@ -371,11 +373,17 @@ class _Environment:
         cursor = txn.cursor(db=self.log)
         head = int.from_bytes(cursor.key(), "big") if cursor.last() else 0
         if head == self._rows_head:
-            indexed = self._indexed
+            indexed, known = self._indexed, self._known
         else:
             self._rows.clear()  # another process appended: its rows are in the txn only
-            indexed = indexed_at(txn, self.meta)
-        batch = _Batch(head, indexed)
+            indexed, known = indexed_at(txn, self.meta), None
+        if known is None and head - indexed < INDEX_LAG:
+            # learn the records after the mark (others appended them, or this process
+            # has not written yet); one that cannot be read leaves them unknown
+            known, trouble = read_heads(txn.cursor(db=self.log), indexed, head)
+            if trouble is not None:
+                known = None
+        batch = _Batch(head, indexed, known)
         for job in jobs:
             job.error = None
             job.result = None
@@ -388,49 +396,55 @@ class _Environment:
             rows = [(key, encode(row)) for key, row in batch.rows.items()]
             txn.cursor(db=self.stream_db).putmulti(rows)
             if batch.position - indexed >= INDEX_LAG:
-                batch.indexed = self._index_log(txn, indexed)
+                batch.indexed = self._index_log(txn, batch)
         self._batch = batch
 
-    def _index_log(self, txn: Any, indexed: int) -> int:
-        """Index the log's records after ``indexed``, in this transaction; the new mark.
+    def _index_log(self, txn: Any, batch: _Batch) -> int:
+        """Index the log's records after the batch's mark, in its transaction; the new mark.
 
         Each stream's index entries sit together, so indexing every append would dirty a
         page per stream per commit; a lagging index dirties them once per INDEX_LAG
-        records. Readers find the records after the mark by scanning the log. A record
-        that cannot be read stops the index before it, so that every record up to the
-        mark stays indexed (reads then scan a longer tail; the store says so once).
+        records. The records come from what the writer knows of them, else from their
+        heads in the log. A record that cannot be read stops the index before it, so that
+        every record up to the mark stays indexed (reads then scan a longer tail; the
+        store says so once).
         """
-        entries: list[tuple[bytes, bytes]] = []
-        reached = indexed
-        cursor = txn.cursor(db=self.log)
-        if cursor.set_range(_key(indexed + 1)):
-            for key, value in cursor.iternext():
-                position = int.from_bytes(key, "big")
-                try:
-                    if position != reached + 1:
-                        raise ValueError("missing from the log")
-                    head = HEAD(value)
-                    if head.position != position:
-                        raise ValueError(f"the record says it is at {head.position}")
-                    stream_key = head.stream.encode("utf-8")
-                except (msgspec.DecodeError, ValueError) as exc:
-                    if self._stalled_at != reached + 1:
-                        self._stalled_at = reached + 1
-                        log.warning(
-                            "store.index_stalled",
-                            path=self.path,
-                            position=reached + 1,
-                            reason=str(exc),
-                        )
-                    break
-                entries.append((stream_key + b"\x00" + _key(head.version), bytes(key)))
-                reached = position
-        if reached == indexed:
+        indexed = batch.indexed
+        if batch.known is not None:
+            known = batch.known + batch.entries
+        else:
+            known, trouble = read_heads(txn.cursor(db=self.log), indexed, batch.position)
+            if trouble is not None and self._stalled_at != trouble[0]:
+                self._stalled_at = trouble[0]
+                log.warning(
+                    "store.index_stalled", path=self.path, position=trouble[0], reason=trouble[1]
+                )
+        if not known:
             return indexed
+        entries = [(key + b"\x00" + _key(version), _key(at)) for key, version, at in known]
         entries.sort()
         txn.cursor(db=self.index).putmulti(entries)
+        reached = known[-1][2]
         txn.put(INDEXED, _key(reached), db=self.meta)
         return reached
+
+    def _publish_tail(self, done: _Batch) -> None:
+        """What the committed batch leaves after the mark, for the next batch and for
+        this process's readers."""
+        if done.indexed == done.position:
+            self._known = []  # indexed to the head (a pass from what it knew always is)
+        elif done.known is None:
+            self._known = None  # some cannot be read: readers scan the log
+        else:
+            done.known.extend(done.entries)
+            self._known = done.known
+        known, tail = self._known, self.tail
+        if known is None:
+            self.tail = None
+        elif tail is not None and tail.indexed == done.indexed and tail.head == done.start:
+            tail.add(done.entries, done.position)
+        else:
+            self.tail = LogTail(done.indexed, done.position, known)
 
     def append_in(self, txn: Any, request: _Append, batch: _Batch) -> None:
         """Check one append request, and stage its writes in the batch."""
@@ -480,9 +494,10 @@ class _Environment:
             # this request alone fails; the rest of the batch is written
             request.error = EventError(f"cannot encode an event for {stream!r}: {exc}")
             return
-        log = batch.log
+        log, entries = batch.log, batch.entries
         for record, value in zip(records, values, strict=True):
             log.append((_key(record.position), value))
+            entries.append((key, record.version, record.position))
         batch.rows[key] = (version, position, records[-1].ts, epoch)
         batch.position = position
         request.result = records

@@ -40,7 +40,6 @@ from ._environment import (
     _REAL_TIME,
     _VALUE,
     DEFAULT_MAP_SIZE,
-    HEAD,
     READ_BATCH,
     _Append,
     _at_key,
@@ -52,6 +51,7 @@ from ._environment import (
     stream_row,
 )
 from ._lmdb_due import SESSION_PREFIX, ClaimDue, DueAppend, SetDue, due_db
+from ._lmdb_tail import HEAD
 from ._protocol import (
     Due,
     DueWork,
@@ -89,7 +89,30 @@ def _stream_chunk(
     indexed = indexed_at(txn, env.meta)
     if version < first or end <= indexed:
         return out, None
-    return out, _tail_chunk(env, txn, stream, (indexed, end), first, min(last, version), out)
+    last = min(last, version)
+    tail = env.tail
+    if tail is not None and tail.indexed == indexed and tail.head >= end:
+        positions = tail.positions(prefix[:-1], first, last)
+        return out, _known_chunk(env, txn, positions, last - first + 1, out)
+    return out, _tail_chunk(env, txn, stream, (indexed, end), first, last, out)
+
+
+def _known_chunk(
+    env: _Environment, txn: Any, positions: list[int], count: int, out: list[RecordedEvent]
+) -> CorruptRecordError | None:
+    """Add to ``out`` the records at ``positions`` (``count`` of them were due), which
+    the writer of this process knows are the stream's after the index mark."""
+    keys = [_key(position) for position in positions]
+    values = _log_values(env, txn, keys)
+    before = len(out)
+    error = env.codec.decode_batch(values, out)
+    if error is not None:
+        return _at_key(error, keys[len(out) - before])
+    if len(values) < len(keys):
+        return CorruptRecordError(positions[len(values)], "missing from the log")
+    if len(positions) < count:
+        return CorruptRecordError(-1, f"{count - len(positions)} records are missing from the log")
+    return None
 
 
 def _tail_chunk(
