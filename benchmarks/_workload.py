@@ -148,10 +148,16 @@ def concurrent_rate(workers: Sequence[Callable[[], object]], seconds: float) -> 
     return sum(counts) / elapsed
 
 
-def handoff_rate(threads: int, seconds: float) -> float:
+def handoff_rate(
+    threads: int, seconds: float, commit: Callable[[int], object] | None = None
+) -> float:
     """Calls per second when ``threads`` threads each hand a call to one server thread and
     wait for its answer, which it gives to every waiting call at once: the workload of the
-    append benchmark with no store and no disk, its ceiling for threads of this process."""
+    append benchmark with no store and no disk, its ceiling for threads of this process.
+
+    With ``commit``, the server calls ``commit(n)`` for each batch of ``n`` calls before it
+    answers them (a durable transaction of ``n`` puts, say): the same ceiling with the
+    peer's own disk work in it."""
     requests: queue.SimpleQueue[threading.Lock | None] = queue.SimpleQueue()
 
     def serve() -> None:
@@ -165,6 +171,8 @@ def handoff_rate(threads: int, seconds: float) -> float:
                 if more is None:
                     return
                 waiting.append(more)
+            if commit is not None:
+                commit(len(waiting))
             for answered in waiting:
                 answered.release()
 
