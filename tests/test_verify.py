@@ -485,3 +485,33 @@ def test_the_shortcuts_find_what_the_plain_walk_finds(
     assert fast.findings == plain.findings
     assert fast.checked == plain.checked
     note(" ".join(sorted({f.kind for f in fast.findings})) or "clean")
+
+
+def test_an_activation_abandoned_when_its_lease_expired_once_too_often_verifies() -> None:
+    """The expiry and the abandonment are one append; replay checks each against the
+    state just before it, so the abandonment follows from the state with the expiry in."""
+    from stalwart.events import ActivationAbandoned, ActivationReady, LeaseExpired
+    from stalwart.state import ACTIVATIONS, ActivationPolicy, decide_lease, fold
+
+    knobs = Knobs(None, DEFAULTS)
+    policy = ActivationPolicy(
+        **{
+            name: knobs.get_int(f"activations.{name}")
+            for name in ActivationPolicy.__struct_fields__
+        }
+    )
+    stream = "session:expiring"
+    log = Log().add(stream, ActivationReady(activation_id="a1", kind="message"), 0.0)
+    at = 0.0
+    decided: list[Event] = []
+    for _ in range(policy.max_attempts + 1):
+        at += policy.lease_ttl_ms / 1000 + 1.0  # every holder dies: its lease runs out
+        state = fold(ACTIVATIONS, stream, log.records)
+        decided = decide_lease(state, f"worker-{at:.0f}", T0 + at, policy)
+        for event in decided:
+            log.add(stream, event, at)
+    assert [type(e) for e in decided] == [LeaseExpired, ActivationAbandoned]
+    report = log.verify()
+    assert report.findings == ()
+    assert report.checked["activation:abandoned"] == 1
+    assert report.checked["lease:expired"] == policy.max_attempts

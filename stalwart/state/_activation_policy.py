@@ -127,18 +127,21 @@ def decide_lease(
             streak=streak,
         )
         events.append(expired)
-        if held is not None and streak >= policy.max_attempts:
-            events.append(
-                ActivationAbandoned(
-                    activation_id=held.activation_id,
-                    attempts=streak,
-                    error_class="lease_expired",
-                    max_attempts=policy.max_attempts,
-                    epoch=state.epoch + 1,  # claimed: the dead holder stays fenced out
-                )
-            )
-            return events
         state = expired_lease(state, expired)
+    spent = _spent_by_expiry(state, policy)
+    if spent is not None:
+        # decided from the state with the expiry folded, so that replay re-derives it
+        # from the state just before it (the expiry precedes it in the same append)
+        events.append(
+            ActivationAbandoned(
+                activation_id=spent.activation_id,
+                attempts=spent.streak,
+                error_class="lease_expired",
+                max_attempts=policy.max_attempts,
+                epoch=state.epoch + 1,  # claimed: the dead holder stays fenced out
+            )
+        )
+        return events
     due = next_due(state, now)
     if due is None:
         return events
@@ -153,6 +156,15 @@ def decide_lease(
         )
     )
     return events
+
+
+def _spent_by_expiry(state: ActivationsState, policy: ActivationPolicy) -> Activation | None:
+    """The activation whose lease expiry used up its ``max_attempts`` (the expiry folded:
+    it is abandoned in the same append, so no other state holds one)."""
+    for activation in state.queue:
+        if activation.last_error == "lease_expired" and activation.streak >= policy.max_attempts:
+            return activation
+    return None
 
 
 class WakeResult(msgspec.Struct, frozen=True, kw_only=True):
