@@ -23,9 +23,9 @@ from typing import Any, TypeVar
 
 import lmdb
 import msgspec
-import structlog
 
 from stalwart import ids
+from stalwart._logs import get_logger
 from stalwart.clock import Clock, SystemClock
 from stalwart.errors import (
     ConcurrencyError,
@@ -42,7 +42,7 @@ from ._lmdb_tail import Entry, LogTail, read_heads
 from ._protocol import Fence, NewEvent
 from ._rwlock import SharedExclusiveLock
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 FORMAT = b"stalwart-lmdb-2"
 #: the format before the index lagged the log: every record indexed as it was appended
@@ -376,13 +376,8 @@ class _Environment:
             indexed, known = self._indexed, self._known
         else:
             self._rows.clear()  # another process appended: its rows are in the txn only
-            indexed, known = indexed_at(txn, self.meta), None
-        if known is None and head - indexed < INDEX_LAG:
-            # learn the records after the mark (others appended them, or this process
-            # has not written yet); one that cannot be read leaves them unknown
-            known, trouble = read_heads(txn.cursor(db=self.log), indexed, head)
-            if trouble is not None:
-                known = None
+            indexed = indexed_at(txn, self.meta)
+            known = self._learn(txn, indexed, head)
         batch = _Batch(head, indexed, known)
         for job in jobs:
             job.error = None
@@ -398,6 +393,21 @@ class _Environment:
             if batch.position - indexed >= INDEX_LAG:
                 batch.indexed = self._index_log(txn, batch)
         self._batch = batch
+
+    def _learn(self, txn: Any, indexed: int, head: int) -> list[Entry] | None:
+        """The records after the mark when another process appended since this writer's
+        last commit (or it has not written yet): what it knew, less what the mark has
+        passed, plus the heads of the records it has not seen. None when one of them
+        cannot be read (or the mark trails too far, as when indexing stalled)."""
+        known, seen = self._known, self._rows_head
+        if known is None or seen < indexed:
+            known, seen = [], indexed
+        else:
+            known = [entry for entry in known if entry[2] > indexed]
+        if head - indexed >= INDEX_LAG:
+            return None
+        more, trouble = read_heads(txn.cursor(db=self.log), seen, head)
+        return None if trouble is not None else known + more
 
     def _index_log(self, txn: Any, batch: _Batch) -> int:
         """Index the log's records after the batch's mark, in its transaction; the new mark.
