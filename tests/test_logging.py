@@ -62,3 +62,50 @@ def test_token_counts_are_not_taken_for_secrets() -> None:
         "auth_token": REDACTED,
         "token": REDACTED,
     }
+
+
+def _child(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+
+
+_LOG_TWO_LINES = (
+    "from stalwart._logs import get_logger;"
+    "log = get_logger('stalwart.store.demo');"
+    "log.info('quiet.line', n=1);"
+    "log.warning('loud.line', api_key='sk-abcdefghijklmnop', n=2)"
+)
+
+
+def test_an_unconfigured_host_sees_only_warnings_on_stderr_and_nothing_on_stdout() -> None:
+    proc = _child(_LOG_TWO_LINES)
+    assert proc.stdout == ""
+    assert "loud.line" in proc.stderr
+    assert "n=2" in proc.stderr
+    assert "quiet.line" not in proc.stderr
+    assert "sk-abcdefghijklmnop" not in proc.stderr
+
+
+def test_a_host_that_configured_stdlib_logging_gets_the_lines_there() -> None:
+    proc = _child(
+        "import logging, sys;"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(name)s|%(message)s');"
+        + _LOG_TWO_LINES
+    )
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "stalwart.store.demo|quiet.line n=1"
+    assert lines[1].startswith("stalwart.store.demo|loud.line")
+    assert "sk-abcdefghijklmnop" not in proc.stdout
+
+
+def test_a_host_that_configured_structlog_gets_the_lines_through_it() -> None:
+    proc = _child(
+        "import structlog, sys;"
+        "structlog.configure(processors=[structlog.processors.JSONRenderer()],"
+        "logger_factory=structlog.PrintLoggerFactory(file=sys.stdout));" + _LOG_TWO_LINES
+    )
+    first, second = (json.loads(line) for line in proc.stdout.splitlines())
+    assert first == {"event": "quiet.line", "n": 1}
+    assert second["event"] == "loud.line"
+    assert second["api_key"] == REDACTED

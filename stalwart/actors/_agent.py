@@ -36,8 +36,8 @@ from functools import partial
 from typing import Any, Literal
 
 import pykka
-import structlog
 
+from stalwart._logs import get_logger
 from stalwart.channels import Channel, MessageKind, OutboundMessage
 from stalwart.clock import Clock
 from stalwart.context import ModelProfile, SessionMessages
@@ -116,7 +116,7 @@ from ._worker import LeaseLost, Wake, WakeEnded
 
 __all__ = ["AgentActor"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: What an announcement is (``announcement:queued``): the answer, or a static text.
 Kind = Literal["completion", "failure_notice", "static_reply"]

@@ -13,8 +13,8 @@ from concurrent.futures import Future
 from typing import Any, Literal
 
 import anyio
-import structlog
 
+from stalwart._logs import get_logger
 from stalwart.channels import Channel, Delivery, OutboundMessage
 from stalwart.context import ContextScopeError
 from stalwart.errors import ChannelError, ContextOverflowError, ProviderError
@@ -27,7 +27,7 @@ from ._scheduler import TimerHandle
 
 __all__ = ["LiveTurn", "deliver", "model_done", "run_calls", "sent", "tools_done"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class LiveTurn:

@@ -21,8 +21,8 @@ from typing import Any
 
 import msgspec
 import pykka
-import structlog
 
+from stalwart._logs import get_logger
 from stalwart.channels import Channel, OutboundMessage, send_within
 from stalwart.clock import Clock
 from stalwart.events import AnnouncementDelivered, AnnouncementQueued, AnnouncementSendFailed
@@ -38,7 +38,7 @@ from ._subagent import RunEnded
 
 __all__ = ["Announcer", "Batch", "GetBatches", "Track"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class Track(msgspec.Struct, frozen=True, kw_only=True):

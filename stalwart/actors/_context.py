@@ -32,8 +32,8 @@ from typing import Any
 
 import msgspec
 import pykka
-import structlog
 
+from stalwart._logs import get_logger
 from stalwart.clock import Clock
 from stalwart.config import ContextEngineSettings
 from stalwart.context import (
@@ -63,7 +63,7 @@ __all__ = [
     "to_provider_messages",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: Where a refusal goes whose session id is too malformed to name a stream.
 REFUSALS_STREAM = "context-refusals"

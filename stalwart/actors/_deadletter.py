@@ -40,8 +40,8 @@ from typing import Any
 
 import msgspec
 import pykka
-import structlog
 
+from stalwart._logs import get_logger
 from stalwart.channels import Channel, OutboundMessage, send_within
 from stalwart.clock import Clock
 from stalwart.config import DeadLetterSettings
@@ -79,7 +79,7 @@ __all__ = [
     "RetrySent",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 DEADLETTER_STREAM = "deadletter"
 

@@ -33,8 +33,8 @@ from typing import Any, Literal
 
 import msgspec
 import pykka
-import structlog
 
+from stalwart._logs import get_logger
 from stalwart.clock import Clock
 from stalwart.config import HealthSettings
 from stalwart.errors import ConcurrencyError, StalwartError
@@ -52,7 +52,7 @@ from stalwart.store import EventStore, NewEvent, load_state
 from ._restarts import crashed
 from ._scheduler import Scheduler, TimerHandle
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 HealthStatus = Literal["healthy", "degraded"]
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import msgspec
 import pykka
-import structlog
 
+from stalwart._logs import get_logger
 from stalwart.channels import Channel, OutboundMessage, send_within
 from stalwart.clock import Clock
 from stalwart.config import SupervisionSettings
@@ -52,7 +52,7 @@ __all__ = [
     "decide_crash",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: Where restart decisions go.
 RESTART_STREAM = "runtime"

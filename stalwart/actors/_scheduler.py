@@ -34,11 +34,11 @@ from types import TracebackType
 from typing import Literal, Protocol, Self, runtime_checkable
 
 import msgspec
-import structlog
 
+from stalwart._logs import get_logger
 from stalwart.clock import Clock
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 Callback = Callable[[float], object]
 TimerState = Literal["pending", "fired", "cancelled"]

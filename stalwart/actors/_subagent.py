@@ -36,8 +36,8 @@ from typing import Any, Literal
 
 import msgspec
 import pykka
-import structlog
 
+from stalwart._logs import get_logger
 from stalwart.clock import Clock
 from stalwart.config import SubagentSettings
 from stalwart.errors import ConcurrencyError
@@ -66,7 +66,7 @@ __all__ = [
     "Work",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: How many append conflicts in a row the actor folds and retries before it fails.
 MAX_CONFLICTS = 64

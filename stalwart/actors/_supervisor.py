@@ -42,8 +42,8 @@ from typing import Any
 
 import msgspec
 import pykka
-import structlog
 
+from stalwart._logs import get_logger
 from stalwart.channels import Channel, OutboundMessage, send_within
 from stalwart.clock import Clock
 from stalwart.config import SubagentSettings, SupervisionSettings
@@ -78,7 +78,7 @@ from ._supervisor_fold import (
 
 __all__ = ["GetRuns", "Recovered", "SupervisorActor", "Sweep", "SweepReport"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: How many append conflicts in a row the supervisor folds and retries before it fails.
 MAX_CONFLICTS = 64

@@ -32,8 +32,8 @@ from typing import Any
 
 import msgspec
 import pykka
-import structlog
 
+from stalwart._logs import get_logger
 from stalwart.clock import Clock
 from stalwart.errors import ConcurrencyError, FencedError, StoreError
 from stalwart.events import (
@@ -69,7 +69,7 @@ __all__ = [
     "WorkerStatus",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 SESSION_PREFIX = "session:"
 #: How many times a poll decides again for one session after losing a race.

@@ -16,8 +16,8 @@ from urllib.parse import urlsplit
 import anyio
 import httpx
 import msgspec
-import structlog
 
+from stalwart._logs import get_logger
 from stalwart.backoff import backoff_delay, parse_retry_after
 from stalwart.clock import Clock, SystemClock
 from stalwart.config import ChannelSettings
@@ -27,7 +27,7 @@ from ._types import Delivery, OutboundMessage, closed_error
 
 __all__ = ["WebhookChannel"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class _Failure(msgspec.Struct, frozen=True, kw_only=True):

@@ -3,27 +3,14 @@
 from __future__ import annotations
 
 import logging
-import re
 import sys
-from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
 
-#: a key naming a secret; ``token`` but not ``tokens`` (``input_tokens`` is a count)
-_SECRET_KEYS = re.compile(r"(api[_-]?key|token(?!s)|secret|password|authorization|cookie)", re.I)
-_SECRET_VALUES = re.compile(r"(sk-[A-Za-z0-9_\-]{8,}|Bearer\s+\S+)")
-REDACTED = "[redacted]"
+from stalwart._logs import REDACTED, redact
 
-
-def redact(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    """A structlog processor: no secret-looking key or value reaches a log line."""
-    for key, value in list(event_dict.items()):
-        if _SECRET_KEYS.search(key):
-            event_dict[key] = REDACTED
-        elif isinstance(value, str) and _SECRET_VALUES.search(value):
-            event_dict[key] = _SECRET_VALUES.sub(REDACTED, value)
-    return event_dict
+__all__ = ["REDACTED", "configure_logging", "redact"]
 
 
 def configure_logging(level: str = "warning", *, json: bool | None = None) -> None:

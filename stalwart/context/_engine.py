@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 import msgspec
-import structlog
 
+from stalwart._logs import get_logger
 from stalwart.clock import Clock
 from stalwart.config import ContextEngineSettings
 from stalwart.events import (
@@ -54,7 +54,7 @@ from ._types import ContextMessage, Summarizer
 
 __all__ = ["Assembly", "DagEngine", "ModelProfile"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class ModelProfile(msgspec.Struct, frozen=True, kw_only=True):

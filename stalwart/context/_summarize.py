@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 import msgspec
-import structlog
 
+from stalwart._logs import get_logger
 from stalwart.clock import Clock
 from stalwart.config import ContextEngineSettings
 from stalwart.events import (
@@ -40,7 +40,7 @@ from ._types import ContextMessage, Summarizer, SummaryRequest
 
 __all__ = ["SUMMARY_INSTRUCTIONS", "Summaries", "TurnLog"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 SUMMARY_INSTRUCTIONS = (
     "Summarize these messages for the assistant's own later recall: facts, decisions, "

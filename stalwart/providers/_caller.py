@@ -20,8 +20,8 @@ from contextlib import aclosing
 from typing import Literal
 
 import anyio
-import structlog
 
+from stalwart._logs import get_logger
 from stalwart.backoff import backoff_delay
 from stalwart.clock import Clock
 from stalwart.config import AgentSettings
@@ -58,7 +58,7 @@ from ._types import (
     ToolCallDelta,
 )
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: Sees each attempt's ``prompt:started``, then that attempt's stream events as they come.
 OnEvent = Callable[[StreamEvent | PromptStarted], None]

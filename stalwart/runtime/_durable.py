@@ -20,8 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pykka
-import structlog
 
+from stalwart._logs import get_logger
 from stalwart.actors import (
     ActivationWorker,
     LeaseLost,
@@ -40,7 +40,7 @@ from stalwart.store import EventStore
 
 __all__ = ["Durability", "policy_of"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 def policy_of(settings: ActivationSettings) -> ActivationPolicy:

@@ -13,10 +13,10 @@ from typing import Any, Literal, Self, TypeVar, overload
 
 import msgspec
 import pykka
-import structlog
 
 import stalwart
 from stalwart import store as store_module
+from stalwart._logs import get_logger
 from stalwart.actors import (
     AgentActor,
     AgentLoopSettings,
@@ -84,7 +84,7 @@ from ._workspace import Committer, draft_tools
 
 __all__ = ["Runtime"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")

@@ -23,8 +23,8 @@ from typing import Any
 
 import lmdb
 import msgspec
-import structlog
 
+from stalwart._logs import get_logger
 from stalwart.clock import Clock, SystemClock
 from stalwart.errors import (
     CorruptRecordError,
@@ -64,7 +64,7 @@ from ._protocol import (
 )
 from ._subscription import Subscription
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 _LAST_VERSION = (1 << 64) - 2  # so that the key of the version after it still fits

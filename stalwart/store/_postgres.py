@@ -19,10 +19,10 @@ from typing import Any
 
 import msgspec
 import psycopg
-import structlog
 from psycopg import sql
 
 from stalwart import ids
+from stalwart._logs import get_logger
 from stalwart.clock import Clock, SystemClock
 from stalwart.errors import (
     ConcurrencyError,
@@ -52,7 +52,7 @@ from ._protocol import (
 )
 from ._subscription import Subscription
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 READ_BATCH = 1024
 SNAPSHOTS_KEPT = 3

@@ -29,12 +29,12 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
-import structlog
 from psycopg import sql
 
+from stalwart._logs import get_logger
 from stalwart.errors import StoreError, StoreNotFoundError
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: The schema version this code writes; a database at a newer one is refused.
 SCHEMA_VERSION = 2

@@ -19,12 +19,12 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
-import structlog
 from psycopg import sql
 
+from stalwart._logs import get_logger
 from stalwart.clock import SystemClock
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _RETRY_FIRST = 0.05
 _RETRY_MAX = 2.0

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import TypeVar
 
 import msgspec
-import structlog
 
+from stalwart._logs import get_logger
 from stalwart.state import Aggregate
 
 from ._protocol import EventStore, Snapshot
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 S = TypeVar("S")
 

@@ -22,8 +22,8 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import msgspec
-import structlog
 
+from stalwart._logs import get_logger
 from stalwart.clock import Clock, SystemClock
 
 from ._frames import Frames, error_body, frames_for
@@ -45,7 +45,7 @@ from ._script import (
 
 __all__ = ["FakeProvider", "RecordedRequest"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 Outcome = Literal[
     "running", "completed", "client_closed", "server_stopped", "reset", "rejected", "error"

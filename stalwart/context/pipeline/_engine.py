@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 import msgspec
-import structlog
 
+from stalwart._logs import get_logger
 from stalwart.clock import Clock
 from stalwart.context._repair import repair
 from stalwart.context._tokens import TokenEstimator
@@ -61,7 +61,7 @@ _LAYERS: tuple[tuple[str, Layer], ...] = tuple(
 #: would undo earlier work: the compaction in force stays applied.
 _FALLBACKS: dict[str, Layer] = {"compaction": keep_summary}
 
-log = structlog.get_logger("stalwart.context.pipeline")
+log = get_logger("stalwart.context.pipeline")
 
 
 class PipelineResult(msgspec.Struct, frozen=True, kw_only=True):

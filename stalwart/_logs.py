@@ -1,0 +1,84 @@
+"""The library's loggers, and the one rule for what they may say.
+
+A module of stalwart logs with ``log = get_logger(__name__)``. When the host has
+configured structlog, the lines go through its configuration. When it has not, they go to
+the standard library's ``logging`` under the module's name: a host that configured
+``logging`` gets them there, and one that configured nothing sees only WARNING and above
+on stderr (``logging``'s last resort), never the library's INFO lines on its own stdout,
+which is what structlog's unconfigured default would print. Either way :func:`redact`
+keeps secrets out of the line; only the CLI configures anything (``cli/_logging.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import MutableMapping
+from typing import Any
+
+import structlog
+
+__all__ = ["REDACTED", "get_logger", "redact"]
+
+#: a key naming a secret; ``token`` but not ``tokens`` (``input_tokens`` is a count)
+_SECRET_KEYS = re.compile(r"(api[_-]?key|token(?!s)|secret|password|authorization|cookie)", re.I)
+_SECRET_VALUES = re.compile(r"(sk-[A-Za-z0-9_\-]{8,}|Bearer\s+\S+)")
+REDACTED = "[redacted]"
+
+
+def redact(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """A structlog processor: no secret-looking key or value reaches a log line."""
+    for key, value in list(event_dict.items()):
+        if _SECRET_KEYS.search(key):
+            event_dict[key] = REDACTED
+        elif isinstance(value, str) and _SECRET_VALUES.search(value):
+            event_dict[key] = _SECRET_VALUES.sub(REDACTED, value)
+    return event_dict
+
+
+class Logger:
+    """structlog's calls (``log.info("event", key=value)``), sent where the host wants them."""
+
+    __slots__ = ("_name", "_stdlib")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._stdlib = logging.getLogger(name)
+
+    def _emit(self, level: int, method: str, event: str, fields: dict[str, Any]) -> None:
+        if structlog.is_configured():
+            redact(None, method, fields)
+            getattr(structlog.get_logger(self._name), method)(event, **fields)
+            return
+        stdlib = self._stdlib
+        if not stdlib.isEnabledFor(level):
+            return
+        redact(None, method, fields)
+        pairs = " ".join(f"{key}={value!r}" for key, value in fields.items())
+        stdlib.log(
+            level,
+            "%s %s" if pairs else "%s",
+            event,
+            *((pairs,) if pairs else ()),
+            exc_info=method == "exception",
+        )
+
+    def debug(self, event: str, **fields: Any) -> None:
+        self._emit(logging.DEBUG, "debug", event, fields)
+
+    def info(self, event: str, **fields: Any) -> None:
+        self._emit(logging.INFO, "info", event, fields)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self._emit(logging.WARNING, "warning", event, fields)
+
+    def error(self, event: str, **fields: Any) -> None:
+        self._emit(logging.ERROR, "error", event, fields)
+
+    def exception(self, event: str, **fields: Any) -> None:
+        self._emit(logging.ERROR, "exception", event, fields)
+
+
+def get_logger(name: str) -> Logger:
+    """The logger of one module of stalwart (pass ``__name__``)."""
+    return Logger(name)
