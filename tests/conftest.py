@@ -4,6 +4,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
 from stalwart import store as store_module
 from stalwart.channels import MemoryChannel
@@ -12,6 +13,14 @@ from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider
 
 from ._postgres import pg_server, pg_url  # noqa: F401  (one PostgreSQL cluster per session)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_logging() -> Iterator[None]:
+    """A test that configures structlog (the CLI does, run in-process) leaves it as a
+    host that configured nothing would have it, for the next test."""
+    yield
+    structlog.reset_defaults()
 
 
 @pytest.fixture

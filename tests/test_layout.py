@@ -72,6 +72,10 @@ ALLOWED: dict[str, set[str]] = {
         "backoff",
     },
 }
+#: logging (``stalwart._logs``) is a foundation like errors: every part may log
+ALLOWED["_logs"] = set()
+for _rules in ALLOWED.values():
+    _rules.add("_logs")
 
 
 def _part(path: Path) -> str:
