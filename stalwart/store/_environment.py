@@ -1,13 +1,15 @@
 """The LMDB environment of one store directory: its sub-databases and its single writer.
 
 All appends of a process go through one writer thread that takes every request waiting
-in its queue and commits them in one durable transaction, so N concurrent appenders pay
+in its inbox and commits them in one durable transaction, so N concurrent appenders pay
 about one fsync per batch. After a commit that answered several appenders it waits a
-little (at most LINGER of a commit's time) for them to come back, so that a steady set of
-appenders makes one batch per commit rather than two alternating halves. The writer stages
-a batch's writes and puts them with one call per sub-database, and remembers the stream
-rows it wrote for as long as no other process has appended. LMDB's own writer lock
-serializes writers across processes.
+little (at most LINGER of a commit's time) for them to come back, woken once when they
+all have, so that a steady set of appenders makes one batch per commit rather than two
+alternating halves. The writer stages a batch's writes and puts them with one call per
+sub-database, and remembers the stream rows it wrote for as long as no other process has
+appended. The per-stream index trails the log by fewer than INDEX_LAG records: the writer
+knows the records after the index's mark and publishes them to this process's readers
+(``_lmdb_tail``). LMDB's own writer lock serializes writers across processes.
 One environment per directory per process is shared by every handle (LMDB forbids two
 on one file in a process); a forked child starts without the parent's.
 """
