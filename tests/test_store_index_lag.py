@@ -497,6 +497,20 @@ def test_indexing_stops_before_a_damaged_record_and_loses_nothing(
         assert list(store.read_stream("session:a", 4)) == a[3:]
 
 
+def test_a_stalled_index_still_reads_a_long_stream_a_batch_at_a_time(store_dir: Path) -> None:
+    with store_module.open(store_dir) as store:  # type: ignore[attr-defined]
+        written = two_streams(store, 5)
+    broken = written["session:a"][2].position
+    damage(store_dir, broken, GARBAGE)
+    with store_module.open(store_dir) as store:  # type: ignore[attr-defined]
+        b = written["session:b"]
+        b += store.append("session:b", [msg(f"long{n}") for n in range(2 * READ_BATCH + 10)])
+        assert list(store.read_stream("session:b")) == b
+        assert list(store.read_stream("session:b", READ_BATCH)) == b[READ_BATCH - 1 :]
+        assert list(store.read_stream("session:b", 3, 3 + READ_BATCH)) == b[2 : 3 + READ_BATCH]
+    assert mark(store_dir) == broken - 1
+
+
 # -- other processes -----------------------------------------------------------------------------
 
 CHILD = """

@@ -74,7 +74,8 @@ def _stream_chunk(
     env: _Environment, txn: Any, stream: str, prefix: bytes, first: int, last: int
 ) -> _Chunk:
     """Up to READ_BATCH records of one stream, versions ``first``..``last``, in order:
-    those the index reaches, then those in the log after it (fewer than INDEX_LAG)."""
+    those the index reaches, then those in the log after its mark (fewer than INDEX_LAG
+    records, unless indexing stalled at a damaged one)."""
     out, error = _indexed_chunk(env, txn, prefix, first, last)
     if error is not None or len(out) >= READ_BATCH:
         return out, error
@@ -89,7 +90,7 @@ def _stream_chunk(
     indexed = indexed_at(txn, env.meta)
     if version < first or end <= indexed:
         return out, None
-    last = min(last, version)
+    last = min(last, version, first + READ_BATCH - len(out) - 1)  # a chunk at a time
     tail = env.tail
     if tail is not None and tail.indexed == indexed and tail.head >= end:
         positions = tail.positions(prefix[:-1], first, last)
