@@ -4,6 +4,7 @@
                              as many events per durable transaction, the fsync rate, the
                              same threads handing calls to one thread with no store, and
                              raw LMDB behind that hand-off
+``append_batched``           the same with 8 events per call, vs raw LMDB at 8N per txn
 ``append_vs_eventsourcing``  the same workload on eventsourcing's SQLite recorder
 ``replay``                   read + decode + session fold vs a bare msgspec decode loop
 ``tail_latency``             commit to a follower in another process (and in a thread)
@@ -53,15 +54,16 @@ def _rounds(quick: bool) -> tuple[int, float]:
 # -- append -------------------------------------------------------------------------------
 
 
-def _stalwart_rate(path: str, threads: int, seconds: float) -> float:
-    """Events/s of ``threads`` threads, each appending one event at a time to its stream."""
-    event = message()
+def _stalwart_rate(path: str, threads: int, seconds: float, per_call: int = 1) -> float:
+    """Events/s of ``threads`` threads, each appending ``per_call`` events at a time to its
+    stream."""
+    events = [message()] * per_call
     with LmdbEventStore(path) as store:
         workers = [
-            functools.partial(store.append, f"session:append-{i:02d}", [event])
+            functools.partial(store.append, f"session:append-{i:02d}", events)
             for i in range(threads)
         ]
-        return concurrent_rate(workers, seconds)
+        return concurrent_rate(workers, seconds) * per_call
 
 
 def _raw_lmdb_rate(path: str, per_txn: int, value: bytes, seconds: float) -> float:
@@ -137,6 +139,34 @@ def append(quick: bool) -> Result:
     )
     result.goal("vs_raw_lmdb_n8", ">=", 0.6)
     result.goal("vs_raw_lmdb_n64", ">=", 0.6)
+    return result
+
+
+# -- append_batched -------------------------------------------------------------------------
+
+PER_CALL = 8
+
+
+@benchmark("append_batched")
+def append_batched(quick: bool) -> Result:
+    """The ``append`` workload with each call carrying PER_CALL events (a turn's messages,
+    say): what the same threads reach when an event does not cost a thread hand-off."""
+    rounds, seconds = _rounds(quick)
+    result = Result("append_batched")
+    figures = result.figures
+    value = record_bytes(message())
+    figures["events_per_call"] = PER_CALL
+    with scratch() as root:
+        for n in (8, 64):
+            ours = theirs = 0.0
+            for attempt in range(rounds):
+                path = os.path.join(root, f"stalwart-{n}-{attempt}")
+                ours = max(ours, _stalwart_rate(path, n, seconds, PER_CALL))
+                path = os.path.join(root, f"raw-{n}-{attempt}")
+                theirs = max(theirs, _raw_lmdb_rate(path, n * PER_CALL, value, seconds))
+            figures[f"stalwart_n{n}_events_per_s"] = ours
+            figures[f"raw_lmdb_{n * PER_CALL}_per_txn_events_per_s"] = theirs
+            result.ratios[f"vs_raw_lmdb_n{n}"] = ratio(ours, theirs)
     return result
 
 
