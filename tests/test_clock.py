@@ -37,3 +37,12 @@ def test_ids_are_unique_hex() -> None:
     ids = {new_id() for _ in range(1000)}
     assert len(ids) == 1000
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+
+
+def test_ids_made_together_are_unique_hex_like_single_ones() -> None:
+    from stalwart.ids import new_ids
+
+    made = new_ids(500)
+    assert len(made) == len(set(made)) == 500
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in made)
+    assert new_ids(0) == []

@@ -18,6 +18,7 @@ A hint may be early (a worker folds the stream and finds nothing to do yet), nev
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 from stalwart.events import (
     ActivationAbandoned,
@@ -67,12 +68,28 @@ def due_hint(events: Iterable[tuple[Event, float]]) -> float | None:
     """A time no later than the session's next due time after these ``(event, at)``
     appended (None: they cannot make work due sooner)."""
     hint: float | None = None
+    kinds = _KINDS
     for event, at in events:
-        if isinstance(event, ActivationReady):
-            when = event.wake_at if event.wake_at is not None else at
-        elif isinstance(event, _RELEASING):
+        kind = kinds.get(type(event))
+        if kind is None:
+            kind = kinds[type(event)] = _kind(event)
+        if kind == _READY:
+            wake_at = cast(ActivationReady, event).wake_at
+            when = wake_at if wake_at is not None else at
+        elif kind == _RELEASES:
             when = at
         else:
             continue
         hint = when if hint is None else min(hint, when)
     return hint
+
+
+_OTHER, _READY, _RELEASES = 0, 1, 2
+#: event type -> what it means for the due time (every appended session event asks)
+_KINDS: dict[type, int] = {}
+
+
+def _kind(event: object) -> int:
+    if isinstance(event, ActivationReady):
+        return _READY
+    return _RELEASES if isinstance(event, _RELEASING) else _OTHER

@@ -484,9 +484,11 @@ class _Environment:
         now = self.clock.now()
         codec = self.codec
         records: list[RecordedEvent] = []
+        events = request.events
+        fresh = iter(ids.new_ids(len(events)))
         try:
             values = []
-            for new in request.events:
+            for new in events:
                 position += 1
                 version += 1
                 record = RecordedEvent(
@@ -494,7 +496,7 @@ class _Environment:
                     stream,
                     version,
                     now if new.ts is None else new.ts,
-                    new.id or ids.new_id(),
+                    new.id or next(fresh),
                     new.causation_id,
                     new.correlation_id,
                     codec.schema_of(new.event),
@@ -508,8 +510,9 @@ class _Environment:
             return
         log, entries = batch.log, batch.entries
         for record, value in zip(records, values, strict=True):
-            log.append((_key(record.position), value))
-            entries.append((key, record.version, record.position))
+            at = record.position
+            log.append((at.to_bytes(_POS, "big"), value))
+            entries.append((key, record.version, at))
         batch.rows[key] = (version, position, records[-1].ts, epoch)
         batch.position = position
         request.result = records
