@@ -200,9 +200,11 @@ class ActivationSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     ``renew_every_ms``; a retryable failure requeues after ``min(backoff_cap_ms,
     backoff_base_ms x 2**(n-1))`` (plus up to ``jitter_ms``, recorded) until
     ``max_attempts`` failures abandon it; delayed wakes are capped at
-    ``max_pending_wakes`` per session and ``max_wake_horizon_ms`` ahead. An idle session's
-    Agent is stopped after ``passivate_after_ms`` and rebuilt on its next wake. A staged
-    draft holds at most ``max_draft_bytes``."""
+    ``max_pending_wakes`` per session and ``max_wake_horizon_ms`` ahead. A worker polls
+    the work queue every ``poll_ms``, claiming up to ``claim_batch`` due sessions at a
+    time and keeping other workers off them for ``claim_hold_ms`` while it decides. An
+    idle session's Agent is stopped after ``passivate_after_ms`` and rebuilt on its next
+    wake. A staged draft holds at most ``max_draft_bytes``."""
 
     lease_ttl_ms: Positive = 30_000
     renew_every_ms: Positive = 10_000
@@ -213,6 +215,8 @@ class ActivationSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     max_pending_wakes: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 100
     max_wake_horizon_ms: Positive = 30 * 24 * 3_600_000
     poll_ms: Annotated[int, msgspec.Meta(ge=1, le=60_000)] = 1_000
+    claim_batch: Annotated[int, msgspec.Meta(ge=1, le=1_000)] = 8
+    claim_hold_ms: Annotated[int, msgspec.Meta(ge=100, le=600_000)] = 5_000
     passivate_after_ms: NonNegative = 300_000
     max_draft_bytes: Positive = 262_144
 

@@ -82,3 +82,31 @@ def test_a_store_without_a_work_queue_still_runs_every_wake(
         records: list[RecordedEvent] = log_until(plain, "session:s1", has(ActivationAcked, 2))
         assert [leased.epoch for leased in of(ActivationLeased, records)] == [1, 2]
         assert rt.worker().sessions == 4  # it folded the whole log: the history too
+
+
+def test_a_claim_batch_of_one_still_serves_every_session_due_before_the_start(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """Work written before the runtime started (by a CLI, say) is found by the worker's
+    claims, here one session per claim: a full claim polls again at once."""
+    from stalwart.runtime import send_message
+
+    for name in ("a", "b", "c"):
+        send_message(store, name, f"hello {name}", channel="chat", ts=clock.now())
+    settings = config(fake.base_url, activations={"claim_batch": 1, "claim_hold_ms": 200})
+    assert (settings.activations.claim_batch, settings.activations.claim_hold_ms) == (1, 200)
+    with Runtime(settings, store=store, clock=clock, channels={"chat": chat}):
+        for name in ("a", "b", "c"):
+            log_until(store, f"session:{name}", has(ActivationAcked))
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("claim_batch", 0), ("claim_hold_ms", 99), ("claim_batch", "8")]
+)
+def test_claim_knobs_out_of_range_are_config_errors_naming_them(
+    fake: FakeProvider, key: str, value: object
+) -> None:
+    from stalwart.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=key):
+        config(fake.base_url, activations={key: value})

@@ -76,10 +76,10 @@ SESSION_PREFIX = "session:"
 LEASE_TRIES = 8
 #: How a claim ends when its own wake settled it (not an expiry or an interrupt).
 _SETTLED = frozenset({"acked", "blocked", "requeued", "abandoned"})
-#: How many due sessions one poll claims (a full claim polls again at once).
-CLAIM_LIMIT = 8
+#: How many due sessions one poll claims (a full claim polls again at once), by default.
+CLAIM_BATCH = 8
 #: How long a claim keeps other workers off a session while this one decides for it.
-HOLD_S = 5.0
+CLAIM_HOLD_MS = 5_000
 
 
 class Wake(msgspec.Struct, frozen=True, kw_only=True):
@@ -163,6 +163,8 @@ class ActivationWorker(pykka.ThreadingActor):
         lost: Callable[[LeaseLost], object],
         poll_ms: int = 1_000,
         jitter_ms: int = 0,
+        claim_batch: int = CLAIM_BATCH,
+        claim_hold_ms: int = CLAIM_HOLD_MS,
         on_crash: Callable[[str], object] | None = None,
     ) -> None:
         super().__init__()
@@ -174,6 +176,8 @@ class ActivationWorker(pykka.ThreadingActor):
         self._wake = wake
         self._lost = lost
         self._poll_ms = poll_ms
+        self._claim_batch = max(1, claim_batch)
+        self._claim_hold_s = claim_hold_ms / 1000
         self._on_crash = on_crash
         self._position = 0
         self._queue = store if isinstance(store, WorkQueue) else None
@@ -267,7 +271,7 @@ class ActivationWorker(pykka.ThreadingActor):
         """Claim the due sessions no other worker holds, decide for each, write back."""
         now = self._clock.now()
         try:
-            work = queue.claim_due(self._owner, now, CLAIM_LIMIT, HOLD_S)
+            work = queue.claim_due(self._owner, now, self._claim_batch, self._claim_hold_s)
         except StoreError as exc:
             log.warning("worker.claim_failed", error_class=type(exc).__name__)
             self._arm(None)
@@ -281,7 +285,7 @@ class ActivationWorker(pykka.ThreadingActor):
                     queue.set_due(stream, state.version, due_at(state), self._owner)
             except StoreError as exc:  # the hold runs out and the session is claimed again
                 log.warning("worker.claim_unsettled", stream=stream, error=type(exc).__name__)
-        if len(work.claimed) >= CLAIM_LIMIT:
+        if len(work.claimed) >= self._claim_batch:
             self._tell(Nudge())
         self._arm(work.next_at)
 

@@ -92,6 +92,8 @@ class Durability:
             wake=self._wake,
             lost=self._lost,
             poll_ms=settings.poll_ms,
+            claim_batch=settings.claim_batch,
+            claim_hold_ms=settings.claim_hold_ms,
             on_crash=on_crash,
         )
         self._arm_passivation()
