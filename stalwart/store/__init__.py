@@ -6,6 +6,7 @@ extra) is needed only by those who use it.
 
 import typing
 
+from ._check import Problem, StoreCheck, check_store
 from ._lmdb import LmdbEventStore
 from ._open import open
 from ._projection import DEFAULT_SNAPSHOT_EVERY, load_state, snapshot_name
@@ -37,10 +38,13 @@ __all__ = [
     "LmdbEventStore",
     "NewEvent",
     "PostgresEventStore",
+    "Problem",
     "Snapshot",
+    "StoreCheck",
     "StreamInfo",
     "Subscription",
     "WorkQueue",
+    "check_store",
     "load_state",
     "open",
     "snapshot_name",

@@ -40,6 +40,7 @@ from ._environment import (
     _REAL_TIME,
     _VALUE,
     DEFAULT_MAP_SIZE,
+    INDEX_LAG,
     READ_BATCH,
     _Append,
     _at_key,
@@ -398,6 +399,24 @@ class LmdbEventStore:
     def subscribe(self, from_position: int = 1) -> Subscription:
         self._live()
         return Subscription(self, from_position)
+
+    def describe(self) -> dict[str, int | str]:
+        """The store's format, its head, and how far its index reaches (``indexed``;
+        ``index_lag``: an append indexes once ``head - indexed`` would reach it)."""
+        env = self._live()
+
+        def read(txn: Any) -> dict[str, int | str]:
+            cursor = txn.cursor(db=env.log)
+            head = int.from_bytes(cursor.key(), "big") if cursor.last() else 0
+            marker = txn.get(b"format", db=env.meta)
+            return {
+                "format": bytes(marker).decode() if marker is not None else "",
+                "head": head,
+                "indexed": indexed_at(txn, env.meta),
+                "index_lag": INDEX_LAG,
+            }
+
+        return env.read(read)
 
     def stream_version(self, stream: str) -> int:
         env = self._live()

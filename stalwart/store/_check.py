@@ -1,0 +1,188 @@
+"""``check_store``: does every way of reading a store tell the same story?
+
+The log is the truth; a stream's reads (through the LMDB index, or PostgreSQL's), its
+row in ``streams()`` and its version are derived from it. The check walks the whole log
+once and then reads every stream, reporting each disagreement (and each record that
+cannot be read) with its position. It writes nothing, so it is safe beside running
+workers; on a store that is being appended to, the rows and streams it reads last may be
+ahead of its walk, which it does not count as a problem.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+
+from stalwart.errors import CorruptRecordError
+from stalwart.events import RecordedEvent
+
+from ._protocol import EventStore
+
+__all__ = ["Problem", "StoreCheck", "check_store"]
+
+
+class Problem(msgspec.Struct, frozen=True, kw_only=True):
+    """One disagreement: where (a position, a stream, or both) and what."""
+
+    what: str
+    position: int | None = None
+    stream: str | None = None
+
+
+class StoreCheck(msgspec.Struct, kw_only=True):
+    """What the check found: how much it read, and every problem."""
+
+    location: str
+    records: int = 0
+    streams: int = 0
+    head: int = 0
+    problems: list[Problem] = msgspec.field(default_factory=list)
+    #: what the store says of itself (the LMDB store: its format and index mark)
+    details: dict[str, int | str] = msgspec.field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+class _Walked(msgspec.Struct, kw_only=True):
+    """A stream as the log's walk saw it: its records' positions, in order."""
+
+    positions: list[int] = msgspec.field(default_factory=list)
+    last_version: int = 0
+
+
+def check_store(
+    store: EventStore, *, progress: Callable[[int], object] | None = None
+) -> StoreCheck:
+    """Walk the log, then read every stream, and report where they disagree."""
+    report = StoreCheck(location=store.location)
+    report.head = head = store.head()
+    describe = getattr(store, "describe", None)
+    if callable(describe):
+        report.details = describe()
+    details = report.details
+    indexed, lag = details.get("indexed"), details.get("index_lag")
+    if isinstance(indexed, int) and isinstance(lag, int) and head - indexed >= lag:
+        report.problems.append(
+            Problem(
+                what=f"the index stops at {indexed}, {head - indexed} records behind the head: "
+                "the record after it could not be read when the store indexed",
+                position=indexed + 1,
+            )
+        )
+    walked = _walk(store, head, report, progress)
+    report.records = sum(len(stream.positions) for stream in walked.values())
+    rows = {info.stream: info for info in store.streams()}
+    report.streams = len(rows)
+    for name, stream in walked.items():
+        row = rows.get(name)
+        if row is None:
+            report.problems.append(Problem(what="the log has it, streams() does not", stream=name))
+        elif row.version < stream.last_version:
+            report.problems.append(
+                Problem(
+                    what=f"its row says version {row.version}, the log has {stream.last_version}",
+                    stream=name,
+                )
+            )
+        _read_back(store, name, stream, report)
+    for name, row in rows.items():
+        if name not in walked and row.last_position <= head:
+            what = f"streams() has it at version {row.version}, the log does not"
+            report.problems.append(Problem(what=what, stream=name))
+    return report
+
+
+def _walk(
+    store: EventStore,
+    head: int,
+    report: StoreCheck,
+    progress: Callable[[int], object] | None,
+) -> dict[str, _Walked]:
+    """Every record up to ``head``, by stream; gaps, unreadable records and versions out
+    of order are problems (the walk goes on past each)."""
+    streams: dict[str, _Walked] = {}
+    unread: dict[int, int] = {}  # position of a record that cannot be read -> its problem
+    expected = 1
+    while expected <= head:
+        try:
+            for record in store.read_all(expected, head):
+                if record.position != expected:
+                    unread[expected] = len(report.problems)
+                    report.problems.append(
+                        Problem(
+                            what=f"positions {expected}..{record.position - 1} are missing",
+                            position=expected,
+                        )
+                    )
+                stream = streams.setdefault(record.stream, _Walked())
+                if record.version != stream.last_version + 1:
+                    _version_gap(report, unread, stream, record)
+                stream.positions.append(record.position)
+                stream.last_version = record.version
+                expected = record.position + 1
+                if progress is not None and expected % 100_000 == 0:
+                    progress(expected)
+            break
+        except CorruptRecordError as exc:
+            at = exc.position if exc.position > 0 else expected
+            unread[at] = len(report.problems)
+            report.problems.append(Problem(what=f"cannot be read: {exc.reason}", position=at))
+            expected = max(at, expected) + 1
+    return streams
+
+
+def _version_gap(
+    report: StoreCheck, unread: dict[int, int], walked: _Walked, record: RecordedEvent
+) -> None:
+    """A stream's version out of order: the record it is missing is one that cannot be
+    read (that problem then names the stream), or else a problem of its own."""
+    stream, position, version = record.stream, record.position, record.version
+    due = walked.last_version + 1
+    after = walked.positions[-1] if walked.positions else 0
+    between = [at for at in unread if after < at < position]
+    if version > due and between:
+        index = unread[between[0]]
+        problem = report.problems[index]
+        if problem.stream is None:
+            report.problems[index] = Problem(
+                what=f"{problem.what}; by the stream's versions it held version {due}",
+                position=problem.position,
+                stream=stream,
+            )
+        return
+    report.problems.append(
+        Problem(
+            what=f"holds version {version} where {due} was due",
+            position=position,
+            stream=stream,
+        )
+    )
+
+
+def _read_back(store: EventStore, name: str, walked: _Walked, report: StoreCheck) -> None:
+    """The stream read on its own must be the records the walk gave it, in order."""
+    read: list[int] = []
+    try:
+        for record in store.read_stream(name, 1, walked.last_version):
+            read.append(record.position)
+    except CorruptRecordError as exc:
+        if not any(p.position == exc.position for p in report.problems):
+            report.problems.append(
+                Problem(what=f"cannot be read: {exc.reason}", position=exc.position, stream=name)
+            )
+        return
+    if read != walked.positions:
+        first = next(
+            (i for i, (a, b) in enumerate(zip(read, walked.positions, strict=False)) if a != b),
+            min(len(read), len(walked.positions)),
+        )
+        report.problems.append(
+            Problem(
+                what=f"reading it gives {len(read)} records, the log {len(walked.positions)}; "
+                f"they differ from version {first + 1} on",
+                stream=name,
+            )
+        )
