@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 from click.testing import CliRunner
 
@@ -159,3 +160,67 @@ def test_an_early_watchdog_appended_to_the_runtime_log_fails_verification(
     result = CliRunner().invoke(cli, ["--store", str(scenario), "replay", stream, "--verify"])
     assert result.exit_code == 1
     assert "DOES NOT FOLLOW" in result.output
+
+
+# -- retries of the same model ---------------------------------------------------------------
+
+
+RETRYING: dict[str, Any] = AGENT | {
+    "max_retries": 2,
+    "retry_base_ms": 20,
+    "retry_cap_ms": 40,
+    "fallback_models": ["main:m2"],
+}
+
+
+def test_retries_recorded_by_the_runtime_are_re_derived_and_a_doctored_delay_is_not(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    from stalwart.cli._replay import default_knobs
+    from stalwart.events import PromptRetryScheduled
+    from stalwart.state import VERIFIERS, verify
+    from stalwart.testing import Fail
+
+    fake.add(Fail(status=503))  # backoff, drawn
+    fake.add(Fail(status=429, retry_after="0.05"))  # the server's wait, once per model
+    fake.add(Fail(status=429, retry_after="0.05"))  # a second 429: down the chain
+    config = parse_config(
+        {
+            "providers": {"main": {"kind": "openai", "base_url": fake.base_url}},
+            "agents": {"default": RETRYING},
+        }
+    )
+    with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
+        rt.session("r1", channel="chat").send("hello")
+        delivered(rt, chat, 1)
+    records = list(store.read_stream("session:r1"))
+    retries = [r for r in records if isinstance(r.event, PromptRetryScheduled)]
+    assert [(r.event.status, r.event.rate_limited_before) for r in retries] == [
+        (503, False),
+        (429, False),
+    ]
+    assert retries[1].event.delay_ms == 50
+    report = verify_store(store, "session:r1")
+    assert report.findings == ()
+    assert report.checked["prompt:retry_scheduled"] == 2
+
+    first = retries[0]
+    doctored = [
+        msgspec.structs.replace(
+            r,
+            event=msgspec.structs.replace(first.event, delay_ms=first.event.delay_ms + 500),
+        )
+        if r.position == first.position
+        else r
+        for r in sorted([*of_runtime(store), *records], key=lambda r: r.position)
+    ]
+    [finding] = verify(doctored, VERIFIERS, defaults=default_knobs()).findings
+    assert finding.tag == "prompt:retry_scheduled"
+    assert finding.position == first.position
+    assert "attempt 1: jitter" in finding.message
+    assert f"it waited {first.event.delay_ms + 500} ms" in finding.message
+
+
+def of_runtime(store: EventStore) -> list[Any]:
+    """The ``runtime`` stream's records (the config in force is recorded there)."""
+    return list(store.read_stream("runtime"))

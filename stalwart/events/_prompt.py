@@ -60,10 +60,21 @@ class PromptTimeout(Event, frozen=True, tag="execution:prompt_timeout"):
 
 
 class PromptRetryScheduled(Event, frozen=True, tag="prompt:retry_scheduled"):
+    """The same model is tried again (``attempt``) after ``delay_ms``. The decision's
+    inputs ride along so replay can re-derive it: the ``agent`` whose knobs decided, the
+    failure's HTTP ``status`` and ``Retry-After`` (seconds), the backoff's uniform draw
+    (``jitter``, in [0, 1)), and whether a 429 was already retried on this model in this
+    call. Records written before these were recorded have them None (not re-derived)."""
+
     call_id: str
     attempt: int
     delay_ms: int
     reason: str
+    agent: str | None = None
+    status: int | None = None
+    retry_after_s: float | None = None
+    jitter: float | None = None
+    rate_limited_before: bool = False
 
 
 class ModelFallbackAttempt(Event, frozen=True, tag="model:fallback_attempt"):

@@ -22,7 +22,6 @@ from typing import Literal
 import anyio
 
 from stalwart._logs import get_logger
-from stalwart.backoff import backoff_delay
 from stalwart.clock import Clock
 from stalwart.config import AgentSettings
 from stalwart.errors import (
@@ -44,7 +43,13 @@ from stalwart.events import (
     ProviderCallSucceeded,
 )
 from stalwart.ids import new_id
-from stalwart.state import decide_prompt_timeout, next_deadline, window_started, window_touched
+from stalwart.state import (
+    decide_prompt_timeout,
+    next_deadline,
+    retry_delay,
+    window_started,
+    window_touched,
+)
 
 from ._breaker import Breaker
 from ._client import Accumulator, ProviderClient
@@ -175,10 +180,21 @@ class ModelCaller:
             except ProviderError as exc:
                 if not exc.retryable:
                     raise
-                delay = self._retry_delay(exc, attempt, rate_limit_retried)
+                agent = self.agent
+                jitter = self._rng.random()  # recorded: replay re-derives the delay from it
+                delay = retry_delay(
+                    attempt,
+                    exc.status,
+                    exc.retry_after,
+                    rate_limit_retried,
+                    jitter,
+                    max_retries=agent.max_retries,
+                    retry_base_ms=agent.retry_base_ms,
+                    retry_cap_ms=agent.retry_cap_ms,
+                    max_retry_after_ms=agent.rate_limit_same_model_max_retry_after_ms,
+                )
                 if delay is None:
                     raise
-                rate_limit_retried = rate_limit_retried or exc.status == 429
                 await self._emit(
                     stream,
                     PromptRetryScheduled(
@@ -186,26 +202,15 @@ class ModelCaller:
                         attempt=attempt + 1,
                         delay_ms=round(delay * 1000),
                         reason=exc.kind,
+                        agent=self._agent_name,
+                        status=exc.status,
+                        retry_after_s=exc.retry_after,
+                        jitter=jitter,
+                        rate_limited_before=rate_limit_retried,
                     ),
                 )
+                rate_limit_retried = rate_limit_retried or exc.status == 429
                 await anyio.sleep(delay)
-
-    def _retry_delay(
-        self, exc: ProviderError, attempt: int, rate_limit_retried: bool
-    ) -> float | None:
-        """Seconds to wait before retrying the same model, or None to move down the chain."""
-        agent = self.agent
-        limit = agent.rate_limit_same_model_max_retry_after_ms / 1000
-        if exc.retry_after is not None and exc.retry_after > limit:
-            return None  # no deadline covers the wait: a long one goes down the chain instead
-        if exc.status == 429:
-            if rate_limit_retried or exc.retry_after is None:
-                return None
-            return exc.retry_after
-        if attempt > agent.max_retries:
-            return None
-        delay = backoff_delay(attempt, agent.retry_base_ms, agent.retry_cap_ms, self._rng)
-        return max(delay, exc.retry_after or 0.0)
 
     async def _attempt(
         self,

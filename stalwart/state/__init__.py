@@ -119,6 +119,7 @@ from ._prompt import (
     PromptWindow,
     decide_prompt_timeout,
     next_deadline,
+    retry_delay,
     window_started,
     window_touched,
 )
@@ -310,6 +311,7 @@ __all__ = [
     "restart_backoff_ms",
     "restart_history",
     "retry_at",
+    "retry_delay",
     "retry_posture",
     "session_dead_letters",
     "spawn_timeout",

@@ -181,10 +181,9 @@ class Verification:
         if tag not in self._registry.decisions:
             return  # an unknown event
         verifiers = self._by_tag.get(tag)
-        if verifiers is None:
+        if verifiers is None or not self._check(record, verifiers):
+            # no verifier, or none that applies (a retry recorded before its inputs were)
             self._unchecked[tag] = self._unchecked.get(tag, 0) + 1
-        else:
-            self._check(record, verifiers)
 
     def undecodable(self, position: int, reason: str, stream: str = "") -> None:
         """A record the reader could not decode (a ``CorruptRecordError``): reported."""
@@ -265,7 +264,8 @@ class Verification:
 
     # -- decisions -------------------------------------------------------------------------------
 
-    def _check(self, record: RecordedEvent, verifiers: list[Verifier[Any]]) -> None:
+    def _check(self, record: RecordedEvent, verifiers: list[Verifier[Any]]) -> bool:
+        """Run the first verifier that applies to ``record``; False when none does."""
         found = record.event
         for verifier in verifiers:
             if not record.stream.startswith(verifier.streams):
@@ -279,16 +279,17 @@ class Verification:
                 given = list(verifier.decide(state, record, self._knobs))
             except StalwartError as exc:
                 self._mismatch(record, [], f"replay could not re-run the decision: {exc}")
-                return
+                return True
             if any(_same(e, found, verifier.ignore) for e in given):
-                return
+                return True
             why = verifier.why(state, record, self._knobs) if verifier.why else ""
             if given:
                 words = "the state just before it decides differently"
             else:
                 words = "the state just before it decides nothing at this time"
             self._mismatch(record, given, f"{words}{': ' + why if why else ''}")
-            return
+            return True
+        return False
 
     def _mismatch(self, record: RecordedEvent, given: list[Event], message: str) -> None:
         self._findings.append(

@@ -10,6 +10,10 @@ subagent:suspicious          RUN (session:)    decide_suspicious (per_step, expe
                                                heartbeat_interval_ms)
 subagent:recovery_decided    RUN (session:)    decide_recovery (recovery_max_attempts)
 execution:prompt_timeout     CALLS (session:)  decide_prompt_timeout (the window's own limits)
+prompt:retry_scheduled       CALLS (session:)  retry_delay (agents.<agent>.max_retries,
+                                               retry_base_ms, retry_cap_ms, rate_limit_same_
+                                               model_max_retry_after_ms; the recorded status,
+                                               Retry-After and jitter draw)
 execution:aborted            CALLS (session:)  decide_execution_timeout
                                                (supervision.execution_timeout_ms)
 provider:degraded/recovered  HEALTH (provider:) decide_health (health.*)
@@ -44,6 +48,7 @@ from stalwart.events import (
     PromptActivity,
     PromptCompleted,
     PromptFailed,
+    PromptRetryScheduled,
     PromptStarted,
     PromptTimeout,
     RecordedEvent,
@@ -66,7 +71,7 @@ from ._breaker import BREAKER, BreakerState, decide_breaker
 from ._deadletter import DEADLETTER, DeadLetterState, decide_expiry, expiry_at
 from ._execution import decide_execution_timeout, execution_deadline
 from ._health import DEFAULT_HORIZON_MS, HealthAggregate, HealthState, decide_health
-from ._prompt import decide_prompt_timeout, next_deadline
+from ._prompt import decide_prompt_timeout, next_deadline, retry_delay
 from ._subagent import (
     RUN,
     RunState,
@@ -237,6 +242,56 @@ def _execution_due(state: CallsState, knobs: Knobs) -> float | None:
     )
 
 
+def _retry(state: CallsState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    found = record.event
+    assert isinstance(found, PromptRetryScheduled)
+    delay = _retry_delay(found, knobs)
+    if delay is None:
+        return []
+    return [msgspec.structs.replace(found, delay_ms=round(delay * 1000))]
+
+
+def _retry_delay(event: PromptRetryScheduled, knobs: Knobs) -> float | None:
+    agent = f"agents.{event.agent}"
+    return retry_delay(
+        event.attempt - 1,
+        event.status,
+        event.retry_after_s,
+        event.rate_limited_before,
+        event.jitter or 0.0,
+        max_retries=knobs.get_int(f"{agent}.max_retries"),
+        retry_base_ms=knobs.get_int(f"{agent}.retry_base_ms"),
+        retry_cap_ms=knobs.get_int(f"{agent}.retry_cap_ms"),
+        max_retry_after_ms=knobs.get_int(f"{agent}.rate_limit_same_model_max_retry_after_ms"),
+    )
+
+
+def _retry_why(state: CallsState, record: RecordedEvent, knobs: Knobs) -> str:
+    event = record.event
+    assert isinstance(event, PromptRetryScheduled)
+    agent = f"agents.{event.agent}"
+    tried = event.attempt - 1
+    if event.status == 429:
+        return (
+            "a 429 is retried once per model, after its Retry-After "
+            f"({event.retry_after_s} s; retried before: {event.rate_limited_before})"
+        )
+    if tried > knobs.get_int(f"{agent}.max_retries"):
+        return f"attempt {tried} already used {agent}.max_retries"
+    base, cap = knobs.get_int(f"{agent}.retry_base_ms"), knobs.get_int(f"{agent}.retry_cap_ms")
+    ceiling = min(cap, base * (1 << max(tried - 1, 0)))
+    return (
+        f"attempt {tried}: jitter {event.jitter} of min({cap}, {base} x 2^{tried - 1}) = "
+        f"{ceiling} ms, not below Retry-After {event.retry_after_s} s; "
+        f"it waited {event.delay_ms} ms"
+    )
+
+
+def _recorded_inputs(event: Event) -> bool:
+    """A retry recorded with its decision's inputs (older records have none)."""
+    return isinstance(event, PromptRetryScheduled) and event.agent is not None
+
+
 # -- providers ----------------------------------------------------------------------------
 
 
@@ -330,6 +385,7 @@ BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
     Verifier("subagent:suspicious", _RUN, _suspicious, _RUNS),
     Verifier("subagent:recovery_decided", _RUN, _recovery, _RUNS),
     Verifier("execution:prompt_timeout", CALLS, _prompt_timeout, _RUNS, why=_prompt_why),
+    Verifier("prompt:retry_scheduled", CALLS, _retry, _RUNS, why=_retry_why, when=_recorded_inputs),
     Verifier(
         "execution:aborted", CALLS, _execution, _RUNS, why=_execution_why, when=_pipeline_timeout
     ),
