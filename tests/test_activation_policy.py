@@ -255,3 +255,24 @@ def test_an_interrupt_cancels_everything_unsettled_and_claims_the_next_epoch() -
     apply_all(folded, events, 1.0)
     state = folded.state
     assert (state.queue, state.lease, state.blocked_on, state.epoch) == ((), None, None, 2)
+
+
+def test_events_outside_activation_events_move_only_the_version() -> None:
+    """Replay verification folds only ACTIVATION_EVENTS; every other event must leave the
+    activations as they were but for the version."""
+    from stalwart.events import ActivationLeaseLost, MessageAppended, TurnStarted
+    from stalwart.state._activation import ACTIVATION_EVENTS
+
+    folded = log()
+    message(folded, 1, 0.0)
+    apply_all(folded, decide_lease(folded.state, "w1", 1.0, POLICY), 1.0)
+    before = folded.state
+    others: list[Event] = [
+        MessageAppended(message_id="m", role="user", content="hi"),
+        TurnStarted(turn_id="t"),
+        ActivationLeaseLost(activation_id="a1", owner="w0", epoch=1, current_epoch=2),
+    ]
+    for event in others:
+        assert type(event) not in ACTIVATION_EVENTS
+        after = folded.add(event, 2.0)
+        assert msgspec.structs.replace(after, version=before.version) == before

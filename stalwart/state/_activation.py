@@ -146,6 +146,17 @@ def _settle(
     return msgspec.structs.replace(state, **changes)
 
 
+#: The events that change the activations beyond their ``version`` (every other event
+#: only moves it): what replay verification folds, since no decision reads the version.
+ACTIVATION_EVENTS: frozenset[type] = frozenset(
+    {
+        *(ActivationReady, ActivationLeased, LeaseRenewed, LeaseExpired, ActivationAcked),
+        *(ActivationBlocked, ActivationRequeued, ActivationAbandoned, ActivationCancelled),
+        *(SessionRequiresAction, UserToolConfirmation, UserCustomToolResult, UserInterrupt),
+    }
+)
+
+
 def apply_activations(state: ActivationsState, record: RecordedEvent) -> ActivationsState:
     """The activations after ``record`` (other events only move the version)."""
     event = record.event

@@ -29,7 +29,7 @@ from stalwart.events import (
     UserInterrupt,
 )
 
-from ._activation import ACTIVATIONS, ActivationsState
+from ._activation import ACTIVATION_EVENTS, ACTIVATIONS, ActivationsState
 from ._activation_policy import (
     ActivationPolicy,
     WakeResult,
@@ -38,11 +38,14 @@ from ._activation_policy import (
     decide_lease,
     decide_settlement,
 )
-from ._verify_registry import Deadline, Knobs, Verifier, moment
+from ._verify_registry import Deadline, Knobs, Selective, Verifier, moment
 
 __all__ = ["ACTIVATION_RULES"]
 
 _SESSIONS = "session:"
+#: the activations fold as verification runs it over every session stream: only the
+#: events that change it (its version, which every event moves, is not kept)
+_FOLD = Selective(ACTIVATIONS, ACTIVATION_EVENTS)
 
 
 def policy(knobs: Knobs) -> ActivationPolicy:
@@ -155,11 +158,11 @@ def _lease_due(state: ActivationsState, knobs: Knobs) -> float | None:
 
 
 ACTIVATION_RULES: tuple[Verifier[ActivationsState] | Deadline[ActivationsState], ...] = (
-    Verifier("activation:leased", ACTIVATIONS, _leased, _SESSIONS, why=_leased_why),
-    Verifier("lease:expired", ACTIVATIONS, _leased, _SESSIONS, why=_leased_why),
+    Verifier("activation:leased", _FOLD, _leased, _SESSIONS, why=_leased_why),
+    Verifier("lease:expired", _FOLD, _leased, _SESSIONS, why=_leased_why),
     Verifier(
         "activation:abandoned",
-        ACTIVATIONS,
+        _FOLD,
         _leased,
         _SESSIONS,
         why=_leased_why,
@@ -167,21 +170,21 @@ ACTIVATION_RULES: tuple[Verifier[ActivationsState] | Deadline[ActivationsState],
     ),
     Verifier(
         "activation:abandoned",
-        ACTIVATIONS,
+        _FOLD,
         _settled,
         _SESSIONS,
         why=_settled_why,
         when=_not_on_expiry,
     ),
-    Verifier("activation:requeued", ACTIVATIONS, _settled, _SESSIONS, why=_settled_why),
-    Verifier("activation:acked", ACTIVATIONS, _settled, _SESSIONS, why=_settled_why),
-    Verifier("activation:blocked", ACTIVATIONS, _settled, _SESSIONS, why=_settled_why),
-    Verifier("user:interrupt", ACTIVATIONS, _interrupted, _SESSIONS),
-    Verifier("activation:cancelled", ACTIVATIONS, _cancelled, _SESSIONS),
+    Verifier("activation:requeued", _FOLD, _settled, _SESSIONS, why=_settled_why),
+    Verifier("activation:acked", _FOLD, _settled, _SESSIONS, why=_settled_why),
+    Verifier("activation:blocked", _FOLD, _settled, _SESSIONS, why=_settled_why),
+    Verifier("user:interrupt", _FOLD, _interrupted, _SESSIONS),
+    Verifier("activation:cancelled", _FOLD, _cancelled, _SESSIONS),
     Deadline(
         "lease expiry",
         "lease:expired",
-        ACTIVATIONS,
+        _FOLD,
         _lease_due,
         _SESSIONS,
         slack_ms=lambda knobs: knobs.get_int("activations.poll_ms"),
