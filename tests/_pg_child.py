@@ -30,7 +30,7 @@ def paced(url: str, count: int, interval: float) -> None:
     try:
         for i in range(count):
             store.append("s:paced", [_msg(f"paced-{i}")])
-            time.sleep(interval)
+            time.sleep(interval)  # real-time: appends spread over time, as a live writer's are
     finally:
         store.close()
 

@@ -67,7 +67,7 @@ def test_a_take_wanting_three_returns_as_soon_as_the_third_is_in() -> None:
 
     def produce() -> None:
         for n in range(3):
-            time.sleep(0.002)  # shaping only: the jobs arrive one by one while it waits
+            time.sleep(0.002)  # real-time: the jobs arrive one by one while the taker waits
             inbox.put(n)
 
     producer = _start(produce)
@@ -106,7 +106,7 @@ def test_close_wakes_a_taker_blocked_without_a_timeout() -> None:
 
     taker = _start(take)
     started.wait(JOIN)
-    time.sleep(0.02)  # shaping only: let the taker block before the close
+    time.sleep(0.02)  # real-time: the taker blocks in take() before the close (no event)
     inbox.close()
     taker.join(JOIN)
     assert not taker.is_alive()
@@ -127,7 +127,7 @@ def test_close_hands_a_blocked_taker_the_fewer_jobs_it_has() -> None:
 
     taker = _start(take)
     started.wait(JOIN)
-    time.sleep(0.02)  # shaping only: let the taker block before the close
+    time.sleep(0.02)  # real-time: the taker blocks in take() before the close (no event)
     inbox.close()
     taker.join(JOIN)
     assert taken == [[1, 2]]
