@@ -10,13 +10,50 @@ import random
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 
-__all__ = ["backoff_delay", "parse_retry_after"]
+__all__ = ["backoff_ceiling_ms", "backoff_delay", "parse_retry_after", "retry_delay"]
+
+
+def backoff_ceiling_ms(attempt: int, base_ms: int, cap_ms: int) -> int:
+    """The exponential step of attempt ``attempt`` (from 1): min(cap, base x 2^(attempt-1))."""
+    return min(cap_ms, base_ms * (1 << max(attempt - 1, 0)))
 
 
 def backoff_delay(attempt: int, base_ms: int, cap_ms: int, rng: random.Random) -> float:
     """Full jitter: seconds uniform in [0, min(cap, base x 2^(attempt-1))]."""
-    ceiling = min(cap_ms, base_ms * 2 ** max(attempt - 1, 0)) / 1000
-    return rng.uniform(0, ceiling)
+    return rng.uniform(0, backoff_ceiling_ms(attempt, base_ms, cap_ms) / 1000)
+
+
+def retry_delay(
+    attempt: int,
+    status: int | None,
+    retry_after_s: float | None,
+    rate_limited_before: bool,
+    jitter: float,
+    *,
+    max_retries: int,
+    retry_base_ms: int,
+    retry_cap_ms: int,
+    max_retry_after_ms: int,
+) -> float | None:
+    """Seconds to wait before a model call's attempt ``attempt`` + 1 on the same model,
+    or None to move down the model chain (seed 002's retry rules).
+
+    A ``Retry-After`` longer than ``max_retry_after_ms`` goes down the chain. A 429 is
+    retried once per model, after its ``Retry-After`` (none: down the chain). Any other
+    retryable failure is retried ``max_retries`` times with full-jitter backoff: ``jitter``
+    (uniform in [0, 1), recorded so replay can re-derive it) of the backoff ceiling, and
+    never sooner than the server's ``Retry-After``.
+    """
+    if retry_after_s is not None and retry_after_s > max_retry_after_ms / 1000:
+        return None
+    if status == 429:
+        if rate_limited_before or retry_after_s is None:
+            return None
+        return retry_after_s
+    if attempt > max_retries:
+        return None
+    ceiling = backoff_ceiling_ms(attempt, retry_base_ms, retry_cap_ms) / 1000
+    return max(ceiling * jitter, retry_after_s or 0.0)
 
 
 def parse_retry_after(value: str | None, now: float) -> float | None:

@@ -22,7 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "backoff": set(),
     "config": {"errors"},
     "events": {"errors"},
-    "state": {"errors", "events"},
+    "state": {"errors", "events", "backoff"},
     "store": {"errors", "events", "state", "clock", "ids", "config"},
     "providers": {"errors", "events", "state", "clock", "ids", "config", "backoff"},
     "context": {"errors", "events", "state", "clock", "ids", "config"},

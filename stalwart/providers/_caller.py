@@ -22,6 +22,7 @@ from typing import Literal
 import anyio
 
 from stalwart._logs import get_logger
+from stalwart.backoff import retry_delay
 from stalwart.clock import Clock
 from stalwart.config import AgentSettings
 from stalwart.errors import (
@@ -46,7 +47,6 @@ from stalwart.ids import new_id
 from stalwart.state import (
     decide_prompt_timeout,
     next_deadline,
-    retry_delay,
     window_started,
     window_touched,
 )

@@ -119,7 +119,6 @@ from ._prompt import (
     PromptWindow,
     decide_prompt_timeout,
     next_deadline,
-    retry_delay,
     window_started,
     window_touched,
 )
@@ -311,7 +310,6 @@ __all__ = [
     "restart_backoff_ms",
     "restart_history",
     "retry_at",
-    "retry_delay",
     "retry_posture",
     "session_dead_letters",
     "spawn_timeout",

@@ -21,6 +21,7 @@ from typing import Literal
 
 import msgspec
 
+from stalwart.backoff import backoff_ceiling_ms
 from stalwart.events import (
     ActivationAbandoned,
     ActivationAcked,
@@ -180,7 +181,7 @@ class WakeResult(msgspec.Struct, frozen=True, kw_only=True):
 
 def activation_backoff_ms(streak: int, base_ms: int, cap_ms: int) -> int:
     """The delay after failure number ``streak``: base x 2^(streak-1), capped."""
-    return int(min(cap_ms, base_ms * 2 ** max(streak - 1, 0)))
+    return backoff_ceiling_ms(streak, base_ms, cap_ms)
 
 
 def decide_settlement(

@@ -79,36 +79,3 @@ def decide_prompt_timeout(window: PromptWindow, now: float) -> PromptTimeout | N
         limit_ms=limit_ms,
         elapsed_ms=round((now - window.started_at) * 1000),
     )
-
-
-def retry_delay(
-    attempt: int,
-    status: int | None,
-    retry_after_s: float | None,
-    rate_limited_before: bool,
-    jitter: float,
-    *,
-    max_retries: int,
-    retry_base_ms: int,
-    retry_cap_ms: int,
-    max_retry_after_ms: int,
-) -> float | None:
-    """Seconds to wait before trying attempt ``attempt`` + 1 on the same model, or None to
-    move down the model chain (seed 002's retry rules).
-
-    A ``Retry-After`` longer than ``max_retry_after_ms`` goes down the chain. A 429 is
-    retried once per model, after its ``Retry-After`` (none: down the chain). Any other
-    retryable failure is retried ``max_retries`` times with full-jitter backoff: ``jitter``
-    (uniform in [0, 1)) of ``min(cap, base x 2^(attempt-1))``, and never sooner than the
-    server's ``Retry-After``.
-    """
-    if retry_after_s is not None and retry_after_s > max_retry_after_ms / 1000:
-        return None
-    if status == 429:
-        if rate_limited_before or retry_after_s is None:
-            return None
-        return retry_after_s
-    if attempt > max_retries:
-        return None
-    ceiling = min(retry_cap_ms, retry_base_ms * (1 << max(attempt - 1, 0))) / 1000
-    return max(ceiling * jitter, retry_after_s or 0.0)

@@ -39,6 +39,7 @@ from typing import Any
 
 import msgspec
 
+from stalwart.backoff import backoff_ceiling_ms, retry_delay
 from stalwart.events import (
     AnnouncementDeadLetterDelivered,
     AnnouncementDeadLettered,
@@ -71,7 +72,7 @@ from ._breaker import BREAKER, BreakerState, decide_breaker
 from ._deadletter import DEADLETTER, DeadLetterState, decide_expiry, expiry_at
 from ._execution import decide_execution_timeout, execution_deadline
 from ._health import DEFAULT_HORIZON_MS, HealthAggregate, HealthState, decide_health
-from ._prompt import decide_prompt_timeout, next_deadline, retry_delay
+from ._prompt import decide_prompt_timeout, next_deadline
 from ._subagent import (
     RUN,
     RunState,
@@ -279,7 +280,7 @@ def _retry_why(state: CallsState, record: RecordedEvent, knobs: Knobs) -> str:
     if tried > knobs.get_int(f"{agent}.max_retries"):
         return f"attempt {tried} already used {agent}.max_retries"
     base, cap = knobs.get_int(f"{agent}.retry_base_ms"), knobs.get_int(f"{agent}.retry_cap_ms")
-    ceiling = min(cap, base * (1 << max(tried - 1, 0)))
+    ceiling = backoff_ceiling_ms(tried, base, cap)
     return (
         f"attempt {tried}: jitter {event.jitter} of min({cap}, {base} x 2^{tried - 1}) = "
         f"{ceiling} ms, not below Retry-After {event.retry_after_s} s; "
