@@ -40,7 +40,7 @@ from stalwart.errors import (
 from stalwart.events import Codec, RecordedEvent
 
 from ._inbox import Inbox
-from ._lmdb_tail import Entry, LogTail, read_heads
+from ._lmdb_tail import Entry, LogTail, log_head, read_heads
 from ._protocol import Fence, NewEvent
 from ._rwlock import SharedExclusiveLock
 
@@ -203,9 +203,7 @@ class _Environment:
                 # every record of a format-1 store is indexed: the mark starts at its head
                 # (a format-1 reader refuses the store from now on, as it must: it would
                 # not look past the index)
-                cursor = txn.cursor(db=self.log)
-                head = cursor.key() if cursor.last() else _key(0)
-                txn.put(INDEXED, bytes(head), db=self.meta)
+                txn.put(INDEXED, _key(log_head(txn.cursor(db=self.log))), db=self.meta)
                 txn.put(b"format", FORMAT, db=self.meta)
                 log.info("store.format_upgraded", path=path, format=FORMAT.decode())
             elif bytes(marker) != FORMAT:
@@ -373,7 +371,7 @@ class _Environment:
     def _write_batch(self, txn: Any, jobs: list[_Job]) -> None:
         self._batch = None
         cursor = txn.cursor(db=self.log)
-        head = int.from_bytes(cursor.key(), "big") if cursor.last() else 0
+        head = log_head(cursor)
         if head == self._rows_head:
             indexed, known = self._indexed, self._known
         else:

@@ -52,7 +52,7 @@ from ._environment import (
     stream_row,
 )
 from ._lmdb_due import SESSION_PREFIX, ClaimDue, DueAppend, SetDue, due_db
-from ._lmdb_tail import HEAD
+from ._lmdb_tail import log_head, scan_heads
 from ._protocol import (
     Due,
     DueWork,
@@ -135,34 +135,24 @@ def _tail_chunk(
     values: list[bytes] = []
     want = first
     trouble: tuple[int, str] | None = None  # since the last of the stream's records
-    expected = indexed + 1
-    cursor = txn.cursor(db=env.log)
-    if cursor.set_range(_key(expected)):
-        for key, value in cursor.iternext():
-            position = int.from_bytes(key, "big")
-            if position > end:
-                break
-            if position != expected and trouble is None:
-                trouble = (expected, "missing from the log")
-            expected = position + 1
-            try:
-                head = HEAD(value)
-            except msgspec.DecodeError as exc:
-                trouble = trouble or (position, f"cannot decode the record: {exc}")
-                continue
-            if head.stream != stream or head.version < want:
-                continue
-            if head.version > want:
-                trouble = trouble or (position, f"holds version {head.version}, {want} was due")
-                break
-            keys.append(bytes(key))
-            values.append(value)
-            trouble = None
-            want += 1
-            if want > last:
-                break
+    for position, value, head in scan_heads(txn.cursor(db=env.log), indexed, end):
+        if isinstance(head, str):
+            trouble = trouble or (position, head)
+            continue
+        if head.stream != stream or head.version < want:
+            continue
+        if head.version > want:
+            trouble = trouble or (position, f"holds version {head.version}, {want} was due")
+            break
+        assert value is not None  # a head was read from it
+        keys.append(_key(position))
+        values.append(value)
+        trouble = None
+        want += 1
+        if want > last:
+            break
     if want <= last and trouble is None:
-        trouble = (expected, "missing from the log")
+        trouble = (end, f"version {want} of {stream!r} is missing from the log")
     before = len(out)
     error = env.codec.decode_batch(values, out)
     if error is not None:
@@ -368,11 +358,7 @@ class LmdbEventStore:
     def head(self) -> int:
         env = self._live()
 
-        def last(txn: Any) -> int:
-            cursor = txn.cursor(db=env.log)
-            return int.from_bytes(cursor.key(), "big") if cursor.last() else 0
-
-        return env.read(last)
+        return env.read(lambda txn: log_head(txn.cursor(db=env.log)))
 
     def wait_for(self, position: int, timeout: float | None) -> int:
         env = self._live()
@@ -406,8 +392,7 @@ class LmdbEventStore:
         env = self._live()
 
         def read(txn: Any) -> dict[str, int | str]:
-            cursor = txn.cursor(db=env.log)
-            head = int.from_bytes(cursor.key(), "big") if cursor.last() else 0
+            head = log_head(txn.cursor(db=env.log))
             marker = txn.get(b"format", db=env.meta)
             return {
                 "format": bytes(marker).decode() if marker is not None else "",

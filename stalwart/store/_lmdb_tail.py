@@ -10,7 +10,7 @@ ones it read back after another process appended, and publishes them as a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import msgspec
@@ -29,31 +29,51 @@ class _Head(msgspec.Struct, array_like=True, gc=False):
 
 #: the head of a stored record (msgspec ignores the array's fields after the third)
 HEAD = msgspec.msgpack.Decoder(_Head).decode
+#: one position of a scan: its record's bytes and head, or (bytes or None) what is wrong
+Scanned = tuple[int, bytes | None, _Head | str]
+
+
+def log_head(cursor: Any) -> int:
+    """The position of the log's last record (0 for an empty log); moves ``cursor``."""
+    return int.from_bytes(cursor.key(), "big") if cursor.last() else 0
+
+
+def scan_heads(cursor: Any, after: int, upto: int) -> Iterator[Scanned]:
+    """The log's positions ``after`` < position <= ``upto`` in order, each with its record's
+    bytes and head, or what is wrong there instead: a record that cannot be read, or a
+    position missing from the log (a run of them once, at its first)."""
+    expected = after + 1
+    if expected > upto:
+        return
+    if cursor.set_range(expected.to_bytes(8, "big")):
+        for key, value in cursor.iternext():
+            position = int.from_bytes(key, "big")
+            if position > upto:
+                break
+            if position != expected:
+                yield expected, None, "missing from the log"
+            expected = position + 1
+            try:
+                head = HEAD(value)
+            except msgspec.DecodeError as exc:
+                yield position, value, f"cannot decode the record: {exc}"
+                continue
+            if head.position != position:
+                yield position, value, f"the record says it is at {head.position}"
+                continue
+            yield position, value, head
+    if expected <= upto:
+        yield expected, None, "missing from the log"
 
 
 def read_heads(cursor: Any, after: int, upto: int) -> tuple[list[Entry], tuple[int, str] | None]:
     """The entries of the log's records ``after`` < position <= ``upto``, in order, as far
     as they can be read; and, if one cannot, its position and what is wrong with it."""
     entries: list[Entry] = []
-    expected = after + 1
-    if expected > upto or not cursor.set_range(expected.to_bytes(8, "big")):
-        return entries, None if expected > upto else (expected, "missing from the log")
-    for key, value in cursor.iternext():
-        position = int.from_bytes(key, "big")
-        if position > upto:
-            break
-        if position != expected:
-            return entries, (expected, "missing from the log")
-        try:
-            head = HEAD(value)
-        except msgspec.DecodeError as exc:
-            return entries, (position, f"cannot decode the record: {exc}")
-        if head.position != position:
-            return entries, (position, f"the record says it is at {head.position}")
+    for position, _, head in scan_heads(cursor, after, upto):
+        if isinstance(head, str):
+            return entries, (position, head)
         entries.append((head.stream.encode("utf-8"), head.version, position))
-        expected = position + 1
-    if expected <= upto:
-        return entries, (expected, "missing from the log")
     return entries, None
 
 
