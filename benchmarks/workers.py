@@ -42,7 +42,7 @@ from stalwart.config import ActivationSettings
 from stalwart.events import ActivationAcked, ActivationLeased, ActivationReady
 from stalwart.runtime import policy_of
 from stalwart.store import EventStore, Fence, NewEvent
-from stalwart.testing import PostgresServer, postgres_bindir
+from stalwart.testing import PlainStore, PostgresServer, postgres_bindir
 
 from ._machine import scratch, scratch_root
 from ._registry import Result, benchmark, ratio
@@ -55,30 +55,6 @@ _CONTEXT = multiprocessing.get_context("spawn")
 
 def _quiet() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-
-
-class _FoldAll:
-    """A store without the work queue: the worker folds every session from ``read_all``
-    (how every worker found its work before the queue; measured for comparison)."""
-
-    def __init__(self, store: EventStore) -> None:
-        self._store = store
-        self.append = store.append
-        self.read_all = store.read_all
-        self.read_stream = store.read_stream
-        self.head = store.head
-        self.wait_for = store.wait_for
-        self.subscribe = store.subscribe
-        self.stream_version = store.stream_version
-        self.lease_epoch = store.lease_epoch
-        self.streams = store.streams
-        self.put_snapshot = store.put_snapshot
-        self.snapshots = store.snapshots
-        self.close = store.close
-
-    @property
-    def location(self) -> str:
-        return self._store.location
 
 
 def _burn(ms: float) -> None:
@@ -94,7 +70,7 @@ def _child(
     """One worker process: lease and ack until told to stop."""
     _quiet()
     opened = store_module.open(location)
-    store: EventStore = _FoldAll(opened) if fold_all else opened
+    store: EventStore = PlainStore(opened) if fold_all else opened
     clock = SystemClock()
     scheduler = Scheduler(clock).start()
     pool = ThreadPoolExecutor(max_workers=8)  # the Agents' threads

@@ -11,32 +11,9 @@ from stalwart.clock import FakeClock
 from stalwart.events import ActivationAcked, ActivationLeased, ActivationReady, RecordedEvent
 from stalwart.runtime import Runtime
 from stalwart.store import NO_STREAM, Due, EventStore, Fence, NewEvent, WorkQueue
-from stalwart.testing import FakeProvider
+from stalwart.testing import FakeProvider, PlainStore
 from tests._runtime_support import delivered, has, log_until, of
 from tests.test_durable_sessions import config
-
-
-class PlainStore:
-    """An EventStore without the optional work queue (as a third-party store may be)."""
-
-    def __init__(self, store: EventStore) -> None:
-        self.inner = store
-        self.append = store.append
-        self.read_all = store.read_all
-        self.read_stream = store.read_stream
-        self.head = store.head
-        self.wait_for = store.wait_for
-        self.subscribe = store.subscribe
-        self.stream_version = store.stream_version
-        self.lease_epoch = store.lease_epoch
-        self.streams = store.streams
-        self.put_snapshot = store.put_snapshot
-        self.snapshots = store.snapshots
-        self.close = store.close
-
-    @property
-    def location(self) -> str:
-        return self.inner.location
 
 
 def _settled_history(store: EventStore, sessions: int, now: float) -> None:

@@ -4,9 +4,11 @@
 Completions and Anthropic Messages APIs and plays a script of faults, so an agent's
 timeouts, retries and fallbacks can be tested end to end without a network or a key.
 ``PostgresServer`` starts a throwaway PostgreSQL cluster (initdb + pg_ctl in a temp dir)
-for testing against the PostgreSQL store.
+for testing against the PostgreSQL store; ``PlainStore`` hides a store's optional work
+queue, as a third-party EventStore would not have one.
 """
 
+from ._plain import PlainStore
 from ._postgres import PostgresServer, postgres_bindir
 from ._script import (
     Answer,
@@ -37,6 +39,7 @@ __all__ = [
     "FakeToolCall",
     "Hang",
     "Malformed",
+    "PlainStore",
     "PostgresServer",
     "RecordedRequest",
     "Reset",
