@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import lmdb
 import pytest
 from click.testing import CliRunner
 
@@ -16,8 +15,7 @@ from stalwart.store import check_store
 from stalwart.store._environment import INDEX_LAG
 
 from .store_contract import msg
-
-GARBAGE = b"\xc1garbage"  # 0xc1 is never valid msgpack
+from .test_store_index_lag import GARBAGE, damage
 
 
 def run(*args: str) -> tuple[int, str, str]:
@@ -29,20 +27,6 @@ def fill(location: str, count: int, streams: int = 3) -> None:
     with store_module.open(location) as store:  # type: ignore[attr-defined]
         for n in range(count):
             store.append(f"session:s{n % streams}", [msg(n)])
-
-
-def damage(store_dir: Path, position: int, value: bytes | None) -> None:
-    env = lmdb.open(str(store_dir), max_dbs=8)
-    try:
-        with env.begin(write=True) as txn:
-            log = env.open_db(b"log", txn=txn)
-            key = position.to_bytes(8, "big")
-            if value is None:
-                txn.delete(key, db=log)
-            else:
-                txn.put(key, value, db=log)
-    finally:
-        env.close()
 
 
 def test_a_sound_store_is_consistent_on_both_sides_of_the_index_mark(store_dir: Path) -> None:
