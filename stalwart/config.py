@@ -327,7 +327,9 @@ class ContextEngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     ``fresh_tail_turns`` user turns verbatim, summarizes the oldest chunk (up to
     ``leaf_chunk_tokens``) once the assembled context passes ``context_threshold`` x the
     budget, folds ``condensed_min_fanout`` same-depth summaries into a deeper one, and
-    lets ``ctx_expand`` return at most ``expand_max_tokens`` per call."""
+    lets ``ctx_expand`` return at most ``expand_max_tokens`` per call. The ContextStore
+    works on at most ``parallel_sessions`` sessions at once (one waiting on its
+    summarizer does not hold up the others)."""
 
     version: Literal["dag", "pipeline"] = "dag"
     fresh_tail_turns: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 8
@@ -336,6 +338,7 @@ class ContextEngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     leaf_chunk_tokens: Positive = 20_000
     summary_max_tokens: Positive = 1_200
     expand_max_tokens: Positive = 8_000
+    parallel_sessions: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
     relevance: RelevanceSettings = msgspec.field(default_factory=RelevanceSettings)
     summarizer_spend: SummarizerSpendSettings = msgspec.field(
         default_factory=SummarizerSpendSettings

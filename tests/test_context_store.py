@@ -14,6 +14,7 @@ from stalwart.actors import (
     IoPortal,
     ProviderSummarizer,
     SearchContext,
+    ask_context,
     context_tools,
 )
 from stalwart.clock import FakeClock
@@ -85,8 +86,8 @@ def test_assembly_is_recorded_before_the_reply_and_survives_a_restart(
 ) -> None:  # type: ignore[no-untyped-def]
     ref = start()
     messages = history(30)
-    reply = ref.ask(
-        Assemble(session_id="s1", messages=messages, budget=2_500, tenant="acme"), timeout=ASK
+    reply = ask_context(
+        ref, Assemble(session_id="s1", messages=messages, budget=2_500, tenant="acme"), ASK
     )
     assert reply.engine == "dag"
     assert reply.tokens <= 2_500
@@ -101,8 +102,8 @@ def test_assembly_is_recorded_before_the_reply_and_survives_a_restart(
         reply.summaries_made
     )
     ref.stop()
-    again = start().ask(
-        Assemble(session_id="s1", messages=messages, budget=2_500, tenant="acme"), timeout=ASK
+    again = ask_context(
+        start(), Assemble(session_id="s1", messages=messages, budget=2_500, tenant="acme"), ASK
     )
     assert again.messages == reply.messages
     assert again.summaries_made == ()  # rebuilt from the log, nothing summarized twice
@@ -110,18 +111,18 @@ def test_assembly_is_recorded_before_the_reply_and_survives_a_restart(
 
 def test_a_refused_write_is_recorded_and_raised(start, store: EventStore) -> None:  # type: ignore[no-untyped-def]
     ref = start()
-    ref.ask(
-        Assemble(session_id="s1", messages=history(2), budget=9_000, tenant="acme"), timeout=ASK
+    ask_context(
+        ref, Assemble(session_id="s1", messages=history(2), budget=9_000, tenant="acme"), ASK
     )
     with pytest.raises(ContextScopeError):
-        ref.ask(
-            Assemble(session_id="s1", messages=history(3), budget=9_000, tenant="evil"), timeout=ASK
+        ask_context(
+            ref, Assemble(session_id="s1", messages=history(3), budget=9_000, tenant="evil"), ASK
         )
     last = list(store.read_stream("context:s1"))[-1].event
     assert isinstance(last, ContextDagDegraded)
     assert last.reason == "fail_closed_rollover"
     with pytest.raises(ContextScopeError):
-        ref.ask(Assemble(session_id="context:s1", messages=history(1), budget=9_000), timeout=ASK)
+        ask_context(ref, Assemble(session_id="context:s1", messages=history(1), budget=9_000), ASK)
     refused = [r.event for r in store.read_stream("context-refusals")]
     assert [e.reason for e in refused] == ["fail_closed_rollover"]  # type: ignore[attr-defined]
 
@@ -129,9 +130,10 @@ def test_a_refused_write_is_recorded_and_raised(start, store: EventStore) -> Non
 def test_the_recall_tools_are_bound_to_the_callers_session(start) -> None:  # type: ignore[no-untyped-def]
     ref = start()
     for session, tenant in (("s1", "acme"), ("s2", "acme")):
-        ref.ask(
+        ask_context(
+            ref,
             Assemble(session_id=session, messages=history(30), budget=2_500, tenant=tenant),
-            timeout=ASK,
+            ASK,
         )
     mine = context_tools(ref, "s1", "acme")
     assert mine.names() == ("ctx_search", "ctx_inspect", "ctx_expand")
@@ -154,14 +156,15 @@ def test_the_recall_tools_are_bound_to_the_callers_session(start) -> None:  # ty
 def test_pipeline_mode_uses_the_pipeline_engine_and_offers_no_recall_tools(start) -> None:  # type: ignore[no-untyped-def]
     settings = ContextEngineSettings(version="pipeline")
     ref = start(settings)
-    reply = ref.ask(
+    reply = ask_context(
+        ref,
         Assemble(
             session_id="s1",
             messages=history(5),
             budget=20_000,
             profile=ModelProfile(provider="openai"),
         ),
-        timeout=ASK,
+        ASK,
     )
     assert reply.engine == "pipeline"
     assert reply.messages[-1].content == history(5)[-1].content
@@ -178,9 +181,9 @@ def test_recall_after_a_restart_reads_the_session_stream(start, store: EventStor
         ],
     )
     first = start()
-    first.ask(Assemble(session_id="s1", messages=messages, budget=2_500), timeout=ASK)
+    ask_context(first, Assemble(session_id="s1", messages=messages, budget=2_500), ASK)
     first.stop()
-    hits = start().ask(SearchContext(session_id="s1", tenant=None, query="ZEBRA002"), timeout=ASK)
+    hits = ask_context(start(), SearchContext(session_id="s1", tenant=None, query="ZEBRA002"), ASK)
     assert hits[0].id == "u2"
     assert hits[0].summary_id is not None
 
@@ -189,10 +192,10 @@ def test_a_history_missing_summarized_messages_is_refused_after_a_restart(
     start, store: EventStore
 ) -> None:  # type: ignore[no-untyped-def]
     messages = history(30)
-    start().ask(Assemble(session_id="s1", messages=messages, budget=2_500), timeout=ASK)
+    ask_context(start(), Assemble(session_id="s1", messages=messages, budget=2_500), ASK)
     fresh = start()
     with pytest.raises(ContextScopeError):
-        fresh.ask(Assemble(session_id="s1", messages=messages[20:], budget=2_500), timeout=ASK)
+        ask_context(fresh, Assemble(session_id="s1", messages=messages[20:], budget=2_500), ASK)
     last = list(store.read_stream("context:s1"))[-1].event
     assert isinstance(last, ContextDagDegraded)
     assert last.reason == "fail_closed_rollover"
@@ -220,12 +223,12 @@ def test_the_provider_summarizer_asks_a_model_and_is_bounded(fake: FakeProvider)
 def test_decisions_that_could_not_be_recorded_are_forgotten(start, store: EventStore) -> None:  # type: ignore[no-untyped-def]
     ref = start()
     messages = history(30)
-    ref.ask(Assemble(session_id="s1", messages=messages[:11], budget=2_500), timeout=ASK)
+    ask_context(ref, Assemble(session_id="s1", messages=messages[:11], budget=2_500), ASK)
     # another writer on the stream: the actor's next append conflicts
     store.append("context:s1", [ContextDagDegraded(reason="tail_over_budget", session="s1")])
     with pytest.raises(ConcurrencyError):
-        ref.ask(Assemble(session_id="s1", messages=messages, budget=2_500), timeout=ASK)
-    reply = ref.ask(Assemble(session_id="s1", messages=messages, budget=2_500), timeout=ASK)
+        ask_context(ref, Assemble(session_id="s1", messages=messages, budget=2_500), ASK)
+    reply = ask_context(ref, Assemble(session_id="s1", messages=messages, budget=2_500), ASK)
     recorded = {
         r.event.summary_id
         for r in store.read_stream("context:s1")
@@ -247,12 +250,12 @@ def test_idle_sessions_leave_memory_and_come_back_from_the_log(
     )
     try:
         messages = history(30)
-        first = ref.ask(Assemble(session_id="a", messages=messages, budget=2_500), timeout=ASK)
+        first = ask_context(ref, Assemble(session_id="a", messages=messages, budget=2_500), ASK)
         for other in ("b", "c"):
-            ref.ask(Assemble(session_id=other, messages=messages, budget=2_500), timeout=ASK)
+            ask_context(ref, Assemble(session_id=other, messages=messages, budget=2_500), ASK)
         # "a" left memory: a record appended meanwhile is folded, not a conflict
         store.append("context:a", [ContextDagDegraded(reason="tail_over_budget", session="a")])
-        again = ref.ask(Assemble(session_id="a", messages=messages, budget=2_500), timeout=ASK)
+        again = ask_context(ref, Assemble(session_id="a", messages=messages, budget=2_500), ASK)
         assert again.messages == first.messages
         assert again.summaries_made == ()  # rebuilt from the log, nothing made twice
     finally:

@@ -40,6 +40,7 @@ from ._context import (
     ExpandContext,
     InspectContext,
     SearchContext,
+    ask_context,
     to_provider_messages,
 )
 from ._context_tools import (
@@ -201,6 +202,7 @@ __all__ = [
     "Work",
     "WorkerReport",
     "WorkerStatus",
+    "ask_context",
     "batch_text",
     "context_tools",
     "crashed",

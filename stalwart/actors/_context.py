@@ -4,10 +4,20 @@ Before each provider call an Agent asks it for the session's context::
 
     ref = ContextStoreActor.start(store=store, clock=clock, summarizer=summarizer,
                                   settings=config.context_engine)
-    reply = ref.ask(Assemble(session_id=sid, messages=messages, budget=budget,
-                             tenant=tenant, profile=ModelProfile(provider="anthropic",
-                             model=model, caching=True)), timeout=30)
+    reply = ask_context(ref, Assemble(session_id=sid, messages=messages, budget=budget,
+                                      tenant=tenant, profile=ModelProfile(
+                                          provider="anthropic", model=model, caching=True)),
+                        timeout=30)
     request = ProviderRequest(messages=reply.messages, ...)
+
+Sessions run side by side. A session's messages (:class:`Assemble`, :class:`SearchContext`,
+:class:`InspectContext`, :class:`ExpandContext`) go to that session's lane, where they
+run one at a time and in order, and the mailbox answers at once with the lane's future
+(:func:`ask_context` waits for both). At most ``context_engine.parallel_sessions`` lanes
+run at once. The engines' state is shared (a tenant's governor spans its sessions), so a
+lane holds the store's lock while it works and lets go of it only while its summarizer
+call runs: a slow summarizer holds up its own session, never the others, and the
+mailbox never waits on the network.
 
 A thin shell: receive, fold (a session it has not seen this run is rebuilt from its
 ``context:`` stream and the messages the Agent passes), decide (the engine), append the
@@ -27,6 +37,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -42,6 +53,7 @@ from stalwart.context import (
     DagEngine,
     ModelProfile,
     Summarizer,
+    SummaryRequest,
     messages_from_records,
     valid_session_id,
 )
@@ -50,6 +62,8 @@ from stalwart.errors import ConfigError
 from stalwart.events import ContextDagDegraded, Event
 from stalwart.providers import Message
 from stalwart.store import EventStore
+
+from ._lanes import Lanes, Turnstile, answer
 
 __all__ = [
     "REFUSALS_STREAM",
@@ -60,6 +74,7 @@ __all__ = [
     "ExpandContext",
     "InspectContext",
     "SearchContext",
+    "ask_context",
     "to_provider_messages",
 ]
 
@@ -127,6 +142,28 @@ class ExpandContext(msgspec.Struct, frozen=True, kw_only=True):
     offset: int = 0
 
 
+def ask_context(ref: Any, message: object, timeout: float) -> Any:
+    """Ask the ContextStore and wait, within ``timeout`` seconds in all, for the answer
+    (a session's message is answered by its lane; see the module's docs). The engine's
+    refusal (:class:`~stalwart.context.ContextScopeError`) and store errors are raised
+    here; ``pykka.Timeout`` when the time runs out."""
+    return answer(ref, message, timeout)
+
+
+class _OffTheLock:
+    """The engines' summarizer: the lane lets go of the store's lock while it runs."""
+
+    __slots__ = ("_summarizer", "_turnstile")
+
+    def __init__(self, summarizer: Summarizer, turnstile: Turnstile) -> None:
+        self._summarizer = summarizer
+        self._turnstile = turnstile
+
+    def __call__(self, request: SummaryRequest) -> tuple[str, int, int]:
+        with self._turnstile.open():
+            return self._summarizer(request)
+
+
 def to_provider_messages(messages: Sequence[ContextMessage]) -> tuple[Message, ...]:
     """The provider-neutral shape of assembled messages."""
     return tuple(
@@ -145,13 +182,14 @@ class ContextStoreActor(pykka.ThreadingActor):
     """Owns every ``context:<session>`` stream. Start with ``ContextStoreActor.start(
     store=..., clock=..., summarizer=..., settings=ContextEngineSettings())``.
 
-    At most ``max_sessions`` sessions are kept in memory (the least recently used go and
-    are rebuilt from the log on their next call).
+    At most ``max_sessions`` sessions are kept in memory (the least recently used that
+    have no work in flight go, and are rebuilt from the log on their next call).
 
-    Messages: :class:`Assemble` (replies :class:`Assembled`), :class:`Calibrate`,
-    :class:`SearchContext`, :class:`InspectContext`, :class:`ExpandContext` (reply with
-    the engine's answer; dag mode). A store error or an append conflict fails the actor;
-    a restart rebuilds everything from the log.
+    Messages: :class:`Assemble` (answered with :class:`Assembled`), :class:`SearchContext`,
+    :class:`InspectContext`, :class:`ExpandContext` (answered with the engine's answer;
+    dag mode): the reply is the session lane's future, which :func:`ask_context` waits
+    for. :class:`Calibrate` (replies the new ratio). A store error or an append conflict
+    is raised to the asker and the session is rebuilt from the log on its next call.
     """
 
     def __init__(
@@ -169,10 +207,13 @@ class ContextStoreActor(pykka.ThreadingActor):
         self._recent: OrderedDict[str, None] = OrderedDict()
         self._store = store
         self._clock = clock
-        self._summarizer = summarizer
         self._settings = settings or ContextEngineSettings()
         self._on_crash = on_crash
-        self._dag = DagEngine(self._settings, summarizer=summarizer, clock=clock)
+        #: held by the lane that works on the engines; let go while a summarizer runs
+        self._turnstile = Turnstile()
+        self._summarizer = _OffTheLock(summarizer, self._turnstile)
+        self._lanes: Lanes | None = None
+        self._dag = DagEngine(self._settings, summarizer=self._summarizer, clock=clock)
         self._pipelines: dict[str, PipelineEngine] = {}
         self._pipeline_config = pipeline_config(self._settings)
         self._versions: dict[str, int] = {}
@@ -186,7 +227,12 @@ class ContextStoreActor(pykka.ThreadingActor):
         for stream in streams:
             if stream.startswith("context:"):
                 self._dag.observe(self._store.read_stream(stream))
+        self._lanes = Lanes(self._settings.parallel_sessions, name="stalwart-context")
         log.info("context_store.started", engine=self.mode, tenants=len(self._dag.governors))
+
+    def on_stop(self) -> None:
+        if self._lanes is not None:
+            self._lanes.close()
 
     def on_failure(
         self,
@@ -196,17 +242,30 @@ class ContextStoreActor(pykka.ThreadingActor):
     ) -> None:
         from ._restarts import crashed  # noqa: PLC0415 (_restarts imports the actors)
 
+        if self._lanes is not None:
+            self._lanes.close()
         crashed(self._on_crash, (exception_type, exception_value, traceback))
 
     def on_receive(self, message: Any) -> Any:
-        session_id = getattr(message, "session_id", None)
-        if isinstance(session_id, str):
-            self._touch(session_id)
+        match message:
+            case Assemble() | SearchContext() | InspectContext() | ExpandContext():
+                assert self._lanes is not None  # started
+                return self._lanes.submit(message.session_id, partial(self._in_lane, message))
+            case Calibrate():
+                with self._turnstile:
+                    return self._dag.calibrate(message.profile, message.estimated, message.reported)
+            case _:
+                raise TypeError(f"ContextStoreActor does not understand {type(message).__name__}")
+
+    def _in_lane(self, message: Assemble | SearchContext | InspectContext | ExpandContext) -> Any:
+        with self._turnstile:
+            self._touch(message.session_id)
+            return self._handle(message)
+
+    def _handle(self, message: Assemble | SearchContext | InspectContext | ExpandContext) -> Any:
         match message:
             case Assemble():
                 return self._assemble(message)
-            case Calibrate():
-                return self._dag.calibrate(message.profile, message.estimated, message.reported)
             case SearchContext():
                 self._load(message.session_id)
                 return self._dag.search(
@@ -227,8 +286,6 @@ class ContextStoreActor(pykka.ThreadingActor):
                     after=message.after,
                     offset=message.offset,
                 )
-            case _:
-                raise TypeError(f"ContextStoreActor does not understand {type(message).__name__}")
 
     # -- assembly -------------------------------------------------------------------------
 
@@ -307,15 +364,24 @@ class ContextStoreActor(pykka.ThreadingActor):
         )
 
     def _touch(self, session_id: str) -> None:
-        """Keep the ``max_sessions`` most recently used sessions in memory; the others
-        are rebuilt from the log when they are next used."""
+        """Keep the ``max_sessions`` most recently used sessions in memory (and any with
+        work in flight); the others are rebuilt from the log when they are next used."""
         self._recent[session_id] = None
         self._recent.move_to_end(session_id)
-        while len(self._recent) > self._max_sessions:
-            idle, _ = self._recent.popitem(last=False)
+        excess = len(self._recent) - self._max_sessions
+        if excess <= 0:
+            return
+        lanes = self._lanes
+        for idle in list(self._recent):  # the least recently used first
+            if excess <= 0:
+                break
+            if idle == session_id or (lanes is not None and lanes.busy(idle)):
+                continue  # its lane works on it: dropping it now would only cost a rebuild
+            del self._recent[idle]
             self._dag.sessions.pop(idle, None)
             self._pipelines.pop(idle, None)
             self._versions.pop(idle, None)
+            excess -= 1
 
     # -- the log ------------------------------------------------------------------------
 

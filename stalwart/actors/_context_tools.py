@@ -20,7 +20,7 @@ from stalwart.errors import ToolError
 from stalwart.providers import Message, ProviderClient, ProviderRequest
 from stalwart.tools import ToolRegistry
 
-from ._context import ExpandContext, InspectContext, SearchContext
+from ._context import ExpandContext, InspectContext, SearchContext, ask_context
 from ._portal import IoPortal
 
 __all__ = ["ProviderSummarizer", "context_tools"]
@@ -110,7 +110,7 @@ def context_tools(
 
     def ask(message: object) -> str:
         try:
-            answer = ref.ask(message, timeout=timeout)
+            answer = ask_context(ref, message, timeout)
         except ContextScopeError as exc:
             raise ToolError(str(exc), error_class="not_found") from None
         return msgspec.json.encode(answer).decode()

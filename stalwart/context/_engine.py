@@ -94,7 +94,10 @@ class Assembly(msgspec.Struct, frozen=True, kw_only=True):
 class DagEngine(Summaries, Recall):
     """The DAG engine over any number of sessions, with per-tenant summarizer governance.
 
-    Not thread-safe: one owner calls it (the ContextStore actor, the CLI, a benchmark).
+    Not thread-safe: one owner calls it at a time (the ContextStore actor's sessions,
+    under its lock, which it lets go only while a summarizer call runs; the CLI; a
+    benchmark). Calls still running count against their tenant's spend caps, and a
+    half-open breaker allows one trial among them.
     """
 
     def __init__(
@@ -111,6 +114,8 @@ class DagEngine(Summaries, Recall):
         self.make_id = make_id
         self.sessions: dict[str, DagSession] = {}
         self.governors: dict[str | None, GovernorState] = {}
+        self.running: dict[str | None, int] = {}
+        self.trials: set[str | None] = set()
         self.estimators: dict[tuple[str, str], TokenEstimator] = {}
 
     # -- sessions and state -----------------------------------------------------------

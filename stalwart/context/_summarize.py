@@ -67,6 +67,11 @@ class Summaries:
     clock: Clock
     make_id: Callable[[], str]
     governors: dict[str | None, GovernorState]
+    #: per tenant: the tokens its summarizer calls still running were allowed to spend,
+    #: and whether one of them is the half-open breaker's trial (the ContextStore runs
+    #: sessions side by side, and a call's spend is known only when it returns)
+    running: dict[str | None, int]
+    trials: set[str | None]
 
     def _record(self, event: Event) -> None:
         """Fold an event this engine made into its tenant's governor."""
@@ -198,15 +203,19 @@ class Summaries:
         tenant = session.tenant
         governor = self.governors.get(tenant) or GovernorState(tenant=tenant)
         estimated = sum(estimate_message_tokens(message) for message in messages)
+        projected = estimated + limit
         now = self.clock.now()
+        running = self.running.get(tenant, 0)
         verdict = decide_summarizer(
             governor,
             now,
-            projected=estimated + limit,
+            projected=projected,
             per_hour=settings.summarizer_spend.max_tokens_per_tenant_per_hour,
             per_day=settings.summarizer_spend.max_tokens_per_tenant_per_day,
             failure_threshold=settings.summarizer_breaker.failure_threshold,
             reset_timeout_ms=settings.summarizer_breaker.reset_timeout_ms,
+            in_flight=running,
+            trial_running=tenant in self.trials,
         )
         if not verdict.allowed:
             self._degrade(session, verdict, now, turn)
@@ -218,12 +227,23 @@ class Summaries:
             instructions=SUMMARY_INSTRUCTIONS,
         )
         error: str | None = None
+        self.running[tenant] = running + projected
+        if verdict.trial:
+            self.trials.add(tenant)
         try:
             text, spent_in, spent_out = self.summarizer(request)
             if not isinstance(text, str):
                 raise TypeError("a summarizer returns text")
         except Exception as exc:
             error = type(exc).__name__
+        finally:
+            left = self.running.get(tenant, 0) - projected
+            if left > 0:
+                self.running[tenant] = left
+            else:
+                self.running.pop(tenant, None)
+            if verdict.trial:
+                self.trials.discard(tenant)
         elapsed_ms = int((self.clock.now() - now) * 1000)
         trial_limit = settings.summarizer_breaker.half_open_timeout_ms
         if error is None and verdict.trial and elapsed_ms > trial_limit:

@@ -24,6 +24,7 @@ from stalwart.actors import (
     ContextStoreActor,
     IoPortal,
     ProviderSummarizer,
+    ask_context,
     context_tools,
 )
 from stalwart.clock import Clock
@@ -37,8 +38,8 @@ from ._layer import ProviderLayer
 
 __all__ = ["ContextLayer"]
 
-#: How long an Agent waits for an assembly: a summarizer call (bounded by its own
-#: timeout) and the engine's work, with room to spare.
+#: How long an Agent waits for an assembly: its session's summarizer calls (each bounded
+#: by its own timeout; other sessions' calls run beside them) and the engine's work.
 ASSEMBLE_TIMEOUT_S = 90.0
 
 
@@ -49,7 +50,7 @@ class _Gate:
         self._ref = ref
 
     def assemble(self, request: Assemble) -> Assembled:
-        assembled = self._ref.ask(request, timeout=ASSEMBLE_TIMEOUT_S)
+        assembled = ask_context(self._ref, request, ASSEMBLE_TIMEOUT_S)
         assert isinstance(assembled, Assembled)
         return assembled
 

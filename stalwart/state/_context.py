@@ -223,23 +223,26 @@ def decide_summarizer(
     per_day: int,
     failure_threshold: int,
     reset_timeout_ms: int,
+    in_flight: int = 0,
+    trial_running: bool = False,
 ) -> SummarizerVerdict:
     """May a summarizer call that would spend about ``projected`` tokens run at ``now``?
 
-    The breaker is checked first (an open breaker makes no call at all), then each
-    window: a call is refused when what the window already spent plus ``projected``
-    would pass its cap."""
+    The breaker is checked first (an open breaker makes no call at all, and a half-open
+    one allows a single trial: none while ``trial_running``), then each window: a call is
+    refused when what the window already spent, plus ``in_flight`` (what the tenant's
+    calls still running were allowed to spend), plus ``projected`` would pass its cap."""
     trial = False
     if state.consecutive_failures >= failure_threshold and state.last_failure_at is not None:
         reopens = state.last_failure_at + reset_timeout_ms / 1000
-        if now < reopens:
+        if now < reopens or trial_running:
             return SummarizerVerdict(
                 allowed=False,
                 reason="breaker_open",
                 knob="context_engine.summarizer_breaker.failure_threshold",
                 used=state.consecutive_failures,
                 limit=failure_threshold,
-                until=reopens,
+                until=reopens if now < reopens else None,
             )
         trial = True
     for seconds, cap, knob in (
@@ -248,7 +251,7 @@ def decide_summarizer(
     ):
         if cap <= 0:
             continue
-        used = window_spend(state, now, seconds)
+        used = window_spend(state, now, seconds) + in_flight
         if used + projected > cap:
             return SummarizerVerdict(
                 allowed=False,
