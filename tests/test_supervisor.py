@@ -411,7 +411,7 @@ def test_an_announcement_that_times_out_falls_back_to_a_direct_send(tree: Tree) 
     [done] = notice_events(tree, AnnouncementDelivered)
     [fallback] = of(stream(tree.store, "r1"), AnnouncementFallbackDirect)
     assert fallback == AnnouncementFallbackDirect(
-        announcement_id=done.announcement_id, timeout_ms=ANNOUNCE_MS
+        announcement_id=done.announcement_id, timeout_ms=ANNOUNCE_MS, error_class="timeout"
     )
     assert done.path == "direct"
     assert message.idempotency_key == done.announcement_id

@@ -13,8 +13,6 @@ a result, and the pause requests with their answers. From it:
 
 from __future__ import annotations
 
-from typing import Literal
-
 import msgspec
 
 from stalwart.events import (
@@ -38,6 +36,8 @@ from stalwart.state import (
     DraftsState,
     WakeResult,
     apply_drafts,
+    decide_pause,
+    pause_kind,
 )
 from stalwart.tools import Tool
 
@@ -142,24 +142,17 @@ class WakeLedger:
 def pause_for(
     tool: Tool | None, call: ToolCall, ledger: WakeLedger, turn_id: str
 ) -> SessionRequiresAction | None:
-    """The request that must stop the session before ``call`` runs, or None."""
-    if tool is None or call.id in ledger.resolutions:
+    """The request that must stop the session before ``call`` runs, or None (the pure
+    :func:`~stalwart.state.decide_pause`, with the tool's registration as its kind)."""
+    if tool is None:
         return None
-    kind: Literal["approval", "custom_tool"]
-    if tool.custom:
-        kind = "custom_tool"
-    elif tool.needs_confirmation:
-        kind = "approval"
-    else:
-        return None
-    return SessionRequiresAction(
-        request_id=new_id(),
-        kind=kind,
-        tool=call.name,
-        arguments=call.arguments,
-        call_id=call.id,
+    request = decide_pause(
+        call,
+        pause_kind(custom=tool.custom, needs_confirmation=tool.needs_confirmation),
+        answered=call.id in ledger.resolutions,
         turn_id=turn_id,
     )
+    return None if request is None else msgspec.structs.replace(request, request_id=new_id())
 
 
 def drafts_note(drafts: list[Draft]) -> str | None:

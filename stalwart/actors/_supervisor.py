@@ -49,16 +49,18 @@ from stalwart.clock import Clock
 from stalwart.config import SubagentSettings, SupervisionSettings
 from stalwart.errors import ConcurrencyError
 from stalwart.events import (
-    AnnouncementDelivered,
-    AnnouncementFallbackDirect,
     AnnouncementQueued,
-    AnnouncementSendFailed,
     Event,
     SubagentRecoveryDecided,
     SubagentSpawned,
 )
 from stalwart.ids import new_id
-from stalwart.state import continuation_context, decide_ghost, decide_suspicious
+from stalwart.state import (
+    continuation_context,
+    decide_ghost,
+    decide_suspicious,
+    notice_outcome,
+)
 from stalwart.store import EventStore, NewEvent
 
 from ._deadletter import Enqueue
@@ -453,17 +455,8 @@ class SupervisorActor(pykka.ThreadingActor):
         stream, announcement_id = outcome.stream, outcome.announcement_id
         if self._catch_up(stream) is None:
             return
-        event: Event
-        if outcome.ok:
-            event = AnnouncementDelivered(announcement_id=announcement_id, path=outcome.path)
-        elif outcome.path == "announce":
-            event = AnnouncementFallbackDirect(
-                announcement_id=announcement_id, timeout_ms=self._announce_ms
-            )
-        else:
-            event = AnnouncementSendFailed(
-                announcement_id=announcement_id, error_class=outcome.error_class or "unknown"
-            )
+        failure = None if outcome.ok else outcome.error_class or "unknown"
+        event = notice_outcome(announcement_id, outcome.path, failure, timeout_ms=self._announce_ms)
         self._decide(stream, lambda watch, now: [event])
         log.info("supervisor.notice_sent", run=stream, path=outcome.path, ok=outcome.ok)
         if not outcome.ok and outcome.path == "announce":

@@ -3,22 +3,26 @@ the notice got, all read from the run's stream (so a restarted supervisor resume
 
 from __future__ import annotations
 
-from typing import Literal, cast
+from typing import cast
 
 import msgspec
 
 from stalwart.events import (
-    AnnouncementDelivered,
-    AnnouncementFallbackDirect,
-    AnnouncementQueued,
-    AnnouncementSendFailed,
     Event,
     RecordedEvent,
     SubagentSpawned,
     TaskClass,
 )
 from stalwart.ids import new_id
-from stalwart.state import RUN, ApplyFolder, RunState, decide_recovery
+from stalwart.state import (
+    RUN,
+    ApplyFolder,
+    Notice,
+    NoticeStage,
+    RunState,
+    decide_recovery,
+    next_notice,
+)
 
 from ._subagent import Spawn
 
@@ -36,10 +40,6 @@ __all__ = [
 #: How a run ends without success: it gets a failure notice and a recovery decision.
 UNSUCCESSFUL = ("timed_out", "swept", "failed")
 
-#: How far a run's failure notice got: queued (the announce send), fallback (the direct
-#: send), delivered, or failed (both sends failed: handed to the dead-letter queue).
-NoticeStage = Literal["none", "queued", "fallback", "delivered", "failed"]
-
 
 class RunWatch(msgspec.Struct, frozen=True, kw_only=True):
     run: RunState
@@ -56,20 +56,13 @@ class RunWatch(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _notice(state: RunWatch, record: RecordedEvent) -> RunWatch:
-    event = record.event
-    match event:
-        case AnnouncementQueued(kind="failure_notice"):
-            return msgspec.structs.replace(
-                state, notice_id=event.announcement_id, notice_text=event.text, notice="queued"
-            )
-        case AnnouncementFallbackDirect() if event.announcement_id == state.notice_id:
-            return msgspec.structs.replace(state, notice="fallback")
-        case AnnouncementDelivered() if event.announcement_id == state.notice_id:
-            return msgspec.structs.replace(state, notice="delivered")
-        case AnnouncementSendFailed() if event.announcement_id == state.notice_id:
-            return msgspec.structs.replace(state, notice="failed")
-        case _:
-            return state
+    notice = Notice(announcement_id=state.notice_id, text=state.notice_text, stage=state.notice)
+    moved = next_notice(notice, record.event)
+    if moved is notice:
+        return state
+    return msgspec.structs.replace(
+        state, notice_id=moved.announcement_id, notice_text=moved.text, notice=moved.stage
+    )
 
 
 def apply_watch(state: RunWatch, record: RecordedEvent) -> RunWatch:

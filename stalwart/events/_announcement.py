@@ -28,8 +28,13 @@ class AnnouncementSendFailed(Event, frozen=True, tag="announcement:send_failed")
 
 
 class AnnouncementFallbackDirect(Event, frozen=True, tag="announcement:fallback_direct"):
+    """The announce send of ``announcement_id`` (bounded by ``timeout_ms``) failed with
+    ``error_class``: the notice goes directly to its channel. Records written before
+    ``error_class`` was recorded have it None (not re-derived)."""
+
     announcement_id: str
     timeout_ms: int
+    error_class: str | None = None
     severity: ClassVar[Severity] = "warning"
 
 

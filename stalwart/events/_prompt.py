@@ -78,16 +78,32 @@ class PromptRetryScheduled(Event, frozen=True, tag="prompt:retry_scheduled"):
 
 
 class ModelFallbackAttempt(Event, frozen=True, tag="model:fallback_attempt"):
+    """``from_model`` (``provider:model``, the chain's entry ``attempt - 1``) failed with
+    ``reason`` (its last error's kind): the chain moves on to ``to_model``. The decision's
+    inputs ride along so replay can re-derive it: the ``agent`` whose chain it is, whether
+    the request needed ``vision`` (which chain), and the ``call_id`` of the failed call
+    (None when the breaker refused the model before any call). Records written before
+    these were recorded have ``agent`` None (not re-derived)."""
+
     from_model: str
     to_model: str
     attempt: int
     reason: str
+    agent: str | None = None
+    vision: bool = False
+    call_id: str | None = None
     severity: ClassVar[Severity] = "warning"
 
 
 class ModelFallbackExhausted(Event, frozen=True, tag="model:fallback_exhausted"):
+    """Every model of the chain (``models``, in order) failed; the last with ``reason``.
+    ``agent``, ``vision`` and ``call_id`` as on ``model:fallback_attempt``."""
+
     models: tuple[str, ...]
     reason: str
+    agent: str | None = None
+    vision: bool = False
+    call_id: str | None = None
     severity: ClassVar[Severity] = "error"
 
 

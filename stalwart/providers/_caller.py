@@ -27,13 +27,11 @@ from stalwart.clock import Clock
 from stalwart.config import AgentSettings
 from stalwart.errors import (
     BreakerOpenError,
-    ContextOverflowError,
     PromptTimeoutError,
     ProviderError,
 )
 from stalwart.events import (
     Event,
-    ModelFallbackAttempt,
     ModelFallbackExhausted,
     PromptActivity,
     PromptCompleted,
@@ -45,7 +43,9 @@ from stalwart.events import (
 )
 from stalwart.ids import new_id
 from stalwart.state import (
+    decide_fallback,
     decide_prompt_timeout,
+    model_chain,
     next_deadline,
     window_started,
     window_touched,
@@ -72,6 +72,12 @@ _ACTIVITY: dict[type, Literal["text", "thinking", "tool_call"]] = {
     ThinkingDelta: "thinking",
     ToolCallDelta: "tool_call",
 }
+
+
+def _pair(entry: str) -> tuple[str, str]:
+    """``provider:model`` as (provider, model)."""
+    provider, _, model = entry.partition(":")
+    return provider, model
 
 
 class _Live:
@@ -112,48 +118,44 @@ class ModelCaller:
 
     def chain(self, request: ProviderRequest) -> list[tuple[str, str]]:
         """(provider, model) pairs in the order they are tried."""
-        fallbacks = (
-            self.agent.vision_fallback_models if request.needs_vision else ()
-        ) or self.agent.fallback_models
-        pairs = [(self.agent.provider, self.agent.model)]
-        for entry in fallbacks:
-            provider, _, model = entry.partition(":")
-            pairs.append((provider, model))
-        return pairs
+        return [_pair(entry) for entry in self._names(request)]
+
+    def _names(self, request: ProviderRequest) -> tuple[str, ...]:
+        agent = self.agent
+        return model_chain(
+            agent.provider,
+            agent.model,
+            agent.fallback_models,
+            agent.vision_fallback_models,
+            vision=request.needs_vision,
+        )
 
     async def call(
         self, stream: str, request: ProviderRequest, on_event: OnEvent | None = None
     ) -> ProviderResponse:
         """The reply, or the last error after every model of the chain failed."""
-        chain = self.chain(request)
-        last: ProviderError | None = None
-        for index, (provider, model) in enumerate(chain):
-            if index and last is not None:
-                previous = f"{chain[index - 1][0]}:{chain[index - 1][1]}"
-                await self._emit(
-                    stream,
-                    ModelFallbackAttempt(
-                        from_model=previous,
-                        to_model=f"{provider}:{model}",
-                        attempt=index,
-                        reason=last.kind,
-                    ),
-                )
+        names = self._names(request)
+        index = 0
+        while True:
+            provider, model = _pair(names[index])
             try:
                 return await self._model(stream, provider, model, request, index == 0, on_event)
-            except ContextOverflowError:
-                raise  # a bigger prompt than the window: the context engine must shrink it
             except ProviderError as exc:
-                last = exc
-        assert last is not None
-        await self._emit(
-            stream,
-            ModelFallbackExhausted(
-                models=tuple(f"{p}:{m}" for p, m in chain),
-                reason=last.kind,
-            ),
-        )
-        raise last
+                # the pure rule: the next model, the chain spent, or (an overflow) neither
+                decided = decide_fallback(
+                    names,
+                    index,
+                    exc.kind,
+                    agent=self._agent_name,
+                    vision=request.needs_vision,
+                    call_id=exc.call_id,
+                )
+                if decided is None:
+                    raise
+                await self._emit(stream, decided)
+                if isinstance(decided, ModelFallbackExhausted):
+                    raise
+                index += 1
 
     async def _model(
         self,

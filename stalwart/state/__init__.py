@@ -76,6 +76,13 @@ from ._deadletter import (
 from ._drafts import DRAFTS, Draft, DraftsAggregate, DraftsState, apply_drafts
 from ._due import due_at, due_hint
 from ._execution import decide_execution_timeout, execution_deadline
+from ._fallback import (
+    FAILED_CALLS,
+    FailedCall,
+    FailedCallsState,
+    decide_fallback,
+    model_chain,
+)
 from ._health import (
     DEFAULT_HORIZON_MS,
     HEALTH,
@@ -102,6 +109,7 @@ from ._incidents import (
     latency_percentile,
     split_model,
 )
+from ._notice import NOTICES, Notice, NoticePath, NoticeStage, next_notice, notice_outcome
 from ._orchestrator import (
     ABANDONED_KEPT,
     AbandonedActivation,
@@ -114,6 +122,7 @@ from ._orchestrator import (
     retry_posture,
     session_dead_letters,
 )
+from ._pause import PAUSES, PauseKind, PauseState, decide_pause, pause_kind
 from ._prompt import (
     KNOBS,
     PromptWindow,
@@ -174,8 +183,11 @@ __all__ = [
     "DEFAULT_HORIZON_MS",
     "DEFAULT_MAX_OPEN_CALLS",
     "DRAFTS",
+    "FAILED_CALLS",
     "HEALTH",
     "KNOBS",
+    "NOTICES",
+    "PAUSES",
     "PROBE_AGENT",
     "RESTARTS",
     "RUN",
@@ -206,6 +218,8 @@ __all__ = [
     "Draft",
     "DraftsAggregate",
     "DraftsState",
+    "FailedCall",
+    "FailedCallsState",
     "Finding",
     "Folder",
     "GovernorState",
@@ -221,9 +235,14 @@ __all__ = [
     "Lease",
     "Mark",
     "ModelIncidents",
+    "Notice",
+    "NoticePath",
+    "NoticeStage",
     "OpenCall",
     "OrchestratorFolder",
     "OrchestratorState",
+    "PauseKind",
+    "PauseState",
     "PendingRequest",
     "PipelineAggregate",
     "PipelineState",
@@ -277,10 +296,12 @@ __all__ = [
     "decide_breaker",
     "decide_execution_timeout",
     "decide_expiry",
+    "decide_fallback",
     "decide_ghost",
     "decide_health",
     "decide_interrupt",
     "decide_lease",
+    "decide_pause",
     "decide_prompt_timeout",
     "decide_recovery",
     "decide_restart",
@@ -304,9 +325,13 @@ __all__ = [
     "latency_bucket",
     "latency_percentile",
     "lease_expired",
+    "model_chain",
     "next_deadline",
     "next_due",
+    "next_notice",
     "next_retry_at",
+    "notice_outcome",
+    "pause_kind",
     "restart_backoff_ms",
     "restart_history",
     "retry_at",
