@@ -58,3 +58,26 @@ def test_unknown_benchmark_names_the_known_ones() -> None:
     assert done.returncode == 2
     assert "unknown benchmark 'no_such_benchmark'" in done.stderr
     assert "append" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_quick_context_store_benchmark_runs_sessions_side_by_side(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "context_store_sessions", "--quick", "--json"],
+        cwd=ROOT,
+        env={**os.environ, "STALWART_BENCH_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    [result] = [json.loads(line) for line in done.stdout.splitlines()]
+    figures = result["figures"]
+    assert figures["lanes_calls"] == figures["one_lane_calls"] > figures["sessions"]
+    # one lane makes the bystander wait for the others' summarizer calls; lanes do not
+    # (a wide margin: the two differ by the sum of every call's latency)
+    assert result["ratios"]["lanes_vs_one_lane"] > 1.0
+    assert figures["one_lane_bystander_max_ms"] > figures["lanes_bystander_p50_ms"]
+    assert list(tmp_path.iterdir()) == []
