@@ -24,6 +24,9 @@ supervisor:restarted/        RESTARTS          decide_restart (supervision.*)
 gave_up                      (runtime)
 ===========================  ================  ==========================================
 
+The activations' verifiers are in :mod:`._verify_activations`; the model chain's, a
+failure notice's fallback and a session's pauses in :mod:`._verify_decisions`.
+
 Every decision's ``now`` is its record's ``ts``: the actors append a decision at the
 ``now`` they decided at. Two tolerances, both stated where they apply: the Agent reads
 its clock again to append ``execution:aborted``, so its ``elapsed_ms`` may be a little
@@ -86,6 +89,7 @@ from ._subagent import (
 )
 from ._supervision import decide_restart
 from ._verify_activations import ACTIVATION_RULES
+from ._verify_decisions import DECISION_RULES
 from ._verify_folds import CALLS, RESTARTS, CallsState, RestartsState
 from ._verify_registry import Deadline, Knobs, Registry, Selective, Verifier, moment
 
@@ -434,4 +438,4 @@ BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
 )
 
 #: The built-in registry: every decision above, and DESIGN's decision tags.
-VERIFIERS = Registry(decisions=DECISIONS).with_(*BUILTIN, *ACTIVATION_RULES)
+VERIFIERS = Registry(decisions=DECISIONS).with_(*BUILTIN, *ACTIVATION_RULES, *DECISION_RULES)
