@@ -13,8 +13,15 @@ from typing import Any
 import pykka
 import pytest
 
-from stalwart.actors import Assemble, Assembled, ContextStoreActor, SearchContext, ask_context
-from stalwart.clock import FakeClock
+from stalwart.actors import (
+    Assemble,
+    Assembled,
+    Calibrate,
+    ContextStoreActor,
+    SearchContext,
+    ask_context,
+)
+from stalwart.clock import FakeClock, SystemClock
 from stalwart.config import (
     ContextEngineSettings,
     SummarizerBreakerSettings,
@@ -24,9 +31,11 @@ from stalwart.context import (
     ContextMessage,
     DagEngine,
     ExtractiveSummarizer,
+    ModelProfile,
     SummaryRequest,
     estimate_message_tokens,
 )
+from stalwart.errors import ConcurrencyError
 from stalwart.events import ContextAssembled, ContextDagDegraded, ContextSummaryCreated
 from stalwart.store import EventStore
 
@@ -296,3 +305,101 @@ def test_stopping_fails_what_waits_and_does_not_wait_for_a_summarizer(
     assert isinstance(slow.get(timeout=ASK), Assembled)  # what ran finishes and is recorded
     with pytest.raises(pykka.ActorDeadError):
         ask_context(ref, assemble("b"), ASK)
+
+
+class SlowReads:
+    """The real store, with the reads of one stream held until the test lets them go
+    (a slow disk or a far database, while the reader holds the ContextStore's lock)."""
+
+    def __init__(self, store: EventStore, stream: str) -> None:
+        self._store = store
+        self._stream = stream
+        self.reading = threading.Event()
+        self.go = threading.Event()
+
+    def read_stream(self, stream: str, *args: Any, **kwargs: Any) -> Any:
+        if stream == self._stream and not self.go.is_set():
+            self.reading.set()
+            assert self.go.wait(WAIT), "the test never let the read go"
+        return self._store.read_stream(stream, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_a_trial_is_timed_while_it_runs_not_while_its_lane_waits_for_the_lock(
+    store: EventStore, summarizer: Gated
+) -> None:
+    slow = SlowReads(store, "context:b")
+    ref = ContextStoreActor.start(
+        store=slow,
+        clock=SystemClock(),  # the wait for the lock is real time
+        summarizer=summarizer,
+        settings=ContextEngineSettings(
+            fresh_tail_turns=2,
+            summarizer_breaker=SummarizerBreakerSettings(
+                failure_threshold=1, reset_timeout_ms=1, half_open_timeout_ms=1_000
+            ),
+        ),
+    )
+    try:
+        summarizer.failing.add("f")
+        ask_context(ref, assemble("f"), ASK)  # the breaker opens, and half-opens at once
+        threading.Event().wait(0.01)
+        summarizer.hold("a")
+        trial = ref.ask(assemble("a"), timeout=ASK)
+        summarizer.wait_entered("a")
+        reading = ref.ask(assemble("b"), timeout=ASK)  # b's lane takes the lock to read
+        assert slow.reading.wait(WAIT)
+        summarizer.release("a")  # the trial answers at once, then waits for the lock
+        threading.Event().wait(1.5)  # longer than the trial may take
+        slow.go.set()
+
+        done = trial.get(timeout=ASK)
+        assert "summarizer_failed" not in done.layers_fired
+        assert done.summaries_made
+        assert isinstance(reading.get(timeout=ASK), Assembled)
+    finally:
+        slow.go.set()
+        ref.stop()
+
+
+def test_a_calibration_does_not_hold_up_the_mailbox(store: EventStore, clock: FakeClock) -> None:
+    slow = SlowReads(store, "context:b")
+    ref = ContextStoreActor.start(
+        store=slow,
+        clock=clock,
+        summarizer=ExtractiveSummarizer(),
+        settings=ContextEngineSettings(fresh_tail_turns=2),
+    )
+    try:
+        held = ref.ask(assemble("b"), timeout=ASK)  # b's lane holds the lock, reading
+        assert slow.reading.wait(WAIT)
+        ref.tell(Calibrate(profile=ModelProfile(), estimated=1_000, reported=1_200))
+
+        handed = ref.ask(assemble("c"), timeout=5.0)  # the mailbox hands c to its lane
+
+        assert isinstance(handed, pykka.Future)
+        slow.go.set()
+        assert isinstance(handed.get(timeout=ASK), Assembled)
+        assert isinstance(held.get(timeout=ASK), Assembled)
+    finally:
+        slow.go.set()
+        ref.stop()
+
+
+def test_a_pipeline_session_whose_write_conflicted_is_rebuilt_from_the_log(
+    start: Any, store: EventStore
+) -> None:
+    ref = start(version="pipeline")
+    ask_context(ref, assemble("p", 3), ASK)
+    # another writer on the stream: the actor's next append conflicts
+    store.append("context:p", [ContextDagDegraded(reason="tail_over_budget", session="p")])
+    with pytest.raises(ConcurrencyError):
+        ask_context(ref, assemble("p", 4), ASK)
+
+    again = ask_context(ref, assemble("p", 4), ASK)
+
+    assert again.engine == "pipeline"
+    records = list(store.read_stream("context:p"))
+    assert isinstance(records[-1].event, ContextAssembled)

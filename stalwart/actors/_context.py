@@ -14,10 +14,11 @@ Sessions run side by side. A session's messages (:class:`Assemble`, :class:`Sear
 :class:`InspectContext`, :class:`ExpandContext`) go to that session's lane, where they
 run one at a time and in order, and the mailbox answers at once with the lane's future
 (:func:`ask_context` waits for both). At most ``context_engine.parallel_sessions`` lanes
-run at once. The engines' state is shared (a tenant's governor spans its sessions), so a
-lane holds the store's lock while it works and lets go of it only while its summarizer
-call runs: a slow summarizer holds up its own session, never the others, and the
-mailbox never waits on the network.
+run at once (a lane keeps its thread during a summarizer call, so only the sessions
+beyond that many wait). The engines' state is shared (a tenant's governor spans its
+sessions), so a lane holds the store's lock while it works and lets go of it only while
+its summarizer call runs; :class:`Calibrate` (the estimators) has a lane of its own, so
+the mailbox never waits on the lock or the network.
 
 A thin shell: receive, fold (a session it has not seen this run is rebuilt from its
 ``context:`` stream and the messages the Agent passes), decide (the engine), append the
@@ -82,6 +83,8 @@ log = get_logger(__name__)
 
 #: Where a refusal goes whose session id is too malformed to name a stream.
 REFUSALS_STREAM = "context-refusals"
+#: the lane calibrations run in (no session id is a tuple)
+_CALIBRATION = ("calibration",)
 
 
 class Assemble(msgspec.Struct, frozen=True, kw_only=True):
@@ -151,7 +154,8 @@ def ask_context(ref: Any, message: object, timeout: float) -> Any:
 
 
 class _OffTheLock:
-    """The engines' summarizer: the lane lets go of the store's lock while it runs."""
+    """The pipeline engines' summarizer: the lane lets go of the store's lock while it
+    runs (the DAG engine, which times its calls, is given the lock's ``open`` instead)."""
 
     __slots__ = ("_summarizer", "_turnstile")
 
@@ -188,8 +192,9 @@ class ContextStoreActor(pykka.ThreadingActor):
     Messages: :class:`Assemble` (answered with :class:`Assembled`), :class:`SearchContext`,
     :class:`InspectContext`, :class:`ExpandContext` (answered with the engine's answer;
     dag mode): the reply is the session lane's future, which :func:`ask_context` waits
-    for. :class:`Calibrate` (replies the new ratio). A store error or an append conflict
-    is raised to the asker and the session is rebuilt from the log on its next call.
+    for. :class:`Calibrate` (a lane of its own; its future gives the new ratio). A store
+    error or an append conflict is raised to the asker and the session is rebuilt from
+    the log on its next call.
     """
 
     def __init__(
@@ -213,7 +218,9 @@ class ContextStoreActor(pykka.ThreadingActor):
         self._turnstile = Turnstile()
         self._summarizer = _OffTheLock(summarizer, self._turnstile)
         self._lanes: Lanes | None = None
-        self._dag = DagEngine(self._settings, summarizer=self._summarizer, clock=clock)
+        self._dag = DagEngine(
+            self._settings, summarizer=summarizer, clock=clock, outside=self._turnstile.open
+        )
         self._pipelines: dict[str, PipelineEngine] = {}
         self._pipeline_config = pipeline_config(self._settings)
         self._versions: dict[str, int] = {}
@@ -251,11 +258,15 @@ class ContextStoreActor(pykka.ThreadingActor):
             case Assemble() | SearchContext() | InspectContext() | ExpandContext():
                 assert self._lanes is not None  # started
                 return self._lanes.submit(message.session_id, partial(self._in_lane, message))
-            case Calibrate():
-                with self._turnstile:
-                    return self._dag.calibrate(message.profile, message.estimated, message.reported)
+            case Calibrate():  # the estimators are the engine's: in a lane of their own
+                assert self._lanes is not None
+                return self._lanes.submit(_CALIBRATION, partial(self._calibrate, message))
             case _:
                 raise TypeError(f"ContextStoreActor does not understand {type(message).__name__}")
+
+    def _calibrate(self, message: Calibrate) -> float:
+        with self._turnstile:
+            return self._dag.calibrate(message.profile, message.estimated, message.reported)
 
     def _in_lane(self, message: Assemble | SearchContext | InspectContext | ExpandContext) -> Any:
         with self._turnstile:
@@ -317,8 +328,7 @@ class ContextStoreActor(pykka.ThreadingActor):
         except Exception:
             # what the engine decided is not in the log: forget it, so the next call
             # rebuilds the session from what is (nothing is used before it is recorded)
-            self._dag.sessions.pop(session_id, None)
-            self._versions.pop(session_id, None)
+            self._forget(session_id)
             raise
         return Assembled(
             messages=to_provider_messages(result.messages),
@@ -353,7 +363,11 @@ class ContextStoreActor(pykka.ThreadingActor):
         result = engine.assemble(
             message.messages, message.budget, provider=message.profile.provider
         )
-        self._append(stream, result.events)
+        try:
+            self._append(stream, result.events)
+        except Exception:
+            self._forget(session_id)  # as in dag mode: rebuilt from the log next time
+            raise
         return Assembled(
             messages=result.provider_messages(Message),
             tokens=result.tokens_out,
@@ -378,10 +392,14 @@ class ContextStoreActor(pykka.ThreadingActor):
             if idle == session_id or (lanes is not None and lanes.busy(idle)):
                 continue  # its lane works on it: dropping it now would only cost a rebuild
             del self._recent[idle]
-            self._dag.sessions.pop(idle, None)
-            self._pipelines.pop(idle, None)
-            self._versions.pop(idle, None)
+            self._forget(idle)
             excess -= 1
+
+    def _forget(self, session_id: str) -> None:
+        """Drop what this run holds of a session; its next call rebuilds it from the log."""
+        self._dag.sessions.pop(session_id, None)
+        self._pipelines.pop(session_id, None)
+        self._versions.pop(session_id, None)
 
     # -- the log ------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Literal
 
 import msgspec
@@ -95,9 +96,10 @@ class DagEngine(Summaries, Recall):
     """The DAG engine over any number of sessions, with per-tenant summarizer governance.
 
     Not thread-safe: one owner calls it at a time (the ContextStore actor's sessions,
-    under its lock, which it lets go only while a summarizer call runs; the CLI; a
-    benchmark). Calls still running count against their tenant's spend caps, and a
-    half-open breaker allows one trial among them.
+    under its lock; the CLI; a benchmark). Each summarizer call runs inside
+    ``outside()``, where that owner lets others in (the ContextStore releases its lock
+    there), and is timed inside it. Calls still running count against their tenant's
+    spend caps, and a half-open breaker allows one trial among them.
     """
 
     def __init__(
@@ -107,11 +109,13 @@ class DagEngine(Summaries, Recall):
         summarizer: Summarizer,
         clock: Clock,
         make_id: Callable[[], str] = new_id,
+        outside: Callable[[], AbstractContextManager[object]] = nullcontext,
     ) -> None:
         self.settings = settings or ContextEngineSettings()
         self.summarizer = summarizer
         self.clock = clock
         self.make_id = make_id
+        self.outside = outside
         self.sessions: dict[str, DagSession] = {}
         self.governors: dict[str | None, GovernorState] = {}
         self.running: dict[str | None, int] = {}
