@@ -1,0 +1,157 @@
+"""What a runtime stands on: its event log, its channels, the I/O portal and the
+scheduler; opened first on start (``runtime:started`` recorded), closed last
+(``runtime:stopped`` recorded, the store closed if the runtime opened it)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
+
+import stalwart
+from stalwart import store as store_module
+from stalwart._logs import get_logger
+from stalwart.actors import IoPortal, Scheduler
+from stalwart.channels import Channel, ConsoleChannel, channel_from_settings
+from stalwart.clock import Clock
+from stalwart.config import Config
+from stalwart.events import Event, RuntimeStarted, RuntimeStopped
+from stalwart.store import EventStore, NewEvent
+
+from ._handles import DEFAULT_CHANNEL, RUNTIME_STREAM, STOP_TIMEOUT_S
+from ._wiring import Wiring
+
+__all__ = ["Foundation"]
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+
+NOT_STARTED = "the runtime has not started: use start() or a with block"
+
+
+class Foundation:
+    """The store (see :class:`Runtime` for ``store``), the channels (the config's, a
+    ``console`` one when it names none, and the host's ``extra``), the portal and the
+    scheduler."""
+
+    def __init__(
+        self,
+        config: Config,
+        clock: Clock,
+        store: EventStore | str | os.PathLike[str] | None,
+        extra: Mapping[str, Channel],
+    ) -> None:
+        self._config = config
+        self._clock = clock
+        self._store_arg = store
+        self._extra = dict(extra)
+        self.channels: dict[str, Channel] = {}
+        self._built: list[Channel] = []
+        self._store: EventStore | None = None
+        self._owns_store = False
+        self._started_recorded = False
+        self._portal: IoPortal | None = None
+        self._scheduler: Scheduler | None = None
+
+    @property
+    def store(self) -> EventStore:
+        if self._store is None:
+            raise RuntimeError(NOT_STARTED)
+        return self._store
+
+    @property
+    def portal(self) -> IoPortal:
+        if self._portal is None:
+            raise RuntimeError(NOT_STARTED)
+        return self._portal
+
+    def open(self) -> None:
+        """The store, the channels, ``runtime:started``, then the portal and scheduler."""
+        self._store, self._owns_store = self._open_store()
+        # the channels first: a channel the config cannot build fails the start before
+        # anything is recorded or started
+        self.channels = self._build_channels()
+        started = RuntimeStarted(
+            config=self._config.to_record(),
+            stalwart_version=stalwart.__version__,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        )
+        self._record(started)
+        self._started_recorded = True
+        self._portal = IoPortal().start()
+        self._scheduler = Scheduler(self._clock).start()
+
+    def wiring(self, lock: threading.RLock, running: Callable[[], bool]) -> Wiring:
+        """What the runtime's layers are started on (once :meth:`open` has returned)."""
+        assert self._scheduler is not None
+        return Wiring(
+            config=self._config,
+            store=self.store,
+            clock=self._clock,
+            scheduler=self._scheduler,
+            portal=self.portal,
+            channels=self.channels,
+            lock=lock,
+            running=running,
+        )
+
+    def _open_store(self) -> tuple[EventStore, bool]:
+        given = self._store_arg
+        if given is None:
+            given = self._config.store.location
+        if isinstance(given, str | os.PathLike):
+            return store_module.open(given, clock=self._clock), True
+        return given, False
+
+    def _build_channels(self) -> dict[str, Channel]:
+        built: dict[str, Channel] = {}
+        for name, settings in self._config.channels.items():
+            if name not in self._extra:
+                built[name] = channel_from_settings(name, settings, clock=self._clock)
+        if not self._config.channels and DEFAULT_CHANNEL not in self._extra:
+            built[DEFAULT_CHANNEL] = ConsoleChannel(DEFAULT_CHANNEL)
+        self._built = list(built.values())
+        return {**built, **self._extra}
+
+    # -- closing (each a step of Runtime.close) ------------------------------------------------
+
+    def on_loop(self, fn: Callable[[], Awaitable[T]] | None) -> T | None:
+        """Run ``fn()`` on the portal's loop (where its clients live), within the stop bound."""
+        if fn is None or self._portal is None or not self._portal.running:
+            return None
+        return self._portal.submit(fn).result(STOP_TIMEOUT_S)
+
+    def close_channels(self) -> None:
+        """Close the channels the runtime built (not the host's)."""
+        for channel in self._built:
+            try:
+                self.on_loop(channel.aclose)
+            except Exception:
+                log.exception("runtime.channel_close_failed", channel=channel.name)
+
+    def stop_threads(self) -> None:
+        """The scheduler, then the portal (which cancels whatever is still in flight)."""
+        try:
+            if self._scheduler is not None:
+                self._scheduler.stop(STOP_TIMEOUT_S)
+        finally:
+            if self._portal is not None:
+                self._portal.stop()
+
+    def finish(self, reason: str) -> None:
+        """Record ``runtime:stopped`` (after a recorded start) and close a store we opened."""
+        if self._store is None:
+            return
+        try:
+            if self._started_recorded:
+                self._record(RuntimeStopped(reason=reason))
+        finally:
+            if self._owns_store:
+                self._store.close()
+
+    def _record(self, event: Event) -> None:
+        self.store.append(RUNTIME_STREAM, [NewEvent(event=event, ts=self._clock.now())])

@@ -1,0 +1,274 @@
+"""A runtime's restartable parts: the dead-letter queue, one health actor per provider,
+the supervisor and the announcer; started, asked, stopped, and started again after a
+crash. The restart decision is the one a session gets (one_for_one, intensity, backoff),
+taken here since the supervisor may be the part that died. The actors hold a
+:class:`LiveRef` to each part instead of its ``ActorRef``, so a restart needs no
+re-wiring."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import pykka
+
+from stalwart._logs import get_logger
+from stalwart.actors import (
+    Announcer,
+    Batch,
+    Crashed,
+    DeadLetterActor,
+    Drain,
+    GetBatches,
+    GetHealth,
+    GetRuns,
+    HealthChanged,
+    HealthReport,
+    HealthView,
+    ProviderHealthActor,
+    QueueState,
+    RunWatch,
+    SupervisorActor,
+)
+from stalwart.actors._restarts import Restarts
+from stalwart.state import DeadLetterState
+
+from ._handles import DEFAULT_CHANNEL, LiveRef
+from ._runs import RunLayer
+from ._wiring import Wiring, stop_actors
+
+__all__ = ["PartsLayer"]
+
+log = get_logger(__name__)
+
+
+class PartsLayer:
+    """Starts, asks, stops and restarts the runtime's infrastructure actors.
+
+    ``restarts_lock`` is held while a crash is decided (the decision appended, its
+    restart timer armed)."""
+
+    def __init__(
+        self, wiring: Wiring, health_view: HealthView, *, restarts_lock: threading.Lock
+    ) -> None:
+        self._w = wiring
+        self._health_view = health_view
+        self._restarts_lock = restarts_lock
+        self._restarts: Restarts | None = None
+        self._runs: RunLayer | None = None
+        self._dead_letters: pykka.ActorRef[Any] | None = None
+        self._health: dict[str, pykka.ActorRef[Any]] = {}
+        self._supervisor: pykka.ActorRef[Any] | None = None
+        self._announcer: pykka.ActorRef[Any] | None = None
+        self.dead_letters_ref = LiveRef(lambda: self._dead_letters, "deadletter")
+        self.supervisor_ref = LiveRef(lambda: self._supervisor, "supervisor")
+        self.announcer_ref = LiveRef(lambda: self._announcer, "announcer")
+
+    def start(self, runs: RunLayer) -> None:
+        """The dead-letter queue, the supervisor and the announcer (over ``runs``), then
+        one health actor per provider."""
+        self._runs = runs
+        self._restarts = self._make_restarts()
+        self._dead_letters = self._start_dead_letters()
+        self._supervisor = self._start_supervisor()
+        self._announcer = self._start_announcer()
+        for provider in self._w.config.providers:
+            self._health[provider] = self._start_health(provider)
+
+    def _make_restarts(self) -> Restarts:
+        return Restarts(
+            store=self._w.store,
+            clock=self._w.clock,
+            scheduler=self._w.scheduler,
+            portal=self._w.portal,
+            channels=self._w.channels,
+            dead_letters=None,
+            settings=self._w.config.supervision,
+            send_timeout_s=self._w.config.dead_letters.announce_timeout_ms / 1000,
+            default_channel=DEFAULT_CHANNEL,
+            tell=lambda _message: None,  # no notices: an infrastructure give-up is logged
+            key="runtime",
+        )
+
+    def _start_dead_letters(self) -> pykka.ActorRef[Any]:
+        return DeadLetterActor.start(
+            store=self._w.store,
+            clock=self._w.clock,
+            scheduler=self._w.scheduler,
+            portal=self._w.portal,
+            channels=self._w.channels,
+            settings=self._w.config.dead_letters,
+            on_crash=partial(self.crashed, "deadletter", self._restart_dead_letters),
+        )
+
+    def _start_health(self, provider: str) -> pykka.ActorRef[Any]:
+        restart = partial(self._restart_health, provider)
+        return ProviderHealthActor.start(
+            self._w.store,
+            self._w.clock,
+            self._w.scheduler,
+            provider,
+            self._w.config.health,
+            [self._on_health_changed],
+            self._health_view,
+            on_crash=partial(self.crashed, f"health:{provider}", restart),
+        )
+
+    def _start_supervisor(self) -> pykka.ActorRef[Any]:
+        assert self._runs is not None
+        config = self._w.config
+        return SupervisorActor.start(
+            store=self._w.store,
+            clock=self._w.clock,
+            scheduler=self._w.scheduler,
+            portal=self._w.portal,
+            channels=self._w.channels,
+            dead_letters=self.dead_letters_ref,
+            spawner=self._runs.respawn,
+            splitters=self._runs.splitter_of,
+            settings=config.subagents,
+            announce_timeout_ms=config.dead_letters.announce_timeout_ms,
+            default_channel=DEFAULT_CHANNEL,
+            supervision=config.supervision,
+            on_crash=partial(self.crashed, "supervisor", self._restart_supervisor),
+        )
+
+    def _start_announcer(self) -> pykka.ActorRef[Any]:
+        assert self._runs is not None
+        subagents = self._w.config.subagents
+        return Announcer.start(
+            store=self._w.store,
+            clock=self._w.clock,
+            scheduler=self._w.scheduler,
+            portal=self._w.portal,
+            channels=self._w.channels,
+            supervisor=self.supervisor_ref,
+            on_ended=self._runs.ended,
+            dead_letters=self.dead_letters_ref,
+            debounce_ms=subagents.announce_debounce_ms,
+            max_wait_ms=subagents.announce_max_wait_ms,
+            send_timeout_ms=self._w.config.dead_letters.announce_timeout_ms,
+            on_crash=partial(self.crashed, "announcer", self._restart_announcer),
+        )
+
+    # -- crashes and restarts ------------------------------------------------------------------
+
+    def crashed(self, part: str, restart: Callable[[], object], reason: str) -> None:
+        """An infrastructure actor died of an exception (its ``on_failure``, its thread):
+        the same decision as for a session (one_for_one, intensity, backoff), taken here
+        since the supervisor may be the one that died; a give-up is appended and logged
+        at ERROR only (no single session to notify)."""
+        restarts = self._restarts
+        if restarts is None or not self._w.running():
+            return
+        crashed = Crashed(actor=part, reason=reason, restart=restart, notify=False)
+        with self._restarts_lock:
+            restarts.crashed(crashed)
+
+    def restart(self, part: str, start: Callable[[], None]) -> None:
+        """Run ``start`` (the part's actor started again) while the runtime runs."""
+        with self._w.lock:
+            if not self._w.running():
+                return
+            start()
+        log.info("runtime.part_restarted", part=part)
+
+    def _restart_dead_letters(self) -> None:
+        """Start the dead-letter actor again (it rebuilds its queue from its stream); the
+        agents, the supervisor and the announcer hold a :class:`LiveRef` to it."""
+
+        def start() -> None:
+            self._dead_letters = self._start_dead_letters()
+
+        self.restart("deadletter", start)
+
+    def _restart_health(self, provider: str) -> None:
+        """Start a provider's health actor again (it folds ``provider:<name>`` again)."""
+
+        def start() -> None:
+            self._health[provider] = self._start_health(provider)
+
+        self.restart(f"health:{provider}", start)
+
+    def _restart_supervisor(self) -> None:
+        """Start the supervisor again (it sweeps what the log says at once)."""
+
+        def start() -> None:
+            self._supervisor = self._start_supervisor()
+
+        self.restart("supervisor", start)
+
+    def _restart_announcer(self) -> None:
+        """Start the announcer again and tell it the runs still tracked (before the runs
+        can reach it through their :class:`LiveRef`); batches not sent yet are lost."""
+        assert self._runs is not None
+        runs = self._runs
+
+        def start() -> None:
+            announcer = self._start_announcer()
+            for track in runs.tracks():
+                announcer.tell(track)
+            self._announcer = announcer
+
+        self.restart("announcer", start)
+
+    def tell_supervisor(self, message: object) -> None:
+        supervisor = self._supervisor
+        if supervisor is not None:
+            with contextlib.suppress(pykka.ActorDeadError):
+                supervisor.tell(message)
+
+    def _on_health_changed(self, changed: HealthChanged) -> None:
+        """A health listener (the health actor's thread): a recovery drains the queue."""
+        dead_letters = self._dead_letters
+        if changed.status == "healthy" and dead_letters is not None:
+            with contextlib.suppress(pykka.ActorDeadError):
+                dead_letters.tell(Drain(changed.provider))
+
+    # -- what the runtime asks of them (see Runtime), and stopping -----------------------------
+
+    def runs(self, timeout: float) -> dict[str, RunWatch]:
+        with self._w.lock:
+            supervisor = self._supervisor
+        assert supervisor is not None
+        runs = supervisor.ask(GetRuns(), timeout=timeout)
+        assert isinstance(runs, dict)
+        return runs
+
+    def announcements(self, timeout: float) -> dict[str, Batch]:
+        with self._w.lock:
+            announcer = self._announcer
+        assert announcer is not None
+        batches = announcer.ask(GetBatches(), timeout=timeout)
+        assert isinstance(batches, dict)
+        return batches
+
+    def health(self, timeout: float) -> dict[str, HealthReport]:
+        with self._w.lock:
+            actors = dict(self._health)
+        reports: dict[str, HealthReport] = {}
+        for provider, ref in actors.items():
+            report = ref.ask(GetHealth(), timeout=timeout)
+            assert isinstance(report, HealthReport)
+            reports[provider] = report
+        return reports
+
+    def dead_letters(self, timeout: float) -> DeadLetterState:
+        with self._w.lock:
+            dead_letters = self._dead_letters
+        assert dead_letters is not None
+        state = dead_letters.ask(QueueState(), timeout=timeout)
+        assert isinstance(state, DeadLetterState)
+        return state
+
+    def stop_supervision(self) -> None:
+        stop_actors([self._announcer, self._supervisor])
+
+    def stop_health(self) -> None:
+        stop_actors(list(self._health.values()))
+
+    def stop_dead_letters(self) -> None:
+        stop_actors([self._dead_letters])

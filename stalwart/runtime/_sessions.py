@@ -1,0 +1,357 @@
+"""A runtime's sessions: one Agent per session, started on demand, restarted after a
+crash, started again by a wake after a takeover or a passivation; the durable worker
+they run their wakes under (see ``_durable``), and what a host does to a session (a
+message, a confirmation, a tool result, an interrupt, a delayed wake)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import pykka
+
+from stalwart._logs import get_logger
+from stalwart.actors import (
+    AgentActor,
+    AgentLoopSettings,
+    Crashed,
+    HealthView,
+    LeaseLost,
+    WakeFailed,
+    WorkerReport,
+)
+from stalwart.channels import Channel
+from stalwart.config import AgentSettings
+from stalwart.errors import ConcurrencyError, ConfigError
+from stalwart.events import SessionCreated
+from stalwart.store import NO_STREAM, NewEvent
+from stalwart.tools import Tool, ToolRegistry
+
+from ._context import ContextLayer
+from ._control import (
+    confirm,
+    interrupt,
+    load_session,
+    schedule_wake,
+    send_message,
+    submit_tool_result,
+)
+from ._durable import Durability
+from ._handles import DEFAULT_CHANNEL, SessionHandle
+from ._layer import ProviderLayer
+from ._tools import SessionTools
+from ._wiring import Wiring, stop_actors
+from ._workspace import Committer, draft_tools
+
+__all__ = ["SessionLayer"]
+
+log = get_logger(__name__)
+
+
+class SessionLayer:
+    """Starts (and restarts) the sessions' Agents; owns the durable worker.
+
+    ``spawn_tool(session_id, agent)`` is the ``spawn_subagent`` tool of a session whose
+    agent has ``subagents = true``; ``tell_supervisor`` reports a crashed Agent."""
+
+    def __init__(
+        self,
+        wiring: Wiring,
+        layer: ProviderLayer,
+        *,
+        tools: ToolRegistry,
+        health_view: HealthView,
+        committer: Committer | None,
+        dead_letters: pykka.ActorRef[Any],
+        tell_supervisor: Callable[[object], None],
+        spawn_tool: Callable[[str, str], Tool],
+    ) -> None:
+        self._w = wiring
+        self._layer = layer
+        self._tools = tools
+        self._health_view = health_view
+        self._committer = committer
+        self._dead_letters = dead_letters
+        self._tell_supervisor = tell_supervisor
+        self._spawn_tool = spawn_tool
+        self._handles: dict[str, SessionHandle] = {}
+        self._context: ContextLayer | None = None
+        self._durable: Durability | None = None
+
+    def start(self, context: ContextLayer | None) -> None:
+        """Start the activation worker (the context engine, when there is one, is up)."""
+        self._context = context
+        self._durable = Durability(
+            self._w.store,
+            self._w.clock,
+            self._w.scheduler,
+            self._w.config.activations,
+            agent_for=self.agent_for_wake,
+            passivate=self.passivate,
+        )
+
+    def stop_worker(self) -> None:
+        if self._durable is not None:
+            self._durable.stop()
+
+    def take(self) -> list[SessionHandle]:
+        """Every session's handle, forgotten (the runtime closes; under its lock)."""
+        handles = list(self._handles.values())
+        self._handles.clear()
+        return handles
+
+    def get(self, session_id: str) -> SessionHandle | None:
+        return self._handles.get(session_id)
+
+    def count(self) -> int:
+        return len(self._handles)
+
+    # -- Agents --------------------------------------------------------------------------------
+
+    def session(
+        self,
+        session_id: str,
+        agent: str,
+        channel: str,
+        conversation: str | None,
+        thread: str | None,
+    ) -> SessionHandle:
+        """See :meth:`Runtime.session` (under the runtime's lock, while it runs)."""
+        running = self._handles.get(session_id)
+        if running is not None and running.ref.is_alive():
+            return running
+        handle = self.start_agent(session_id, agent, channel, conversation, thread)
+        self._handles[session_id] = handle
+        return handle
+
+    def start_agent(
+        self,
+        session_id: str,
+        agent: str,
+        channel: str,
+        conversation: str | None,
+        thread: str | None,
+        *,
+        supervised: bool = True,
+        target: Channel | None = None,
+    ) -> SessionHandle:
+        """The session's Agent; an unsupervised one (a run's) has no durable worker, no
+        context engine, no own tools and no restarts."""
+        settings = self._w.config.agent(agent)
+        target = target or self._target(channel)
+        durable = self._durable if supervised else None
+        if durable is not None:  # the session exists when session() returns
+            self._record_created(session_id, agent, target)
+        context = self._context if supervised else None
+        tools = self._own_tools(session_id, agent, settings, durable, context, supervised)
+        ref = AgentActor.start(
+            session_id,
+            self._w.store,
+            self._w.clock,
+            self._w.scheduler,
+            self._w.portal,
+            self._layer.caller(agent),
+            tools,
+            target,
+            conversation=conversation,
+            thread=thread,
+            settings=self._loop_settings(settings),
+            is_degraded=self._health_view.is_degraded,
+            dead_letters=self._dead_letters,
+            agent_name=agent,
+            on_crash=partial(self.agent_crashed, session_id) if supervised else None,
+            policy=durable.policy if durable is not None else None,
+            worker=durable.tell if durable is not None else None,
+            jitter_ms=durable.jitter_ms if durable is not None else None,
+            hold=self._layer.sink.hold if durable is not None else None,
+            context=context.gate if context is not None else None,
+            profile=context.profile(agent) if context is not None else None,
+        )
+        post = partial(self.post, session_id) if durable is not None else None
+        return SessionHandle(
+            session_id,
+            ref,
+            agent=agent,
+            channel=channel,
+            conversation=conversation,
+            thread=thread,
+            post=post,
+        )
+
+    def _target(self, channel: str) -> Channel:
+        target = self._w.channels.get(channel)
+        if target is None:
+            available = sorted(self._w.channels) or "none"
+            raise ConfigError(
+                f"no channel named {channel!r} (available: {available})",
+                key=f"channels.{channel}",
+            )
+        return target
+
+    def _loop_settings(self, settings: AgentSettings) -> AgentLoopSettings:
+        config = self._w.config
+        return AgentLoopSettings(
+            max_steps=settings.max_steps,
+            tool_limit=settings.tool_limit,
+            execution_timeout_ms=config.supervision.execution_timeout_ms,
+            send_timeout_ms=config.dead_letters.announce_timeout_ms,
+            system_prompt=settings.system_prompt,
+            context_window=settings.context_window,
+        )
+
+    def _record_created(self, session_id: str, agent: str, target: Channel) -> None:
+        created = SessionCreated(agent=agent, channel=target.name)
+        with contextlib.suppress(ConcurrencyError):
+            self._w.store.append(
+                f"session:{session_id}",
+                [NewEvent(event=created, ts=self._w.clock.now())],
+                expected_version=NO_STREAM,
+            )
+
+    def _own_tools(
+        self,
+        session_id: str,
+        agent: str,
+        settings: AgentSettings,
+        durable: Durability | None,
+        context: ContextLayer | None,
+        supervised: bool,
+    ) -> ToolRegistry:
+        """The runtime's registry, plus the session's built-ins when it has any."""
+        own: list[Tool] = []
+        if settings.subagents and supervised:
+            own.append(self._spawn_tool(session_id, agent))
+        if durable is not None and self._committer is not None:
+            own.extend(
+                draft_tools(
+                    self._w.store,
+                    self._layer.sink,
+                    self._w.clock,
+                    session_id,
+                    self._committer,
+                    max_bytes=self._w.config.activations.max_draft_bytes,
+                )
+            )
+        if context is not None:
+            own.extend(context.tools(session_id, None))
+        return SessionTools(self._tools, *own) if own else self._tools
+
+    def _start_again(self, session_id: str, handle: SessionHandle) -> pykka.ActorRef[Any]:
+        """A new Agent behind the host's handle (which stays valid)."""
+        fresh = self.start_agent(
+            session_id, handle.agent, handle.channel, handle.conversation, handle.thread
+        )
+        handle.ref = fresh.ref
+        return handle.ref
+
+    # -- crashes, wakes, passivation -----------------------------------------------------------
+
+    def agent_crashed(self, session_id: str, reason: str) -> None:
+        """A session's Agent died of an exception (its thread): tell the supervisor."""
+        handle = self._handles.get(session_id)
+        crashed = Crashed(
+            actor=f"session:{session_id}",
+            reason=reason,
+            restart=partial(self._restart, session_id),
+            session=session_id,
+            channel=handle.channel if handle is not None else "",
+            conversation=handle.conversation if handle is not None else session_id,
+        )
+        self._tell_supervisor(crashed)
+        if self._durable is not None:  # a wake it was running is retried with backoff
+            self._durable.tell(WakeFailed(f"session:{session_id}", "agent_crashed"))
+
+    def _restart(self, session_id: str) -> None:
+        """Start the session's Agent again (it rebuilds from its stream)."""
+        with self._w.lock:
+            handle = self._handles.get(session_id)
+            if not self._w.running() or handle is None or handle.ref.is_alive():
+                return
+            self._start_again(session_id, handle)
+        log.info("runtime.session_restarted", session=session_id)
+
+    def agent_for_wake(self, session_id: str, start: bool) -> pykka.ActorRef[Any] | None:
+        """The Agent a wake goes to: the running one, or one started from the session's
+        recorded agent and channel (after a takeover or a passivation)."""
+        with self._w.lock:
+            if not self._w.running():
+                return None
+            handle = self._handles.get(session_id)
+            if handle is not None and handle.ref.is_alive():
+                return handle.ref
+            if not start:
+                return None
+            session, _ = load_session(self._w.store, session_id)
+            agent = session.agent if session.agent in self._w.config.agents else "default"
+            channel = session.channel
+            if channel is None or channel not in self._w.channels:
+                channel = DEFAULT_CHANNEL
+            try:
+                if handle is not None:  # passivated or crashed: the host's handle stays valid
+                    return self._start_again(session_id, handle)
+                return self.session(session_id, agent, channel, None, None).ref
+            except ConfigError as exc:
+                log.warning("runtime.wake_without_agent", session=session_id, key=exc.key)
+                return None
+
+    def passivate(self, session_id: str) -> None:
+        """Stop an idle session's Agent (its handle stays: the next wake restarts it)."""
+        with self._w.lock:
+            handle = self._handles.get(session_id)
+        if handle is not None and handle.ref.is_alive():
+            log.info("runtime.passivated", session=session_id)
+            stop_actors([handle.ref])
+
+    # -- what a host does to a session (see Runtime) -------------------------------------------
+
+    def post(self, session_id: str, text: str, message_id: str | None) -> None:
+        """A user message, durable on return (``activation:ready``); the worker runs it."""
+        if not self._w.running():
+            raise RuntimeError(f"session {session_id!r} is stopped: its runtime was closed")
+        send_message(self._w.store, session_id, text, message_id=message_id, ts=self._w.clock.now())
+        self.nudge()
+
+    def nudge(self) -> None:
+        if self._durable is not None:
+            self._durable.nudge()
+
+    def confirm(self, session_id: str, request_id: str, *, allow: bool) -> str:
+        now = self._w.clock.now()
+        resumed = confirm(self._w.store, session_id, request_id, allow=allow, ts=now)
+        self.nudge()
+        return resumed
+
+    def submit_tool_result(self, session_id: str, request_id: str, output: str) -> str:
+        now = self._w.clock.now()
+        resumed = submit_tool_result(self._w.store, session_id, request_id, output, ts=now)
+        self.nudge()
+        return resumed
+
+    def interrupt(self, session_id: str, reason: str) -> list[str]:
+        cancelled = interrupt(self._w.store, session_id, reason, ts=self._w.clock.now())
+        ref = self.agent_for_wake(session_id, False)
+        if ref is not None:
+            with contextlib.suppress(pykka.ActorDeadError):
+                ref.tell(LeaseLost(f"session:{session_id}", None))
+        self.nudge()
+        return cancelled
+
+    def wake_at(self, session_id: str, at: float, text: str, dedupe_key: str | None) -> str:
+        assert self._durable is not None
+        activation_id = schedule_wake(
+            self._w.store,
+            session_id,
+            at,
+            now=self._w.clock.now(),
+            policy=self._durable.policy,
+            text=text,
+            dedupe_key=dedupe_key,
+        )
+        self.nudge()
+        return activation_id
+
+    def worker(self, timeout: float) -> WorkerReport:
+        assert self._durable is not None
+        return self._durable.report(timeout)
