@@ -1,4 +1,5 @@
-"""The Runtime restarts its infrastructure actors: health, dead letters, supervisor, announcer.
+"""The Runtime restarts its infrastructure actors: health, dead letters, supervisor, announcer,
+the activation worker.
 
 Each is crashed for real (told an object it does not understand); the runtime decides the
 restart as for a session (one_for_one, intensity, backoff: ``supervisor:restarted`` naming
@@ -19,6 +20,7 @@ import pykka
 import pytest
 
 from stalwart.actors import (
+    ActivationWorker,
     Announcer,
     DeadLetterActor,
     Enqueue,
@@ -37,10 +39,11 @@ from stalwart.events import (
     ProviderRecovered,
     SupervisorGaveUp,
     SupervisorRestarted,
+    TurnCompleted,
 )
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore, NewEvent
-from stalwart.testing import FakeProvider
+from stalwart.testing import Answer, FakeProvider
 from tests._runtime_support import GUARD, delivered, has, log_until, of
 
 AGENT: dict[str, Any] = {
@@ -196,6 +199,26 @@ def test_a_crashed_announcer_is_restarted_and_still_announces_a_run_tracked_befo
     clock.advance(rt.config.subagents.announce_debounce_ms / 1000 + 0.01)
     [message] = delivered(rt, chat, 1)
     assert message.text == "Sub-agent task completed:\nthe answer"
+
+
+def test_a_crashed_activation_worker_is_restarted_and_runs_the_messages_sent_meanwhile(
+    rt: Runtime, store: EventStore, clock: FakeClock, chat: MemoryChannel, fake: FakeProvider
+) -> None:
+    session = rt.session("s1", channel="chat", conversation="c1")
+    dying, owner = only(ActivationWorker), rt.worker(timeout=GUARD).owner
+    restarted = crash(rt, store, ActivationWorker, "activations")
+    assert isinstance(restarted, SupervisorRestarted)
+    fake.add(Answer(text="still here"))
+    session.send("are you there?")  # durable at once; no worker leases it yet
+
+    clock.advance(0.11)
+
+    fresh = only(ActivationWorker)
+    assert fresh is not dying
+    [reply] = delivered(rt, chat, 1)
+    assert reply.text == "still here"
+    log_until(store, "session:s1", has(TurnCompleted))
+    assert rt.worker(timeout=GUARD).owner != owner  # a new owner, as a new process would be
 
 
 # -- intensity --------------------------------------------------------------------------------

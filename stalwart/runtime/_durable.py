@@ -61,6 +61,9 @@ class Durability:
 
     ``agent_for(session_id, start)`` returns the session's Agent ref (starting it when
     ``start``), or None when it cannot. ``idle(session_id)`` stops an idle Agent.
+    ``on_crash(restart, reason)`` hears of a worker that died of an exception; calling
+    ``restart()`` starts a new one, under a new owner name (as a new process would: the
+    leases the dead one held are taken over when they expire).
     """
 
     def __init__(
@@ -72,21 +75,30 @@ class Durability:
         *,
         agent_for: Callable[[str, bool], pykka.ActorRef[Any] | None],
         passivate: Callable[[str], object],
-        on_crash: Callable[[str], object] | None = None,
+        on_crash: Callable[[Callable[[], None], str], object] | None = None,
     ) -> None:
         self.settings = settings
         self.policy = policy_of(settings)
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{new_id()[:8]}"
+        self._store = store
         self._clock = clock
         self._scheduler = scheduler
         self._agent_for = agent_for
         self._passivate = passivate
+        self._on_crash = on_crash
         self._rng = random.SystemRandom()
         self._last_wake: dict[str, float] = {}
-        self.worker = ActivationWorker.start(
-            store,
-            clock,
-            scheduler,
+        self._timer = ("durable:passivate", new_id())
+        self.owner = ""
+        self.worker = self._start_worker()
+        self._arm_passivation()
+
+    def _start_worker(self) -> pykka.ActorRef[Any]:
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{new_id()[:8]}"
+        settings = self.settings
+        return ActivationWorker.start(
+            self._store,
+            self._clock,
+            self._scheduler,
             self.policy,
             owner=self.owner,
             wake=self._wake,
@@ -94,9 +106,17 @@ class Durability:
             poll_ms=settings.poll_ms,
             claim_batch=settings.claim_batch,
             claim_hold_ms=settings.claim_hold_ms,
-            on_crash=on_crash,
+            on_crash=self._crashed if self._on_crash is not None else None,
         )
-        self._arm_passivation()
+
+    def _crashed(self, reason: str) -> None:
+        if self._on_crash is not None:
+            self._on_crash(self.restart_worker, reason)
+
+    def restart_worker(self) -> None:
+        """Start a new worker in place of one that died (the Agents reach it through
+        :meth:`tell`); it reads the log for due work as any worker starting does."""
+        self.worker = self._start_worker()
 
     def tell(self, message: object | None) -> None:
         """For the Agents: None nudges the worker (work was appended), or a WakeEnded."""
@@ -120,7 +140,7 @@ class Durability:
         return report
 
     def stop(self) -> None:
-        self._scheduler.cancel(("durable:passivate", self.owner))
+        self._scheduler.cancel(self._timer)
         with contextlib.suppress(pykka.ActorDeadError, pykka.Timeout):
             self.worker.stop(timeout=5.0)
 
@@ -148,7 +168,7 @@ class Durability:
         if not every:
             return
         at = self._clock.now() + max(every / 2, 1_000) / 1000
-        self._scheduler.schedule(at, self._sweep, key=("durable:passivate", self.owner))
+        self._scheduler.schedule(at, self._sweep, key=self._timer)
 
     def _sweep(self, at: float) -> None:
         """Stop the Agents of sessions with no wake for ``passivate_after_ms``."""

@@ -166,7 +166,12 @@ class Runtime:
                 ),
             )
             self._context.start()
-        sessions.start(self._context)
+        sessions.start(
+            self._context,
+            on_worker_crash=lambda start, reason: parts.crashed(
+                "activations", partial(parts.restart, "activations", start), reason
+            ),
+        )
 
     def close(self, reason: str = "shutdown") -> None:
         """Stop everything and record ``runtime:stopped``; a second call does nothing."""

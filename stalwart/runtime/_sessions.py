@@ -80,8 +80,14 @@ class SessionLayer:
         self._context: ContextLayer | None = None
         self._durable: Durability | None = None
 
-    def start(self, context: ContextLayer | None) -> None:
-        """Start the activation worker (the context engine, when there is one, is up)."""
+    def start(
+        self,
+        context: ContextLayer | None,
+        *,
+        on_worker_crash: Callable[[Callable[[], None], str], object] | None = None,
+    ) -> None:
+        """Start the activation worker (the context engine, when there is one, is up);
+        ``on_worker_crash(restart, reason)`` hears of a worker that died."""
         self._context = context
         self._durable = Durability(
             self._w.store,
@@ -90,6 +96,7 @@ class SessionLayer:
             self._w.config.activations,
             agent_for=self.agent_for_wake,
             passivate=self.passivate,
+            on_crash=on_worker_crash,
         )
 
     def stop_worker(self) -> None:
