@@ -71,6 +71,38 @@ class ApplyFolder(Generic[S]):
         return self._state
 
 
+class FolderAggregate(Generic[S]):
+    """An aggregate whose fold is a folder class: ``folder_type(state)`` folds records in,
+    ``apply`` takes one record through a fresh one, and a stream with no events starts at
+    ``state_type()``."""
+
+    __slots__ = ("_folder_type", "name", "state_type", "version")
+
+    def __init__(
+        self,
+        name: str,
+        state_type: type[S],
+        folder_type: Callable[[S], Folder[S]],
+        *,
+        version: int = 1,
+    ) -> None:
+        self.name = name
+        self.version = version
+        self.state_type = state_type
+        self._folder_type = folder_type
+
+    def initial(self, stream: str) -> S:
+        return self.state_type()
+
+    def apply(self, state: S, record: RecordedEvent) -> S:
+        folder = self._folder_type(state)
+        folder.add(record)
+        return folder.state()
+
+    def folder(self, state: S) -> Folder[S]:
+        return self._folder_type(state)
+
+
 def fold(
     aggregate: Aggregate[S], stream: str, records: Iterable[RecordedEvent], state: S | None = None
 ) -> S:

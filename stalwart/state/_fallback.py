@@ -28,6 +28,8 @@ from stalwart.events import (
     UserInterrupt,
 )
 
+from ._aggregate import FolderAggregate
+
 #: the error kind of a prompt that does not fit the model's window: no fallback helps
 CONTEXT_OVERFLOW = "context_overflow"
 #: how many failed calls the fold keeps (a fallback follows its failure at once)
@@ -127,23 +129,5 @@ class FailedCallsFolder:
         return self._state
 
 
-class FailedCallsAggregate:
-    """:class:`FailedCallsState` over a session stream."""
-
-    name = "failed_calls"
-    version = 1
-    state_type = FailedCallsState
-
-    def initial(self, stream: str) -> FailedCallsState:
-        return FailedCallsState()
-
-    def apply(self, state: FailedCallsState, record: RecordedEvent) -> FailedCallsState:
-        folder = FailedCallsFolder(state)
-        folder.add(record)
-        return folder.state()
-
-    def folder(self, state: FailedCallsState) -> FailedCallsFolder:
-        return FailedCallsFolder(state)
-
-
-FAILED_CALLS = FailedCallsAggregate()
+#: :class:`FailedCallsState` over a session stream
+FAILED_CALLS = FolderAggregate("failed_calls", FailedCallsState, FailedCallsFolder)

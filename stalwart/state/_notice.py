@@ -25,6 +25,8 @@ from stalwart.events import (
     RecordedEvent,
 )
 
+from ._aggregate import FolderAggregate
+
 #: How far a notice got: queued (the announce send), fallback (the direct send),
 #: delivered, or failed (both sends failed: handed to the dead-letter queue).
 NoticeStage = Literal["none", "queued", "fallback", "delivered", "failed"]
@@ -90,21 +92,5 @@ class NoticeFolder:
         return self._notice
 
 
-class NoticeAggregate:
-    """:class:`Notice` over a session stream (a run's)."""
-
-    name = "notice"
-    version = 1
-    state_type = Notice
-
-    def initial(self, stream: str) -> Notice:
-        return Notice()
-
-    def apply(self, state: Notice, record: RecordedEvent) -> Notice:
-        return next_notice(state, record.event)
-
-    def folder(self, state: Notice) -> NoticeFolder:
-        return NoticeFolder(state)
-
-
-NOTICES = NoticeAggregate()
+#: :class:`Notice` over a session stream (a run's)
+NOTICES = FolderAggregate("notice", Notice, NoticeFolder)

@@ -31,6 +31,8 @@ from stalwart.events import (
     UserToolConfirmation,
 )
 
+from ._aggregate import ApplyFolder
+
 PauseKind = Literal["approval", "custom_tool"]
 
 
@@ -125,19 +127,6 @@ def apply_pause(state: PauseState, record: RecordedEvent) -> PauseState:
             return state
 
 
-class PauseFolder:
-    __slots__ = ("_state",)
-
-    def __init__(self, state: PauseState) -> None:
-        self._state = state
-
-    def add(self, record: RecordedEvent) -> None:
-        self._state = apply_pause(self._state, record)
-
-    def state(self) -> PauseState:
-        return self._state
-
-
 class PauseAggregate:
     """:class:`PauseState` over a session stream."""
 
@@ -151,8 +140,8 @@ class PauseAggregate:
     def apply(self, state: PauseState, record: RecordedEvent) -> PauseState:
         return apply_pause(state, record)
 
-    def folder(self, state: PauseState) -> PauseFolder:
-        return PauseFolder(state)
+    def folder(self, state: PauseState) -> ApplyFolder[PauseState]:
+        return ApplyFolder(apply_pause, state)
 
 
 PAUSES = PauseAggregate()

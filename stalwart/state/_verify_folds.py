@@ -25,6 +25,7 @@ from stalwart.events import (
     UserInterrupt,
 )
 
+from ._aggregate import FolderAggregate
 from ._prompt import PromptWindow, window_started, window_touched
 
 
@@ -87,26 +88,8 @@ class CallsFolder:
         return self._state
 
 
-class CallsAggregate:
-    """:class:`CallsState` as an :class:`~stalwart.state.Aggregate` over a session stream."""
-
-    name = "verify_calls"
-    version = 1
-    state_type = CallsState
-
-    def initial(self, stream: str) -> CallsState:
-        return CallsState()
-
-    def apply(self, state: CallsState, record: RecordedEvent) -> CallsState:
-        folder = CallsFolder(state)
-        folder.add(record)
-        return folder.state()
-
-    def folder(self, state: CallsState) -> CallsFolder:
-        return CallsFolder(state)
-
-
-CALLS = CallsAggregate()
+#: :class:`CallsState` over a session stream
+CALLS = FolderAggregate("verify_calls", CallsState, CallsFolder)
 
 
 class RestartsState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -130,23 +113,5 @@ class RestartsFolder:
         return RestartsState(history=dict(self._history))
 
 
-class RestartsAggregate:
-    """:class:`RestartsState` over the ``runtime`` stream (what ``restart_history`` reads)."""
-
-    name = "verify_restarts"
-    version = 1
-    state_type = RestartsState
-
-    def initial(self, stream: str) -> RestartsState:
-        return RestartsState()
-
-    def apply(self, state: RestartsState, record: RecordedEvent) -> RestartsState:
-        folder = RestartsFolder(state)
-        folder.add(record)
-        return folder.state()
-
-    def folder(self, state: RestartsState) -> RestartsFolder:
-        return RestartsFolder(state)
-
-
-RESTARTS = RestartsAggregate()
+#: :class:`RestartsState` over the ``runtime`` stream (what ``restart_history`` reads)
+RESTARTS = FolderAggregate("verify_restarts", RestartsState, RestartsFolder)
