@@ -27,33 +27,14 @@ from stalwart import store as stores
 from stalwart.actors import Assemble, ContextStoreActor, ask_context
 from stalwart.clock import SystemClock
 from stalwart.config import ContextEngineSettings
-from stalwart.context import ContextMessage, ExtractiveSummarizer, SummaryRequest
+from stalwart.context import ExtractiveSummarizer, SummaryRequest
+from stalwart.testing import conversation
 
 BUDGET = 2_500
 TURNS = 40
 TIMEOUT_S = 300.0
 #: small leaves, so that each session makes several summarizer calls (and condenses)
 LEAF_TOKENS = 1_000
-
-
-def history(session: str, turns: int) -> tuple[ContextMessage, ...]:
-    out = [ContextMessage(message_id=f"{session}-sys", seq=0, role="system", content="Brief.")]
-    for n in range(turns):
-        out += [
-            ContextMessage(
-                message_id=f"{session}-u{n}",
-                seq=len(out),
-                role="user",
-                content=f"Turn {n}. " + "w " * 150,
-            ),
-            ContextMessage(
-                message_id=f"{session}-b{n}",
-                seq=len(out) + 1,
-                role="assistant",
-                content=f"Reply {n}. " + "r " * 150,
-            ),
-        ]
-    return tuple(out)
 
 
 class _Slow:
@@ -85,7 +66,7 @@ def _case(root: Path, parallel: int, sessions: int, latency_s: float) -> dict[st
         ),
     )
     try:
-        bystander = Assemble(session_id="by", messages=history("by", 2), budget=100_000)
+        bystander = Assemble(session_id="by", messages=conversation("by", 2), budget=100_000)
         ask_context(ref, bystander, TIMEOUT_S)  # its first assembly stores its messages
         done = threading.Event()
         left = [sessions]
@@ -94,7 +75,7 @@ def _case(root: Path, parallel: int, sessions: int, latency_s: float) -> dict[st
         def compact(name: str) -> None:
             ask_context(
                 ref,
-                Assemble(session_id=name, messages=history(name, TURNS), budget=BUDGET),
+                Assemble(session_id=name, messages=conversation(name, TURNS), budget=BUDGET),
                 TIMEOUT_S,
             )
             with mutex:

@@ -38,6 +38,7 @@ from stalwart.context import (
 from stalwart.errors import ConcurrencyError
 from stalwart.events import ContextAssembled, ContextDagDegraded, ContextSummaryCreated
 from stalwart.store import EventStore
+from stalwart.testing import conversation
 
 ASK = 20.0
 WAIT = 10.0
@@ -45,24 +46,7 @@ WAIT = 10.0
 
 def history(session: str, turns: int) -> tuple[ContextMessage, ...]:
     """The same conversation for every session; only the ids name the session."""
-    out = [ContextMessage(message_id=f"{session}-sys", seq=0, role="system", content="Brief.")]
-    for n in range(turns):
-        code = f" Remember code ZEBRA{n:03d}." if n == 2 else ""
-        out += [
-            ContextMessage(
-                message_id=f"{session}-u{n}",
-                seq=len(out),
-                role="user",
-                content=f"Turn {n}.{code} " + "w " * 150,
-            ),
-            ContextMessage(
-                message_id=f"{session}-b{n}",
-                seq=len(out) + 1,
-                role="assistant",
-                content=f"Reply {n}. " + "r " * 150,
-            ),
-        ]
-    return tuple(out)
+    return conversation(session, turns, planted="Remember code ZEBRA002.")
 
 
 def assemble(session: str, turns: int = 30, tenant: str | None = None) -> Assemble:

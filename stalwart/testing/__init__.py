@@ -5,9 +5,11 @@ Completions and Anthropic Messages APIs and plays a script of faults, so an agen
 timeouts, retries and fallbacks can be tested end to end without a network or a key.
 ``PostgresServer`` starts a throwaway PostgreSQL cluster (initdb + pg_ctl in a temp dir)
 for testing against the PostgreSQL store; ``PlainStore`` hides a store's optional work
-queue, as a third-party EventStore would not have one.
+queue, as a third-party EventStore would not have one. ``conversation`` is a session's
+stored messages, long enough for the context engine to summarize.
 """
 
+from ._conversation import conversation
 from ._plain import PlainStore
 from ._postgres import PostgresServer, postgres_bindir
 from ._script import (
@@ -49,6 +51,7 @@ __all__ = [
     "Trickle",
     "Truncated",
     "WrongContentType",
+    "conversation",
     "load_script",
     "parse_script",
     "postgres_bindir",
