@@ -13,18 +13,23 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def quick(name: str, scratch: Path, *, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks NAME --quick --json`` with its scratch stores in ``scratch``."""
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks", name, "--quick", "--json"],
+        cwd=ROOT,
+        env={**os.environ, "STALWART_BENCH_DIR": str(scratch)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_quick_append_benchmark_prints_one_json_result_per_line(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "append", "--quick", "--json"],
-        cwd=ROOT,
-        env={**os.environ, "STALWART_BENCH_DIR": str(tmp_path)},
-        capture_output=True,
-        text=True,
-        timeout=50,
-        check=False,
-    )
+    done = quick("append", tmp_path, timeout=50)
     assert done.returncode == 0, done.stderr
     results = [json.loads(line) for line in done.stdout.splitlines()]
     assert [r["name"] for r in results] == ["append"]
@@ -63,15 +68,7 @@ def test_unknown_benchmark_names_the_known_ones() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_quick_context_store_benchmark_runs_sessions_side_by_side(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "context_store_sessions", "--quick", "--json"],
-        cwd=ROOT,
-        env={**os.environ, "STALWART_BENCH_DIR": str(tmp_path)},
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=False,
-    )
+    done = quick("context_store_sessions", tmp_path, timeout=100)
     assert done.returncode == 0, done.stderr
     [result] = [json.loads(line) for line in done.stdout.splitlines()]
     figures = result["figures"]
