@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, Protocol, TypeVar
 
-from stalwart.events import RecordedEvent
+from stalwart.events import Event, RecordedEvent
 
 S = TypeVar("S")
 S_co = TypeVar("S_co", covariant=True)
@@ -74,9 +74,10 @@ class ApplyFolder(Generic[S]):
 class FolderAggregate(Generic[S]):
     """An aggregate whose fold is a folder class: ``folder_type(state)`` folds records in,
     ``apply`` takes one record through a fresh one, and a stream with no events starts at
-    ``state_type()``."""
+    ``state_type()``. ``moves``, when given, names the only event types that change the
+    state (replay verification hands the folder no others)."""
 
-    __slots__ = ("_folder_type", "name", "state_type", "version")
+    __slots__ = ("_folder_type", "moves", "name", "state_type", "version")
 
     def __init__(
         self,
@@ -85,7 +86,9 @@ class FolderAggregate(Generic[S]):
         folder_type: Callable[[S], Folder[S]],
         *,
         version: int = 1,
+        moves: frozenset[type[Event]] | None = None,
     ) -> None:
+        self.moves = moves
         self.name = name
         self.version = version
         self.state_type = state_type

@@ -130,4 +130,4 @@ class FailedCallsFolder:
 
 
 #: :class:`FailedCallsState` over a session stream
-FAILED_CALLS = FolderAggregate("failed_calls", FailedCallsState, FailedCallsFolder)
+FAILED_CALLS = FolderAggregate("failed_calls", FailedCallsState, FailedCallsFolder, moves=_MOVES)

@@ -93,4 +93,4 @@ class NoticeFolder:
 
 
 #: :class:`Notice` over a session stream (a run's)
-NOTICES = FolderAggregate("notice", Notice, NoticeFolder)
+NOTICES = FolderAggregate("notice", Notice, NoticeFolder, moves=_MOVES)

@@ -133,6 +133,7 @@ class PauseAggregate:
     name = "pauses"
     version = 1
     state_type = PauseState
+    moves = _MOVES
 
     def initial(self, stream: str) -> PauseState:
         return PauseState()

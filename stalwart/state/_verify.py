@@ -96,12 +96,41 @@ def _same(expected: Event, found: Event, ignore: tuple[str, ...]) -> bool:
     return all(a.get(k) == b.get(k) for k in a.keys() | b.keys() if k not in ignore)
 
 
-_Plan = tuple[list[tuple[object, FoldSpec[Any]]], list[tuple[int, object, frozenset[type[Event]]]]]
+class _Plan:
+    """What verifying one kind of stream takes: its folds (with the event types that move
+    each, None for every type), its deadlines, and which folds each event type reaches
+    (filled as types come). Streams whose names match the same registry prefixes share it."""
+
+    __slots__ = ("deadlines", "folds", "moves", "reach")
+
+    def __init__(
+        self,
+        folds: list[tuple[object, FoldSpec[Any]]],
+        deadlines: list[tuple[int, object, frozenset[type[Event]]]],
+    ) -> None:
+        self.folds = folds
+        self.deadlines = deadlines
+        self.moves: list[frozenset[type[Event]] | None] = [
+            getattr(spec, "moves", None) for _, spec in folds
+        ]
+        self.reach: dict[type[Event], list[int]] = {}
+
+    def reached_by(self, kind: type[Event]) -> list[int]:
+        """The folds (by index) that events of ``kind`` move."""
+        found = self.reach.get(kind)
+        if found is None:
+            found = self.reach[kind] = [
+                index for index, moves in enumerate(self.moves) if moves is None or kind in moves
+            ]
+        return found
 
 
-_Walk = tuple[list[Folder[Any]], list[tuple[int, Folder[Any], frozenset[type[Event]]]]]
+#: a stream's folders (in its plan's order), its plan, and its deadlines
+_Walk = tuple[
+    list[Folder[Any]], _Plan | None, list[tuple[int, Folder[Any], frozenset[type[Event]]]]
+]
 #: the walk of a stream that is not verified
-_SKIP: _Walk = ([], [])
+_SKIP: _Walk = ([], None, [])
 
 
 class Verification:
@@ -130,6 +159,10 @@ class Verification:
             self._by_tag.setdefault(verifier.tag, []).append(verifier)
         self._folders: dict[str, dict[object, Folder[Any]]] = {}
         self._plans: dict[str, _Plan] = {}
+        self._shared_plans: dict[tuple[str, ...], _Plan] = {}
+        self._prefixes = sorted(
+            {v.streams for v in registry.verifiers} | {d.streams for d in registry.deadlines}
+        )
         self._walks: dict[str, _Walk] = {}
         self._decision_kinds: set[type[Event]] = set()
         self._other_kinds: set[type[Event]] = set()
@@ -220,6 +253,9 @@ class Verification:
     def _plan(self, stream: str) -> _Plan:
         plan = self._plans.get(stream)
         if plan is None:
+            matched = tuple(prefix for prefix in self._prefixes if stream.startswith(prefix))
+            plan = self._shared_plans.get(matched)
+        if plan is None:
             folds: dict[object, FoldSpec[Any]] = {}
             for verifier in self._registry.verifiers:
                 if stream.startswith(verifier.streams):
@@ -230,14 +266,15 @@ class Verification:
                     key = fold_key(deadline.fold)
                     folds.setdefault(key, deadline.fold)
                     deadlines.append((index, key, deadline.moves))
-            plan = self._plans[stream] = (list(folds.items()), deadlines)
+            plan = self._shared_plans[matched] = _Plan(list(folds.items()), deadlines)
+        self._plans[stream] = plan
         return plan
 
     def _folders_of(self, stream: str) -> dict[object, Folder[Any]]:
         folders = self._folders.get(stream)
         if folders is None:
             folders = self._folders[stream] = {}
-            for key, spec in self._plan(stream)[0]:
+            for key, spec in self._plan(stream).folds:
                 aggregate = aggregate_of(spec, self._knobs)
                 folders[key] = aggregate.folder(aggregate.initial(stream))
         return folders
@@ -248,15 +285,17 @@ class Verification:
     def _walk(self, stream: str) -> _Walk:
         """The stream's folders and deadlines, made at its first event (or skipped)."""
         folders = self._folders_of(stream)
-        deadlines = [(i, folders[key], moves) for i, key, moves in self._plan(stream)[1]]
-        walk = self._walks[stream] = (list(folders.values()), deadlines)
+        plan = self._plan(stream)
+        deadlines = [(i, folders[key], moves) for i, key, moves in plan.deadlines]
+        walk = self._walks[stream] = ([folders[key] for key, _ in plan.folds], plan, deadlines)
         return walk
 
     def _fold(self, record: RecordedEvent, walk: _Walk) -> None:
-        folders, deadlines = walk
-        for folder in folders:
-            folder.add(record)
+        folders, plan, deadlines = walk
         kind = type(record.event)
+        assert plan is not None
+        for index in plan.reached_by(kind):
+            folders[index].add(record)
         for index, folder, moves in deadlines:
             if not moves or kind in moves:
                 due = self._due(index, folder)
@@ -335,7 +374,7 @@ class Verification:
         dues = [
             ((stream, index), self._due(index, folders[key]))
             for stream, folders in self._folders.items()
-            for index, key, _ in self._plan(stream)[1]
+            for index, key, _ in self._plan(stream).deadlines
         ]
         self._deadlines.restarted(ts, dues, self._knobs)
 

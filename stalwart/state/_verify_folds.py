@@ -89,7 +89,7 @@ class CallsFolder:
 
 
 #: :class:`CallsState` over a session stream
-CALLS = FolderAggregate("verify_calls", CallsState, CallsFolder)
+CALLS = FolderAggregate("verify_calls", CallsState, CallsFolder, moves=_MOVES)
 
 
 class RestartsState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -114,4 +114,6 @@ class RestartsFolder:
 
 
 #: :class:`RestartsState` over the ``runtime`` stream (what ``restart_history`` reads)
-RESTARTS = FolderAggregate("verify_restarts", RestartsState, RestartsFolder)
+RESTARTS = FolderAggregate(
+    "verify_restarts", RestartsState, RestartsFolder, moves=frozenset({SupervisorRestarted})
+)
