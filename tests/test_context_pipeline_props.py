@@ -90,6 +90,7 @@ configs = st.builds(
     compaction_cooldown_turns=st.integers(0, 5),
     compaction_prefix_anchor_turns=st.integers(0, 3),
     compaction_tail_turns=st.integers(1, 6),
+    cache_fence_turns=st.integers(0, 4),
     observation_tiers=st.dictionaries(
         st.sampled_from(TOOLS), st.sampled_from(("protected", "standard", "ephemeral"))
     ),
@@ -181,14 +182,19 @@ def test_turn_by_turn_assembly_stays_valid_and_the_state_is_the_fold(
     # as an agent calls the model: before each assistant message, and once at the end
     ends = [i for i, m in enumerate(session.messages) if m.role == "assistant" and i > 0]
     ends.append(len(session.messages))
+    held: tuple[ContextMessage, ...] = ()
     for end in ends:
-        provider = data.draw(st.sampled_from(("openai", "anthropic")))
+        provider = data.draw(st.sampled_from(("openai", "anthropic", "anthropic")))
         prefix = session.all[:end]
-        result = engine.assemble(prefix, budget, provider=provider)
+        result = engine.assemble(prefix, budget, provider=provider, caching=provider != "openai")
         _check(result.messages, prefix)
         assert result.layers_failed == ()
         if _fits(engine, prefix, budget, provider):
             assert result.tokens_out <= budget
+        if result.fence and result.cache_break is None:
+            # the cache fence held: what the previous call sent goes out again unchanged
+            assert result.messages[: len(held)] == held
+        held = result.messages[: result.fence]
         log.extend(result.events)
         clock.advance(30)
     rebuilt = PipelineEngine.from_events(log, config, summarizer=summarize, clock=clock)

@@ -99,8 +99,8 @@ class Assemble(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Assembled(msgspec.Struct, frozen=True, kw_only=True):
-    """The reply: provider messages in order, what the engine did, and (dag mode) the
-    cache fence and the ``cache_control`` breakpoints (message indices, at most 4)."""
+    """The reply: provider messages in order, what the engine did, and the cache fence
+    and the ``cache_control`` breakpoints (message indices, at most 4)."""
 
     messages: tuple[Message, ...]
     tokens: int
@@ -361,7 +361,10 @@ class ContextStoreActor(pykka.ThreadingActor):
             self._pipelines[session_id] = engine
             self._versions[session_id] = self._store.stream_version(stream)
         result = engine.assemble(
-            message.messages, message.budget, provider=message.profile.provider
+            message.messages,
+            message.budget,
+            provider=message.profile.provider,
+            caching=message.profile.caching,
         )
         try:
             self._append(stream, result.events)
@@ -373,6 +376,8 @@ class ContextStoreActor(pykka.ThreadingActor):
             tokens=result.tokens_out,
             budget=result.budget,
             engine="pipeline",
+            fence=result.fence,
+            breakpoints=result.breakpoints,
             layers_fired=result.layers_fired,
             repairs=result.repairs,
         )

@@ -178,6 +178,8 @@ def _line(report: CallReport) -> str:
         f"tokens {report.tokens:>7,}/{report.budget:,}  violations {len(report.violations)}  "
         f"prefix {prefix:<9}  layers {layers}  summaries {report.summaries_made}"
     )
+    if report.cache_break is not None:
+        line += f"  cache break {report.cache_break}"
     for problem in report.violations:
         line += f"\n    violation: {problem}"
     return line

@@ -37,7 +37,8 @@ MODEL_PROFILES: dict[str, ModelProfile] = {
 
 class CallReport(msgspec.Struct, frozen=True, kw_only=True):
     """One provider call of a simulation. ``prefix_unchanged`` is None on the first call
-    (and for an engine without a fence)."""
+    (and without a fence: a non-caching profile in pipeline mode); ``cache_break`` why
+    the pipeline engine shaped again what was behind its fence."""
 
     call: int
     messages_in: int
@@ -52,6 +53,7 @@ class CallReport(msgspec.Struct, frozen=True, kw_only=True):
     degraded: tuple[str, ...]
     elapsed_ms: float
     assembled: tuple[ContextMessage, ...] = ()
+    cache_break: str | None = None
 
 
 def call_points(messages: Sequence[ContextMessage]) -> list[int]:
@@ -74,13 +76,15 @@ def simulate(
     session_id: str = "simulation",
     dag: DagEngine | None = None,
     timer: Callable[[], float] = _WALL.monotonic,
+    pipeline: PipelineConfig | None = None,
 ) -> Iterator[CallReport]:
     """Reports of every call, in order; the last carries the assembled messages.
-    ``timer`` measures each assembly (a real monotonic clock by default)."""
+    ``timer`` measures each assembly (a real monotonic clock by default); ``pipeline``
+    is the pipeline engine's config (its defaults when None)."""
     profile = profile or MODEL_PROFILES["caching"]
     points = call_points(messages)
     if engine == "pipeline":
-        yield from _pipeline(messages, points, budget, summarizer, clock, profile, timer)
+        yield from _pipeline(messages, points, budget, summarizer, clock, profile, timer, pipeline)
         return
     dag = dag or DagEngine(summarizer=summarizer, clock=clock)
     previous: tuple[ContextMessage, ...] | None = None
@@ -125,13 +129,21 @@ def _pipeline(
     clock: Clock,
     profile: ModelProfile,
     timer: Callable[[], float],
+    config: PipelineConfig | None,
 ) -> Iterator[CallReport]:
-    pipeline = PipelineEngine(PipelineConfig(), summarizer=summarizer, clock=clock)
+    pipeline = PipelineEngine(config or PipelineConfig(), summarizer=summarizer, clock=clock)
+    previous: tuple[tuple[ContextMessage, ...], int] | None = None  # (messages, fence)
     for call, point in enumerate(points):
         _follow(clock, messages[point - 1].ts)
         started = timer()
-        result = pipeline.assemble(messages[:point], budget, provider=profile.provider)
+        result = pipeline.assemble(
+            messages[:point], budget, provider=profile.provider, caching=profile.caching
+        )
         elapsed = (timer() - started) * 1000
+        unchanged = None
+        if previous is not None and profile.caching:
+            unchanged = result.messages[: previous[1]] == previous[0][: previous[1]]
+        previous = (result.messages, result.fence)
         yield CallReport(
             call=call,
             messages_in=point,
@@ -139,11 +151,12 @@ def _pipeline(
             tokens=result.tokens_out,
             budget=budget,
             violations=tuple(validity_violations(result.messages)),
-            prefix_unchanged=None,
-            fence=None,
+            prefix_unchanged=unchanged,
+            fence=result.fence if profile.caching else None,
             layers_fired=result.layers_fired,
             summaries_made=1 if result.compacted else 0,
             degraded=(),
             elapsed_ms=round(elapsed, 3),
             assembled=result.messages if call == len(points) - 1 else (),
+            cache_break=result.cache_break,
         )

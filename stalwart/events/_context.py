@@ -36,7 +36,14 @@ class ContextAssembled(Event, frozen=True, tag="context:assembled"):
     """One assembly. The pipeline engine also records its provider, sizes in and out,
     the layers that raised, and ``input_count`` / ``input_digest`` (a hash of the input's
     message ids, never content) so its signature scrubber can tell, after a restart,
-    whether the next input still extends this one."""
+    whether the next input still extends this one.
+
+    ``fence`` is the cache fence: ``messages[:fence]`` are sent unchanged on the next
+    call unless it breaks. The pipeline engine also records ``fence_input`` (the input
+    messages before the fence), ``fence_turn`` (the user turn the messages behind it were
+    last shaped at) and ``cache_break``: why this call shaped again what was behind the
+    previous fence (``new``, ``rebuilt``, ``replay``, ``budget``, ``compaction``,
+    ``step``, ``threshold``), None when the fence held or there is none."""
 
     tokens_in: int
     tokens_out: int
@@ -55,6 +62,9 @@ class ContextAssembled(Event, frozen=True, tag="context:assembled"):
     fence: int = 0
     evicted: int = 0
     repairs: int = 0
+    fence_input: int = 0
+    fence_turn: int = 0
+    cache_break: str | None = None
     severity: ClassVar[Severity] = "debug"
 
 

@@ -8,8 +8,13 @@ What survives a restart is exactly what the log says:
   each ``context:assembled``;
 - the compaction in force (what it covers, its rendered body, the user turn it ran at),
   from ``context:compacted``;
-- what the previous assembly was given (provider, count and digest of its message ids),
-  from ``context:assembled``, which the signature replay scrubber compares against.
+- what the previous assembly was given (provider, count and digest of its message ids,
+  budget), from ``context:assembled``, which the signature replay scrubber compares
+  against;
+- the cache fence the previous assembly left (``fence`` messages of its output, standing
+  for its first ``fence_input`` input messages, shaped at user turn ``fence_turn``). The
+  messages behind it are held in memory, not in the log: a rebuilt engine knows where
+  the fence was and breaks it once (``cache_break = "rebuilt"``).
 """
 
 from __future__ import annotations
@@ -60,6 +65,10 @@ class PipelineState(msgspec.Struct, frozen=True, kw_only=True):
     last_provider: str = ""
     last_input_count: int = 0
     last_input_digest: str = ""
+    last_budget: int = 0
+    fence: int = 0
+    fence_input: int = 0
+    fence_turn: int = 0
 
     def breaker(self, layer: str) -> LayerBreaker:
         """The breaker of ``layer`` (closed with no failures if it never failed)."""
@@ -96,6 +105,10 @@ def _assembled(state: PipelineState, event: ContextAssembled) -> PipelineState:
         last_provider=event.provider,
         last_input_count=event.input_count,
         last_input_digest=event.input_digest,
+        last_budget=event.budget,
+        fence=event.fence,
+        fence_input=event.fence_input,
+        fence_turn=event.fence_turn,
     )
 
 
@@ -139,7 +152,7 @@ class PipelineAggregate:
     """The pipeline engine's fold for ``context:<session id>`` streams."""
 
     name = "context_pipeline"
-    version = 1
+    version = 2
     state_type = PipelineState
 
     def initial(self, stream: str) -> PipelineState:

@@ -44,6 +44,12 @@ layers (names as events and logs give them):
 10. ``objective_reinforcement``: the session's first user message, restated when it is
     no longer in the transcript.
 
+On a caching provider (``assemble(..., caching=True)``, the default) a cache fence
+keeps what the previous call sent unchanged at the front of the next request; the
+layers' output counts for the messages added since, and what the fence holds is shaped
+again every ``cache_fence_turns`` (5) user turns or for a recorded reason
+(``result.cache_break``; see ``_fence``).
+
 A layer that raises is skipped for that run; after 3 failures in a row it is disabled
 (``context:layer_disabled``, a WARN) until its half-open trial 600 s later. The result
 is provider-valid (pairs kept together; the DAG engine's ``repair`` as a last guarantee)

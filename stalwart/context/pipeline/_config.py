@@ -51,6 +51,9 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     instructions_file: str | None = "AGENTS.md"
     rehydrate_max_files: int = 5
     rehydrate_max_chars: int = 8_000
+    #: on a caching provider, how many user turns the cache fence holds what was sent
+    #: before it unchanged before the layers shape it again (0: no fence)
+    cache_fence_turns: int = 5
     #: consecutive failures that disable a layer, and how long until its half-open trial
     layer_failure_limit: int = 3
     layer_retry_after_s: float = 600.0

@@ -27,6 +27,7 @@ from stalwart.state import PipelineState, apply_pipeline_event
 from ._clean import clean_thinking, guard_surrogates, scrub_signatures, strip_reasoning_tags
 from ._compaction import compact, keep_summary
 from ._config import LAYERS, PipelineConfig
+from ._fence import behind_fence, breakpoints, cache_break
 from ._objective import reinforce_objective
 from ._reinject import rehydrate
 from ._run import FileReader, Outcome, Run
@@ -36,6 +37,7 @@ from ._transcript import chars, digest, latest_turn, to_provider
 __all__ = ["PipelineEngine", "PipelineResult", "is_replay"]
 
 T = TypeVar("T")
+Messages = tuple[ContextMessage, ...]
 Layer = Callable[[tuple[ContextMessage, ...], Run], Outcome]
 
 _LAYERS: tuple[tuple[str, Layer], ...] = tuple(
@@ -67,7 +69,11 @@ log = get_logger("stalwart.context.pipeline")
 class PipelineResult(msgspec.Struct, frozen=True, kw_only=True):
     """One assembly. ``messages`` are provider-valid, in order, with their ids and
     thinking blocks (``provider_messages(Message)`` gives the provider shape);
-    ``events`` are to be appended to ``context:<session id>``, in order."""
+    ``events`` are to be appended to ``context:<session id>``, in order.
+    ``messages[:fence]`` is the cache fence's prefix, sent unchanged on the next call
+    unless it breaks; ``breakpoints`` are the indices a request marks ``cache_control``
+    (Anthropic); ``cache_break`` says why this call shaped the messages behind the
+    previous fence again (None when it held, or with no fence)."""
 
     messages: tuple[ContextMessage, ...]
     events: tuple[Event, ...]
@@ -81,6 +87,9 @@ class PipelineResult(msgspec.Struct, frozen=True, kw_only=True):
     tokens_out: int
     budget: int
     repairs: int = 0
+    fence: int = 0
+    breakpoints: tuple[int, ...] = ()
+    cache_break: str | None = None
 
     def provider_messages(self, factory: Callable[..., T]) -> tuple[T, ...]:
         """The messages as ``factory(role=, content=, tool_calls=, tool_call_id=,
@@ -136,6 +145,9 @@ class PipelineEngine:
         self._raw: tuple[str, dict[str, tuple[ContextMessage, int]]] = ("", {})
         self.session = session
         self._state = state or PipelineState()
+        # the messages behind the cache fence, as the previous call sent them (memory
+        # only: an engine rebuilt from the log breaks its fence once)
+        self._held: Messages | None = None
 
     @classmethod
     def from_events(
@@ -179,9 +191,15 @@ class PipelineEngine:
         return found
 
     def assemble(
-        self, messages: Sequence[ContextMessage], budget_tokens: int, *, provider: str
+        self,
+        messages: Sequence[ContextMessage],
+        budget_tokens: int,
+        *,
+        provider: str,
+        caching: bool = True,
     ) -> PipelineResult:
-        """The transcript to send ``provider`` for a window of ``budget_tokens``."""
+        """The transcript to send ``provider`` for a window of ``budget_tokens``;
+        ``caching``: the provider caches prompt prefixes (the cache fence holds)."""
         original = tuple(messages)
         ids = [message.message_id for message in original]
         head_digest, input_digest = digest(ids, prefix=self._state.last_input_count)
@@ -199,9 +217,12 @@ class PipelineEngine:
             summarizer=self._summarizer,
             reader=self._reader,
         )
-        current, events, fired, failed = self._layers(original, run)
-        repaired, repairs = repair(current)  # the DAG engine's: valid for both providers
-        current = tuple(repaired)
+        shaped, events, fired, failed = self._layers(original, run)
+        current, repairs, broke = self._hold(original, shaped, events, run, caching)
+        fence = fence_input = fence_turn = 0
+        if caching and self.config.cache_fence_turns > 0:
+            fence, fence_input = len(current), len(original)
+            fence_turn = run.turn if broke is not None else self._state.fence_turn
         chars_in, chars_out = chars(original), chars(current)
         tokens_in, tokens_out = self._input_tokens(original, provider), estimator.messages(current)
         events.append(
@@ -221,10 +242,15 @@ class PipelineEngine:
                 input_digest=input_digest,
                 summaries_made=sum(isinstance(e, ContextCompacted) for e in events),
                 repairs=repairs,
+                fence=fence,
+                fence_input=fence_input,
+                fence_turn=fence_turn,
+                cache_break=broke,
             )
         )
         for event in events:
             self._state = apply_pipeline_event(self._state, event)
+        self._held = current[:fence]
         if tokens_out > budget_tokens:
             log.warning(
                 "context over budget after pipeline",
@@ -246,6 +272,8 @@ class PipelineEngine:
             layers_fired=fired,
             layers_failed=failed,
             repairs=repairs,
+            fence=fence,
+            cache_break=broke,
         )
         return PipelineResult(
             messages=current,
@@ -260,7 +288,40 @@ class PipelineEngine:
             tokens_out=tokens_out,
             budget=budget_tokens,
             repairs=repairs,
+            fence=fence,
+            breakpoints=breakpoints(current, fence) if caching else (),
+            cache_break=broke,
         )
+
+    def _hold(
+        self, original: Messages, shaped: Messages, events: list[Event], run: Run, caching: bool
+    ) -> tuple[Messages, int, str | None]:
+        """What is sent (made provider-valid by the DAG engine's ``repair``), how many
+        repairs it took, and why the cache fence broke (see ``_fence``): the messages
+        behind the previous fence as sent then, and the layers' output after it; or,
+        when the fence breaks, the layers' output whole."""
+        repaired, repairs = repair(shaped)
+        fresh = tuple(repaired)
+        step = self.config.cache_fence_turns
+        if not caching or step <= 0:
+            return fresh, repairs, None
+        broke = cache_break(
+            self._state,
+            held=self._held is not None,
+            replay=run.replay,
+            budget=run.budget,
+            compacted=any(isinstance(event, ContextCompacted) for event in events),
+            turn=run.turn,
+            step=step,
+        )
+        if broke is not None:
+            return fresh, repairs, broke
+        kept = behind_fence(self._held or (), shaped, original, self._state.fence_input)
+        repaired, held_repairs = repair(kept)
+        limit = run.budget * self.config.compaction_threshold
+        if run.estimator.messages(repaired) >= limit:
+            return fresh, repairs, "threshold"
+        return tuple(repaired), held_repairs, None
 
     def _input_tokens(self, original: tuple[ContextMessage, ...], provider: str) -> int:
         """``estimator.messages(original)``, reusing last run's count of each message

@@ -1,0 +1,82 @@
+"""The pipeline engine's cache fence: what was sent before it is sent again unchanged.
+
+A provider's prompt cache serves a request's prefix when it is byte for byte what an
+earlier request sent. The layers look at ages (turns, newer results), so left alone they
+would reshape old messages on every call: the history window drops a turn, the masker
+masks one more result, and the cache misses from there on.
+
+After each call the fence sits after the last message sent. On the next call the
+messages behind it are the ones sent last time, and the layers' output counts only for
+the messages added since: the fence moves up to the end each time, so inside a long tool
+loop every call reads the whole previous request from the cache. What was held is shaped
+again (a *cache break*: the layers' output is sent whole, and the provider reads it
+uncached from the first message that changed) only for a reason, which the call
+records:
+
+- ``new``: no fence yet; ``rebuilt``: the engine was rebuilt from the log, which says
+  where the fence was but does not hold the messages behind it;
+- ``replay``: the provider changed or the history was rewritten (nothing is cached);
+- ``budget``: the budget changed;
+- ``compaction``: layer 8 made a new summary (it replaces what is behind the fence);
+- ``step``: the fence has held for ``cache_fence_turns`` user turns, so the window,
+  the masks, the thinking cleaner and the restated objective catch up (meanwhile the
+  window keeps up to that many turns more, and the objective stays where it was sent);
+- ``threshold``: what the fence holds would bring the transcript to the compaction
+  threshold, where the freshly shaped one is smaller.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from stalwart.context._types import ContextMessage
+from stalwart.state import PipelineState
+
+__all__ = ["CacheBreak", "behind_fence", "breakpoints", "cache_break"]
+
+CacheBreak = Literal["new", "rebuilt", "replay", "budget", "compaction", "step", "threshold"]
+
+Messages = tuple[ContextMessage, ...]
+
+
+def behind_fence(held: Messages, fresh: Messages, original: Messages, fence_input: int) -> Messages:
+    """The held messages, then what the layers made (in ``fresh``) of the input that
+    came after the fence (``original[fence_input:]``)."""
+    after = {message.message_id for message in original[fence_input:]}
+    return held + tuple(message for message in fresh if message.message_id in after)
+
+
+def cache_break(
+    state: PipelineState,
+    *,
+    held: bool,
+    replay: bool,
+    budget: int,
+    compacted: bool,
+    turn: int,
+    step: int,
+) -> CacheBreak | None:
+    """Why this call shapes again what is behind the fence, or None to hold it (the
+    threshold is checked after, on the held transcript). ``held``: the engine has the
+    messages behind the previous fence in memory (none are needed when it was at 0)."""
+    if state.assemblies == 0 or (state.fence == 0 and state.fence_turn == 0):
+        return "new"  # no fence before (or no user turn yet)
+    if not held and state.fence > 0:
+        return "rebuilt"
+    if replay:
+        return "replay"
+    if budget != state.last_budget:
+        return "budget"
+    if compacted:
+        return "compaction"
+    if turn - state.fence_turn >= step:
+        return "step"
+    return None
+
+
+def breakpoints(messages: Messages, fence: int) -> tuple[int, ...]:
+    """The message indices a request marks ``cache_control`` (Anthropic): the first
+    message, the last one behind the fence, and the last one."""
+    if not messages:
+        return ()
+    return tuple(sorted({0, fence - 1, len(messages) - 1} - {-1}))
