@@ -39,6 +39,7 @@ MODULES: tuple[str, ...] = (
     "benchmarks.postgres",
     "benchmarks.workers",
     "benchmarks.context",
+    "benchmarks.context_pipeline",
     "benchmarks.context_store",
     "benchmarks.verify",
 )

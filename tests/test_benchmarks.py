@@ -78,3 +78,20 @@ def test_quick_context_store_benchmark_runs_sessions_side_by_side(tmp_path: Path
     assert result["ratios"]["lanes_vs_one_lane"] > 1.0
     assert figures["one_lane_bystander_max_ms"] > figures["lanes_bystander_p50_ms"]
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_quick_pipeline_benchmark_shows_what_the_cache_fence_saves(tmp_path: Path) -> None:
+    done = quick("context_pipeline", tmp_path, timeout=100)
+    assert done.returncode == 0, done.stderr
+    [result] = [json.loads(line) for line in done.stdout.splitlines()]
+    ratios = result["ratios"]
+    for budget in ("8k", "32k"):
+        # held prefixes are read from the cache: the fence costs less than no fence
+        assert ratios[f"synthetic_{budget}_cost_vs_no_fence"] < 1.0
+        assert (
+            ratios[f"synthetic_{budget}_cached_share"]
+            > ratios[f"synthetic_{budget}_no_fence_cached_share"]
+        )
+        assert result["figures"][f"synthetic_{budget}_violations"] == 0
