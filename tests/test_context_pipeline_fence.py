@@ -9,6 +9,7 @@ from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
 from stalwart.config import parse_config
 from stalwart.context.pipeline import PipelineConfig, PipelineEngine, PipelineResult
+from stalwart.context.pipeline._fence import over_threshold
 from stalwart.events import ContextAssembled
 from stalwart.runtime import Runtime
 from stalwart.state import PipelineState, apply_pipeline_event
@@ -238,11 +239,36 @@ def test_an_engine_rebuilt_from_the_log_breaks_once_and_then_holds() -> None:
     assert rebuilt.assemble(t.all, 50_000, provider="anthropic").cache_break is None
 
 
-def test_breakpoints_mark_the_start_and_the_end() -> None:
+def test_breakpoints_mark_the_start_where_the_previous_request_ended_and_the_end() -> None:
     results = turn_by_turn(engine(), 3)
-    last = results[-1]
+    before, last = results[-2:]
     assert last.fence == len(last.messages)
-    assert last.breakpoints == (0, len(last.messages) - 1)
+    assert last.breakpoints == (0, len(before.messages) - 1, len(last.messages) - 1)
+    assert results[0].breakpoints == (0, len(results[0].messages) - 1)  # a break: no held end
+
+
+def test_a_result_that_comes_after_its_call_was_sent_breaks_the_fence() -> None:
+    # two parallel calls, one answered when the call is assembled: repair gives the
+    # other a placeholder result; when the real one comes the model must see it
+    eng = engine()
+    t = Transcript()
+    t.user("q0")
+    calls = [
+        {"id": "c1", "name": "search", "arguments": '{"q": 1}'},
+        {"id": "c2", "name": "search", "arguments": '{"q": 2}'},
+    ]
+    t.add("assistant", "", tool_calls=calls)
+    t.add("tool", "first result", tool_call_id="c1", name="search")
+    first = eng.assemble(t.all, 50_000, provider="anthropic")
+    assert [m.message_id for m in first.messages if m.role == "tool"] == ["m3", "synthetic:c2"]
+    t.add("tool", "second result", tool_call_id="c2", name="search")
+    late = eng.assemble(t.all, 50_000, provider="anthropic")
+    assert late.cache_break == "late_result"
+    assert "second result" in [m.content for m in late.messages]
+    assert not any(m.message_id.startswith("synthetic:") for m in late.messages)
+    t.assistant("done")
+    t.user("q1")
+    assert eng.assemble(t.all, 50_000, provider="anthropic").cache_break is None
 
 
 def test_damaged_input_stays_provider_valid_while_held() -> None:
@@ -315,3 +341,12 @@ def unmarked(messages: list[dict[str, object]]) -> list[object]:
         return content
 
     return [{**message, "content": strip(message["content"])} for message in messages]
+
+
+def test_a_held_transcript_gives_way_only_to_a_smaller_one_or_the_budget() -> None:
+    # right after a compaction, rehydration fills the fresh transcript up to the budget:
+    # holding is no bigger then, so it holds while it fits
+    assert not over_threshold(1_800, 1_750, limit=1_700, budget=2_000)
+    assert over_threshold(1_800, 1_600, limit=1_700, budget=2_000)
+    assert over_threshold(2_100, 1_900, limit=1_700, budget=2_000)
+    assert not over_threshold(1_699, 1_000, limit=1_700, budget=2_000)

@@ -42,8 +42,9 @@ class ContextAssembled(Event, frozen=True, tag="context:assembled"):
     call unless it breaks. The pipeline engine also records ``fence_input`` (the input
     messages before the fence), ``fence_turn`` (the user turn the messages behind it were
     last shaped at) and ``cache_break``: why this call shaped again what was behind the
-    previous fence (``new``, ``rebuilt``, ``replay``, ``budget``, ``compaction``,
-    ``step``, ``threshold``), None when the fence held or there is none."""
+    previous fence (``new``, ``rebuilt``, ``replay``, ``budget``,
+    ``late_result``, ``compaction``, ``step``, ``threshold``), None when the fence held
+    or there is none."""
 
     tokens_in: int
     tokens_out: int

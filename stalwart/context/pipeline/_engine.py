@@ -27,7 +27,7 @@ from stalwart.state import PipelineState, apply_pipeline_event
 from ._clean import clean_thinking, guard_surrogates, scrub_signatures, strip_reasoning_tags
 from ._compaction import compact, keep_summary
 from ._config import LAYERS, PipelineConfig
-from ._fence import behind_fence, breakpoints, cache_break
+from ._fence import added_since, breakpoints, cache_break, late_results, over_threshold
 from ._objective import reinforce_objective
 from ._reinject import rehydrate
 from ._run import FileReader, Outcome, Run
@@ -219,6 +219,7 @@ class PipelineEngine:
         )
         shaped, events, fired, failed = self._layers(original, run)
         current, repairs, broke = self._hold(original, shaped, events, run, caching)
+        held = self._state.fence if broke is None else 0  # what the previous call sent
         fence = fence_input = fence_turn = 0
         if caching and self.config.cache_fence_turns > 0:
             fence, fence_input = len(current), len(original)
@@ -289,7 +290,7 @@ class PipelineEngine:
             budget=budget_tokens,
             repairs=repairs,
             fence=fence,
-            breakpoints=breakpoints(current, fence) if caching else (),
+            breakpoints=breakpoints(current, held) if caching else (),
             cache_break=broke,
         )
 
@@ -305,21 +306,24 @@ class PipelineEngine:
         step = self.config.cache_fence_turns
         if not caching or step <= 0:
             return fresh, repairs, None
+        held = self._held or ()
+        added = added_since(shaped, original, self._state.fence_input)
         broke = cache_break(
             self._state,
             held=self._held is not None,
             replay=run.replay,
             budget=run.budget,
+            late=late_results(held, added),
             compacted=any(isinstance(event, ContextCompacted) for event in events),
             turn=run.turn,
             step=step,
         )
         if broke is not None:
             return fresh, repairs, broke
-        kept = behind_fence(self._held or (), shaped, original, self._state.fence_input)
-        repaired, held_repairs = repair(kept)
+        repaired, held_repairs = repair(held + added)
+        tokens = run.estimator.messages
         limit = run.budget * self.config.compaction_threshold
-        if run.estimator.messages(repaired) >= limit:
+        if over_threshold(tokens(repaired), tokens(fresh), limit=limit, budget=run.budget):
             return fresh, repairs, "threshold"
         return tuple(repaired), held_repairs, None
 

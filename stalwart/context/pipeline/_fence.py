@@ -17,12 +17,14 @@ records:
   where the fence was but does not hold the messages behind it;
 - ``replay``: the provider changed or the history was rewritten (nothing is cached);
 - ``budget``: the budget changed;
+- ``late_result``: a tool result came for a call the fence holds with the placeholder
+  ``repair`` gave it when it had none (the model must see the real one);
 - ``compaction``: layer 8 made a new summary (it replaces what is behind the fence);
 - ``step``: the fence has held for ``cache_fence_turns`` user turns, so the window,
   the masks, the thinking cleaner and the restated objective catch up (meanwhile the
   window keeps up to that many turns more, and the objective stays where it was sent);
 - ``threshold``: what the fence holds would bring the transcript to the compaction
-  threshold, where the freshly shaped one is smaller.
+  threshold where the freshly shaped one stays under it, or past the budget.
 """
 
 from __future__ import annotations
@@ -32,18 +34,38 @@ from typing import Literal
 from stalwart.context._types import ContextMessage
 from stalwart.state import PipelineState
 
-__all__ = ["CacheBreak", "behind_fence", "breakpoints", "cache_break"]
+__all__ = [
+    "CacheBreak",
+    "added_since",
+    "breakpoints",
+    "cache_break",
+    "late_results",
+    "over_threshold",
+]
 
-CacheBreak = Literal["new", "rebuilt", "replay", "budget", "compaction", "step", "threshold"]
+CacheBreak = Literal[
+    "new", "rebuilt", "replay", "budget", "late_result", "compaction", "step", "threshold"
+]
 
 Messages = tuple[ContextMessage, ...]
 
 
-def behind_fence(held: Messages, fresh: Messages, original: Messages, fence_input: int) -> Messages:
-    """The held messages, then what the layers made (in ``fresh``) of the input that
-    came after the fence (``original[fence_input:]``)."""
+def added_since(shaped: Messages, original: Messages, fence_input: int) -> Messages:
+    """What the layers made (in ``shaped``) of the input that came after the fence
+    (``original[fence_input:]``): what a held call sends after the held messages."""
     after = {message.message_id for message in original[fence_input:]}
-    return held + tuple(message for message in fresh if message.message_id in after)
+    return tuple(message for message in shaped if message.message_id in after)
+
+
+def late_results(held: Messages, added: Messages) -> bool:
+    """Whether ``added`` (what the layers made of the messages added since the fence)
+    answers a call the fence holds with ``repair``'s placeholder result."""
+    placeholders = {
+        m.tool_call_id for m in held if m.role == "tool" and m.message_id.startswith("synthetic:")
+    }
+    return bool(placeholders) and any(
+        m.role == "tool" and m.tool_call_id in placeholders for m in added
+    )
 
 
 def cache_break(
@@ -52,6 +74,7 @@ def cache_break(
     held: bool,
     replay: bool,
     budget: int,
+    late: bool,
     compacted: bool,
     turn: int,
     step: int,
@@ -67,6 +90,8 @@ def cache_break(
         return "replay"
     if budget != state.last_budget:
         return "budget"
+    if late:
+        return "late_result"
     if compacted:
         return "compaction"
     if turn - state.fence_turn >= step:
@@ -74,9 +99,18 @@ def cache_break(
     return None
 
 
-def breakpoints(messages: Messages, fence: int) -> tuple[int, ...]:
+def over_threshold(held: int, fresh: int, *, limit: float, budget: int) -> bool:
+    """Whether a held transcript of ``held`` tokens must give way to the freshly shaped
+    one of ``fresh``: it reaches the compaction ``limit`` where the fresh one stays
+    under it, or it is over the budget. (Right after a compaction, rehydration fills the
+    fresh one up to the budget: holding it then is no bigger and keeps the cache.)"""
+    return held >= limit and (fresh < limit or held > budget)
+
+
+def breakpoints(messages: Messages, previous: int) -> tuple[int, ...]:
     """The message indices a request marks ``cache_control`` (Anthropic): the first
-    message, the last one behind the fence, and the last one."""
+    message, the last one the previous request sent when it is held (where that request
+    wrote the cache: the provider looks back only so far from a mark), and the last."""
     if not messages:
         return ()
-    return tuple(sorted({0, fence - 1, len(messages) - 1} - {-1}))
+    return tuple(sorted({0, previous - 1, len(messages) - 1} - {-1}))
