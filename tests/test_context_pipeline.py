@@ -16,6 +16,7 @@ from stalwart.context import (
     TokenEstimator,
     validity_violations,
 )
+from stalwart.context._repair import repair
 from stalwart.context.pipeline import (
     LAYERS,
     PipelineConfig,
@@ -29,7 +30,7 @@ from stalwart.context.pipeline._clean import (
     strip_reasoning_tags,
 )
 from stalwart.context.pipeline._compaction import apply_summary, compact
-from stalwart.context.pipeline._objective import reinforce_objective
+from stalwart.context.pipeline._objective import objective_tokens, reinforce_objective
 from stalwart.context.pipeline._reinject import rehydrate
 from stalwart.context.pipeline._run import Run
 from stalwart.context.pipeline._shape import evict_dead_content, mask_observations, window_history
@@ -593,6 +594,22 @@ def test_rehydration_never_pushes_past_the_budget() -> None:
     assert ESTIMATOR.messages(out) <= 3_000
     tight = rehydrate(compacted, make_run(messages, budget=3_000 - room + 10, reader=files))
     assert tight.messages == compacted  # no room left: nothing is re-read
+
+
+def test_rehydration_counts_the_opening_the_repair_adds_before_a_leading_summary() -> None:
+    # no anchor turn before the summary: the final repair opens with a user placeholder,
+    # which the re-read files must leave room for
+    config = PipelineConfig(compaction_prefix_anchor_turns=0)
+    messages = _long().all
+    files = {"AGENTS.md": "rule " * 10_000}
+    for budget in range(2_000, 3_200, 23):
+        run = make_run(messages, config=config, budget=budget, reader=files)
+        compacted = compact(messages, run).messages
+        if not compacted[1].message_id.startswith("pipeline-summary:"):
+            continue
+        out = rehydrate(compacted, run).messages
+        sent, _ = repair(out)
+        assert ESTIMATOR.messages(sent) + objective_tokens(out, run) <= budget
 
 
 def test_no_rehydration_without_compaction() -> None:

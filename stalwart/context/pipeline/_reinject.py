@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import msgspec
 
+from stalwart.context._repair import repair
 from stalwart.context._types import ContextMessage
 
 from ._compaction import is_summary
@@ -99,14 +100,22 @@ def rehydrate(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
         if section is not None:
             sections.append(section)
             room -= run.estimator.text(section) + 2
-    if not sections:
-        return Outcome(messages)
     summary = messages[at]
-    message = ContextMessage(
-        message_id=REHYDRATION_ID,
-        seq=summary.seq,
-        role="user",
-        content=f"{MARKER}rehydrated] Files read again after compaction:\n" + "\n\n".join(sections),
-        turn=summary.turn,
-    )
-    return Outcome((*messages[: at + 1], message, *messages[at + 1 :]))
+    # the sections' estimates leave out the message's own frame and the opening the
+    # final repair adds before a summary that comes first: check the whole as it will
+    # be sent, and leave out the last file until it fits
+    limit = run.budget - objective_tokens(messages, run)
+    while sections:
+        message = ContextMessage(
+            message_id=REHYDRATION_ID,
+            seq=summary.seq,
+            role="user",
+            content=f"{MARKER}rehydrated] Files read again after compaction:\n"
+            + "\n\n".join(sections),
+            turn=summary.turn,
+        )
+        out = (*messages[: at + 1], message, *messages[at + 1 :])
+        if run.estimator.messages(repair(out)[0]) <= limit:
+            return Outcome(out)
+        sections.pop()
+    return Outcome(messages)
