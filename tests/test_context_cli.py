@@ -123,6 +123,8 @@ def test_simulate_reads_anthropic_blocks_and_runs_the_pipeline(tmp_path: Path) -
         final = json.loads(result.stdout.splitlines()[-1])
         roles = [m["role"] for m in final["messages"] if m["role"] != "system"]
         assert roles == ["user", "assistant", "tool", "user"]
+        # both engines keep a cache fence on the default (caching) profile
+        assert final["prefix_checked"] == final["prefix_unchanged"] == final["calls"] - 1 > 0
 
 
 def test_simulate_errors_are_one_line(tmp_path: Path) -> None:
