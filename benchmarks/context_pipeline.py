@@ -140,9 +140,7 @@ def measure(result: Result, label: str, messages: list[ContextMessage]) -> None:
         result.ratios[f"{name}_prefix_stable"] = (
             fenced.stable / fenced.checked if fenced.checked else 1.0
         )
-        result.ratios[f"{name}_max_vs_limit"] = fenced.max_tokens / max(
-            budget, plain.max_tokens
-        )
+        result.ratios[f"{name}_max_vs_limit"] = fenced.max_tokens / max(budget, plain.max_tokens)
         if budget >= 32_000:
             result.goal(f"{name}_cost_vs_no_fence", "<=", 0.5)
         result.goal(f"{name}_max_vs_limit", "<=", 1.0)
