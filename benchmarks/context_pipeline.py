@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from benchmarks._registry import Result, benchmark
 from benchmarks.context import _quiet_logs, synthetic, tau_path, tau_session
 from stalwart.clock import FakeClock
-from stalwart.context import ContextMessage, ExtractiveSummarizer, validity_violations
-from stalwart.context._simulate import call_points
-from stalwart.context.pipeline import PipelineConfig, PipelineEngine
+from stalwart.context import ContextMessage, ExtractiveSummarizer, ModelProfile, TokenEstimator
+from stalwart.context._simulate import simulate
+from stalwart.context.pipeline import PipelineConfig
 
 BUDGETS = (8_000, 32_000)
 READ, WRITE = 0.1, 1.25
@@ -75,17 +75,10 @@ def _common(previous: Sequence[ContextMessage], current: Sequence[ContextMessage
 
 def drive(messages: list[ContextMessage], budget: int, fence_turns: int) -> Run:
     """One engine over the session, call by call; what a prefix cache would serve."""
-    clock = FakeClock(1_800_000_000.0)
-    engine = PipelineEngine(
-        PipelineConfig(cache_fence_turns=fence_turns),
-        summarizer=ExtractiveSummarizer(),
-        clock=clock,
-    )
-    estimator = engine.estimator("anthropic")
+    estimator = TokenEstimator("anthropic")  # the engine's own, never calibrated here
     run = Run()
     previous: tuple[ContextMessage, ...] = ()
     previous_tokens = 0
-    previous_fence = 0
     # id(message) -> (message, tokens); holding the message keeps its id from being reused
     sizes: dict[int, tuple[ContextMessage, int]] = {}
 
@@ -95,28 +88,34 @@ def drive(messages: list[ContextMessage], budget: int, fence_turns: int) -> Run:
             found = sizes[id(message)] = (message, estimator.message(message))
         return found[1]
 
-    for point in call_points(messages):
-        if messages[point - 1].ts > clock.now():
-            clock.advance(messages[point - 1].ts - clock.now())
-        started = time.perf_counter()
-        result = engine.assemble(messages[:point], budget, provider="anthropic", caching=True)
-        run.times_ms.append((time.perf_counter() - started) * 1000)
-        current = result.messages
+    for report in simulate(
+        messages,
+        budget,
+        summarizer=ExtractiveSummarizer(),
+        clock=FakeClock(1_800_000_000.0),
+        engine="pipeline",
+        profile=ModelProfile(provider="anthropic", caching=True),
+        timer=time.perf_counter,
+        pipeline=PipelineConfig(cache_fence_turns=fence_turns),
+        every=True,
+    ):
+        current = report.assembled
         total = sum(size(m) for m in current)
         cached = sum(size(m) for m in current[: _common(previous, current)])
         run.calls += 1
+        run.times_ms.append(report.elapsed_ms)
         run.tokens += total
         run.cached += cached
         run.cost += READ * cached + WRITE * (total - cached)
         shared = min(previous_tokens, total)
         run.ideal += READ * shared + WRITE * (total - shared)
-        if previous and previous_fence:
+        if report.prefix_unchanged is not None:
             run.checked += 1
-            run.stable += current[:previous_fence] == previous[:previous_fence]
-        run.breaks += result.cache_break is not None and run.calls > 1
-        run.violations += len(validity_violations(current, "anthropic"))
-        run.max_tokens = max(run.max_tokens, result.tokens_out)
-        previous, previous_tokens, previous_fence = current, total, result.fence
+            run.stable += report.prefix_unchanged
+        run.breaks += report.cache_break is not None and report.call > 0
+        run.violations += len(report.violations)
+        run.max_tokens = max(run.max_tokens, report.tokens)
+        previous, previous_tokens = current, total
         if len(sizes) > 200_000:
             sizes = {id(m): (m, size(m)) for m in current}
     return run

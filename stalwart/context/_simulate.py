@@ -77,14 +77,17 @@ def simulate(
     dag: DagEngine | None = None,
     timer: Callable[[], float] = _WALL.monotonic,
     pipeline: PipelineConfig | None = None,
+    every: bool = False,
 ) -> Iterator[CallReport]:
-    """Reports of every call, in order; the last carries the assembled messages.
-    ``timer`` measures each assembly (a real monotonic clock by default); ``pipeline``
-    is the pipeline engine's config (its defaults when None)."""
+    """Reports of every call, in order; the last carries the assembled messages (every
+    one does with ``every``). ``timer`` measures each assembly (a real monotonic clock
+    by default); ``pipeline`` is the pipeline engine's config (its defaults when None)."""
     profile = profile or MODEL_PROFILES["caching"]
     points = call_points(messages)
+    last = len(points) - 1
     if engine == "pipeline":
-        yield from _pipeline(messages, points, budget, summarizer, clock, profile, timer, pipeline)
+        runner = PipelineEngine(pipeline or PipelineConfig(), summarizer=summarizer, clock=clock)
+        yield from _pipeline(runner, messages, points, budget, clock, profile, timer, every)
         return
     dag = dag or DagEngine(summarizer=summarizer, clock=clock)
     previous: tuple[ContextMessage, ...] | None = None
@@ -110,7 +113,7 @@ def simulate(
             summaries_made=len(result.summaries_made),
             degraded=result.degraded,
             elapsed_ms=round(elapsed, 3),
-            assembled=result.messages if call == len(points) - 1 else (),
+            assembled=result.messages if every or call == last else (),
         )
         previous, previous_fence = result.messages, result.fence
 
@@ -122,16 +125,15 @@ def _follow(clock: Clock, ts: float) -> None:
 
 
 def _pipeline(
+    pipeline: PipelineEngine,
     messages: Sequence[ContextMessage],
     points: list[int],
     budget: int,
-    summarizer: Summarizer,
     clock: Clock,
     profile: ModelProfile,
     timer: Callable[[], float],
-    config: PipelineConfig | None,
+    every: bool,
 ) -> Iterator[CallReport]:
-    pipeline = PipelineEngine(config or PipelineConfig(), summarizer=summarizer, clock=clock)
     previous: tuple[tuple[ContextMessage, ...], int] | None = None  # (messages, fence)
     for call, point in enumerate(points):
         _follow(clock, messages[point - 1].ts)
@@ -157,6 +159,6 @@ def _pipeline(
             summaries_made=1 if result.compacted else 0,
             degraded=(),
             elapsed_ms=round(elapsed, 3),
-            assembled=result.messages if call == len(points) - 1 else (),
+            assembled=result.messages if every or call == len(points) - 1 else (),
             cache_break=result.cache_break,
         )
