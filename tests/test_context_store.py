@@ -31,6 +31,7 @@ from stalwart.events import (
     ContextAssembled,
     ContextBound,
     ContextDagDegraded,
+    ContextSummarizerFailed,
     ContextSummaryCreated,
     MessageAppended,
 )
@@ -260,3 +261,26 @@ def test_idle_sessions_leave_memory_and_come_back_from_the_log(
         assert again.summaries_made == ()  # rebuilt from the log, nothing made twice
     finally:
         ref.stop()
+
+
+def test_the_governor_is_rebuilt_in_log_order_across_a_tenants_sessions(
+    start, store: EventStore, clock: FakeClock
+) -> None:  # type: ignore[no-untyped-def]
+    # five failures in one session, then a summary in another: the breaker is closed.
+    # The streams are listed by name, the later session's first; only the log's order
+    # says which came last.
+    for _ in range(5):
+        store.append("context:zz", [ContextSummarizerFailed(tenant="acme")])
+        clock.advance(1)
+    made = ContextSummaryCreated(
+        summary_id="sum-1", depth=0, covers=("m1",), descendant_count=1, tenant="acme"
+    )
+    store.append("context:aa", [made])
+    ref = start()
+    reply = ask_context(
+        ref, Assemble(session_id="s1", messages=history(30), budget=2_500, tenant="acme"), ASK
+    )
+    assert reply.summaries_made
+    assert not reply.degraded  # an open breaker would have made emergency truncations
+    events = [r.event for r in store.read_stream("context:s1")]
+    assert not [e for e in events if isinstance(e, ContextDagDegraded)]

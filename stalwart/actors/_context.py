@@ -27,7 +27,8 @@ the :class:`~stalwart.context.DagEngine`; with ``context_engine.version = "pipel
 one :class:`~stalwart.context.pipeline.PipelineEngine` per session. A refused write
 (fail-closed rollover) records ``context:dag_degraded`` and the ask raises
 :class:`~stalwart.context.ContextScopeError`. The summarizer governor is folded from
-every ``context:`` stream at start, so spend caps and the breaker survive a restart.
+every ``context:`` stream at start, in log order, so spend caps and the breaker survive a
+restart.
 
 :func:`~stalwart.actors.context_tools` gives an agent ``ctx_search`` / ``ctx_inspect`` /
 ``ctx_expand`` bound to its own session and tenant (dag mode only), and
@@ -39,6 +40,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import partial
+from operator import attrgetter
 from types import TracebackType
 from typing import Any
 
@@ -60,7 +62,13 @@ from stalwart.context import (
 )
 from stalwart.context.pipeline import PipelineConfig, PipelineEngine
 from stalwart.errors import ConfigError
-from stalwart.events import ContextDagDegraded, Event
+from stalwart.events import (
+    ContextDagDegraded,
+    ContextSummarizerFailed,
+    ContextSummaryCreated,
+    Event,
+    RecordedEvent,
+)
 from stalwart.providers import Message
 from stalwart.store import EventStore
 
@@ -230,10 +238,7 @@ class ContextStoreActor(pykka.ThreadingActor):
         return self._settings.version
 
     def on_start(self) -> None:
-        streams = [info.stream for info in self._store.streams()]
-        for stream in streams:
-            if stream.startswith("context:"):
-                self._dag.observe(self._store.read_stream(stream))
+        self._dag.observe(governor_records(self._store))
         self._lanes = Lanes(self._settings.parallel_sessions, name="stalwart-context")
         log.info("context_store.started", engine=self.mode, tenants=len(self._dag.governors))
 
@@ -433,6 +438,34 @@ class ContextStoreActor(pykka.ThreadingActor):
         recorded = self._store.append(stream, list(events), expected_version=expected)
         if versioned and recorded:
             self._versions[session_id] = recorded[-1].version
+
+
+def governor_records(store: EventStore) -> list[RecordedEvent]:
+    """What the tenants' summarizer governors fold, from every ``context:`` stream, in
+    log order: a tenant's sessions interleave, and its breaker counts failures in the
+    order they came, across them. Summaries are kept without their bodies."""
+    found: list[RecordedEvent] = []
+    for info in store.streams():
+        if not info.stream.startswith("context:"):
+            continue
+        for record in store.read_stream(info.stream):
+            event = record.event
+            if isinstance(event, ContextSummaryCreated):
+                bare = ContextSummaryCreated(
+                    summary_id=event.summary_id,
+                    depth=event.depth,
+                    covers=(),
+                    descendant_count=event.descendant_count,
+                    fallback=event.fallback,
+                    input_tokens=event.input_tokens,
+                    output_tokens=event.output_tokens,
+                    tenant=event.tenant,
+                )
+                found.append(msgspec.structs.replace(record, event=bare))
+            elif isinstance(event, ContextSummarizerFailed):
+                found.append(record)
+    found.sort(key=attrgetter("position"))
+    return found
 
 
 def pipeline_config(settings: ContextEngineSettings) -> PipelineConfig:
