@@ -64,13 +64,16 @@ from stalwart.context.pipeline import PipelineConfig, PipelineEngine
 from stalwart.errors import ConfigError
 from stalwart.events import (
     ContextDagDegraded,
+    ContextLayerDisabled,
+    ContextLayerEnabled,
+    ContextLayerHalfOpened,
     ContextSummarizerFailed,
     ContextSummaryCreated,
     Event,
     RecordedEvent,
 )
 from stalwart.providers import Message
-from stalwart.store import EventStore
+from stalwart.store import EventStore, NewEvent
 
 from ._lanes import Lanes, Turnstile, answer
 
@@ -371,8 +374,14 @@ class ContextStoreActor(pykka.ThreadingActor):
             provider=message.profile.provider,
             caching=message.profile.caching,
         )
+        # the layer breaker decided at the assembly's clock reading: its events say so
+        # (replay re-derives a breaker's cooldown from the time its event records)
+        events = [
+            NewEvent(event=event, ts=result.now) if isinstance(event, _BREAKER_EVENTS) else event
+            for event in result.events
+        ]
         try:
-            self._append(stream, result.events)
+            self._append(stream, events)
         except Exception:
             self._forget(session_id)  # as in dag mode: rebuilt from the log next time
             raise
@@ -428,7 +437,9 @@ class ContextStoreActor(pykka.ThreadingActor):
         messages = messages_from_records(self._store.read_stream(f"session:{session_id}"))
         self._restore(session_id, messages)
 
-    def _append(self, stream: str, events: Sequence[Event], *, versioned: bool = True) -> None:
+    def _append(
+        self, stream: str, events: Sequence[Event | NewEvent], *, versioned: bool = True
+    ) -> None:
         if not events:
             return
         session_id = stream.removeprefix("context:")
@@ -438,6 +449,9 @@ class ContextStoreActor(pykka.ThreadingActor):
         recorded = self._store.append(stream, list(events), expected_version=expected)
         if versioned and recorded:
             self._versions[session_id] = recorded[-1].version
+
+
+_BREAKER_EVENTS = (ContextLayerDisabled, ContextLayerHalfOpened, ContextLayerEnabled)
 
 
 def governor_records(store: EventStore) -> list[RecordedEvent]:

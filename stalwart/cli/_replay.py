@@ -16,6 +16,7 @@ import click
 import msgspec
 
 from stalwart.config import AgentSettings, Config, ProviderSettings
+from stalwart.context.pipeline import PipelineConfig
 from stalwart.errors import CorruptRecordError, StoreError
 from stalwart.events import (
     Event,
@@ -98,6 +99,7 @@ def default_knobs() -> dict[str, Any]:
     record = Config().to_record()
     record["providers"] = {"*": _defaults_of(ProviderSettings)}
     record["agents"] = {"*": _defaults_of(AgentSettings)}
+    record["context_engine"]["pipeline"] = _defaults_of(PipelineConfig)
     return record
 
 

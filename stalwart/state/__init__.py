@@ -59,6 +59,8 @@ from ._context_pipeline import (
     PipelineSummary,
     apply_pipeline,
     apply_pipeline_event,
+    decide_layer_failure,
+    layer_trial_due,
 )
 from ._deadletter import (
     DEADLETTER,
@@ -300,6 +302,7 @@ __all__ = [
     "decide_ghost",
     "decide_health",
     "decide_interrupt",
+    "decide_layer_failure",
     "decide_lease",
     "decide_pause",
     "decide_prompt_timeout",
@@ -324,6 +327,7 @@ __all__ = [
     "incidents",
     "latency_bucket",
     "latency_percentile",
+    "layer_trial_due",
     "lease_expired",
     "model_chain",
     "next_deadline",

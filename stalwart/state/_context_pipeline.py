@@ -112,6 +112,36 @@ def _assembled(state: PipelineState, event: ContextAssembled) -> PipelineState:
     )
 
 
+# -- the layer breaker's decisions (the engine makes them; replay re-derives them) -------
+
+
+def layer_trial_due(breaker: LayerBreaker, now: float) -> bool:
+    """Whether a layer that is not closed runs its half-open trial at ``now``."""
+    return breaker.status != "closed" and breaker.retry_at is not None and now >= breaker.retry_at
+
+
+def decide_layer_failure(
+    layer: str, breaker: LayerBreaker, now: float, *, error: str, limit: int, cooldown_s: float
+) -> list[Event]:
+    """What a layer raising at ``now`` decides, from its breaker before the failure: it
+    is disabled until ``now + cooldown_s`` when this is its ``limit``-th failure in a row
+    (``context_engine.pipeline.layer_failure_limit``) or its half-open trial; otherwise
+    nothing (the failure is counted by ``context:assembled``). ``error`` is the exception's
+    class name."""
+    failures = breaker.failures + 1
+    if breaker.status == "closed" and failures < limit:
+        return []
+    return [
+        ContextLayerDisabled(
+            layer=layer,
+            failures=failures,
+            error=error,
+            cooldown_s=cooldown_s,
+            retry_at=now + cooldown_s,
+        )
+    ]
+
+
 def apply_pipeline_event(state: PipelineState, event: Event) -> PipelineState:
     """The state after one more event (events of other kinds change nothing)."""
     match event:

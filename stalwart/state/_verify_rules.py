@@ -89,6 +89,7 @@ from ._subagent import (
 )
 from ._supervision import decide_restart
 from ._verify_activations import ACTIVATION_RULES
+from ._verify_context import CONTEXT_RULES
 from ._verify_decisions import DECISION_RULES
 from ._verify_folds import CALLS, RESTARTS, CallsState, RestartsState
 from ._verify_registry import Deadline, Knobs, Registry, Selective, Verifier, moment
@@ -438,4 +439,6 @@ BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
 )
 
 #: The built-in registry: every decision above, and DESIGN's decision tags.
-VERIFIERS = Registry(decisions=DECISIONS).with_(*BUILTIN, *ACTIVATION_RULES, *DECISION_RULES)
+VERIFIERS = Registry(decisions=DECISIONS).with_(
+    *BUILTIN, *ACTIVATION_RULES, *DECISION_RULES, *CONTEXT_RULES
+)

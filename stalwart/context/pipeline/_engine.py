@@ -16,13 +16,18 @@ from stalwart.context._types import ContextMessage, Summarizer
 from stalwart.events import (
     ContextAssembled,
     ContextCompacted,
-    ContextLayerDisabled,
     ContextLayerEnabled,
     ContextLayerHalfOpened,
     Event,
     RecordedEvent,
 )
-from stalwart.state import PipelineState, apply_pipeline_event
+from stalwart.state import (
+    LayerBreaker,
+    PipelineState,
+    apply_pipeline_event,
+    decide_layer_failure,
+    layer_trial_due,
+)
 
 from ._clean import clean_thinking, guard_surrogates, scrub_signatures, strip_reasoning_tags
 from ._compaction import compact, keep_summary
@@ -73,7 +78,8 @@ class PipelineResult(msgspec.Struct, frozen=True, kw_only=True):
     ``messages[:fence]`` is the cache fence's prefix, sent unchanged on the next call
     unless it breaks; ``breakpoints`` are the indices a request marks ``cache_control``
     (Anthropic); ``cache_break`` says why this call shaped the messages behind the
-    previous fence again (None when it held, or with no fence)."""
+    previous fence again (None when it held, or with no fence). ``now`` is the clock
+    reading the layers decided at: the layer breaker's events happened then."""
 
     messages: tuple[ContextMessage, ...]
     events: tuple[Event, ...]
@@ -90,6 +96,7 @@ class PipelineResult(msgspec.Struct, frozen=True, kw_only=True):
     fence: int = 0
     breakpoints: tuple[int, ...] = ()
     cache_break: str | None = None
+    now: float = 0.0
 
     def provider_messages(self, factory: Callable[..., T]) -> tuple[T, ...]:
         """The messages as ``factory(role=, content=, tool_calls=, tool_call_id=,
@@ -292,6 +299,7 @@ class PipelineEngine:
             fence=fence,
             breakpoints=breakpoints(current, held) if caching else (),
             cache_break=broke,
+            now=run.now,
         )
 
     def _hold(
@@ -357,7 +365,7 @@ class PipelineEngine:
             breaker = self._state.breaker(name)
             trial = breaker.status != "closed"
             if trial:
-                if breaker.retry_at is None or run.now < breaker.retry_at:
+                if not layer_trial_due(breaker, run.now):
                     current = self._fallback(name, current, run)
                     continue
                 events.append(ContextLayerHalfOpened(layer=name))
@@ -366,7 +374,7 @@ class PipelineEngine:
                 outcome = layer(current, run)
             except Exception as exc:  # any layer bug must not fail the turn
                 failed.append(name)
-                events.extend(self._failure(name, breaker.failures + 1, exc, run.now, trial))
+                events.extend(self._failure(name, breaker, exc, run.now))
                 current = self._fallback(name, current, run)
                 continue
             if trial:
@@ -419,38 +427,36 @@ class PipelineEngine:
                     threshold=event.threshold,
                 )
 
-    def _failure(
-        self, name: str, failures: int, exc: Exception, now: float, trial: bool
-    ) -> list[Event]:
+    def _failure(self, name: str, breaker: LayerBreaker, exc: Exception, now: float) -> list[Event]:
         error = type(exc).__name__
+        failures = breaker.failures + 1
         log.warning(
             "context layer failed",
             session=self.session,
             layer=name,
             error=error,
             failures=failures,
-            half_open_trial=trial,
+            half_open_trial=breaker.status != "closed",
         )
-        if not trial and failures < self.config.layer_failure_limit:
-            return []
-        cooldown = self.config.layer_retry_after_s
-        log.warning(
-            "Context layer disabled by circuit breaker",
-            session=self.session,
-            layer=name,
-            failures=failures,
+        config = self.config
+        decided = decide_layer_failure(
+            name,
+            breaker,
+            now,
             error=error,
-            errorKind="internal",
-            retry_at=now + cooldown,
-            hint=f"the {name} layer raised {failures} times in a row; it is skipped until "
-            "its half-open retry, the other layers keep running",
+            limit=config.layer_failure_limit,
+            cooldown_s=config.layer_retry_after_s,
         )
-        return [
-            ContextLayerDisabled(
+        if decided:
+            log.warning(
+                "Context layer disabled by circuit breaker",
+                session=self.session,
                 layer=name,
                 failures=failures,
                 error=error,
-                cooldown_s=cooldown,
-                retry_at=now + cooldown,
+                errorKind="internal",
+                retry_at=now + config.layer_retry_after_s,
+                hint=f"the {name} layer raised {failures} times in a row; it is skipped until "
+                "its half-open retry, the other layers keep running",
             )
-        ]
+        return decided
