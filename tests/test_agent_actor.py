@@ -23,6 +23,7 @@ import pykka
 import pytest
 
 from stalwart.actors import (
+    ABANDONED_TEXT,
     DEGRADED_TEXT,
     FAILED_TEXT,
     MAX_STEPS_TEXT,
@@ -535,7 +536,7 @@ def test_messages_during_a_turn_run_next_in_order(harness: Harness) -> None:
     assert [c.outcome for c in of(records, TurnCompleted)] == ["answered"] * 3
 
 
-def test_a_restart_closes_the_turn_a_crash_left_running(harness: Harness) -> None:
+def test_a_restart_closes_the_turn_a_crash_left_running_and_says_so(harness: Harness) -> None:
     harness.fake.add(Hang())
     first = harness.start()
     first.tell(UserMessage("hang, then crash"))
@@ -554,10 +555,13 @@ def test_a_restart_closes_the_turn_a_crash_left_running(harness: Harness) -> Non
     )
     [completed] = of(list(harness.store.read_stream(STREAM)), TurnCompleted)
     assert completed == TurnCompleted(turn_id=turn_id, outcome="interrupted", reason="restart")
-    assert harness.channel.attempted == []
+    [notice] = harness.replies(1)  # nothing retries an in-memory turn: the user is told
+    assert (notice.text, notice.kind) == (ABANDONED_TEXT, "failure_notice")
+    [queued] = of(list(harness.store.read_stream(STREAM)), AnnouncementQueued)
+    assert queued.announcement_id == notice.idempotency_key
 
     second.tell(UserMessage("hello again"))
-    assert harness.replies(1)[0].text == "default answer"
+    assert harness.replies(2)[1].text == "default answer"
     assert [m["content"] for m in chat(harness.requests(2)[1])] == [
         "hang, then crash",
         "hello again",

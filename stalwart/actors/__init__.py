@@ -12,6 +12,7 @@ from ._agent_fold import (
     request_messages,
 )
 from ._agent_messages import (
+    ABANDONED_TEXT,
     APPROVAL_TEXT,
     DEGRADED_TEXT,
     EMPTY_ANSWER_TEXT,
@@ -97,6 +98,7 @@ from ._subsession import WAIT_SLICE_S, SubsessionFailed, subsession_work
 from ._supervisor import GetRuns, Recovered, SupervisorActor, Sweep, SweepReport
 from ._supervisor_fold import RUN_WATCH, RunWatch
 from ._worker import (
+    Abandoned,
     ActivationWorker,
     LeaseLost,
     Nudge,
@@ -108,6 +110,7 @@ from ._worker import (
 )
 
 __all__ = [
+    "ABANDONED_TEXT",
     "AGENT_VIEW",
     "APPROVAL_TEXT",
     "DEADLETTER_STREAM",
@@ -133,6 +136,7 @@ __all__ = [
     "UNRECONCILED_TEXT",
     "WAIT_SLICE_S",
     "WAKE_PREFIX",
+    "Abandoned",
     "ActivationWorker",
     "AgentActor",
     "AgentLoopSettings",

@@ -23,7 +23,11 @@ What ends a turn, besides an answer:
 
 User messages that arrive while a turn runs wait in memory (FIFO) and are appended when
 their turn starts. On start the actor folds its stream; a turn that a crash left running
-is closed with ``turn:completed`` outcome ``interrupted`` (resuming it is a later step).
+is closed with ``turn:completed`` outcome ``interrupted`` and :data:`ABANDONED_TEXT`
+(resuming it is a later step; a durable session's worker retries the wake instead, and
+when it gives up the Agent closes the turn as ``failed`` / ``abandoned`` with the same
+text). An announcement whose send a crash cut short is sent again on start, when it was
+queued within :data:`RESEND_WITHIN_S`.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ from ._agent_fold import (
 )
 from ._agent_io import LiveTurn, deliver, model_done, run_calls, sent, tools_done
 from ._agent_messages import (
+    ABANDONED_TEXT,
     APPROVAL_TEXT,
     DEGRADED_TEXT,
     EMPTY_ANSWER_TEXT,
@@ -112,12 +117,15 @@ from ._deadletter import Enqueue
 from ._portal import IoPortal
 from ._restarts import crashed
 from ._scheduler import Scheduler
-from ._worker import LeaseLost, Wake, WakeEnded
+from ._worker import Abandoned, LeaseLost, Wake, WakeEnded
 
 __all__ = ["AgentActor"]
 
 log = get_logger(__name__)
 
+#: How long after it was queued an announcement whose send a crash cut short is sent
+#: again (the dead-letter queue's default maximum age: older news is stale).
+RESEND_WITHIN_S = 3_600.0
 #: What an announcement is (``announcement:queued``): the answer, or a static text.
 Kind = Literal["completion", "failure_notice", "static_reply"]
 Outcome = Literal["answered", "failed", "aborted", "deferred"]
@@ -215,7 +223,9 @@ class AgentActor(pykka.ThreadingActor):
         running = self._folder.session().current_turn
         if running is not None and self._policy is None:  # durable: the next wake closes it
             log.warning("agent.turn_interrupted", stream=self._stream, turn_id=running)
-            self._append([TurnCompleted(turn_id=running, outcome="interrupted", reason="restart")])
+            closed = TurnCompleted(turn_id=running, outcome="interrupted", reason="restart")
+            self._append([closed, self._notice(ABANDONED_TEXT)])  # nothing will retry it
+        self._speak_up()
 
     def on_stop(self) -> None:
         if self._turn is not None:
@@ -243,6 +253,8 @@ class AgentActor(pykka.ThreadingActor):
                 self._queue.append(message)  # taken at once when no turn runs
             case Wake():
                 self._on_wake(message)
+            case Abandoned():
+                self._speak_up()
             case LeaseLost():
                 if self._wake is not None and message.epoch in (None, self._wake.epoch):
                     self._drop_wake(notify=False)
@@ -699,6 +711,44 @@ class AgentActor(pykka.ThreadingActor):
         self._refresh()
         if notify and wake is not None and self._worker is not None:
             self._worker(WakeEnded(wake.stream, wake.epoch))
+
+    def _notice(self, text: str) -> AnnouncementQueued:
+        return AnnouncementQueued(
+            announcement_id=new_id(), channel=self._channel.name, kind="failure_notice", text=text
+        )
+
+    def _speak_up(self) -> None:
+        """Say what a crash or a given-up wake left unsaid: that a turn broke off, when the
+        worker gave up on a wake with nothing announced since its lease (once, closing
+        the turn it left running), and every announcement whose send never ended (the
+        Agent died meanwhile). Only what happened within :data:`RESEND_WITHIN_S` is
+        said: older news is stale (the turn is still closed)."""
+        if self._turn is not None or self._wake is not None:
+            return  # the running turn ends in its own message
+        ledger = self._ledger
+        now = self._clock.now()
+        abandoned = ledger.abandoned
+        if abandoned is not None and ledger.activations.lease is None:
+            running = self._folder.session().current_turn
+            events: list[Event] = []
+            if now - abandoned <= RESEND_WITHIN_S:  # news older than that is stale
+                events.append(self._notice(ABANDONED_TEXT))
+            if running is not None:
+                events.insert(
+                    0, TurnCompleted(turn_id=running, outcome="failed", reason="abandoned")
+                )
+            if events:
+                log.warning("agent.wake_abandoned", stream=self._stream, turn_id=running)
+                news = [NewEvent(event=e, ts=now) for e in events]
+                # on the version folded: a wake that started meanwhile speaks for itself
+                with contextlib.suppress(ConcurrencyError):
+                    self._store.append(self._stream, news, expected_version=self._folder.version)
+                self._refresh()
+        for announcement_id, (queued, at) in list(ledger.unsent.items()):
+            if announcement_id in self._unsent or now - at > RESEND_WITHIN_S:
+                continue
+            log.info("agent.send_again", stream=self._stream, announcement_id=announcement_id)
+            self._send("", announcement_id, queued.text, queued.kind)
 
     def _send(self, turn_id: str, announcement_id: str, text: str, kind: Kind) -> None:
         message = OutboundMessage(

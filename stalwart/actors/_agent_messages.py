@@ -15,6 +15,7 @@ from stalwart.state import SessionState
 from stalwart.tools import ToolOutcome
 
 __all__ = [
+    "ABANDONED_TEXT",
     "APPROVAL_TEXT",
     "DEGRADED_TEXT",
     "EMPTY_ANSWER_TEXT",
@@ -40,6 +41,12 @@ FAILED_TEXT = (
     "Sorry, the model did not answer: every configured model failed or timed out. "
     "Please try again in a moment."
 )
+#: The turn broke off (the process or the Agent crashed) and was not finished: in memory,
+#: at once on restart; in a durable session, once the worker gave up retrying it.
+ABANDONED_TEXT = (
+    "Sorry, something went wrong while I was working on your message and I could not "
+    "finish it. Please send it again."
+)
 #: The conversation no longer fits the model's context window.
 OVERFLOW_TEXT = (
     "Sorry, this conversation is too long for the model to read. Please start a new conversation."
@@ -49,10 +56,11 @@ MAX_STEPS_TEXT = (
     "Sorry, I reached the limit of steps I may take for one message without finishing. "
     "Please narrow the request and try again."
 )
-#: The agent's provider is degraded: no model call was made.
+#: The agent's provider is degraded: no model call was made. Nothing answers the message
+#: later by itself (the turn ends ``deferred``), so the text promises nothing.
 DEGRADED_TEXT = (
-    "The model provider is having trouble right now; your message is saved and "
-    "I'll answer when it is back."
+    "The model provider is having trouble right now, so I cannot answer this message. "
+    "Please send it again in a few minutes."
 )
 #: A tool that needs confirmation paused the session.
 APPROVAL_TEXT = (

@@ -2,7 +2,9 @@
 
 :class:`WakeLedger` folds, next to the Agent's view, the session's activations, which
 user messages are in the conversation, the tool calls that started and those that have
-a result, and the pause requests with their answers. From it:
+a result, the pause requests with their answers, the announcements queued and not sent
+yet, and whether the worker gave up on an activation the user was never answered for.
+From it:
 
 - :meth:`WakeLedger.unanswered` the tool calls of the last assistant message that have
   no result yet (a paused step to resume, or a step a crash cut short);
@@ -16,6 +18,11 @@ from __future__ import annotations
 import msgspec
 
 from stalwart.events import (
+    ActivationAbandoned,
+    ActivationLeased,
+    AnnouncementDelivered,
+    AnnouncementQueued,
+    AnnouncementSendFailed,
     MessageAppended,
     RecordedEvent,
     SessionRequiresAction,
@@ -23,6 +30,7 @@ from stalwart.events import (
     ToolCompleted,
     ToolFailed,
     ToolStarted,
+    TurnCompleted,
     UserCustomToolResult,
     UserInterrupt,
     UserToolConfirmation,
@@ -79,7 +87,9 @@ class WakeLedger:
     """The wake's bookkeeping, folded record by record beside the Agent's view."""
 
     __slots__ = (
+        "abandoned",
         "activations",
+        "announced",
         "drafts",
         "last_calls",
         "message_ids",
@@ -87,6 +97,7 @@ class WakeLedger:
         "resolutions",
         "results",
         "started",
+        "unsent",
     )
 
     def __init__(self, stream: str) -> None:
@@ -98,6 +109,12 @@ class WakeLedger:
         self.started: set[str] = set()
         self.requests: dict[str, SessionRequiresAction] = {}  # request id -> the request
         self.resolutions: dict[str, Resolution] = {}  # call id -> the answer
+        #: announcement id -> the announcement and when it was queued, until its send ends
+        self.unsent: dict[str, tuple[AnnouncementQueued, float]] = {}
+        self.announced = False  # an announcement was queued since the latest lease
+        #: when an activation was given up on with nothing announced since its lease
+        #: (None once a notice or the turn's close for it is in the log)
+        self.abandoned: float | None = None
 
     def add(self, record: RecordedEvent) -> None:
         self.activations = ACTIVATIONS.apply(self.activations, record)
@@ -122,6 +139,17 @@ class WakeLedger:
                 self._resolve(event.request_id, Resolution("output", event.output))
             case UserInterrupt():
                 self.requests.clear()
+            case AnnouncementQueued():
+                self.unsent[event.announcement_id] = (event, record.ts)
+                self.announced, self.abandoned = True, None
+            case AnnouncementDelivered() | AnnouncementSendFailed():
+                self.unsent.pop(event.announcement_id, None)
+            case ActivationLeased():
+                self.announced = False
+            case ActivationAbandoned() if not self.announced and self.abandoned is None:
+                self.abandoned = record.ts
+            case TurnCompleted(reason="abandoned"):
+                self.abandoned = None
             case _:
                 pass
 

@@ -102,6 +102,13 @@ class LeaseLost(msgspec.Struct, frozen=True):
     epoch: int | None
 
 
+class Abandoned(msgspec.Struct, frozen=True):
+    """The worker gave up on an activation of ``stream`` (``activation:abandoned``): its
+    Agent tells the user, unless the wake's own end already did."""
+
+    stream: str
+
+
 class WakeEnded(msgspec.Struct, frozen=True):
     """The Agent settled (or abandoned) the wake it was given."""
 
@@ -161,6 +168,7 @@ class ActivationWorker(pykka.ThreadingActor):
         owner: str,
         wake: Callable[[Wake], bool],
         lost: Callable[[LeaseLost], object],
+        abandoned: Callable[[Abandoned], object] | None = None,
         poll_ms: int = 1_000,
         jitter_ms: int = 0,
         claim_batch: int = CLAIM_BATCH,
@@ -175,6 +183,7 @@ class ActivationWorker(pykka.ThreadingActor):
         self._owner = owner
         self._wake = wake
         self._lost = lost
+        self._abandoned = abandoned
         self._poll_ms = poll_ms
         self._claim_batch = max(1, claim_batch)
         self._claim_hold_s = claim_hold_ms / 1000
@@ -334,6 +343,8 @@ class ActivationWorker(pykka.ThreadingActor):
             self._sync(stream)
             if leased is None:
                 log.warning("worker.abandoned_on_expiry", stream=stream)
+                if claim is not None:
+                    self._gave_up(stream)
                 return False
             self._start(stream, self._states[stream], leased)
             return True
@@ -354,8 +365,9 @@ class ActivationWorker(pykka.ThreadingActor):
         self._running[stream] = leased.epoch
         log.info("worker.leased", stream=stream, epoch=leased.epoch, kind=head.kind)
         self._arm_renewal(stream, leased.epoch)
-        if not self._wake(wake):
-            log.warning("worker.wake_refused", stream=stream)
+        if not self._wake(wake):  # no Agent takes it (it cannot start): a failed wake,
+            log.warning("worker.wake_refused", stream=stream)  # retried, then given up
+            self._failed(WakeFailed(stream, error_class="wake_refused"))
 
     def _next_due(self, now: float) -> float | None:
         """The earliest future time some session's work becomes due or a lease expires."""
@@ -450,6 +462,15 @@ class ActivationWorker(pykka.ThreadingActor):
             )
         except StoreError as exc:  # fenced: taken over meanwhile; the new holder decides
             log.warning("worker.settle_failed", stream=message.stream, error=type(exc).__name__)
+            return
+        if isinstance(settlement, ActivationAbandoned):
+            self._gave_up(message.stream)
+
+    def _gave_up(self, stream: str) -> None:
+        """An activation was abandoned: its session's Agent must tell the user."""
+        log.error("worker.gave_up", stream=stream)
+        if self._abandoned is not None:
+            self._abandoned(Abandoned(stream))
 
     def _ended(self, message: WakeEnded) -> None:
         if self._running.get(message.stream) == message.epoch:

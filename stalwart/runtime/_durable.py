@@ -23,6 +23,7 @@ import pykka
 
 from stalwart._logs import get_logger
 from stalwart.actors import (
+    Abandoned,
     ActivationWorker,
     LeaseLost,
     Nudge,
@@ -103,6 +104,7 @@ class Durability:
             owner=self.owner,
             wake=self._wake,
             lost=self._lost,
+            abandoned=self._abandoned,
             poll_ms=settings.poll_ms,
             claim_batch=settings.claim_batch,
             claim_hold_ms=settings.claim_hold_ms,
@@ -160,6 +162,16 @@ class Durability:
         if ref is not None:
             with contextlib.suppress(pykka.ActorDeadError):
                 ref.tell(lost)
+
+    def _abandoned(self, abandoned: Abandoned) -> None:
+        """The worker gave up on a wake: the session's Agent (started for it if need be)
+        tells the user and closes the turn the wake left running."""
+        ref = self._agent_for(abandoned.stream.removeprefix("session:"), True)
+        if ref is None:
+            log.error("durable.abandoned_untold", stream=abandoned.stream)
+            return
+        with contextlib.suppress(pykka.ActorDeadError):
+            ref.tell(abandoned)
 
     # -- passivation ------------------------------------------------------------------------
 

@@ -1,0 +1,159 @@
+"""What a crash or a given-up wake would otherwise leave unsaid: the user is told.
+
+- a durable wake the worker gives up on (its Agent crashed on every attempt) closes the
+  turn it left running and sends one static notice;
+- a wake no Agent can take (the session's channel is not configured) is retried and
+  given up on, not leased for ever;
+- an answer whose send a crash cut short is sent again by the restarted Agent.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from stalwart.actors import ABANDONED_TEXT
+from stalwart.channels import MemoryChannel
+from stalwart.clock import FakeClock
+from stalwart.config import Config, parse_config
+from stalwart.events import (
+    ActivationAbandoned,
+    ActivationLeased,
+    ActivationRequeued,
+    AnnouncementDelivered,
+    AnnouncementQueued,
+    LeaseRenewed,
+    SessionCreated,
+    SupervisorRestarted,
+    TurnCompleted,
+    TurnStarted,
+)
+from stalwart.runtime import Runtime, send_message
+from stalwart.store import EventStore
+from stalwart.testing import FakeProvider, Hang
+
+from ._runtime_support import GUARD, delivered, has, log_until, of
+
+AGENT: dict[str, Any] = {
+    "provider": "main",
+    "model": "m1",
+    "prompt_timeout_ms": 120_000,
+    "retry_prompt_timeout_ms": 120_000,
+    "max_retries": 0,
+}
+
+
+def _config(fake: FakeProvider, **extra: Any) -> Config:
+    return parse_config(
+        {
+            "providers": {"main": {"kind": "openai", "base_url": fake.base_url}},
+            "agents": {"default": dict(AGENT)},
+            **extra,
+        }
+    )
+
+
+def _pass(clock: FakeClock, seconds: int) -> None:
+    """Let fake time pass a second at a time, giving the actors a moment at each."""
+    for _ in range(seconds):
+        clock.advance(1.0)
+        time.sleep(0.01)
+
+
+def test_a_wake_given_up_on_closes_its_turn_and_tells_the_user(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    fake.set_default(Hang())
+    with Runtime(_config(fake), store=store, clock=clock, channels={"chat": chat}) as rt:
+        session = rt.session("s1", channel="chat")
+        session.send("hello")
+        abandoned = has(ActivationAbandoned)
+        for attempt in range(1, 6):  # max_attempts: the Agent dies of a bug on every one
+            fake.wait_for(lambda requests, n=attempt: len(requests) >= n, GUARD)
+            session.ref.tell(object())
+            log_until(
+                store,
+                "session:s1",
+                lambda rs, n=attempt: has(ActivationRequeued, n)(rs) or abandoned(rs),
+            )
+            _pass(clock, 40)  # the supervisor's restart backoff, then the requeue's
+        records = log_until(store, "session:s1", has(AnnouncementDelivered))
+        [notice] = delivered(rt, chat, 1)
+        assert (notice.text, notice.kind) == (ABANDONED_TEXT, "failure_notice")
+        started = [e.turn_id for e in of(TurnStarted, records)]
+        closed = {e.turn_id: e for e in of(TurnCompleted, records)}
+        assert set(started) == set(closed)  # no turn is left running
+        last = closed[started[-1]]
+        assert (last.outcome, last.reason) == ("failed", "abandoned")
+        [queued] = of(AnnouncementQueued, records)  # once, even with the Agent restarted
+        assert queued.text == ABANDONED_TEXT
+        assert rt.runs() is not None
+
+
+def test_a_wake_no_agent_can_take_is_retried_then_given_up(
+    store: EventStore, clock: FakeClock, fake: FakeProvider
+) -> None:
+    # recorded for the "console" channel, which this runtime's config does not have
+    send_message(store, "s1", "hello", ts=clock.now())
+    config = _config(fake, channels={"chat": {"kind": "memory"}})
+    with Runtime(config, store=store, clock=clock) as rt:
+        log_until(store, "session:s1", has(ActivationLeased))
+        deadline = time.monotonic() + GUARD
+        while time.monotonic() < deadline:
+            _pass(clock, 30)
+            if has(ActivationAbandoned)(list(store.read_stream("session:s1"))):
+                break
+        records = list(store.read_stream("session:s1"))
+        assert of(ActivationAbandoned, records)
+        assert len(of(ActivationRequeued, records)) == 4  # max_attempts 5
+        assert rt.worker().running == {}
+        renewals = len(of(LeaseRenewed, records))
+        _pass(clock, 120)
+        assert len(of(LeaseRenewed, list(store.read_stream("session:s1")))) == renewals
+
+
+def test_an_answer_whose_send_a_crash_cut_short_is_sent_again(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    chat.hang_next(1)  # the first send hangs until the Agent's send deadline cancels it
+    config = _config(fake, dead_letters={"announce_timeout_ms": 300})
+    with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
+        session = rt.session("s1", channel="chat")
+        session.send("hello")
+        [queued] = of(AnnouncementQueued, log_until(store, "session:s1", has(AnnouncementQueued)))
+        delivered(rt, chat, 1, attempted=True)
+        session.ref.tell(object())  # the Agent dies while its send is in flight
+        log_until(store, "runtime", has(SupervisorRestarted))
+        deadline = time.monotonic() + GUARD
+        while not chat.messages and time.monotonic() < deadline:
+            _pass(clock, 1)
+        assert [m.text for m in chat.messages] == ["default answer"]
+        assert chat.messages[0].idempotency_key == queued.announcement_id
+        records = log_until(store, "session:s1", has(AnnouncementDelivered))
+        [done] = of(AnnouncementDelivered, records)
+        assert done.announcement_id == queued.announcement_id
+
+
+def test_only_recent_news_is_sent_again(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    def queued(session: str, text: str) -> None:
+        created = SessionCreated(agent="default", channel="chat")
+        announcement = AnnouncementQueued(
+            announcement_id=f"a-{session}", channel="chat", kind="completion", text=text
+        )
+        store.append(f"session:{session}", [created, announcement])
+
+    queued("old", "an answer from two hours ago")
+    clock.advance(7_200 - 600)
+    queued("new", "an answer from ten minutes ago")
+    clock.advance(600)
+    with Runtime(_config(fake), store=store, clock=clock, channels={"chat": chat}) as rt:
+        rt.session("old", channel="chat")
+        rt.session("new", channel="chat")
+        [message] = delivered(rt, chat, 1)
+        assert message.text == "an answer from ten minutes ago"
+        log_until(store, "session:new", has(AnnouncementDelivered))
+        time.sleep(0.2)
+        assert len(chat.attempted) == 1
+        assert not of(AnnouncementDelivered, list(store.read_stream("session:old")))
