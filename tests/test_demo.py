@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from stalwart import store as store_module
+from stalwart.events import MessageAppended
 
 
 @pytest.mark.slow
@@ -83,3 +84,39 @@ def test_the_demo_refuses_a_directory_that_is_not_its_own(tmp_path: Path) -> Non
     assert proc.stderr.strip().startswith("stalwart: error:")
     assert "not a previous demo's store" in proc.stderr
     assert (tmp_path / "notes.txt").exists()
+
+
+def _demo(store: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stalwart", "--store", store, "demo"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_the_demo_never_replaces_a_real_store(tmp_path: Path) -> None:
+    # a real store holds the same two files as a demo's: only the demo's mark tells them apart
+    directory = tmp_path / "real"
+    with store_module.open(directory) as log:
+        log.append("session:s1", [MessageAppended(message_id="m1", role="user", content="hi")])
+    proc = _demo(str(directory))
+    assert proc.returncode == 1
+    assert "not a previous demo's store" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    with store_module.open(directory, create=False) as log:
+        assert [r.stream for r in log.read_all()] == ["session:s1"]
+
+
+@pytest.mark.parametrize("where", ["file", "postgresql://u@127.0.0.1:1/x"])
+def test_the_demo_refuses_a_store_it_cannot_own_in_one_line(tmp_path: Path, where: str) -> None:
+    if where == "file":
+        where = str(tmp_path / "notes.txt")
+        Path(where).write_text("mine")
+    proc = _demo(where)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith("stalwart: error:")
+    assert not (Path.cwd() / "postgresql:").exists()

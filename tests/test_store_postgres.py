@@ -314,3 +314,21 @@ def test_a_corrupt_snapshot_is_skipped(pg_server: PostgresServer, pg_url: str) -
             )
         _sql(pg_server, f"UPDATE {schema}.snapshots SET data = 'bad' WHERE version = 2")
         assert [s.version for s in store.snapshots("s:1", "f")] == [1]
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://u:s3cret@host:abc/x",
+        "postgresql://u:s3cret@host:99999/x",
+        "postgresql://u:s3cret@[bad/x",
+    ],
+)
+def test_a_malformed_url_is_one_line_without_the_url(url: str) -> None:
+    with pytest.raises(StoreError, match="host or port cannot be read") as caught:
+        store_module.open(url)
+    assert "s3cret" not in str(caught.value)
+    result = CliRunner().invoke(cli, ["--store", url, "streams"])
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output
+    assert "s3cret" not in result.output

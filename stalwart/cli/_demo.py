@@ -352,16 +352,26 @@ SCENES: tuple[Scene, ...] = (
 )
 
 
+#: The file that marks a store directory as the demo's own (only such a one is replaced).
+MARKER = "stalwart-demo"
+
+
 def _prepare(directory: Path) -> None:
-    """A fresh store directory: a previous demo's is replaced, anything else refused."""
-    if not directory.exists():
-        return
-    leftovers = {p.name for p in directory.iterdir()} - {"data.mdb", "lock.mdb"}
-    if leftovers:
-        raise StalwartError(
-            f"{directory} exists and is not a previous demo's store; pass --store DIR"
-        )
-    shutil.rmtree(directory)
+    """A fresh store directory, marked as the demo's: a previous demo's (marked) is
+    replaced, an empty one used, anything else refused (a real store looks like a
+    demo's but for the mark)."""
+    if directory.exists() and not directory.is_dir():
+        raise StalwartError(f"{directory} is not a directory; pass --store DIR")
+    if directory.exists():
+        found = {p.name for p in directory.iterdir()}
+        if found and (MARKER not in found or found - {MARKER, "data.mdb", "lock.mdb"}):
+            raise StalwartError(
+                f"{directory} exists and is not a previous demo's store; pass --store DIR "
+                "naming a new directory"
+            )
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    (directory / MARKER).write_text("made by `stalwart demo`, which may replace it\n")
 
 
 def _config(base_url: str) -> Config:
@@ -391,7 +401,10 @@ def demo(state: _State) -> None:
     parent = click.get_current_context().parent
     if parent is not None and parent.params.get("log_level") == "warning":
         configure_logging("critical")  # the narration tells the story; logs would repeat it
-    directory = Path(state.location or DEFAULT_DIR)
+    location = state.location or DEFAULT_DIR
+    if "://" in location:
+        raise StalwartError("the demo writes a directory of its own; pass --store DIR")
+    directory = Path(location)
     click.secho("stalwart demo: the failure layers, live, with no key and no network", bold=True)
     click.echo(f"The event log goes to {directory}/.")
     play(directory)

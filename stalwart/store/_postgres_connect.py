@@ -30,7 +30,13 @@ class PostgresUrl:
     """
 
     def __init__(self, url: str) -> None:
-        parts = urlsplit(url)
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 (read here: a bad port raises)
+        except ValueError:  # a bad port or IPv6 host; the URL is not shown (it may hold a password)
+            raise StoreError(
+                "the PostgreSQL store URL is malformed: its host or port cannot be read"
+            ) from None
         if parts.scheme not in SCHEMES:
             raise StoreError(
                 f"a PostgreSQL store URL starts with postgresql://, found {url[:16]!r}"
