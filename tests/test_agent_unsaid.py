@@ -57,6 +57,8 @@ def _pass(clock: FakeClock, seconds: int) -> None:
     """Let fake time pass a second at a time, giving the actors a moment at each."""
     for _ in range(seconds):
         clock.advance(1.0)
+        # real-time: the worker, supervisor and Agent run each fake second's timers on
+        # their own threads; a moment lets them append before time moves on again
         time.sleep(0.01)
 
 
@@ -154,6 +156,8 @@ def test_only_recent_news_is_sent_again(
         [message] = delivered(rt, chat, 1)
         assert message.text == "an answer from ten minutes ago"
         log_until(store, "session:new", has(AnnouncementDelivered))
+        # real-time: proving that no second send comes needs a wait; both Agents had
+        # started before the first send was delivered, and a resend is submitted at start
         time.sleep(0.2)
         assert len(chat.attempted) == 1
         assert not of(AnnouncementDelivered, list(store.read_stream("session:old")))

@@ -731,12 +731,10 @@ class AgentActor(pykka.ThreadingActor):
         if abandoned is not None and ledger.activations.lease is None:
             running = self._folder.session().current_turn
             events: list[Event] = []
+            if running is not None:
+                events.append(TurnCompleted(turn_id=running, outcome="failed", reason="abandoned"))
             if now - abandoned <= RESEND_WITHIN_S:  # news older than that is stale
                 events.append(self._notice(ABANDONED_TEXT))
-            if running is not None:
-                events.insert(
-                    0, TurnCompleted(turn_id=running, outcome="failed", reason="abandoned")
-                )
             if events:
                 log.warning("agent.wake_abandoned", stream=self._stream, turn_id=running)
                 news = [NewEvent(event=e, ts=now) for e in events]

@@ -465,16 +465,7 @@ def governor_records(store: EventStore) -> list[RecordedEvent]:
         for record in store.read_stream(info.stream):
             event = record.event
             if isinstance(event, ContextSummaryCreated):
-                bare = ContextSummaryCreated(
-                    summary_id=event.summary_id,
-                    depth=event.depth,
-                    covers=(),
-                    descendant_count=event.descendant_count,
-                    fallback=event.fallback,
-                    input_tokens=event.input_tokens,
-                    output_tokens=event.output_tokens,
-                    tenant=event.tenant,
-                )
+                bare = msgspec.structs.replace(event, body="", covers=(), topics=())
                 found.append(msgspec.structs.replace(record, event=bare))
             elif isinstance(event, ContextSummarizerFailed):
                 found.append(record)
