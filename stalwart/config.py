@@ -397,6 +397,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         for entry in data.get("channels", {}).values():
             if entry.get("url"):
                 entry["url"] = _without_secrets(entry["url"], keep_path=False)
+        store = data.get("store", {})
+        if "://" in store.get("location", ""):  # a postgresql:// URL may carry a password
+            store["location"] = _without_secrets(store["location"], keep_path=True)
         return data
 
     def agent(self, name: str = "default") -> AgentSettings:
@@ -433,7 +436,7 @@ def apply_agent_patch(config: Config, patch: dict[str, Any]) -> Config:
         value = patch.get(section)
         if section in patch and (not isinstance(value, dict) or leaf in value):
             raise ConfigError(f"key {key!r} is operator-only: an agent may not change it", key=key)
-    merged = _merge(config.to_record(), patch)
+    merged = _merge(msgspec.to_builtins(config), patch)  # not to_record: it drops secrets
     return parse_config(merged, source="agent config patch")
 
 

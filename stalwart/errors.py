@@ -139,7 +139,9 @@ class SessionActionError(StalwartError):
 
     ``reason`` is stable: ``no_session``, ``not_pending`` (no such request is waiting:
     a wrong id, a second answer, or one after an interrupt), ``wrong_kind`` (a tool result
-    for an approval or the reverse), ``wake_refused`` (a delayed wake over its caps).
+    for an approval or the reverse), ``wake_refused`` (a delayed wake over its caps),
+    ``invalid_session`` (an id no session can have: empty, with whitespace or control
+    characters, over 128 characters, or a stream name; ``session`` is then empty).
     """
 
     def __init__(self, message: str, *, reason: str, session: str) -> None:

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 
-__all__ = ["new_id", "new_ids"]
+__all__ = ["new_id", "new_ids", "valid_session_id"]
 
 _urandom = os.urandom
+
+_SESSION_ID = re.compile(r"[^\s\x00-\x1f\x7f]{1,128}")
+#: A session id that starts like a stream name was given the wrong thing: whose is it?
+_STREAM_PREFIXES = ("session:", "context:", "provider:", "runtime", "deadletter")
 
 
 def new_id() -> str:
@@ -21,3 +26,13 @@ def new_ids(count: int) -> list[str]:
     (the store's writer names every event of a batch at once)."""
     hexed = _urandom(16 * count).hex()
     return [hexed[at : at + 32] for at in range(0, 32 * count, 32)]
+
+
+def valid_session_id(session_id: object) -> bool:
+    """Whether ``session_id`` is a bare session id: 1 to 128 characters, no whitespace or
+    control characters, and not a stream name (``session:...``, ``context:...``)."""
+    return (
+        isinstance(session_id, str)
+        and _SESSION_ID.fullmatch(session_id) is not None
+        and not session_id.startswith(_STREAM_PREFIXES)
+    )

@@ -23,6 +23,9 @@ from stalwart.events import (
     ProviderDegraded,
     RuntimeStopped,
     SessionCreated,
+    SubagentCompleted,
+    SubagentProgress,
+    SubagentSpawned,
     TurnStarted,
 )
 from stalwart.store import NewEvent
@@ -162,6 +165,39 @@ def test_replay_of_a_provider_stream_shows_its_breaker(filled: Path) -> None:
     assert code == 0
     state = json.loads(out)
     assert (state["provider"], state["status"], state["version"]) == ("openai", "closed", 1)
+
+
+def test_replay_of_a_sub_agent_run_shows_the_run(store_dir: Path) -> None:
+    """A run is a ``session:`` stream; replay used to fold it with the session fold and
+    show an empty session (``idle``, 0 turns) for a run that had failed."""
+    spawned = SubagentSpawned(
+        parent="chat-1", task="sum the orders", task_class="code", timeout_ms=300_000
+    )
+    with store_module.open(store_dir) as store:  # type: ignore[attr-defined]
+        store.append(
+            "session:run-a",
+            [
+                NewEvent(event=spawned, ts=1_790_000_000.0),
+                NewEvent(event=SubagentProgress(tokens=120, step=1), ts=1_790_000_005.0),
+                NewEvent(event=SubagentCompleted(outcome="failed"), ts=1_790_000_009.0),
+            ],
+        )
+    code, out, _ = run("--store", str(store_dir), "replay", "session:run-a", "--json")
+    assert code == 0
+    state = json.loads(out)
+    assert (state["status"], state["parent"], state["task"]) == (
+        "failed",
+        "chat-1",
+        "sum the orders",
+    )
+    assert (state["tokens"], state["timeout_ms"], state["ended_at"]) == (
+        120,
+        300_000,
+        1_790_000_009.0,
+    )
+    code, out, _ = run("--store", str(store_dir), "replay", "session:run-a", "--until", "2")
+    assert code == 0
+    assert ["status", "running"] in [line.split() for line in out.splitlines()]
 
 
 def test_replay_of_another_stream_shows_counts(store_dir: Path) -> None:

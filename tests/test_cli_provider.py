@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -139,6 +140,19 @@ def test_when_every_model_fails_the_user_gets_one_static_line(
     assert len(fake.requests) == 2  # the primary once (max_retries 0), then the fallback
 
 
+def test_an_answer_that_broke_off_still_ends_its_line(tmp_path: Path, fake: FakeProvider) -> None:
+    """The last attempt's partial answer was left without a newline: the shell prompt
+    came up on the same line as it."""
+    fake.add(Stall(model="primary-model", after_deltas=2, text="half an"))
+    fake.set_default(Stall(after_deltas=2, text="other half"))
+    code, out, err = _run(_config(tmp_path, fake), "hello")
+    assert code == 1
+    assert out.endswith("\n")
+    assert err.strip().splitlines()[-1] == (
+        "stalwart: error: the model did not answer: every configured model failed or timed out"
+    )
+
+
 def test_the_api_key_never_reaches_the_log_or_the_output(
     tmp_path: Path, fake: FakeProvider
 ) -> None:
@@ -156,7 +170,10 @@ def test_a_missing_api_key_is_a_401_and_one_line(tmp_path: Path, fake: FakeProvi
         cli, ["run", "--config", str(_config(tmp_path, fake)), "hello"], env={}
     )
     assert result.exit_code == 1
-    assert result.stderr.count("\n") == 1
+    *warnings, error = result.stderr.splitlines()
+    assert error.startswith("stalwart: error: ")
+    assert [json.loads(w)["event"] for w in warnings] == ["provider.api_key_missing"] * 2
+    assert {json.loads(w)["env"] for w in warnings} == {"STALWART_TEST_KEY"}  # says which
     assert {r.status for r in fake.requests} == {401}
 
 

@@ -354,12 +354,31 @@ def test_confirm_after_an_interrupt_is_refused(store_dir: Path, log: dict[str, s
     _refused(store_dir, "confirm", "s2", "r1", "--allow")
 
 
-def test_confirm_needs_allow_or_deny(store_dir: Path, log: dict[str, str]) -> None:
+@pytest.mark.parametrize("verdicts", [[], ["--allow", "--deny"], ["--deny", "--allow"]])
+def test_confirm_needs_one_of_allow_and_deny(
+    store_dir: Path, log: dict[str, str], verdicts: list[str]
+) -> None:
+    """Both flags used to be accepted, the last one winning: an operator who typed both
+    got whichever came last, with no word."""
     before = _head(store_dir)
-    result = CliRunner().invoke(cli, ["--store", str(store_dir), "session", "confirm", "s2", "r1"])
+    args = ["--store", str(store_dir), "session", "confirm", "s2", "r1", *verdicts]
+    result = CliRunner().invoke(cli, args)
     assert result.exit_code != 0
-    assert "--allow or --deny" in result.stderr
+    assert "one of --allow and --deny" in result.stderr
     assert _head(store_dir) == before
+
+
+@pytest.mark.parametrize("bad", ["a b", "", "tab\there", "x" * 129, "session:", "context:s1"])
+def test_actions_refuse_an_id_no_session_can_have(
+    store_dir: Path, log: dict[str, str], bad: str
+) -> None:
+    """``session send 'a b' hi`` used to queue a message for a session whose every turn
+    the context engine refuses (the user got only the static failure text); '' made the
+    stream ``session:``."""
+    err = _refused(store_dir, "send", bad, "hi")
+    assert "not a session id" in err
+    assert bad not in err or not bad
+    _refused(store_dir, "interrupt", bad)
 
 
 def test_tool_result_from_text_and_from_a_file(

@@ -46,7 +46,7 @@ def test_a_message_sent_from_the_cli_is_answered_by_a_worker_process(tmp_path: P
     store_dir = tmp_path / "store"
     result = CliRunner().invoke(cli, ["--store", str(store_dir), "session", "send", "s1", "hi"])
     assert result.exit_code == 0, result.output
-    activation = result.output.strip()
+    activation = result.stdout.strip()
     with FakeProvider() as fake:
         fake.set_default(Answer(text="hello from the worker"))
         config = _config(tmp_path, fake.base_url)
@@ -86,3 +86,17 @@ def test_worker_with_a_bad_config_is_one_line_and_exit_1(tmp_path: Path) -> None
     assert result.exit_code == 1
     assert "lease_ttl_ms" in result.stderr
     assert "Traceback" not in result.output + result.stderr
+
+
+def test_send_says_when_it_creates_the_store(tmp_path: Path) -> None:
+    """A mistyped --store used to make a new empty store no worker reads, silently, with
+    exit 0: the message waited there for ever. The first send still works (nothing else
+    need run first), and says on stderr that it made a new store; the next one does not."""
+    store_dir = tmp_path / "typo"
+    first = CliRunner().invoke(cli, ["--store", str(store_dir), "session", "send", "s1", "hi"])
+    assert first.exit_code == 0, first.output
+    assert first.stderr == f"stalwart: no store was at {store_dir}: created a new one\n"
+    again = CliRunner().invoke(cli, ["--store", str(store_dir), "session", "send", "s1", "more"])
+    assert (again.exit_code, again.stderr) == (0, "")
+    with store_module.open(store_dir, create=False) as store:
+        assert store.stream_version("session:s1") == 3

@@ -141,6 +141,15 @@ def test_simulate_errors_are_one_line(tmp_path: Path) -> None:
         assert "Traceback" not in result.output
 
 
+def test_simulate_refuses_an_agent_without_a_config(tmp_path: Path) -> None:
+    """``--agent`` alone used to be ignored: the run used the stand-in summarizer while
+    the operator thought it summarized with that agent's model."""
+    args = ["context", "simulate", "--transcript", str(tmp_path / "t.json"), "--budget", "10"]
+    result = CliRunner().invoke(cli, [*args, "--agent", "support"])
+    assert result.exit_code != 0
+    assert "--agent names an agent of --config" in result.stderr
+
+
 def test_search_and_expand_a_stored_session(tmp_path: Path) -> None:
     clock = FakeClock()
     location = tmp_path / "store"

@@ -234,3 +234,20 @@ def test_only_an_operator_sets_the_engine_version() -> None:
     assert patched.context_engine.version == "pipeline"
     with pytest.raises(ConfigError, match="'dag', 'pipeline'"):
         parse_config({"context_engine": {"version": "lossy"}})
+
+
+def test_an_agent_patch_keeps_what_the_log_record_leaves_out() -> None:
+    """The patch was merged into ``to_record()``, which drops URL secrets for the log: a
+    patched config lost its provider's query string (``?api-version=``) and user info,
+    and its store URL's password."""
+    base_url = "https://user:pw@llm.example/v1?api-version=2024-06-01"
+    store = "postgresql://app:hunter2@db/agents"
+    config = parse_config(
+        {
+            "providers": {"main": {"kind": "openai", "base_url": base_url}},
+            "store": {"location": store},
+        }
+    )
+    patched = apply_agent_patch(config, {"context_engine": {"fresh_tail_turns": 4}})
+    assert patched.providers["main"].base_url == base_url
+    assert patched.store.location == store

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import structlog.testing
 
 from stalwart.actors import APPROVAL_TEXT, DENIED_TEXT, UNRECONCILED_TEXT, drafts_note
 from stalwart.channels import MemoryChannel
@@ -37,7 +38,7 @@ from stalwart.events import (
     TurnStarted,
     UserInterrupt,
 )
-from stalwart.runtime import Runtime
+from stalwart.runtime import Runtime, send_message
 from stalwart.state import DRAFTS, fold
 from stalwart.store import EventStore, Fence, NewEvent
 from stalwart.testing import Answer, FakeProvider, FakeToolCall, Hang
@@ -424,6 +425,27 @@ def test_an_idle_agent_is_passivated_and_rebuilt_by_its_next_wake(
         assert session.ref is not first
         assert session.ref.is_alive()
         assert session.status(GUARD).session.turns == 2  # rebuilt from the log
+
+
+def test_a_session_of_an_agent_the_config_lacks_runs_as_default_and_says_so(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """A message queued from the command line for ``--agent billing`` (or for an agent the
+    operator renamed) used to be answered by ``default`` with no word anywhere."""
+    send_message(store, "s9", "hello", agent="billing", channel="chat", ts=clock.now())
+    cfg = config(fake.base_url)
+    with (
+        structlog.testing.capture_logs() as logs,
+        Runtime(cfg, store=store, clock=clock, channels={"chat": chat}) as rt,
+    ):
+        [reply] = delivered(rt, chat, 1)
+    assert reply.text == "default answer"
+    [warning] = [e for e in logs if e["event"] == "runtime.agent_not_configured"]
+    assert (warning["session"], warning["agent"], warning["log_level"]) == (
+        "s9",
+        "billing",
+        "warning",
+    )
 
 
 def test_an_agent_that_crashes_mid_wake_is_retried_with_backoff(

@@ -19,13 +19,14 @@ from typing import Any
 
 import msgspec
 import pytest
+import structlog.testing
 
 from stalwart import store as store_module
 from stalwart.actors import DEGRADED_TEXT, FAILED_TEXT, MAX_STEPS_TEXT
 from stalwart.channels import ConsoleChannel, MemoryChannel
 from stalwart.clock import FakeClock
 from stalwart.config import Config, parse_config
-from stalwart.errors import ConfigError
+from stalwart.errors import ConfigError, SessionActionError
 from stalwart.events import (
     AnnouncementDeadLetterDelivered,
     AnnouncementDeadLettered,
@@ -97,7 +98,9 @@ def test_start_and_stop_are_recorded_with_the_config_in_force_and_no_secret(
     started, stopped = records[0].event, records[1].event
     assert isinstance(started, RuntimeStarted)
     assert isinstance(stopped, RuntimeStopped)
-    assert started.config == msgspec.json.decode(msgspec.json.encode(cfg.to_record()))
+    expected = msgspec.json.decode(msgspec.json.encode(cfg.to_record()))
+    expected["store"]["location"] = store.location  # the store in use, not the config's default
+    assert started.config == expected
     assert parse_config(started.config).agent("other") == cfg.agent("other")  # replayable
     assert started.pid == os.getpid()
     assert stopped.reason == "shutdown"
@@ -106,6 +109,43 @@ def test_start_and_stop_are_recorded_with_the_config_in_force_and_no_secret(
     assert "user:pw" not in text
     assert records[0].ts == clock.now()
     assert store.stream_version("runtime") == 2  # the host's store stays open
+
+
+def test_a_provider_key_variable_that_is_not_set_is_said_at_start(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every call went out without a key and came back 401; nothing said why."""
+    monkeypatch.delenv("STALWART_TEST_NO_SUCH_KEY", raising=False)
+    monkeypatch.setenv("STALWART_TEST_SET_KEY", "sk-test-secret-value")
+    providers = {
+        "main": {
+            "kind": "openai",
+            "base_url": fake.base_url,
+            "api_key_env": "STALWART_TEST_NO_SUCH_KEY",
+        },
+        "spare": {
+            "kind": "openai",
+            "base_url": fake.base_url,
+            "api_key_env": "STALWART_TEST_SET_KEY",
+        },
+    }
+    with (
+        structlog.testing.capture_logs() as logs,
+        Runtime(config(fake.base_url, providers=providers), store=store, clock=clock),
+    ):
+        pass
+    missing = [e for e in logs if e["event"] == "provider.api_key_missing"]
+    assert [(e["provider"], e["env"], e["log_level"]) for e in missing] == [
+        ("main", "STALWART_TEST_NO_SUCH_KEY", "warning")
+    ]
+    assert "sk-test-secret-value" not in repr(logs)
+
+
+def test_a_postgresql_store_url_is_recorded_without_its_password() -> None:
+    """``store.location`` went into every ``runtime:started`` verbatim, password and all."""
+    cfg = parse_config({"store": {"location": "postgresql://app:hunter2@db.internal:5433/agents"}})
+    assert cfg.to_record()["store"]["location"] == "postgresql://db.internal:5433/agents"
+    assert cfg.store.location.endswith("hunter2@db.internal:5433/agents")  # the config keeps it
 
 
 def test_a_store_path_is_created_and_closed_with_the_runtime(
@@ -133,6 +173,16 @@ def test_an_unknown_agent_or_channel_is_a_config_error(rt: Runtime) -> None:
         rt.session(agent="nobody", channel="chat")
     with pytest.raises(ConfigError, match=r"no channel named 'pager' \(available: \['chat'"):
         rt.session(channel="pager")
+
+
+@pytest.mark.parametrize("bad", ["a b", "new\nline", "x" * 129, "session:s1", "context:s1"])
+def test_a_session_id_no_session_can_have_is_refused_at_once(rt: Runtime, bad: str) -> None:
+    """It used to start an Agent whose every turn the context engine refused: the user got
+    the static failure text, the host no error."""
+    with pytest.raises(SessionActionError, match="not a session id") as refused:
+        rt.session(bad, channel="chat")
+    assert refused.value.reason == "invalid_session"
+    assert bad not in str(refused.value)
 
 
 # -- sessions -------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from stalwart.events import (
     Event,
     MessageAppended,
     RecordedEvent,
+    SessionCreated,
     SubagentArtifact,
     SubagentCompleted,
     SubagentGhostSwept,
@@ -195,8 +196,11 @@ def test_the_fold_records_the_run() -> None:
     assert (state.status, state.ended_at, state.result) == ("succeeded", T0 + 9, "done")
 
 
-def test_runs_replay_with_the_session_fold_by_name() -> None:
-    assert aggregate_for("session:run") is SESSION
+def test_runs_replay_with_the_run_fold_when_their_first_event_is_the_spawn() -> None:
+    assert aggregate_for("session:run") is SESSION  # by name alone: a session
+    spawn = SubagentSpawned(parent="p", task="t", task_class="code", timeout_ms=1)
+    assert aggregate_for("session:run", spawn) is RUN
+    assert aggregate_for("session:chat", SessionCreated()) is SESSION
 
 
 # -- watchdog -----------------------------------------------------------------------------

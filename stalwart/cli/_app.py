@@ -188,10 +188,11 @@ def replay(
             assert stream is not None
             if store.stream_version(stream) == 0:
                 raise StoreError(f"no stream named {stream!r} in {store.location}")
+            first = next(iter(store.read_stream(stream)), None)
             folded = load_state(
                 store,
                 stream,
-                aggregate_for(stream),
+                aggregate_for(stream, first.event if first is not None else None),
                 until_position=until,
                 snapshot_every=0,
                 use_snapshots=not no_snapshots,

@@ -75,7 +75,7 @@ def context() -> None:
     type=click.Path(dir_okay=False),
     help="Summarize with a real model: this config's agent (--agent) and its provider.",
 )
-@click.option("--agent", default="default", show_default=True, help="The agent of --config.")
+@click.option("--agent", default=None, help="The agent of --config [default: default].")
 def simulate_command(
     path: str,
     budget: int,
@@ -83,16 +83,18 @@ def simulate_command(
     profile: str,
     as_json: bool,
     config_path: str | None,
-    agent: str,
+    agent: str | None,
 ) -> None:
     """Run a transcript through the engine as an agent would, one call per assistant turn.
 
     Summaries come from a deterministic stand-in (the same text for the same input), or
     from a real model with --config."""
+    if agent is not None and config_path is None:  # it would be ignored: say so
+        raise click.UsageError("--agent names an agent of --config: give --config too")
     with contextlib.ExitStack() as stack:
         summarizer: Summarizer = ExtractiveSummarizer()
         if config_path is not None:
-            summarizer = _model_summarizer(load_config(config_path), agent, stack)
+            summarizer = _model_summarizer(load_config(config_path), agent or "default", stack)
         _simulate(path, budget, engine, profile, as_json, summarizer)
 
 

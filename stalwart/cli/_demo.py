@@ -397,7 +397,7 @@ def play(directory: Path) -> None:
 @cli.command()
 @click.pass_obj
 def demo(state: _State) -> None:
-    """A guided tour of every failure layer, against a local fake provider (~30 s)."""
+    """A guided tour of every failure layer, against a local fake provider (15-20 s)."""
     parent = click.get_current_context().parent
     if parent is not None and parent.params.get("log_level") == "warning":
         configure_logging("critical")  # the narration tells the story; logs would repeat it

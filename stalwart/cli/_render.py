@@ -70,7 +70,7 @@ def state_lines(state: Any) -> list[str]:
     for key, value in data.items():
         if isinstance(value, float) and key.endswith(("_at", "_ts")):
             shown = fmt_ts(value)
-        elif isinstance(value, dict | list):
+        elif isinstance(value, dict | list | tuple):
             shown = _json.encode(value).decode()
         else:
             shown = "-" if value is None else str(value)

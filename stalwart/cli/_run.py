@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import sys
 
 import anyio
 import click
 
-from stalwart import __version__
 from stalwart.clock import SystemClock
 from stalwart.config import Config, load_config
 from stalwart.errors import ContextOverflowError, ProviderError, StalwartError
 from stalwart.events import (
     MessageAppended,
     PromptStarted,
-    RuntimeStarted,
     RuntimeStopped,
     SessionCreated,
     TurnCompleted,
@@ -24,7 +20,7 @@ from stalwart.events import (
 )
 from stalwart.ids import new_id
 from stalwart.providers import Message, ProviderRequest, StreamEvent, TextDelta
-from stalwart.runtime import ProviderLayer
+from stalwart.runtime import ProviderLayer, check_session_id, runtime_started
 from stalwart.store import EventStore
 
 from ._app import _State, cli
@@ -72,7 +68,12 @@ class _Printer:
 
 
 async def _turn(
-    layer: ProviderLayer, store: EventStore, agent: str, session: str, prompt: str
+    layer: ProviderLayer,
+    store: EventStore,
+    agent: str,
+    session: str,
+    prompt: str,
+    printer: _Printer,
 ) -> str:
     stream = f"session:{session}"
     sink, clock = layer.sink, layer.clock
@@ -92,7 +93,7 @@ async def _turn(
         messages=tuple(_history(store, stream)), max_tokens=settings.max_tokens
     )
     try:
-        reply = await layer.caller(agent).call(stream, request, on_event=_Printer())
+        reply = await layer.caller(agent).call(stream, request, on_event=printer)
     except ProviderError:
         await sink.emit(stream, [TurnCompleted(turn_id=turn, outcome="failed")], clock.now())
         raise
@@ -113,17 +114,13 @@ async def _turn(
     return reply.text
 
 
-async def _main(config: Config, store: EventStore, agent: str, session: str, prompt: str) -> None:
+async def _main(
+    config: Config, store: EventStore, agent: str, session: str, prompt: str, printer: _Printer
+) -> None:
     layer = ProviderLayer(config, store, clock=SystemClock())
-    started = RuntimeStarted(
-        config=config.to_record(),
-        stalwart_version=__version__,
-        host=socket.gethostname(),
-        pid=os.getpid(),
-    )
-    await layer.sink.emit("runtime", [started], layer.clock.now())
+    await layer.sink.emit("runtime", [runtime_started(config, store)], layer.clock.now())
     try:
-        await _turn(layer, store, agent, session, prompt)
+        await _turn(layer, store, agent, session, prompt, printer)
     finally:
         await layer.sink.emit("runtime", [RuntimeStopped(reason="run finished")], layer.clock.now())
         await layer.aclose()
@@ -143,17 +140,22 @@ async def _main(config: Config, store: EventStore, agent: str, session: str, pro
 @click.pass_obj
 def run(state: _State, config_path: str, agent: str, session: str | None, prompt: str) -> None:
     """Send PROMPT as one user turn and print the reply as it streams."""
+    if session is not None:
+        check_session_id(session)
     config = load_config(config_path)
     config.agent(agent)  # fail early, naming the configured agents
     store = state.store_for(config, create=True)
     session = session or new_id()
+    printer = _Printer()
     try:
-        anyio.run(_main, config, store, agent, session, prompt)
+        anyio.run(_main, config, store, agent, session, prompt, printer)
     except ContextOverflowError:
         raise StalwartError(TOO_LONG) from None
     except ProviderError:
         raise StalwartError(FAILED) from None
     finally:
         store.close()
-    click.echo()
+        if printer.printed:  # an answer that broke off still ends its line
+            sys.stdout.write("\n")
+            sys.stdout.flush()
     click.echo(f"session {session}", err=True)

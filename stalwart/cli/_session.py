@@ -61,16 +61,15 @@ def _print(line: str) -> None:
 @session.command("confirm")
 @click.argument("session_id", metavar="SESSION")
 @click.argument("request_id", metavar="REQUEST")
-@click.option(
-    "--allow/--deny",
-    default=None,
-    help="Run the tool once with its stored input, or refuse it (one is required).",
-)
+@click.option("--allow", is_flag=True, help="Run the tool once with its stored input.")
+@click.option("--deny", is_flag=True, help="Refuse it (one of --allow and --deny is required).")
 @click.pass_obj
-def confirm_command(state: _State, session_id: str, request_id: str, allow: bool | None) -> None:
+def confirm_command(
+    state: _State, session_id: str, request_id: str, allow: bool, deny: bool
+) -> None:
     """Answer SESSION's pending approval REQUEST; the session resumes."""
-    if allow is None:
-        raise click.UsageError("say --allow or --deny")
+    if allow == deny:  # neither, or both: which did the operator mean?
+        raise click.UsageError("say one of --allow and --deny")
     store = state.store()
     try:
         activation = confirm(store, session_id, request_id, allow=allow)

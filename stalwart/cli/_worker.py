@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 
 from stalwart.config import load_config
+from stalwart.errors import StoreNotFoundError
 from stalwart.runtime import Runtime, send_message
 from stalwart.store import open as open_store
 
@@ -69,7 +70,12 @@ def worker(state: _State, config_path: Path, seconds: float | None) -> None:
 @click.pass_obj
 def send(state: _State, session_id: str, text: str, agent: str, channel: str) -> None:
     """Give SESSION a user message (durable when this returns); a worker answers it."""
-    store = open_store(state.location or DEFAULT_STORE, create=True)
+    location = state.location or DEFAULT_STORE
+    try:
+        store = open_store(location, create=False)
+    except StoreNotFoundError:  # say so: a mistyped --store is a store no worker reads
+        store = open_store(location, create=True)
+        click.echo(f"stalwart: no store was at {store.location}: created a new one", err=True)
     try:
         activation = send_message(store, session_id, text, agent=agent, channel=channel)
     finally:

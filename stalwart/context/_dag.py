@@ -15,11 +15,11 @@ tells it what was created (from the same events a restore folds).
 from __future__ import annotations
 
 import bisect
-import re
 from collections.abc import Callable, Sequence
 
 from stalwart.errors import StalwartError
 from stalwart.events import Event
+from stalwart.ids import valid_session_id
 from stalwart.state import ContextDagState, SummaryNode
 
 from ._render import render_summary
@@ -28,10 +28,6 @@ from ._types import ContextMessage
 
 __all__ = ["ContextScopeError", "DagSession", "Unit", "valid_session_id"]
 
-_SESSION_ID = re.compile(r"[^\s\x00-\x1f\x7f]{1,128}")
-#: A session id that starts like a stream name was given the wrong thing: whose is it?
-_STREAM_PREFIXES = ("session:", "context:", "provider:", "runtime", "deadletter")
-
 
 class ContextScopeError(StalwartError):
     """A write or read whose session scope is ambiguous, malformed or not the caller's.
@@ -39,16 +35,6 @@ class ContextScopeError(StalwartError):
     ``context:dag_degraded`` (``fail_closed_rollover``) a refused write records."""
 
     events: tuple[Event, ...] = ()
-
-
-def valid_session_id(session_id: object) -> bool:
-    """Whether ``session_id`` is a bare session id: 1 to 128 characters, no whitespace or
-    control characters, and not a stream name (``session:...``, ``context:...``)."""
-    return (
-        isinstance(session_id, str)
-        and _SESSION_ID.fullmatch(session_id) is not None
-        and not session_id.startswith(_STREAM_PREFIXES)
-    )
 
 
 class Unit:

@@ -32,6 +32,7 @@ second ``close()`` does nothing.
 """
 
 from ._control import (
+    check_session_id,
     confirm,
     interrupt,
     load_session,
@@ -40,6 +41,7 @@ from ._control import (
     submit_tool_result,
 )
 from ._durable import Durability, policy_of
+from ._foundation import runtime_started
 from ._handles import RUNTIME_STREAM, STOP_TIMEOUT_S, RunHandle, SessionHandle
 from ._layer import ProviderLayer, StoreSink
 from ._runtime import Runtime
@@ -55,10 +57,12 @@ __all__ = [
     "Runtime",
     "SessionHandle",
     "StoreSink",
+    "check_session_id",
     "confirm",
     "interrupt",
     "load_session",
     "policy_of",
+    "runtime_started",
     "schedule_wake",
     "send_message",
     "submit_tool_result",

@@ -21,7 +21,7 @@ from stalwart.events import (
     UserInterrupt,
     UserToolConfirmation,
 )
-from stalwart.ids import new_id
+from stalwart.ids import new_id, valid_session_id
 from stalwart.state import (
     ACTIVATIONS,
     SESSION,
@@ -36,6 +36,8 @@ from stalwart.state import (
 from stalwart.store import NO_STREAM, EventStore, Fence, NewEvent
 
 __all__ = [
+    "INVALID_SESSION_TEXT",
+    "check_session_id",
     "confirm",
     "interrupt",
     "load_session",
@@ -45,6 +47,10 @@ __all__ = [
 ]
 
 ATTEMPTS = 20
+INVALID_SESSION_TEXT = (
+    "not a session id: it must be 1 to 128 characters with no spaces or control"
+    " characters, and not a stream name"
+)
 
 #: (session, activations) -> the events to append and their fence, or SessionActionError
 Decision = Callable[[SessionState, ActivationsState], tuple[list[Event], Fence | None]]
@@ -62,8 +68,18 @@ def load_session(store: EventStore, session_id: str) -> tuple[SessionState, Acti
     return folder.state(), activations
 
 
+def check_session_id(session_id: str) -> str:
+    """``session_id``, or SessionActionError (``invalid_session``, static text) for an id
+    no session can have: the context engine would refuse every turn of it."""
+    if not valid_session_id(session_id):
+        raise SessionActionError(INVALID_SESSION_TEXT, reason="invalid_session", session="")
+    return session_id
+
+
 def _stream(session_id: str) -> str:
-    return session_id if session_id.startswith("session:") else f"session:{session_id}"
+    """The session's stream (``session_id`` bare or as its stream name), checked."""
+    bare = session_id.removeprefix("session:") if isinstance(session_id, str) else session_id
+    return f"session:{check_session_id(bare)}"
 
 
 def _act(store: EventStore, session_id: str, decide: Decision, ts: float | None) -> list[Event]:

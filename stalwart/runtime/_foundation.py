@@ -23,13 +23,26 @@ from stalwart.store import EventStore, NewEvent
 from ._handles import DEFAULT_CHANNEL, RUNTIME_STREAM, STOP_TIMEOUT_S
 from ._wiring import Wiring
 
-__all__ = ["Foundation"]
+__all__ = ["Foundation", "runtime_started"]
 
 log = get_logger(__name__)
 
 T = TypeVar("T")
 
 NOT_STARTED = "the runtime has not started: use start() or a with block"
+
+
+def runtime_started(config: Config, store: EventStore) -> RuntimeStarted:
+    """The ``runtime:started`` of a process running ``config`` on ``store``: the config
+    as replay needs it (no secret), with the store actually in use (password-free)."""
+    record = config.to_record()
+    record["store"]["location"] = store.location
+    return RuntimeStarted(
+        config=record,
+        stalwart_version=stalwart.__version__,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+    )
 
 
 class Foundation:
@@ -74,13 +87,7 @@ class Foundation:
         # the channels first: a channel the config cannot build fails the start before
         # anything is recorded or started
         self.channels = self._build_channels()
-        started = RuntimeStarted(
-            config=self._config.to_record(),
-            stalwart_version=stalwart.__version__,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-        )
-        self._record(started)
+        self._record(runtime_started(self._config, self._store))
         self._started_recorded = True
         self._portal = IoPortal().start()
         self._scheduler = Scheduler(self._clock).start()

@@ -9,6 +9,7 @@ from functools import partial
 
 import anyio.to_thread
 
+from stalwart._logs import get_logger
 from stalwart.clock import Clock, SystemClock
 from stalwart.config import Config
 from stalwart.events import Event, RecordedEvent
@@ -17,6 +18,8 @@ from stalwart.state import BREAKER
 from stalwart.store import EventStore, Fence, NewEvent, load_state
 
 __all__ = ["ProviderLayer", "StoreSink"]
+
+log = get_logger(__name__)
 
 
 class StoreSink:
@@ -67,6 +70,11 @@ class ProviderLayer:
             name: ProviderClient(name, settings, clock=self.clock)
             for name, settings in config.providers.items()
         }
+        for name, client in self.clients.items():
+            if client.settings.api_key_env and not client.has_api_key:  # every call a 401
+                log.warning(
+                    "provider.api_key_missing", provider=name, env=client.settings.api_key_env
+                )
         self.breakers = {
             name: Breaker(settings, load_state(store, f"provider:{name}", BREAKER))
             for name, settings in config.providers.items()

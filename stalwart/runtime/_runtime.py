@@ -250,7 +250,8 @@ class Runtime:
         A session that runs already is returned as it is (its agent and channel were
         chosen when it started). ``channel`` defaults to ``console``; ``conversation``
         (where the channel delivers) to the session id. ConfigError for an unknown agent
-        or channel."""
+        or channel; SessionActionError (``invalid_session``) for an id no session can
+        have (see :func:`stalwart.ids.valid_session_id`)."""
         with self._lock:
             sessions = self._started(self._sessions)
             channel = channel or DEFAULT_CHANNEL

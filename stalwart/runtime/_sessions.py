@@ -24,13 +24,14 @@ from stalwart.actors import (
 )
 from stalwart.channels import Channel
 from stalwart.config import AgentSettings
-from stalwart.errors import ConcurrencyError, ConfigError
+from stalwart.errors import ConcurrencyError, ConfigError, SessionActionError
 from stalwart.events import SessionCreated
 from stalwart.store import NO_STREAM, NewEvent
 from stalwart.tools import Tool, ToolRegistry
 
 from ._context import ContextLayer
 from ._control import (
+    check_session_id,
     confirm,
     interrupt,
     load_session,
@@ -126,6 +127,7 @@ class SessionLayer:
         thread: str | None,
     ) -> SessionHandle:
         """See :meth:`Runtime.session` (under the runtime's lock, while it runs)."""
+        check_session_id(session_id)
         running = self._handles.get(session_id)
         if running is not None and running.ref.is_alive():
             return running
@@ -290,18 +292,30 @@ class SessionLayer:
                 return handle.ref
             if not start:
                 return None
-            session, _ = load_session(self._w.store, session_id)
-            agent = session.agent if session.agent in self._w.config.agents else "default"
-            channel = session.channel
-            if channel is None or channel not in self._w.channels:
-                channel = DEFAULT_CHANNEL
             try:
                 if handle is not None:  # passivated or crashed: the host's handle stays valid
                     return self._start_again(session_id, handle)
+                session, _ = load_session(self._w.store, session_id)
+                agent, channel = self._recorded(session_id, session.agent, session.channel)
                 return self.session(session_id, agent, channel, None, None).ref
             except ConfigError as exc:
                 log.warning("runtime.wake_without_agent", session=session_id, key=exc.key)
-                return None
+            except SessionActionError:  # an id no session can have: no Agent can run it
+                log.warning("runtime.wake_without_agent", session=session_id, key="session_id")
+            return None
+
+    def _recorded(self, session_id: str, agent: str, channel: str | None) -> tuple[str, str]:
+        """The agent and channel a session recorded, or the defaults when this config has
+        none of that name (an operator renamed or removed it); said in the log."""
+        if agent not in self._w.config.agents:
+            if agent:
+                log.warning("runtime.agent_not_configured", session=session_id, agent=agent)
+            agent = "default"
+        if channel is None or channel not in self._w.channels:
+            if channel is not None:
+                log.warning("runtime.channel_not_configured", session=session_id, channel=channel)
+            channel = DEFAULT_CHANNEL
+        return agent, channel
 
     def passivate(self, session_id: str) -> None:
         """Stop an idle session's Agent (its handle stays: the next wake restarts it)."""
