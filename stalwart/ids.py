@@ -9,7 +9,7 @@ __all__ = ["new_id", "new_ids", "valid_session_id"]
 
 _urandom = os.urandom
 
-_SESSION_ID = re.compile(r"[^\s\x00-\x1f\x7f]{1,128}")
+_SESSION_ID = re.compile(r"[^\s\x00-\x1f\x7f\ud800-\udfff]{1,128}")
 #: A session id that starts like a stream name was given the wrong thing: whose is it?
 _STREAM_PREFIXES = ("session:", "context:", "provider:", "runtime", "deadletter")
 
@@ -29,8 +29,9 @@ def new_ids(count: int) -> list[str]:
 
 
 def valid_session_id(session_id: object) -> bool:
-    """Whether ``session_id`` is a bare session id: 1 to 128 characters, no whitespace or
-    control characters, and not a stream name (``session:...``, ``context:...``)."""
+    """Whether ``session_id`` is a bare session id: 1 to 128 characters, no whitespace,
+    control characters or lone surrogates (bytes that were not UTF-8), and not a stream
+    name (``session:...``, ``context:...``)."""
     return (
         isinstance(session_id, str)
         and _SESSION_ID.fullmatch(session_id) is not None

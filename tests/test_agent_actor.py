@@ -351,8 +351,14 @@ def test_a_call_failing_three_times_is_blocked_and_the_model_reads_why(
     assert (blocked.rule, blocked.failures, blocked.threshold) == ("same_call", 3, 3)
     requests = harness.requests(5)
     assert len(requests) == 5
-    last = chat(requests[4])[-1]
-    assert (last["role"], last["tool_call_id"]) == ("tool", "f1")
+    *_, asked, last = chat(requests[4])
+    # the model repeated the id "f1": each repeat got a fresh one, so results pair up
+    [renamed] = asked["tool_calls"]
+    assert renamed["id"].startswith("call_")
+    assert (last["role"], last["tool_call_id"]) == ("tool", renamed["id"])
+    ids = [c["id"] for m in chat(requests[4]) for c in m.get("tool_calls") or ()]
+    assert ids[0] == "f1"
+    assert len(set(ids)) == 4
     assert last["content"] == blocked_text(blocked)
     assert "secret-host" not in msgspec.json.encode([r.body for r in requests]).decode()
 

@@ -30,7 +30,15 @@ from ._agent_messages import (
     ToolsDone,
     UserMessage,
 )
-from ._agent_wake import DENIED_TEXT, UNRECONCILED_TEXT, WAKE_PREFIX, WakeLedger, drafts_note
+from ._agent_wake import (
+    DENIED_TEXT,
+    INTERRUPTED_TEXT,
+    NO_HUMAN_TEXT,
+    UNRECONCILED_TEXT,
+    WAKE_PREFIX,
+    WakeLedger,
+    drafts_note,
+)
 from ._announcer import Announcer, Batch, GetBatches, Track, batch_text
 from ._context import (
     REFUSALS_STREAM,
@@ -121,9 +129,11 @@ __all__ = [
     "FAILED_SENTENCE",
     "FAILED_TEXT",
     "GAVE_UP_TEXT",
+    "INTERRUPTED_TEXT",
     "MAX_STEPS_TEXT",
     "MAX_WAIT_S",
     "NOTICE_TEMPLATE",
+    "NO_HUMAN_TEXT",
     "OVERFLOW_TEXT",
     "REFUSALS_STREAM",
     "RESTART_STREAM",

@@ -105,6 +105,8 @@ from ._agent_messages import (
 )
 from ._agent_wake import (
     DENIED_TEXT,
+    INTERRUPTED_TEXT,
+    NO_HUMAN_TEXT,
     UNRECONCILED_TEXT,
     WAKE_PREFIX,
     WakeLedger,
@@ -301,18 +303,19 @@ class AgentActor(pykka.ThreadingActor):
             self._finish(turn, "failed", reason, FAILED_TEXT, "failure_notice")
             return
         response = message.response
+        calls = self._ledger.distinct_ids(response.tool_calls)
         assistant = MessageAppended(
             message_id=new_id(),
             role="assistant",
             content=response.text,
-            tool_calls=response.tool_calls,
+            tool_calls=calls,
             turn_id=turn.turn_id,
         )
-        if not response.tool_calls:
+        if not calls:
             text = response.text or EMPTY_ANSWER_TEXT
             self._finish(turn, "answered", None, text, "completion", before=[assistant])
             return
-        self._start_tools(turn, response.tool_calls, before=[assistant])
+        self._start_tools(turn, calls, before=[assistant])
 
     def _on_tools_done(self, message: ToolsDone) -> None:
         turn = self._current(message.turn_id, message.step, "tools")
@@ -448,20 +451,31 @@ class AgentActor(pykka.ThreadingActor):
         self, turn: LiveTurn, calls: tuple[ToolCall, ...], *, before: Sequence[Event] = ()
     ) -> None:
         """Run a step's calls; in a wake, first stop the session for the first call that
-        needs a human (approval, or a custom tool's output) and has no answer yet."""
+        would run (not settled, not blocked by the retry breaker: a human is never asked
+        about a call that then does not run) and needs a human (approval, or a custom
+        tool's output) with no answer yet."""
+        breaker = self._folder.tools
         if self._wake is not None:
             for call in calls:
+                if self._settled_outcome(call) is not None or decide_tool_call(
+                    breaker, call.name, call.arguments, call_id=call.id
+                ):
+                    continue
                 request = pause_for(self._tools.get(call.name), call, self._ledger, turn.turn_id)
                 if request is not None:
                     self._pause(turn, request, before)
                     return
-        breaker = self._folder.tools
         events: list[Event] = list(before)
         blocked: dict[int, ToolOutcome] = {}
         to_run: list[ToolCall] = []
         reconcile: set[str] = set()
+        ledger = self._ledger
         for index, call in enumerate(calls):
-            if self._ledger.cut_short(call) and self._can_reconcile(call):
+            if (
+                ledger.cut_short(call)
+                and call.id not in ledger.interrupted
+                and self._can_reconcile(call)
+            ):
                 reconcile.add(call.id)  # its tool checks whether the effect happened
                 to_run.append(call)
                 continue
@@ -521,7 +535,9 @@ class AgentActor(pykka.ThreadingActor):
 
     def _settled_outcome(self, call: ToolCall) -> tuple[Event, ToolOutcome] | None:
         """A call that must not run: refused by the user, answered by the host (a custom
-        tool), or cut short by a crash (never run blindly twice); its event and outcome."""
+        tool), cut short by a crash (never run blindly twice), closed by an interrupt, or
+        one that needs a human where none can be asked (no wake: a sub-agent run); its
+        event and outcome."""
         resolution = self._ledger.resolutions.get(call.id)
         if resolution is not None and resolution.kind == "output":
             done = ToolCompleted(call_id=call.id, tool=call.name, output=resolution.output)
@@ -533,6 +549,12 @@ class AgentActor(pykka.ThreadingActor):
         elif self._ledger.cut_short(call):
             failed = ToolFailed(call_id=call.id, tool=call.name, error_class="unreconciled")
             text = UNRECONCILED_TEXT
+        elif call.id in self._ledger.interrupted:
+            failed = ToolFailed(call_id=call.id, tool=call.name, error_class="interrupted")
+            text = INTERRUPTED_TEXT
+        elif self._wake is None and pause_for(self._tools.get(call.name), call, self._ledger, None):
+            failed = ToolFailed(call_id=call.id, tool=call.name, error_class="needs_human")
+            text = NO_HUMAN_TEXT
         else:
             return None
         error = failed.error_class

@@ -51,6 +51,8 @@ from stalwart.tools import Tool
 
 __all__ = [
     "DENIED_TEXT",
+    "INTERRUPTED_TEXT",
+    "NO_HUMAN_TEXT",
     "UNRECONCILED_TEXT",
     "WAKE_PREFIX",
     "Resolution",
@@ -62,6 +64,14 @@ __all__ = [
 
 #: What the model reads for a call the user refused.
 DENIED_TEXT = "The user denied this tool call; it was not run."
+#: What the model reads for a call of a step an operator interrupted before it ran.
+INTERRUPTED_TEXT = "The session was interrupted before this tool call ran; it was not run."
+#: What the model reads for a call that needs a person (an approval, or a custom tool's
+#: output from the host) where nobody can be asked: a sub-agent run.
+NO_HUMAN_TEXT = (
+    "This tool needs a person's approval or the host's answer, which cannot be asked for "
+    "here; it was not run."
+)
 #: What the model reads for a call a crash cut short that its tool cannot confirm.
 UNRECONCILED_TEXT = (
     "This tool call was interrupted by a restart and may or may not have taken effect; "
@@ -90,7 +100,9 @@ class WakeLedger:
         "abandoned",
         "activations",
         "announced",
+        "call_ids",
         "drafts",
+        "interrupted",
         "last_calls",
         "message_ids",
         "requests",
@@ -105,6 +117,8 @@ class WakeLedger:
         self.drafts: DraftsState = DRAFTS.initial(stream)
         self.message_ids: set[str] = set()
         self.last_calls: tuple[ToolCall, ...] = ()
+        self.call_ids: set[str] = set()  # every call id of the session's assistant messages
+        self.interrupted: set[str] = set()  # the last calls an interrupt closed unanswered
         self.results: set[str] = set()
         self.started: set[str] = set()
         self.requests: dict[str, SessionRequiresAction] = {}  # request id -> the request
@@ -123,8 +137,12 @@ class WakeLedger:
         match event:
             case MessageAppended():
                 self.message_ids.add(event.message_id)
-                if event.role == "assistant":
+                if event.role == "assistant":  # a new step: what was open is settled
                     self.last_calls = event.tool_calls
+                    self.call_ids.update(call.id for call in event.tool_calls)
+                    self.results.clear()
+                    self.resolutions.clear()
+                    self.interrupted.clear()
                 elif event.role == "tool" and event.tool_call_id is not None:
                     self.results.add(event.tool_call_id)
             case ToolStarted():
@@ -137,8 +155,10 @@ class WakeLedger:
                 self._resolve(event.request_id, Resolution("allow" if event.allow else "deny"))
             case UserCustomToolResult():
                 self._resolve(event.request_id, Resolution("output", event.output))
-            case UserInterrupt():
+            case UserInterrupt():  # the open calls are closed: none runs or asks again
                 self.requests.clear()
+                self.resolutions.clear()
+                self.interrupted = {call.id for call in self.unanswered()}
             case AnnouncementQueued():
                 self.unsent[event.announcement_id] = (event, record.ts)
                 self.announced, self.abandoned = True, None
@@ -162,13 +182,27 @@ class WakeLedger:
         """The last assistant message's tool calls that have no result in the log."""
         return tuple(call for call in self.last_calls if call.id not in self.results)
 
+    def distinct_ids(self, calls: tuple[ToolCall, ...]) -> tuple[ToolCall, ...]:
+        """``calls`` with a fresh id for each whose id is empty or was used before in the
+        session (a provider that numbers calls per response, or sends none): a result, an
+        answer or a pause then always belongs to one call."""
+        seen = set(self.call_ids)
+        fresh = []
+        for call in calls:
+            named = call
+            if not call.id or call.id in seen:
+                named = msgspec.structs.replace(call, id=f"call_{new_id()[:24]}")
+            seen.add(named.id)
+            fresh.append(named)
+        return tuple(fresh)
+
     def cut_short(self, call: ToolCall) -> bool:
         """Whether the call started and a crash stopped it before its outcome was recorded."""
         return call.id in self.started
 
 
 def pause_for(
-    tool: Tool | None, call: ToolCall, ledger: WakeLedger, turn_id: str
+    tool: Tool | None, call: ToolCall, ledger: WakeLedger, turn_id: str | None
 ) -> SessionRequiresAction | None:
     """The request that must stop the session before ``call`` runs, or None (the pure
     :func:`~stalwart.state.decide_pause`, with the tool's registration as its kind)."""
@@ -177,7 +211,7 @@ def pause_for(
     request = decide_pause(
         call,
         pause_kind(custom=tool.custom, needs_confirmation=tool.needs_confirmation),
-        answered=call.id in ledger.resolutions,
+        answered=call.id in ledger.resolutions or call.id in ledger.interrupted,
         turn_id=turn_id,
     )
     return None if request is None else msgspec.structs.replace(request, request_id=new_id())

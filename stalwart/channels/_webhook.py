@@ -103,8 +103,15 @@ class WebhookChannel:
             headers[self._secret[0]] = self._secret[1]
         attempt = 0
         while True:
+            if self._closed:  # closed while this send backed off
+                raise closed_error(self.name)
             attempt += 1
-            outcome = await self._attempt(body, headers)
+            try:
+                outcome = await self._attempt(body, headers)
+            except RuntimeError:  # httpx: the client was closed during the attempt
+                if self._closed:
+                    raise closed_error(self.name) from None
+                raise
             if isinstance(outcome, int):
                 return Delivery(channel=self.name, attempts=attempt, status=outcome)
             delay = self._retry_delay(outcome, attempt)

@@ -100,13 +100,9 @@ def apply_pause(state: PauseState, record: RecordedEvent) -> PauseState:
     replace = msgspec.structs.replace
     match event:
         case MessageAppended(role="assistant"):
-            ids = {call.id for call in event.tool_calls}
-            return replace(
-                state,
-                calls=event.tool_calls,
-                results=frozenset(),
-                answered=state.answered & ids,
-            )
+            # an answer is to its request, in its step: never to a later call of the same
+            # id (providers may number calls per response, or send none)
+            return replace(state, calls=event.tool_calls, results=frozenset(), answered=frozenset())
         case MessageAppended(role="tool") if event.tool_call_id is not None:
             return replace(state, results=state.results | {event.tool_call_id})
         case SessionRequiresAction() if event.call_id is not None:
@@ -117,8 +113,9 @@ def apply_pause(state: PauseState, record: RecordedEvent) -> PauseState:
             if call_id is None:
                 return state
             return replace(state, waiting=waiting, answered=state.answered | {call_id})
-        case UserInterrupt():
-            return replace(state, waiting={}, turn_id=None)
+        case UserInterrupt():  # the open calls are closed: none of them asks again
+            open_calls = {call.id for call in state.calls if call.id not in state.results}
+            return replace(state, waiting={}, turn_id=None, answered=frozenset(open_calls))
         case TurnStarted():
             return replace(state, turn_id=event.turn_id)
         case TurnCompleted() | ExecutionAborted():

@@ -229,7 +229,10 @@ def check_stream(stream: str) -> bytes:
     """The stream id as stored, or InvalidStreamError naming what is wrong."""
     if not isinstance(stream, str) or not stream:
         raise InvalidStreamError(f"a stream id must be a non-empty string, found {stream!r}")
-    encoded = stream.encode("utf-8")
+    try:
+        encoded = stream.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: bytes a command line could not decode
+        raise InvalidStreamError(f"stream id {stream!r} is not valid UTF-8") from None
     if b"\x00" in encoded:
         raise InvalidStreamError(f"stream id {stream!r} contains a NUL character")
     if len(encoded) > MAX_STREAM_BYTES:

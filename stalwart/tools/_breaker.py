@@ -54,9 +54,16 @@ ACTIONS: dict[str, Action] = {
     "os_error": "surface",
     "tool_error": "surface",
     "exception": "surface",
+    "exited": "surface",
+    "cancelled": "surface",
 }
-#: The model's own mistakes: surfaced with a clear message, never counted toward a block.
-NEVER_BLOCK = frozenset({"invalid_arguments", "unknown_tool"})
+#: Never counted toward a block: the model's own mistakes (surfaced with a clear
+#: message), and calls the tool did not fail because they were not run: a user's denial,
+#: a call a crash cut short, one an interrupt closed, one that needed a human nobody
+#: could ask.
+NEVER_BLOCK = frozenset(
+    {"invalid_arguments", "unknown_tool", "denied", "unreconciled", "interrupted", "needs_human"}
+)
 #: Errors that say the tool itself is out of reach, whatever the arguments.
 PATTERNS = frozenset({"permission_denied", "unauthorized", "not_supported"})
 
@@ -117,6 +124,8 @@ def _builtin_class(exc: BaseException) -> str | None:
             return "not_found"
         case NotImplementedError():
             return "not_supported"
+        case SystemExit():
+            return "exited"
         case OSError() if exc.errno in _ERRNO:
             return _ERRNO[exc.errno]
         case _:

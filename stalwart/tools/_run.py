@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -126,14 +127,24 @@ async def run_tool(
         return outcome("invalid_arguments", text, "invalid_arguments")
     try:
         with anyio.move_on_after(tool.timeout_ms / 1000) as scope:
-            if reconcile and tool.reconcile is not None:
-                key = (context.idempotency_key if context is not None else None) or call.id
-                check = functools.partial(tool.reconcile, key, kwargs)
-                found = await anyio.to_thread.run_sync(check, limiter=limiter)
-                if found is not None:
-                    return msgspec.structs.replace(outcome("ok", str(found)), reconciled=True)
-            result = await _invoke(tool.fn, tool.is_async, kwargs, limiter, context)
-    except Exception as exc:
+            try:
+                if reconcile and tool.reconcile is not None:
+                    key = (context.idempotency_key if context is not None else None) or call.id
+                    check = functools.partial(tool.reconcile, key, kwargs)
+                    # a check that hangs is abandoned at the tool's limit, like the tool
+                    found = await anyio.to_thread.run_sync(
+                        check, abandon_on_cancel=True, limiter=limiter
+                    )
+                    if found is not None:
+                        return msgspec.structs.replace(outcome("ok", str(found)), reconciled=True)
+                result = await _invoke(tool.fn, tool.is_async, kwargs, limiter, context)
+            except anyio.get_cancelled_exc_class():
+                if scope.cancel_called or anyio.current_effective_deadline() == -math.inf:
+                    raise  # the call's own limit, or the caller's cancellation
+                # a cancellation of the tool's own making (an inner task it cancelled and
+                # awaited) escaped it: that call failed, nobody cancelled the caller
+                return outcome("error", error_text(tool.name, "cancelled", "surface"), "cancelled")
+    except (Exception, SystemExit) as exc:  # an argparse error or sys.exit() in a tool too
         error_class, action = classify_tool_error(exc)
         text = error_text(tool.name, error_class, action)
         if isinstance(exc, ToolError):
@@ -188,4 +199,7 @@ async def run_tools(
     async with anyio.create_task_group() as group:
         for index, call in enumerate(pending):
             group.start_soon(one, index, call)
-    return tuple(item for item in outcomes if item is not None)
+    done = tuple(item for item in outcomes if item is not None)
+    if len(done) != len(pending):  # never silently fewer outcomes than calls
+        raise RuntimeError("a tool call ended without an outcome")
+    return done
