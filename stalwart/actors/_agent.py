@@ -98,6 +98,7 @@ from ._agent_messages import (
     AgentReport,
     AgentStatus,
     Deadline,
+    IsIdle,
     ModelDone,
     SendDone,
     ToolsDone,
@@ -270,6 +271,9 @@ class AgentActor(pykka.ThreadingActor):
                 self._on_deadline(message)
             case AgentStatus():
                 pass
+            case IsIdle():
+                busy = self._wake or self._turn or self._queue or self._unsent
+                return not busy
             case _:
                 raise TypeError(f"AgentActor does not understand {message!r}")
         while self._turn is None and self._queue:  # FIFO; a loop, so no recursion
@@ -361,7 +365,9 @@ class AgentActor(pykka.ThreadingActor):
             event = AnnouncementSendFailed(
                 announcement_id=message.announcement_id, error_class=error_class
             )
-        self._append([event])
+        # the send's outcome is the announcement's, whichever wake runs now (and whoever
+        # holds the lease): never fenced out, so a failed answer always reaches the queue
+        self._append([event], fenced=False)
         text = self._unsent.pop(message.announcement_id, None)
         if not message.ok and text is not None and self._dead_letters is not None:
             enqueue = Enqueue(
@@ -789,15 +795,19 @@ class AgentActor(pykka.ThreadingActor):
 
     # -- the log and the mailbox -------------------------------------------------------------
 
-    def _append(self, events: Sequence[Event], *, now: float | None = None) -> list[RecordedEvent]:
-        """Append at now (fenced by the wake's lease), then fold the stream up to its head
-        (the model caller appends prompt events to it too, so what was recorded meanwhile
-        is folded in order). FencedError when the lease was taken over."""
+    def _append(
+        self, events: Sequence[Event], *, now: float | None = None, fenced: bool = True
+    ) -> list[RecordedEvent]:
+        """Append at now (fenced by the wake's lease, unless ``fenced`` is False: a fact
+        that is not the wake's), then fold the stream up to its head (the model caller
+        appends prompt events to it too, so what was recorded meanwhile is folded in
+        order). FencedError when the lease was taken over."""
         if not events:
             return []
         now = self._clock.now() if now is None else now
         news = [NewEvent(event=e, ts=now) for e in events]
-        recorded = self._store.append(self._stream, news, fence=self._fence)
+        fence = self._fence if fenced else None
+        recorded = self._store.append(self._stream, news, fence=fence)
         self._refresh()
         return recorded
 

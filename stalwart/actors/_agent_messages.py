@@ -27,6 +27,7 @@ __all__ = [
     "AgentReport",
     "AgentStatus",
     "Deadline",
+    "IsIdle",
     "ModelDone",
     "ModelError",
     "SendDone",
@@ -152,6 +153,12 @@ class Deadline(msgspec.Struct, frozen=True):
 
 class AgentStatus(msgspec.Struct, frozen=True):
     """Ask for the :class:`AgentReport` (no store read)."""
+
+
+class IsIdle(msgspec.Struct, frozen=True):
+    """Ask whether the Agent may be stopped now (passivation): no wake, no turn, no user
+    message waiting and no send in flight. Answered in mailbox order, so a wake handed
+    to it before the question makes it busy."""
 
 
 class AgentReport(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,4 +1,7 @@
-"""DeadLetter: the only writer of the ``deadletter`` stream (seed 000's dead-letter queue).
+"""DeadLetter: the ``deadletter`` stream's writer in its process (seed 000's dead-letter
+queue). Runtimes of other processes on the same store write it too: an append that finds
+the stream moved on folds what they appended and appends again (a decision, such as an
+expiry, is decided again first), so no entry is lost to a conflict.
 
 An announcement or notice that could not be delivered is queued
 (``announcement:dead_lettered``), retried up to ``max_retries`` times with deterministic
@@ -45,6 +48,7 @@ from stalwart._logs import get_logger
 from stalwart.channels import Channel, OutboundMessage, send_within
 from stalwart.clock import Clock
 from stalwart.config import DeadLetterSettings
+from stalwart.errors import ConcurrencyError
 from stalwart.events import (
     AnnouncementDeadLetterDelivered,
     AnnouncementDeadLettered,
@@ -82,6 +86,8 @@ __all__ = [
 log = get_logger(__name__)
 
 DEADLETTER_STREAM = "deadletter"
+#: How many times an append is tried again after another process appended first.
+APPEND_TRIES = 20
 
 
 # -- messages -----------------------------------------------------------------------------
@@ -311,24 +317,51 @@ class DeadLetterActor(pykka.ThreadingActor):
         self._arm()
 
     def _expire(self, now: float) -> None:
-        expired = decide_expiry(
-            self._state,
-            now,
-            max_age_ms=self._settings.max_age_ms,
-            max_retries=self._settings.max_retries,
-        )
-        if expired:
-            self._append(expired, now)
+        for attempt in range(APPEND_TRIES):
+            expired = decide_expiry(
+                self._state,
+                now,
+                max_age_ms=self._settings.max_age_ms,
+                max_retries=self._settings.max_retries,
+            )
+            if not expired:
+                return
+            try:
+                self._append_once(expired, now)
+            except ConcurrencyError:  # decide again on what the other writer appended
+                if attempt + 1 == APPEND_TRIES:
+                    raise
+                self._catch_up()
+                continue
             log.warning("deadletter.expired", entries=len(expired))
+            return
 
     def _append(self, events: Sequence[Event], now: float) -> None:
-        """Append at ``now`` (expecting the version folded so far), then fold the records."""
+        """Append facts (an entry, a send's outcome) at ``now``. Another process's runtime
+        on the same store writes the stream too: on a conflict, fold what it appended
+        and append again (a fact holds whatever came before it)."""
+        for attempt in range(APPEND_TRIES):
+            try:
+                self._append_once(events, now)
+                return
+            except ConcurrencyError:
+                if attempt + 1 == APPEND_TRIES:
+                    raise
+                self._catch_up()
+
+    def _append_once(self, events: Sequence[Event], now: float) -> None:
+        """Append at ``now`` expecting the version folded so far, then fold the records."""
         records = self._store.append(
             self._stream,
             [NewEvent(event=event, ts=now) for event in events],
             expected_version=self._state.version,
         )
         for record in records:
+            self._state = apply_deadletter(self._state, record)
+
+    def _catch_up(self) -> None:
+        """Fold what other writers appended to the stream since this actor last looked."""
+        for record in self._store.read_stream(self._stream, self._state.version + 1):
             self._state = apply_deadletter(self._state, record)
 
     def _send(self, entry_id: str) -> None:

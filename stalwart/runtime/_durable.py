@@ -16,6 +16,7 @@ import contextlib
 import os
 import random
 import socket
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -75,7 +76,7 @@ class Durability:
         settings: ActivationSettings,
         *,
         agent_for: Callable[[str, bool], pykka.ActorRef[Any] | None],
-        passivate: Callable[[str], object],
+        passivate: Callable[[str], bool],
         on_crash: Callable[[Callable[[], None], str], object] | None = None,
     ) -> None:
         self.settings = settings
@@ -88,6 +89,7 @@ class Durability:
         self._on_crash = on_crash
         self._rng = random.SystemRandom()
         self._last_wake: dict[str, float] = {}
+        self._handoff = threading.Lock()
         self._timer = ("durable:passivate", new_id())
         self.owner = ""
         self.worker = self._start_worker()
@@ -147,15 +149,18 @@ class Durability:
             self.worker.stop(timeout=5.0)
 
     def _wake(self, wake: Wake) -> bool:
-        ref = self._agent_for(wake.stream.removeprefix("session:"), True)
-        if ref is None:
-            return False
-        self._last_wake[wake.stream] = self._clock.now()
-        try:
-            ref.tell(wake)
-        except pykka.ActorDeadError:
-            return False
-        return True
+        # one step with the passivation sweep's check-and-stop: a wake is never handed
+        # to an Agent the sweep is stopping (it starts a new one once that one is gone)
+        with self._handoff:
+            ref = self._agent_for(wake.stream.removeprefix("session:"), True)
+            if ref is None:
+                return False
+            self._last_wake[wake.stream] = self._clock.now()
+            try:
+                ref.tell(wake)
+            except pykka.ActorDeadError:
+                return False
+            return True
 
     def _lost(self, lost: LeaseLost) -> None:
         ref = self._agent_for(lost.stream.removeprefix("session:"), False)
@@ -166,12 +171,13 @@ class Durability:
     def _abandoned(self, abandoned: Abandoned) -> None:
         """The worker gave up on a wake: the session's Agent (started for it if need be)
         tells the user and closes the turn the wake left running."""
-        ref = self._agent_for(abandoned.stream.removeprefix("session:"), True)
-        if ref is None:
-            log.error("durable.abandoned_untold", stream=abandoned.stream)
-            return
-        with contextlib.suppress(pykka.ActorDeadError):
-            ref.tell(abandoned)
+        with self._handoff:  # as a wake: never to an Agent the sweep is stopping
+            ref = self._agent_for(abandoned.stream.removeprefix("session:"), True)
+            if ref is None:
+                log.error("durable.abandoned_untold", stream=abandoned.stream)
+                return
+            with contextlib.suppress(pykka.ActorDeadError):
+                ref.tell(abandoned)
 
     # -- passivation ------------------------------------------------------------------------
 
@@ -183,12 +189,20 @@ class Durability:
         self._scheduler.schedule(at, self._sweep, key=self._timer)
 
     def _sweep(self, at: float) -> None:
-        """Stop the Agents of sessions with no wake for ``passivate_after_ms``."""
-        limit = self.settings.passivate_after_ms / 1000
-        running = self.report(timeout=5.0).running if self.worker.is_alive() else {}
-        for stream, last in list(self._last_wake.items()):
-            if stream in running or at - last < limit:
-                continue
-            del self._last_wake[stream]
-            self._passivate(stream.removeprefix("session:"))
-        self._arm_passivation()
+        """Stop the Agents of sessions with no wake for ``passivate_after_ms`` that say
+        they are idle (no wake, no turn, no send in flight); the next sweep tries again
+        for the others."""
+        try:
+            limit = self.settings.passivate_after_ms / 1000
+            running = self.report(timeout=5.0).running if self.worker.is_alive() else {}
+            for stream in list(self._last_wake):
+                with self._handoff:  # the hand-off cannot come between check and stop
+                    last = self._last_wake.get(stream)
+                    if last is None or stream in running or at - last < limit:
+                        continue
+                    if self._passivate(stream.removeprefix("session:")):
+                        del self._last_wake[stream]
+        except (pykka.ActorDeadError, pykka.Timeout) as exc:  # the worker is restarting
+            log.warning("durable.sweep_skipped", error=type(exc).__name__)
+        finally:
+            self._arm_passivation()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -39,16 +40,30 @@ STOP_TIMEOUT_S = 5.0
 DEFAULT_CHANNEL = "console"
 
 
+#: How many tells a holding :class:`LiveRef` keeps while its part is down.
+HELD_TELLS = 10_000
+
+
 class LiveRef(pykka.ActorRef[Any]):
     """The ref the runtime holds *now* for a part it restarts (the dead-letter queue, the
     supervisor, the announcer): what an actor is given instead of the part's ``ActorRef``,
     so a restart needs no re-wiring. ``tell`` / ``ask`` / ``is_alive`` look ``current()``
-    up at use time (ActorDeadError when there is none, or while it is down)."""
+    up at use time (ActorDeadError when there is none, or while it is down).
 
-    def __init__(self, current: Callable[[], pykka.ActorRef[Any] | None], name: str) -> None:
+    With ``hold=True`` a ``tell`` while the part is down (between its crash and its
+    restart) is kept instead, up to :data:`HELD_TELLS`, and :meth:`flush` delivers what
+    was kept once the part runs again: the dead-letter queue loses no entry to its own
+    restart."""
+
+    def __init__(
+        self, current: Callable[[], pykka.ActorRef[Any] | None], name: str, *, hold: bool = False
+    ) -> None:
         # no super().__init__(): there is no single actor behind it
         self._current = current
         self._name = name
+        self._hold = hold
+        self._held: list[Any] = []
+        self._lock = threading.Lock()
 
     def _ref(self) -> pykka.ActorRef[Any]:
         ref = self._current()
@@ -61,7 +76,25 @@ class LiveRef(pykka.ActorRef[Any]):
         return ref is not None and ref.is_alive()
 
     def tell(self, message: Any) -> None:
-        self._ref().tell(message)
+        if not self._hold:
+            self._ref().tell(message)
+            return
+        with self._lock:
+            try:
+                self._ref().tell(message)
+            except pykka.ActorDeadError:
+                if len(self._held) >= HELD_TELLS:
+                    raise
+                self._held.append(message)
+
+    def flush(self) -> int:
+        """Deliver the tells kept while the part was down (in order); how many."""
+        with self._lock:
+            held, self._held = self._held, []
+            ref = self._ref()
+            for message in held:
+                ref.tell(message)
+        return len(held)
 
     def ask(self, message: Any, *, block: bool = True, timeout: float | None = None) -> Any:
         return self._ref().ask(message, block=block, timeout=timeout)

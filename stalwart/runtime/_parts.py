@@ -63,7 +63,7 @@ class PartsLayer:
         self._health: dict[str, pykka.ActorRef[Any]] = {}
         self._supervisor: pykka.ActorRef[Any] | None = None
         self._announcer: pykka.ActorRef[Any] | None = None
-        self.dead_letters_ref = LiveRef(lambda: self._dead_letters, "deadletter")
+        self.dead_letters_ref = LiveRef(lambda: self._dead_letters, "deadletter", hold=True)
         self.supervisor_ref = LiveRef(lambda: self._supervisor, "supervisor")
         self.announcer_ref = LiveRef(lambda: self._announcer, "announcer")
 
@@ -182,6 +182,9 @@ class PartsLayer:
 
         def start() -> None:
             self._dead_letters = self._start_dead_letters()
+            held = self.dead_letters_ref.flush()  # the entries told while it was down
+            if held:
+                log.info("runtime.dead_letters_held", delivered=held)
 
         self.restart("deadletter", start)
 

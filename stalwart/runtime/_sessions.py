@@ -18,6 +18,7 @@ from stalwart.actors import (
     AgentLoopSettings,
     Crashed,
     HealthView,
+    IsIdle,
     LeaseLost,
     WakeFailed,
     WorkerReport,
@@ -49,6 +50,10 @@ from ._workspace import Committer, draft_tools
 __all__ = ["SessionLayer"]
 
 log = get_logger(__name__)
+
+#: How long passivation waits for an Agent to say whether it is idle (a busy one is
+#: left for the next sweep).
+IDLE_ASK_S = 1.0
 
 
 class SessionLayer:
@@ -317,13 +322,22 @@ class SessionLayer:
             channel = DEFAULT_CHANNEL
         return agent, channel
 
-    def passivate(self, session_id: str) -> None:
-        """Stop an idle session's Agent (its handle stays: the next wake restarts it)."""
-        with self._w.lock:
-            handle = self._handles.get(session_id)
-        if handle is not None and handle.ref.is_alive():
-            log.info("runtime.passivated", session=session_id)
-            stop_actors([handle.ref])
+    def passivate(self, session_id: str) -> bool:
+        """Stop the session's Agent if it says it is idle: no wake, no turn, no send in
+        flight (its handle stays: the next wake restarts it). Whether it is stopped; an
+        Agent too busy to answer at once is left for the next sweep."""
+        handle = self._handles.get(session_id)
+        if handle is None or not handle.ref.is_alive():
+            return True
+        try:
+            idle = handle.ref.ask(IsIdle(), timeout=IDLE_ASK_S)
+        except (pykka.ActorDeadError, pykka.Timeout):
+            return False
+        if not idle:
+            return False
+        log.info("runtime.passivated", session=session_id)
+        stop_actors([handle.ref])
+        return True
 
     # -- what a host does to a session (see Runtime) -------------------------------------------
 
