@@ -50,7 +50,9 @@ from stalwart.state import (
     Verification,
     Verifier,
     VerifyReport,
+    decide_restart,
     decide_watchdog,
+    restart_history,
     verify,
 )
 from tests._log import recorded
@@ -207,6 +209,49 @@ def test_restarts_are_re_derived_from_the_restart_history() -> None:
     [finding] = three().add("runtime", restarted(4, 800), 3).verify().findings
     assert finding.expected[0]["type"] == "supervisor:gave_up"
     assert three().add("runtime", restarted(1, 100), 7.5).verify().clean  # a calm window
+
+
+def test_each_runtime_instance_counts_only_its_own_restarts() -> None:
+    """Processes sharing a store restart actors of the same names ("deadletter"): their
+    restarts were counted together, so three processes' crashes made the fourth give up."""
+    log = Log()
+    for at, runtime in enumerate(("w1", "w2", "w3")):
+        restarted = SupervisorRestarted(
+            actor="deadletter",
+            restarts=1,
+            backoff_ms=100,
+            reason="RuntimeError",
+            window_ms=5_000,
+            max_restarts=3,
+            runtime=runtime,
+        )
+        log.add("runtime", restarted, at * 0.1)
+    fourth = SupervisorRestarted(
+        actor="deadletter",
+        restarts=2,
+        backoff_ms=200,
+        reason="RuntimeError",
+        window_ms=5_000,
+        max_restarts=3,
+        runtime="w1",
+    )
+    assert log.add("runtime", fourth, 0.5).verify().clean
+    records = log.records
+    assert restart_history(records, "deadletter", "w1") == (T0, T0 + 0.5)
+    assert restart_history(records, "deadletter", "w4") == ()
+    decided = decide_restart(
+        "deadletter",
+        restart_history(records, "deadletter", "w2"),
+        T0 + 1,
+        reason="r",
+        max_restarts=3,
+        within_ms=5_000,
+        backoff_base_ms=100,
+        backoff_cap_ms=1_000,
+        runtime="w2",
+    )
+    assert isinstance(decided, SupervisorRestarted)
+    assert (decided.restarts, decided.runtime) == (2, "w2")
 
 
 def test_provider_and_dead_letter_decisions_are_re_derived() -> None:

@@ -89,10 +89,14 @@ class RestartNoticeSent(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def decide_crash(
-    store: EventStore, crashed: Crashed, now: float, settings: SupervisionSettings
+    store: EventStore,
+    crashed: Crashed,
+    now: float,
+    settings: SupervisionSettings,
+    runtime: str = "",
 ) -> SupervisorRestarted | SupervisorGaveUp:
-    """The pure decision on the history read from the log."""
-    history = restart_history(store.read_stream(RESTART_STREAM), crashed.actor)
+    """The pure decision on the runtime instance's history read from the log."""
+    history = restart_history(store.read_stream(RESTART_STREAM), crashed.actor, runtime)
     return decide_restart(
         crashed.actor,
         history,
@@ -103,6 +107,7 @@ def decide_crash(
         backoff_base_ms=settings.restart_backoff_base_ms,
         backoff_cap_ms=settings.restart_backoff_cap_ms,
         session=crashed.session,
+        runtime=runtime,
     )
 
 
@@ -135,6 +140,7 @@ class Restarts:
         default_channel: str,
         tell: Callable[[object], None],
         key: str,
+        runtime: str = "",
     ) -> None:
         self._store = store
         self._clock = clock
@@ -147,10 +153,11 @@ class Restarts:
         self._default_channel = default_channel
         self._tell = tell
         self._key = key
+        self._runtime = runtime
 
     def crashed(self, crashed: Crashed) -> None:
         now = self._clock.now()
-        decision = decide_crash(self._store, crashed, now, self._settings)
+        decision = decide_crash(self._store, crashed, now, self._settings, self._runtime)
         events: list[Event] = [decision]
         notice = AnnouncementQueued(
             announcement_id=new_id(),

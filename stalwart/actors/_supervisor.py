@@ -157,6 +157,7 @@ class SupervisorActor(pykka.ThreadingActor):
         supervision: SupervisionSettings | None = None,
         splitters: Splitters | None = None,
         on_crash: Callable[[str], object] | None = None,
+        runtime: str = "",
     ) -> None:
         super().__init__()
         self._on_crash = on_crash  # called once if this actor dies of an exception
@@ -186,6 +187,7 @@ class SupervisorActor(pykka.ThreadingActor):
             default_channel=default_channel,
             tell=self._tell,
             key=self.actor_urn,
+            runtime=runtime,
         )
         self._runs: dict[str, RunWatch] = {}
         self._not_runs: set[str] = set()

@@ -118,7 +118,8 @@ async def _main(
     config: Config, store: EventStore, agent: str, session: str, prompt: str, printer: _Printer
 ) -> None:
     layer = ProviderLayer(config, store, clock=SystemClock())
-    await layer.sink.emit("runtime", [runtime_started(config, store)], layer.clock.now())
+    started = runtime_started(config, store, new_id())
+    await layer.sink.emit("runtime", [started], layer.clock.now())
     try:
         await _turn(layer, store, agent, session, prompt, printer)
     finally:

@@ -14,6 +14,9 @@ class RuntimeStarted(Event, frozen=True, tag="runtime:started"):
     stalwart_version: str
     host: str = ""
     pid: int = 0
+    #: this runtime instance's id (what its ``supervisor:*`` decisions record as
+    #: ``runtime``); empty in logs written before it
+    instance: str = ""
 
 
 class RuntimeStopped(Event, frozen=True, tag="runtime:stopped"):
@@ -27,6 +30,9 @@ class SupervisorRestarted(Event, frozen=True, tag="supervisor:restarted"):
     reason: str
     window_ms: int = 0
     max_restarts: int = 0
+    #: the runtime instance that decided (its restarts are counted apart from other
+    #: processes' on the same store); empty in logs written before it
+    runtime: str = ""
     severity: ClassVar[Severity] = "warning"
 
 
@@ -37,4 +43,5 @@ class SupervisorGaveUp(Event, frozen=True, tag="supervisor:gave_up"):
     session: str | None = None
     max_restarts: int = 0
     reason: str = ""
+    runtime: str = ""
     severity: ClassVar[Severity] = "error"

@@ -18,6 +18,7 @@ from stalwart.channels import Channel, ConsoleChannel, channel_from_settings
 from stalwart.clock import Clock
 from stalwart.config import Config
 from stalwart.events import Event, RuntimeStarted, RuntimeStopped
+from stalwart.ids import new_id
 from stalwart.store import EventStore, NewEvent
 
 from ._handles import DEFAULT_CHANNEL, RUNTIME_STREAM, STOP_TIMEOUT_S
@@ -32,9 +33,10 @@ T = TypeVar("T")
 NOT_STARTED = "the runtime has not started: use start() or a with block"
 
 
-def runtime_started(config: Config, store: EventStore) -> RuntimeStarted:
+def runtime_started(config: Config, store: EventStore, instance: str = "") -> RuntimeStarted:
     """The ``runtime:started`` of a process running ``config`` on ``store``: the config
-    as replay needs it (no secret), with the store actually in use (password-free)."""
+    as replay needs it (no secret), with the store actually in use (password-free), and
+    the runtime ``instance``'s id."""
     record = config.to_record()
     record["store"]["location"] = store.location
     return RuntimeStarted(
@@ -42,6 +44,7 @@ def runtime_started(config: Config, store: EventStore) -> RuntimeStarted:
         stalwart_version=stalwart.__version__,
         host=socket.gethostname(),
         pid=os.getpid(),
+        instance=instance,
     )
 
 
@@ -68,6 +71,8 @@ class Foundation:
         self._started_recorded = False
         self._portal: IoPortal | None = None
         self._scheduler: Scheduler | None = None
+        #: this runtime instance (its restarts are counted apart from other processes')
+        self.instance = new_id()
 
     @property
     def store(self) -> EventStore:
@@ -87,7 +92,7 @@ class Foundation:
         # the channels first: a channel the config cannot build fails the start before
         # anything is recorded or started
         self.channels = self._build_channels()
-        self._record(runtime_started(self._config, self._store))
+        self._record(runtime_started(self._config, self._store, self.instance))
         self._started_recorded = True
         self._portal = IoPortal().start()
         self._scheduler = Scheduler(self._clock).start()
@@ -104,6 +109,7 @@ class Foundation:
             channels=self.channels,
             lock=lock,
             running=running,
+            instance=self.instance,
         )
 
     def _open_store(self) -> tuple[EventStore, bool]:

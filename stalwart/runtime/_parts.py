@@ -91,6 +91,7 @@ class PartsLayer:
             default_channel=DEFAULT_CHANNEL,
             tell=lambda _message: None,  # no notices: an infrastructure give-up is logged
             key="runtime",
+            runtime=self._w.instance,
         )
 
     def _start_dead_letters(self) -> pykka.ActorRef[Any]:
@@ -133,6 +134,7 @@ class PartsLayer:
             announce_timeout_ms=config.dead_letters.announce_timeout_ms,
             default_channel=DEFAULT_CHANNEL,
             supervision=config.supervision,
+            runtime=self._w.instance,
             on_crash=partial(self.crashed, "supervisor", self._restart_supervisor),
         )
 

@@ -38,6 +38,8 @@ class Wiring:
     channels: Mapping[str, Channel]
     lock: threading.RLock
     running: Callable[[], bool]
+    #: the runtime instance's id (``runtime:started``'s ``instance``)
+    instance: str = ""
 
 
 def stop_actors(refs: Sequence[pykka.ActorRef[Any] | None]) -> None:

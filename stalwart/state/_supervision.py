@@ -18,10 +18,18 @@ from collections.abc import Iterable
 from stalwart.events import RecordedEvent, SupervisorGaveUp, SupervisorRestarted
 
 
-def restart_history(records: Iterable[RecordedEvent], actor: str) -> tuple[float, ...]:
-    """The times ``actor`` was restarted, oldest first, from the log."""
+def restart_history(
+    records: Iterable[RecordedEvent], actor: str, runtime: str = ""
+) -> tuple[float, ...]:
+    """The times ``actor`` of the runtime instance ``runtime`` was restarted, oldest
+    first, from the log (other processes on the store restart their own actors of the
+    same names: those are not this one's)."""
     return tuple(
-        r.ts for r in records if isinstance(r.event, SupervisorRestarted) and r.event.actor == actor
+        r.ts
+        for r in records
+        if isinstance(r.event, SupervisorRestarted)
+        and r.event.actor == actor
+        and r.event.runtime == runtime
     )
 
 
@@ -41,8 +49,10 @@ def decide_restart(
     backoff_base_ms: int,
     backoff_cap_ms: int,
     session: str | None = None,
+    runtime: str = "",
 ) -> SupervisorRestarted | SupervisorGaveUp:
-    """Restart ``actor`` after a crash at ``now``, or give up (one_for_one intensity)."""
+    """Restart ``actor`` after a crash at ``now``, or give up (one_for_one intensity);
+    ``history_ts`` is that runtime instance's (``runtime``, recorded in the decision)."""
     recent = sum(1 for ts in history_ts if ts <= now and now - ts < within_ms / 1000)
     if recent >= max_restarts:
         return SupervisorGaveUp(
@@ -52,6 +62,7 @@ def decide_restart(
             session=session,
             max_restarts=max_restarts,
             reason=reason,
+            runtime=runtime,
         )
     return SupervisorRestarted(
         actor=actor,
@@ -60,4 +71,5 @@ def decide_restart(
         reason=reason,
         window_ms=within_ms,
         max_restarts=max_restarts,
+        runtime=runtime,
     )

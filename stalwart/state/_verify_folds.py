@@ -92,8 +92,14 @@ class CallsFolder:
 CALLS = FolderAggregate("verify_calls", CallsState, CallsFolder, moves=_MOVES)
 
 
+def restarts_key(runtime: str, actor: str) -> str:
+    """Where :class:`RestartsState` keeps the restarts of one runtime instance's actor."""
+    return f"{runtime}/{actor}"
+
+
 class RestartsState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """Every actor's ``supervisor:restarted`` times, oldest first."""
+    """Every runtime instance's actors' ``supervisor:restarted`` times, oldest first,
+    by :func:`restarts_key`."""
 
     history: dict[str, tuple[float, ...]] = msgspec.field(default_factory=dict)
 
@@ -107,7 +113,8 @@ class RestartsFolder:
     def add(self, record: RecordedEvent) -> None:
         event = record.event
         if isinstance(event, SupervisorRestarted):
-            self._history[event.actor] = (*self._history.get(event.actor, ()), record.ts)
+            key = restarts_key(event.runtime, event.actor)
+            self._history[key] = (*self._history.get(key, ()), record.ts)
 
     def state(self) -> RestartsState:
         return RestartsState(history=dict(self._history))

@@ -91,7 +91,7 @@ from ._supervision import decide_restart
 from ._verify_activations import ACTIVATION_RULES
 from ._verify_context import CONTEXT_RULES
 from ._verify_decisions import DECISION_RULES
-from ._verify_folds import CALLS, RESTARTS, CallsState, RestartsState
+from ._verify_folds import CALLS, RESTARTS, CallsState, RestartsState, restarts_key
 from ._verify_registry import Deadline, Knobs, Registry, Selective, Verifier, moment
 
 #: Every decision tag of DESIGN's catalogue: one with no verifier is counted as unchecked.
@@ -348,7 +348,7 @@ def _restart(state: RestartsState, record: RecordedEvent, knobs: Knobs) -> list[
     return [
         decide_restart(
             found.actor,
-            state.history.get(found.actor, ()),
+            state.history.get(restarts_key(found.runtime, found.actor), ()),
             record.ts,
             reason=found.reason,
             max_restarts=knobs.get_int("supervision.max_restarts"),
@@ -356,6 +356,7 @@ def _restart(state: RestartsState, record: RecordedEvent, knobs: Knobs) -> list[
             backoff_base_ms=knobs.get_int("supervision.restart_backoff_base_ms"),
             backoff_cap_ms=knobs.get_int("supervision.restart_backoff_cap_ms"),
             session=session,
+            runtime=found.runtime,
         )
     ]
 
