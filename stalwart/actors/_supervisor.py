@@ -36,6 +36,7 @@ too. One timer, keyed by the actor, at the earlier of the two sweeps.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -47,7 +48,7 @@ from stalwart._logs import get_logger
 from stalwart.channels import Channel, OutboundMessage, send_within
 from stalwart.clock import Clock
 from stalwart.config import SubagentSettings, SupervisionSettings
-from stalwart.errors import ConcurrencyError
+from stalwart.errors import ConcurrencyError, CorruptRecordError
 from stalwart.events import (
     AnnouncementQueued,
     Event,
@@ -199,11 +200,15 @@ class SupervisorActor(pykka.ThreadingActor):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def on_start(self) -> None:
-        now = self._clock.now()
-        self._next_ghost = now + self._settings.ghost_sweep_interval_ms / 1000
-        self._next_heartbeat = now + self._settings.heartbeat_interval_ms / 1000
-        self._sweep(ghosts=True, heartbeats=True)  # what a crash left behind, at once
-        self._arm()
+        try:
+            now = self._clock.now()
+            self._next_ghost = now + self._settings.ghost_sweep_interval_ms / 1000
+            self._next_heartbeat = now + self._settings.heartbeat_interval_ms / 1000
+            self._sweep(ghosts=True, heartbeats=True)  # what a crash left behind, at once
+            self._arm()
+        except Exception:  # pykka stops an actor whose on_start raises, untold: tell
+            self.on_failure(*sys.exc_info())
+            raise
 
     def on_stop(self) -> None:
         self._scheduler.cancel(self._timer_key)
@@ -285,13 +290,21 @@ class SupervisorActor(pykka.ThreadingActor):
                 self._catch_up(stream)
 
     def _catch_up(self, stream: str) -> RunWatch | None:
-        """The run after reading what is new in its stream; None when it is no run."""
+        """The run after reading what is new in its stream; None when it is no run, or
+        when a record of it cannot be read (reported once and left alone: one damaged
+        stream never stops the sweeps of the others)."""
         watch = self._runs.get(stream) or RUN_WATCH.initial(stream)
-        for record in self._store.read_stream(stream, watch.run.version + 1):
-            if watch.run.version == 0 and not isinstance(record.event, SubagentSpawned):
-                self._not_runs.add(stream)  # a run's stream starts with its spawn
-                return None
-            watch = RUN_WATCH.apply(watch, record)
+        try:
+            for record in self._store.read_stream(stream, watch.run.version + 1):
+                if watch.run.version == 0 and not isinstance(record.event, SubagentSpawned):
+                    self._not_runs.add(stream)  # a run's stream starts with its spawn
+                    return None
+                watch = RUN_WATCH.apply(watch, record)
+        except CorruptRecordError as exc:
+            log.error("supervisor.stream_unreadable", stream=stream, position=exc.position)
+            self._not_runs.add(stream)
+            self._runs.pop(stream, None)
+            return None
         if watch.is_run:
             self._runs[stream] = watch
             return watch

@@ -24,7 +24,7 @@ from stalwart.actors import (
 )
 from stalwart.channels import MemoryChannel
 from stalwart.errors import SpawnRefusedError
-from stalwart.state import spawn_timeout
+from stalwart.state import SUBSESSION_CHANNEL_PREFIX, spawn_timeout
 
 from ._handles import DEFAULT_CHANNEL, RunHandle, RunSpec
 from ._sessions import SessionLayer
@@ -104,7 +104,18 @@ class RunLayer:
         return self._start(spawn, work, agent, announce=announce)
 
     def _check(self, spawn: Spawn) -> None:
-        """SpawnRefusedError (nothing appended) for no valid timeout or an unknown channel."""
+        """SpawnRefusedError (nothing appended) for no valid timeout, a step budget that
+        is not a positive number (its watchdog limit would be 0 ms or less: the run would
+        be force-failed the moment it starts) or an unknown channel."""
+        if spawn.max_steps is not None and (
+            isinstance(spawn.max_steps, bool)
+            or not isinstance(spawn.max_steps, int)
+            or spawn.max_steps < 1
+        ):
+            raise SpawnRefusedError(
+                f"spawn refused: max_steps must be a positive integer, got {spawn.max_steps!r}",
+                field="max_steps",
+            )
         settings = self._w.config.subagents
         spawn_timeout(
             spawn.task_class,
@@ -160,7 +171,7 @@ class RunLayer:
         with self._w.lock:
             if not self._w.running():
                 raise RuntimeError("the runtime is closed: use start() or a with block")
-            sink = MemoryChannel(f"subagent:{run_id}")
+            sink = MemoryChannel(f"{SUBSESSION_CHANNEL_PREFIX}{run_id}")
             handle = self._sessions.start_agent(
                 run_id, agent, sink.name, None, None, supervised=False, target=sink
             )

@@ -111,7 +111,15 @@ from ._incidents import (
     latency_percentile,
     split_model,
 )
-from ._notice import NOTICES, Notice, NoticePath, NoticeStage, next_notice, notice_outcome
+from ._notice import (
+    NOTICES,
+    SUBSESSION_CHANNEL_PREFIX,
+    Notice,
+    NoticePath,
+    NoticeStage,
+    next_notice,
+    notice_outcome,
+)
 from ._orchestrator import (
     ABANDONED_KEPT,
     AbandonedActivation,
@@ -195,6 +203,7 @@ __all__ = [
     "RUN",
     "SESSION",
     "STEP_KNOB",
+    "SUBSESSION_CHANNEL_PREFIX",
     "SUMMARY",
     "VERIFIERS",
     "AbandonedActivation",

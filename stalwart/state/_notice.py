@@ -34,6 +34,11 @@ NoticeStage = Literal["none", "queued", "fallback", "delivered", "failed"]
 NoticePath = Literal["announce", "direct"]
 
 
+#: The private channel a model-driven run's own Agent answers on (``subagent:<run>``): its
+#: announcements are the run's internals, never the run's failure notice.
+SUBSESSION_CHANNEL_PREFIX = "subagent:"
+
+
 class Notice(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A stream's latest failure notice: its id, text and stage."""
 
@@ -45,7 +50,9 @@ class Notice(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 def next_notice(notice: Notice, event: Event) -> Notice:
     """The notice after one more event of its stream (the same one when it is unmoved)."""
     match event:
-        case AnnouncementQueued(kind="failure_notice"):
+        case AnnouncementQueued(kind="failure_notice") if not event.channel.startswith(
+            SUBSESSION_CHANNEL_PREFIX
+        ):
             return Notice(announcement_id=event.announcement_id, text=event.text, stage="queued")
         case AnnouncementFallbackDirect() if event.announcement_id == notice.announcement_id:
             return msgspec.structs.replace(notice, stage="fallback")

@@ -1,0 +1,429 @@
+"""Defects a review found in the sub-agent layer (watchdog, failure notice, ghost sweep,
+recovery). Each test failed on the code before its fix for the reason its docstring
+names ("Harm"). The ones marked ``xfail(strict=True)`` are known defects not fixed yet:
+they fail today, and the mark makes a fix visible (the test then passes and the strict
+mark fails the run until it is removed). Real
+parts only: an LMDB store in tmp_path, the fake provider over loopback, MemoryChannels, a
+``FakeClock`` driving every deadline. Waits are bounded by the log, the channel or an
+``ask``; the few that wait for something that should come at once give up after
+``SETTLE_S``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import lmdb
+import pytest
+
+from stalwart import store as store_module
+from stalwart.actors import (
+    FAILED_SENTENCE,
+    GAVE_UP_TEXT,
+    SWEPT_SENTENCE,
+    TIMED_OUT_SENTENCE,
+    RunReport,
+)
+from stalwart.channels import MemoryChannel, OutboundMessage
+from stalwart.clock import FakeClock
+from stalwart.config import Config, parse_config
+from stalwart.errors import SpawnRefusedError
+from stalwart.events import (
+    AnnouncementDelivered,
+    AnnouncementFallbackDirect,
+    AnnouncementQueued,
+    RecordedEvent,
+    SubagentCompleted,
+    SubagentProgress,
+    SubagentRecoveryDecided,
+    SubagentSpawned,
+    SubagentWatchdogTimeout,
+    SupervisorGaveUp,
+    SupervisorRestarted,
+)
+from stalwart.runtime import Runtime
+from stalwart.store import EventStore
+from stalwart.testing import Fail, FakeProvider
+from tests._runtime_support import GUARD, has, log_until, of
+
+AGENT: dict[str, Any] = {
+    "provider": "main",
+    "model": "m1",
+    "prompt_timeout_ms": 5_000,
+    "retry_prompt_timeout_ms": 5_000,
+    "max_retries": 0,
+}
+#: how long a test waits for a message that should come at once before calling it lost
+SETTLE_S = 2.0
+
+
+def config(base_url: str, **extra: Any) -> Config:
+    data: dict[str, Any] = {
+        "providers": {"main": {"kind": "openai", "base_url": base_url}},
+        "agents": {"default": AGENT | {"subagents": True}, "plain": dict(AGENT)},
+    }
+    return parse_config(data | extra)
+
+
+def messages_until(
+    rt: Runtime,
+    channel: MemoryChannel,
+    check: Callable[[list[OutboundMessage]], bool],
+    wait: float = SETTLE_S,
+) -> list[OutboundMessage]:
+    """The channel's delivered messages once ``check`` holds, or when ``wait`` ran out."""
+
+    async def watch() -> list[OutboundMessage]:
+        with anyio.move_on_after(wait):
+            count = 1
+            while True:
+                seen = await channel.wait_for(count)
+                if check(seen):
+                    return seen
+                count = len(seen) + 1
+        return list(channel.messages)
+
+    return rt.portal.submit(watch).result(wait + 2)
+
+
+def orphan(task: str, timeout_ms: int = 1_000) -> SubagentSpawned:
+    """The spawn of a run a dead process left ``running`` (no actor fires its watchdog)."""
+    return SubagentSpawned(
+        parent="alice",
+        task=task,
+        task_class="custom",
+        timeout_ms=timeout_ms,
+        timeout_reason="test",
+        channel="chat",
+        conversation="alice",
+    )
+
+
+async def hang(report: RunReport) -> str:
+    await anyio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+# -- 1. a model-driven run's own Agent hijacks the run's failure notice ----------------------
+
+
+def test_a_model_driven_run_that_fails_gets_the_sub_agent_failure_notice(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """Harm: a model-driven sub-agent (``rt.spawn`` without ``work``, and every run of the
+    ``spawn_subagent`` tool) whose model call fails never gets its failure notice. Its
+    sub-session Agent writes its own ``announcement:queued`` (kind ``failure_notice``,
+    FAILED_TEXT, meant for the private ``subagent:<id>`` sink) into the run's stream, and
+    the supervisor's notice fold (``next_notice``) takes it for the run's notice: the
+    sub-agent notice is never queued. Depending on a race the user gets nothing, or the
+    sub-session's internal "Sorry, the model did not answer ... Please try again" re-sent
+    on the user's channel as if it were the parent's answer.
+    Correct: exactly one static notice, ``Sub-agent task "<task>": <FAILED_SENTENCE> ...``,
+    on the run's channel."""
+    cfg = config(fake.base_url, subagents={"recovery_max_attempts": 1})
+    with Runtime(cfg, store=store, clock=clock, channels={"chat": chat}) as rt:
+        fake.set_default(Fail(status=400))
+        handle = rt.spawn(
+            "p1", "summarise the quarterly report", task_class="research", channel="chat"
+        )
+        assert handle.result(GUARD).outcome == "failed"
+        log_until(store, handle.stream, has(SubagentRecoveryDecided))
+        seen = messages_until(rt, chat, lambda ms: any(FAILED_SENTENCE in m.text for m in ms))
+        notices = [m for m in seen if FAILED_SENTENCE in m.text]
+        assert len(notices) == 1, [m.text for m in seen]
+        assert "summarise the quarterly report" in notices[0].text
+        assert [m.text for m in seen] == [notices[0].text]
+
+
+# -- 2. one corrupt record in one run's stream silences the supervisor for good --------------
+
+
+def _corrupt(directory: Path, position: int) -> None:
+    env = lmdb.open(str(directory), max_dbs=8)
+    try:
+        log_db = env.open_db(b"log")
+        with env.begin(write=True) as txn:
+            txn.put(position.to_bytes(8, "big"), b"\xc1garbage", db=log_db)
+    finally:
+        env.close()
+
+
+def _swept(task: str, message: OutboundMessage) -> bool:
+    return task in message.text and SWEPT_SENTENCE in message.text
+
+
+def test_one_corrupt_run_record_does_not_stop_the_ghost_sweep_of_other_runs(
+    tmp_path: Path, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """Harm: a single undecodable record in one run's stream (the design's own example of
+    bad input that must lose nothing) disables the whole supervisor, silently: its first
+    sweep in ``on_start`` raises CorruptRecordError out of ``_refresh``/``_catch_up``,
+    pykka stops an actor whose ``on_start`` raises without calling ``on_failure``, so no
+    ``Crashed`` is reported, nothing restarts it and nothing is logged in the ``runtime``
+    stream. From then on no run is ever ghost-swept, no failure notice is sent, no
+    recovery is decided and no crashed agent is restarted. Here an unrelated run left
+    ``running`` by a dead process stays ``running`` for ever and its user hears nothing.
+    Correct: the damaged stream is reported and skipped; every other run is still swept
+    at its limit + ghost_grace_ms with one static notice."""
+    directory = tmp_path / "store"
+    with store_module.open(directory, clock=clock) as first:  # type: ignore[attr-defined]
+        _, damaged = first.append(
+            "session:damaged", [orphan("index the archive"), SubagentProgress(tokens=5, step=1)]
+        )
+        first.append("session:ghost", [orphan("reconcile invoices")])
+    _corrupt(directory, damaged.position)
+    with (
+        store_module.open(directory, clock=clock) as store,  # type: ignore[attr-defined]
+        Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt,
+    ):
+        settings = rt.config.subagents
+        due_s = (1_000 + settings.ghost_grace_ms + settings.ghost_sweep_interval_ms) / 1000
+        for _ in range(round(due_s / 60) + 1):
+            clock.advance(60)
+        seen = messages_until(rt, chat, lambda ms: any(_swept("reconcile invoices", m) for m in ms))
+        assert [m for m in seen if _swept("reconcile invoices", m)], (
+            [r.type for r in store.read_stream("session:ghost")],
+            [r.type for r in store.read_stream("runtime")],
+        )
+
+
+# -- 3. two workers on one store send one notice twice ---------------------------------------
+
+
+def _fell_back_and_settled(records: list[RecordedEvent]) -> bool:
+    types = [r.type for r in records]
+    if "announcement:fallback_direct" not in types:
+        return False
+    after = types[types.index("announcement:fallback_direct") + 1 :]
+    return any(t in ("announcement:delivered", "announcement:send_failed") for t in after)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect: another process's supervisor resends a notice still being sent",
+)
+def test_two_workers_on_one_store_send_a_slow_notice_once(
+    tmp_path: Path, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """Harm: with several runtimes on one store (``stalwart worker`` run several times, as
+    docs/cli.md says to) every process's supervisor settles every run. When one queues a
+    notice whose announce send is slow, the other's sweep sees it ``queued``, not in *its*
+    ``_sending``, takes it for a send a crash interrupted and sends it directly; then the
+    first one's announce send times out, it appends ``announcement:fallback_direct`` after
+    the ``announcement:delivered`` and sends it directly again. The user reads the same
+    failure notice twice (the supervisor promises "never sent twice on one path"; here
+    both copies go the direct path), in a healthy system with no crash.
+    Correct: one delivery; a notice another live process is sending is left to it (and a
+    notice already delivered is not sent again on fallback)."""
+    cfg = config(
+        fake.base_url,
+        subagents={"recovery_max_attempts": 1},
+        dead_letters={"announce_timeout_ms": 1_500},  # the slow announce gives up in 1.5 s
+    )
+    directory = tmp_path / "store"
+    with (
+        store_module.open(directory, clock=clock) as store_a,  # type: ignore[attr-defined]
+        store_module.open(directory, clock=clock) as store_b,  # type: ignore[attr-defined]
+    ):
+        store_a.append("session:ghost", [orphan("reconcile invoices")])
+        chat.hang_next(1)  # the first send of the notice is slow
+        with (
+            Runtime(cfg, store=store_a, clock=clock, channels={"chat": chat}) as a,
+            Runtime(cfg, store=store_b, clock=clock, channels={"chat": chat}) as b,
+        ):
+            for _ in range(3):  # T0 + 180 s: past 1 s + 120 s, both supervisors sweep
+                clock.advance(60)
+                a.runs()
+                b.runs()
+            log_until(store_a, "session:ghost", has(AnnouncementQueued))
+            assert chat.messages == []  # the announce send is under way (slow)
+            clock.advance(60)  # the next sweep of both, while it still is
+            a.runs()
+            b.runs()
+            records = log_until(store_a, "session:ghost", _fell_back_and_settled)
+            time.sleep(0.2)  # a send already under way lands
+            sent = [m for m in chat.messages if "reconcile invoices" in m.text]
+            assert len(sent) == 1, ([r.type for r in records], [m.text for m in sent])
+
+
+# -- 4. a spawn whose step budget is zero is accepted and killed at once ---------------------
+
+
+@pytest.mark.parametrize("max_steps", [0, -3])
+def test_a_spawn_with_no_step_budget_is_not_force_failed_at_once(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel, max_steps: int
+) -> None:
+    """Harm: ``max_steps`` is not validated (``rt.spawn`` and the ``spawn_subagent`` tool,
+    whose value comes from the model). With 0 (a model's usual "no limit") or a negative
+    number the watchdog limit is ``max_steps x per_step_timeout_ms`` <= 0, so the run is
+    force-failed the moment it starts: the user reads "did not complete in time and was
+    stopped (ran 0s)" for a task that never got to run, and the recovery respawns it with
+    the same budget, to be killed again. The seed promises no spawn goes without a valid
+    timeout (``SpawnRefusedError`` for anything else).
+    Correct: refuse it with SpawnRefusedError (field ``max_steps``) before anything is
+    appended, or ignore a non-positive budget; never a 0-ms watchdog."""
+    with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
+        refused: SpawnRefusedError | None = None
+        try:
+            handle = rt.spawn(
+                "p1", "format the table", task_class="formatting", channel="chat",
+                work=hang, max_steps=max_steps,
+            )  # fmt: skip
+        except SpawnRefusedError as exc:
+            refused = exc
+        if refused is not None:
+            assert refused.field == "max_steps"
+            return
+        handle.status()  # the watchdog is armed
+        clock.advance(0)  # a deadline already due fires now
+        state = handle.status()
+        assert state.status == "running", of(
+            SubagentWatchdogTimeout, list(store.read_stream(handle.stream))
+        )
+
+
+# -- 5. a run whose actor was given up on -----------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect: a given-up run's actor gets GAVE_UP_TEXT and leaves the run running",
+)
+def test_a_run_whose_actor_is_given_up_on_is_settled_with_one_sub_agent_notice(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """Harm: when a run's SubAgentActor keeps crashing and supervision gives up
+    (``supervisor:gave_up``), the parent's user is sent GAVE_UP_TEXT, "this
+    conversation's agent had to be stopped", which is false (the conversation's agent is
+    fine, a sub-agent died). The run itself is left ``running`` with its watchdog timer
+    cancelled (``on_failure`` -> ``_release``): nothing settles it until the ghost sweep
+    at its limit + 120 s, which then sends a second notice for the same failure (replay
+    reports the watchdog as missed). The run's handle never resolves, so a
+    ``spawn_subagent`` tool call waiting on it hangs the parent's turn.
+    Correct: a given-up run is force-failed at once: one static sub-agent failure notice
+    naming the task, no GAVE_UP_TEXT for a sub-agent, and the handle resolves."""
+    with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
+        handle = rt.spawn(
+            "p1", "format the table", task_class="formatting", channel="chat", work=hang
+        )
+        handle.status()
+        for crash, backoff_ms in enumerate([100, 200, 400], 1):
+            dying = handle.ref
+            assert dying is not None
+            dying.tell(object())  # the run's actor does not understand it: it crashes
+            log_until(store, "runtime", has(SupervisorRestarted, crash))
+            rt.runs()  # the supervisor has armed the restart
+            clock.advance(backoff_ms / 1000 + 0.001)
+            give_up = time.monotonic() + GUARD
+            while handle.ref is dying:
+                assert time.monotonic() < give_up, "the run's actor was never restarted"
+                time.sleep(0.01)
+            handle.status()
+        last = handle.ref
+        assert last is not None
+        last.tell(object())
+        log_until(store, "runtime", has(SupervisorGaveUp))
+        seen = messages_until(rt, chat, lambda ms: any("format the table" in m.text for m in ms))
+        assert GAVE_UP_TEXT not in [m.text for m in seen]
+        assert [m.text for m in seen if "format the table" in m.text], [m.text for m in seen]
+        assert handle.result(SETTLE_S).outcome != "succeeded"
+
+
+# -- 6. a run that ends while the announcer restarts ------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect: a RunEnded told during the announcer's restart backoff is dropped",
+)
+def test_a_run_that_ends_while_the_announcer_restarts_is_still_delivered(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """Harm: every run's parent is the Announcer (through a LiveRef). If the announcer is
+    down for its restart backoff (100 ms) when a run ends, ``RunEnded`` raises
+    ActorDeadError in ``SubAgentActor._tell_parent``, which logs ``subagent.parent_dead``
+    and drops it. Nothing ever re-derives it from the log: the run's answer is never
+    announced, ``RunLayer.ended`` never runs, so the handle never resolves (a
+    ``spawn_subagent`` call waiting on it hangs its parent's turn) and the run stays in
+    the runtime's tables for ever. (A failure's notice is rescued by the next sweep; a
+    success is simply lost.)
+    Correct: a run's end is delivered to the (restarted) announcer: the handle resolves
+    and the completion is announced."""
+    release = threading.Event()
+
+    async def work(report: RunReport) -> str:
+        await anyio.to_thread.run_sync(release.wait)
+        return "the answer is 42"
+
+    with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
+        handle = rt.spawn("p1", "find the answer", task_class="code", channel="chat", work=work)
+        handle.status()
+        parts = rt._parts  # no public ref to the announcer: crash it as a bug in it would
+        assert parts is not None
+        parts.announcer_ref.tell(object())  # the announcer crashes: restart in 100 ms
+        log_until(store, "runtime", has(SupervisorRestarted))
+        release.set()  # the run ends while the announcer is down
+        log_until(store, handle.stream, has(SubagentCompleted))
+        rt.runs()
+        clock.advance(0.101)  # the announcer is back
+        give_up = time.monotonic() + GUARD
+        while not parts.announcer_ref.is_alive():
+            assert time.monotonic() < give_up, "the announcer was never restarted"
+            time.sleep(0.01)
+        settle = time.monotonic() + SETTLE_S
+        while not handle.done() and time.monotonic() < settle:
+            clock.advance(0.05)  # whatever timer a late delivery may wait on
+            time.sleep(0.02)
+        assert handle.done(), "the run's end never reached its handle"
+        assert handle.result(0).result == "the answer is 42"
+        rt.announcements()
+        clock.advance(rt.config.subagents.announce_max_wait_ms / 1000)  # the batch is due
+        seen = messages_until(rt, chat, lambda ms: any("42" in m.text for m in ms))
+        assert [m.text for m in seen] == ["Sub-agent task completed:\nthe answer is 42"]
+
+
+# -- 7. the 30-second announce timeout does not run on the runtime's clock --------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect: the announce timeout runs on real time, not the runtime's Clock",
+)
+def test_the_announce_timeout_falls_back_on_the_runtime_clock(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """Harm: the notice's 30 s announce timeout (seed 000's batcher timeout) is measured by
+    ``send_within`` with ``anyio.move_on_after``, the event loop's own clock, not the
+    runtime's Clock, against the design's rule that no module reads the wall clock. Under
+    a FakeClock the fallback never fires when the 30 s pass (a host's deterministic test
+    of its failure path hangs 30 real seconds), and the log records
+    ``announcement:fallback_direct`` (``timeout_ms`` 30 000) at the same ``ts`` as the
+    ``announcement:queued`` it timed out, so replay cannot show the wait that happened.
+    Correct: the announce deadline is a Clock deadline (the scheduler), so advancing the
+    clock by 30 s falls back to the direct send at once."""
+    with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
+        handle = rt.spawn(
+            "p1", "format the table", task_class="formatting", channel="chat", work=hang
+        )
+        handle.status()
+        chat.hang_next(1)  # the announce send of the notice never answers
+        clock.advance(rt.config.subagents.class_timeouts_ms.formatting / 1000)
+        assert handle.result(GUARD).outcome == "timed_out"
+        log_until(store, handle.stream, has(AnnouncementQueued))
+        clock.advance(rt.config.dead_letters.announce_timeout_ms / 1000)
+        settle = time.monotonic() + SETTLE_S
+        while not chat.messages and time.monotonic() < settle:
+            clock.advance(0.5)  # a timer armed a moment after the send started
+            time.sleep(0.05)
+        seen = messages_until(rt, chat, lambda ms: any(TIMED_OUT_SENTENCE in m.text for m in ms))
+        records = list(store.read_stream(handle.stream))
+        assert [m for m in seen if TIMED_OUT_SENTENCE in m.text], [r.type for r in records]
+        [queued] = [r for r in records if isinstance(r.event, AnnouncementQueued)]
+        [fallback] = [r for r in records if isinstance(r.event, AnnouncementFallbackDirect)]
+        assert fallback.ts - queued.ts >= 30.0
+        assert of(AnnouncementDelivered, records)
