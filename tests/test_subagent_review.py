@@ -11,7 +11,6 @@ parts only: an LMDB store in tmp_path, the fake provider over loopback, MemoryCh
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,8 +36,6 @@ from stalwart.events import (
     AnnouncementDelivered,
     AnnouncementFallbackDirect,
     AnnouncementQueued,
-    RecordedEvent,
-    SubagentCompleted,
     SubagentProgress,
     SubagentRecoveryDecided,
     SubagentSpawned,
@@ -192,65 +189,6 @@ def test_one_corrupt_run_record_does_not_stop_the_ghost_sweep_of_other_runs(
         )
 
 
-# -- 3. two workers on one store send one notice twice ---------------------------------------
-
-
-def _fell_back_and_settled(records: list[RecordedEvent]) -> bool:
-    types = [r.type for r in records]
-    if "announcement:fallback_direct" not in types:
-        return False
-    after = types[types.index("announcement:fallback_direct") + 1 :]
-    return any(t in ("announcement:delivered", "announcement:send_failed") for t in after)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect: another process's supervisor resends a notice still being sent",
-)
-def test_two_workers_on_one_store_send_a_slow_notice_once(
-    tmp_path: Path, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
-) -> None:
-    """Harm: with several runtimes on one store (``stalwart worker`` run several times, as
-    docs/cli.md says to) every process's supervisor settles every run. When one queues a
-    notice whose announce send is slow, the other's sweep sees it ``queued``, not in *its*
-    ``_sending``, takes it for a send a crash interrupted and sends it directly; then the
-    first one's announce send times out, it appends ``announcement:fallback_direct`` after
-    the ``announcement:delivered`` and sends it directly again. The user reads the same
-    failure notice twice (the supervisor promises "never sent twice on one path"; here
-    both copies go the direct path), in a healthy system with no crash.
-    Correct: one delivery; a notice another live process is sending is left to it (and a
-    notice already delivered is not sent again on fallback)."""
-    cfg = config(
-        fake.base_url,
-        subagents={"recovery_max_attempts": 1},
-        dead_letters={"announce_timeout_ms": 1_500},  # the slow announce gives up in 1.5 s
-    )
-    directory = tmp_path / "store"
-    with (
-        store_module.open(directory, clock=clock) as store_a,  # type: ignore[attr-defined]
-        store_module.open(directory, clock=clock) as store_b,  # type: ignore[attr-defined]
-    ):
-        store_a.append("session:ghost", [orphan("reconcile invoices")])
-        chat.hang_next(1)  # the first send of the notice is slow
-        with (
-            Runtime(cfg, store=store_a, clock=clock, channels={"chat": chat}) as a,
-            Runtime(cfg, store=store_b, clock=clock, channels={"chat": chat}) as b,
-        ):
-            for _ in range(3):  # T0 + 180 s: past 1 s + 120 s, both supervisors sweep
-                clock.advance(60)
-                a.runs()
-                b.runs()
-            log_until(store_a, "session:ghost", has(AnnouncementQueued))
-            assert chat.messages == []  # the announce send is under way (slow)
-            clock.advance(60)  # the next sweep of both, while it still is
-            a.runs()
-            b.runs()
-            records = log_until(store_a, "session:ghost", _fell_back_and_settled)
-            time.sleep(0.2)  # a send already under way lands
-            sent = [m for m in chat.messages if "reconcile invoices" in m.text]
-            assert len(sent) == 1, ([r.type for r in records], [m.text for m in sent])
-
-
 # -- 4. a spawn whose step budget is zero is accepted and killed at once ---------------------
 
 
@@ -334,60 +272,7 @@ def test_a_run_whose_actor_is_given_up_on_is_settled_with_one_sub_agent_notice(
         assert handle.result(SETTLE_S).outcome != "succeeded"
 
 
-# -- 6. a run that ends while the announcer restarts ------------------------------------------
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect: a RunEnded told during the announcer's restart backoff is dropped",
-)
-def test_a_run_that_ends_while_the_announcer_restarts_is_still_delivered(
-    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
-) -> None:
-    """Harm: every run's parent is the Announcer (through a LiveRef). If the announcer is
-    down for its restart backoff (100 ms) when a run ends, ``RunEnded`` raises
-    ActorDeadError in ``SubAgentActor._tell_parent``, which logs ``subagent.parent_dead``
-    and drops it. Nothing ever re-derives it from the log: the run's answer is never
-    announced, ``RunLayer.ended`` never runs, so the handle never resolves (a
-    ``spawn_subagent`` call waiting on it hangs its parent's turn) and the run stays in
-    the runtime's tables for ever. (A failure's notice is rescued by the next sweep; a
-    success is simply lost.)
-    Correct: a run's end is delivered to the (restarted) announcer: the handle resolves
-    and the completion is announced."""
-    release = threading.Event()
-
-    async def work(report: RunReport) -> str:
-        await anyio.to_thread.run_sync(release.wait)
-        return "the answer is 42"
-
-    with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
-        handle = rt.spawn("p1", "find the answer", task_class="code", channel="chat", work=work)
-        handle.status()
-        parts = rt._parts  # no public ref to the announcer: crash it as a bug in it would
-        assert parts is not None
-        parts.announcer_ref.tell(object())  # the announcer crashes: restart in 100 ms
-        log_until(store, "runtime", has(SupervisorRestarted))
-        release.set()  # the run ends while the announcer is down
-        log_until(store, handle.stream, has(SubagentCompleted))
-        rt.runs()
-        clock.advance(0.101)  # the announcer is back
-        give_up = time.monotonic() + GUARD
-        while not parts.announcer_ref.is_alive():
-            assert time.monotonic() < give_up, "the announcer was never restarted"
-            time.sleep(0.01)
-        settle = time.monotonic() + SETTLE_S
-        while not handle.done() and time.monotonic() < settle:
-            clock.advance(0.05)  # whatever timer a late delivery may wait on
-            time.sleep(0.02)
-        assert handle.done(), "the run's end never reached its handle"
-        assert handle.result(0).result == "the answer is 42"
-        rt.announcements()
-        clock.advance(rt.config.subagents.announce_max_wait_ms / 1000)  # the batch is due
-        seen = messages_until(rt, chat, lambda ms: any("42" in m.text for m in ms))
-        assert [m.text for m in seen] == ["Sub-agent task completed:\nthe answer is 42"]
-
-
-# -- 7. the 30-second announce timeout does not run on the runtime's clock --------------------
+# -- 6. the announce timeout and the runtime's clock --------------------------------------------
 
 
 @pytest.mark.xfail(
