@@ -1,4 +1,5 @@
-"""What the runtime tests share: waiting on a channel and on the log, picking events."""
+"""What the runtime tests share: a config on one fake provider, waiting on a channel and
+on the log, picking events."""
 
 from __future__ import annotations
 
@@ -9,12 +10,36 @@ from typing import Any
 import anyio
 
 from stalwart.channels import MemoryChannel, OutboundMessage
+from stalwart.config import Config, parse_config
 from stalwart.events import RecordedEvent
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 
 #: The longest any wait in these tests takes before it fails.
 GUARD = 10.0
+
+
+def agent_settings(prompt_timeout_ms: int = 5_000, **fields: Any) -> dict[str, Any]:
+    """An agent on provider ``main``, model ``m1``, with no provider retries."""
+    return {
+        "provider": "main",
+        "model": "m1",
+        "prompt_timeout_ms": prompt_timeout_ms,
+        "retry_prompt_timeout_ms": prompt_timeout_ms,
+        "max_retries": 0,
+        **fields,
+    }
+
+
+def runtime_config(base_url: str, *, prompt_timeout_ms: int = 5_000, **sections: Any) -> Config:
+    """One OpenAI-wire provider ``main`` at ``base_url`` and a ``default`` agent on it
+    (:func:`agent_settings`); ``sections`` add or replace top-level sections."""
+    data: dict[str, Any] = {
+        "providers": {"main": {"kind": "openai", "base_url": base_url}},
+        "agents": {"default": agent_settings(prompt_timeout_ms)},
+    }
+    return parse_config(data | sections)
+
 
 Kind = type | tuple[type, ...]
 

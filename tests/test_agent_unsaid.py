@@ -15,7 +15,7 @@ from typing import Any
 from stalwart.actors import ABANDONED_TEXT
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
-from stalwart.config import Config, parse_config
+from stalwart.config import Config
 from stalwart.events import (
     ActivationAbandoned,
     ActivationLeased,
@@ -32,34 +32,20 @@ from stalwart.runtime import Runtime, send_message
 from stalwart.store import EventStore
 from stalwart.testing import FakeProvider, Hang
 
-from ._runtime_support import GUARD, delivered, has, log_until, of
-
-AGENT: dict[str, Any] = {
-    "provider": "main",
-    "model": "m1",
-    "prompt_timeout_ms": 120_000,
-    "retry_prompt_timeout_ms": 120_000,
-    "max_retries": 0,
-}
+from ._runtime_support import GUARD, delivered, has, log_until, of, runtime_config
 
 
 def _config(fake: FakeProvider, **extra: Any) -> Config:
-    return parse_config(
-        {
-            "providers": {"main": {"kind": "openai", "base_url": fake.base_url}},
-            "agents": {"default": dict(AGENT)},
-            **extra,
-        }
-    )
+    return runtime_config(fake.base_url, prompt_timeout_ms=120_000, **extra)
 
 
 def _pass(clock: FakeClock, seconds: int) -> None:
     """Let fake time pass a second at a time, giving the actors a moment at each."""
     for _ in range(seconds):
         clock.advance(1.0)
-        # real-time: the worker, supervisor and Agent run each fake second's timers on
-        # their own threads; a moment lets them append before time moves on again
-        time.sleep(0.01)
+        # the worker, supervisor and Agent run each fake second's timers on their own
+        # threads; a moment lets them append before time moves on again
+        time.sleep(0.01)  # real-time: actor threads append between fake seconds
 
 
 def test_a_wake_given_up_on_closes_its_turn_and_tells_the_user(
@@ -156,8 +142,8 @@ def test_only_recent_news_is_sent_again(
         [message] = delivered(rt, chat, 1)
         assert message.text == "an answer from ten minutes ago"
         log_until(store, "session:new", has(AnnouncementDelivered))
-        # real-time: proving that no second send comes needs a wait; both Agents had
-        # started before the first send was delivered, and a resend is submitted at start
-        time.sleep(0.2)
+        # proving that no second send comes needs a wait; both Agents had started before
+        # the first send was delivered, and a resend is submitted at start
+        time.sleep(0.2)  # real-time: proving an absence needs a wait
         assert len(chat.attempted) == 1
         assert not of(AnnouncementDelivered, list(store.read_stream("session:old")))

@@ -14,7 +14,7 @@ from stalwart.actors import APPROVAL_TEXT, DENIED_TEXT, UNRECONCILED_TEXT, draft
 from stalwart.channels import MemoryChannel
 from stalwart.cli._replay import verify_store
 from stalwart.clock import FakeClock
-from stalwart.config import Config, parse_config
+from stalwart.config import Config
 from stalwart.errors import SessionActionError
 from stalwart.events import (
     ActivationAcked,
@@ -43,23 +43,21 @@ from stalwart.state import DRAFTS, fold
 from stalwart.store import EventStore, Fence, NewEvent
 from stalwart.testing import Answer, FakeProvider, FakeToolCall, Hang
 from stalwart.tools import current_call
-from tests._runtime_support import GUARD, delivered, has, log_until, of
+from tests._runtime_support import (
+    GUARD,
+    agent_settings,
+    delivered,
+    has,
+    log_until,
+    of,
+    runtime_config,
+)
 
-AGENT: dict[str, Any] = {
-    "provider": "main",
-    "model": "m1",
-    "prompt_timeout_ms": 5_000,
-    "retry_prompt_timeout_ms": 5_000,
-    "max_retries": 0,
-}
+AGENT = agent_settings()
 
 
 def config(base_url: str, **extra: Any) -> Config:
-    data: dict[str, Any] = {
-        "providers": {"main": {"kind": "openai", "base_url": base_url}},
-        "agents": {"default": dict(AGENT)},
-    }
-    return parse_config(data | extra)
+    return runtime_config(base_url, **extra)
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from stalwart import store as store_module
 from stalwart.actors import AgentStatus, DeadLetterActor
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
-from stalwart.config import Config, parse_config
+from stalwart.config import Config
 from stalwart.errors import ConfigError
 from stalwart.events import (
     AnnouncementDeadLettered,
@@ -35,28 +35,14 @@ from stalwart.events import (
 from stalwart.runtime import Runtime, interrupt
 from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider, Hang
-from tests._runtime_support import GUARD, delivered, has, log_until, of
-
-AGENT: dict[str, Any] = {
-    "provider": "main",
-    "model": "m1",
-    "prompt_timeout_ms": 120_000,
-    "retry_prompt_timeout_ms": 120_000,
-    "max_retries": 0,
-}
+from tests._runtime_support import GUARD, delivered, has, log_until, of, runtime_config
 
 #: How long a test waits for what a correct runtime does at once, before it fails.
 SHORT = 4.0
 
 
 def _config(fake: FakeProvider, **extra: Any) -> Config:
-    return parse_config(
-        {
-            "providers": {"main": {"kind": "openai", "base_url": fake.base_url}},
-            "agents": {"default": dict(AGENT)},
-            **extra,
-        }
-    )
+    return runtime_config(fake.base_url, prompt_timeout_ms=120_000, **extra)
 
 
 def _until(check: Any, timeout: float = SHORT, clock: FakeClock | None = None) -> bool:
@@ -69,8 +55,7 @@ def _until(check: Any, timeout: float = SHORT, clock: FakeClock | None = None) -
             return True
         if clock is not None:
             clock.advance(0.5)
-        # real-time: the actors append on their own threads; poll every 20 ms
-        time.sleep(0.02)
+        time.sleep(0.02)  # real-time: the actors append on their own threads; poll
     return bool(check())
 
 
@@ -244,8 +229,8 @@ def test_passivation_never_strands_a_wake_handed_to_the_agent_it_stops(
         sweep = threading.Thread(target=clock.advance, args=(1.0,))  # fires the sweep
         sweep.start()
         assert _until(lambda: clock.now() >= start + 1.0, timeout=GUARD)
-        # real-time: the sweep has asked the worker what runs and is stopping s0
-        time.sleep(0.05)
+        # the sweep has asked the worker what runs and is stopping s0 by now
+        time.sleep(0.05)  # real-time: the message must land during the sweep
         s1.send("are you there?")  # handed to s1's Agent, which the sweep judged idle
         sweep.join(GUARD)
         assert not sweep.is_alive()

@@ -30,7 +30,7 @@ from stalwart.actors import (
 )
 from stalwart.channels import MemoryChannel, OutboundMessage
 from stalwart.clock import FakeClock
-from stalwart.config import Config, parse_config
+from stalwart.config import Config
 from stalwart.errors import SpawnRefusedError
 from stalwart.events import (
     AnnouncementDelivered,
@@ -46,25 +46,15 @@ from stalwart.events import (
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Fail, FakeProvider
-from tests._runtime_support import GUARD, has, log_until, of
+from tests._runtime_support import GUARD, agent_settings, has, log_until, of, runtime_config
 
-AGENT: dict[str, Any] = {
-    "provider": "main",
-    "model": "m1",
-    "prompt_timeout_ms": 5_000,
-    "retry_prompt_timeout_ms": 5_000,
-    "max_retries": 0,
-}
 #: how long a test waits for a message that should come at once before calling it lost
 SETTLE_S = 2.0
 
 
 def config(base_url: str, **extra: Any) -> Config:
-    data: dict[str, Any] = {
-        "providers": {"main": {"kind": "openai", "base_url": base_url}},
-        "agents": {"default": AGENT | {"subagents": True}, "plain": dict(AGENT)},
-    }
-    return parse_config(data | extra)
+    agents = {"default": agent_settings(subagents=True), "plain": agent_settings()}
+    return runtime_config(base_url, agents=agents, **extra)
 
 
 def messages_until(
@@ -260,7 +250,7 @@ def test_a_run_whose_actor_is_given_up_on_is_settled_with_one_sub_agent_notice(
             give_up = time.monotonic() + GUARD
             while handle.ref is dying:
                 assert time.monotonic() < give_up, "the run's actor was never restarted"
-                time.sleep(0.01)
+                time.sleep(0.01)  # real-time: the restart runs on the scheduler thread
             handle.status()
         last = handle.ref
         assert last is not None

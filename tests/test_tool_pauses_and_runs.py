@@ -18,7 +18,7 @@ import pytest
 
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
-from stalwart.config import Config, parse_config
+from stalwart.config import Config
 from stalwart.events import (
     ActivationAcked,
     ActivationBlocked,
@@ -28,23 +28,11 @@ from stalwart.events import (
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider, FakeToolCall
-from tests._runtime_support import GUARD, has, log_until, of
-
-AGENT: dict[str, Any] = {
-    "provider": "main",
-    "model": "m1",
-    "prompt_timeout_ms": 5_000,
-    "retry_prompt_timeout_ms": 5_000,
-    "max_retries": 0,
-}
+from tests._runtime_support import GUARD, has, log_until, of, runtime_config
 
 
 def config(base_url: str, **extra: Any) -> Config:
-    data: dict[str, Any] = {
-        "providers": {"main": {"kind": "openai", "base_url": base_url}},
-        "agents": {"default": dict(AGENT)},
-    }
-    return parse_config(data | extra)
+    return runtime_config(base_url, **extra)
 
 
 @pytest.fixture
