@@ -112,6 +112,7 @@ from ._agent_wake import (
     WAKE_PREFIX,
     WakeLedger,
     drafts_note,
+    needs_human,
     pause_for,
     wake_result,
 )
@@ -558,7 +559,7 @@ class AgentActor(pykka.ThreadingActor):
         elif call.id in self._ledger.interrupted:
             failed = ToolFailed(call_id=call.id, tool=call.name, error_class="interrupted")
             text = INTERRUPTED_TEXT
-        elif self._wake is None and pause_for(self._tools.get(call.name), call, self._ledger, None):
+        elif self._wake is None and needs_human(self._tools.get(call.name)):
             failed = ToolFailed(call_id=call.id, tool=call.name, error_class="needs_human")
             text = NO_HUMAN_TEXT
         else:

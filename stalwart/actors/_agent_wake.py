@@ -58,6 +58,7 @@ __all__ = [
     "Resolution",
     "WakeLedger",
     "drafts_note",
+    "needs_human",
     "pause_for",
     "wake_result",
 ]
@@ -201,8 +202,15 @@ class WakeLedger:
         return call.id in self.started
 
 
+def needs_human(tool: Tool | None) -> bool:
+    """Whether a call of ``tool`` needs a person: its approval, or the host's output."""
+    return tool is not None and (
+        pause_kind(custom=tool.custom, needs_confirmation=tool.needs_confirmation) is not None
+    )
+
+
 def pause_for(
-    tool: Tool | None, call: ToolCall, ledger: WakeLedger, turn_id: str | None
+    tool: Tool | None, call: ToolCall, ledger: WakeLedger, turn_id: str
 ) -> SessionRequiresAction | None:
     """The request that must stop the session before ``call`` runs, or None (the pure
     :func:`~stalwart.state.decide_pause`, with the tool's registration as its kind)."""
