@@ -10,6 +10,7 @@ from typing import Any
 import anyio
 
 from stalwart.channels import MemoryChannel, OutboundMessage
+from stalwart.clock import FakeClock
 from stalwart.config import Config, parse_config
 from stalwart.events import RecordedEvent
 from stalwart.runtime import Runtime
@@ -78,3 +79,17 @@ def has(kind: Kind, count: int = 1) -> Callable[[list[RecordedEvent]], bool]:
 
 def of(kind: Kind, records: list[RecordedEvent]) -> list[Any]:
     return [r.event for r in records if isinstance(r.event, kind)]
+
+
+def advance_until(clock: FakeClock, check: Callable[[], Any], step_s: float) -> Any:
+    """Advance ``clock`` by ``step_s`` until ``check()`` gives something true, and give it.
+
+    For a deadline armed by another thread at a moment the test cannot see (a send's
+    Clock timeout is armed when the send starts): each step moves time a little past
+    wherever the timer landed. Fails after :data:`GUARD` real seconds."""
+    give_up = time.monotonic() + GUARD
+    while not (found := check()):
+        assert time.monotonic() < give_up, "the awaited outcome never came"
+        clock.advance(step_s)
+        time.sleep(0.01)  # real-time: the outcome is handled on other threads
+    return found

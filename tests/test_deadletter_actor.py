@@ -290,16 +290,18 @@ def test_expires_after_max_age_while_retries_are_pending(
 def test_a_hanging_channel_is_bounded_by_the_announce_timeout(
     dead_letters: Queue, chat: MemoryChannel, lmdb_store: EventStore, portal: IoPortal
 ) -> None:
-    quick = DeadLetterSettings(announce_timeout_ms=100)  # real time: the send hangs for real
+    quick = DeadLetterSettings(announce_timeout_ms=100)  # on the FakeClock
     chat.hang_next(1)
     ref = dead_letters.start({"chat": chat}, quick)
     entry_id = enqueue(ref, "1")
     dead_letters.clock.set(T0 + 30)
+    attempted(portal, chat, 1)  # the send started (and hangs): its deadline is armed
+    dead_letters.clock.advance(0.1)
     log = settle(ref, lmdb_store, 2)
     assert log[-1] == AnnouncementSendFailed(
         announcement_id="a-1", error_class="timeout", entry_id=entry_id
     )
-    dead_letters.clock.set(T0 + 90)
+    dead_letters.clock.set(T0 + 90.1)  # the retry counts from the failure (at T0 + 30.1)
     log = settle(ref, lmdb_store, 3)
     assert log[-1] == AnnouncementDeadLetterDelivered(entry_id=entry_id, attempts=2)
 

@@ -53,7 +53,7 @@ class Recorder:
             return [name for name, _ in self.calls]
 
 
-# -- FakeClock: no thread, fired inside advance() ------------------------------------------
+# -- FakeClock: fired inside advance(), an overdue timer at once -----------------------------
 
 
 def test_the_boundary_is_exact(clock: FakeClock, scheduler: Scheduler) -> None:
@@ -163,13 +163,22 @@ def test_a_handle_of_another_scheduler_is_not_cancelled(clock: FakeClock) -> Non
         assert "cancelled" in repr(handle)
 
 
-def test_a_past_deadline_fires_on_the_next_tick(clock: FakeClock, scheduler: Scheduler) -> None:
-    rec = Recorder()
+def test_a_past_deadline_fires_at_once_without_an_advance(
+    clock: FakeClock, scheduler: Scheduler
+) -> None:
+    """As with a real clock: an actor that read now() just before another thread advanced
+    the clock and armed its timer just after must not wait for an advance that may never
+    come (the race behind a delayed wake that was never delivered in a test)."""
+    rec = Recorder(expect=2)
     scheduler.schedule(T0 - 5, rec("overdue"))
-    assert rec.calls == []  # never inside schedule()
-    clock.advance(0)
-    assert rec.calls == [("overdue", T0)]
+    scheduler.schedule(T0, rec("due-now"))
+    scheduler.schedule(T0 + 1, rec("future"))
+    assert rec.done.wait(WAIT_S)
+    assert rec.calls == [("overdue", T0), ("due-now", T0)]
+    assert rec.threads == {"stalwart-scheduler-overdue"}  # never inside schedule()
     assert scheduler.stats().max_ms == pytest.approx(5000.0)
+    clock.advance(1)
+    assert rec.names == ["overdue", "due-now", "future"]
 
 
 def test_timers_a_callback_schedules_that_are_due_fire_in_the_same_advance(

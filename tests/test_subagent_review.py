@@ -1,12 +1,9 @@
 """Defects a review found in the sub-agent layer (watchdog, failure notice, ghost sweep,
 recovery). Each test failed on the code before its fix for the reason its docstring
-names ("Harm"). The ones marked ``xfail(strict=True)`` are known defects not fixed yet:
-they fail today, and the mark makes a fix visible (the test then passes and the strict
-mark fails the run until it is removed). Real
-parts only: an LMDB store in tmp_path, the fake provider over loopback, MemoryChannels, a
-``FakeClock`` driving every deadline. Waits are bounded by the log, the channel or an
-``ask``; the few that wait for something that should come at once give up after
-``SETTLE_S``.
+names ("Harm"). Real parts only: an LMDB store in tmp_path, the fake provider over
+loopback, MemoryChannels, a ``FakeClock`` driving every deadline. Waits are bounded by
+the log, the channel or an ``ask``; the few that wait for something that should come at
+once give up after ``SETTLE_S``.
 """
 
 from __future__ import annotations
@@ -46,7 +43,15 @@ from stalwart.events import (
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Fail, FakeProvider
-from tests._runtime_support import GUARD, agent_settings, has, log_until, of, runtime_config
+from tests._runtime_support import (
+    GUARD,
+    advance_until,
+    agent_settings,
+    has,
+    log_until,
+    of,
+    runtime_config,
+)
 
 #: how long a test waits for a message that should come at once before calling it lost
 SETTLE_S = 2.0
@@ -218,10 +223,6 @@ def test_a_spawn_with_no_step_budget_is_not_force_failed_at_once(
 # -- 5. a run whose actor was given up on -----------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect: a given-up run's actor gets GAVE_UP_TEXT and leaves the run running",
-)
 def test_a_run_whose_actor_is_given_up_on_is_settled_with_one_sub_agent_notice(
     store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
 ) -> None:
@@ -262,13 +263,36 @@ def test_a_run_whose_actor_is_given_up_on_is_settled_with_one_sub_agent_notice(
         assert handle.result(SETTLE_S).outcome != "succeeded"
 
 
+def test_a_run_swept_as_a_ghost_here_resolves_its_handle_with_the_notice(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """Harm: a run of this process swept as a ghost (its actor stopped without ending it,
+    so no watchdog fires) got its notice, but its handle never resolved: nothing but the
+    run's own actor ever told the runtime how a run ended, so a ``spawn_subagent`` call
+    waiting on it hung the parent's turn. Correct: the sweep that ends the run hands it
+    to the runtime, and the handle resolves ``swept`` with the same static notice."""
+    with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
+        handle = rt.spawn(
+            "p1", "format the table", task_class="formatting", channel="chat", work=hang
+        )
+        handle.status()
+        actor = handle.ref
+        assert actor is not None
+        actor.stop()  # no crash, no watchdog: only the ghost sweep can end the run now
+        settings = rt.config.subagents
+        limit_ms = settings.class_timeouts_ms.formatting
+        swept_at_ms = limit_ms + settings.ghost_grace_ms + settings.ghost_sweep_interval_ms
+        clock.advance(swept_at_ms / 1000)
+        ended = handle.result(GUARD)
+        assert ended.outcome == "swept"
+        assert SWEPT_SENTENCE in ended.notice
+        seen = messages_until(rt, chat, lambda ms: any(SWEPT_SENTENCE in m.text for m in ms))
+        assert [m.text for m in seen] == [ended.notice]
+
+
 # -- 6. the announce timeout and the runtime's clock --------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect: the announce timeout runs on real time, not the runtime's Clock",
-)
 def test_the_announce_timeout_falls_back_on_the_runtime_clock(
     store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
 ) -> None:
@@ -290,11 +314,11 @@ def test_the_announce_timeout_falls_back_on_the_runtime_clock(
         clock.advance(rt.config.subagents.class_timeouts_ms.formatting / 1000)
         assert handle.result(GUARD).outcome == "timed_out"
         log_until(store, handle.stream, has(AnnouncementQueued))
-        clock.advance(rt.config.dead_letters.announce_timeout_ms / 1000)
-        settle = time.monotonic() + SETTLE_S
-        while not chat.messages and time.monotonic() < settle:
-            clock.advance(0.5)  # a timer armed a moment after the send started
-            time.sleep(0.05)
+        # the send's Clock deadline is armed when it starts, a moment after its
+        # announcement:queued: step past it until the direct send arrives
+        advance_until(
+            clock, lambda: chat.messages, rt.config.dead_letters.announce_timeout_ms / 4000
+        )
         seen = messages_until(rt, chat, lambda ms: any(TIMED_OUT_SENTENCE in m.text for m in ms))
         records = list(store.read_stream(handle.stream))
         assert [m for m in seen if TIMED_OUT_SENTENCE in m.text], [r.type for r in records]

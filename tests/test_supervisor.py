@@ -60,12 +60,13 @@ from stalwart.events import (
 )
 from stalwart.state import RunState
 from stalwart.store import EventStore, NewEvent
+from tests._runtime_support import advance_until
 
 WAIT = 10.0
 T0 = 1_800_000_000.0  # the conftest clock's start
 S = SubagentSettings()
 TICK = S.ghost_sweep_interval_ms / 1000  # 60 s, the heartbeat's too
-ANNOUNCE_MS = 200  # the batcher timeout, small in tests (real time)
+ANNOUNCE_MS = 200  # the batcher timeout (on the FakeClock)
 CHILD = Path(__file__).with_name("_subagent_child.py")
 
 
@@ -387,7 +388,11 @@ def test_partial_work_is_respawned_with_the_continuation_context(tree: Tree) -> 
 
 
 def notice_events(tree: Tree, kind: type[Any]) -> list[Event]:
-    return until(tree.store, lambda: of(stream(tree.store, "r1"), kind))
+    return until(tree.store, partial(notice_events_now, tree, kind))
+
+
+def notice_events_now(tree: Tree, kind: type[Any]) -> list[Event]:
+    return of(stream(tree.store, "r1"), kind)
 
 
 def test_the_notice_goes_through_the_parents_announcement(tree: Tree) -> None:
@@ -404,9 +409,16 @@ def test_the_notice_goes_through_the_parents_announcement(tree: Tree) -> None:
     assert tree.chat.attempted == []
 
 
+def announce_timed_out(tree: Tree) -> None:
+    """Move the clock past the hanging announce send's deadline (armed when it started)."""
+    fallback = partial(notice_events_now, tree, AnnouncementFallbackDirect)
+    advance_until(tree.clock, fallback, ANNOUNCE_MS / 1000)
+
+
 def test_an_announcement_that_times_out_falls_back_to_a_direct_send(tree: Tree) -> None:
     tree.announcer.hang_next()
     timed_out(tree)
+    announce_timed_out(tree)
     [message] = delivered(tree.portal, tree.chat, 1)
     [done] = notice_events(tree, AnnouncementDelivered)
     [fallback] = of(stream(tree.store, "r1"), AnnouncementFallbackDirect)
@@ -422,6 +434,7 @@ def test_a_direct_send_that_fails_too_goes_to_the_dead_letter_queue(tree: Tree) 
     tree.announcer.hang_next()
     tree.chat.fail_next(kind="connect")
     timed_out(tree)
+    announce_timed_out(tree)
     [failed] = notice_events(tree, AnnouncementSendFailed)
     assert failed.error_class == "connect"
     [queued] = of(stream(tree.store, "r1"), AnnouncementQueued)

@@ -356,7 +356,9 @@ def test_a_webhook_closed_while_a_send_backs_off_raises_a_channel_error() -> Non
             self.send_response(503)
             self.send_header("content-length", "0")
             self.end_headers()
+            answered.set()
 
+    answered = threading.Event()
     server = ThreadingHTTPServer(("127.0.0.1", 0), Busy)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01})
@@ -372,7 +374,9 @@ def test_a_webhook_closed_while_a_send_backs_off_raises_a_channel_error() -> Non
         channel = WebhookChannel("ops", settings)
 
         async def close_soon() -> None:
-            await anyio.sleep(0.1)  # the first attempt got its 503; the send backs off
+            while not answered.is_set():  # the first attempt gets its 503 ...
+                await anyio.sleep(0.01)  # real-time: the server answers on its thread
+            await anyio.sleep(0.1)  # real-time: ... and the send backs off (400 ms)
             await channel.aclose()
 
         with anyio.fail_after(5):

@@ -23,7 +23,7 @@ import msgspec
 import pykka
 
 from stalwart._logs import get_logger
-from stalwart.channels import Channel, OutboundMessage, send_within
+from stalwart.channels import Channel, OutboundMessage
 from stalwart.clock import Clock
 from stalwart.events import AnnouncementDelivered, AnnouncementQueued, AnnouncementSendFailed
 from stalwart.events import Event as LogEvent
@@ -34,6 +34,7 @@ from ._deadletter import Enqueue
 from ._portal import IoPortal
 from ._restarts import crashed
 from ._scheduler import Scheduler
+from ._send import send_by_clock
 from ._subagent import RunEnded
 
 __all__ = ["Announcer", "Batch", "GetBatches", "Track"]
@@ -197,7 +198,9 @@ class Announcer(pykka.ThreadingActor):
             kind="reply",
         )
         channel = self._channels.get(batch.channel)
-        future = self._portal.submit(send_within, channel, message, self._send_s)
+        future = send_by_clock(
+            self._portal, self._scheduler, self._clock, channel, message, self._send_s
+        )
         log.info("announcer.batch_sent", parent=parent, runs=len(batch.runs))
         future.add_done_callback(partial(self._send_done, batch, announcement_id))
 

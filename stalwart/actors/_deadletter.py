@@ -45,7 +45,7 @@ import msgspec
 import pykka
 
 from stalwart._logs import get_logger
-from stalwart.channels import Channel, OutboundMessage, send_within
+from stalwart.channels import Channel, OutboundMessage
 from stalwart.clock import Clock
 from stalwart.config import DeadLetterSettings
 from stalwart.errors import ConcurrencyError
@@ -71,6 +71,7 @@ from stalwart.store import EventStore, NewEvent, load_state
 
 from ._portal import IoPortal
 from ._scheduler import Scheduler
+from ._send import send_by_clock
 
 __all__ = [
     "DEADLETTER_STREAM",
@@ -377,7 +378,9 @@ class DeadLetterActor(pykka.ThreadingActor):
         )
         timeout_s = self._settings.announce_timeout_ms / 1000
         channel = self._channels.get(entry.channel)
-        future = self._portal.submit(send_within, channel, message, timeout_s)
+        future = send_by_clock(
+            self._portal, self._scheduler, self._clock, channel, message, timeout_s
+        )
         self._in_flight[entry_id] = _InFlight(future, entry.announcement_id, entry.attempts + 1)
         future.add_done_callback(partial(self._settled, entry_id))
 

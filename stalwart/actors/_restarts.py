@@ -9,6 +9,8 @@ decision there, and then acts: ``restart()`` after the backoff (a scheduler time
 ``FakeClock`` drives it), or, on ``supervisor:gave_up``, the static :data:`GAVE_UP_TEXT`
 to the affected session's channel (``announcement:queued`` / ``delivered`` or
 ``send_failed`` in the ``runtime`` stream; a failed send goes to the dead-letter queue).
+A sub-agent run's actor given up on ends its run instead (``subagent:given_up``, then the
+run's own failure notice and recovery decision, as for a run that timed out).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import msgspec
 import pykka
 
 from stalwart._logs import get_logger
-from stalwart.channels import Channel, OutboundMessage, send_within
+from stalwart.channels import Channel, OutboundMessage
 from stalwart.clock import Clock
 from stalwart.config import SupervisionSettings
 from stalwart.events import (
@@ -41,6 +43,7 @@ from stalwart.store import EventStore, NewEvent
 from ._deadletter import Enqueue
 from ._portal import IoPortal
 from ._scheduler import Scheduler
+from ._send import send_by_clock
 
 __all__ = [
     "GAVE_UP_TEXT",
@@ -77,6 +80,9 @@ class Crashed:
     #: False for an actor no single session depends on (the runtime's infrastructure):
     #: a give-up is appended and logged, with no notice to send.
     notify: bool = True
+    #: the run's stream when the actor runs a sub-agent run: a give-up ends the run as
+    #: failed (its own notice names the task) instead of sending :data:`GAVE_UP_TEXT`
+    run: str | None = None
 
 
 class RestartNoticeSent(msgspec.Struct, frozen=True, kw_only=True):
@@ -141,6 +147,7 @@ class Restarts:
         tell: Callable[[object], None],
         key: str,
         runtime: str = "",
+        end_run: Callable[[str, SupervisorGaveUp], object] | None = None,
     ) -> None:
         self._store = store
         self._clock = clock
@@ -154,6 +161,7 @@ class Restarts:
         self._tell = tell
         self._key = key
         self._runtime = runtime
+        self._end_run = end_run
 
     def crashed(self, crashed: Crashed) -> None:
         now = self._clock.now()
@@ -165,7 +173,9 @@ class Restarts:
             kind="failure_notice",
             text=GAVE_UP_TEXT,
         )
-        if isinstance(decision, SupervisorGaveUp) and crashed.notify:
+        ends_run = crashed.run is not None and self._end_run is not None
+        notify = crashed.notify and not ends_run
+        if isinstance(decision, SupervisorGaveUp) and notify:
             events.append(notice)
         self._store.append(RESTART_STREAM, [NewEvent(event=e, ts=now) for e in events])
         if isinstance(decision, SupervisorRestarted):
@@ -178,7 +188,9 @@ class Restarts:
             )
             return
         log.error("supervision.gave_up", actor=crashed.actor, restarts=decision.restarts)
-        if crashed.notify:
+        if crashed.run is not None and self._end_run is not None:
+            self._end_run(crashed.run, decision)
+        elif notify:
             self._send(notice, crashed.conversation or crashed.session or crashed.actor)
 
     def _send(self, notice: AnnouncementQueued, conversation: str) -> None:
@@ -189,7 +201,9 @@ class Restarts:
             kind="failure_notice",
         )
         channel = self._channels.get(notice.channel)
-        future = self._portal.submit(send_within, channel, message, self._send_s)
+        future = send_by_clock(
+            self._portal, self._scheduler, self._clock, channel, message, self._send_s
+        )
 
         def done(finished: Future[str | None]) -> None:
             if finished.cancelled():

@@ -10,9 +10,13 @@ Deadlines are unix seconds in the time base of the scheduler's :class:`Clock` (`
 
 Two ways to run, chosen by the clock:
 
-* a clock with ``on_advance`` (:class:`~stalwart.clock.FakeClock`): no thread; every due
-  timer fires synchronously inside ``advance()``, in deadline order (ties in scheduling
-  order), so ``clock.advance(600)`` fires a ten-minute watchdog in microseconds;
+* a clock with ``on_advance`` (:class:`~stalwart.clock.FakeClock`): every due timer fires
+  synchronously inside ``advance()``, in deadline order (ties in scheduling order), so
+  ``clock.advance(600)`` fires a ten-minute watchdog in microseconds. A timer scheduled
+  for a time the clock has already reached fires at once on a small helper thread, as
+  it would with a real clock: an actor that read ``now()`` just before another thread
+  advanced the clock, and armed its timer just after, is not left waiting for an
+  advance that may never come;
 * any other clock (:class:`~stalwart.clock.SystemClock`): one daemon thread waits on a
   condition until the earliest deadline and is woken when an earlier timer arrives, a
   timer is cancelled, or the scheduler stops. It never busy-waits.
@@ -122,10 +126,10 @@ class Scheduler:
     """Turns deadlines (from a :class:`Clock`) into callbacks.
 
     Nothing fires before :meth:`start` or after :meth:`stop`; timers scheduled meanwhile
-    wait. A timer whose deadline has passed fires on the next tick (with a fake clock:
-    the next ``advance()``, ``advance(0)`` included). Callbacks run on the scheduler's
-    thread (or inside ``advance()``), one at a time, and must be cheap; one that raises
-    is logged and the scheduler carries on.
+    wait. A timer whose deadline has passed fires at once (with a fake clock: on the
+    helper thread, or inside the next ``advance()`` if that comes first). Callbacks run
+    on the scheduler's thread (or inside ``advance()``), one at a time, and must be
+    cheap; one that raises is logged and the scheduler carries on.
     """
 
     def __init__(self, clock: Clock, *, lateness_window: int = DEFAULT_LATENESS_WINDOW) -> None:
@@ -141,6 +145,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._manual = clock if isinstance(clock, _AdvancingClock) else None
         self._listening = False
+        self._overdue = False  # fake clock: a timer was scheduled at or before now()
         self._firing = threading.RLock()  # serializes firing inside advance()
         self._lateness: deque[float] = deque(maxlen=lateness_window)
         self._fired = 0
@@ -168,8 +173,11 @@ class Scheduler:
                 self._keys[key] = handle
             heapq.heappush(self._heap, (when, next(self._seq), handle))
             self._live += 1
-            if self._heap[0][2] is handle:
-                self._cond.notify()
+            if self._manual is not None and when <= self._manual.now():
+                self._overdue = True
+                self._cond.notify_all()
+            elif self._heap[0][2] is handle:
+                self._cond.notify_all()
         return handle
 
     def cancel(self, handle_or_key: TimerHandle | Hashable) -> bool:
@@ -226,12 +234,12 @@ class Scheduler:
             if self._manual is not None:
                 listen = not self._listening
                 self._listening = True
+                target, name = self._run_overdue, "stalwart-scheduler-overdue"
             else:
                 listen = False
-                self._thread = threading.Thread(
-                    target=self._run, name="stalwart-scheduler", daemon=True
-                )
-                self._thread.start()
+                target, name = self._run, "stalwart-scheduler"
+            self._thread = threading.Thread(target=target, name=name, daemon=True)
+            self._thread.start()
         if listen and self._manual is not None:
             self._manual.on_advance(self._on_advance)
         return self
@@ -330,6 +338,18 @@ class Scheduler:
             if due is None:
                 return
             self._call(*due)
+
+    def _run_overdue(self) -> None:
+        """The fake clock's helper thread: fire timers scheduled at or before ``now()``."""
+        assert self._manual is not None
+        while True:
+            with self._cond:
+                while self._running and not self._overdue:
+                    self._cond.wait()
+                if not self._running:
+                    return
+                self._overdue = False
+            self._on_advance(self._manual.now())
 
     def _wait_due(self) -> tuple[TimerHandle, float] | None:
         """Block until a timer is due (and take it) or the scheduler stops (None)."""

@@ -30,7 +30,13 @@ was added, folds it and decides again. Runs are settled (notice, recovery) when 
 too. One timer, keyed by the actor, at the earlier of the two sweeps.
 
 * **Restarts** (``supervision``): a supervised actor that crashed tells :class:`Crashed`;
-  one_for_one with restart intensity and backoff (:mod:`._restarts`).
+  one_for_one with restart intensity and backoff (:mod:`._restarts`). A run's actor given
+  up on ends its run: ``subagent:given_up`` (status ``failed``), then the notice and the
+  recovery decision as above.
+
+A run this supervisor ends (swept, given up) is handed to ``on_run_ended`` as a
+:class:`RunEnded` (the runtime resolves the run's handle and stops its actor), since the
+run's own actor will never tell it.
 """
 
 from __future__ import annotations
@@ -39,21 +45,23 @@ import contextlib
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pykka
 
 from stalwart._logs import get_logger
-from stalwart.channels import Channel, OutboundMessage, send_within
+from stalwart.channels import Channel, OutboundMessage
 from stalwart.clock import Clock
 from stalwart.config import SubagentSettings, SupervisionSettings
 from stalwart.errors import ConcurrencyError, CorruptRecordError
 from stalwart.events import (
     AnnouncementQueued,
     Event,
+    SubagentGivenUp,
     SubagentRecoveryDecided,
     SubagentSpawned,
+    SupervisorGaveUp,
 )
 from stalwart.ids import new_id
 from stalwart.state import (
@@ -68,7 +76,8 @@ from ._deadletter import Enqueue
 from ._portal import IoPortal
 from ._restarts import Crashed, RestartNoticeSent, Restarts, crashed
 from ._scheduler import Scheduler
-from ._subagent import RunEnded, Spawn
+from ._send import send_by_clock
+from ._subagent import RunEnded, RunOutcome, Spawn
 from ._subagent_notice import NoticeSent, Path, failure_notice, sent
 from ._supervisor_fold import (
     RUN_WATCH,
@@ -159,9 +168,11 @@ class SupervisorActor(pykka.ThreadingActor):
         splitters: Splitters | None = None,
         on_crash: Callable[[str], object] | None = None,
         runtime: str = "",
+        on_run_ended: Callable[[RunEnded], object] | None = None,
     ) -> None:
         super().__init__()
         self._on_crash = on_crash  # called once if this actor dies of an exception
+        self._on_run_ended = on_run_ended
         self._store = store
         self._clock = clock
         self._scheduler = scheduler
@@ -189,6 +200,7 @@ class SupervisorActor(pykka.ThreadingActor):
             tell=self._tell,
             key=self.actor_urn,
             runtime=runtime,
+            end_run=self._given_up,
         )
         self._runs: dict[str, RunWatch] = {}
         self._not_runs: set[str] = set()
@@ -264,6 +276,8 @@ class SupervisorActor(pykka.ThreadingActor):
                 )
                 suspicious.append(stream)
             self._settle(stream)
+            if swept[-1:] == [stream]:
+                self._ended_here(stream)
         return SweepReport(swept=tuple(swept), suspicious=tuple(suspicious))
 
     def _ghost(self, watch: RunWatch, now: float) -> list[Event]:
@@ -309,6 +323,32 @@ class SupervisorActor(pykka.ThreadingActor):
             self._runs[stream] = watch
             return watch
         return None
+
+    def _given_up(self, stream: str, gave_up: SupervisorGaveUp) -> None:
+        """Supervision gave up on the run's actor: end the run as failed, settle it."""
+        if self._catch_up(stream) is None:
+            return
+        given_up = SubagentGivenUp(restarts=gave_up.restarts, reason=gave_up.reason)
+        if self._decide(stream, lambda watch, now: [given_up] if _running(watch) else []):
+            log.error("supervisor.run_given_up", run=stream, restarts=gave_up.restarts)
+        self._settle(stream)
+        self._ended_here(stream)
+
+    def _ended_here(self, stream: str) -> None:
+        """Hand a run this supervisor ended to ``on_run_ended`` (its actor never will)."""
+        watch = self._runs.get(stream)
+        if self._on_run_ended is None or watch is None:
+            return
+        status = watch.run.status
+        if status not in UNSUCCESSFUL:
+            return
+        outcome = cast(RunOutcome, status)
+        run_id = stream.removeprefix("session:")
+        ended = RunEnded(run_id=run_id, outcome=outcome, notice=watch.notice_text)
+        try:
+            self._on_run_ended(ended)
+        except Exception:  # the host's callback: logged, never ours to raise
+            log.exception("supervisor.on_run_ended_failed", run=stream)
 
     # -- fold, decide, append, then act ------------------------------------------------------
 
@@ -460,7 +500,9 @@ class SupervisorActor(pykka.ThreadingActor):
         channel = self._channels.get(watch.channel or self._default_channel)
         if path == "announce" and self._announcer is not None:
             channel = self._announcer
-        future = self._portal.submit(send_within, channel, message, self._announce_s)
+        future = send_by_clock(
+            self._portal, self._scheduler, self._clock, channel, message, self._announce_s
+        )
         self._sending.add(watch.notice_id)
         done = partial(sent, stream, watch.notice_id, path)
         future.add_done_callback(lambda f: self._tell(done(f)))
@@ -507,3 +549,7 @@ class SupervisorActor(pykka.ThreadingActor):
     def _tell(self, message: object) -> None:
         with contextlib.suppress(pykka.ActorDeadError):  # stopped meanwhile
             self.actor_ref.tell(message)
+
+
+def _running(watch: RunWatch) -> bool:
+    return watch.run.status == "running"

@@ -12,9 +12,10 @@ __all__ = ["send_within"]
 
 
 async def send_within(
-    channel: Channel | None, message: OutboundMessage, timeout_s: float
+    channel: Channel | None, message: OutboundMessage, timeout_s: float | None
 ) -> str | None:
-    """Send ``message`` within ``timeout_s``: None when delivered, else the failure's class
+    """Send ``message`` within ``timeout_s`` (None: no limit of its own, as when the
+    caller's Clock bounds it): None when delivered, else the failure's class
     (the ChannelError's ``kind``, ``timeout``, ``unknown_channel``, or the type name of an
     exception a channel raised against its protocol). Actors record the outcome as an
     event; the text of an error never reaches it."""

@@ -63,6 +63,16 @@ class SubagentGhostSwept(Event, frozen=True, tag="subagent:ghost_swept"):
     severity: ClassVar[Severity] = "error"
 
 
+class SubagentGivenUp(Event, frozen=True, tag="subagent:given_up"):
+    """The run's actor kept crashing and supervision gave up on it (``supervisor:gave_up``
+    in the ``runtime`` stream): the supervisor ends the run as failed."""
+
+    restarts: int
+    #: the last crash's exception class (never its text)
+    reason: str
+    severity: ClassVar[Severity] = "error"
+
+
 class SubagentSuspicious(Event, frozen=True, tag="subagent:suspicious"):
     tokens: int
     elapsed_ms: int

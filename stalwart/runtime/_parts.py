@@ -136,6 +136,7 @@ class PartsLayer:
             supervision=config.supervision,
             runtime=self._w.instance,
             on_crash=partial(self.crashed, "supervisor", self._restart_supervisor),
+            on_run_ended=self._runs.ended,
         )
 
     def _start_announcer(self) -> pykka.ActorRef[Any]:

@@ -255,6 +255,7 @@ class RunLayer:
             session=run.spawn.parent,
             channel=run.spawn.channel,
             conversation=run.spawn.conversation,
+            run=run.spawn.stream,
         )
         self._tell_supervisor(crashed)
 

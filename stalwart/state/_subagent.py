@@ -31,6 +31,7 @@ from stalwart.events import (
     SubagentArtifact,
     SubagentCompleted,
     SubagentGhostSwept,
+    SubagentGivenUp,
     SubagentProgress,
     SubagentRecoveryDecided,
     SubagentSpawned,
@@ -208,6 +209,8 @@ def apply_run(state: RunState, record: RecordedEvent) -> RunState:
             return _force_failed(state, "timed_out", ts)
         case SubagentGhostSwept():
             return _force_failed(state, "swept", ts)
+        case SubagentGivenUp():
+            return _force_failed(state, "failed", ts)
         case SubagentSuspicious():
             return msgspec.structs.replace(state, suspected_growth_at=state.tokens_grew_at)
         case SubagentRecoveryDecided():

@@ -59,6 +59,7 @@ from stalwart.events import (
     SubagentArtifact,
     SubagentCompleted,
     SubagentGhostSwept,
+    SubagentGivenUp,
     SubagentProgress,
     SubagentRecoveryDecided,
     SubagentSpawned,
@@ -371,12 +372,15 @@ _RUN = Selective(
     RUN,
     (
         *(SubagentSpawned, SubagentProgress, SubagentArtifact, SubagentCompleted),
-        *(SubagentWatchdogTimeout, SubagentGhostSwept, SubagentSuspicious),
+        *(SubagentWatchdogTimeout, SubagentGhostSwept, SubagentGivenUp, SubagentSuspicious),
         SubagentRecoveryDecided,
     ),
 )
 _RUN_ENDS: frozenset[type[Event]] = frozenset(
-    {SubagentSpawned, SubagentCompleted, SubagentWatchdogTimeout, SubagentGhostSwept}
+    {
+        *(SubagentSpawned, SubagentCompleted, SubagentWatchdogTimeout),
+        *(SubagentGhostSwept, SubagentGivenUp),
+    }
 )
 _CALL_ENDS = (TurnCompleted, ExecutionAborted, UserInterrupt)
 _CALL_MOVES: frozenset[type[Event]] = frozenset(
