@@ -114,7 +114,7 @@ class DagSession:
             stored = self.positions.get(message.message_id)
             if stored is not None:
                 old = self.messages[stored]
-                if old.role != message.role or old.content != message.content:
+                if _said(old) != _said(message):
                     raise ContextScopeError("a message id was reused with different content")
                 continue
             if message.message_id in seen:
@@ -257,3 +257,16 @@ class DagSession:
             self.add_node(node)
         if self.roots != list(state.roots):
             raise ContextScopeError("the context stream's summaries do not fold consistently")
+
+
+def _said(message: ContextMessage) -> tuple[object, ...]:
+    """What a message says (not where it sits): a known id must say the same again."""
+    return (
+        message.role,
+        message.content,
+        message.tool_calls,
+        message.tool_call_id,
+        message.name,
+        message.thinking,
+        message.images,
+    )

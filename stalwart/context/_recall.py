@@ -16,7 +16,7 @@ from stalwart.config import ContextEngineSettings
 from stalwart.state import SummaryNode
 
 from ._dag import ContextScopeError, DagSession
-from ._tokens import estimate_message_tokens, estimate_text_tokens
+from ._tokens import chars_within, estimate_message_tokens
 from ._types import ContextMessage
 
 __all__ = ["Expansion", "Inspection", "Recall", "SearchHit"]
@@ -62,8 +62,10 @@ class Expansion(msgspec.Struct, frozen=True, kw_only=True):
     """Stored messages, byte for byte, within a token grant.
 
     The first message's content starts at character ``offset``; when the grant ran out,
-    ``next_after`` / ``next_offset`` say where a further call continues (a message larger
-    than the grant comes in pieces)."""
+    ``next_after`` / ``next_offset`` say where a further call continues. A message larger
+    than the grant comes in pieces of its text (its content, then each tool call as
+    ``[tool call <name> id=<id>] <arguments>``), each within the grant; ``offset`` counts
+    characters of that text."""
 
     target: str
     messages: tuple[ContextMessage, ...]
@@ -185,11 +187,7 @@ def _expand(
     for position in range(start, end):
         message = session.messages[position]
         skip = offset if position == start else 0
-        part = (
-            message
-            if not skip
-            else msgspec.structs.replace(message, content=message.content[skip:])
-        )
+        part = message if not skip else _rest(message, skip)
         tokens = estimate_message_tokens(part)
         if used + tokens <= grant:
             out.append(part)
@@ -203,18 +201,37 @@ def _expand(
                 tokens=used,
                 next_after=message.message_id,
             )
-        room = max(1, grant - (tokens - estimate_text_tokens(part.content)))
-        size = max(1, room * 3)
-        piece = msgspec.structs.replace(part, content=part.content[:size])
+        # one message larger than the grant comes in pieces of its text (the content,
+        # then each tool call's arguments), each within the grant
+        flat = _flat(message)
+        bare = msgspec.structs.replace(message, content="", tool_calls=())
+        room = max(1, grant - estimate_message_tokens(bare))
+        size = max(1, chars_within(flat[skip:], room))
+        piece = msgspec.structs.replace(bare, content=flat[skip : skip + size])
+        later = skip + size < len(flat)
+        following = session.messages[position + 1].message_id if position + 1 < end else None
         return Expansion(
             target=target,
             messages=(piece,),
             offset=skip,
             tokens=estimate_message_tokens(piece),
-            next_after=message.message_id,
-            next_offset=skip + size,
+            next_after=message.message_id if later else following,
+            next_offset=skip + size if later else 0,
         )
     return Expansion(target=target, messages=tuple(out), offset=offset, tokens=used)
+
+
+def _flat(message: ContextMessage) -> str:
+    """The message's text as pieces page through it: its content, then its tool calls."""
+    calls = "".join(
+        f"\n[tool call {call.name} id={call.id}] {call.arguments}" for call in message.tool_calls
+    )
+    return message.content + calls
+
+
+def _rest(message: ContextMessage, skip: int) -> ContextMessage:
+    """The message from character ``skip`` of its :func:`_flat` text on."""
+    return msgspec.structs.replace(message, content=_flat(message)[skip:], tool_calls=())
 
 
 def _text(message: ContextMessage) -> str:

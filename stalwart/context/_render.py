@@ -54,8 +54,12 @@ _DEFANG = (
     ("fallback=", "fallback\u00b7="),
     ("Expand for details about", "Expand\u00b7for details about"),
 )
-_MARKERS = re.compile("|".join(re.escape(old) for old, _ in _DEFANG), re.IGNORECASE)
-_REPLACEMENTS = {old.lower(): new for old, new in _DEFANG}
+#: one named group per marker: the match says which marker it is, however its text is
+#: spelled (IGNORECASE also folds look-alikes such as U+017F, long s, which lower() keeps)
+_MARKERS = re.compile(
+    "|".join(f"(?P<m{i}>{re.escape(old)})" for i, (old, _) in enumerate(_DEFANG)), re.IGNORECASE
+)
+_REPLACEMENTS = {f"m{i}": new for i, (_, new) in enumerate(_DEFANG)}
 _TOPIC = re.compile(r"[a-z][a-z0-9_-]{2,31}")
 _WORD = re.compile(r"[A-Za-z][A-Za-z0-9_-]{3,31}")
 _STOP = frozenset(
@@ -69,7 +73,7 @@ _STOP = frozenset(
 
 def neutralise(text: str) -> str:
     """``text`` with every marker the engine's trusted lines use defanged (any case)."""
-    return _MARKERS.sub(lambda match: _REPLACEMENTS[match.group(0).lower()], text)
+    return _MARKERS.sub(lambda match: _REPLACEMENTS[str(match.lastgroup)], text)
 
 
 def _quoted(body: str) -> str:

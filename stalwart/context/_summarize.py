@@ -36,7 +36,7 @@ from stalwart.state import (
 
 from ._dag import DagSession
 from ._render import emergency_body, merged_topics, topics_of
-from ._tokens import estimate_message_tokens
+from ._tokens import clip_to_tokens, estimate_message_tokens
 from ._types import ContextMessage, Summarizer, SummaryRequest
 
 __all__ = ["SUMMARY_INSTRUCTIONS", "Summaries", "TurnLog"]
@@ -256,8 +256,15 @@ class Summaries:
         if error is None and verdict.trial and elapsed_ms > trial_limit:
             error = "trial_timeout"
         if error is not None:
+            late = error == "trial_timeout"  # it answered: what it spent still counts
+            if late and spent_in <= 0 and spent_out <= 0:
+                spent_in, spent_out = estimated, math.ceil(len(text) / 3)
             failure = ContextSummarizerFailed(
-                tenant=tenant, error_class=error, duration_ms=elapsed_ms
+                tenant=tenant,
+                error_class=error,
+                duration_ms=elapsed_ms,
+                input_tokens=max(0, spent_in) if late else 0,
+                output_tokens=max(0, spent_out) if late else 0,
             )
             turn.events.append(failure)
             turn.layers["summarizer_failed"] = None
@@ -270,7 +277,7 @@ class Summaries:
                 error_kind="dependency",
             )
             return None
-        body = text[: limit * 6]  # a summarizer that ignores its limit cannot flood the context
+        body = clip_to_tokens(text, limit)  # a summarizer that ignores its limit is cut
         if spent_in <= 0 and spent_out <= 0:
             spent_in, spent_out = estimated, math.ceil(len(body) / 3)
         return body, spent_in, spent_out, None

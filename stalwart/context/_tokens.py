@@ -93,6 +93,34 @@ def estimate_text_tokens(text: str, profile: TokenProfile = DEFAULT_PROFILE) -> 
     return math.ceil((len(text) - wide) / profile.chars_per_token) + wide
 
 
+#: What ends a summary cut to its maximum (a summarizer that ignores its ``max_tokens``).
+CUT_SUMMARY = " [... cut: the summary was longer than its maximum]"
+
+
+def clip_to_tokens(text: str, limit: int, marker: str = CUT_SUMMARY) -> str:
+    """``text`` if it costs at most ``limit`` tokens, else its longest prefix that does
+    with ``marker`` after it (the marker alone when nothing else fits)."""
+    if estimate_text_tokens(text) <= limit:
+        return text
+    room = max(0, limit - estimate_text_tokens(marker))
+    return text[: chars_within(text, room)] + marker
+
+
+def chars_within(text: str, room: int) -> int:
+    """How many leading characters of ``text`` cost at most ``room`` tokens (0 when not
+    even one does): the cut point for text that must fit a token limit."""
+    if estimate_text_tokens(text) <= room:
+        return len(text)
+    low, high = 0, len(text) - 1
+    while low < high:  # the longest prefix within room: tokens grow with length
+        middle = (low + high + 1) // 2
+        if estimate_text_tokens(text[:middle]) <= room:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
 def _raw_message_tokens(message: Countable, profile: TokenProfile) -> int:
     total = profile.message_overhead + estimate_text_tokens(message.content, profile)
     for call in message.tool_calls:

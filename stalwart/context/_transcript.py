@@ -50,7 +50,8 @@ def parse_transcript(items: Iterable[Any], *, source: str = "transcript") -> lis
     """Messages from already-parsed items, numbered in order, turns counted."""
     out: list[ContextMessage] = []
     turn = 0
-    for index, item in enumerate(items):
+    for index, given in enumerate(items):
+        item = _scrubbed(given)
         if not isinstance(item, dict) or item.get("role") not in _ROLES:
             raise TranscriptError(
                 f"{source}: item {index} must be an object with a role in {list(_ROLES)}"
@@ -69,6 +70,21 @@ def parse_transcript(items: Iterable[Any], *, source: str = "transcript") -> lis
                 )
             )
     return out
+
+
+def _scrubbed(value: Any) -> Any:
+    """``value`` with every string made valid Unicode: a surrogate pair JSON escaped as
+    two ``\\u`` escapes becomes its character, a lone surrogate (a log cut mid-emoji)
+    becomes U+FFFD, so the messages can be stored and printed."""
+    if isinstance(value, str):
+        if value.isascii():
+            return value
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, dict):
+        return {_scrubbed(key): _scrubbed(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_scrubbed(item) for item in value]
+    return value
 
 
 def _text(value: Any) -> str:

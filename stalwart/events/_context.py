@@ -97,6 +97,10 @@ class ContextSummarizerFailed(Event, frozen=True, tag="context:summarizer_failed
     tenant: str | None = None
     error_class: str = "exception"
     duration_ms: int = 0
+    #: what a call that answered but too late (``trial_timeout``) spent: it counts
+    #: against the tenant's spend cap like a summary's
+    input_tokens: int = 0
+    output_tokens: int = 0
     severity: ClassVar[Severity] = "warning"
 
 

@@ -175,16 +175,23 @@ def apply_governor_event(state: GovernorState, event: Event, ts: float) -> Gover
     replace = msgspec.structs.replace
     match event:
         case ContextSummaryCreated() if event.tenant == state.tenant and not event.fallback:
-            spent = event.input_tokens + event.output_tokens
-            kept = tuple(entry for entry in state.spend if entry[0] > ts - DAY_S)
-            spend = (*kept, (ts, spent)) if spent else kept
+            spend = _spent(state, ts, event.input_tokens + event.output_tokens)
             return replace(state, spend=spend, consecutive_failures=0)
         case ContextSummarizerFailed() if event.tenant == state.tenant:
             return replace(
-                state, consecutive_failures=state.consecutive_failures + 1, last_failure_at=ts
+                state,
+                spend=_spent(state, ts, event.input_tokens + event.output_tokens),
+                consecutive_failures=state.consecutive_failures + 1,
+                last_failure_at=ts,
             )
         case _:
             return state
+
+
+def _spent(state: GovernorState, ts: float, tokens: int) -> tuple[tuple[float, int], ...]:
+    """The spend entries of the last day, with ``tokens`` spent at ``ts`` (if any)."""
+    kept = tuple(entry for entry in state.spend if entry[0] > ts - DAY_S)
+    return (*kept, (ts, tokens)) if tokens else kept
 
 
 def apply_governor(state: GovernorState, record: RecordedEvent) -> GovernorState:

@@ -12,6 +12,7 @@ previous summary with the newer middle.
 from __future__ import annotations
 
 from stalwart.context._repair import OPENING
+from stalwart.context._tokens import CUT_SUMMARY
 from stalwart.context._types import ContextMessage, SummaryRequest
 from stalwart.events import ContextCompacted
 from stalwart.state import PipelineSummary
@@ -35,7 +36,7 @@ INSTRUCTIONS = (
 Group = tuple[ContextMessage, ...]
 
 #: How a summary cut to its maximum ends.
-CLIPPED = " [... cut: the summary was longer than its maximum]"
+CLIPPED = CUT_SUMMARY
 
 
 def is_summary(message: ContextMessage) -> bool:

@@ -12,7 +12,7 @@ from stalwart.context._types import ContextMessage
 from ._compaction import is_summary
 from ._objective import objective_tokens
 from ._run import Outcome, Run
-from ._wrap import MARKER, wrap_untrusted
+from ._wrap import MARKER, safe_label, wrap_untrusted
 
 __all__ = ["PATH_KEYS", "referenced_paths", "rehydrate"]
 
@@ -55,9 +55,10 @@ def referenced_paths(original: tuple[ContextMessage, ...], kept: set[str], limit
 def _section(path: str, text: str, limit: int, *, trusted: bool) -> str:
     clipped = text[:limit]
     note = f" (first {limit} of {len(text)} characters)" if len(text) > limit else ""
-    if trusted:
+    if trusted:  # the operator's own instructions file, named in the config
         return f"--- {path}{note} ---\n{clipped}"
-    return f"--- {path}{note} ---\n" + wrap_untrusted(clipped, kind="file", label=path)
+    header = f"--- {safe_label(path)}{note} ---\n"  # a path a tool call named: untrusted
+    return header + wrap_untrusted(clipped, kind="file", label=path)
 
 
 def _fitted(path: str, text: str, room: int, run: Run, *, trusted: bool) -> str | None:

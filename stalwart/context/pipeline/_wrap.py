@@ -15,7 +15,7 @@ import re
 
 from stalwart.context._render import neutralise
 
-__all__ = ["MARKER", "wrap_untrusted"]
+__all__ = ["MARKER", "safe_label", "wrap_untrusted"]
 
 #: How every line the engine itself writes (trusted, never inside a fence) begins.
 MARKER = "[stalwart:"
@@ -23,11 +23,17 @@ MARKER = "[stalwart:"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._/:@+-]")
 
 
+def safe_label(label: str) -> str:
+    """An untrusted name (a path from a tool call) fit for a trusted line: defanged and
+    reduced to ``[A-Za-z0-9._/:@+-]`` (anything else, newlines included, becomes ``_``)."""
+    return _UNSAFE.sub("_", neutralise(label))
+
+
 def wrap_untrusted(text: str, *, kind: str, label: str = "") -> str:
     """``text`` fenced as untrusted ``kind`` (``summary``, ``file``); ``label`` (an id or
     a path) names the fence, reduced to ``[A-Za-z0-9._/:@+-]`` (anything else becomes
     ``_``)."""
-    fence = f"untrusted-{kind}" + (f" {_UNSAFE.sub('_', neutralise(label))}" if label else "")
+    fence = f"untrusted-{kind}" + (f" {safe_label(label)}" if label else "")
     lines = neutralise(text).splitlines() or [""]
     body = "\n".join(f"| {line}" for line in lines)
     return f"<<<{fence}\n{body}\n{fence}>>>"
