@@ -255,32 +255,45 @@ class Summaries:
         trial_limit = settings.summarizer_breaker.half_open_timeout_ms
         if error is None and verdict.trial and elapsed_ms > trial_limit:
             error = "trial_timeout"
+        if error is None:
+            text = clip_to_tokens(text, limit)  # a summarizer that ignores its limit is cut
+        if error != "trial_timeout" and error is not None:
+            spent_in = spent_out = 0  # it never answered: nothing to charge
+        elif spent_in <= 0 and spent_out <= 0:  # it answered (maybe too late): charged
+            spent_in, spent_out = estimated, math.ceil(len(text) / 3)
         if error is not None:
-            late = error == "trial_timeout"  # it answered: what it spent still counts
-            if late and spent_in <= 0 and spent_out <= 0:
-                spent_in, spent_out = estimated, math.ceil(len(text) / 3)
-            failure = ContextSummarizerFailed(
-                tenant=tenant,
-                error_class=error,
-                duration_ms=elapsed_ms,
-                input_tokens=max(0, spent_in) if late else 0,
-                output_tokens=max(0, spent_out) if late else 0,
-            )
-            turn.events.append(failure)
-            turn.layers["summarizer_failed"] = None
-            self._record(failure)
-            log.warning(
-                "context_summarizer_failed",
-                session=session.session_id,
-                error_class=error,
-                duration_ms=elapsed_ms,
-                error_kind="dependency",
-            )
+            self._failed(session, turn, tenant, error, elapsed_ms, spent_in, spent_out)
             return None
-        body = clip_to_tokens(text, limit)  # a summarizer that ignores its limit is cut
-        if spent_in <= 0 and spent_out <= 0:
-            spent_in, spent_out = estimated, math.ceil(len(body) / 3)
-        return body, spent_in, spent_out, None
+        return text, spent_in, spent_out, None
+
+    def _failed(
+        self,
+        session: DagSession,
+        turn: TurnLog,
+        tenant: str | None,
+        error: str,
+        elapsed_ms: int,
+        spent_in: int,
+        spent_out: int,
+    ) -> None:
+        """A call that raised, or a trial that answered too late (whose spend counts)."""
+        failure = ContextSummarizerFailed(
+            tenant=tenant,
+            error_class=error,
+            duration_ms=elapsed_ms,
+            input_tokens=max(0, spent_in),
+            output_tokens=max(0, spent_out),
+        )
+        turn.events.append(failure)
+        turn.layers["summarizer_failed"] = None
+        self._record(failure)
+        log.warning(
+            "context_summarizer_failed",
+            session=session.session_id,
+            error_class=error,
+            duration_ms=elapsed_ms,
+            error_kind="dependency",
+        )
 
     def _degrade(
         self, session: DagSession, verdict: SummarizerVerdict, now: float, turn: TurnLog

@@ -14,7 +14,7 @@ unknown events work exactly as on LMDB.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -168,7 +168,7 @@ class PostgresEventStore:
         self._db.check()  # drop every pooled connection the server closed
         found: list[tuple[str, int, int, int] | None] = []
         with self._db.connection("check a lost append") as conn:
-            if pid is not None:
+            if pid is not None and pid != conn.info.backend_pid:  # never our own session
                 conn.execute(self._sql.end_session, (pid,))
             for job in jobs:
                 row = conn.execute(self._sql.find_event, (job.stream, job.ids[0])).fetchone()
@@ -239,7 +239,7 @@ class PostgresEventStore:
         except (TypeError, ValueError, OverflowError) as exc:
             raise EventError(f"cannot encode an event for {stream!r}: {exc}") from exc
         columns = (
-            [now if new.ts is None else new.ts for new in news],
+            [now if new.ts is None else float(new.ts) for new in news],
             [new.id or ids.new_id() for new in news],
             [new.causation_id for new in news],
             [new.correlation_id for new in news],
@@ -279,38 +279,84 @@ class PostgresEventStore:
         self, from_position: int = 1, to_position: int | None = None
     ) -> Iterator[RecordedEvent]:
         self._live()
-        position = max(1, from_position)
         last = _LAST if to_position is None else min(to_position, _LAST)
-        while position <= last:
-            end = min(last, position + READ_BATCH - 1)  # positions have no gaps
-            rows = self._db.fetch("read the log", self._sql.read_all, (position, end))
-            records, error = self._decode(rows)
-            yield from records
-            if error is not None:
-                raise error  # after every good record before it
-            if len(rows) < end - position + 1:
-                return
-            position = end + 1
+
+        def fetch(first: int, end: int) -> list[Any]:
+            return self._db.fetch("read the log", self._sql.read_all, (first, end))
+
+        def gap(missing: int, row: list[Any] | None) -> CorruptRecordError:
+            return CorruptRecordError(missing, "it is missing from the log")
+
+        return self._ranged(fetch, self.head, 0, max(1, from_position), last, gap)
 
     def read_stream(
         self, stream: str, from_version: int = 1, to_version: int | None = None
     ) -> Iterator[RecordedEvent]:
         self._live()
         check_stream(stream)
-        version = max(1, from_version)
         last = _LAST if to_version is None else min(to_version, _LAST)
-        while version <= last:
-            end = min(last, version + READ_BATCH - 1)  # versions have no gaps
-            rows = self._db.fetch(
-                f"read stream {stream!r}", self._sql.read_stream, (stream, version, end)
-            )
-            records, error = self._decode(rows)
-            yield from records
-            if error is not None:
-                raise error
-            if len(rows) < end - version + 1:
-                return
-            version = end + 1
+
+        def fetch(first: int, end: int) -> list[Any]:
+            doing = f"read stream {stream!r}"
+            return self._db.fetch(doing, self._sql.read_stream, (stream, first, end))
+
+        def gap(missing: int, row: list[Any] | None) -> CorruptRecordError:
+            after = int(row[0]) if row is not None else self.head()
+            reason = f"version {missing} of {stream!r} is missing before it"
+            return CorruptRecordError(after, reason)
+
+        def top() -> int:
+            return self.stream_version(stream)
+
+        return self._ranged(fetch, top, 2, max(1, from_version), last, gap)
+
+    def _ranged(
+        self,
+        fetch: Callable[[int, int], list[Any]],
+        top: Callable[[], int],
+        key: int,
+        first: int,
+        last: int,
+        gap: Callable[[int, list[Any] | None], CorruptRecordError],
+    ) -> Iterator[RecordedEvent]:
+        """Rows by consecutive keys (positions, or a stream's versions) in batches.
+
+        A short batch is the end of what is committed, or a hole (a row deleted by hand):
+        the top (the head, the stream's version) is read after it, the range up to it read
+        again (everything up to the top has committed by then), and a key still missing
+        is a CorruptRecordError after every record before it, never a silent end.
+        """
+        at = first
+        while at <= last:
+            end = min(last, at + READ_BATCH - 1)
+            rows = fetch(at, end)
+            if len(rows) < end - at + 1:
+                ceiling = min(end, top())
+                if ceiling < at + len(rows):  # the end of the log (or of the range)
+                    yield from self._records(rows)
+                    return
+                rows = fetch(at, ceiling)
+                expected = range(at, ceiling + 1)
+                missing = next(
+                    (k for k, row in zip(expected, rows, strict=False) if row[key] != k),
+                    at + len(rows) if len(rows) < len(expected) else None,
+                )
+                if missing is not None:
+                    kept = [row for row in rows if row[key] < missing]
+                    yield from self._records(kept)
+                    following = rows[len(kept)] if len(kept) < len(rows) else None
+                    raise gap(missing, following)
+                if ceiling < end:
+                    yield from self._records(rows)
+                    return
+            yield from self._records(rows)
+            at = end + 1
+
+    def _records(self, rows: list[Any]) -> Iterator[RecordedEvent]:
+        records, error = self._decode(rows)
+        yield from records
+        if error is not None:
+            raise error  # after every good record before it
 
     def head(self) -> int:
         [(position,)] = self._db.fetch("read the head", self._sql.head)
@@ -322,8 +368,8 @@ class PostgresEventStore:
         head = self.head()
         if head >= position or timeout == 0:
             return head
-        self._bell.start()
         deadline = deadline_after(timeout)
+        self._bell.start(ready_within=min(1.0, timeout) if timeout is not None else 1.0)
         while head < position:
             wait = remaining(deadline, self._bell.next_wait())
             if wait is None:
@@ -366,18 +412,14 @@ class PostgresEventStore:
     def put_snapshot(self, snapshot: Snapshot) -> None:
         check_stream(snapshot.stream)
         key = (snapshot.stream, snapshot.name)
-        with self._db.connection("save a snapshot") as conn, conn.transaction():
-            conn.execute(
-                self._sql.put_snapshot,
-                (
-                    *key,
-                    snapshot.version,
-                    snapshot.position,
-                    zlib.crc32(snapshot.data),
-                    snapshot.data,
-                ),
-            )
-            conn.execute(self._sql.prune_snapshots, (*key, *key, SNAPSHOTS_KEPT))
+        row = (*key, snapshot.version, snapshot.position, zlib.crc32(snapshot.data), snapshot.data)
+
+        def save(conn: psycopg.Connection[Any]) -> None:  # an upsert and a prune: safe twice
+            with conn.transaction():
+                conn.execute(self._sql.put_snapshot, row)
+                conn.execute(self._sql.prune_snapshots, (*key, *key, SNAPSHOTS_KEPT))
+
+        self._db.again("save a snapshot", save)
 
     def snapshots(self, stream: str, name: str) -> Iterator[Snapshot]:
         check_stream(stream)

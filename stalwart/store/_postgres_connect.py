@@ -7,9 +7,9 @@ parameter. The library's own message is not passed on, only its class of failure
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 import psycopg
@@ -17,30 +17,38 @@ import psycopg_pool
 
 from stalwart.errors import StoreClosedError, StoreError, StoreNotFoundError
 
+from ._postgres_writer import NotSentError
+
+T = TypeVar("T")
+
 DEFAULT_SCHEMA = "stalwart"
 SCHEMES = ("postgresql", "postgres")
 _SECRET_PARAMS = {"password", "passfile", "sslpassword"}
+_MALFORMED = "the PostgreSQL store URL is malformed: its host or port cannot be read"
 
 
 class PostgresUrl:
     """A ``postgresql://`` URL split into what psycopg connects to and what we show.
 
     ``schema=`` in the query names the store's schema (default ``stalwart``) and is ours,
-    not libpq's, so it is taken out of what psycopg sees.
+    not libpq's, so it is taken out of what psycopg sees. The rest of the URL reaches
+    libpq as written: several hosts (``host1:5432,host2:5432``, libpq's failover form),
+    and query values percent-encoded as libpq decodes them (``%20`` is a space).
     """
 
     def __init__(self, url: str) -> None:
         try:
             parts = urlsplit(url)
-            parts.port  # noqa: B018 (read here: a bad port raises)
-        except ValueError:  # a bad port or IPv6 host; the URL is not shown (it may hold a password)
+        except ValueError:  # an unclosed IPv6 bracket; the URL is not shown
+            raise StoreError(_MALFORMED) from None
+        if parts.scheme not in SCHEMES:  # the URL is not shown: it may hold a password
             raise StoreError(
-                "the PostgreSQL store URL is malformed: its host or port cannot be read"
-            ) from None
-        if parts.scheme not in SCHEMES:
-            raise StoreError(
-                f"a PostgreSQL store URL starts with postgresql://, found {url[:16]!r}"
+                "a PostgreSQL store URL starts with postgresql:// or postgres://, "
+                f"found {parts.scheme or 'no scheme'!r}"
             )
+        userinfo, _, hostlist = parts.netloc.rpartition("@")
+        hosts = [_host(host) for host in hostlist.split(",")] if hostlist else [""]
+        user, _, password = userinfo.partition(":")
         query = parse_qsl(parts.query, keep_blank_values=True)
         schema = DEFAULT_SCHEMA
         kept: list[tuple[str, str]] = []
@@ -52,17 +60,16 @@ class PostgresUrl:
         if not schema or len(schema.encode()) > 50:
             raise StoreError("the store's schema name must have 1 to 50 bytes")
         self.schema = schema
-        self.password = unquote(parts.password) if parts.password else None
-        self.conninfo = urlunsplit(parts._replace(query=urlencode(kept)))
+        self.password = unquote(password) if password else None
+        self.connect_timeout = _seconds(dict(kept).get("connect_timeout"))
+        self.conninfo = urlunsplit(parts._replace(query=urlencode(kept, quote_via=quote)))
         shown = [(k, v) for k, v in query if k not in _SECRET_PARAMS]
-        netloc = parts.hostname or ""
-        if ":" in netloc:  # an IPv6 address
-            netloc = f"[{netloc}]"
-        if parts.port is not None:
-            netloc += f":{parts.port}"
-        if parts.username:
-            netloc = f"{quote(unquote(parts.username), safe='')}@{netloc}"
-        self.location = urlunsplit((parts.scheme, netloc, parts.path, urlencode(shown), ""))
+        netloc = ",".join(hosts)
+        if user:
+            netloc = f"{quote(unquote(user), safe='')}@{netloc}"
+        self.location = urlunsplit(
+            (parts.scheme, netloc, parts.path, urlencode(shown, quote_via=quote), "")
+        )
         self.secrets = [s for s in (self.password, *_query_secrets(query)) if s]
 
     def scrub(self, text: str) -> str:
@@ -70,6 +77,33 @@ class PostgresUrl:
         for secret in self.secrets:
             text = text.replace(secret, "***")
         return text
+
+
+def _host(host: str) -> str:
+    """One ``host[:port]`` of the URL's host list, checked (an IPv6 host in brackets)."""
+    try:
+        checked = urlsplit(f"//{host}")
+        port = checked.port  # a bad port raises
+    except ValueError:
+        port = None
+        checked = None
+    if checked is None or (host and not checked.hostname):
+        raise StoreError(_MALFORMED)
+    name = checked.hostname or ""
+    if ":" in name:
+        name = f"[{name}]"
+    return name if port is None else f"{name}:{port}"
+
+
+def _seconds(value: str | None) -> float | None:
+    """libpq's ``connect_timeout`` (whole seconds; 0 or less: none) as seconds, or None."""
+    if value is None:
+        return None
+    try:
+        seconds = int(value)
+    except ValueError:
+        raise StoreError("the PostgreSQL store URL's connect_timeout is not a number") from None
+    return float(seconds) if seconds > 0 else None
 
 
 def _query_secrets(query: list[tuple[str, str]]) -> list[str]:
@@ -87,7 +121,7 @@ def _reason(exc: BaseException) -> str:
         return "the database does not exist: create it first (createdb)"
     if "does not exist" in text and "role" in text:
         return "the user does not exist on the server"
-    if "timeout" in text or "timed out" in text:
+    if "timeout expired" in text or "timed out" in text:
         return "the connection timed out"
     if "connection refused" in text or "could not connect" in text or "no such file" in text:
         return "nothing is listening there: is the server running, and the host and port right?"
@@ -106,18 +140,38 @@ def connect_error(exc: BaseException, url: PostgresUrl) -> StoreError:
 def connect(url: PostgresUrl, *, timeout: float, **kwargs: Any) -> psycopg.Connection[Any]:
     """One autocommit connection, or a clear StoreError."""
     try:
-        return psycopg.connect(
-            url.conninfo, autocommit=True, connect_timeout=max(1, round(timeout)), **kwargs
-        )
+        return psycopg.connect(url.conninfo, autocommit=True, **_timeout(url, timeout), **kwargs)
     except psycopg.Error as exc:
         raise connect_error(exc, url) from exc
+
+
+def _timeout(url: PostgresUrl, timeout: float) -> dict[str, Any]:
+    """The ``connect_timeout`` to pass: none when the URL sets its own (libpq's wins)."""
+    if url.connect_timeout is not None:
+        return {}
+    return {"connect_timeout": max(1, round(timeout))}
+
+
+#: SQLSTATEs of a session the server ended (admin shutdown, crash shutdown, cannot
+#: connect now); class 08 is a connection exception. Other operational errors (a
+#: statement timeout, a lock timeout, a serialization failure) leave the session alive
+#: and the transaction rolled back.
+_GONE = ("57P01", "57P02", "57P03")
+
+
+def gone(exc: psycopg.OperationalError) -> bool:
+    """Whether an operational error means the connection itself is gone."""
+    state = exc.sqlstate
+    return state is None or state.startswith("08") or state in _GONE
 
 
 def lost(exc: StoreError) -> bool:
     """Whether a StoreError is a connection that broke or that the server closed."""
     cause = exc.__cause__
-    return isinstance(cause, psycopg.OperationalError) and not isinstance(
-        cause, psycopg_pool.PoolTimeout | psycopg_pool.PoolClosed
+    return (
+        isinstance(cause, psycopg.OperationalError)
+        and not isinstance(cause, psycopg_pool.PoolTimeout | psycopg_pool.PoolClosed)
+        and gone(cause)
     )
 
 
@@ -133,7 +187,7 @@ class Connections:
         self._pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] = (
             psycopg_pool.ConnectionPool(
                 url.conninfo,
-                kwargs={"autocommit": True, "connect_timeout": max(1, round(timeout))},
+                kwargs={"autocommit": True, **_timeout(url, timeout)},
                 min_size=1,
                 max_size=pool_size,
                 open=False,
@@ -154,11 +208,16 @@ class Connections:
         except psycopg_pool.PoolClosed as exc:
             raise StoreClosedError(f"the store at {where} is closed") from exc
         except psycopg_pool.PoolTimeout as exc:
-            raise StoreError(
+            raise NotSentError(
                 f"no connection to the store at {where} within {self._timeout:g} s "
                 f"to {doing}: is the server up?"
             ) from exc
         except psycopg.OperationalError as exc:
+            if not gone(exc):  # the server refused the statement: nothing was written
+                raise StoreError(
+                    f"the store at {where} could not {doing}: {type(exc).__name__} "
+                    f"({exc.sqlstate}); nothing was written"
+                ) from exc
             raise StoreError(
                 f"lost the connection to the store at {where} while trying to {doing} "
                 f"({type(exc).__name__})"
@@ -170,11 +229,21 @@ class Connections:
 
     def fetch(self, doing: str, query: Any, params: Sequence[Any] = ()) -> list[Any]:
         """Run a read; a connection the server closed is replaced and the read run again."""
+
+        def read(conn: psycopg.Connection[Any]) -> list[Any]:
+            with conn.cursor(binary=True) as cursor:
+                cursor.execute(query, params)
+                return cursor.fetchall()
+
+        return self.again(doing, read)
+
+    def again(self, doing: str, work: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """``work(connection)``; when the server had closed that connection, once more on
+        a new one. Only for work that may safely run twice (a read, an upsert)."""
         for attempt in (1, 2):
             try:
-                with self.connection(doing) as conn, conn.cursor(binary=True) as cursor:
-                    cursor.execute(query, params)
-                    return cursor.fetchall()
+                with self.connection(doing) as conn:
+                    return work(conn)
             except StoreError as exc:
                 if attempt == 2 or not lost(exc):
                     raise

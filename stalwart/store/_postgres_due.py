@@ -53,6 +53,7 @@ class DueStatements:
         self.clear = q(
             f"DELETE FROM {{s}}.due USING {hint} WHERE stream = %s AND version <= %s RETURNING 1"
         )
+        self.exists = q("SELECT 1 FROM {s}.due WHERE stream = %s")
         self.release = q(
             f"UPDATE {{s}}.due SET held_by = NULL, held_until = 0 FROM {hint} "
             "WHERE stream = %s AND held_by = %s RETURNING 1"
@@ -86,5 +87,7 @@ def set_due(
         done = _hint(db, "set a due time", q.set, (stream, at, version))
     if done:
         return True
+    if at is None and not db.fetch("read a due row", q.exists, (stream,)):
+        return True  # no row is what "no work" writes: as on LMDB, that is written
     _hint(db, "release a due row", q.release, (stream, owner))
     return False

@@ -72,13 +72,16 @@ class Doorbell:
         return _SAFETY_WAIT if self.listening.is_set() else self.poll_interval
 
     def start(self, ready_within: float = 1.0) -> None:
-        """Start listening (once); wait briefly for LISTEN to be in place."""
+        """Start listening (once); the first start waits up to ``ready_within`` for LISTEN
+        to be in place. Later calls never wait: while the listener is down, readers poll
+        the head themselves every poll interval."""
         with self._start_lock:
-            if self._thread is None and not self._stop.is_set():
-                self._thread = threading.Thread(
-                    target=self._run, name="stalwart-pg-listener", daemon=True
-                )
-                self._thread.start()
+            if self._thread is not None or self._stop.is_set():
+                return
+            self._thread = threading.Thread(
+                target=self._run, name="stalwart-pg-listener", daemon=True
+            )
+            self._thread.start()
         self.listening.wait(ready_within)
 
     def _run(self) -> None:

@@ -29,6 +29,11 @@ class ConnectionLostError(StoreError):
     """The connection broke during a batch: it may or may not have been committed."""
 
 
+class NotSentError(StoreError):
+    """No connection could be had (or the store closed): nothing of the batch was sent,
+    so sending its appends one by one would only wait out the same timeout again."""
+
+
 class AppendJob:
     """One append waiting for the writer; the caller waits on ``lock``."""
 
@@ -166,7 +171,7 @@ class Writer:
     def _send(self, batch: list[AppendJob]) -> None:
         try:
             results = self._run(batch)
-        except ConnectionLostError as exc:
+        except (ConnectionLostError, NotSentError) as exc:
             for job in batch:
                 job.error = exc
         except BaseException as exc:
