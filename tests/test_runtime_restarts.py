@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.to_thread
+import lmdb
 import pykka
 import pytest
 
+from stalwart import store as store_module
 from stalwart.actors import (
     ActivationWorker,
     Announcer,
@@ -240,3 +243,35 @@ def test_a_part_that_keeps_crashing_is_given_up_on_with_no_notice(
     assert not of(AnnouncementQueued, list(store.read_stream("runtime")))  # nobody to tell
     assert rt.dead_letters().entries == ()  # the other parts run on
     assert rt.runs() == {}
+
+
+def test_a_part_that_fails_while_starting_is_reported_and_given_up_on(
+    tmp_path: Path, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """pykka stops an actor whose ``on_start`` raises without calling ``on_failure``: a
+    dead-letter queue that could not read its stream at start died untold (no restart,
+    nothing in the ``runtime`` stream, every later failed send lost in its held
+    queue). Now the failing start is a crash like any other: restarted with backoff,
+    then given up on, all in the log."""
+    directory = tmp_path / "store"
+    with store_module.open(directory, clock=clock) as first:  # type: ignore[attr-defined]
+        enqueue = AnnouncementQueued(announcement_id="a1", channel="chat", text="x")
+        [record] = first.append("deadletter", [enqueue])
+    env = lmdb.open(str(directory), max_dbs=8)  # a record its fold cannot decode
+    try:
+        log_db = env.open_db(b"log")  # before the write transaction: it opens its own
+        with env.begin(write=True) as txn:
+            txn.put(record.position.to_bytes(8, "big"), b"\xc1garbage", db=log_db)
+    finally:
+        env.close()
+    with (
+        store_module.open(directory, clock=clock) as store,  # type: ignore[attr-defined]
+        Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}),
+    ):
+        for count, backoff_ms in enumerate([100, 200, 400], 1):
+            records = log_until(store, "runtime", has(SupervisorRestarted, count))
+            restarted = [r.event for r in records if isinstance(r.event, SupervisorRestarted)]
+            assert (restarted[-1].actor, restarted[-1].backoff_ms) == ("deadletter", backoff_ms)
+            clock.advance(backoff_ms / 1000 + 0.005)
+        [gave_up] = of(SupervisorGaveUp, log_until(store, "runtime", has(SupervisorGaveUp)))
+        assert (gave_up.actor, gave_up.reason) == ("deadletter", "CorruptRecordError")

@@ -121,6 +121,7 @@ from ._deadletter import Enqueue
 from ._portal import IoPortal
 from ._restarts import crashed
 from ._scheduler import Scheduler
+from ._supervised import Supervised
 from ._worker import Abandoned, LeaseLost, Wake, WakeEnded
 
 __all__ = ["AgentActor"]
@@ -141,7 +142,7 @@ _MESSAGE_KIND: dict[Kind, MessageKind] = {
 }
 
 
-class AgentActor(pykka.ThreadingActor):
+class AgentActor(Supervised):
     """Runs the agent loop of one session; the only writer of ``session:<session_id>``.
 
     Start with ``AgentActor.start(session_id, store, clock, scheduler, portal, caller,
@@ -213,7 +214,7 @@ class AgentActor(pykka.ThreadingActor):
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def on_start(self) -> None:
+    def started(self) -> None:
         self._folder = AGENT_VIEW.folder(load_state(self._store, self._stream, AGENT_VIEW))
         for record in self._store.read_stream(self._stream, 1, self._folder.version):
             self._ledger.add(record)

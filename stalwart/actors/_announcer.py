@@ -36,6 +36,7 @@ from ._restarts import crashed
 from ._scheduler import Scheduler
 from ._send import send_by_clock
 from ._subagent import RunEnded
+from ._supervised import Supervised
 
 __all__ = ["Announcer", "Batch", "GetBatches", "Track"]
 
@@ -85,7 +86,7 @@ def batch_text(runs: tuple[tuple[str, str], ...]) -> str:
     return f"{len(runs)} sub-agent tasks completed:\n" + "\n".join(parts)
 
 
-class Announcer(pykka.ThreadingActor):
+class Announcer(Supervised):
     """The runs' parent ref: forwards :class:`RunEnded`, batches completions per parent.
 
     Start with ``Announcer.start(store=..., clock=..., scheduler=..., portal=...,

@@ -45,7 +45,6 @@ from types import TracebackType
 from typing import Any
 
 import msgspec
-import pykka
 
 from stalwart._logs import get_logger
 from stalwart.clock import Clock
@@ -76,6 +75,7 @@ from stalwart.providers import Message
 from stalwart.store import EventStore, NewEvent
 
 from ._lanes import Lanes, Turnstile, answer
+from ._supervised import Supervised
 
 __all__ = [
     "REFUSALS_STREAM",
@@ -193,7 +193,7 @@ def to_provider_messages(messages: Sequence[ContextMessage]) -> tuple[Message, .
     )
 
 
-class ContextStoreActor(pykka.ThreadingActor):
+class ContextStoreActor(Supervised):
     """Owns every ``context:<session>`` stream. Start with ``ContextStoreActor.start(
     store=..., clock=..., summarizer=..., settings=ContextEngineSettings())``.
 
@@ -240,7 +240,7 @@ class ContextStoreActor(pykka.ThreadingActor):
     def mode(self) -> str:
         return self._settings.version
 
-    def on_start(self) -> None:
+    def started(self) -> None:
         self._dag.observe(governor_records(self._store))
         self._lanes = Lanes(self._settings.parallel_sessions, name="stalwart-context")
         log.info("context_store.started", engine=self.mode, tenants=len(self._dag.governors))

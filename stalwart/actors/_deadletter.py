@@ -72,6 +72,7 @@ from stalwart.store import EventStore, NewEvent, load_state
 from ._portal import IoPortal
 from ._scheduler import Scheduler
 from ._send import send_by_clock
+from ._supervised import Supervised
 
 __all__ = [
     "DEADLETTER_STREAM",
@@ -157,7 +158,7 @@ def _outcome(entry_id: str, future: Future[str | None]) -> RetrySent:
 # -- the actor ----------------------------------------------------------------------------
 
 
-class DeadLetterActor(pykka.ThreadingActor):
+class DeadLetterActor(Supervised):
     """Owns the ``deadletter`` stream: queue, retry, expire, drain.
 
     Start with ``DeadLetterActor.start(store=..., clock=..., scheduler=..., portal=...,
@@ -198,7 +199,7 @@ class DeadLetterActor(pykka.ThreadingActor):
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def on_start(self) -> None:
+    def started(self) -> None:
         self._state = load_state(self._store, self._stream, DEADLETTER)
         state = self._state
         log.info("deadletter.started", entries=len(state.entries), version=state.version)

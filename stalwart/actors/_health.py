@@ -51,6 +51,7 @@ from stalwart.store import EventStore, NewEvent, load_state
 
 from ._restarts import crashed
 from ._scheduler import Scheduler, TimerHandle
+from ._supervised import Supervised
 
 log = get_logger(__name__)
 
@@ -225,7 +226,7 @@ class _Follower:
 # -- the actor -----------------------------------------------------------------------------
 
 
-class ProviderHealthActor(pykka.ThreadingActor):
+class ProviderHealthActor(Supervised):
     """Decides ``provider:degraded`` / ``provider:recovered`` for one provider.
 
     Start with ``ProviderHealthActor.start(store, clock, scheduler, provider, settings,
@@ -269,7 +270,7 @@ class ProviderHealthActor(pykka.ThreadingActor):
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def on_start(self) -> None:
+    def started(self) -> None:
         if self._follow:
             name = f"stalwart-health-{self._provider}"
             self._follower = _Follower(self._store, self._wake, name)

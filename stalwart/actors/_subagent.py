@@ -56,6 +56,7 @@ from ._portal import IoPortal
 from ._restarts import crashed
 from ._scheduler import Scheduler
 from ._subagent_notice import failure_notice
+from ._supervised import Supervised
 
 __all__ = [
     "GetRun",
@@ -163,7 +164,7 @@ def _work_done(future: Future[str]) -> _WorkDone | None:
 # -- the actor ----------------------------------------------------------------------------
 
 
-class SubAgentActor(pykka.ThreadingActor):
+class SubAgentActor(Supervised):
     """Runs one sub-agent run under its watchdog; the owner of ``session:<run id>``.
 
     Start with ``SubAgentActor.start(store=..., clock=..., scheduler=..., portal=...,
@@ -211,7 +212,7 @@ class SubAgentActor(pykka.ThreadingActor):
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def on_start(self) -> None:
+    def started(self) -> None:
         self._state = load_state(self._store, self._stream, RUN, use_snapshots=False)
         if self._state.status == "new":
             self._append_spawned()

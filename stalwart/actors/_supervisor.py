@@ -42,7 +42,6 @@ run's own actor will never tell it.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, cast
@@ -79,6 +78,7 @@ from ._scheduler import Scheduler
 from ._send import send_by_clock
 from ._subagent import RunEnded, RunOutcome, Spawn
 from ._subagent_notice import NoticeSent, Path, failure_notice, sent
+from ._supervised import Supervised
 from ._supervisor_fold import (
     RUN_WATCH,
     UNSUCCESSFUL,
@@ -135,7 +135,7 @@ Splitter = Callable[[str, str], Sequence[str]]
 Splitters = Callable[[str, str], Splitter | None]
 
 
-class SupervisorActor(pykka.ThreadingActor):
+class SupervisorActor(Supervised):
     """Ghost and heartbeat sweeps, failure notices and recovery of sub-agent runs.
 
     Start with ``SupervisorActor.start(store=..., clock=..., scheduler=..., portal=...,
@@ -211,16 +211,12 @@ class SupervisorActor(pykka.ThreadingActor):
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def on_start(self) -> None:
-        try:
-            now = self._clock.now()
-            self._next_ghost = now + self._settings.ghost_sweep_interval_ms / 1000
-            self._next_heartbeat = now + self._settings.heartbeat_interval_ms / 1000
-            self._sweep(ghosts=True, heartbeats=True)  # what a crash left behind, at once
-            self._arm()
-        except Exception:  # pykka stops an actor whose on_start raises, untold: tell
-            self.on_failure(*sys.exc_info())
-            raise
+    def started(self) -> None:
+        now = self._clock.now()
+        self._next_ghost = now + self._settings.ghost_sweep_interval_ms / 1000
+        self._next_heartbeat = now + self._settings.heartbeat_interval_ms / 1000
+        self._sweep(ghosts=True, heartbeats=True)  # what a crash left behind, at once
+        self._arm()
 
     def on_stop(self) -> None:
         self._scheduler.cancel(self._timer_key)

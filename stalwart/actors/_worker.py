@@ -57,6 +57,7 @@ from stalwart.store import Due, EventStore, Fence, NewEvent, WorkQueue
 
 from ._restarts import crashed
 from ._scheduler import Scheduler
+from ._supervised import Supervised
 
 __all__ = [
     "ActivationWorker",
@@ -152,7 +153,7 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
     sessions: int
 
 
-class ActivationWorker(pykka.ThreadingActor):
+class ActivationWorker(Supervised):
     """Start with ``ActivationWorker.start(store, clock, scheduler, policy, owner=...,
     wake=..., lost=...)``. ``wake(Wake)`` hands a wake to the session's Agent (starting
     it if needed) and returns False when it cannot; ``lost(LeaseLost)`` tells it to stop.
@@ -195,7 +196,7 @@ class ActivationWorker(pykka.ThreadingActor):
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def on_start(self) -> None:
+    def started(self) -> None:
         self._poll()
 
     def on_stop(self) -> None:
