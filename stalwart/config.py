@@ -496,7 +496,22 @@ def _fail(
         expected = f"{expected}; allowed: {', '.join(repr(v) for v in allowed)}"
     found = _lookup(data, inner) if inner else data
     where = f"key {key!r}: " if key else ""
-    raise ConfigError(f"{source}: {where}{expected}, found {found!r}", key=key) from None
+    raise ConfigError(f"{source}: {where}{expected}, found {_shown(found)}", key=key) from None
+
+
+def _shown(found: Any) -> str:
+    """What a config error may say it found: never a whole table or list (a provider's or
+    a channel's URL in it may hold a password or a token), a URL without its secrets."""
+    if isinstance(found, dict):
+        return "a table"
+    if isinstance(found, list | tuple):
+        return "a list"
+    if isinstance(found, str) and "://" in found:
+        try:
+            return repr(_origin(found))
+        except ValueError:
+            return "a URL that cannot be read"
+    return repr(found)
 
 
 def _allowed(root: type, path: str) -> tuple[Any, ...]:

@@ -239,12 +239,23 @@ def session() -> None:
     """One session: its events, and answers to what it waits for (see also ``status``)."""
 
 
+class _NeverRaised(click.ClickException):
+    """Stands in for NoArgsIsHelpError on a click that has none (it prints the help)."""
+
+
+#: click >= 8.2 raises this for a group called without a command (its message is the help)
+_NO_ARGS: type[click.ClickException] = getattr(click.exceptions, "NoArgsIsHelpError", _NeverRaised)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``stalwart`` script: usage errors are one line and exit 1 too."""
     try:
         code = cli.main(args=argv, prog_name="stalwart", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    except _NO_ARGS as exc:  # `stalwart`, `stalwart session`: the help, as asked for
+        click.echo(exc.format_message())
+        sys.exit(0)
     except click.ClickException as exc:
         click.echo(f"stalwart: error: {exc.format_message()}", err=True)
         sys.exit(1)

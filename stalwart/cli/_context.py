@@ -262,10 +262,10 @@ def expand_command(state: _State, stream: str, summary_id: str, as_json: bool) -
                 data["content_offset"] = part.offset if index == 0 else 0
                 click.echo(to_json(data))
             elif continued:
-                click.echo(message.content, nl=False)
+                click.echo(message.content, nl=False, color=True)  # byte for byte, piped too
             else:
                 click.echo(f"\n--- #{message.seq} {message.role} {message.message_id}")
-                click.echo(message.content, nl=False)
+                click.echo(message.content, nl=False, color=True)
         if part.next_after is None:
             break
         after, offset = part.next_after, part.next_offset

@@ -47,7 +47,8 @@ def parse_since(text: str, newest: float | None) -> float | None:
     duration = _DURATION.fullmatch(value)
     if duration is not None:
         seconds = int(duration.group(1)) * _UNIT_SECONDS[duration.group(2)]
-        return None if newest is None else newest - seconds
+        # a span longer than the log's whole past starts at its beginning (unix 0)
+        return None if newest is None else max(0.0, newest - min(seconds, max(newest, 0.0)))
     if _TIMESTAMP.fullmatch(value):
         return float(value)
     raise ConfigError(

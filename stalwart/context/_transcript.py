@@ -10,6 +10,7 @@ blocks; a user message carrying tool results becomes one ``tool`` message per re
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -65,11 +66,23 @@ def parse_transcript(items: Iterable[Any], *, source: str = "transcript") -> lis
                     message_id=base if part == 0 else f"{base}.{part}",
                     seq=len(out),
                     turn=turn,
-                    ts=float(item.get("ts") or 0.0),
+                    ts=_ts(item.get("ts"), source, index),
                     **fields,
                 )
             )
     return out
+
+
+def _ts(value: Any, source: str, index: int) -> float:
+    """A message's ``ts`` (unix seconds; absent: 0)."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TranscriptError(f"{source}: item {index}: ts must be a number (unix seconds)")
+    seconds = float(value)
+    if not math.isfinite(seconds):
+        raise TranscriptError(f"{source}: item {index}: ts must be a finite number")
+    return seconds
 
 
 def _scrubbed(value: Any) -> Any:

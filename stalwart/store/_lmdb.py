@@ -247,7 +247,11 @@ class LmdbEventStore:
         with _ENVS_LOCK:
             shared = _ENVS.get(path)
             if shared is None or shared.closed:
-                os.makedirs(path, exist_ok=True)
+                try:
+                    os.makedirs(path, exist_ok=True)
+                except OSError as exc:  # a file in the way, no permission, a read-only disk
+                    reason = exc.strerror or type(exc).__name__
+                    raise StoreError(f"cannot create the store at {path}: {reason}") from exc
                 try:
                     shared = _Environment(
                         path, map_size=map_size, codec=codec, clock=clock or SystemClock()
