@@ -287,7 +287,7 @@ class PostgresEventStore:
         def gap(missing: int, row: list[Any] | None) -> CorruptRecordError:
             return CorruptRecordError(missing, "it is missing from the log")
 
-        return self._ranged(fetch, self.head, 0, max(1, from_position), last, gap)
+        return self._ranged(fetch, 0, max(1, from_position), last, gap)
 
     def read_stream(
         self, stream: str, from_version: int = 1, to_version: int | None = None
@@ -301,19 +301,15 @@ class PostgresEventStore:
             return self._db.fetch(doing, self._sql.read_stream, (stream, first, end))
 
         def gap(missing: int, row: list[Any] | None) -> CorruptRecordError:
-            after = int(row[0]) if row is not None else self.head()
+            after = int(row[0]) if row is not None else 0
             reason = f"version {missing} of {stream!r} is missing before it"
             return CorruptRecordError(after, reason)
 
-        def top() -> int:
-            return self.stream_version(stream)
-
-        return self._ranged(fetch, top, 2, max(1, from_version), last, gap)
+        return self._ranged(fetch, 2, max(1, from_version), last, gap)
 
     def _ranged(
         self,
         fetch: Callable[[int, int], list[Any]],
-        top: Callable[[], int],
         key: int,
         first: int,
         last: int,
@@ -321,34 +317,23 @@ class PostgresEventStore:
     ) -> Iterator[RecordedEvent]:
         """Rows by consecutive keys (positions, or a stream's versions) in batches.
 
-        A short batch is the end of what is committed, or a hole (a row deleted by hand):
-        the top (the head, the stream's version) is read after it, the range up to it read
-        again (everything up to the top has committed by then), and a key still missing
-        is a CorruptRecordError after every record before it, never a silent end.
+        A key is handed out only once the one before it is visible, so a short batch
+        whose keys run on without a break is the end of what is committed; a key missing
+        among them (a row deleted by hand) is a CorruptRecordError after every record
+        before it, never a silent end.
         """
         at = first
         while at <= last:
             end = min(last, at + READ_BATCH - 1)
             rows = fetch(at, end)
             if len(rows) < end - at + 1:
-                ceiling = min(end, top())
-                if ceiling < at + len(rows):  # the end of the log (or of the range)
+                missing = next((k for k, row in enumerate(rows, at) if row[key] != k), None)
+                if missing is None:
                     yield from self._records(rows)
-                    return
-                rows = fetch(at, ceiling)
-                expected = range(at, ceiling + 1)
-                missing = next(
-                    (k for k, row in zip(expected, rows, strict=False) if row[key] != k),
-                    at + len(rows) if len(rows) < len(expected) else None,
-                )
-                if missing is not None:
-                    kept = [row for row in rows if row[key] < missing]
-                    yield from self._records(kept)
-                    following = rows[len(kept)] if len(kept) < len(rows) else None
-                    raise gap(missing, following)
-                if ceiling < end:
-                    yield from self._records(rows)
-                    return
+                    return  # the end of the log (or of the range)
+                kept = rows[: missing - at]
+                yield from self._records(kept)
+                raise gap(missing, rows[missing - at])
             yield from self._records(rows)
             at = end + 1
 
