@@ -177,7 +177,7 @@ class Scheduler:
                 self._overdue = True
                 self._cond.notify_all()
             elif self._heap[0][2] is handle:
-                self._cond.notify_all()
+                self._cond.notify()
         return handle
 
     def cancel(self, handle_or_key: TimerHandle | Hashable) -> bool:

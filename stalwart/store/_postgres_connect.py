@@ -61,7 +61,8 @@ class PostgresUrl:
             raise StoreError("the store's schema name must have 1 to 50 bytes")
         self.schema = schema
         self.password = unquote(password) if password else None
-        self.connect_timeout = _seconds(dict(kept).get("connect_timeout"))
+        #: the URL sets libpq's connect_timeout itself (then it is not overridden)
+        self.own_connect_timeout = any(key == "connect_timeout" for key, _ in kept)
         self.conninfo = urlunsplit(parts._replace(query=urlencode(kept, quote_via=quote)))
         shown = [(k, v) for k, v in query if k not in _SECRET_PARAMS]
         netloc = ",".join(hosts)
@@ -85,25 +86,13 @@ def _host(host: str) -> str:
         checked = urlsplit(f"//{host}")
         port = checked.port  # a bad port raises
     except ValueError:
-        port = None
-        checked = None
-    if checked is None or (host and not checked.hostname):
+        raise StoreError(_MALFORMED) from None
+    if host and not checked.hostname:
         raise StoreError(_MALFORMED)
     name = checked.hostname or ""
     if ":" in name:
         name = f"[{name}]"
     return name if port is None else f"{name}:{port}"
-
-
-def _seconds(value: str | None) -> float | None:
-    """libpq's ``connect_timeout`` (whole seconds; 0 or less: none) as seconds, or None."""
-    if value is None:
-        return None
-    try:
-        seconds = int(value)
-    except ValueError:
-        raise StoreError("the PostgreSQL store URL's connect_timeout is not a number") from None
-    return float(seconds) if seconds > 0 else None
 
 
 def _query_secrets(query: list[tuple[str, str]]) -> list[str]:
@@ -147,7 +136,7 @@ def connect(url: PostgresUrl, *, timeout: float, **kwargs: Any) -> psycopg.Conne
 
 def _timeout(url: PostgresUrl, timeout: float) -> dict[str, Any]:
     """The ``connect_timeout`` to pass: none when the URL sets its own (libpq's wins)."""
-    if url.connect_timeout is not None:
+    if url.own_connect_timeout:
         return {}
     return {"connect_timeout": max(1, round(timeout))}
 
