@@ -220,6 +220,31 @@ def test_unknown_events_are_shown_not_dropped(store_dir: Path) -> None:
     assert json.loads(line)["data"]["_unknown"] is True
 
 
+class TurnStartedV2(Event, frozen=True, tag="turn:started"):
+    """``turn:started`` as a newer stalwart might write it: a changed field type."""
+
+    turn_id: int
+    schema_version = 2
+
+
+def test_a_known_event_from_a_newer_schema_is_shown_as_unknown(store_dir: Path) -> None:
+    newer = Codec(extra_types=[TurnStartedV2])
+    with store_module.open(store_dir, codec=newer) as store:  # type: ignore[attr-defined]
+        store.append("session:n", [SessionCreated(title="future"), TurnStartedV2(turn_id=7)])
+        store.append("session:n", [MessageAppended(message_id="m", role="user", content="hi")])
+    code, out, err = run("--store", str(store_dir), "tail")
+    assert (code, err) == (0, "")
+    assert "turn:started (unknown type)" in out
+    code, out, err = run("--store", str(store_dir), "replay", "session:n", "--json")
+    assert (code, err) == (0, "")
+    state = json.loads(out)
+    assert (state["version"], state["messages"]) == (3, 1)
+    for command in (["status"], ["incidents"], ["streams"]):
+        code, out, err = run("--store", str(store_dir), *command)
+        assert (code, err) == (0, ""), command
+        assert "session:n" in out or command == ["incidents"]
+
+
 # -- errors are one line and exit 1 --------------------------------------------------------------
 
 

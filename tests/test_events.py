@@ -207,6 +207,33 @@ def test_missing_upcaster_is_a_corrupt_record_not_a_guess() -> None:
     assert info.value.position == 7
 
 
+def test_a_newer_schema_that_no_longer_fits_is_unknown_not_corrupt() -> None:
+    """A newer stalwart changed ``test:greeting`` (schema 2); this version knows schema 1."""
+    newer = Codec(extra_types=[GreetingV2])
+    older = Codec(extra_types=[GreetingV1])
+    stored = newer.encode(_record(GreetingV2(content="hi", language="fr"), position=9))
+    record = older.decode(stored)
+    assert isinstance(record.event, UnknownEvent)
+    assert (record.type, record.event.schema, record.position) == ("test:greeting", 2, 9)
+    assert event_data(record.event)["content"] == "hi"
+    batch: list[RecordedEvent] = []
+    assert older.decode_batch([stored], batch) is None
+    assert batch == [record]
+
+
+def test_a_newer_schema_that_still_fits_decodes() -> None:
+    stored = Codec(extra_types=[GreetingV1], versions={"test:greeting": 3}).encode(
+        _record(GreetingV1(text="hello"), schema=3)
+    )
+    assert Codec(extra_types=[GreetingV1]).decode(stored).event == GreetingV1(text="hello")
+
+
+def test_a_newer_schema_with_garbage_bytes_is_still_corrupt() -> None:
+    stored = msgspec.msgpack.encode([4, "s", 1, 1.0, "id", None, None, 2, b"\xc1"])
+    with pytest.raises(CorruptRecordError):
+        Codec(extra_types=[GreetingV1]).decode(stored)
+
+
 @pytest.mark.parametrize(
     "data",
     [b"", b"\xc1", b"\x93\x01\x02\x03", msgspec.msgpack.encode({"a": 1})],

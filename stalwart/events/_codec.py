@@ -4,8 +4,9 @@ A stored record is one msgpack array: ``[position, stream, version, ts, id, caus
 correlation_id, schema, event]`` where ``event`` is the event's tagged map and ``schema``
 the version of that event's payload when it was written. Decoding takes one msgspec pass
 in the common case; a record written at an older schema goes through the upcasters, and
-a record whose tag this version does not know becomes an :class:`UnknownEvent` holding
-its raw bytes.
+a record whose tag this version does not know, or whose schema is newer than this
+version's and no longer fits its class, becomes an :class:`UnknownEvent` holding its raw
+bytes.
 """
 
 from __future__ import annotations
@@ -270,8 +271,10 @@ class Codec:
         )
 
     def _upcast(self, raw: _RawRecord, tag: str, current: int) -> Event:
+        if raw.schema > current:
+            return self._newer(raw, tag)
         try:
-            if raw.schema >= current:
+            if raw.schema == current:
                 event: Event = self._event_decoder.decode(raw.event)
                 return event
             payload: dict[str, Any] = msgspec.msgpack.decode(raw.event)
@@ -289,6 +292,21 @@ class Codec:
             raise CorruptRecordError(raw.position, f"{tag!r} payload: {exc}") from exc
         except msgspec.ValidationError as exc:
             raise CorruptRecordError(raw.position, f"{tag!r} payload: {exc}") from exc
+
+    def _newer(self, raw: _RawRecord, tag: str) -> Event:
+        """A record a newer stalwart wrote at a schema this version does not have yet.
+
+        It decodes when the change only added fields; otherwise its shape is not this
+        version's to guess, so it is kept as an :class:`UnknownEvent` (never a corrupt
+        record: the bytes are sound, they are just from the future).
+        """
+        try:
+            event: Event = self._event_decoder.decode(raw.event)
+        except msgspec.ValidationError:
+            return UnknownEvent(tag=tag, schema=raw.schema, raw=bytes(raw.event))
+        except msgspec.DecodeError as exc:
+            raise CorruptRecordError(raw.position, f"{tag!r} payload: {exc}") from exc
+        return event
 
 
 def event_data(event: Event) -> dict[str, Any]:
