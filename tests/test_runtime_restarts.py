@@ -10,6 +10,10 @@ loopback, a MemoryChannel; tests wait on futures, on the log and on the channel.
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,10 +40,12 @@ from stalwart.clock import FakeClock
 from stalwart.config import Config, parse_config
 from stalwart.events import (
     AnnouncementDeadLetterDelivered,
+    AnnouncementDelivered,
     AnnouncementQueued,
     ProviderCallFailed,
     ProviderDegraded,
     ProviderRecovered,
+    SubagentCompleted,
     SupervisorGaveUp,
     SupervisorRestarted,
     TurnCompleted,
@@ -202,6 +208,82 @@ def test_a_crashed_announcer_is_restarted_and_still_announces_a_run_tracked_befo
     clock.advance(rt.config.subagents.announce_debounce_ms / 1000 + 0.01)
     [message] = delivered(rt, chat, 1)
     assert message.text == "Sub-agent task completed:\nthe answer"
+
+
+def test_a_run_that_ends_while_the_announcer_is_down_is_announced_after_its_restart(
+    rt: Runtime, store: EventStore, clock: FakeClock, chat: MemoryChannel
+) -> None:
+    """The run's end, told during the restart's backoff, is held and told to the new one."""
+    gate = threading.Event()
+
+    async def gated(report: RunReport) -> str:
+        await anyio.to_thread.run_sync(gate.wait)
+        return "the answer"
+
+    handle = rt.spawn("p1", "write code", task_class="code", channel="chat", work=gated)
+    handle.status()
+    restarted = crash(rt, store, Announcer, "announcer")
+    assert isinstance(restarted, SupervisorRestarted)
+    gate.set()  # the run ends while no announcer runs
+    log_until(store, f"session:{handle.run_id}", has(SubagentCompleted))
+    clock.advance(0.11)  # the backoff: the announcer runs again
+    assert handle.result(GUARD).outcome == "succeeded"
+    clock.advance(rt.config.subagents.announce_debounce_ms / 1000 + 0.01)
+    [message] = delivered(rt, chat, 1)
+    assert message.text == "Sub-agent task completed:\nthe answer"
+
+
+def test_a_batch_lost_with_the_announcer_is_announced_by_the_supervisors_sweep(
+    rt: Runtime, store: EventStore, clock: FakeClock, chat: MemoryChannel
+) -> None:
+    async def quick(report: RunReport) -> str:
+        return "the answer"
+
+    handle = rt.spawn("p1", "write code", task_class="code", channel="chat", work=quick)
+    assert handle.result(GUARD).outcome == "succeeded"
+    assert list(rt.announcements()) == ["p1"]  # batched, not sent yet
+    restart(rt, store, clock, Announcer, "announcer")  # the batch dies with it
+    assert rt.announcements() == {}
+    settings = rt.config.subagents
+    owed_s = (settings.announce_max_wait_ms + rt.config.dead_letters.announce_timeout_ms) / 1000
+    clock.advance(owed_s)
+    assert chat.attempted == []  # owed, but the next sweep finds it
+    clock.advance(settings.ghost_sweep_interval_ms / 1000)
+    [message] = delivered(rt, chat, 1)
+    assert message.text == "Sub-agent task completed:\nthe answer"
+    records = log_until(store, f"session:{handle.run_id}", has(AnnouncementDelivered))
+    [queued] = of(AnnouncementQueued, records)
+    assert (queued.kind, message.idempotency_key) == ("completion", queued.announcement_id)
+    assert of(AnnouncementDelivered, records)[0].path == "direct"
+    clock.advance(settings.ghost_sweep_interval_ms / 1000)
+    rt.runs()  # a barrier: the sweep ran
+    assert len(chat.attempted) == 1
+
+
+@pytest.mark.slow
+def test_a_completion_a_sigkilled_process_never_announced_is_announced_by_the_next_one(
+    tmp_path: Path, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    directory = tmp_path / "store"
+    t0 = 1_800_000_000.0
+    script = Path(__file__).with_name("_announce_child.py")
+    argv = [sys.executable, str(script), str(directory), str(t0)]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE) as child:
+        try:
+            assert child.stdout is not None
+            said = json.loads(child.stdout.readline() or "{}")
+            assert "ended" in said, said
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait(GUARD)
+    run_id = said["ended"]
+    clock = FakeClock(start=t0 + 60)  # the next process starts a minute later
+    channels = {"chat": chat}
+    with Runtime(config(fake.base_url), store=directory, clock=clock, channels=channels) as rt:
+        [message] = delivered(rt, chat, 1)  # the supervisor's first sweep, at its start
+        assert message.text == "Sub-agent task completed:\nthe answer"
+        records = log_until(rt.store, f"session:{run_id}", has(AnnouncementDelivered))
+        assert [e.path for e in of(AnnouncementDelivered, records)] == ["direct"]
 
 
 def test_a_crashed_activation_worker_is_restarted_and_runs_the_messages_sent_meanwhile(

@@ -40,6 +40,7 @@ from stalwart.actors import (
     Spawn,
     SubAgentActor,
     SupervisorActor,
+    batch_text,
     failure_notice,
 )
 from stalwart.channels import MemoryChannel, OutboundMessage
@@ -52,6 +53,7 @@ from stalwart.events import (
     AnnouncementQueued,
     AnnouncementSendFailed,
     Event,
+    SubagentCompleted,
     SubagentGhostSwept,
     SubagentRecoveryDecided,
     SubagentSpawned,
@@ -525,6 +527,144 @@ def test_a_notice_a_crash_interrupted_is_sent_again_directly_by_the_next_supervi
             assert tree.announcer.attempted == []
             assert len(tree.chat.attempted) == 1
             assert tree.spawned.empty()  # its recovery was decided before the crash
+        finally:
+            pykka.ActorRegistry.stop_all(timeout=WAIT)
+
+
+# -- completions a crash lost ------------------------------------------------------------------
+
+#: how long after a success its announcement is owed: announce_max_wait_ms + the timeout
+OWED_S = (S.announce_max_wait_ms + ANNOUNCE_MS) / 1000
+
+
+def succeeded(
+    store: EventStore, run_id: str, *, announce: bool | None, result: str = "42 invoices"
+) -> None:
+    """A run's log as its SubAgent leaves it: spawned, then completed at T0 + 10."""
+    store.append(
+        f"session:{run_id}",
+        [
+            NewEvent(
+                event=SubagentSpawned(
+                    parent="p1", task="count the invoices", task_class="formatting",
+                    timeout_ms=120_000, timeout_knob="class_timeouts_ms.formatting",
+                    channel="chat", conversation="conv-1", announce=announce,
+                ),
+                ts=T0,
+            ),
+            NewEvent(event=SubagentCompleted(result=result), ts=T0 + 10),
+        ],
+    )  # fmt: skip
+
+
+def test_a_success_whose_announcement_a_crash_lost_is_announced_directly(
+    lmdb_store: EventStore, clock: FakeClock
+) -> None:
+    succeeded(lmdb_store, "r1", announce=True)  # its announcer died with the batch
+    clock.set(T0 + 10 + OWED_S - 1)  # not owed yet: a live announcer may still send it
+    with Scheduler(clock) as scheduler, IoPortal() as portal:
+        try:
+            tree = Tree(lmdb_store, clock, scheduler, portal)
+            tree.barrier()
+            assert tree.chat.attempted == []
+            tree.tick()
+            [message] = delivered(portal, tree.chat, 1)
+            [queued] = of(stream(lmdb_store, "r1"), AnnouncementQueued)
+            assert (queued.kind, queued.channel, queued.text) == (
+                "completion",
+                "chat",
+                batch_text((("r1", "42 invoices"),)),
+            )
+            assert (message.text, message.idempotency_key, message.conversation) == (
+                queued.text,
+                queued.announcement_id,
+                "conv-1",
+            )
+            [done] = until(lmdb_store, lambda: of(stream(lmdb_store, "r1"), AnnouncementDelivered))
+            assert (done.announcement_id, done.path) == (queued.announcement_id, "direct")
+            tree.tick(3)
+            assert len(tree.chat.attempted) == 1
+            assert tree.announcer.attempted == []
+            assert tree.spawned.empty()  # a success is never recovered
+        finally:
+            pykka.ActorRegistry.stop_all(timeout=WAIT)
+
+
+@pytest.mark.parametrize("announce", [False, None])
+def test_a_success_that_asked_for_no_announcement_gets_none(
+    lmdb_store: EventStore, clock: FakeClock, announce: bool | None
+) -> None:
+    """``announce=False``, or a log written before the field (None): nothing is owed."""
+    succeeded(lmdb_store, "r1", announce=announce)
+    clock.set(T0 + 10 + OWED_S)
+    with Scheduler(clock) as scheduler, IoPortal() as portal:
+        try:
+            tree = Tree(lmdb_store, clock, scheduler, portal)
+            tree.tick(2)
+            assert tree.chat.attempted == []
+            assert of(stream(lmdb_store, "r1"), AnnouncementQueued) == []
+        finally:
+            pykka.ActorRegistry.stop_all(timeout=WAIT)
+
+
+def test_a_batch_a_crash_cut_short_is_sent_again_once_with_its_own_id(
+    lmdb_store: EventStore, clock: FakeClock
+) -> None:
+    text = batch_text((("r1", "first"), ("r2", "second")))
+    for run_id, result in (("r1", "first"), ("r2", "second")):
+        succeeded(lmdb_store, run_id, announce=True, result=result)
+        queued = AnnouncementQueued(
+            announcement_id="b1", channel="chat", kind="completion", text=text
+        )
+        lmdb_store.append(f"session:{run_id}", [NewEvent(event=queued, ts=T0 + 11)])
+    clock.set(T0 + 11 + OWED_S)  # the announcer's send never ended: its process died
+    with Scheduler(clock) as scheduler, IoPortal() as portal:
+        try:
+            tree = Tree(lmdb_store, clock, scheduler, portal)
+            [message] = delivered(portal, tree.chat, 1)
+            assert (message.text, message.idempotency_key) == (text, "b1")
+            for run_id in ("r1", "r2"):
+                [done] = until(
+                    lmdb_store, lambda r=run_id: of(stream(lmdb_store, r), AnnouncementDelivered)
+                )
+                assert done == AnnouncementDelivered(announcement_id="b1", path="direct")
+            tree.tick(2)
+            assert len(tree.chat.attempted) == 1
+        finally:
+            pykka.ActorRegistry.stop_all(timeout=WAIT)
+
+
+def test_an_owed_completion_whose_send_fails_is_dead_lettered(
+    lmdb_store: EventStore, clock: FakeClock
+) -> None:
+    succeeded(lmdb_store, "r1", announce=True)
+    clock.set(T0 + 10 + OWED_S - 1)
+    with Scheduler(clock) as scheduler, IoPortal() as portal:
+        try:
+            tree = Tree(lmdb_store, clock, scheduler, portal)
+            tree.chat.fail_next(kind="connect")
+            tree.tick()
+            [failed] = until(
+                lmdb_store, lambda: of(stream(lmdb_store, "r1"), AnnouncementSendFailed)
+            )
+            [queued] = of(stream(lmdb_store, "r1"), AnnouncementQueued)
+            assert (failed.announcement_id, failed.error_class) == (
+                queued.announcement_id,
+                "connect",
+            )
+
+            def dead_lettered() -> list[Any]:
+                events = [record.event for record in lmdb_store.read_stream("deadletter")]
+                return of(events, AnnouncementDeadLettered)
+
+            [entry] = until(lmdb_store, dead_lettered)
+            assert (entry.announcement_id, entry.text, entry.conversation) == (
+                queued.announcement_id,
+                queued.text,
+                "conv-1",
+            )
+            tree.tick(2)
+            assert len(tree.chat.attempted) == 1  # the queue retries it, not the sweep
         finally:
             pykka.ActorRegistry.stop_all(timeout=WAIT)
 

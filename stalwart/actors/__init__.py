@@ -1,5 +1,7 @@
 """pykka actors and the scheduler that turns deadlines into their messages."""
 
+from stalwart.state import batch_text
+
 from ._agent import AgentActor
 from ._agent_fold import (
     AGENT_VIEW,
@@ -40,7 +42,7 @@ from ._agent_wake import (
     WakeLedger,
     drafts_note,
 )
-from ._announcer import Announcer, Batch, GetBatches, Track, batch_text
+from ._announcer import Announcer, Batch, GetBatches, Track
 from ._context import (
     REFUSALS_STREAM,
     Assemble,

@@ -28,6 +28,7 @@ from stalwart.clock import Clock
 from stalwart.events import AnnouncementDelivered, AnnouncementQueued, AnnouncementSendFailed
 from stalwart.events import Event as LogEvent
 from stalwart.ids import new_id
+from stalwart.state import batch_text
 from stalwart.store import EventStore, NewEvent
 
 from ._deadletter import Enqueue
@@ -76,14 +77,6 @@ class _Sent(msgspec.Struct, frozen=True):
     batch: Batch
     announcement_id: str
     error_class: str | None
-
-
-def batch_text(runs: tuple[tuple[str, str], ...]) -> str:
-    """The one message of a batch: each run's result, in completion order."""
-    if len(runs) == 1:
-        return f"Sub-agent task completed:\n{runs[0][1]}"
-    parts = [f"{index}. {result}" for index, (_, result) in enumerate(runs, 1)]
-    return f"{len(runs)} sub-agent tasks completed:\n" + "\n".join(parts)
 
 
 class Announcer(Supervised):

@@ -93,6 +93,8 @@ class Spawn(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int = 1
     channel: str = ""
     conversation: str = ""
+    #: whether the result is announced to the parent (recorded in ``subagent:spawned``)
+    announce: bool | None = None
 
     @property
     def stream(self) -> str:
@@ -273,6 +275,7 @@ class SubAgentActor(Supervised):
             timeout_knob=self._knob,
             channel=spawn.channel,
             conversation=spawn.conversation,
+            announce=spawn.announce,
         )
         self._append(lambda state, now: [event])
 

@@ -29,6 +29,13 @@ was added, folds it and decides again. Runs are settled (notice, recovery) when 
 :class:`RunEnded` and at every sweep, so a run that ended while nobody listened is settled
 too. One timer, keyed by the actor, at the earlier of the two sweeps.
 
+* **Completions a crash lost**: a run that succeeded and recorded ``announce=True`` but
+  whose completion announcement is not in its stream ``announce_max_wait_ms +
+  announce_timeout_ms`` after it ended (the announcer or its process died with the
+  batch), or whose announcement was queued that long ago and never ended (a crash cut
+  its send), is announced at a sweep with a direct send on the run's channel (the
+  interrupted one again with its own id, once per batch); a failed send goes to the
+  dead-letter queue. A result is never lost.
 * **Restarts** (``supervision``): a supervised actor that crashed tells :class:`Crashed`;
   one_for_one with restart intensity and backoff (:mod:`._restarts`). A run's actor given
   up on ends its run: ``subagent:given_up`` (status ``failed``), then the notice and the
@@ -83,6 +90,8 @@ from ._supervisor_fold import (
     RUN_WATCH,
     UNSUCCESSFUL,
     RunWatch,
+    completion_interrupted,
+    owed_completion,
     recovery,
     respawn,
     split_spawns,
@@ -102,6 +111,10 @@ class Sweep(msgspec.Struct, frozen=True):
 
 class _Due(msgspec.Struct, frozen=True):
     at: float
+
+
+class _CompletionSent(msgspec.Struct, frozen=True):
+    outcome: NoticeSent
 
 
 class GetRuns(msgspec.Struct, frozen=True):
@@ -184,6 +197,8 @@ class SupervisorActor(Supervised):
         self._settings = settings or SubagentSettings()
         self._announce_s = announce_timeout_ms / 1000
         self._announce_ms = announce_timeout_ms
+        #: how long after a success its announcement is owed (see owed_completion)
+        self._completion_wait_s = (self._settings.announce_max_wait_ms + announce_timeout_ms) / 1000
         self._announcer = announcer
         self._default_channel = default_channel
         self._listeners = tuple(listeners)
@@ -245,6 +260,8 @@ class SupervisorActor(Supervised):
                     self._settle(stream)
             case NoticeSent():
                 self._notice_sent(message)
+            case _CompletionSent(outcome=outcome):
+                self._completion_sent(outcome)
             case GetRuns():
                 return dict(self._runs)
             case Crashed():
@@ -274,6 +291,7 @@ class SupervisorActor(Supervised):
             self._settle(stream)
             if swept[-1:] == [stream]:
                 self._ended_here(stream)
+            self._announce_owed(stream)
         return SweepReport(swept=tuple(swept), suspicious=tuple(suspicious))
 
     def _ghost(self, watch: RunWatch, now: float) -> list[Event]:
@@ -519,11 +537,15 @@ class SupervisorActor(Supervised):
 
     def _dead_letter(self, stream: str, reason: str) -> None:
         watch = self._runs[stream]
+        self._enqueue(stream, watch.notice_id, watch.notice_text, reason)
+
+    def _enqueue(self, stream: str, announcement_id: str, text: str, reason: str) -> None:
+        watch = self._runs[stream]
         enqueue = Enqueue(
-            announcement_id=watch.notice_id,
+            announcement_id=announcement_id,
             channel=watch.channel or self._default_channel,
             conversation=watch.conversation or watch.run.parent or stream,
-            text=watch.notice_text,
+            text=text,
             reason=reason,
         )
         try:
@@ -531,7 +553,58 @@ class SupervisorActor(Supervised):
                 raise pykka.ActorDeadError("no dead-letter actor")
             self._dead_letters.tell(enqueue)
         except pykka.ActorDeadError:
-            log.error("supervisor.notice_lost", run=stream, announcement_id=watch.notice_id)
+            log.error("supervisor.notice_lost", run=stream, announcement_id=announcement_id)
+
+    # -- completions a crash lost ----------------------------------------------------------
+
+    def _announce_owed(self, stream: str) -> None:
+        """Announce a success whose announcement a crash lost or cut short (directly)."""
+        wait_s = self._completion_wait_s
+        owed = partial(owed_completion, wait_s=wait_s, channel=self._default_channel)
+        if self._decide(stream, owed):
+            log.warning("supervisor.completion_owed", run=stream)
+            self._send_completion(stream)
+            return
+        watch = self._runs[stream]
+        if watch.completion_id in self._sending:
+            return  # this batch's send is under way (another run of it started it)
+        if completion_interrupted(watch, self._clock.now(), wait_s=wait_s):
+            log.warning("supervisor.completion_interrupted", run=stream)
+            self._send_completion(stream)
+
+    def _send_completion(self, stream: str) -> None:
+        watch = self._runs[stream]
+        message = OutboundMessage(
+            conversation=watch.conversation or watch.run.parent or stream,
+            text=watch.completion_text,
+            idempotency_key=watch.completion_id,
+            kind="reply",
+        )
+        channel = self._channels.get(watch.channel or self._default_channel)
+        future = send_by_clock(
+            self._portal, self._scheduler, self._clock, channel, message, self._announce_s
+        )
+        self._sending.add(watch.completion_id)
+        done = partial(sent, stream, watch.completion_id, "direct")
+        future.add_done_callback(lambda f: self._tell(_CompletionSent(done(f))))
+
+    def _completion_sent(self, outcome: NoticeSent) -> None:
+        """Record the send's outcome in every run of its batch; dead-letter a failure once."""
+        announcement_id = outcome.announcement_id
+        self._sending.discard(announcement_id)
+        failure = None if outcome.ok else outcome.error_class or "unknown"
+        event = notice_outcome(announcement_id, "direct", failure, timeout_ms=self._announce_ms)
+        batch = [
+            stream
+            for stream, watch in list(self._runs.items())
+            if watch.completion_id == announcement_id and self._catch_up(stream) is not None
+        ]
+        for stream in batch:
+            self._decide(stream, partial(_ends_completion, announcement_id, event))
+        log.info("supervisor.completion_sent", runs=len(batch), ok=outcome.ok)
+        if failure is not None and batch:
+            text = self._runs[batch[0]].completion_text
+            self._enqueue(batch[0], announcement_id, text, failure)
 
     # -- the timer -----------------------------------------------------------------------------
 
@@ -549,3 +622,11 @@ class SupervisorActor(Supervised):
 
 def _running(watch: RunWatch) -> bool:
     return watch.run.status == "running"
+
+
+def _ends_completion(
+    announcement_id: str, event: Event, watch: RunWatch, now: float
+) -> list[Event]:
+    """The send's outcome, unless the run's completion was ended meanwhile."""
+    queued = watch.completion == "queued" and watch.completion_id == announcement_id
+    return [event] if queued else []

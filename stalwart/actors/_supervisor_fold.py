@@ -1,13 +1,17 @@
 """The supervisor's view of one run: the run fold plus where its notice goes and how far
-the notice got, all read from the run's stream (so a restarted supervisor resumes it)."""
+the notice got, and how far a success's completion announcement got, all read from the
+run's stream (so a restarted supervisor resumes it)."""
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Literal, cast
 
 import msgspec
 
 from stalwart.events import (
+    AnnouncementDelivered,
+    AnnouncementQueued,
+    AnnouncementSendFailed,
     Event,
     RecordedEvent,
     SubagentSpawned,
@@ -20,9 +24,11 @@ from stalwart.state import (
     Notice,
     NoticeStage,
     RunState,
+    batch_text,
     decide_recovery,
     next_notice,
 )
+from stalwart.state import SUBSESSION_CHANNEL_PREFIX as _PRIVATE
 
 from ._subagent import Spawn
 
@@ -32,6 +38,8 @@ __all__ = [
     "NoticeStage",
     "RunWatch",
     "RunWatchAggregate",
+    "completion_interrupted",
+    "owed_completion",
     "recovery",
     "respawn",
     "split_spawns",
@@ -39,6 +47,10 @@ __all__ = [
 
 #: How a run ends without success: it gets a failure notice and a recovery decision.
 UNSUCCESSFUL = ("timed_out", "swept", "failed")
+
+#: How far a success's completion announcement got: none yet, queued (its send under
+#: way, or cut short by a crash), ended (delivered, or failed and dead-lettered).
+CompletionStage = Literal["none", "queued", "ended"]
 
 
 class RunWatch(msgspec.Struct, frozen=True, kw_only=True):
@@ -49,6 +61,12 @@ class RunWatch(msgspec.Struct, frozen=True, kw_only=True):
     notice_id: str = ""
     notice_text: str = ""
     notice: NoticeStage = "none"
+    #: ``subagent:spawned``'s ``announce`` (None: not recorded, nothing is owed)
+    announce: bool | None = None
+    completion_id: str = ""
+    completion_text: str = ""
+    completion_at: float | None = None
+    completion: CompletionStage = "none"
 
     @property
     def is_run(self) -> bool:
@@ -74,7 +92,22 @@ def apply_watch(state: RunWatch, record: RecordedEvent) -> RunWatch:
                 channel=spawned.channel,
                 conversation=spawned.conversation,
                 timeout_reason=spawned.timeout_reason,
+                announce=spawned.announce,
             )
+        case AnnouncementQueued(kind="completion") as queued if not queued.channel.startswith(
+            _PRIVATE
+        ):
+            return msgspec.structs.replace(
+                state,
+                completion_id=queued.announcement_id,
+                completion_text=queued.text,
+                completion_at=record.ts,
+                completion="queued",
+            )
+        case AnnouncementDelivered() | AnnouncementSendFailed() if (
+            state.completion == "queued" and record.event.announcement_id == state.completion_id
+        ):
+            return msgspec.structs.replace(state, completion="ended")
         case _:
             return _notice(state, record)
 
@@ -83,7 +116,7 @@ class RunWatchAggregate:
     """RUN plus the notice's channel, conversation and stage."""
 
     name = "supervisor_run_watch"
-    version = 1
+    version = 2
     state_type = RunWatch
 
     def initial(self, stream: str) -> RunWatch:
@@ -106,6 +139,40 @@ def recovery(
     if watch.run.status not in UNSUCCESSFUL:
         return []
     return list(decide_recovery(watch.run, max_attempts=max_attempts, can_split=can_split))
+
+
+def owed_completion(watch: RunWatch, now: float, *, wait_s: float, channel: str) -> list[Event]:
+    """A success announced to nobody ``wait_s`` after it ended: queue its announcement.
+
+    The announcer sends a completion at most ``announce_max_wait_ms`` after it ends, and
+    records it first (``announcement:queued``, kind ``completion``); one still unrecorded
+    ``wait_s`` later was lost with the announcer (a crash of it or of its process). Only
+    runs that recorded ``announce=True`` are owed one.
+    """
+    run = watch.run
+    if run.status != "succeeded" or watch.announce is not True or watch.completion != "none":
+        return []
+    if run.ended_at is None or now < run.ended_at + wait_s:
+        return []
+    run_id = run.stream.removeprefix("session:")
+    text = batch_text(((run_id, run.result),))
+    return [
+        AnnouncementQueued(
+            announcement_id=new_id(), channel=watch.channel or channel, kind="completion",
+            text=text,
+        )
+    ]  # fmt: skip
+
+
+def completion_interrupted(watch: RunWatch, now: float, *, wait_s: float) -> bool:
+    """Whether the run's completion announcement was queued ``wait_s`` ago and its send
+    never ended (every send is bounded, and its outcome recorded): a crash cut it short."""
+    return (
+        watch.announce is True
+        and watch.completion == "queued"
+        and watch.completion_at is not None
+        and now >= watch.completion_at + wait_s
+    )
 
 
 def respawn(watch: RunWatch, context: str) -> Spawn:

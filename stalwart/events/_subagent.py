@@ -24,6 +24,10 @@ class SubagentSpawned(Event, frozen=True, tag="subagent:spawned"):
     #: logs written before them (the supervisor then uses its default channel and parent)
     channel: str = ""
     conversation: str = ""
+    #: whether the run's result is announced to its parent (``rt.spawn(announce=...)``);
+    #: None in logs written before it and for runs started outside a runtime: a
+    #: completion whose announcement never happened is only owed when this is True
+    announce: bool | None = None
 
 
 class SubagentProgress(Event, frozen=True, tag="subagent:progress"):

@@ -65,7 +65,8 @@ class PartsLayer:
         self._announcer: pykka.ActorRef[Any] | None = None
         self.dead_letters_ref = LiveRef(lambda: self._dead_letters, "deadletter", hold=True)
         self.supervisor_ref = LiveRef(lambda: self._supervisor, "supervisor")
-        self.announcer_ref = LiveRef(lambda: self._announcer, "announcer")
+        # held: a run that ends while the announcer restarts is told it once it runs again
+        self.announcer_ref = LiveRef(lambda: self._announcer, "announcer", hold=True)
 
     def start(self, runs: RunLayer) -> None:
         """The dead-letter queue, the supervisor and the announcer (over ``runs``), then
@@ -209,7 +210,9 @@ class PartsLayer:
 
     def _restart_announcer(self) -> None:
         """Start the announcer again and tell it the runs still tracked (before the runs
-        can reach it through their :class:`LiveRef`); batches not sent yet are lost."""
+        can reach it through their :class:`LiveRef`), then the runs' ends told while it
+        was down. The batches it held are lost with it; the supervisor's sweep announces
+        them once they are owed (``owed_completion``)."""
         assert self._runs is not None
         runs = self._runs
 
@@ -218,6 +221,9 @@ class PartsLayer:
             for track in runs.tracks():
                 announcer.tell(track)
             self._announcer = announcer
+            held = self.announcer_ref.flush()
+            if held:
+                log.info("runtime.announcer_held", delivered=held)
 
         self.restart("announcer", start)
 

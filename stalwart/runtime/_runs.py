@@ -134,6 +134,7 @@ class RunLayer:
             )
 
     def _start(self, spawn: Spawn, work: Work | None, agent: str, *, announce: bool) -> RunHandle:
+        spawn = msgspec.structs.replace(spawn, announce=announce)
         run = RunSpec(spawn, work, agent)
         if work is None:
             start = partial(self._start_subsession, spawn.run_id, agent)

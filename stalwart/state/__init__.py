@@ -117,6 +117,7 @@ from ._notice import (
     Notice,
     NoticePath,
     NoticeStage,
+    batch_text,
     next_notice,
     notice_outcome,
 )
@@ -302,6 +303,7 @@ __all__ = [
     "apply_pipeline_event",
     "apply_run",
     "apply_session",
+    "batch_text",
     "bucket_upper",
     "continuation_context",
     "decide_breaker",

@@ -64,6 +64,14 @@ def next_notice(notice: Notice, event: Event) -> Notice:
             return notice
 
 
+def batch_text(runs: tuple[tuple[str, str], ...]) -> str:
+    """The one message of a batch of completions: each run's result, in completion order."""
+    if len(runs) == 1:
+        return f"Sub-agent task completed:\n{runs[0][1]}"
+    parts = [f"{index}. {result}" for index, (_, result) in enumerate(runs, 1)]
+    return f"{len(runs)} sub-agent tasks completed:\n" + "\n".join(parts)
+
+
 def notice_outcome(
     announcement_id: str, path: NoticePath, error_class: str | None, *, timeout_ms: int
 ) -> AnnouncementDelivered | AnnouncementFallbackDirect | AnnouncementSendFailed:
