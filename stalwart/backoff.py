@@ -34,19 +34,21 @@ def retry_delay(
     retry_base_ms: int,
     retry_cap_ms: int,
     max_retry_after_ms: int,
+    rate_limited: bool = False,
 ) -> float | None:
     """Seconds to wait before a model call's attempt ``attempt`` + 1 on the same model,
     or None to move down the model chain (seed 002's retry rules).
 
-    A ``Retry-After`` longer than ``max_retry_after_ms`` goes down the chain. A 429 is
-    retried once per model, after its ``Retry-After`` (none: down the chain). Any other
+    A ``Retry-After`` longer than ``max_retry_after_ms`` goes down the chain. A 429 (or a
+    rate-limit error inside a stream: ``rate_limited``) is retried once per model, after
+    its ``Retry-After`` (none: down the chain). Any other
     retryable failure is retried ``max_retries`` times with full-jitter backoff: ``jitter``
     (uniform in [0, 1), recorded so replay can re-derive it) of the backoff ceiling, and
     never sooner than the server's ``Retry-After``.
     """
     if retry_after_s is not None and retry_after_s > max_retry_after_ms / 1000:
         return None
-    if status == 429:
+    if status == 429 or rate_limited:
         if rate_limited_before or retry_after_s is None:
             return None
         return retry_after_s

@@ -4,7 +4,7 @@ from stalwart.backoff import backoff_delay, parse_retry_after
 
 from ._breaker import Breaker
 from ._caller import ModelCaller
-from ._classify import classify_status, classify_transport
+from ._classify import classify_request, classify_status, classify_transport
 from ._client import Accumulator, ProviderClient
 from ._sink import EventSink
 from ._sse import SseEvent, SseParser
@@ -40,6 +40,7 @@ __all__ = [
     "ToolSpec",
     "Usage",
     "backoff_delay",
+    "classify_request",
     "classify_status",
     "classify_transport",
     "parse_retry_after",

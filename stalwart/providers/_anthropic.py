@@ -91,6 +91,15 @@ def _messages(
     return system, turns
 
 
+def prompt_tokens(usage: dict[str, Any]) -> int:
+    """The whole prompt's tokens: Anthropic counts the cached part apart (read from the
+    cache, or written to it) from ``input_tokens``; OpenAI's ``prompt_tokens`` includes it."""
+    return sum(
+        int(usage.get(field) or 0)
+        for field in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    )
+
+
 class AnthropicWire:
     """Builds requests and reads replies of ``POST {base_url}/v1/messages``."""
 
@@ -151,7 +160,7 @@ class AnthropicWire:
             tuple(calls),
             data.get("stop_reason") or "end_turn",
             Usage(
-                input_tokens=usage.get("input_tokens", 0),
+                input_tokens=prompt_tokens(usage),
                 output_tokens=usage.get("output_tokens", 0),
             ),
         )
@@ -191,7 +200,7 @@ class AnthropicStream:
             return self._start(data)
         if kind == "message_start":
             usage = (data.get("message") or {}).get("usage") or {}
-            return [Usage(input_tokens=usage.get("input_tokens") or 0)]
+            return [Usage(input_tokens=prompt_tokens(usage))]
         if kind == "message_delta":
             self._finish = (data.get("delta") or {}).get("stop_reason") or self._finish
             usage = data.get("usage") or {}

@@ -194,6 +194,7 @@ class ModelCaller:
                     retry_base_ms=agent.retry_base_ms,
                     retry_cap_ms=agent.retry_cap_ms,
                     max_retry_after_ms=agent.rate_limit_same_model_max_retry_after_ms,
+                    rate_limited=exc.kind == "rate_limited",
                 )
                 if delay is None:
                     raise
@@ -211,7 +212,7 @@ class ModelCaller:
                         rate_limited_before=rate_limit_retried,
                     ),
                 )
-                rate_limit_retried = rate_limit_retried or exc.status == 429
+                rate_limit_retried = rate_limit_retried or exc.kind == "rate_limited"
                 await anyio.sleep(delay)
 
     async def _attempt(

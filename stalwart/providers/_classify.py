@@ -83,6 +83,43 @@ def classify_status(
     )
 
 
+def classify_request(exc: httpx.RequestError, *, provider: str, model: str) -> ProviderError:
+    """The typed error for a request that failed without an HTTP answer to classify.
+
+    A request httpx refused to send (``LocalProtocolError``: a header value it cannot
+    write, such as a key with a line break in it) is final: no retry can send it, and
+    nothing reached the provider. A body that cannot be decoded (a broken gzip stream)
+    is a malformed reply, retryable. Everything else is a transport failure. Raise the
+    error for a ``LocalProtocolError`` ``from None``: its message quotes the header
+    value it refused, the API key's maybe.
+    """
+    if isinstance(exc, httpx.LocalProtocolError):
+        return ProviderError(
+            f"{provider}/{model}: the request could not be sent as built "
+            "(LocalProtocolError: check the API key and headers for line breaks)",
+            kind="client_error",
+            retryable=False,
+            provider=provider,
+            model=model,
+        )
+    if isinstance(exc, httpx.DecodingError):
+        return stream_error(
+            "malformed",
+            "the reply's body could not be decoded (DecodingError)",
+            provider=provider,
+            model=model,
+        )
+    if isinstance(exc, httpx.TransportError):
+        return classify_transport(exc, provider=provider, model=model)
+    return ProviderError(
+        f"{provider}/{model}: the request failed ({type(exc).__name__})",
+        kind="client_error",
+        retryable=False,
+        provider=provider,
+        model=model,
+    )
+
+
 def classify_transport(exc: httpx.TransportError, *, provider: str, model: str) -> ProviderError:
     """The typed error for a connection that failed or broke; always retryable."""
     if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError):

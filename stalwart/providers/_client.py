@@ -21,7 +21,7 @@ from stalwart.errors import ProviderError
 from stalwart.events import ToolCall
 
 from ._anthropic import AnthropicWire
-from ._classify import classify_status, classify_transport, stream_error
+from ._classify import classify_request, classify_status, stream_error
 from ._openai import OpenAIWire
 from ._sse import SseEvent, SseParser
 from ._types import (
@@ -59,6 +59,11 @@ class _Wire(Protocol):
 WIRES: dict[str, _Wire] = {"openai": OpenAIWire(), "anthropic": AnthropicWire()}
 
 
+#: what reading a frame of valid JSON but the wrong shape raises (``.get`` on a string, a
+#: missing key, a number that is not one): the wires read dicts as the APIs document them
+_SHAPE_ERRORS = (AttributeError, TypeError, KeyError, IndexError, ValueError)
+
+
 class ProviderClient:
     """Talks to one provider. Share one per provider: it holds a connection pool."""
 
@@ -74,7 +79,9 @@ class ProviderClient:
         self.settings = settings
         self._wire = WIRES[settings.kind]
         self._url = self._wire.url(settings.base_url)
-        self._api_key = os.environ.get(settings.api_key_env) if settings.api_key_env else None
+        key = os.environ.get(settings.api_key_env) if settings.api_key_env else None
+        # a key from a file-backed secret or a CRLF .env ends in a line break: not the key's
+        self._api_key = key.strip() if key is not None else None
         self._clock = clock or SystemClock()
         self._http = httpx.AsyncClient(
             transport=transport,
@@ -83,7 +90,8 @@ class ProviderClient:
         )
 
     def __repr__(self) -> str:
-        return f"ProviderClient({self.name!r}, kind={self.settings.kind!r}, url={self._url!r})"
+        url = httpx.URL(self._url).copy_with(userinfo=b"", query=None)
+        return f"ProviderClient({self.name!r}, kind={self.settings.kind!r}, url={str(url)!r})"
 
     @property
     def has_api_key(self) -> bool:
@@ -94,6 +102,13 @@ class ProviderClient:
 
     def _headers(self) -> dict[str, str]:
         return {"content-type": "application/json", **self._wire.headers(self._api_key)}
+
+    def _misshapen(self, model: str) -> ProviderError:
+        """JSON that is not the wire's shape (a null choice, a string where an object
+        goes): malformed, retryable; the frame's content stays out of the message."""
+        return stream_error(
+            "malformed", "a frame is not in the expected shape", provider=self.name, model=model
+        )
 
     async def _fail(self, response: httpx.Response, model: str) -> ProviderError:
         body = b""
@@ -135,8 +150,8 @@ class ProviderClient:
                     )
                 async for event in self._events(response, model):
                     yield event
-        except httpx.TransportError as exc:
-            raise classify_transport(exc, provider=self.name, model=model) from exc
+        except httpx.RequestError as exc:
+            raise classify_request(exc, provider=self.name, model=model) from _cause(exc)
 
     async def _events(self, response: httpx.Response, model: str) -> AsyncIterator[StreamEvent]:
         parser = SseParser()
@@ -144,7 +159,11 @@ class ProviderClient:
         chunks = response.aiter_bytes()
         async for chunk in chunks:
             for frame in parser.feed(chunk):
-                for event in decoder.feed(frame):
+                try:
+                    events = decoder.feed(frame)
+                except _SHAPE_ERRORS:
+                    raise self._misshapen(model) from None
+                for event in events:
                     yield event
                 if decoder.done:
                     await _drain(chunks)
@@ -159,8 +178,8 @@ class ProviderClient:
         body = msgspec.json.encode(self._wire.body(model, request, stream=False))
         try:
             response = await self._http.post(self._url, content=body, headers=self._headers())
-        except httpx.TransportError as exc:
-            raise classify_transport(exc, provider=self.name, model=model) from exc
+        except httpx.RequestError as exc:
+            raise classify_request(exc, provider=self.name, model=model) from _cause(exc)
         if response.status_code != 200:
             raise classify_status(
                 response.status_code,
@@ -178,7 +197,10 @@ class ProviderClient:
             raise stream_error(
                 "malformed", "the reply is not a JSON object", provider=self.name, model=model
             )
-        text, thinking, calls, finish, usage = self._wire.response(data)
+        try:
+            text, thinking, calls, finish, usage = self._wire.response(data)
+        except _SHAPE_ERRORS:
+            raise self._misshapen(model) from None
         return ProviderResponse(
             provider=self.name,
             model=model,
@@ -189,6 +211,13 @@ class ProviderClient:
             input_tokens=usage.input_tokens,
             output_tokens=usage.output_tokens,
         )
+
+
+def _cause(exc: httpx.RequestError) -> BaseException | None:
+    """What a request's ProviderError is chained to: the transport error (its traceback
+    helps), except a request httpx refused to send, whose message quotes the header value
+    it refused (the API key's, maybe)."""
+    return None if isinstance(exc, httpx.LocalProtocolError) else exc
 
 
 async def _drain(chunks: AsyncIterator[bytes]) -> None:

@@ -115,6 +115,10 @@ class OpenAIStream:
         self.model = model
         self.done = False
         self._finish = "stop"
+        # tool calls sent without ``index`` (some compatible servers send each call
+        # whole): a new id starts a new slot, a delta without one continues the last
+        self._slots: dict[str, int] = {}
+        self._last_slot = -1
 
     def feed(self, frame: SseEvent) -> list[StreamEvent]:
         if frame.data == "[DONE]":
@@ -152,7 +156,7 @@ class OpenAIStream:
             function = call.get("function") or {}
             out.append(
                 ToolCallDelta(
-                    index=call.get("index", 0),
+                    index=self._slot(call),
                     id=call.get("id"),
                     name=function.get("name"),
                     arguments=function.get("arguments") or "",
@@ -160,6 +164,19 @@ class OpenAIStream:
             )
         if choice.get("finish_reason"):
             self._finish = choice["finish_reason"]
+
+    def _slot(self, call: dict[str, Any]) -> int:
+        """The call's accumulator slot: its ``index``, or (without one) its id's slot."""
+        index = call.get("index")
+        call_id = call.get("id")
+        if index is None:
+            if call_id and call_id not in self._slots:
+                self._slots[call_id] = max(self._last_slot + 1, len(self._slots))
+            index = self._slots[call_id] if call_id else max(self._last_slot, 0)
+        elif call_id:
+            self._slots.setdefault(call_id, index)
+        self._last_slot = index
+        return int(index)
 
     def _malformed(self) -> ProviderError:
         return stream_error(

@@ -1,7 +1,8 @@
 """An incremental server-sent-events parser (the WHATWG event-stream rules).
 
 Bytes arrive in arbitrary chunks; frames end at a blank line; lines end in LF, CRLF or
-CR; ``:`` starts a comment; several ``data:`` lines join with newlines.
+CR; ``:`` starts a comment; several ``data:`` lines join with newlines; one UTF-8 byte
+order mark at the very start of the stream is dropped.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import msgspec
+
+_BOM = b"\xef\xbb\xbf"
 
 
 class SseEvent(msgspec.Struct, frozen=True):
@@ -24,9 +27,16 @@ class SseParser:
         self._event = ""
         self._data: list[str] = []
         self._pending_cr = False
+        self._began = False  # past the stream's first bytes (and its BOM, if any)
 
     def feed(self, chunk: bytes) -> Iterator[SseEvent]:
         buffer = self._buffer + chunk
+        if not self._began:
+            if len(buffer) < len(_BOM) and _BOM.startswith(buffer):
+                self._buffer = buffer  # maybe a BOM split across chunks: wait for more
+                return
+            self._began = True
+            buffer = buffer.removeprefix(_BOM)
         if self._pending_cr and buffer.startswith(b"\n"):
             buffer = buffer[1:]  # the LF of a CRLF split across chunks
         self._pending_cr = False

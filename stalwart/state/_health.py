@@ -59,6 +59,7 @@ class HealthState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     last_failure_at: float | None = None
     degraded_at: float | None = None
     recovering_agent: str | None = None  # the first success while degraded
+    recovering_version: int = 0  # where that success is in the stream
 
 
 def _pruned(marks: tuple[Mark, ...], after: float) -> tuple[Mark, ...]:
@@ -93,20 +94,33 @@ def apply_health(state: HealthState, record: RecordedEvent) -> HealthState:
         case ProviderCallSucceeded():
             mark = Mark(record.ts, event.agent, record.version)
             others = tuple(m for m in state.successes if m.agent != event.agent)
-            recovering = state.recovering_agent
-            if state.status == "degraded" and recovering is None:
-                recovering = event.agent
-            return replace(state, successes=(*others, mark), recovering_agent=recovering)
+            if state.status == "degraded" and state.recovering_agent is None:
+                return replace(
+                    state,
+                    successes=(*others, mark),
+                    recovering_agent=event.agent,
+                    recovering_version=record.version,
+                )
+            return replace(state, successes=(*others, mark))
         case ProviderDegraded():
             return replace(state, status="degraded", degraded_at=record.ts, recovering_agent=None)
         case ProviderRecovered():
+            # the episode's failures are forgiven; those recorded after the success that
+            # recovered it still count (folded in one catch-up with it, they may degrade
+            # the provider again at once)
+            since = state.recovering_version if state.recovering_agent is not None else None
             return replace(
                 state,
                 status="healthy",
                 degraded_at=None,
                 recovering_agent=None,
-                failures=(),
-                successes=(),
+                recovering_version=0,
+                failures=()
+                if since is None
+                else tuple(m for m in state.failures if m.version > since),
+                successes=()
+                if since is None
+                else tuple(m for m in state.successes if m.version >= since),
             )
         case _:
             return state
@@ -188,7 +202,7 @@ class HealthAggregate:
     """
 
     name = "provider_health"
-    version = 1
+    version = 2
     state_type = HealthState
 
     def __init__(self, horizon_ms: int = DEFAULT_HORIZON_MS) -> None:

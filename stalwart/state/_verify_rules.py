@@ -270,6 +270,7 @@ def _retry_delay(event: PromptRetryScheduled, knobs: Knobs) -> float | None:
         retry_base_ms=knobs.get_int(f"{agent}.retry_base_ms"),
         retry_cap_ms=knobs.get_int(f"{agent}.retry_cap_ms"),
         max_retry_after_ms=knobs.get_int(f"{agent}.rate_limit_same_model_max_retry_after_ms"),
+        rate_limited=event.reason == "rate_limited",
     )
 
 
@@ -278,7 +279,7 @@ def _retry_why(state: CallsState, record: RecordedEvent, knobs: Knobs) -> str:
     assert isinstance(event, PromptRetryScheduled)
     agent = f"agents.{event.agent}"
     tried = event.attempt - 1
-    if event.status == 429:
+    if event.status == 429 or event.reason == "rate_limited":
         return (
             "a 429 is retried once per model, after its Retry-After "
             f"({event.retry_after_s} s; retried before: {event.rate_limited_before})"
