@@ -263,4 +263,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception as exc:  # a bug: still one line (its text may hold anything: not shown)
+        if os.environ.get("STALWART_TRACEBACK"):
+            raise
+        click.echo(
+            f"stalwart: internal error: {type(exc).__name__} (a bug; set STALWART_TRACEBACK=1 "
+            "to see where)",
+            err=True,
+        )
+        sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)

@@ -146,6 +146,7 @@ class Codec:
         self._all_v1 = all(v == 1 for v in self._versions.values())
         self._upcasters = {**UPCASTERS, **(upcasters or {})}
         self._encoder = msgspec.msgpack.Encoder()
+        self._checkers: dict[type[Event], msgspec.msgpack.Decoder[Any]] = {}
         self._raw_decoder = msgspec.msgpack.Decoder(_RawRecord)
         self._tag_decoder = msgspec.msgpack.Decoder(_Tagged)
         if extra:
@@ -163,6 +164,24 @@ class Codec:
     def knows(self, event: object) -> bool:
         """Whether ``event`` is an instance of a type this codec can write."""
         return type(event) in self._by_class and not isinstance(event, UnknownEvent)
+
+    def check(self, event: Event) -> None:
+        """EventError unless ``event`` reads back as written.
+
+        msgspec Structs do not check their fields when built, so an event can hold a
+        value its type does not allow (``None`` for a ``str``, a set): it would encode,
+        and then every read of the log would stop at it. Appends check first.
+        """
+        cls = type(event)
+        decoder = self._checkers.get(cls)
+        if decoder is None:
+            decoder = self._checkers[cls] = msgspec.msgpack.Decoder(cls)
+        try:
+            decoder.decode(self._encoder.encode(event))
+        except (msgspec.DecodeError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+            raise EventError(
+                f"cannot append {cls.__qualname__}: it would not read back ({exc})"
+            ) from None
 
     def schema_of(self, event: Event) -> int:
         """The current schema version of ``event``'s type."""
@@ -284,8 +303,15 @@ class Codec:
                     raise CorruptRecordError(
                         raw.position, f"no upcaster for {tag!r} from schema {version}"
                     )
-                payload = upcaster(payload)
-                payload["type"] = tag
+                try:
+                    payload = upcaster(payload)
+                    payload["type"] = tag
+                except Exception as exc:  # a plugin's code: its failure is the record's
+                    raise CorruptRecordError(
+                        raw.position,
+                        f"the upcaster of {tag!r} from schema {version} failed "
+                        f"({type(exc).__name__})",
+                    ) from exc
             upcast: Event = msgspec.convert(payload, self._union)
             return upcast
         except msgspec.DecodeError as exc:
@@ -321,7 +347,7 @@ def event_data(event: Event) -> dict[str, Any]:
             decoded = msgspec.msgpack.decode(event.raw)
             if isinstance(decoded, dict):
                 data = msgspec.to_builtins(
-                    {k: v for k, v in decoded.items() if k != "type"},
+                    {_key_text(k): _plain(v) for k, v in decoded.items() if k != "type"},
                     enc_hook=repr,
                     builtin_types=(),
                 )
@@ -334,6 +360,27 @@ def event_data(event: Event) -> dict[str, Any]:
     built: dict[str, Any] = msgspec.to_builtins(event)
     built.pop("type", None)
     return built
+
+
+def _plain(value: Any) -> Any:
+    """A decoded msgpack value whose maps all have string keys (a newer event's
+    ``dict[tuple[int, int], str]`` has tuple keys: valid msgpack, not valid JSON)."""
+    if isinstance(value, dict):
+        return {_key_text(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _key_text(key: Any) -> str:
+    """A map key as text: a string as it is, anything else as its JSON (``[0,1]``,
+    ``true``, ``null``, ``3``), or its repr when it has none."""
+    if isinstance(key, str):
+        return key
+    try:
+        return msgspec.json.encode(_plain(key), enc_hook=repr).decode()
+    except (TypeError, ValueError):
+        return repr(key)
 
 
 #: The codec every store uses unless given another.

@@ -17,6 +17,7 @@ on one file in a process); a forked child starts without the parent's.
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -113,7 +114,7 @@ class _Batch:
 
 
 class _Append(_Job):
-    __slots__ = ("events", "expected", "fence", "stream", "stream_key")
+    __slots__ = ("clock", "codec", "events", "expected", "fence", "stream", "stream_key")
 
     def __init__(
         self,
@@ -122,6 +123,8 @@ class _Append(_Job):
         events: list[NewEvent],
         expected: int | None,
         fence: Fence | None = None,
+        codec: Codec | None = None,
+        clock: Clock | None = None,
     ) -> None:
         super().__init__()
         self.stream = stream
@@ -129,6 +132,8 @@ class _Append(_Job):
         self.events = events
         self.expected = expected
         self.fence = fence
+        self.codec = codec  # the appending handle's (None: the environment's)
+        self.clock = clock
 
     def run(self, env: _Environment, txn: Any, batch: _Batch) -> None:
         env.append_in(txn, self, batch)
@@ -479,8 +484,8 @@ class _Environment:
             epoch = fence.epoch
         stream = request.stream
         position = batch.position
-        now = self.clock.now()
-        codec = self.codec
+        now = (request.clock or self.clock).now()
+        codec = request.codec or self.codec
         records: list[RecordedEvent] = []
         events = request.events
         fresh = iter(ids.new_ids(len(events)))
@@ -502,9 +507,9 @@ class _Environment:
                 )
                 records.append(record)
                 values.append(codec.encode(record))
-        except (TypeError, ValueError, OverflowError) as exc:
+        except Exception as exc:  # whatever it is, it is this request's alone
             # this request alone fails; the rest of the batch is written
-            request.error = EventError(f"cannot encode an event for {stream!r}: {exc}")
+            request.error = EventError(f"cannot encode an event for {stream!r}: {exc!r}")
             return
         log, entries = batch.log, batch.entries
         for record, value in zip(records, values, strict=True):
@@ -546,7 +551,13 @@ _ENVS_LOCK = threading.Lock()
 
 
 def _forget_after_fork() -> None:
-    # LMDB forbids using a parent's environment in a forked child: start clean there.
+    # LMDB forbids using a parent's environment in a forked child: start clean there. The
+    # inherited handles are closed too: py-lmdb remembers every open environment of the
+    # process by file, so the child could not open the store again (closing in the child
+    # leaves the parent's reader slots and locks alone: they are the parent's pid's)
+    for shared in _ENVS.values():
+        with contextlib.suppress(Exception):
+            shared.env.close()
     _ENVS.clear()
     if _ENVS_LOCK.locked():
         _ENVS_LOCK.release()

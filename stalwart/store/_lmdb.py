@@ -72,12 +72,12 @@ _LAST_VERSION = (1 << 64) - 2  # so that the key of the version after it still f
 
 
 def _stream_chunk(
-    env: _Environment, txn: Any, stream: str, prefix: bytes, first: int, last: int
+    env: _Environment, codec: Codec, txn: Any, stream: str, prefix: bytes, first: int, last: int
 ) -> _Chunk:
     """Up to READ_BATCH records of one stream, versions ``first``..``last``, in order:
     those the index reaches, then those in the log after its mark (fewer than INDEX_LAG
     records, unless indexing stalled at a damaged one)."""
-    out, error = _indexed_chunk(env, txn, prefix, first, last)
+    out, error = _indexed_chunk(env, codec, txn, prefix, first, last)
     if error is not None or len(out) >= READ_BATCH:
         return out, error
     if out:
@@ -95,19 +95,24 @@ def _stream_chunk(
     tail = env.tail
     if tail is not None and tail.indexed == indexed and tail.head >= end:
         positions = tail.positions(prefix[:-1], first, last)
-        return out, _known_chunk(env, txn, positions, last - first + 1, out)
-    return out, _tail_chunk(env, txn, stream, (indexed, end), first, last, out)
+        return out, _known_chunk(env, codec, txn, positions, last - first + 1, out)
+    return out, _tail_chunk(env, codec, txn, stream, (indexed, end), first, last, out)
 
 
 def _known_chunk(
-    env: _Environment, txn: Any, positions: list[int], count: int, out: list[RecordedEvent]
+    env: _Environment,
+    codec: Codec,
+    txn: Any,
+    positions: list[int],
+    count: int,
+    out: list[RecordedEvent],
 ) -> CorruptRecordError | None:
     """Add to ``out`` the records at ``positions`` (``count`` of them were due), which
     the writer of this process knows are the stream's after the index mark."""
     keys = [_key(position) for position in positions]
     values = _log_values(env, txn, keys)
     before = len(out)
-    error = env.codec.decode_batch(values, out)
+    error = codec.decode_batch(values, out)
     if error is not None:
         return _at_key(error, keys[len(out) - before])
     if len(values) < len(keys):
@@ -119,6 +124,7 @@ def _known_chunk(
 
 def _tail_chunk(
     env: _Environment,
+    codec: Codec,
     txn: Any,
     stream: str,
     span: tuple[int, int],
@@ -154,13 +160,15 @@ def _tail_chunk(
     if want <= last and trouble is None:
         trouble = (end, f"version {want} of {stream!r} is missing from the log")
     before = len(out)
-    error = env.codec.decode_batch(values, out)
+    error = codec.decode_batch(values, out)
     if error is not None:
         return _at_key(error, keys[len(out) - before])
     return None if want > last else CorruptRecordError(*trouble)  # type: ignore[misc]
 
 
-def _indexed_chunk(env: _Environment, txn: Any, prefix: bytes, first: int, last: int) -> _Chunk:
+def _indexed_chunk(
+    env: _Environment, codec: Codec, txn: Any, prefix: bytes, first: int, last: int
+) -> _Chunk:
     """Up to READ_BATCH records of one stream, versions ``first``..``last``, that the
     index reaches.
 
@@ -192,7 +200,7 @@ def _indexed_chunk(env: _Environment, txn: Any, prefix: bytes, first: int, last:
         index.set_key(low_key)
         keys = list(islice(index.iternext(keys=False), count))
         values = _log_values(env, txn, keys)
-    error = env.codec.decode_batch(values, out)
+    error = codec.decode_batch(values, out)
     if error is None and len(values) < count:
         error = CorruptRecordError(-1, "indexed but missing from the log")
     if error is not None:  # the record at len(out) is corrupt or missing
@@ -244,6 +252,9 @@ class LmdbEventStore:
             raise StoreError(f"{path} is a file; a store is a directory")
         self._path = path
         self._poll_interval = poll_interval
+        # this handle's, even when the environment is shared with an earlier handle
+        self._codec = codec
+        self._clock = clock or SystemClock()
         with _ENVS_LOCK:
             shared = _ENVS.get(path)
             if shared is None or shared.closed:
@@ -253,9 +264,7 @@ class LmdbEventStore:
                     reason = exc.strerror or type(exc).__name__
                     raise StoreError(f"cannot create the store at {path}: {reason}") from exc
                 try:
-                    shared = _Environment(
-                        path, map_size=map_size, codec=codec, clock=clock or SystemClock()
-                    )
+                    shared = _Environment(path, map_size=map_size, codec=codec, clock=self._clock)
                 except lmdb.Error as exc:
                     raise StoreError(f"cannot open the store at {path}: {exc}") from exc
                 _ENVS[path] = shared
@@ -288,10 +297,10 @@ class LmdbEventStore:
     ) -> list[RecordedEvent]:
         env = self._live()
         stream_key = check_stream(stream)
-        news = checked_events(self, env.codec, stream, events, expected_version, fence, due)
+        news = checked_events(self, self._codec, stream, events, expected_version, fence, due)
         if not news:
             return []
-        args = (stream, stream_key, news, expected_version, fence)
+        args = (stream, stream_key, news, expected_version, fence, self._codec, self._clock)
         if due is not None or stream_key.startswith(SESSION_PREFIX):
             job: _Append = DueAppend(*args, due=due, db=due_db(env))
         else:
@@ -318,7 +327,7 @@ class LmdbEventStore:
     ) -> Iterator[RecordedEvent]:
         env = self._live()
         position = max(1, from_position)
-        decode_many = env.codec.decode_many
+        decode_many = self._codec.decode_many
         last = to_position if to_position is not None else (1 << 64) - 1
 
         def chunk(txn: Any) -> _Chunk:
@@ -343,12 +352,13 @@ class LmdbEventStore:
         self, stream: str, from_version: int = 1, to_version: int | None = None
     ) -> Iterator[RecordedEvent]:
         env = self._live()
+        codec = self._codec
         prefix = check_stream(stream) + b"\x00"
         version = max(1, from_version)
         last = _LAST_VERSION if to_version is None else min(to_version, _LAST_VERSION)
 
         def chunk(txn: Any) -> _Chunk:
-            return _stream_chunk(env, txn, stream, prefix, version, last)
+            return _stream_chunk(env, codec, txn, stream, prefix, version, last)
 
         while version <= last:
             records, error = env.read(chunk)

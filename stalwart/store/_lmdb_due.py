@@ -11,6 +11,7 @@ now" for each of its sessions, so a worker looks at every one once.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import Any
@@ -31,6 +32,16 @@ _ENCODE = msgspec.msgpack.Encoder().encode
 _DECODE = msgspec.msgpack.Decoder(tuple[float, int, str | None, float]).decode
 _DBS: weakref.WeakKeyDictionary[_Environment, Any] = weakref.WeakKeyDictionary()
 _DBS_LOCK = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    # a parent thread may have held the lock at the fork: the child starts with its own
+    global _DBS_LOCK  # noqa: PLW0603
+    _DBS_LOCK = threading.Lock()
+    _DBS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def due_db(env: _Environment) -> Any:

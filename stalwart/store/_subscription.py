@@ -6,6 +6,7 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from stalwart.errors import CorruptRecordError
 from stalwart.events import RecordedEvent
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ class Subscription:
         self._next = max(1, from_position)
         self._batch = batch
         self._closed = threading.Event()
+        self._failed: CorruptRecordError | None = None  # raised once the good ones are out
 
     @property
     def position(self) -> int:
@@ -37,7 +39,11 @@ class Subscription:
         return self._closed.is_set()
 
     def poll(self, timeout: float | None = None) -> list[RecordedEvent]:
-        """The next events, waiting up to ``timeout`` seconds (None: until some arrive)."""
+        """The next events, waiting up to ``timeout`` seconds (None: until some arrive).
+
+        A record that cannot be read raises :class:`CorruptRecordError`, after every good
+        record before it has been returned (by this call, then the next one raises).
+        """
         events = self._read()
         if events or self.closed:
             return events
@@ -53,8 +59,18 @@ class Subscription:
         return []
 
     def _read(self) -> list[RecordedEvent]:
+        failed = self._failed
+        if failed is not None:
+            self._failed = None  # raised once: the next poll reads (and fails) again
+            raise failed
         end = self._next + self._batch - 1
-        events = list(self._store.read_all(self._next, end))
+        events: list[RecordedEvent] = []
+        try:
+            events.extend(self._store.read_all(self._next, end))
+        except CorruptRecordError as exc:
+            if not events:
+                raise
+            self._failed = exc
         if events:
             self._next = events[-1].position + 1
         return events
