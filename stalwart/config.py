@@ -41,8 +41,11 @@ __all__ = [
     "read_document",
 ]
 
-Positive = Annotated[int, msgspec.Meta(ge=1)]
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+#: The largest whole-number knob: what any JSON reader takes exactly (and far beyond any
+#: sensible count or duration); larger could not even be recorded in ``runtime:started``
+MAX_KNOB = 2**53 - 1
+Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_KNOB)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0, le=MAX_KNOB)]
 
 
 class StoreSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

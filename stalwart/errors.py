@@ -141,7 +141,8 @@ class SessionActionError(StalwartError):
     a wrong id, a second answer, or one after an interrupt), ``wrong_kind`` (a tool result
     for an approval or the reverse), ``wake_refused`` (a delayed wake over its caps),
     ``invalid_session`` (an id no session can have: empty, with whitespace or control
-    characters, over 128 characters, or a stream name; ``session`` is then empty).
+    characters, over 128 characters or 256 UTF-8 bytes, or a stream name; ``session``
+    is then empty).
     """
 
     def __init__(self, message: str, *, reason: str, session: str) -> None:

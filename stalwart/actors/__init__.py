@@ -2,7 +2,7 @@
 
 from stalwart.state import batch_text
 
-from ._agent import AgentActor
+from ._agent import RESEND_WITHIN_S, AgentActor, left_unsent
 from ._agent_fold import (
     AGENT_VIEW,
     UNANSWERED_TOOL_TEXT,
@@ -139,6 +139,7 @@ __all__ = [
     "NO_HUMAN_TEXT",
     "OVERFLOW_TEXT",
     "REFUSALS_STREAM",
+    "RESEND_WITHIN_S",
     "RESTART_STREAM",
     "RUN_WATCH",
     "SWEPT_SENTENCE",
@@ -229,6 +230,7 @@ __all__ = [
     "drafts_note",
     "execution_deadline",
     "failure_notice",
+    "left_unsent",
     "request_messages",
     "subsession_work",
     "to_provider_messages",

@@ -124,13 +124,32 @@ from ._scheduler import Scheduler
 from ._supervised import Supervised
 from ._worker import Abandoned, LeaseLost, Wake, WakeEnded
 
-__all__ = ["AgentActor"]
+__all__ = ["AgentActor", "left_unsent"]
 
 log = get_logger(__name__)
 
 #: How long after it was queued an announcement whose send a crash cut short is sent
 #: again (the dead-letter queue's default maximum age: older news is stale).
 RESEND_WITHIN_S = 3_600.0
+
+
+def left_unsent(store: EventStore, stream: str, now: float) -> bool:
+    """Whether a session's log holds an announcement queued within
+    :data:`RESEND_WITHIN_S` whose send never ended (a close or a crash cut it short),
+    and no live lease (a wake running elsewhere speaks for itself): its Agent, once
+    started, sends it again. Only sessions a runtime created (``session:created`` first)
+    count: a sub-agent run's own announcements are its internals."""
+    ledger = WakeLedger(stream)
+    for record in store.read_stream(stream):
+        if record.version == 1 and not isinstance(record.event, SessionCreated):
+            return False
+        ledger.add(record)
+    lease = ledger.activations.lease
+    if lease is not None and lease.expires_at > now:
+        return False
+    return any(now - at <= RESEND_WITHIN_S for _, at in ledger.unsent.values())
+
+
 #: What an announcement is (``announcement:queued``): the answer, or a static text.
 Kind = Literal["completion", "failure_notice", "static_reply"]
 Outcome = Literal["answered", "failed", "aborted", "deferred"]
@@ -262,7 +281,10 @@ class AgentActor(Supervised):
                 self._speak_up()
             case LeaseLost():
                 if self._wake is not None and message.epoch in (None, self._wake.epoch):
-                    self._drop_wake(notify=False)
+                    # an interrupt (no epoch) is news to the worker: it still counts the
+                    # wake as running, and would hold the session's next message back
+                    # until its renewal is fenced; a takeover it noticed itself
+                    self._drop_wake(notify=message.epoch is None)
             case ModelDone():
                 self._on_model_done(message)
             case ToolsDone():

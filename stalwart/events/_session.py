@@ -33,6 +33,10 @@ class SessionCreated(Event, frozen=True, tag="session:created"):
     channel: str | None = None
     tenant: str | None = None
     title: str = ""
+    #: where the session's replies go in its channel (``rt.session(conversation=,
+    #: thread=)``), so a later process answers in the same place; None: the session id
+    conversation: str | None = None
+    thread: str | None = None
 
 
 class MessageAppended(Event, frozen=True, tag="message:appended"):

@@ -11,6 +11,7 @@ them too, and a running worker picks the resulting ``activation:ready`` up.
 from __future__ import annotations
 
 from collections.abc import Callable
+from math import isfinite
 
 from stalwart.errors import ConcurrencyError, FencedError, SessionActionError
 from stalwart.events import (
@@ -48,8 +49,8 @@ __all__ = [
 
 ATTEMPTS = 20
 INVALID_SESSION_TEXT = (
-    "not a session id: it must be 1 to 128 characters with no spaces or control"
-    " characters, and not a stream name"
+    "not a session id: it must be 1 to 128 characters (at most 256 UTF-8 bytes) with no"
+    " spaces or control characters, and not a stream name"
 )
 
 #: (session, activations) -> the events to append and their fence, or SessionActionError
@@ -236,6 +237,13 @@ def schedule_wake(
 ) -> str:
     """Schedule work for ``wake_at`` (a dedupe key returns the pending wake's id instead
     of adding one); SessionActionError ``wake_refused`` over the caps."""
+    if isinstance(wake_at, bool) or not isinstance(wake_at, int | float) or not isfinite(wake_at):
+        raise SessionActionError(
+            f"wake refused for 'session:{session_id}': wake_at must be a finite unix time, "
+            f"got {wake_at!r}",
+            reason="wake_refused",
+            session=f"session:{session_id}",
+        )
     activation_id = new_id()
     chosen: list[str] = []
 

@@ -122,9 +122,11 @@ class SessionHandle:
         conversation: str | None = None,
         thread: str | None = None,
         post: Callable[[str, str | None], None] | None = None,
+        revive: Callable[[], pykka.ActorRef[Any] | None] | None = None,
     ) -> None:
         self.session_id = session_id
         self._post = post
+        self._revive = revive  # the Agent again, after a passivation (None: closed)
         self.agent = agent
         self.channel = channel
         self.conversation = conversation if conversation is not None else session_id
@@ -150,11 +152,20 @@ class SessionHandle:
             raise self._stopped() from None
 
     def status(self, timeout: float = STOP_TIMEOUT_S) -> AgentReport:
-        """The agent's :class:`AgentReport` (``idle``, ``queued``, ``step``, the session)."""
+        """The agent's :class:`AgentReport` (``idle``, ``queued``, ``step``, the session).
+
+        A passivated session's Agent is started again to answer (it rebuilds from the
+        log); RuntimeError once the runtime was closed."""
         try:
             report = self.ref.ask(AgentStatus(), timeout=timeout)
         except pykka.ActorDeadError:
-            raise self._stopped() from None
+            ref = self._revive() if self._revive is not None else None
+            if ref is None:
+                raise self._stopped() from None
+            try:
+                report = ref.ask(AgentStatus(), timeout=timeout)
+            except pykka.ActorDeadError:
+                raise self._stopped() from None
         assert isinstance(report, AgentReport)
         return report
 

@@ -6,6 +6,7 @@ message, a confirmation, a tool result, an interrupt, a delayed wake)."""
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -14,6 +15,7 @@ import pykka
 
 from stalwart._logs import get_logger
 from stalwart.actors import (
+    RESEND_WITHIN_S,
     AgentActor,
     AgentLoopSettings,
     Crashed,
@@ -22,10 +24,11 @@ from stalwart.actors import (
     LeaseLost,
     WakeFailed,
     WorkerReport,
+    left_unsent,
 )
 from stalwart.channels import Channel
 from stalwart.config import AgentSettings
-from stalwart.errors import ConcurrencyError, ConfigError, SessionActionError
+from stalwart.errors import ConcurrencyError, ConfigError, SessionActionError, StalwartError
 from stalwart.events import SessionCreated
 from stalwart.store import NO_STREAM, NewEvent
 from stalwart.tools import Tool, ToolRegistry
@@ -83,6 +86,7 @@ class SessionLayer:
         self._tell_supervisor = tell_supervisor
         self._spawn_tool = spawn_tool
         self._handles: dict[str, SessionHandle] = {}
+        self._passivated: set[str] = set()  # stopped while idle: started again on demand
         self._context: ContextLayer | None = None
         self._durable: Durability | None = None
 
@@ -104,6 +108,27 @@ class SessionLayer:
             passivate=self.passivate,
             on_crash=on_worker_crash,
         )
+        threading.Thread(target=self._resend_cut_short, name="stalwart-resend", daemon=True).start()
+
+    def _resend_cut_short(self) -> None:
+        """Start the Agent of every session whose reply or notice a close or a crash cut
+        short mid-send (:func:`~stalwart.actors.left_unsent`): the Agent sends it again
+        as it starts. Without this, a session with no work due would never start again,
+        and its user would never get the answer. Runs once, beside the worker."""
+        now = self._w.clock.now()
+        try:
+            for info in self._w.store.streams():
+                if not info.stream.startswith("session:") or now - info.last_ts > RESEND_WITHIN_S:
+                    continue
+                if not self._w.running():
+                    return
+                session_id = info.stream.removeprefix("session:")
+                if session_id in self._handles or not left_unsent(self._w.store, info.stream, now):
+                    continue
+                log.info("runtime.resend_cut_short", session=session_id)
+                self.agent_for_wake(session_id, True)
+        except StalwartError as exc:  # a closed store, a damaged stream: said, not raised
+            log.warning("runtime.resend_sweep_failed", error_class=type(exc).__name__)
 
     def stop_worker(self) -> None:
         if self._durable is not None:
@@ -134,7 +159,9 @@ class SessionLayer:
         """See :meth:`Runtime.session` (under the runtime's lock, while it runs)."""
         check_session_id(session_id)
         running = self._handles.get(session_id)
-        if running is not None and running.ref.is_alive():
+        if running is not None:
+            if session_id in self._passivated and not running.ref.is_alive():
+                self._start_again(session_id, running)  # the same session, woken up
             return running
         handle = self.start_agent(session_id, agent, channel, conversation, thread)
         self._handles[session_id] = handle
@@ -157,7 +184,7 @@ class SessionLayer:
         target = target or self._target(channel)
         durable = self._durable if supervised else None
         if durable is not None:  # the session exists when session() returns
-            self._record_created(session_id, agent, target)
+            self._record_created(session_id, agent, target, conversation, thread)
         context = self._context if supervised else None
         tools = self._own_tools(session_id, agent, settings, durable, context, supervised)
         ref = AgentActor.start(
@@ -184,6 +211,7 @@ class SessionLayer:
             profile=context.profile(agent) if context is not None else None,
         )
         post = partial(self.post, session_id) if durable is not None else None
+        revive = partial(self._revive, session_id) if durable is not None else None
         return SessionHandle(
             session_id,
             ref,
@@ -192,6 +220,7 @@ class SessionLayer:
             conversation=conversation,
             thread=thread,
             post=post,
+            revive=revive,
         )
 
     def _target(self, channel: str) -> Channel:
@@ -215,8 +244,17 @@ class SessionLayer:
             context_window=settings.context_window,
         )
 
-    def _record_created(self, session_id: str, agent: str, target: Channel) -> None:
-        created = SessionCreated(agent=agent, channel=target.name)
+    def _record_created(
+        self,
+        session_id: str,
+        agent: str,
+        target: Channel,
+        conversation: str | None,
+        thread: str | None,
+    ) -> None:
+        created = SessionCreated(
+            agent=agent, channel=target.name, conversation=conversation, thread=thread
+        )
         with contextlib.suppress(ConcurrencyError):
             self._w.store.append(
                 f"session:{session_id}",
@@ -258,7 +296,22 @@ class SessionLayer:
             session_id, handle.agent, handle.channel, handle.conversation, handle.thread
         )
         handle.ref = fresh.ref
+        self._passivated.discard(session_id)
         return handle.ref
+
+    def _revive(self, session_id: str) -> pykka.ActorRef[Any] | None:
+        """A passivated session's Agent, started again for its handle (None when the
+        runtime is closed, or the Agent is down for another reason: a crash in its
+        restart's backoff, or one supervision gave up on)."""
+        with self._w.lock:
+            handle = self._handles.get(session_id)
+            if not self._w.running() or handle is None:
+                return None
+            if handle.ref.is_alive():
+                return handle.ref
+            if session_id not in self._passivated:
+                return None
+            return self._start_again(session_id, handle)
 
     # -- crashes, wakes, passivation -----------------------------------------------------------
 
@@ -302,7 +355,8 @@ class SessionLayer:
                     return self._start_again(session_id, handle)
                 session, _ = load_session(self._w.store, session_id)
                 agent, channel = self._recorded(session_id, session.agent, session.channel)
-                return self.session(session_id, agent, channel, None, None).ref
+                conversation, thread = self._address(session_id)
+                return self.session(session_id, agent, channel, conversation, thread).ref
             except ConfigError as exc:
                 log.warning("runtime.wake_without_agent", session=session_id, key=exc.key)
             except SessionActionError:  # an id no session can have: no Agent can run it
@@ -322,6 +376,14 @@ class SessionLayer:
             channel = DEFAULT_CHANNEL
         return agent, channel
 
+    def _address(self, session_id: str) -> tuple[str | None, str | None]:
+        """The conversation and thread the session was created with (None: not recorded,
+        the session id then names its conversation)."""
+        for record in self._w.store.read_stream(f"session:{session_id}", 1, 1):
+            if isinstance(record.event, SessionCreated):
+                return record.event.conversation, record.event.thread
+        return None, None
+
     def passivate(self, session_id: str) -> bool:
         """Stop the session's Agent if it says it is idle: no wake, no turn, no send in
         flight (its handle stays: the next wake restarts it). Whether it is stopped; an
@@ -337,6 +399,9 @@ class SessionLayer:
             return False
         log.info("runtime.passivated", session=session_id)
         stop_actors([handle.ref])
+        with self._w.lock:
+            if not handle.ref.is_alive():  # not started again meanwhile
+                self._passivated.add(session_id)
         return True
 
     # -- what a host does to a session (see Runtime) -------------------------------------------
