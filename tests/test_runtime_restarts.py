@@ -50,7 +50,7 @@ from stalwart.events import (
     SupervisorRestarted,
     TurnCompleted,
 )
-from stalwart.runtime import Runtime
+from stalwart.runtime import RunHandle, Runtime
 from stalwart.store import EventStore, NewEvent
 from stalwart.testing import Answer, FakeProvider
 from tests._runtime_support import GUARD, delivered, has, log_until, of
@@ -188,9 +188,8 @@ def test_a_crashed_supervisor_is_restarted_and_still_restarts_a_crashed_agent(
     assert session.status(timeout=GUARD).idle
 
 
-def test_a_crashed_announcer_is_restarted_and_still_announces_a_run_tracked_before(
-    rt: Runtime, store: EventStore, clock: FakeClock, chat: MemoryChannel
-) -> None:
+def gated_run(rt: Runtime) -> tuple[RunHandle, threading.Event]:
+    """A run whose work answers "the answer" once the returned gate is set."""
     gate = threading.Event()
 
     async def gated(report: RunReport) -> str:
@@ -198,8 +197,15 @@ def test_a_crashed_announcer_is_restarted_and_still_announces_a_run_tracked_befo
         return "the answer"
 
     handle = rt.spawn("p1", "write code", task_class="code", channel="chat", work=gated)
+    handle.status()  # started: the announcer tracks it
+    return handle, gate
+
+
+def test_a_crashed_announcer_is_restarted_and_still_announces_a_run_tracked_before(
+    rt: Runtime, store: EventStore, clock: FakeClock, chat: MemoryChannel
+) -> None:
+    handle, gate = gated_run(rt)
     try:
-        handle.status()
         restart(rt, store, clock, Announcer, "announcer")
         assert rt.announcements() == {}  # it answers again
     finally:
@@ -214,14 +220,7 @@ def test_a_run_that_ends_while_the_announcer_is_down_is_announced_after_its_rest
     rt: Runtime, store: EventStore, clock: FakeClock, chat: MemoryChannel
 ) -> None:
     """The run's end, told during the restart's backoff, is held and told to the new one."""
-    gate = threading.Event()
-
-    async def gated(report: RunReport) -> str:
-        await anyio.to_thread.run_sync(gate.wait)
-        return "the answer"
-
-    handle = rt.spawn("p1", "write code", task_class="code", channel="chat", work=gated)
-    handle.status()
+    handle, gate = gated_run(rt)
     restarted = crash(rt, store, Announcer, "announcer")
     assert isinstance(restarted, SupervisorRestarted)
     gate.set()  # the run ends while no announcer runs

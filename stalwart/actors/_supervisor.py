@@ -559,13 +559,16 @@ class SupervisorActor(Supervised):
 
     def _announce_owed(self, stream: str) -> None:
         """Announce a success whose announcement a crash lost or cut short (directly)."""
+        watch = self._runs[stream]
+        if watch.announce is not True or watch.run.status != "succeeded":
+            return  # most runs, at every sweep: nothing to decide
         wait_s = self._completion_wait_s
         owed = partial(owed_completion, wait_s=wait_s, channel=self._default_channel)
         if self._decide(stream, owed):
             log.warning("supervisor.completion_owed", run=stream)
             self._send_completion(stream)
             return
-        watch = self._runs[stream]
+        watch = self._runs[stream]  # as the decision left it
         if watch.completion_id in self._sending:
             return  # this batch's send is under way (another run of it started it)
         if completion_interrupted(watch, self._clock.now(), wait_s=wait_s):

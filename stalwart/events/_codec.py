@@ -183,6 +183,15 @@ class Codec:
                 f"cannot append {cls.__qualname__}: it would not read back ({exc})"
             ) from None
 
+    def readable(self, value: bytes) -> None:
+        """EventError unless the stored bytes of a record decode back (what the LMDB
+        writer checks of each record before it writes it: a field holding a value its
+        type forbids, or a ``ts`` that is not a number, would stop every read)."""
+        try:
+            self.decode(value)
+        except CorruptRecordError as exc:
+            raise EventError(f"the record would not read back ({exc})") from None
+
     def schema_of(self, event: Event) -> int:
         """The current schema version of ``event``'s type."""
         try:

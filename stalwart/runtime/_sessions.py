@@ -129,6 +129,8 @@ class SessionLayer:
                 self.agent_for_wake(session_id, True)
         except StalwartError as exc:  # a closed store, a damaged stream: said, not raised
             log.warning("runtime.resend_sweep_failed", error_class=type(exc).__name__)
+        except Exception:  # a bug: logged (a background thread has nobody to raise to)
+            log.exception("runtime.resend_sweep_failed")
 
     def stop_worker(self) -> None:
         if self._durable is not None:

@@ -506,7 +506,9 @@ class _Environment:
                     new.event,
                 )
                 records.append(record)
-                values.append(codec.encode(record))
+                value = codec.encode(record)
+                codec.readable(value)  # a field its type forbids would stop every read
+                values.append(value)
         except Exception as exc:  # whatever it is, it is this request's alone
             # this request alone fails; the rest of the batch is written
             request.error = EventError(f"cannot encode an event for {stream!r}: {exc!r}")

@@ -62,6 +62,13 @@ _LAST = (1 << 63) - 1
 SESSION_PREFIX = "session:"
 
 
+def _unix_ts(ts: object) -> float:
+    """An event's ``ts`` as unix seconds; TypeError for anything but a number."""
+    if isinstance(ts, bool) or not isinstance(ts, int | float):
+        raise TypeError(f"ts must be unix seconds (a number), got {type(ts).__name__}")
+    return float(ts)
+
+
 class PostgresEventStore:
     """The EventStore on one PostgreSQL database (and schema). Safe to share between threads.
 
@@ -236,10 +243,13 @@ class PostgresEventStore:
         now = self._clock.now()
         try:
             data = [self._header.encode(new.event) for new in news]
+            stamps = [now if new.ts is None else _unix_ts(new.ts) for new in news]
         except (TypeError, ValueError, OverflowError) as exc:
             raise EventError(f"cannot encode an event for {stream!r}: {exc}") from exc
+        for new in news:
+            self._codec.check(new.event)  # one that would not read back stops every read
         columns = (
-            [now if new.ts is None else float(new.ts) for new in news],
+            stamps,
             [new.id or ids.new_id() for new in news],
             [new.causation_id for new in news],
             [new.correlation_id for new in news],

@@ -9,7 +9,6 @@ import msgspec
 
 from stalwart.errors import (
     ConcurrencyError,
-    EventError,
     InvalidStreamError,
     UnknownEventTypeError,
 )
@@ -247,18 +246,6 @@ def check_stream(stream: str) -> bytes:
     return encoded
 
 
-def _check_envelope(new: NewEvent) -> None:
-    """EventError for an envelope field of the wrong type (a ``datetime`` for ``ts``):
-    written, it would stop every read of the log."""
-    ts = new.ts
-    if ts is not None and (isinstance(ts, bool) or not isinstance(ts, int | float)):
-        raise EventError(f"an event's ts must be unix seconds (a number), got {type(ts).__name__}")
-    for name in ("id", "causation_id", "correlation_id"):
-        value = getattr(new, name)
-        if value is not None and not isinstance(value, str):
-            raise EventError(f"an event's {name} must be a string, got {type(value).__name__}")
-
-
 def checked_events(
     store: EventStore,
     codec: Codec,
@@ -282,8 +269,6 @@ def checked_events(
             raise UnknownEventTypeError(
                 f"cannot append {type(new.event).__qualname__}: not an event this version writes"
             )
-        codec.check(new.event)
-        _check_envelope(new)
     if not news:
         if fence is not None:
             raise ValueError("a fenced append needs at least one event")
