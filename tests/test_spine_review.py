@@ -47,7 +47,7 @@ def _wait_until(condition: Any) -> None:
     deadline = time.monotonic() + WAIT
     while not condition():
         assert time.monotonic() < deadline, "timed out waiting for the writer"
-        time.sleep(0.01)
+        time.sleep(0.01)  # real-time: the writer's queue and lock signal nothing to wait on
 
 
 @contextlib.contextmanager
