@@ -41,6 +41,22 @@ class EventStoreContract:
 
     # -- append and read ------------------------------------------------------------------
 
+    @pytest.mark.parametrize(
+        "bad",
+        [
+            NewEvent(event=MessageAppended(message_id="m", role="user", content=None)),  # type: ignore[arg-type]
+            NewEvent(event=msg("m"), ts="yesterday"),  # type: ignore[arg-type]
+        ],
+        ids=["field-of-the-wrong-type", "ts-not-a-number"],
+    )
+    def test_an_event_that_would_not_read_back_is_refused(
+        self, store: EventStore, bad: NewEvent
+    ) -> None:
+        with pytest.raises(EventError):
+            store.append("session:a", [bad])
+        store.append("session:b", [msg(1)])
+        assert [r.stream for r in store.read_all()] == ["session:b"]
+
     def test_empty_store(self, store: EventStore) -> None:
         assert store.head() == 0
         assert list(store.read_all()) == []

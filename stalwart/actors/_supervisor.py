@@ -51,7 +51,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import msgspec
 import pykka
@@ -504,12 +504,25 @@ class SupervisorActor(Supervised):
 
     def _send(self, stream: str, path: Path) -> None:
         watch = self._runs[stream]
-        conversation = watch.conversation or watch.run.parent or stream
+        self._dispatch(stream, watch.notice_id, watch.notice_text, "failure_notice", path)
+
+    def _dispatch(
+        self,
+        stream: str,
+        announcement_id: str,
+        text: str,
+        kind: Literal["failure_notice", "reply"],
+        path: Path,
+        told: Callable[[NoticeSent], object] = lambda outcome: outcome,
+    ) -> None:
+        """Send ``text`` for the run (through the announcer, or directly on its channel),
+        bounded on the Clock; its outcome comes back as ``told(NoticeSent)``."""
+        watch = self._runs[stream]
         message = OutboundMessage(
-            conversation=conversation,
-            text=watch.notice_text,
-            idempotency_key=watch.notice_id,
-            kind="failure_notice",
+            conversation=watch.conversation or watch.run.parent or stream,
+            text=text,
+            idempotency_key=announcement_id,
+            kind=kind,
         )
         channel = self._channels.get(watch.channel or self._default_channel)
         if path == "announce" and self._announcer is not None:
@@ -517,9 +530,9 @@ class SupervisorActor(Supervised):
         future = send_by_clock(
             self._portal, self._scheduler, self._clock, channel, message, self._announce_s
         )
-        self._sending.add(watch.notice_id)
-        done = partial(sent, stream, watch.notice_id, path)
-        future.add_done_callback(lambda f: self._tell(done(f)))
+        self._sending.add(announcement_id)
+        done = partial(sent, stream, announcement_id, path)
+        future.add_done_callback(lambda f: self._tell(told(done(f))))
 
     def _notice_sent(self, outcome: NoticeSent) -> None:
         self._sending.discard(outcome.announcement_id)
@@ -577,19 +590,8 @@ class SupervisorActor(Supervised):
 
     def _send_completion(self, stream: str) -> None:
         watch = self._runs[stream]
-        message = OutboundMessage(
-            conversation=watch.conversation or watch.run.parent or stream,
-            text=watch.completion_text,
-            idempotency_key=watch.completion_id,
-            kind="reply",
-        )
-        channel = self._channels.get(watch.channel or self._default_channel)
-        future = send_by_clock(
-            self._portal, self._scheduler, self._clock, channel, message, self._announce_s
-        )
-        self._sending.add(watch.completion_id)
-        done = partial(sent, stream, watch.completion_id, "direct")
-        future.add_done_callback(lambda f: self._tell(_CompletionSent(done(f))))
+        text, announcement_id = watch.completion_text, watch.completion_id
+        self._dispatch(stream, announcement_id, text, "reply", "direct", _CompletionSent)
 
     def _completion_sent(self, outcome: NoticeSent) -> None:
         """Record the send's outcome in every run of its batch; dead-letter a failure once."""

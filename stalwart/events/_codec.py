@@ -165,8 +165,8 @@ class Codec:
         """Whether ``event`` is an instance of a type this codec can write."""
         return type(event) in self._by_class and not isinstance(event, UnknownEvent)
 
-    def check(self, event: Event) -> None:
-        """EventError unless ``event`` reads back as written.
+    def check(self, event: Event, encoded: bytes) -> None:
+        """EventError unless ``event``, as ``encoded`` (its msgpack bytes), reads back.
 
         msgspec Structs do not check their fields when built, so an event can hold a
         value its type does not allow (``None`` for a ``str``, a set): it would encode,
@@ -177,8 +177,8 @@ class Codec:
         if decoder is None:
             decoder = self._checkers[cls] = msgspec.msgpack.Decoder(cls)
         try:
-            decoder.decode(self._encoder.encode(event))
-        except (msgspec.DecodeError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+            decoder.decode(encoded)
+        except msgspec.DecodeError as exc:
             raise EventError(
                 f"cannot append {cls.__qualname__}: it would not read back ({exc})"
             ) from None
@@ -356,7 +356,7 @@ def event_data(event: Event) -> dict[str, Any]:
             decoded = msgspec.msgpack.decode(event.raw)
             if isinstance(decoded, dict):
                 data = msgspec.to_builtins(
-                    {_key_text(k): _plain(v) for k, v in decoded.items() if k != "type"},
+                    {k: v for k, v in _plain(decoded).items() if k != "type"},
                     enc_hook=repr,
                     builtin_types=(),
                 )

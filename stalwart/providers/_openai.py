@@ -116,7 +116,7 @@ class OpenAIStream:
         self.done = False
         self._finish = "stop"
         # tool calls sent without ``index`` (some compatible servers send each call
-        # whole): a new id starts a new slot, a delta without one continues the last
+        # whole): a slot per call id
         self._slots: dict[str, int] = {}
         self._last_slot = -1
 
@@ -166,17 +166,14 @@ class OpenAIStream:
             self._finish = choice["finish_reason"]
 
     def _slot(self, call: dict[str, Any]) -> int:
-        """The call's accumulator slot: its ``index``, or (without one) its id's slot."""
+        """The call's accumulator slot: its ``index``; without one, a slot per call id
+        (in the order the ids came), and a delta without an id continues the last."""
         index = call.get("index")
-        call_id = call.get("id")
-        if index is None:
-            if call_id and call_id not in self._slots:
-                self._slots[call_id] = max(self._last_slot + 1, len(self._slots))
-            index = self._slots[call_id] if call_id else max(self._last_slot, 0)
-        elif call_id:
-            self._slots.setdefault(call_id, index)
-        self._last_slot = index
-        return int(index)
+        if index is not None:
+            self._last_slot = int(index)
+        elif call.get("id"):
+            self._last_slot = self._slots.setdefault(call["id"], len(self._slots))
+        return max(self._last_slot, 0)
 
     def _malformed(self) -> ProviderError:
         return stream_error(

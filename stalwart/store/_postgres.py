@@ -246,8 +246,8 @@ class PostgresEventStore:
             stamps = [now if new.ts is None else _unix_ts(new.ts) for new in news]
         except (TypeError, ValueError, OverflowError) as exc:
             raise EventError(f"cannot encode an event for {stream!r}: {exc}") from exc
-        for new in news:
-            self._codec.check(new.event)  # one that would not read back stops every read
+        for new, encoded in zip(news, data, strict=True):
+            self._codec.check(new.event, encoded)  # unreadable, it would stop every read
         columns = (
             stamps,
             [new.id or ids.new_id() for new in news],

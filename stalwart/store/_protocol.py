@@ -7,11 +7,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 
-from stalwart.errors import (
-    ConcurrencyError,
-    InvalidStreamError,
-    UnknownEventTypeError,
-)
+from stalwart.errors import ConcurrencyError, InvalidStreamError, UnknownEventTypeError
 from stalwart.events import Codec, Event, RecordedEvent
 
 if TYPE_CHECKING:
