@@ -201,6 +201,14 @@ def gated_run(rt: Runtime) -> tuple[RunHandle, threading.Event]:
     return handle, gate
 
 
+def announced(rt: Runtime, handle: RunHandle, clock: FakeClock, chat: MemoryChannel) -> None:
+    """The run succeeded, and its batch went out after the debounce."""
+    assert handle.result(GUARD).outcome == "succeeded"
+    clock.advance(rt.config.subagents.announce_debounce_ms / 1000 + 0.01)
+    [message] = delivered(rt, chat, 1)
+    assert message.text == "Sub-agent task completed:\nthe answer"
+
+
 def test_a_crashed_announcer_is_restarted_and_still_announces_a_run_tracked_before(
     rt: Runtime, store: EventStore, clock: FakeClock, chat: MemoryChannel
 ) -> None:
@@ -210,10 +218,7 @@ def test_a_crashed_announcer_is_restarted_and_still_announces_a_run_tracked_befo
         assert rt.announcements() == {}  # it answers again
     finally:
         gate.set()
-    assert handle.result(GUARD).outcome == "succeeded"  # the run's parent ref: the new actor
-    clock.advance(rt.config.subagents.announce_debounce_ms / 1000 + 0.01)
-    [message] = delivered(rt, chat, 1)
-    assert message.text == "Sub-agent task completed:\nthe answer"
+    announced(rt, handle, clock, chat)  # the run's parent ref: the new actor
 
 
 def test_a_run_that_ends_while_the_announcer_is_down_is_announced_after_its_restart(
@@ -226,10 +231,7 @@ def test_a_run_that_ends_while_the_announcer_is_down_is_announced_after_its_rest
     gate.set()  # the run ends while no announcer runs
     log_until(store, f"session:{handle.run_id}", has(SubagentCompleted))
     clock.advance(0.11)  # the backoff: the announcer runs again
-    assert handle.result(GUARD).outcome == "succeeded"
-    clock.advance(rt.config.subagents.announce_debounce_ms / 1000 + 0.01)
-    [message] = delivered(rt, chat, 1)
-    assert message.text == "Sub-agent task completed:\nthe answer"
+    announced(rt, handle, clock, chat)
 
 
 def test_a_batch_lost_with_the_announcer_is_announced_by_the_supervisors_sweep(
