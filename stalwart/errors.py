@@ -21,6 +21,7 @@ expected, what was found and where; they never contain secrets or payload conten
     ├── StoreError               the durable log
     │   ├── StoreNotFoundError      no store at the location (and create=False)
     │   ├── StoreClosedError        the store was closed
+    │   ├── StoreReadOnlyError      a write through a handle opened read-only
     │   ├── ConcurrencyError        expected_version did not match the stream
     │   ├── FencedError             the append's lease epoch is not the stream's (a lost lease)
     │   ├── InvalidStreamError      a stream id that cannot be stored
@@ -174,6 +175,11 @@ class StoreNotFoundError(StoreError):
 
 class StoreClosedError(StoreError):
     """The store handle was closed."""
+
+
+class StoreReadOnlyError(StoreError):
+    """A write (an append, a snapshot, a work-queue change) through a handle opened with
+    ``read_only=True``, as the CLI's read commands open the store."""
 
 
 class InvalidStreamError(StoreError):

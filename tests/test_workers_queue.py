@@ -8,9 +8,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import psycopg
 import pytest
-from psycopg import sql
 
 from stalwart import store as store_module
 from stalwart.errors import ConcurrencyError, FencedError
@@ -23,8 +21,7 @@ from stalwart.events import (
     MessageAppended,
 )
 from stalwart.store import Due, Fence, NewEvent, WorkQueue
-from stalwart.store._postgres_connect import PostgresUrl
-from stalwart.store._postgres_schema import MIGRATIONS, channel_name
+from tests._postgres import install_old_schema
 
 T0 = 1_000.0
 
@@ -147,25 +144,7 @@ def test_concurrent_claims_are_disjoint(queue: WorkQueue) -> None:
 def test_a_version_1_postgres_store_is_upgraded_with_every_session_due(pg_url: str) -> None:
     """A store written before the work queue: its sessions are due once after the upgrade,
     so a worker looks at each (and its old appends keep their events)."""
-    url = PostgresUrl(pg_url)
-    with psycopg.connect(url.conninfo, autocommit=True) as conn:
-        ident = sql.Identifier(url.schema)
-        conn.execute(sql.SQL("CREATE SCHEMA {}").format(ident))
-        conn.execute(
-            sql.SQL(
-                "CREATE TABLE {}.schema_version (version integer PRIMARY KEY, "
-                "applied_at timestamptz NOT NULL DEFAULT now())"
-            ).format(ident)
-        )
-        script = MIGRATIONS[0].replace("{s}", ident.as_string(conn))
-        channel = sql.Literal(channel_name(url.schema)).as_string(conn)
-        conn.execute(script.replace("{channel}", channel).encode())
-        conn.execute(sql.SQL("INSERT INTO {}.schema_version VALUES (1)").format(ident))
-        for stream in ("session:old", "runtime"):
-            conn.execute(
-                sql.SQL("INSERT INTO {}.streams (stream, version) VALUES (%s, 1)").format(ident),
-                (stream,),
-            )
+    install_old_schema(pg_url, 1, ("session:old", "runtime"))
     opened = store_module.open(pg_url)
     try:
         assert isinstance(opened, WorkQueue)

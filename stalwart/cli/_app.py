@@ -47,7 +47,13 @@ class _State:
         self.location = location
 
     def store(self) -> EventStore:
-        """The store named by --store; it must exist (read commands never create one)."""
+        """The store named by --store, opened read-only: it must exist, and a read
+        command writes nothing (no upgrade either), so a read-only mount can be read."""
+        return open_store(self.location or DEFAULT_STORE, create=False, read_only=True)
+
+    def store_to_write(self) -> EventStore:
+        """The store named by --store, for a command that records something; it must
+        exist (an operator's command never creates one)."""
         return open_store(self.location or DEFAULT_STORE, create=False)
 
     def store_for(self, config: Config, *, create: bool) -> EventStore:

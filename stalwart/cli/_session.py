@@ -70,7 +70,7 @@ def confirm_command(
     """Answer SESSION's pending approval REQUEST; the session resumes."""
     if allow == deny:  # neither, or both: which did the operator mean?
         raise click.UsageError("say one of --allow and --deny")
-    store = state.store()
+    store = state.store_to_write()
     try:
         activation = confirm(store, session_id, request_id, allow=allow)
     finally:
@@ -111,7 +111,7 @@ def tool_result(
                 f"cannot read --output-file {str(output_file)!r}: {exc}"
             ) from exc
     assert output_text is not None
-    store = state.store()
+    store = state.store_to_write()
     try:
         activation = submit_tool_result(store, session_id, request_id, output_text)
     finally:
@@ -129,7 +129,7 @@ def tool_result(
 def interrupt_command(state: _State, session_id: str, reason: str) -> None:
     """Interrupt SESSION: clear its pending request, cancel its queued activations and
     fence out a wake still running."""
-    store = state.store()
+    store = state.store_to_write()
     try:
         cancelled = interrupt(store, session_id, reason)
     finally:

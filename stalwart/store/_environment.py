@@ -37,6 +37,7 @@ from stalwart.errors import (
     FencedError,
     StoreClosedError,
     StoreError,
+    StoreReadOnlyError,
 )
 from stalwart.events import Codec, RecordedEvent
 
@@ -173,7 +174,9 @@ INDEXED = b"indexed"
 class _Environment:
     """One open LMDB environment per directory per process, shared by every handle."""
 
-    def __init__(self, path: str, *, map_size: int, codec: Codec, clock: Clock) -> None:
+    def __init__(
+        self, path: str, *, map_size: int, codec: Codec, clock: Clock, read_only: bool = False
+    ) -> None:
         self.path = path
         self.codec = codec
         self.clock = clock
@@ -181,19 +184,60 @@ class _Environment:
         self.appended = threading.Condition()
         self.refs = 0
         self._resize_lock = threading.Lock()
+        self._map_size = map_size
+        # at most this many read transactions of this process at once; more wait their
+        # turn instead of failing with "reader table full" (a thousand actors may read)
+        self._read_slots = threading.BoundedSemaphore(READERS_PER_PROCESS)
+        #: opened read-only: no writer, nothing written (not even a format upgrade), so a
+        #: read command works on a read-only mount and leaves an older store as it was
+        self.read_only = read_only
+        #: a format-1 store read as it is: every record is indexed (see ``indexed``)
+        self._format_1 = False
+        # the writer's copy of the stream rows its last batches wrote, good while the log's
+        # head is still where its last commit left it: every write of a row comes with an
+        # append, so no other process has written one since (the transaction re-checks)
+        self._rows: dict[bytes, tuple[int, int]] = {}
+        self._rows_head = -1
+        self._indexed = 0  # the index's reach as of _rows_head
+        #: the records after the mark as of _rows_head (None: learn them from the log)
+        self._known: list[Entry] | None = None
+        self._stalled_at = 0  # the record indexing last stopped at, warned about once
+        #: what this process's readers may take for the records after the mark
+        self.tail: LogTail | None = None
+        self._batch: _Batch | None = None
+        self._inbox: Inbox[_Job] = Inbox()
+        self._writer: threading.Thread | None = None
+        self.closed = False
+        self._open()
+
+    def _open(self) -> None:
+        """Open the LMDB environment and its sub-databases; start the writer unless
+        read-only."""
         self.env = lmdb.open(
-            path,
-            map_size=map_size,
+            self.path,
+            map_size=self._map_size,
             max_dbs=8,
             max_readers=MAX_READERS,
             subdir=True,
             sync=True,
             metasync=True,
+            readonly=self.read_only,
         )
-        # at most this many read transactions of this process at once; more wait their
-        # turn instead of failing with "reader table full" (a thousand actors may read)
-        self._read_slots = threading.BoundedSemaphore(READERS_PER_PROCESS)
-        self.env.reader_check()
+        try:
+            if self.read_only:
+                self._open_dbs_read_only()
+            else:
+                self.env.reader_check()
+                self._open_dbs()
+        except BaseException:
+            self.env.close()
+            raise
+        if not self.read_only:
+            self._writer = threading.Thread(target=self._write_loop, name="stalwart-lmdb-writer")
+            self._writer.daemon = True
+            self._writer.start()
+
+    def _open_dbs(self) -> None:
         with self.env.begin(write=True) as txn:
             self.log = self.env.open_db(b"log", txn=txn)
             self.index = self.env.open_db(b"index", txn=txn)
@@ -210,28 +254,49 @@ class _Environment:
                 # not look past the index)
                 txn.put(INDEXED, _key(log_head(txn.cursor(db=self.log))), db=self.meta)
                 txn.put(b"format", FORMAT, db=self.meta)
-                log.info("store.format_upgraded", path=path, format=FORMAT.decode())
+                log.info("store.format_upgraded", path=self.path, format=FORMAT.decode())
             elif bytes(marker) != FORMAT:
-                raise StoreError(
-                    f"{path} holds store format {bytes(marker)!r}, this version reads {FORMAT!r}"
-                )
-        # the writer's copy of the stream rows its last batches wrote, good while the log's
-        # head is still where its last commit left it: every write of a row comes with an
-        # append, so no other process has written one since (the transaction re-checks)
-        self._rows: dict[bytes, tuple[int, int]] = {}
-        self._rows_head = -1
-        self._indexed = 0  # the index's reach as of _rows_head
-        #: the records after the mark as of _rows_head (None: learn them from the log)
-        self._known: list[Entry] | None = None
-        self._stalled_at = 0  # the record indexing last stopped at, warned about once
-        #: what this process's readers may take for the records after the mark
-        self.tail: LogTail | None = None
-        self._batch: _Batch | None = None
-        self._inbox: Inbox[_Job] = Inbox()
-        self._writer = threading.Thread(target=self._write_loop, name="stalwart-lmdb-writer")
-        self._writer.daemon = True
-        self._writer.start()
-        self.closed = False
+                raise _unreadable_format(self.path, bytes(marker))
+
+    def _open_dbs_read_only(self) -> None:
+        # each in a transaction of its own that py-lmdb commits: a handle opened in a
+        # read transaction of ours would close with it
+        try:
+            self.log = self.env.open_db(b"log", create=False)
+            self.index = self.env.open_db(b"index", create=False)
+            self.stream_db = self.env.open_db(b"streams", create=False)
+            self.snapshot_db = self.env.open_db(b"snapshots", create=False)
+            self.meta = self.env.open_db(b"meta", create=False)
+        except lmdb.NotFoundError:
+            raise StoreError(f"{self.path} holds an LMDB file but no stalwart store") from None
+        with self.env.begin() as txn:
+            marker = txn.get(b"format", db=self.meta)
+        if marker is None or bytes(marker) not in (FORMAT, FORMAT_1):
+            raise _unreadable_format(self.path, b"" if marker is None else bytes(marker))
+        self._format_1 = bytes(marker) == FORMAT_1
+
+    def make_writable(self) -> None:
+        """Reopen a read-only environment for writing: a writing handle joined it (LMDB
+        allows one environment per file per process, so the two must share one)."""
+        with self.rw.exclusive():
+            if not self.read_only or self.closed:
+                return
+            self.env.close()
+            self.read_only = False
+            try:
+                self._open()
+            except BaseException:
+                self.read_only = True
+                self._open()  # the readers go on as before
+                raise
+            self._format_1 = False
+
+    def indexed(self, txn: Any) -> int:
+        """How far the index reaches, as a reader sees it in ``txn``."""
+        if self._format_1 and txn.get(b"format", db=self.meta) == FORMAT_1:
+            # read as it is, not upgraded: a format-1 store indexes every record
+            return log_head(txn.cursor(db=self.log))
+        return indexed_at(txn, self.meta)
 
     # -- transactions under the resize lock --------------------------------------------------
 
@@ -315,10 +380,13 @@ class _Environment:
     # -- the writer ----------------------------------------------------------------------------
 
     def submit(self, job: _Job) -> Any:
+        if self._writer is None and not self.closed:
+            raise StoreReadOnlyError(f"the store at {self.path} was opened read-only")
         if self.closed or not self._inbox.put(job):
             raise StoreClosedError(f"the store at {self.path} is closed")
+        writer = self._writer
         while not job.lock.acquire(timeout=1.0):
-            if not self._writer.is_alive():
+            if writer is None or not writer.is_alive():
                 raise StoreClosedError(f"the store at {self.path} closed during the write")
         if job.error is not None:
             raise job.error
@@ -526,12 +594,17 @@ class _Environment:
         if self.closed:
             return
         self._inbox.close()
-        self._writer.join()
+        if self._writer is not None:
+            self._writer.join()
         with self.rw.exclusive():
             self.closed = True
             self.env.close()
         with self.appended:
             self.appended.notify_all()
+
+
+def _unreadable_format(path: str, marker: bytes) -> StoreError:
+    return StoreError(f"{path} holds store format {marker!r}, this version reads {FORMAT!r}")
 
 
 def indexed_at(txn: Any, meta: Any) -> int:

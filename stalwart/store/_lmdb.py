@@ -31,6 +31,7 @@ from stalwart.errors import (
     StoreClosedError,
     StoreError,
     StoreNotFoundError,
+    StoreReadOnlyError,
 )
 from stalwart.events import DEFAULT_CODEC, Codec, Event, RecordedEvent
 
@@ -48,7 +49,6 @@ from ._environment import (
     _Environment,
     _key,
     _PutSnapshot,
-    indexed_at,
     stream_row,
 )
 from ._lmdb_due import SESSION_PREFIX, ClaimDue, DueAppend, SetDue, due_db
@@ -88,7 +88,7 @@ def _stream_chunk(
     if raw is None:
         return out, None
     version, end = msgspec.msgpack.decode(raw)[:2]
-    indexed = indexed_at(txn, env.meta)
+    indexed = env.indexed(txn)
     if version < first or end <= indexed:
         return out, None
     last = min(last, version, first + READ_BATCH - len(out) - 1)  # a chunk at a time
@@ -228,11 +228,22 @@ def _log_values(env: _Environment, txn: Any, keys: list[bytes]) -> list[bytes]:
     return values
 
 
+def _make_directory(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:  # a file in the way, no permission, a read-only disk
+        reason = exc.strerror or type(exc).__name__
+        raise StoreError(f"cannot create the store at {path}: {reason}") from exc
+
+
 class LmdbEventStore:
     """The embedded EventStore on one LMDB directory. Safe to share between threads.
 
     Opening the same directory twice in one process shares one environment and one
-    writer (LMDB forbids two environments on one file in a process).
+    writer (LMDB forbids two environments on one file in a process). ``read_only=True``
+    (with ``create=False``; what the CLI's read commands use) opens it without writing
+    anything: a store on a read-only mount can be read, an older store format is read
+    as it is instead of being upgraded, and every write raises StoreReadOnlyError.
     """
 
     def __init__(
@@ -244,8 +255,10 @@ class LmdbEventStore:
         codec: Codec = DEFAULT_CODEC,
         clock: Clock | None = None,
         poll_interval: float = 0.01,
+        read_only: bool = False,
     ) -> None:
         path = os.path.abspath(os.fspath(path))
+        create = create and not read_only
         if not create and not os.path.exists(os.path.join(path, "data.mdb")):
             raise StoreNotFoundError(f"no stalwart store at {path}")
         if os.path.exists(path) and not os.path.isdir(path):
@@ -255,19 +268,21 @@ class LmdbEventStore:
         # this handle's, even when the environment is shared with an earlier handle
         self._codec = codec
         self._clock = clock or SystemClock()
+        self._read_only = read_only
         with _ENVS_LOCK:
             shared = _ENVS.get(path)
-            if shared is None or shared.closed:
-                try:
-                    os.makedirs(path, exist_ok=True)
-                except OSError as exc:  # a file in the way, no permission, a read-only disk
-                    reason = exc.strerror or type(exc).__name__
-                    raise StoreError(f"cannot create the store at {path}: {reason}") from exc
-                try:
-                    shared = _Environment(path, map_size=map_size, codec=codec, clock=self._clock)
-                except lmdb.Error as exc:
-                    raise StoreError(f"cannot open the store at {path}: {exc}") from exc
-                _ENVS[path] = shared
+            try:
+                if shared is None or shared.closed:
+                    if not read_only:
+                        _make_directory(path)
+                    shared = _Environment(
+                        path, map_size=map_size, codec=codec, clock=self._clock, read_only=read_only
+                    )
+                    _ENVS[path] = shared
+                elif shared.read_only and not read_only:
+                    shared.make_writable()
+            except lmdb.Error as exc:
+                raise StoreError(f"cannot open the store at {path}: {exc}") from exc
             shared.refs += 1
         self._env = shared
         self._closed = False
@@ -284,6 +299,12 @@ class LmdbEventStore:
             raise StoreClosedError(f"the store at {self._path} is closed")
         return self._env
 
+    def _writable(self) -> _Environment:
+        env = self._live()
+        if self._read_only:
+            raise StoreReadOnlyError(f"the store at {self._path} was opened read-only")
+        return env
+
     # -- writing -------------------------------------------------------------------------------
 
     def append(
@@ -295,7 +316,7 @@ class LmdbEventStore:
         fence: Fence | None = None,
         due: Due | None = None,
     ) -> list[RecordedEvent]:
-        env = self._live()
+        env = self._writable()
         stream_key = check_stream(stream)
         news = checked_events(self, self._codec, stream, events, expected_version, fence, due)
         if not news:
@@ -311,12 +332,12 @@ class LmdbEventStore:
     # -- the work queue (WorkQueue) -------------------------------------------------------------
 
     def claim_due(self, owner: str, now: float, limit: int, hold_s: float) -> DueWork:
-        env = self._live()
+        env = self._writable()
         work: DueWork = env.submit(ClaimDue(due_db(env), owner, now, limit, hold_s))
         return work
 
     def set_due(self, stream: str, version: int, at: float | None, owner: str) -> bool:
-        env = self._live()
+        env = self._writable()
         done: bool = env.submit(SetDue(due_db(env), check_stream(stream), version, at, owner))
         return done
 
@@ -411,7 +432,7 @@ class LmdbEventStore:
             return {
                 "format": bytes(marker).decode() if marker is not None else "",
                 "head": head,
-                "indexed": indexed_at(txn, env.meta),
+                "indexed": env.indexed(txn),
                 "index_lag": INDEX_LAG,
             }
 
@@ -454,7 +475,7 @@ class LmdbEventStore:
     # -- snapshots -----------------------------------------------------------------------------
 
     def put_snapshot(self, snapshot: Snapshot) -> None:
-        env = self._live()
+        env = self._writable()
         prefix = check_stream(snapshot.stream) + b"\x00" + snapshot.name.encode() + b"\x00"
         value = msgspec.msgpack.encode(
             (snapshot.position, zlib.crc32(snapshot.data), snapshot.data)

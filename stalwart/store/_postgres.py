@@ -31,6 +31,7 @@ from stalwart.errors import (
     FencedError,
     StoreClosedError,
     StoreError,
+    StoreReadOnlyError,
 )
 from stalwart.events import DEFAULT_CODEC, Codec, Event, RecordedEvent, event_tag
 from stalwart.state import due_hint
@@ -74,9 +75,11 @@ class PostgresEventStore:
 
     ``url`` is ``postgresql://user:password@host:port/database`` with any libpq query
     parameters, plus ``schema=`` to keep several stores in one database. The schema is
-    created or upgraded on first use (``create=False`` refuses a database without one,
-    as read-only tools want). ``pool_size`` bounds this handle's connections; tailing
-    readers share one more, the listener. ``poll_interval`` is how often the head is
+    created or upgraded on first use (``create=False`` refuses a database without one;
+    ``read_only=True`` also refuses an older schema instead of migrating it, and every
+    write through the handle raises StoreReadOnlyError, as read commands want).
+    ``pool_size`` bounds this handle's connections; tailing readers share one more, the
+    listener. ``poll_interval`` is how often the head is
     read while something waits and no notification comes: the most a lost
     notification can delay a reader.
     """
@@ -91,8 +94,10 @@ class PostgresEventStore:
         pool_size: int = 16,
         poll_interval: float = 0.05,
         connect_timeout: float = 10.0,
+        read_only: bool = False,
     ) -> None:
         self._url = PostgresUrl(url)
+        self._read_only = read_only
         self._codec = codec
         self._clock = clock or SystemClock()
         self._timeout = connect_timeout
@@ -102,7 +107,9 @@ class PostgresEventStore:
         self._due_sql = DueStatements(names)
         with connect(self._url, timeout=connect_timeout) as conn:
             try:
-                migrated = ensure_schema(conn, self._url.schema, self.location, create=create)
+                migrated = ensure_schema(
+                    conn, self._url.schema, self.location, create=create, read_only=read_only
+                )
             except psycopg.Error as exc:
                 raise StoreError(
                     f"cannot prepare the store's schema at {self.location}: "
@@ -136,6 +143,11 @@ class PostgresEventStore:
     def _live(self) -> None:
         if self._closed:
             raise StoreClosedError(f"the store at {self.location} is closed")
+
+    def _writable(self) -> None:
+        self._live()
+        if self._read_only:
+            raise StoreReadOnlyError(f"the store at {self.location} was opened read-only")
 
     def _listener_connection(self) -> psycopg.Connection[Any]:
         return connect(self._url, timeout=self._timeout, application_name=LISTENER_NAME)
@@ -201,7 +213,7 @@ class PostgresEventStore:
         fence: Fence | None = None,
         due: Due | None = None,
     ) -> list[RecordedEvent]:
-        self._live()
+        self._writable()
         check_stream(stream)
         news = checked_events(self, self._codec, stream, events, expected_version, fence, due)
         if not news:
@@ -263,11 +275,11 @@ class PostgresEventStore:
     # -- the work queue (WorkQueue) -------------------------------------------------------------
 
     def claim_due(self, owner: str, now: float, limit: int, hold_s: float) -> DueWork:
-        self._live()
+        self._writable()
         return claim_due(self._db, self._due_sql, owner, now, limit, hold_s)
 
     def set_due(self, stream: str, version: int, at: float | None, owner: str) -> bool:
-        self._live()
+        self._writable()
         check_stream(stream)
         return set_due(self._db, self._due_sql, stream, version, at, owner)
 
@@ -405,6 +417,7 @@ class PostgresEventStore:
     # -- snapshots -----------------------------------------------------------------------------
 
     def put_snapshot(self, snapshot: Snapshot) -> None:
+        self._writable()
         check_stream(snapshot.stream)
         key = (snapshot.stream, snapshot.name)
         row = (*key, snapshot.version, snapshot.position, zlib.crc32(snapshot.data), snapshot.data)

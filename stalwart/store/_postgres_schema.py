@@ -355,14 +355,20 @@ def check_version(version: int, location: str) -> None:
 
 
 def ensure_schema(
-    conn: psycopg.Connection[Any], schema: str, location: str, *, create: bool
+    conn: psycopg.Connection[Any],
+    schema: str,
+    location: str,
+    *,
+    create: bool,
+    read_only: bool = False,
 ) -> int | None:
     """Make sure the schema is there and current, creating it only when ``create``.
 
     Returns the version it migrated from (0: created), or None when it was current.
+    ``read_only`` changes nothing: an older schema is refused, not migrated.
     """
     version = installed_version(conn, schema)
-    if version is None and not create:
+    if version is None and (read_only or not create):
         raise StoreNotFoundError(
             f"no stalwart store at {location} (schema {schema!r}): "
             f"create it with `stalwart db init --store {location}`"
@@ -371,6 +377,12 @@ def ensure_schema(
         check_version(version, location)
         if version == SCHEMA_VERSION:
             return None
+        if read_only:
+            raise StoreError(
+                f"the store at {location} has schema version {version}; this version of "
+                f"stalwart reads {SCHEMA_VERSION}, and a read changes nothing: migrate it "
+                f"with `stalwart db init --store {location}`"
+            )
     return migrate(conn, schema, location)
 
 
