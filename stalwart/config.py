@@ -13,6 +13,7 @@ import tomllib
 from typing import Annotated, Any, Literal, NoReturn
 from urllib.parse import urlsplit
 
+import httpx
 import msgspec
 import msgspec.inspect
 import yaml
@@ -272,6 +273,23 @@ def _origin(url: str) -> str:
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
+def webhook_url_problem(url: str) -> str | None:
+    """What makes ``url`` unusable for a webhook, or None; never echoes the url."""
+    if not url.startswith(("http://", "https://")):
+        return "must start with http:// or https://"
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises for a port that is not a number in 0..65535
+        httpx.URL(url)
+    except (ValueError, httpx.InvalidURL):
+        return "not a valid url (check its host and port)"
+    if not parts.hostname:
+        return "has no host"
+    if port == 0:
+        return "has port 0"
+    return None
+
+
 def _check_channel(where: str, channel: ChannelSettings) -> None:
     """What msgspec cannot say about one channel; never echoes the url (it may hold a token)."""
 
@@ -281,8 +299,9 @@ def _check_channel(where: str, channel: ChannelSettings) -> None:
     if channel.kind == "webhook":
         if channel.url is None:
             fail("url", "a webhook channel needs a url")
-        if not channel.url.startswith(("http://", "https://")):
-            fail("url", "must start with http:// or https://")
+        problem = webhook_url_problem(channel.url)
+        if problem is not None:
+            fail("url", problem)
     else:
         for key in ("url", "secret_header", "secret_env"):
             if getattr(channel, key) is not None:

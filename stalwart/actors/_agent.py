@@ -214,7 +214,8 @@ class AgentActor(Supervised):
         self._dead_letters = dead_letters
         self._agent_name = agent_name
         self._on_crash = on_crash
-        self._unsent: dict[str, str] = {}  # announcement id -> text, until its send ends
+        #: announcement id -> (text, kind), until its send ends
+        self._unsent: dict[str, tuple[str, MessageKind]] = {}
         self._folder = AgentViewFolder(AGENT_VIEW.initial(self._stream))
         self._turn: LiveTurn | None = None
         self._queue: deque[UserMessage] = deque()
@@ -392,15 +393,16 @@ class AgentActor(Supervised):
         # the send's outcome is the announcement's, whichever wake runs now (and whoever
         # holds the lease): never fenced out, so a failed answer always reaches the queue
         self._append([event], fenced=False)
-        text = self._unsent.pop(message.announcement_id, None)
-        if not message.ok and text is not None and self._dead_letters is not None:
+        unsent = self._unsent.pop(message.announcement_id, None)
+        if not message.ok and unsent is not None and self._dead_letters is not None:
             enqueue = Enqueue(
                 announcement_id=message.announcement_id,
                 channel=self._channel.name,
                 conversation=self._conversation,
-                text=text,
+                text=unsent[0],
                 reason=error_class,
                 thread=self._thread,
+                kind=unsent[1],
             )
             with contextlib.suppress(pykka.ActorDeadError):
                 self._dead_letters.tell(enqueue)
@@ -811,7 +813,7 @@ class AgentActor(Supervised):
         # the answer goes the announce path; a static text is a direct send (seed 000)
         path: Literal["announce", "direct"] = "announce" if kind == "completion" else "direct"
         timeout_s = self._settings.send_timeout_ms / 1000
-        self._unsent[announcement_id] = text
+        self._unsent[announcement_id] = (text, message.kind)
         future = self._portal.submit(deliver, self._channel, message, timeout_s)
         future.add_done_callback(
             lambda done: self._tell(sent(turn_id, announcement_id, path, done))

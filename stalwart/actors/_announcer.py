@@ -51,6 +51,7 @@ class Track(msgspec.Struct, frozen=True, kw_only=True):
     parent: str
     channel: str
     conversation: str
+    thread: str | None = None
     announce: bool = True
 
 
@@ -64,6 +65,7 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
     channel: str
     conversation: str
     runs: tuple[tuple[str, str], ...]  # (run id, result)
+    thread: str | None = None
     first_at: float
     due_at: float
 
@@ -167,6 +169,7 @@ class Announcer(Supervised):
         self._batches[track.parent] = Batch(
             channel=track.channel,
             conversation=track.conversation,
+            thread=track.thread,
             runs=runs,
             first_at=first,
             due_at=due,
@@ -187,6 +190,7 @@ class Announcer(Supervised):
         self._record(batch, queued)
         message = OutboundMessage(
             conversation=batch.conversation,
+            thread=batch.thread,
             text=text,
             idempotency_key=announcement_id,
             kind="reply",
@@ -216,6 +220,7 @@ class Announcer(Supervised):
             conversation=batch.conversation,
             text=batch_text(batch.runs),
             reason=sent.error_class,
+            thread=batch.thread,
         )
         with contextlib.suppress(pykka.ActorDeadError):
             self._dead_letters.tell(enqueue)

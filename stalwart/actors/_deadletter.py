@@ -45,7 +45,7 @@ import msgspec
 import pykka
 
 from stalwart._logs import get_logger
-from stalwart.channels import Channel, OutboundMessage
+from stalwart.channels import Channel, MessageKind, OutboundMessage, message_kind
 from stalwart.clock import Clock
 from stalwart.config import DeadLetterSettings
 from stalwart.errors import ConcurrencyError
@@ -105,6 +105,8 @@ class Enqueue(msgspec.Struct, frozen=True):
     text: str
     reason: str
     thread: str | None = None
+    #: what the message was (a failure notice is re-sent as one)
+    kind: MessageKind = "reply"
 
 
 class RetryDue(msgspec.Struct, frozen=True):
@@ -255,6 +257,7 @@ class DeadLetterActor(Supervised):
             reason=message.reason,
             conversation=message.conversation,
             thread=message.thread,
+            kind=message.kind,
         )
         self._append([event], self._clock.now())
         log.warning(
@@ -376,6 +379,7 @@ class DeadLetterActor(Supervised):
             text=entry.text,
             thread=entry.thread,
             idempotency_key=entry.announcement_id,
+            kind=message_kind(entry.kind),
         )
         timeout_s = self._settings.announce_timeout_ms / 1000
         channel = self._channels.get(entry.channel)

@@ -77,6 +77,7 @@ class Crashed:
     session: str | None = None
     channel: str = ""
     conversation: str = ""
+    thread: str | None = None
     #: False for an actor no single session depends on (the runtime's infrastructure):
     #: a give-up is appended and logged, with no notice to send.
     notify: bool = True
@@ -91,6 +92,7 @@ class RestartNoticeSent(msgspec.Struct, frozen=True, kw_only=True):
     announcement_id: str
     channel: str
     conversation: str
+    thread: str | None = None
     error_class: str | None = None
 
 
@@ -191,11 +193,13 @@ class Restarts:
         if crashed.run is not None and self._end_run is not None:
             self._end_run(crashed.run, decision)
         elif notify:
-            self._send(notice, crashed.conversation or crashed.session or crashed.actor)
+            conversation = crashed.conversation or crashed.session or crashed.actor
+            self._send(notice, conversation, crashed.thread)
 
-    def _send(self, notice: AnnouncementQueued, conversation: str) -> None:
+    def _send(self, notice: AnnouncementQueued, conversation: str, thread: str | None) -> None:
         message = OutboundMessage(
             conversation=conversation,
+            thread=thread,
             text=notice.text,
             idempotency_key=notice.announcement_id,
             kind="failure_notice",
@@ -215,6 +219,7 @@ class Restarts:
                 announcement_id=notice.announcement_id,
                 channel=notice.channel,
                 conversation=conversation,
+                thread=thread,
                 error_class=error,
             )
             self._tell(sent)
@@ -238,6 +243,8 @@ class Restarts:
             conversation=outcome.conversation,
             text=GAVE_UP_TEXT,
             reason=outcome.error_class,
+            thread=outcome.thread,
+            kind="failure_notice",
         )
         with contextlib.suppress(pykka.ActorDeadError):
             self._dead_letters.tell(enqueue)

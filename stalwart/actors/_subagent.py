@@ -81,7 +81,8 @@ RunOutcome = Literal["succeeded", "failed", "timed_out", "swept"]
 class Spawn(msgspec.Struct, frozen=True, kw_only=True):
     """What a parent asks for: a task with a mandatory timeout (a task class, or a custom
     timeout with a reason; neither gives ``max_run_timeout_ms``), optional ``max_steps``.
-    ``channel`` / ``conversation`` say where the run's failure notice goes."""
+    ``channel`` / ``conversation`` / ``thread`` say where the run's failure notice and
+    completion go."""
 
     run_id: str
     parent: str
@@ -93,6 +94,7 @@ class Spawn(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int = 1
     channel: str = ""
     conversation: str = ""
+    thread: str | None = None
     #: whether the result is announced to the parent (recorded in ``subagent:spawned``)
     announce: bool | None = None
 
@@ -275,6 +277,7 @@ class SubAgentActor(Supervised):
             timeout_knob=self._knob,
             channel=spawn.channel,
             conversation=spawn.conversation,
+            thread=spawn.thread,
             announce=spawn.announce,
         )
         self._append(lambda state, now: [event])

@@ -57,7 +57,7 @@ import msgspec
 import pykka
 
 from stalwart._logs import get_logger
-from stalwart.channels import Channel, OutboundMessage
+from stalwart.channels import Channel, MessageKind, OutboundMessage
 from stalwart.clock import Clock
 from stalwart.config import SubagentSettings, SupervisionSettings
 from stalwart.errors import ConcurrencyError, CorruptRecordError
@@ -520,6 +520,7 @@ class SupervisorActor(Supervised):
         watch = self._runs[stream]
         message = OutboundMessage(
             conversation=watch.conversation or watch.run.parent or stream,
+            thread=watch.thread,
             text=text,
             idempotency_key=announcement_id,
             kind=kind,
@@ -550,9 +551,11 @@ class SupervisorActor(Supervised):
 
     def _dead_letter(self, stream: str, reason: str) -> None:
         watch = self._runs[stream]
-        self._enqueue(stream, watch.notice_id, watch.notice_text, reason)
+        self._enqueue(stream, watch.notice_id, watch.notice_text, reason, "failure_notice")
 
-    def _enqueue(self, stream: str, announcement_id: str, text: str, reason: str) -> None:
+    def _enqueue(
+        self, stream: str, announcement_id: str, text: str, reason: str, kind: MessageKind
+    ) -> None:
         watch = self._runs[stream]
         enqueue = Enqueue(
             announcement_id=announcement_id,
@@ -560,6 +563,8 @@ class SupervisorActor(Supervised):
             conversation=watch.conversation or watch.run.parent or stream,
             text=text,
             reason=reason,
+            thread=watch.thread,
+            kind=kind,
         )
         try:
             if self._dead_letters is None:
@@ -609,7 +614,7 @@ class SupervisorActor(Supervised):
         log.info("supervisor.completion_sent", runs=len(batch), ok=outcome.ok)
         if failure is not None and batch:
             text = self._runs[batch[0]].completion_text
-            self._enqueue(batch[0], announcement_id, text, failure)
+            self._enqueue(batch[0], announcement_id, text, failure, "reply")
 
     # -- the timer -----------------------------------------------------------------------------
 

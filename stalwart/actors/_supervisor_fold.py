@@ -57,6 +57,7 @@ class RunWatch(msgspec.Struct, frozen=True, kw_only=True):
     run: RunState
     channel: str = ""
     conversation: str = ""
+    thread: str | None = None
     timeout_reason: str | None = None
     notice_id: str = ""
     notice_text: str = ""
@@ -91,6 +92,7 @@ def apply_watch(state: RunWatch, record: RecordedEvent) -> RunWatch:
                 state,
                 channel=spawned.channel,
                 conversation=spawned.conversation,
+                thread=spawned.thread,
                 timeout_reason=spawned.timeout_reason,
                 announce=spawned.announce,
             )
@@ -116,7 +118,7 @@ class RunWatchAggregate:
     """RUN plus the notice's channel, conversation and stage."""
 
     name = "supervisor_run_watch"
-    version = 2
+    version = 3
     state_type = RunWatch
 
     def initial(self, stream: str) -> RunWatch:
@@ -192,6 +194,7 @@ def respawn(watch: RunWatch, context: str) -> Spawn:
         attempt=run.attempt + 1,
         channel=watch.channel,
         conversation=watch.conversation,
+        thread=watch.thread,
     )
 
 

@@ -10,7 +10,7 @@ from ._console import ConsoleChannel
 from ._factory import channel_from_settings
 from ._memory import MemoryChannel
 from ._send import send_within
-from ._types import Channel, Delivery, MessageKind, OutboundMessage
+from ._types import Channel, Delivery, MessageKind, OutboundMessage, message_kind
 from ._webhook import WebhookChannel
 
 __all__ = [
@@ -22,5 +22,6 @@ __all__ = [
     "OutboundMessage",
     "WebhookChannel",
     "channel_from_settings",
+    "message_kind",
     "send_within",
 ]

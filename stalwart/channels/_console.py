@@ -6,6 +6,7 @@ import sys
 import threading
 from typing import TextIO
 
+from stalwart._text import escaped
 from stalwart.errors import ChannelError
 
 from ._types import Delivery, OutboundMessage, closed_error
@@ -15,6 +16,10 @@ __all__ = ["ConsoleChannel"]
 
 class ConsoleChannel:
     """Writes ``[conversation] text``, one such line per line of text, then flushes.
+
+    The text is untrusted (model output): control characters other than its line breaks
+    and tabs are written escaped (``\u001b``), so a reply cannot move the cursor, erase
+    the prefix or forge a line of another conversation.
 
     The stream defaults to whatever ``sys.stdout`` is at send time. Writes from several
     threads or tasks never interleave within a message. The stream is not closed by
@@ -31,9 +36,9 @@ class ConsoleChannel:
         return f"ConsoleChannel({self.name!r})"
 
     async def send(self, message: OutboundMessage) -> Delivery:
-        prefix = f"[{message.conversation}] "
+        prefix = f"[{escaped(message.conversation)}] "
         lines = message.text.splitlines() or [""]
-        block = "".join(f"{prefix}{line}\n" for line in lines)
+        block = "".join(f"{prefix}{escaped(line, tabs=True)}\n" for line in lines)
         with self._lock:
             if self._closed:
                 raise closed_error(self.name)

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, cast, get_args, runtime_checkable
 
 import msgspec
 
 from stalwart.errors import ChannelError
 
-__all__ = ["Channel", "Delivery", "MessageKind", "OutboundMessage"]
+__all__ = ["Channel", "Delivery", "MessageKind", "OutboundMessage", "message_kind"]
 
 MessageKind = Literal["reply", "completion", "failure_notice", "static_reply"]
+_KINDS: frozenset[str] = frozenset(get_args(MessageKind))
+
+
+def message_kind(recorded: str) -> MessageKind:
+    """A kind recorded in the log as a MessageKind ("reply" for one this version does
+    not know)."""
+    return cast(MessageKind, recorded) if recorded in _KINDS else "reply"
 
 
 class OutboundMessage(msgspec.Struct, frozen=True, kw_only=True):

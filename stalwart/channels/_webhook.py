@@ -4,14 +4,17 @@ Every attempt has its own time limit and carries the same ``Idempotency-Key`` he
 receiver that saw an attempt the sender gave up on can drop the duplicate. The secret
 header's value is read from its env var once and goes into that header only: not into a
 repr, an error, a log line or an event. Errors and reprs never show the url's path or
-query either (a webhook url often holds a token).
+query either (a webhook url often holds a token), and httpx's own request log line shows
+a webhook's url as its origin only (a filter on the ``httpx`` logger; no level or handler
+is configured).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import anyio
 import httpx
@@ -20,7 +23,7 @@ import msgspec
 from stalwart._logs import get_logger
 from stalwart.backoff import backoff_delay, parse_retry_after
 from stalwart.clock import Clock, SystemClock
-from stalwart.config import ChannelSettings
+from stalwart.config import ChannelSettings, webhook_url_problem
 from stalwart.errors import ChannelError, ConfigError
 
 from ._types import Delivery, OutboundMessage, closed_error
@@ -53,23 +56,20 @@ class WebhookChannel:
         rng: random.Random | None = None,
     ) -> None:
         where = f"channels.{name}"
-        if settings.url is None:
-            raise ConfigError(
-                f"key '{where}.url': a webhook channel needs a url", key=f"{where}.url"
-            )
+        problem = (
+            "a webhook channel needs a url"
+            if settings.url is None
+            else webhook_url_problem(settings.url)
+        )
+        if problem is not None or settings.url is None:
+            raise ConfigError(f"key '{where}.url': {problem}", key=f"{where}.url")
         self.name = name
         self.settings = settings
         self._url = settings.url
         self._secret: tuple[str, str] | None = None
         if settings.secret_header and settings.secret_env:
-            value = os.environ.get(settings.secret_env)
-            if not value:
-                raise ConfigError(
-                    f"key '{where}.secret_env': the environment variable "
-                    f"{settings.secret_env!r} is not set",
-                    key=f"{where}.secret_env",
-                )
-            self._secret = (settings.secret_header, value)
+            self._secret = (settings.secret_header, _secret_value(where, settings.secret_env))
+        _HIDDEN_URLS.add(str(httpx.URL(self._url)))
         self._clock = clock or SystemClock()
         self._rng = rng or random.Random()
         self._timeout = settings.timeout_ms / 1000
@@ -98,7 +98,10 @@ class WebhookChannel:
                 "idempotency_key": message.idempotency_key,
             }
         )
-        headers = {"content-type": "application/json", "idempotency-key": message.idempotency_key}
+        headers = {
+            "content-type": "application/json",
+            "idempotency-key": _header_safe(message.idempotency_key),
+        }
         if self._secret is not None:
             headers[self._secret[0]] = self._secret[1]
         attempt = 0
@@ -136,6 +139,13 @@ class WebhookChannel:
                 ) as response:
                     status = response.status_code
                     retry_after = response.headers.get("retry-after")
+            except (httpx.LocalProtocolError, httpx.UnsupportedProtocol) as exc:
+                # a request that cannot be sent as it is: sending it again cannot help
+                return _Failure(
+                    kind="rejected",
+                    retryable=False,
+                    detail=f"the request could not be sent: {type(exc).__name__}",
+                )
             except httpx.TransportError as exc:
                 return _transport_failure(exc)
             if 200 <= status < 300:
@@ -197,6 +207,51 @@ def _transport_failure(exc: httpx.TransportError) -> _Failure:
     else:
         kind, what = "transport", "the connection broke"
     return _Failure(kind=kind, retryable=True, detail=f"{what}: {type(exc).__name__}")
+
+
+def _secret_value(where: str, variable: str) -> str:
+    """The secret header's value from ``variable``, stripped of the line break a secret
+    file often ends with; never shown in an error."""
+    value = os.environ.get(variable, "").strip()
+    key = f"{where}.secret_env"
+    if not value:
+        raise ConfigError(f"key '{key}': the environment variable {variable!r} is not set", key=key)
+    if not (value.isascii() and value.isprintable()):
+        raise ConfigError(
+            f"key '{key}': the environment variable {variable!r} holds a value that cannot "
+            "be an HTTP header value (a non-ASCII or control character)",
+            key=key,
+        )
+    return value
+
+
+def _header_safe(key: str) -> str:
+    """An idempotency key as a header value: as it is when it can be one, else
+    percent-encoded (the body carries it as it is)."""
+    if key.isascii() and key.isprintable():
+        return key
+    return quote(key, safe="")
+
+
+#: the webhook urls of this process, as httpx shows them in its request log line
+_HIDDEN_URLS: set[str] = set()
+
+
+class _HideWebhookUrls(logging.Filter):
+    """Shows a webhook's url as its origin in httpx's ``HTTP Request: POST <url> ...``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and any(
+            isinstance(arg, httpx.URL) and str(arg) in _HIDDEN_URLS for arg in args
+        ):
+            record.args = tuple(
+                _origin(str(arg)) if isinstance(arg, httpx.URL) else arg for arg in args
+            )
+        return True
+
+
+logging.getLogger("httpx").addFilter(_HideWebhookUrls())
 
 
 def _origin(url: str) -> str:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from datetime import UTC, datetime
 from typing import Any
 
 import click
 import msgspec
 
+from stalwart._text import escaped
 from stalwart.events import RecordedEvent, UnknownEvent, event_data
 
 _COLOURS = {"debug": "bright_black", "info": None, "warning": "yellow", "error": "red"}
@@ -26,19 +26,9 @@ def fmt_ts(ts: float) -> str:
     return stamp.strftime("%Y-%m-%dT%H:%M:%S.") + f"{stamp.microsecond // 1000:03d}Z"
 
 
-#: characters that would break a line of output (CR rewinds it, ESC starts a terminal
-#: sequence, U+2028 ends a line in some terminals): shown escaped
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _escaped(text: str) -> str:
-    return _CONTROL.sub(lambda m: _ESCAPES.get(m.group(0)) or f"\\u{ord(m.group(0)):04x}", text)
-
-
 def _short(value: Any) -> str:
     text = value if isinstance(value, str) else _json.encode(value).decode()
-    text = _escaped(text)
+    text = escaped(text)
     if len(text) > _MAX_VALUE:
         text = text[: _MAX_VALUE - 1] + "…"
     if isinstance(value, str) and (" " in text or not text):

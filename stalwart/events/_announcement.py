@@ -47,6 +47,9 @@ class AnnouncementDeadLettered(Event, frozen=True, tag="announcement:dead_letter
     #: where a retry delivers it (added after v1: an older event has no conversation)
     conversation: str = ""
     thread: str | None = None
+    #: the channel message's kind a retry sends it as (``failure_notice``, ...); "reply"
+    #: in logs written before it
+    kind: str = "reply"
     severity: ClassVar[Severity] = "warning"
 
 

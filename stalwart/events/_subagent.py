@@ -24,6 +24,9 @@ class SubagentSpawned(Event, frozen=True, tag="subagent:spawned"):
     #: logs written before them (the supervisor then uses its default channel and parent)
     channel: str = ""
     conversation: str = ""
+    #: the conversation's thread (the parent session's, unless the spawn named another
+    #: conversation); None in logs written before it
+    thread: str | None = None
     #: whether the run's result is announced to its parent (``rt.spawn(announce=...)``);
     #: None in logs written before it and for runs started outside a runtime: a
     #: completion whose announcement never happened is only owed when this is True

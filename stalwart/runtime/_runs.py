@@ -73,16 +73,19 @@ class RunLayer:
 
     def defaults(
         self, parent_session: str, agent: str | None, channel: str | None, conversation: str | None
-    ) -> tuple[str, str, str]:
-        """A spawn's agent, channel and conversation: the given ones, else the parent
-        session's (ConfigError for an unknown agent)."""
+    ) -> tuple[str, str, str, str | None]:
+        """A spawn's agent, channel, conversation and thread: the given ones, else the
+        parent session's (its thread goes with its conversation; ConfigError for an
+        unknown agent)."""
         parent = self._sessions.get(parent_session)
         agent = agent or (parent.agent if parent is not None else "default")
         self._w.config.agent(agent)  # ConfigError for an unknown agent
         channel = channel or (parent.channel if parent is not None else DEFAULT_CHANNEL)
+        thread = None
         if conversation is None:
             conversation = parent.conversation if parent is not None else parent_session
-        return agent, channel, conversation
+            thread = parent.thread if parent is not None else None
+        return agent, channel, conversation, thread
 
     def spawn(
         self,
@@ -145,6 +148,7 @@ class RunLayer:
             parent=spawn.parent,
             channel=spawn.channel,
             conversation=spawn.conversation,
+            thread=spawn.thread,
             announce=announce,
         )
         self._tracks[spawn.run_id] = track
@@ -256,6 +260,7 @@ class RunLayer:
             session=run.spawn.parent,
             channel=run.spawn.channel,
             conversation=run.spawn.conversation,
+            thread=run.spawn.thread,
             run=run.spawn.stream,
         )
         self._tell_supervisor(crashed)

@@ -317,7 +317,7 @@ class Runtime:
         """
         with self._lock:
             runs = self._started(self._runs)
-            agent, channel, conversation = runs.defaults(
+            agent, channel, conversation, thread = runs.defaults(
                 parent_session, agent, channel, conversation
             )
             spawn = Spawn(
@@ -330,6 +330,7 @@ class Runtime:
                 max_steps=max_steps,
                 channel=channel,
                 conversation=conversation,
+                thread=thread,
             )
             return runs.spawn(spawn, work, agent, announce=announce, splitter=splitter)
 

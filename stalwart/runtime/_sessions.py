@@ -327,6 +327,7 @@ class SessionLayer:
             session=session_id,
             channel=handle.channel if handle is not None else "",
             conversation=handle.conversation if handle is not None else session_id,
+            thread=handle.thread if handle is not None else None,
         )
         self._tell_supervisor(crashed)
         if self._durable is not None:  # a wake it was running is retried with backoff

@@ -42,6 +42,7 @@ class DeadLetterEntry(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     last_error: str | None = None
     conversation: str = ""
     thread: str | None = None
+    kind: str = "reply"
 
 
 class DeadLetterState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -89,6 +90,7 @@ def apply_deadletter(state: DeadLetterState, record: RecordedEvent) -> DeadLette
                 enqueued_at=record.ts,
                 conversation=event.conversation,
                 thread=event.thread,
+                kind=event.kind,
             )
             return replace(state, entries=(*state.entries, entry))
         case AnnouncementSendFailed():
