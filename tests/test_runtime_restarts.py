@@ -27,6 +27,7 @@ import pytest
 
 from stalwart import store as store_module
 from stalwart.actors import (
+    GAVE_UP_TEXT,
     ActivationWorker,
     Announcer,
     DeadLetterActor,
@@ -45,6 +46,7 @@ from stalwart.events import (
     ProviderCallFailed,
     ProviderDegraded,
     ProviderRecovered,
+    SessionCreated,
     SubagentCompleted,
     SupervisorGaveUp,
     SupervisorRestarted,
@@ -331,15 +333,15 @@ def test_a_part_that_keeps_crashing_is_given_up_on_with_no_notice(
 def test_a_part_that_fails_while_starting_is_reported_and_given_up_on(
     tmp_path: Path, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
 ) -> None:
-    """pykka stops an actor whose ``on_start`` raises without calling ``on_failure``: a
-    dead-letter queue that could not read its stream at start died untold (no restart,
-    nothing in the ``runtime`` stream, every later failed send lost in its held
-    queue). Now the failing start is a crash like any other: restarted with backoff,
-    then given up on, all in the log."""
+    """pykka stops an actor whose ``on_start`` raises without calling ``on_failure``: an
+    Agent that could not read its session's stream at start died untold (no restart,
+    nothing in the ``runtime`` stream, the user never told). Now the failing start is a
+    crash like any other: restarted with backoff, then given up on, all in the log, and
+    the user gets the give-up notice."""
     directory = tmp_path / "store"
     with store_module.open(directory, clock=clock) as first:  # type: ignore[attr-defined]
-        enqueue = AnnouncementQueued(announcement_id="a1", channel="chat", text="x")
-        [record] = first.append("deadletter", [enqueue])
+        created = SessionCreated(agent="default", channel="chat")
+        [record] = first.append("session:s1", [created])
     env = lmdb.open(str(directory), max_dbs=8)  # a record its fold cannot decode
     try:
         log_db = env.open_db(b"log")  # before the write transaction: it opens its own
@@ -349,12 +351,15 @@ def test_a_part_that_fails_while_starting_is_reported_and_given_up_on(
         env.close()
     with (
         store_module.open(directory, clock=clock) as store,  # type: ignore[attr-defined]
-        Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}),
+        Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt,
     ):
+        rt.session("s1", channel="chat")
         for count, backoff_ms in enumerate([100, 200, 400], 1):
             records = log_until(store, "runtime", has(SupervisorRestarted, count))
             restarted = [r.event for r in records if isinstance(r.event, SupervisorRestarted)]
-            assert (restarted[-1].actor, restarted[-1].backoff_ms) == ("deadletter", backoff_ms)
+            assert (restarted[-1].actor, restarted[-1].backoff_ms) == ("session:s1", backoff_ms)
             clock.advance(backoff_ms / 1000 + 0.005)
         [gave_up] = of(SupervisorGaveUp, log_until(store, "runtime", has(SupervisorGaveUp)))
-        assert (gave_up.actor, gave_up.reason) == ("deadletter", "CorruptRecordError")
+        assert (gave_up.actor, gave_up.reason) == ("session:s1", "CorruptRecordError")
+        [notice] = delivered(rt, chat, 1)
+        assert notice.text == GAVE_UP_TEXT

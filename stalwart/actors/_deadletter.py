@@ -48,7 +48,7 @@ from stalwart._logs import get_logger
 from stalwart.channels import Channel, MessageKind, OutboundMessage, message_kind
 from stalwart.clock import Clock
 from stalwart.config import DeadLetterSettings
-from stalwart.errors import ConcurrencyError
+from stalwart.errors import ConcurrencyError, CorruptRecordError
 from stalwart.events import (
     AnnouncementDeadLetterDelivered,
     AnnouncementDeadLettered,
@@ -170,7 +170,11 @@ class DeadLetterActor(Supervised):
     flight); :class:`RetryDue` and :class:`RetrySent` are told by its own timer and sends.
 
     A store error or an append conflict (another writer on its stream) fails the actor;
-    its supervisor restarts it, and the restart rebuilds everything from the log.
+    its supervisor restarts it, and the restart rebuilds everything from the log. A record
+    of its stream that cannot be read is skipped (logged at ERROR): the rest of the queue
+    is still delivered. While ``any_degraded()`` is true (a provider is degraded) the
+    entries accumulate: no scheduled retry is spent, expiry still applies, and the drain
+    on recovery sends them all (seed 000).
     ``on_crash(exception class name)`` is called once if the actor dies of an exception.
     """
 
@@ -185,6 +189,7 @@ class DeadLetterActor(Supervised):
         settings: DeadLetterSettings | None = None,
         stream: str = DEADLETTER_STREAM,
         on_crash: Callable[[str], object] | None = None,
+        any_degraded: Callable[[], bool] | None = None,
     ) -> None:
         super().__init__()
         self._on_crash = on_crash
@@ -195,6 +200,7 @@ class DeadLetterActor(Supervised):
         self._channels = dict(channels)
         self._settings = settings or DeadLetterSettings()
         self._stream = stream
+        self._any_degraded = any_degraded
         self._state: DeadLetterState = DEADLETTER.initial(stream)
         self._in_flight: dict[str, _InFlight] = {}
         self._timer_key = ("deadletter", self.actor_urn)
@@ -202,7 +208,11 @@ class DeadLetterActor(Supervised):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def started(self) -> None:
-        self._state = load_state(self._store, self._stream, DEADLETTER)
+        try:
+            self._state = load_state(self._store, self._stream, DEADLETTER)
+        except CorruptRecordError:  # fold it all again, past the records it cannot read
+            self._state = DEADLETTER.initial(self._stream)
+            self._catch_up()
         state = self._state
         log.info("deadletter.started", entries=len(state.entries), version=state.version)
         self._tick(self._clock.now())
@@ -308,9 +318,14 @@ class DeadLetterActor(Supervised):
     # -- fold, decide, append, then act ------------------------------------------------------
 
     def _tick(self, now: float) -> None:
-        """Expire what is due at ``now``, start the retries that are due, re-arm."""
+        """Expire what is due at ``now``, start the retries that are due (none while a
+        provider is degraded: they accumulate for the drain), re-arm."""
         self._expire(now)
         settings = self._settings
+        if self._held():
+            log.info("deadletter.held", entries=len(self._state.entries))
+            self._arm()
+            return
         for entry_id in due_retries(
             self._state,
             now,
@@ -365,9 +380,26 @@ class DeadLetterActor(Supervised):
             self._state = apply_deadletter(self._state, record)
 
     def _catch_up(self) -> None:
-        """Fold what other writers appended to the stream since this actor last looked."""
-        for record in self._store.read_stream(self._stream, self._state.version + 1):
-            self._state = apply_deadletter(self._state, record)
+        """Fold what other writers appended to the stream since this actor last looked,
+        skipping a record that cannot be read (its entry, if it was one, is lost; the
+        others are not)."""
+        while True:
+            try:
+                for record in self._store.read_stream(self._stream, self._state.version + 1):
+                    self._state = apply_deadletter(self._state, record)
+                return
+            except CorruptRecordError as exc:
+                version = self._state.version + 1
+                log.error(
+                    "deadletter.record_unreadable",
+                    stream=self._stream,
+                    version=version,
+                    position=exc.position,
+                )
+                self._state = msgspec.structs.replace(self._state, version=version)
+
+    def _held(self) -> bool:
+        return self._any_degraded is not None and self._any_degraded()
 
     def _send(self, entry_id: str) -> None:
         """Start one send of the entry on the portal, unless one is in flight already."""
@@ -401,17 +433,19 @@ class DeadLetterActor(Supervised):
             self._state,
             entries=tuple(e for e in self._state.entries if e.entry_id not in self._in_flight),
         )
+        retry = next_retry_at(
+            waiting,
+            max_retries=settings.max_retries,
+            base_ms=settings.retry_base_ms,
+            cap_ms=settings.retry_cap_ms,
+        )
+        if retry is not None and self._held():
+            # no retry is spent while held; look again now and then in case a recovery's
+            # drain never comes (a provider dropped from the config, say)
+            retry = max(retry, self._clock.now() + settings.retry_base_ms / 1000)
         deadlines = [
             at
-            for at in (
-                next_retry_at(
-                    waiting,
-                    max_retries=settings.max_retries,
-                    base_ms=settings.retry_base_ms,
-                    cap_ms=settings.retry_cap_ms,
-                ),
-                expiry_at(self._state, max_age_ms=settings.max_age_ms),
-            )
+            for at in (retry, expiry_at(self._state, max_age_ms=settings.max_age_ms))
             if at is not None
         ]
         if deadlines:

@@ -107,8 +107,13 @@ class ModelCaller:
         *,
         agent_name: str = "default",
         rng: random.Random | None = None,
+        skip: Callable[[str], bool] | None = None,
     ) -> None:
         self.agent = agent
+        #: a provider the chain passes over before any call (degraded: seed 000 spends no
+        #: tokens on a down provider), recorded as a fallback with reason
+        #: ``provider_degraded`` and no call id, as a breaker's refusal is
+        self.skip = skip
         self._clients = clients
         self._breakers = breakers
         self._sink = sink
@@ -139,6 +144,14 @@ class ModelCaller:
         while True:
             provider, model = _pair(names[index])
             try:
+                if self.skip is not None and self.skip(provider):
+                    raise ProviderError(
+                        f"provider {provider} is degraded",
+                        kind="provider_degraded",
+                        retryable=False,
+                        provider=provider,
+                        model=model,
+                    )
                 return await self._model(stream, provider, model, request, index == 0, on_event)
             except ProviderError as exc:
                 # the pure rule: the next model, the chain spent, or (an overflow) neither

@@ -4,7 +4,7 @@ that appends their events (``stalwart run`` uses it on its own too)."""
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import anyio.to_thread
@@ -80,8 +80,10 @@ class ProviderLayer:
             for name, settings in config.providers.items()
         }
 
-    def caller(self, agent: str = "default") -> ModelCaller:
-        """The caller for a configured agent."""
+    def caller(
+        self, agent: str = "default", *, skip: Callable[[str], bool] | None = None
+    ) -> ModelCaller:
+        """The caller for a configured agent (``skip``: providers its chain passes over)."""
         return ModelCaller(
             self.config.agent(agent),
             self.clients,
@@ -90,6 +92,7 @@ class ProviderLayer:
             self.clock,
             agent_name=agent,
             rng=self._rng,
+            skip=skip,
         )
 
     async def aclose(self) -> None:

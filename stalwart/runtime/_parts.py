@@ -104,7 +104,12 @@ class PartsLayer:
             channels=self._w.channels,
             settings=self._w.config.dead_letters,
             on_crash=partial(self.crashed, "deadletter", self._restart_dead_letters),
+            any_degraded=self._any_degraded,
         )
+
+    def _any_degraded(self) -> bool:
+        view = self._health_view
+        return any(view.is_degraded(provider) for provider in view)
 
     def _start_health(self, provider: str) -> pykka.ActorRef[Any]:
         restart = partial(self._restart_health, provider)
@@ -234,11 +239,10 @@ class PartsLayer:
                 supervisor.tell(message)
 
     def _on_health_changed(self, changed: HealthChanged) -> None:
-        """A health listener (the health actor's thread): a recovery drains the queue."""
-        dead_letters = self._dead_letters
-        if changed.status == "healthy" and dead_letters is not None:
-            with contextlib.suppress(pykka.ActorDeadError):
-                dead_letters.tell(Drain(changed.provider))
+        """A health listener (the health actor's thread): a recovery drains the queue
+        (held while the queue restarts, so a recovery meanwhile is not lost)."""
+        if changed.status == "healthy":
+            self.dead_letters_ref.tell(Drain(changed.provider))
 
     # -- what the runtime asks of them (see Runtime), and stopping -----------------------------
 

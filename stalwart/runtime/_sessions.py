@@ -195,7 +195,7 @@ class SessionLayer:
             self._w.clock,
             self._w.scheduler,
             self._w.portal,
-            self._layer.caller(agent),
+            self._layer.caller(agent, skip=self._health_view.is_degraded),
             tools,
             target,
             conversation=conversation,
