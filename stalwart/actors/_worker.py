@@ -193,6 +193,7 @@ class ActivationWorker(Supervised):
         self._queue = store if isinstance(store, WorkQueue) else None
         self._states: dict[str, ActivationsState] = {}
         self._running: dict[str, int] = {}  # stream -> the epoch this worker holds
+        self._tick_at: float | None = None  # when the armed tick fires
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -311,7 +312,10 @@ class ActivationWorker(Supervised):
             self._refresh(stream)
             if not self._try_lease(stream, self._clock.now()):
                 state = self._states[stream]
-                queue.set_due(stream, state.version, due_at(state), self._owner)
+                due = due_at(state)
+                queue.set_due(stream, state.version, due, self._owner)
+                if due is not None and (self._tick_at is None or due < self._tick_at):
+                    self._arm(due)  # a retry's backoff, not the next poll, says when
         except StoreError as exc:  # its due row still says "look now": a poll will
             log.warning("worker.claim_unsettled", stream=stream, error=type(exc).__name__)
 
@@ -386,6 +390,7 @@ class ActivationWorker(Supervised):
         at = self._clock.now() + self._poll_ms / 1000
         if due is not None:
             at = min(at, due)
+        self._tick_at = at
         self._scheduler.schedule(at, self._tick, key=("worker:tick", self._owner))
 
     def _tick(self, at: float) -> None:

@@ -251,12 +251,16 @@ def decide_wake(
     policy: ActivationPolicy,
 ) -> ActivationReady | Activation | WakeRefused:
     """Schedule a delayed wake: the ``activation:ready`` to append, the pending wake with
-    the same ``dedupe_key`` (nothing to append), or why it is refused."""
+    the same ``dedupe_key`` (nothing to append), or why it is refused. The wake a live
+    lease runs is not pending: a wake that re-arms itself (same key) gets a new one."""
+    lease = state.lease
+    running = {lease.activation_id, *lease.covers} if lease is not None else set()
+    waiting = [a for a in state.queue if a.kind == "wake" and a.activation_id not in running]
     if dedupe_key is not None:
-        for activation in state.queue:
-            if activation.kind == "wake" and activation.dedupe_key == dedupe_key:
+        for activation in waiting:
+            if activation.dedupe_key == dedupe_key:
                 return activation
-    pending = sum(1 for a in state.queue if a.kind == "wake")
+    pending = len(waiting)
     if pending >= policy.max_pending_wakes:
         return WakeRefused(reason="too_many", limit=policy.max_pending_wakes)
     if (wake_at - now) * 1000 > policy.max_wake_horizon_ms:
