@@ -100,7 +100,20 @@ def default_knobs() -> dict[str, Any]:
     record["providers"] = {"*": _defaults_of(ProviderSettings)}
     record["agents"] = {"*": _defaults_of(AgentSettings)}
     record["context_engine"]["pipeline"] = _defaults_of(PipelineConfig)
+    # the widest health window of any process in the log (set by verify_store): a health
+    # fold keeps that much, so a window widened by a later process is still re-derived
+    record["verify"] = {"health_horizon_ms": 0}
     return record
+
+
+def _widest_health_window(store: EventStore, until: int | None) -> int:
+    widest = 0
+    for item in _runtime(store, until):
+        if isinstance(item, RecordedEvent) and isinstance(item.event, RuntimeStarted):
+            window = item.event.config.get("health", {}).get("window_ms", 0)
+            if isinstance(window, int) and not isinstance(window, bool):
+                widest = max(widest, window)
+    return widest
 
 
 # -- reading ------------------------------------------------------------------------------
@@ -180,9 +193,11 @@ def verify_store(
     """Verify ``stream`` (None: every stream) up to position ``until``."""
     if stream is not None and store.stream_version(stream) == 0:
         raise StoreError(f"no stream named {stream!r} in {store.location}")
+    defaults = default_knobs()
+    defaults["verify"]["health_horizon_ms"] = _widest_health_window(store, until)
     verification = Verification(
         registry,
-        defaults=default_knobs(),
+        defaults=defaults,
         grace_ms=grace_ms,
         verify=None if stream is None else (lambda name: name == stream),
     )

@@ -198,8 +198,8 @@ class Verification:
             return
         if kind is UnknownEvent:
             assert isinstance(event, UnknownEvent)
-            self._undecodable_event(record, event)
-        if kind in self._decision_kinds or kind is UnknownEvent:
+            self._undecodable_event(record, event)  # reported once, never re-derived
+        elif kind in self._decision_kinds:
             self._decision(record)
         elif kind not in self._other_kinds:
             if record.type in self._registry.decisions:
@@ -370,12 +370,12 @@ class Verification:
             return None  # a knob nobody recorded: the decision's own check says so
 
     def _restarted(self, ts: float) -> None:
-        """A new process (and config): the deadlines of every stream, at the new config."""
-        dues = [
-            ((stream, index), self._due(index, folders[key]))
-            for stream, folders in self._folders.items()
-            for index, key, _ in self._plan(stream).deadlines
-        ]
+        """A new process (and config): the owed deadlines again, at the new config (only
+        those: one with nothing pending has nothing pending under any config)."""
+        dues = []
+        for stream, index in self._deadlines.owed():
+            key = next(key for i, key, _ in self._plan(stream).deadlines if i == index)
+            dues.append(((stream, index), self._due(index, self._folders[stream][key])))
         self._deadlines.restarted(ts, dues, self._knobs)
 
     def _missed(self, missed: Missed) -> None:

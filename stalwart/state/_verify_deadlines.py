@@ -88,9 +88,16 @@ class DeadlineWatch:
                 continue
             self._pending[key] = due
             if self._deadlines[key[1]].survives_restart:
-                self._push(key[0], key[1], max(due, ts), knobs)
+                # owed by the new process from its start (armed with its own due, so that
+                # _expire knows it for the one still pending)
+                self._push(key[0], key[1], due, knobs, start=ts)
             else:
                 self._orphaned[key] = due
+
+    def owed(self) -> list[Key]:
+        """The deadlines pending or orphaned: the only ones a new config can move (one
+        with nothing pending has nothing pending under any config)."""
+        return [*self._pending, *(key for key in self._orphaned if key not in self._pending)]
 
     def end(self) -> list[Missed]:
         """The log ended: suspects it leaves unconfirmed are missed (their proof is late)."""
@@ -103,9 +110,13 @@ class DeadlineWatch:
         self._suspects.clear()
         return missed
 
-    def _push(self, stream: str, index: int, due: float, knobs: Knobs) -> None:
+    def _push(
+        self, stream: str, index: int, due: float, knobs: Knobs, *, start: float = 0.0
+    ) -> None:
+        """Arm ``due``, missed once ``max(due, start)`` plus its slack and the grace pass."""
         slack = self._deadlines[index].slack_ms(knobs) / 1000
-        heapq.heappush(self._heap, _Armed(due + slack + self._grace_s, due, stream, index))
+        at = max(due, start) + slack + self._grace_s
+        heapq.heappush(self._heap, _Armed(at, due, stream, index))
 
     def _expire(self, record: RecordedEvent) -> None:
         heap = self._heap

@@ -55,12 +55,12 @@ Fallback = ModelFallbackAttempt | ModelFallbackExhausted
 
 
 def _chain(event: Fallback, knobs: Knobs) -> tuple[str, ...]:
-    agent = f"agents.{event.agent}"
+    agent = ("agents", event.agent or "")
     return model_chain(
-        str(knobs.get(f"{agent}.provider")),
-        str(knobs.get(f"{agent}.model")),
-        tuple(knobs.get(f"{agent}.fallback_models")),
-        tuple(knobs.get(f"{agent}.vision_fallback_models")),
+        str(knobs.get((*agent, "provider"))),
+        str(knobs.get((*agent, "model"))),
+        tuple(knobs.get((*agent, "fallback_models"))),
+        tuple(knobs.get((*agent, "vision_fallback_models"))),
         vision=event.vision,
     )
 

@@ -70,28 +70,37 @@ class Knobs:
 
     def __init__(self, recorded: Mapping[str, Any] | None, defaults: Mapping[str, Any]) -> None:
         self._layers = (recorded or {}, defaults)
-        self._found: dict[str, Any] = {}
+        self._found: dict[str | tuple[str, ...], Any] = {}
 
-    def get(self, path: str) -> Any:
-        """The value at ``path`` (``"subagents.per_step_timeout_ms"``); ConfigError if none."""
+    def get(self, path: str | tuple[str, ...]) -> Any:
+        """The value at ``path`` (``"subagents.per_step_timeout_ms"``, or its parts when a
+        part is a name that may hold a dot: ``("agents", "support.v2", "max_retries")``);
+        ConfigError if none."""
         found = self._found.get(path, _MISSING)
         if found is _MISSING:
             found = self._found[path] = self._look(path)
         return found
 
-    def _look(self, path: str) -> Any:
+    def _look(self, path: str | tuple[str, ...]) -> Any:
+        parts = path.split(".") if isinstance(path, str) else list(path)
         for layer in self._layers:
-            found = _lookup(layer, path.split("."))
+            found = _lookup(layer, parts)
             if found is not _MISSING:
                 return found
+        name = ".".join(parts)
         raise ConfigError(
-            f"the config in force has no {path!r} and there is no default for it", key=path
+            f"the config in force has no {name!r} and there is no default for it", key=name
         )
 
-    def get_int(self, path: str) -> int:
+    def has(self, path: str | tuple[str, ...]) -> bool:
+        """Whether the config in force or the defaults hold ``path``."""
+        parts = path.split(".") if isinstance(path, str) else list(path)
+        return any(_lookup(layer, parts) is not _MISSING for layer in self._layers)
+
+    def get_int(self, path: str | tuple[str, ...]) -> int:
         return int(self.get(path))
 
-    def get_float(self, path: str) -> float:
+    def get_float(self, path: str | tuple[str, ...]) -> float:
         return float(self.get(path))
 
 

@@ -259,17 +259,17 @@ def _retry(state: CallsState, record: RecordedEvent, knobs: Knobs) -> list[Event
 
 
 def _retry_delay(event: PromptRetryScheduled, knobs: Knobs) -> float | None:
-    agent = f"agents.{event.agent}"
+    agent = ("agents", event.agent or "")
     return retry_delay(
         event.attempt - 1,
         event.status,
         event.retry_after_s,
         event.rate_limited_before,
         event.jitter or 0.0,
-        max_retries=knobs.get_int(f"{agent}.max_retries"),
-        retry_base_ms=knobs.get_int(f"{agent}.retry_base_ms"),
-        retry_cap_ms=knobs.get_int(f"{agent}.retry_cap_ms"),
-        max_retry_after_ms=knobs.get_int(f"{agent}.rate_limit_same_model_max_retry_after_ms"),
+        max_retries=knobs.get_int((*agent, "max_retries")),
+        retry_base_ms=knobs.get_int((*agent, "retry_base_ms")),
+        retry_cap_ms=knobs.get_int((*agent, "retry_cap_ms")),
+        max_retry_after_ms=knobs.get_int((*agent, "rate_limit_same_model_max_retry_after_ms")),
         rate_limited=event.reason == "rate_limited",
     )
 
@@ -277,16 +277,16 @@ def _retry_delay(event: PromptRetryScheduled, knobs: Knobs) -> float | None:
 def _retry_why(state: CallsState, record: RecordedEvent, knobs: Knobs) -> str:
     event = record.event
     assert isinstance(event, PromptRetryScheduled)
-    agent = f"agents.{event.agent}"
+    agent = ("agents", event.agent or "")
     tried = event.attempt - 1
     if event.status == 429 or event.reason == "rate_limited":
         return (
             "a 429 is retried once per model, after its Retry-After "
             f"({event.retry_after_s} s; retried before: {event.rate_limited_before})"
         )
-    if tried > knobs.get_int(f"{agent}.max_retries"):
-        return f"attempt {tried} already used {agent}.max_retries"
-    base, cap = knobs.get_int(f"{agent}.retry_base_ms"), knobs.get_int(f"{agent}.retry_cap_ms")
+    if tried > knobs.get_int((*agent, "max_retries")):
+        return f"attempt {tried} already used agents.{event.agent}.max_retries"
+    base, cap = knobs.get_int((*agent, "retry_base_ms")), knobs.get_int((*agent, "retry_cap_ms"))
     ceiling = backoff_ceiling_ms(tried, base, cap)
     return (
         f"attempt {tried}: jitter {event.jitter} of min({cap}, {base} x 2^{tried - 1}) = "
@@ -304,7 +304,10 @@ def _recorded_inputs(event: Event) -> bool:
 
 
 def _health_fold(knobs: Knobs) -> HealthAggregate:
-    return HealthAggregate(max(DEFAULT_HORIZON_MS, knobs.get_int("health.window_ms")))
+    """A fold as wide as any window the log's processes used (a later process may have
+    widened it), so that each of their decisions can be re-derived."""
+    widest = knobs.get_int("verify.health_horizon_ms") if knobs.has("verify") else 0
+    return HealthAggregate(max(DEFAULT_HORIZON_MS, knobs.get_int("health.window_ms"), widest))
 
 
 def _health(state: HealthState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
@@ -318,12 +321,12 @@ def _health(state: HealthState, record: RecordedEvent, knobs: Knobs) -> list[Eve
 
 
 def _breaker(state: BreakerState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
-    where = f"providers.{state.provider}"
+    where = ("providers", state.provider)
     return decide_breaker(
         state,
         record.ts,
-        threshold=knobs.get_int(f"{where}.breaker_failure_threshold"),
-        reset_timeout_ms=knobs.get_int(f"{where}.breaker_reset_timeout_ms"),
+        threshold=knobs.get_int((*where, "breaker_failure_threshold")),
+        reset_timeout_ms=knobs.get_int((*where, "breaker_reset_timeout_ms")),
     )
 
 

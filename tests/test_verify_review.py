@@ -1,0 +1,421 @@
+"""Review of ``stalwart replay --verify``: logs it misjudges.
+
+Two kinds of failure: logs a real Runtime wrote (real LMDB store on the fake clock, the
+loopback fake provider, a chat MemoryChannel) that verification calls inconsistent, and
+hand-built logs (appended to a real LMDB store) holding a decision that clearly does not
+follow, or a deadline that clearly passed, that verification calls clean. Plus a crash on
+a record from a newer version, and time that grows with streams x restarts.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import msgspec
+import pytest
+from click.testing import CliRunner
+
+from stalwart import store as store_module
+from stalwart.channels import MemoryChannel
+from stalwart.cli import cli
+from stalwart.cli._replay import REGISTRY, default_knobs, verify_store
+from stalwart.clock import FakeClock
+from stalwart.config import parse_config
+from stalwart.events import (
+    ActivationAcked,
+    ActivationRequeued,
+    AnnouncementDeadLettered,
+    AnnouncementSendFailed,
+    Event,
+    PromptFailed,
+    PromptRetryScheduled,
+    PromptStarted,
+    ProviderDegraded,
+    RecordedEvent,
+    RuntimeStarted,
+    RuntimeStopped,
+    SessionCreated,
+    SubagentSpawned,
+    TurnCompleted,
+    TurnStarted,
+)
+from stalwart.runtime import Runtime
+from stalwart.state import verify
+from stalwart.store import EventStore, NewEvent
+from stalwart.testing import Answer, Fail, FakeProvider, Hang
+from tests._log import recorded
+from tests._runtime_support import GUARD, delivered, has, log_until
+
+T0 = 1_800_000_000.0
+
+AGENT: dict[str, Any] = {
+    "provider": "main",
+    "model": "m1",
+    "prompt_timeout_ms": 5_000,
+    "retry_prompt_timeout_ms": 5_000,
+    "max_retries": 0,
+}
+
+
+def _config(fake: FakeProvider, **sections: Any) -> Any:
+    return parse_config(
+        {
+            "providers": {"main": {"kind": "openai", "base_url": fake.base_url}},
+            "agents": {"default": AGENT},
+        }
+        | sections
+    )
+
+
+def _started(**sections: Any) -> RuntimeStarted:
+    return RuntimeStarted(config=parse_config(sections).to_record(), stalwart_version="test")
+
+
+def _put(store: EventStore, stream: str, event: Event, at: float) -> None:
+    store.append(stream, [NewEvent(event=event, ts=T0 + at)])
+
+
+def _where(report: Any) -> list[tuple[str, str, str]]:
+    return [(f.kind, f.tag, f.message) for f in report.findings]
+
+
+# -- 1. a wider health window after a restart --------------------------------------------------
+
+
+def test_a_health_window_widened_across_a_restart_does_not_break_the_degraded_check(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """The health fold's horizon is fixed from the config in force at the provider
+    stream's first event, so once an operator restarts with a wider ``health.window_ms``
+    (here 120 s, above the 60 s default), every later ``provider:degraded`` the real
+    runtime records is reported as DOES NOT FOLLOW ("replay could not re-run the
+    decision: ... exceeds the health fold's horizon"). The runtime itself refolds with
+    the wider horizon; verify should too, and find this log clean."""
+    with Runtime(_config(fake), store=store, clock=clock, channels={"chat": chat}) as rt:
+        rt.session("a", channel="chat").send("one")
+        delivered(rt, chat, 1)
+    clock.advance(10)
+    fake.set_default(Fail(status=503))
+    wider = _config(
+        fake,
+        agents={"default": AGENT | {"max_retries": 2, "retry_base_ms": 1, "retry_cap_ms": 2}},
+        health={"window_ms": 120_000},
+    )
+    with Runtime(wider, store=store, clock=clock, channels={"chat": chat}) as rt:
+        rt.session("b", channel="chat").send("two")
+        delivered(rt, chat, 2)
+        log_until(store, "provider:main", has(ProviderDegraded))
+    report = verify_store(store, None)
+    assert report.checked.get("provider:degraded") == 1
+    assert _where(report) == []
+
+
+# -- 2. a ghost already due when the next process starts ---------------------------------------
+
+
+def test_a_ghost_sweep_owed_by_the_next_process_is_missed_when_it_never_comes(
+    lmdb_store: EventStore, store_dir: Path
+) -> None:
+    """docs/replay.md: the ghost sweep "reads the log, so the new process owes [it],
+    counted from its start". A run spawned at 0 s (120 s limit, ghost due at 240 s with
+    the default 120 s ghost grace) is left running by a process that died; the next
+    process starts at 250 s and runs for 45 minutes with sessions answering, and never
+    sweeps the ghost. Verify calls the log clean: the restart re-arms the deadline at
+    ``max(due, start)`` but keeps ``due`` as the pending one, so the re-armed entry looks
+    stale and is dropped. It should report the missed ``subagent:ghost_swept``."""
+    store = lmdb_store
+    _put(store, "runtime", _started(), 0)
+    spawned = SubagentSpawned(parent="chat", task="t", task_class="formatting", timeout_ms=120_000)
+    _put(store, "session:run-a", spawned, 1)
+    _put(store, "runtime", _started(), 250)  # the old process died (no runtime:stopped)
+    for minute in range(1, 46):
+        _put(store, "session:chat", TurnStarted(turn_id=f"t{minute}"), 250 + 60 * minute)
+        _put(store, "session:chat", TurnCompleted(turn_id=f"t{minute}"), 251 + 60 * minute)
+    result = CliRunner().invoke(
+        cli, ["--store", str(store_dir), "replay", "--all", "--verify", "--json"]
+    )
+    missed = {f["tag"] for f in msgspec.json.decode(result.output)["findings"]}
+    # the dead process's own watchdog (due at 121 s) is reported; the ghost is not
+    assert missed == {"subagent:watchdog_timeout", "subagent:ghost_swept"}, missed
+
+
+# -- 3. a decision written by a newer version --------------------------------------------------
+
+
+def _overwrite(where: Path, position: int, value: bytes) -> None:
+    env = lmdb.open(str(where), max_dbs=8)
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(position.to_bytes(8, "big"), value, db=env.open_db(b"log", txn=txn))
+    finally:
+        env.close()
+
+
+def _newer_decision(store: EventStore, where: Path, tag: str, stream: str) -> int:
+    """A ``tag`` record in ``stream`` as a newer stalwart would write it: a later schema
+    whose shape this version cannot read (a field changed type). Its position."""
+    _put(store, "runtime", _started(), 0)
+    _put(store, stream, SessionCreated(channel="chat"), 1)
+    _put(store, stream, SessionCreated(channel="chat"), 2)  # overwritten below
+    _put(store, stream, SessionCreated(channel="chat"), 3)
+    store.close()
+    payload = {"type": tag, "call_id": {"nested": "now"}, "limit_ms": "five seconds"}
+    raw = [3, stream, 2, T0 + 2, "f" * 32, None, None, 99, payload]
+    _overwrite(where, 3, msgspec.msgpack.encode(raw))
+    return 3
+
+
+def test_a_decision_from_a_newer_version_is_reported_undecodable_not_a_crash(
+    lmdb_store: EventStore, store_dir: Path
+) -> None:
+    """A record of a known decision tag (``execution:prompt_timeout``) at a newer schema
+    that no longer fits its class is kept as an UnknownEvent. Verify then still hands it
+    to the tag's verifier, whose ``assert isinstance(found, PromptTimeout)`` fails: the
+    CLI dies with an AssertionError instead of the promised UNDECODABLE finding ("kept as
+    raw bytes and shown ... Replay reports it and reads on past it")."""
+    position = _newer_decision(lmdb_store, store_dir, "execution:prompt_timeout", "session:a")
+    result = CliRunner().invoke(cli, ["--store", str(store_dir), "replay", "--all", "--verify"])
+    assert not isinstance(result.exception, AssertionError), "verify crashed: AssertionError"
+    assert result.exit_code == 1
+    assert f"UNDECODABLE  position {position}" in result.output
+
+
+def test_an_undecodable_decision_is_not_also_reported_as_a_decision_that_does_not_follow(
+    lmdb_store: EventStore, store_dir: Path
+) -> None:
+    """An undecodable ``provider:degraded`` (newer schema) is reported UNDECODABLE, whose
+    message says "its decisions cannot be checked", and then also DOES NOT FOLLOW: it is
+    compared with what the policy decides, which can never equal an UnknownEvent. The
+    operator is told the runtime took a wrong decision when verify could not read it."""
+    _newer_decision(lmdb_store, store_dir, "provider:degraded", "provider:main")
+    store = store_module.open(store_dir, create=False)
+    try:
+        report = verify_store(store, None)
+    finally:
+        store.close()
+    assert [f.kind for f in report.findings] == ["undecodable"], _where(report)
+
+
+# -- 4. an Agent that crashed in the middle of its model call ---------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect, not fixed yet: a crashed Agent's call keeps its prompt "
+    "deadline in verify (a supervisor restart does not orphan the stream's timers)",
+)
+def test_a_call_cut_short_by_an_agent_crash_is_not_a_missed_prompt_timeout(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """The Agent dies during its model call; the supervisor restarts it
+    (``supervisor:restarted`` for ``session:crash``), the call's HTTP request is closed,
+    the wake is requeued and later answered (the golden "crash retried" path). The
+    runtime owes no prompt timeout for the call the crash cut short, yet verify reports a
+    MISSED DEADLINE ``execution:prompt_timeout`` for it as soon as another session's
+    event passes its stall limit: only a ``runtime:started`` drops a dead actor's
+    timers, not the restart of that very actor."""
+    fake.add(Hang(model="m1"))
+    fake.set_default(Answer(text="fine"))
+    agent = AGENT | {"prompt_timeout_ms": 30_000, "retry_prompt_timeout_ms": 30_000}
+    config = _config(
+        fake,
+        agents={"default": agent},
+        activations={"backoff_base_ms": 60_000, "backoff_cap_ms": 60_000},
+    )
+    with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
+        crash = rt.session("crash", channel="chat")
+        crash.send("hello")
+        fake.wait_for(lambda requests: len(requests) == 1, GUARD)
+        crash.ref.tell(object())  # the Agent does not understand it: it crashes
+        log_until(store, "session:crash", has(ActivationRequeued))
+        assert fake.wait_finished(0, GUARD).outcome == "client_closed"
+        clock.advance(40)
+        rt.session("other", channel="chat").send("hi")
+        delivered(rt, chat, 1)
+        clock.advance(10)
+        rt.session("other", channel="chat").send("hi again")
+        delivered(rt, chat, 2)
+        clock.advance(10)
+        log_until(store, "session:crash", has(ActivationAcked))
+    report = verify_store(store, None)
+    assert report.checked.get("supervisor:restarted") == 1
+    assert _where(report) == []
+
+
+# -- 5. agents and providers whose names hold a dot --------------------------------------------
+
+
+def test_a_retry_of_an_agent_whose_name_has_a_dot_verifies_clean(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """Config keys are free-form names (``agents.support.v2``, ``providers.eu.main``).
+    Verify builds knob paths as dotted strings (``f"agents.{agent}.max_retries"``) and
+    splits them on ".", so for such names every retry, fallback and breaker decision the
+    real runtime recorded is reported DOES NOT FOLLOW ("replay could not re-run the
+    decision: the config in force has no 'agents.support.v2.max_retries'")."""
+    fake.add(Fail(status=503))
+    fake.set_default(Answer(text="fine"))
+    config = parse_config(
+        {
+            "providers": {"eu.main": {"kind": "openai", "base_url": fake.base_url}},
+            "agents": {
+                "support.v2": AGENT
+                | {"provider": "eu.main", "max_retries": 2, "retry_base_ms": 1, "retry_cap_ms": 2}
+            },
+        }
+    )
+    with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
+        rt.session("a", agent="support.v2", channel="chat").send("one")
+        assert delivered(rt, chat, 1)[0].text == "fine"
+    report = verify_store(store, "session:a")
+    assert report.checked.get("prompt:retry_scheduled") == 1
+    assert _where(report) == []
+
+
+# -- 6. the dead-letter queue's retries --------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect, not fixed yet: verify does not check the dead-letter queue's "
+    "retries (count and backoff), only its expiry",
+)
+def test_dead_letter_retries_past_max_retries_and_before_their_backoff_are_found(
+    lmdb_store: EventStore, store_dir: Path
+) -> None:
+    """docs/replay.md: "What the queue then does with the entry (its retries and
+    announcement:dead_letter_expired) is verified." Here one entry is retried 8 times
+    within a second of being queued (max_retries is 5; the first retry is due after
+    retry_base_ms = 30 s) and never expired for its spent retries, though the log goes on
+    for ten minutes. Verify calls this clean; it should report the retries that do not
+    follow, or at least the ``retries_exhausted`` expiry that never came."""
+    store = lmdb_store
+    _put(store, "runtime", _started(), 0)
+    queued = AnnouncementDeadLettered(
+        entry_id="e1", announcement_id="n1", channel="chat", text="sorry", reason="send_failed"
+    )
+    _put(store, "deadletter", queued, 1)
+    for attempt in range(8):
+        failed = AnnouncementSendFailed(announcement_id="n1", error_class="timeout", entry_id="e1")
+        _put(store, "deadletter", failed, 1.1 + attempt / 10)
+    for minute in range(1, 11):
+        _put(store, "session:chat", TurnStarted(turn_id=f"t{minute}"), 60 * minute)
+    _put(store, "runtime", RuntimeStopped(), 601)
+    report = verify_store(store, None)
+    assert not report.clean, "8 retries of one dead letter in a second, none expired: clean"
+
+
+# -- 7. a retry the failed call's attempt does not allow ---------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect, not fixed yet: verify takes a retry's attempt from the retry "
+    "itself, not from the failed call it names",
+)
+def test_a_retry_after_the_last_allowed_attempt_is_a_mismatch(
+    lmdb_store: EventStore,
+) -> None:
+    """``max_retries = 1``: a model may be tried twice. The log shows the second attempt
+    (its ``prompt:started`` records ``attempt=2``) failing with a 503, then a
+    ``prompt:retry_scheduled`` for that very call and a third attempt. The retry records
+    ``attempt=2`` (as if it followed the first failure), and verify takes the attempt
+    from the retry itself instead of from the failed call it names, so the retry past
+    max_retries passes as clean."""
+    store = lmdb_store
+    started = _started(
+        providers={"p": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1"}},
+        agents={"default": {"provider": "p", "model": "m1", "max_retries": 1}},
+    )
+    _put(store, "runtime", started, 0)
+    s = "session:a"
+    _put(store, s, TurnStarted(turn_id="t1"), 1)
+
+    def call(call_id: str, attempt: int, at: float) -> None:
+        kind = "stall" if attempt == 1 else "whole_call"
+        started = PromptStarted(
+            call_id=call_id,
+            provider="p",
+            model="m1",
+            attempt=attempt,
+            deadline_kind=kind,
+            timeout_ms=5_000,
+            makespan_ms=50_000 if attempt == 1 else 0,
+        )
+        _put(store, s, started, at)
+        failed = PromptFailed(
+            call_id=call_id, error_class="unavailable", status=503, retryable=True
+        )
+        _put(store, s, failed, at)
+
+    def retry(call_id: str, attempt: int, delay_ms: int, at: float) -> None:
+        event = PromptRetryScheduled(
+            call_id=call_id,
+            attempt=attempt,
+            delay_ms=delay_ms,
+            reason="unavailable",
+            agent="default",
+            status=503,
+            jitter=0.5,
+        )
+        _put(store, s, event, at)
+
+    call("c1", 1, 1)
+    retry("c1", 2, 250, 1)  # retry 1 of 1: jitter 0.5 of min(8000, 500 ms) = 250 ms
+    call("c2", 2, 1.5)
+    retry("c2", 2, 250, 1.5)  # a second retry, recorded as if it were the first
+    call("c3", 3, 2)
+    report = verify_store(store, s)
+    assert report.checked.get("prompt:retry_scheduled") == 2
+    assert [(f.kind, f.tag) for f in report.findings] == [("mismatch", "prompt:retry_scheduled")], (
+        _where(report)
+    )
+
+
+# -- 8. time: streams x restarts ---------------------------------------------------------------
+
+
+def _sessions_and_restarts(count: int) -> list[RecordedEvent]:
+    """``count`` process lives, each answering one new session's turn."""
+    config = parse_config({}).to_record()
+    records: list[RecordedEvent] = []
+    versions: dict[str, int] = {}
+
+    def add(stream: str, event: Event, at: float) -> None:
+        version = versions[stream] = versions.get(stream, 0) + 1
+        record = recorded(event, T0 + at, version, stream)
+        records.append(msgspec.structs.replace(record, position=len(records) + 1))
+
+    for life in range(count):
+        at = 10.0 * life
+        add("runtime", RuntimeStarted(config=config, stalwart_version="test"), at)
+        add(f"session:s{life}", SessionCreated(channel="chat"), at + 1)
+        add(f"session:s{life}", TurnStarted(turn_id="t"), at + 1)
+        add(f"session:s{life}", TurnCompleted(turn_id="t"), at + 2)
+        add("runtime", RuntimeStopped(), at + 3)
+    return records
+
+
+def _cpu(records: list[RecordedEvent]) -> float:
+    best = float("inf")
+    for _ in range(2):
+        began = time.process_time()
+        report = verify(records, REGISTRY, defaults=default_knobs())
+        best = min(best, time.process_time() - began)
+        assert report.clean
+    return best
+
+
+@pytest.mark.slow
+def test_verify_time_grows_linearly_with_a_logs_restarts_and_sessions() -> None:
+    """Every ``runtime:started`` recomputes every deadline of every stream seen so far,
+    pending or not, so a store whose processes restarted R times over S sessions costs
+    R x S: four times the log (four times the sessions and the restarts) takes about
+    sixteen times as long (a 10 000-event log like this takes about 10 s). Only the
+    deadlines that are pending need a look at a restart; the walk should stay linear."""
+    small, large = _sessions_and_restarts(250), _sessions_and_restarts(1_000)
+    ratio = _cpu(large) / _cpu(small)
+    assert ratio < 8, f"4x the log took {ratio:.1f}x the time"
