@@ -72,10 +72,12 @@ ALLOWED: dict[str, set[str]] = {
         "backoff",
     },
 }
-#: logging (``stalwart._logs``) is a foundation like errors: every part may log
+#: logging (``stalwart._logs``) and terminal-safe text (``stalwart._text``) are
+#: foundations like errors: every part may use them
 ALLOWED["_logs"] = set()
+ALLOWED["_text"] = set()
 for _rules in ALLOWED.values():
-    _rules.add("_logs")
+    _rules.update(("_logs", "_text"))
 
 
 def _part(path: Path) -> str:

@@ -47,17 +47,11 @@ from stalwart.state import verify
 from stalwart.store import EventStore, NewEvent
 from stalwart.testing import Answer, Fail, FakeProvider, Hang
 from tests._log import recorded
-from tests._runtime_support import GUARD, delivered, has, log_until
+from tests._runtime_support import GUARD, agent_settings, delivered, has, log_until
 
 T0 = 1_800_000_000.0
 
-AGENT: dict[str, Any] = {
-    "provider": "main",
-    "model": "m1",
-    "prompt_timeout_ms": 5_000,
-    "retry_prompt_timeout_ms": 5_000,
-    "max_retries": 0,
-}
+AGENT: dict[str, Any] = agent_settings()
 
 
 def _config(fake: FakeProvider, **sections: Any) -> Any:
