@@ -439,9 +439,8 @@ class AgentActor(Supervised):
     def _call_model(self, turn: LiveTurn) -> None:
         provider = self._caller.agent.provider
         is_degraded = self._is_degraded
-        if is_degraded is not None and all(
-            is_degraded(entry) for entry, _ in self._caller.chain(ProviderRequest(messages=()))
-        ):  # no model of the chain is on a healthy provider: no call, a static reply
+        if is_degraded is not None and all(map(is_degraded, self._caller.providers())):
+            # no model of the chain is on a healthy provider: no call, a static reply
             log.warning("agent.provider_degraded", stream=self._stream, provider=provider)
             self._finish(turn, "deferred", "provider_degraded", DEGRADED_TEXT, "static_reply")
             return

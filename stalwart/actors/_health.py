@@ -148,6 +148,10 @@ class HealthView(Mapping[str, HealthReport]):
         report = self._reports.get(provider)
         return report is not None and report.degraded
 
+    def any_degraded(self) -> bool:
+        """Whether some provider is degraded (the dead-letter queue then holds its retries)."""
+        return any(report.degraded for report in self._reports.values())
+
     def publish(self, report: HealthReport) -> None:
         with self._lock:
             self._reports = {**self._reports, report.provider: report}

@@ -125,6 +125,10 @@ class ModelCaller:
         """(provider, model) pairs in the order they are tried."""
         return [_pair(entry) for entry in self._names(request)]
 
+    def providers(self) -> set[str]:
+        """The providers of the agent's (text) chain."""
+        return {provider for provider, _ in self.chain(ProviderRequest(messages=()))}
+
     def _names(self, request: ProviderRequest) -> tuple[str, ...]:
         agent = self.agent
         return model_chain(

@@ -104,12 +104,8 @@ class PartsLayer:
             channels=self._w.channels,
             settings=self._w.config.dead_letters,
             on_crash=partial(self.crashed, "deadletter", self._restart_dead_letters),
-            any_degraded=self._any_degraded,
+            any_degraded=self._health_view.any_degraded,
         )
-
-    def _any_degraded(self) -> bool:
-        view = self._health_view
-        return any(view.is_degraded(provider) for provider in view)
 
     def _start_health(self, provider: str) -> pykka.ActorRef[Any]:
         restart = partial(self._restart_health, provider)
