@@ -12,6 +12,7 @@ from stalwart.events import (
     ActivationCancelled,
     ActivationLeased,
     ActivationReady,
+    ActivationReleased,
     ActivationRequeued,
     Event,
     LeaseExpired,
@@ -29,8 +30,10 @@ from stalwart.state import (
     WakeResult,
     decide_interrupt,
     decide_lease,
+    decide_release,
     decide_settlement,
     decide_wake,
+    due_hint,
     next_due,
 )
 
@@ -111,6 +114,30 @@ def test_lease_expiry_boundary_and_takeover_records_the_expiry() -> None:
     assert held is not None
     assert held.streak == 1
     assert [c.ended for c in folded.state.history] == ["expired", None]
+
+
+def test_a_released_lease_runs_again_at_once_with_no_failure_counted() -> None:
+    """Only the live lease's holder, at its epoch, hands it back; the activation (and the
+    messages its lease covered) stays queued with its streak, due at once."""
+    folded = log()
+    message(folded, 1, 0.0)
+    apply_all(folded, decide_lease(folded.state, "w1", 0.0, POLICY), 0.0)
+    message(folded, 2, 1.0)
+    assert decide_release(folded.state, "w2", 1) is None  # not the holder
+    assert decide_release(folded.state, "w1", 2) is None  # not the live epoch
+    released = decide_release(folded.state, "w1", 1)
+    assert released == ActivationReleased(activation_id="a1", owner="w1", epoch=1)
+    assert due_hint([(released, 5.0)]) == 5.0  # the work queue looks at once
+    folded.add(released, 5.0)
+    state = folded.state
+    assert state.lease is None
+    assert [(a.activation_id, a.streak) for a in state.queue] == [("a1", 0), ("a2", 0)]
+    assert [c.ended for c in state.history] == ["released"]
+    assert decide_release(state, "w1", 1) is None  # handed back already
+    events = decide_lease(state, "w2", 5.0, POLICY)  # no TTL to wait out, no expiry
+    assert [(type(e), getattr(e, "epoch", None)) for e in events] == [(ActivationLeased, 2)]
+    assert isinstance(events[0], ActivationLeased)
+    assert events[0].covers == ("a2",)
 
 
 def test_a_lease_that_keeps_expiring_is_abandoned_at_max_attempts() -> None:

@@ -8,14 +8,25 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from click.testing import CliRunner
 
 from stalwart import store as store_module
 from stalwart.cli import cli
-from stalwart.events import ActivationAcked, ActivationReady, AnnouncementQueued
-from stalwart.testing import Answer, FakeProvider
+from stalwart.events import (
+    ActivationAcked,
+    ActivationLeased,
+    ActivationReady,
+    ActivationReleased,
+    ActivationRequeued,
+    AnnouncementQueued,
+    LeaseExpired,
+    RecordedEvent,
+)
+from stalwart.testing import Answer, FakeProvider, Hang
 
 GUARD = 30.0
 
@@ -100,3 +111,63 @@ def test_send_says_when_it_creates_the_store(tmp_path: Path) -> None:
     assert (again.exit_code, again.stderr) == (0, "")
     with store_module.open(store_dir, create=False) as store:
         assert store.stream_version("session:s1") == 3
+
+
+def _worker(config: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "stalwart", "worker", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def _stream_until(store_dir: Path, done: Callable[[list[RecordedEvent]], bool]) -> list[Any]:
+    give_up = time.monotonic() + GUARD
+    with store_module.open(store_dir, read_only=True) as store:
+        while True:
+            records = list(store.read_stream("session:s1"))
+            if done(records):
+                return records
+            assert time.monotonic() < give_up, [r.type for r in records]
+            store.wait_for(store.head() + 1, 0.5)
+
+
+def test_a_worker_stopped_by_sigterm_mid_wake_hands_its_lease_back(tmp_path: Path) -> None:
+    """SIGTERM while the model call hangs: the worker stops cleanly and records
+    ``activation:released`` for the wake, so a second worker answers it at once (the
+    default lease TTL is 30 s; this test's guard would run out long before) and no failed
+    attempt is counted (no ``lease:expired``, no requeue)."""
+    store_dir = tmp_path / "store"
+    result = CliRunner().invoke(cli, ["--store", str(store_dir), "session", "send", "s1", "hi"])
+    assert result.exit_code == 0, result.output
+    with FakeProvider() as fake:
+        fake.add(Hang())
+        fake.set_default(Answer(text="answered after the restart"))
+        config = _config(tmp_path, fake.base_url)
+        first = _worker(config)
+        try:
+            fake.wait_for(lambda requests: len(requests) == 1, GUARD)
+        finally:
+            first.send_signal(signal.SIGTERM)
+            _, err = first.communicate(timeout=GUARD)
+        assert first.returncode == 0, err
+        records = _stream_until(
+            store_dir, lambda rs: any(isinstance(r.event, ActivationReleased) for r in rs)
+        )
+        second = _worker(config)
+        try:
+            records = _stream_until(
+                store_dir, lambda rs: any(isinstance(r.event, ActivationAcked) for r in rs)
+            )
+        finally:
+            second.send_signal(signal.SIGTERM)
+            out, err = second.communicate(timeout=GUARD)
+    assert second.returncode == 0, err
+    assert "answered after the restart" in out
+    events = [r.event for r in records]
+    [released] = [e for e in events if isinstance(e, ActivationReleased)]
+    leases = [e for e in events if isinstance(e, ActivationLeased)]
+    assert [lease.epoch for lease in leases] == [released.epoch, released.epoch + 1]
+    assert not [e for e in events if isinstance(e, LeaseExpired | ActivationRequeued)]

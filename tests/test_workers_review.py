@@ -4,15 +4,15 @@ Each test states what is wrong and what a user should be able to expect instead.
 
 from __future__ import annotations
 
-import pytest
-
 from stalwart.channels import MemoryChannel
+from stalwart.cli._replay import verify_store
 from stalwart.clock import FakeClock
 from stalwart.events import (
     ActivationAbandoned,
     ActivationAcked,
     ActivationLeased,
     ActivationReady,
+    ActivationReleased,
     ActivationRequeued,
     LeaseExpired,
 )
@@ -88,32 +88,34 @@ def test_a_retry_runs_at_its_backoff_time_not_at_the_next_poll(
         assert of(ActivationLeased, records)[1].epoch == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect, not fixed yet: a clean close does not hand its leases back, so "
-    "the next runtime waits out lease_ttl_ms and counts a failure (see CHANGELOG, Known)",
-)
 def test_a_clean_close_mid_wake_does_not_use_up_the_activations_attempts(
     store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
 ) -> None:
     """``Runtime.close()`` (and ``stalwart worker`` on SIGTERM, "stops it cleanly") while
-    a wake runs just stops renewing: the lease is left to expire, the next runtime waits
-    the whole ``lease_ttl_ms`` and then records ``lease:expired``, a *failure* of the
-    user's message. Enough routine restarts during a long wake (here ``max_attempts`` =
-    2, by default 5) abandon the message and tell the user it failed, though nothing
-    failed. A clean stop should hand its leases back (no failure counted), so the
-    message is answered by the next runtime."""
+    a wake runs just stopped renewing: the lease was left to expire, the next runtime
+    waited the whole ``lease_ttl_ms`` and then recorded ``lease:expired``, a *failure* of
+    the user's message. Enough routine restarts during a long wake (here ``max_attempts``
+    = 2, by default 5) abandoned the message and told the user it failed, though nothing
+    failed. A clean stop hands its leases back (``activation:released``, no failure
+    counted), so the next runtime runs the wake at once and answers the message."""
     config = runtime_config(fake.base_url, activations={"max_attempts": 2})
     for restart in range(2):  # two routine restarts, each while the wake is running
         fake.add(Hang())
         with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
             if restart == 0:
                 rt.session("s1", channel="chat").send("a long job")
-            else:
-                clock.advance(31.0)  # the lease the close left behind runs out
+            # the next runtime leases the released wake at once: no clock advance
             fake.wait_for(lambda requests, n=restart + 1: len(requests) == n, GUARD)
-    with Runtime(config, store=store, clock=clock, channels={"chat": chat}):
-        clock.advance(31.0)
+    with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
         records = log_until(store, "session:s1", has((ActivationAcked, ActivationAbandoned)))
+        assert [m.text for m in delivered(rt, chat, 1)] == ["default answer"]
     assert of(ActivationAbandoned, records) == [], "the message was given up after restarts"
     assert of(LeaseExpired, records) == [], "a clean close was recorded as an expired lease"
+    released = of(ActivationReleased, records)
+    leased = of(ActivationLeased, records)
+    assert [r.epoch for r in released] == [1, 2]
+    assert [lease.epoch for lease in leased] == [1, 2, 3]
+    assert len({lease.activation_id for lease in leased}) == 1
+    report = verify_store(store, "session:s1")
+    assert report.checked.get("activation:released") == 2
+    assert report.clean, report.findings

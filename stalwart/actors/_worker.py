@@ -16,7 +16,10 @@ and fenced the same way whatever the claim said.
 A lease is renewed every ``renew_every_ms`` with a fenced append; a renewal that is
 fenced out means the lease was taken over (this process froze past the TTL, or an
 interrupt claimed the session): the Agent is told to stop (:class:`LeaseLost`) and the
-worker records ``activation:lease_lost``. The Agent settles the wake itself, in the same
+worker records ``activation:lease_lost``. A process stopping cleanly tells the worker
+:class:`Closing` (no new leases), stops the Agents, then :class:`Release`: each running
+wake's lease is handed back (``activation:released``), so the next worker runs it at once
+and no failure is counted. The Agent settles the wake itself, in the same
 append as the turn's outcome, and tells the worker :class:`WakeEnded`.
 
 Polls come from the scheduler (every ``poll_ms``, and at the next due time it knows of),
@@ -50,6 +53,7 @@ from stalwart.state import (
     ActivationsState,
     WakeResult,
     decide_lease,
+    decide_release,
     decide_settlement,
     due_at,
 )
@@ -61,8 +65,10 @@ from ._supervised import Supervised
 
 __all__ = [
     "ActivationWorker",
+    "Closing",
     "LeaseLost",
     "Nudge",
+    "Release",
     "Wake",
     "WakeEnded",
     "WakeFailed",
@@ -138,6 +144,16 @@ class _Renew(msgspec.Struct, frozen=True):
     epoch: int
 
 
+class Closing(msgspec.Struct, frozen=True):
+    """The process is stopping: lease nothing more (the running wakes' leases are kept
+    alive until :class:`Release`)."""
+
+
+class Release(msgspec.Struct, frozen=True):
+    """The running wakes' Agents are stopped: hand their leases back
+    (``activation:released``, no failure counted). Replies with how many were released."""
+
+
 class WorkerStatus(msgspec.Struct, frozen=True):
     """Ask for the :class:`WorkerReport`."""
 
@@ -156,7 +172,8 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
 class ActivationWorker(Supervised):
     """Start with ``ActivationWorker.start(store, clock, scheduler, policy, owner=...,
     wake=..., lost=...)``. ``wake(Wake)`` hands a wake to the session's Agent (starting
-    it if needed) and returns False when it cannot; ``lost(LeaseLost)`` tells it to stop.
+    it if needed) and returns False when it cannot (a failed wake), None when the process
+    is stopping (the lease is kept for :class:`Release`); ``lost(LeaseLost)`` tells it to stop.
     Ask it :class:`WorkerStatus` (with a timeout) for what it runs."""
 
     def __init__(
@@ -167,7 +184,7 @@ class ActivationWorker(Supervised):
         policy: ActivationPolicy,
         *,
         owner: str,
-        wake: Callable[[Wake], bool],
+        wake: Callable[[Wake], bool | None],
         lost: Callable[[LeaseLost], object],
         abandoned: Callable[[Abandoned], object] | None = None,
         poll_ms: int = 1_000,
@@ -194,6 +211,7 @@ class ActivationWorker(Supervised):
         self._states: dict[str, ActivationsState] = {}
         self._running: dict[str, int] = {}  # stream -> the epoch this worker holds
         self._tick_at: float | None = None  # when the armed tick fires
+        self._closing = False  # Closing came: no more leases
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -221,6 +239,11 @@ class ActivationWorker(Supervised):
             case WakeFailed():
                 self._failed(message)
                 self._next_wake(message.stream)
+            case Closing():
+                self._closing = True
+                self._scheduler.cancel(("worker:tick", self._owner))
+            case Release():
+                return self._release()
             case WorkerStatus():
                 return self._report()
             case _:
@@ -264,6 +287,8 @@ class ActivationWorker(Supervised):
             self._catch_up()
 
     def _poll(self) -> None:
+        if self._closing:
+            return
         if self._queue is not None:
             self._poll_queue(self._queue)
             return
@@ -305,7 +330,7 @@ class ActivationWorker(Supervised):
         once (it needs no claim: the lease is fenced all the same) and write back its due
         time, so its settlement costs no other worker a look; else poll everything."""
         queue = self._queue
-        if queue is None:
+        if queue is None or self._closing:
             self._poll()
             return
         try:
@@ -370,7 +395,10 @@ class ActivationWorker(Supervised):
         self._running[stream] = leased.epoch
         log.info("worker.leased", stream=stream, epoch=leased.epoch, kind=head.kind)
         self._arm_renewal(stream, leased.epoch)
-        if not self._wake(wake):  # no Agent takes it (it cannot start): a failed wake,
+        taken = self._wake(wake)
+        if taken is None:  # the process is stopping: the lease is kept for Release
+            log.info("worker.wake_held", stream=stream, epoch=leased.epoch)
+        elif not taken:  # no Agent takes it (it cannot start): a failed wake,
             log.warning("worker.wake_refused", stream=stream)  # retried, then given up
             self._failed(WakeFailed(stream, error_class="wake_refused"))
 
@@ -471,6 +499,27 @@ class ActivationWorker(Supervised):
             return
         if isinstance(settlement, ActivationAbandoned):
             self._gave_up(message.stream)
+
+    def _release(self) -> int:
+        """Hand back the lease of every wake still running (its Agent was stopped): a
+        fenced ``activation:released``, so the next worker leases it at once and counts
+        no failure. A lease the wake settled or another worker took is left alone."""
+        released = 0
+        for stream, epoch in list(self._running.items()):
+            self._ended(WakeEnded(stream, epoch))
+            try:
+                self._sync(stream)
+                decided = decide_release(self._states[stream], self._owner, epoch)
+                if decided is None:
+                    continue
+                now = self._clock.now()
+                self._store.append(stream, [NewEvent(event=decided, ts=now)], fence=Fence(epoch))
+            except StoreError as exc:  # fenced, or the store failed: the lease expires
+                log.warning("worker.release_failed", stream=stream, error=type(exc).__name__)
+                continue
+            released += 1
+            log.info("worker.released", stream=stream, epoch=epoch)
+        return released
 
     def _gave_up(self, stream: str) -> None:
         """An activation was abandoned: its session's Agent must tell the user."""

@@ -110,6 +110,16 @@ class ActivationLeaseLost(Event, frozen=True, tag="activation:lease_lost"):
     severity: ClassVar[Severity] = "warning"
 
 
+class ActivationReleased(Event, frozen=True, tag="activation:released"):
+    """The lease's holder handed it back unsettled (its process stopping cleanly): the
+    activation runs again as soon as a worker leases it, and no failure is counted."""
+
+    activation_id: str
+    owner: str
+    epoch: int
+    reason: str = "shutdown"
+
+
 class LeaseExpired(Event, frozen=True, tag="lease:expired"):
     """A lease ran out with its wake unsettled (the holder died or froze); ``streak`` is
     the activation's failure count with this one."""

@@ -26,8 +26,10 @@ from stalwart._logs import get_logger
 from stalwart.actors import (
     Abandoned,
     ActivationWorker,
+    Closing,
     LeaseLost,
     Nudge,
+    Release,
     Scheduler,
     Wake,
     WakeEnded,
@@ -62,7 +64,9 @@ class Durability:
     """The worker of one runtime, and what its Agents are given to reach it.
 
     ``agent_for(session_id, start)`` returns the session's Agent ref (starting it when
-    ``start``), or None when it cannot. ``idle(session_id)`` stops an idle Agent.
+    ``start``), or None when it cannot; ``stopping()`` says whether the runtime is closing
+    (a wake it cannot hand over then is not a failure: its lease is handed back).
+    ``idle(session_id)`` stops an idle Agent.
     ``on_crash(restart, reason)`` hears of a worker that died of an exception; calling
     ``restart()`` starts a new one, under a new owner name (as a new process would: the
     leases the dead one held are taken over when they expire).
@@ -77,6 +81,7 @@ class Durability:
         *,
         agent_for: Callable[[str, bool], pykka.ActorRef[Any] | None],
         passivate: Callable[[str], bool],
+        stopping: Callable[[], bool] = lambda: False,
         on_crash: Callable[[Callable[[], None], str], object] | None = None,
     ) -> None:
         self.settings = settings
@@ -86,6 +91,7 @@ class Durability:
         self._scheduler = scheduler
         self._agent_for = agent_for
         self._passivate = passivate
+        self._stopping = stopping
         self._on_crash = on_crash
         self._rng = random.SystemRandom()
         self._last_wake: dict[str, float] = {}
@@ -143,23 +149,35 @@ class Durability:
         assert isinstance(report, WorkerReport)
         return report
 
-    def stop(self) -> None:
+    def closing(self) -> None:
+        """The process stops: the worker leases nothing more (before the Agents stop)."""
         self._scheduler.cancel(self._timer)
+        with contextlib.suppress(pykka.ActorDeadError):
+            self.worker.tell(Closing())
+
+    def stop(self) -> None:
+        """Hand the running wakes' leases back (their Agents are stopped), then stop."""
+        self._scheduler.cancel(self._timer)
+        with contextlib.suppress(pykka.ActorDeadError, pykka.Timeout):
+            released = self.worker.ask(Release(), timeout=5.0)
+            if released:
+                log.info("durable.leases_released", count=released)
         with contextlib.suppress(pykka.ActorDeadError, pykka.Timeout):
             self.worker.stop(timeout=5.0)
 
-    def _wake(self, wake: Wake) -> bool:
+    def _wake(self, wake: Wake) -> bool | None:
         # one step with the passivation sweep's check-and-stop: a wake is never handed
         # to an Agent the sweep is stopping (it starts a new one once that one is gone)
         with self._handoff:
             ref = self._agent_for(wake.stream.removeprefix("session:"), True)
             if ref is None:
-                return False
+                # the runtime is closing: not a failed wake, a lease to hand back
+                return None if self._stopping() else False
             self._last_wake[wake.stream] = self._clock.now()
             try:
                 ref.tell(wake)
             except pykka.ActorDeadError:
-                return False
+                return None if self._stopping() else False
             return True
 
     def _lost(self, lost: LeaseLost) -> None:

@@ -185,9 +185,13 @@ class Runtime:
         steps: list[tuple[str, Callable[[], object]]] = [
             (
                 "worker",
-                lambda: self._sessions.stop_worker() if self._sessions is not None else None,
+                lambda: self._sessions.pause_worker() if self._sessions is not None else None,
             ),
             ("agents", lambda: stop_actors([s.ref for s in sessions])),
+            (
+                "leases",  # the Agents append nothing more: their leases are handed back
+                lambda: self._sessions.stop_worker() if self._sessions is not None else None,
+            ),
             ("runs", lambda: stop_runs(runs)),
             ("supervision", lambda: parts.stop_supervision() if parts else None),
             ("health", lambda: parts.stop_health() if parts else None),

@@ -106,6 +106,7 @@ class SessionLayer:
             self._w.config.activations,
             agent_for=self.agent_for_wake,
             passivate=self.passivate,
+            stopping=lambda: not self._w.running(),
             on_crash=on_worker_crash,
         )
         threading.Thread(target=self._resend_cut_short, name="stalwart-resend", daemon=True).start()
@@ -132,7 +133,14 @@ class SessionLayer:
         except Exception:  # a bug: logged (a background thread has nobody to raise to)
             log.exception("runtime.resend_sweep_failed")
 
+    def pause_worker(self) -> None:
+        """No new leases (the process stops); the running wakes keep theirs."""
+        if self._durable is not None:
+            self._durable.closing()
+
     def stop_worker(self) -> None:
+        """Hand back the leases of the wakes still running (their Agents are stopped) and
+        stop the worker."""
         if self._durable is not None:
             self._durable.stop()
 

@@ -18,6 +18,7 @@ from stalwart.events import (
     ActivationLeased,
     ActivationLeaseLost,
     ActivationReady,
+    ActivationReleased,
     ActivationRequeued,
     LeaseExpired,
     LeaseRenewed,
@@ -152,6 +153,7 @@ ACTIVATION_EVENTS: frozenset[type] = frozenset(
     {
         *(ActivationReady, ActivationLeased, LeaseRenewed, LeaseExpired, ActivationAcked),
         *(ActivationBlocked, ActivationRequeued, ActivationAbandoned, ActivationCancelled),
+        ActivationReleased,
         *(SessionRequiresAction, UserToolConfirmation, UserCustomToolResult, UserInterrupt),
     }
 )
@@ -216,6 +218,8 @@ def apply_activations(state: ActivationsState, record: RecordedEvent) -> Activat
             return _settle(state, event.activation_id, "cancelled", record.ts)
         case LeaseExpired():
             return expired_lease(state, event)
+        case ActivationReleased():
+            return _released(state, event)
         case ActivationLeaseLost():
             return state  # an observation of the old holder; the takeover already moved on
         case SessionRequiresAction():
@@ -270,6 +274,18 @@ def _requeued(state: ActivationsState, event: ActivationRequeued, at: float) -> 
         last_outcome=outcome,
         requeued=state.requeued + 1,
     )
+
+
+def _released(state: ActivationsState, event: ActivationReleased) -> ActivationsState:
+    """The holder handed the lease back: the activation (and what its lease covered) is
+    queued as it was, due again at once, its failure streak untouched."""
+    lease = state.lease
+    if lease is None or lease.epoch != event.epoch:
+        return state
+    history = state.history
+    if history:
+        history = (*history[:-1], msgspec.structs.replace(history[-1], ended="released"))
+    return msgspec.structs.replace(state, lease=None, history=history)
 
 
 def expired_lease(state: ActivationsState, event: LeaseExpired) -> ActivationsState:

@@ -10,7 +10,8 @@ an :class:`ActivationPolicy` alone:
   backoff 2, 4, 8, 16, 30, 30 s ..., or abandoned);
 - :func:`decide_wake`: whether a delayed wake may be scheduled (dedupe key, count and
   horizon caps);
-- :func:`decide_interrupt`: what an interrupt cancels.
+- :func:`decide_interrupt`: what an interrupt cancels;
+- :func:`decide_release`: a clean stop handing its live lease back (no failure counted).
 
 Replay re-runs each of them on the state just before its event (``replay --verify``).
 """
@@ -29,6 +30,7 @@ from stalwart.events import (
     ActivationCancelled,
     ActivationLeased,
     ActivationReady,
+    ActivationReleased,
     ActivationRequeued,
     Event,
     LeaseExpired,
@@ -157,6 +159,20 @@ def decide_lease(
         )
     )
     return events
+
+
+def decide_release(
+    state: ActivationsState, owner: str, epoch: int, *, reason: str = "shutdown"
+) -> ActivationReleased | None:
+    """Hand back the lease ``owner`` holds at ``epoch`` (its process stops cleanly with
+    the wake unsettled); None when that lease is no longer the live one (the wake
+    settled it, or it was taken over)."""
+    lease = state.lease
+    if lease is None or lease.epoch != epoch or lease.owner != owner:
+        return None
+    return ActivationReleased(
+        activation_id=lease.activation_id, owner=owner, epoch=epoch, reason=reason
+    )
 
 
 def _spent_by_expiry(state: ActivationsState, policy: ActivationPolicy) -> Activation | None:

@@ -9,8 +9,8 @@ stream, a time at which some worker should look at it. Two pure functions feed i
 - :func:`due_hint`: a time no later than that, from the events of one append alone, for
   appenders that did not fold the stream (a user message, a settlement): the time of a
   new activation, ``at`` for an event that may have made queued work runnable (a
-  settlement, an expiry, an answer, an interrupt), None for events that can only put
-  the work off (a lease, a renewal, a pause) or do not touch it.
+  settlement, an expiry, a released lease, an answer, an interrupt), None for events
+  that can only put the work off (a lease, a renewal, a pause) or do not touch it.
 
 A hint may be early (a worker folds the stream and finds nothing to do yet), never late.
 """
@@ -26,6 +26,7 @@ from stalwart.events import (
     ActivationBlocked,
     ActivationCancelled,
     ActivationReady,
+    ActivationReleased,
     ActivationRequeued,
     Event,
     LeaseExpired,
@@ -44,6 +45,7 @@ _RELEASING = (
     ActivationRequeued,
     ActivationAbandoned,
     ActivationCancelled,
+    ActivationReleased,
     LeaseExpired,
     UserToolConfirmation,
     UserCustomToolResult,

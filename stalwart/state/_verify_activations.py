@@ -9,6 +9,8 @@ interrupts) and the lease-expiry deadline.
   in force: a settlement by a holder whose epoch is not the live lease's is a mismatch
   (the fence should have refused it);
 - ``user:interrupt`` and the ``activation:cancelled`` that follow it: :func:`decide_interrupt`;
+- ``activation:released`` (a clean stop handing its lease back): :func:`decide_release`,
+  only by the live lease's holder at its epoch;
 - the **lease expiry** deadline: once a lease has run out, the next worker owes its
   takeover within ``activations.poll_ms`` (a worker that polls); it survives a restart
   (any worker owes it), and a log whose end cuts it off is not flagged.
@@ -21,6 +23,7 @@ from stalwart.events import (
     ActivationAcked,
     ActivationBlocked,
     ActivationLeased,
+    ActivationReleased,
     ActivationRequeued,
     Event,
     LeaseExpired,
@@ -36,6 +39,7 @@ from ._activation_policy import (
     activation_backoff_ms,
     decide_interrupt,
     decide_lease,
+    decide_release,
     decide_settlement,
 )
 from ._verify_registry import Deadline, Knobs, Selective, Verifier, moment
@@ -152,6 +156,26 @@ def _cancelled(state: ActivationsState, record: RecordedEvent, knobs: Knobs) -> 
     ]
 
 
+def _released(state: ActivationsState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    """Only the live lease's holder hands it back, at its epoch."""
+    event = record.event
+    assert isinstance(event, ActivationReleased)
+    decided = decide_release(state, event.owner, event.epoch, reason=event.reason)
+    return [] if decided is None else [decided]
+
+
+def _released_why(state: ActivationsState, record: RecordedEvent, knobs: Knobs) -> str:
+    event = record.event
+    assert isinstance(event, ActivationReleased)
+    lease = state.lease
+    if lease is None:
+        return f"no lease was live when {event.owner} released epoch {event.epoch}"
+    return (
+        f"the live lease was epoch {lease.epoch} held by {lease.owner}, "
+        f"not epoch {event.epoch} held by {event.owner}"
+    )
+
+
 def _lease_due(state: ActivationsState, knobs: Knobs) -> float | None:
     lease = state.lease
     return lease.expires_at if lease is not None else None
@@ -181,6 +205,7 @@ ACTIVATION_RULES: tuple[Verifier[ActivationsState] | Deadline[ActivationsState],
     Verifier("activation:blocked", _FOLD, _settled, _SESSIONS, why=_settled_why),
     Verifier("user:interrupt", _FOLD, _interrupted, _SESSIONS),
     Verifier("activation:cancelled", _FOLD, _cancelled, _SESSIONS),
+    Verifier("activation:released", _FOLD, _released, _SESSIONS, why=_released_why),
     Deadline(
         "lease expiry",
         "lease:expired",
@@ -198,6 +223,7 @@ ACTIVATION_RULES: tuple[Verifier[ActivationsState] | Deadline[ActivationsState],
                 ActivationBlocked,
                 ActivationRequeued,
                 ActivationAbandoned,
+                ActivationReleased,
                 UserInterrupt,
             }
         ),
