@@ -43,7 +43,7 @@ def main(directory: str, start: float) -> None:
     entry_id = ref.ask(Enqueue("a-1", "chat", "conv-1", "text 1", "timeout"), timeout=WAIT)
     say({"enqueued": entry_id})
     clock.set(start + 30)  # the first retry: it fails
-    if store.wait_for(2, WAIT) < 2:
+    if store.wait_for(3, WAIT) < 3:  # the retry's decision, then its failed send
         say({"error": "the failed retry was never recorded"})
         return
     say({"failed": entry_id})

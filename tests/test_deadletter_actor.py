@@ -17,10 +17,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pykka
@@ -43,11 +43,21 @@ from stalwart.events import (
     AnnouncementDeadLetterDelivered,
     AnnouncementDeadLettered,
     AnnouncementDeadLetterExpired,
+    AnnouncementDeadLetterRetried,
     AnnouncementSendFailed,
     Event,
+    RecordedEvent,
 )
-from stalwart.state import DEADLETTER, DeadLetterState, apply_deadletter, decide_expiry, retry_at
-from stalwart.store import EventStore
+from stalwart.state import (
+    DEADLETTER,
+    DeadLetterState,
+    apply_deadletter,
+    decide_drain,
+    decide_expiry,
+    decide_retries,
+    retry_at,
+)
+from stalwart.store import EventStore, NewEvent
 
 WAIT = 10.0  # seconds any one step may take before the test fails rather than hangs
 MS = 0.001
@@ -164,16 +174,65 @@ def quiet_until(queue: Queue, ref: pykka.ActorRef[Any], deadline: float) -> None
     assert queue.scheduler.next_deadline() == deadline
 
 
-def check_replay(store: EventStore) -> None:
-    """Every expiry in the log is what decide_expiry gives on the state before it, at its ts."""
+def check_replay(store: EventStore, settings: DeadLetterSettings = D) -> None:
+    """Every decision in the log is what its policy gives on the state before it, at its ts
+    and with the test's ``settings``: an expiry decide_expiry's, a ``backoff`` retry
+    decide_retries', a ``drain`` retry decide_drain's for its provider."""
     state = DEADLETTER.initial("deadletter")
     for record in store.read_stream("deadletter"):
-        if isinstance(record.event, AnnouncementDeadLetterExpired):
+        event = record.event
+        decided: Sequence[Event] = [event]  # a fact (an entry, an outcome): nothing to decide
+        if isinstance(event, AnnouncementDeadLetterExpired):
             decided = decide_expiry(
-                state, record.ts, max_age_ms=D.max_age_ms, max_retries=D.max_retries
+                state, record.ts, max_age_ms=settings.max_age_ms, max_retries=settings.max_retries
             )
-            assert record.event in decided
+        elif isinstance(event, AnnouncementDeadLetterRetried) and event.reason == "backoff":
+            assert event.provider is None, record
+            decided = decide_retries(
+                state,
+                record.ts,
+                max_retries=settings.max_retries,
+                base_ms=settings.retry_base_ms,
+                cap_ms=settings.retry_cap_ms,
+            )
+        elif isinstance(event, AnnouncementDeadLetterRetried):
+            assert event.provider is not None, record
+            decided = decide_drain(state, event.provider)
+        assert event in decided, record
         state = apply_deadletter(state, record)
+
+
+class Appends:
+    """A store that keeps the events of each append, one list per append (a batch)."""
+
+    def __init__(self, store: EventStore) -> None:
+        self.store = store
+        self.batches: list[list[Event]] = []
+
+    def append(
+        self, stream: str, events: Sequence[Event | NewEvent], *args: Any, **kwargs: Any
+    ) -> list[RecordedEvent]:
+        records = self.store.append(stream, events, *args, **kwargs)
+        self.batches.append([record.event for record in records])
+        return records
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def retries(self) -> list[list[Event]]:
+        """The batches that decided retries."""
+        return [
+            batch
+            for batch in self.batches
+            if any(isinstance(e, AnnouncementDeadLetterRetried) for e in batch)
+        ]
+
+
+def recording(queue: Queue) -> Appends:
+    """Make the actors ``queue`` starts from now on append through an :class:`Appends`."""
+    spy = Appends(queue.store)
+    queue.store = cast(EventStore, spy)
+    return spy
 
 
 def next_retry(ref: pykka.ActorRef[Any], settings: DeadLetterSettings = D) -> float:
@@ -205,7 +264,8 @@ def test_retried_on_schedule_then_delivered(
         quiet_until(dead_letters, ref, deadline)
         dead_letters.clock.set(deadline)
         assert len(attempted(portal, chat, attempt)) == attempt
-        log = settle(ref, lmdb_store, 1 + attempt)
+        log = settle(ref, lmdb_store, 1 + 2 * attempt)  # a decision, then its outcome
+        assert log[-2] == AnnouncementDeadLetterRetried(entry_id=entry_id, attempt=attempt)
         state = state_of(ref)
         if attempt < 3:
             assert log[-1] == AnnouncementSendFailed(
@@ -221,6 +281,25 @@ def test_retried_on_schedule_then_delivered(
     assert chat.messages == [message]
     assert chat.attempted == [message] * 3  # the same idempotency key on every attempt
     assert dead_letters.scheduler.pending() == 0  # an empty queue arms nothing
+    check_replay(lmdb_store)
+
+
+def test_retries_due_at_one_tick_are_decided_in_one_append(
+    dead_letters: Queue, chat: MemoryChannel, lmdb_store: EventStore
+) -> None:
+    spy = recording(dead_letters)
+    ref = dead_letters.start({"chat": chat})
+    ids = [enqueue(ref, "1"), enqueue(ref, "2")]  # both at T0: both due at T0 + 30
+    dead_letters.clock.set(T0 + 30)
+    log = settle(ref, lmdb_store, 6)
+    retried = [AnnouncementDeadLetterRetried(entry_id=i, attempt=1) for i in ids]
+    assert log[2:4] == retried  # in enqueue order, before either outcome
+    assert spy.retries() == [retried]
+    delivered = [e for e in log if isinstance(e, AnnouncementDeadLetterDelivered)]
+    assert log[4:] == delivered
+    assert sorted((e.entry_id, e.attempts) for e in delivered) == sorted((i, 1) for i in ids)
+    assert state_of(ref).entries == ()
+    check_replay(lmdb_store)
 
 
 def test_failing_sends_are_counted_then_expired_as_retries_exhausted(
@@ -236,13 +315,19 @@ def test_failing_sends_are_counted_then_expired_as_retries_exhausted(
         quiet_until(dead_letters, ref, deadline)
         dead_letters.clock.set(deadline)
         attempted(portal, chat, attempt)
-        settle(ref, lmdb_store, 1 + attempt)
+        settle(ref, lmdb_store, 1 + 2 * attempt)
         if attempt < D.max_retries:
             assert state_of(ref).entries[0].attempts == attempt
     assert deadline == T0 + 30 + 60 + 120 + 240 + 480
-    log = events(lmdb_store, 2 + D.max_retries)
-    assert [type(e) for e in log[1:-1]] == [AnnouncementSendFailed] * D.max_retries
-    assert {e.error_class for e in log[1:-1]} == {"rate_limited"}  # type: ignore[attr-defined]
+    log = events(lmdb_store, 2 + 2 * D.max_retries)
+    failed = AnnouncementSendFailed(
+        announcement_id="a-1", error_class="rate_limited", entry_id=entry_id
+    )
+    assert log[1:-1] == [
+        event
+        for attempt in range(1, D.max_retries + 1)
+        for event in (AnnouncementDeadLetterRetried(entry_id=entry_id, attempt=attempt), failed)
+    ]
     assert log[-1] == AnnouncementDeadLetterExpired(
         entry_id=entry_id,
         age_ms=930_000,
@@ -268,11 +353,12 @@ def test_expires_after_max_age_while_retries_are_pending(
     entry_id = enqueue(ref, "1")
     dead_letters.clock.set(T0 + 1500)
     attempted(portal, chat, 1)
-    settle(ref, lmdb_store, 2)
+    log = settle(ref, lmdb_store, 3)
+    assert [type(e) for e in log[1:]] == [AnnouncementDeadLetterRetried, AnnouncementSendFailed]
     assert next_retry(ref, slow) == T0 + 4500  # after the hour: still pending at expiry
     quiet_until(dead_letters, ref, T0 + 3600)
     dead_letters.clock.set(T0 + 3600)
-    log = events(lmdb_store, 3)
+    log = events(lmdb_store, 4)
     assert log[-1] == AnnouncementDeadLetterExpired(
         entry_id=entry_id,
         age_ms=3_600_000,
@@ -284,7 +370,7 @@ def test_expires_after_max_age_while_retries_are_pending(
     assert state_of(ref).entries == ()
     assert len(chat.attempted) == 1
     assert dead_letters.scheduler.pending() == 0
-    check_replay(lmdb_store)
+    check_replay(lmdb_store, slow)
 
 
 def test_a_hanging_channel_is_bounded_by_the_announce_timeout(
@@ -297,13 +383,18 @@ def test_a_hanging_channel_is_bounded_by_the_announce_timeout(
     dead_letters.clock.set(T0 + 30)
     attempted(portal, chat, 1)  # the send started (and hangs): its deadline is armed
     dead_letters.clock.advance(0.1)
-    log = settle(ref, lmdb_store, 2)
-    assert log[-1] == AnnouncementSendFailed(
-        announcement_id="a-1", error_class="timeout", entry_id=entry_id
-    )
-    dead_letters.clock.set(T0 + 90.1)  # the retry counts from the failure (at T0 + 30.1)
     log = settle(ref, lmdb_store, 3)
-    assert log[-1] == AnnouncementDeadLetterDelivered(entry_id=entry_id, attempts=2)
+    assert log[1:] == [
+        AnnouncementDeadLetterRetried(entry_id=entry_id, attempt=1),
+        AnnouncementSendFailed(announcement_id="a-1", error_class="timeout", entry_id=entry_id),
+    ]
+    dead_letters.clock.set(T0 + 90.1)  # the retry counts from the failure (at T0 + 30.1)
+    log = settle(ref, lmdb_store, 5)
+    assert log[3:] == [
+        AnnouncementDeadLetterRetried(entry_id=entry_id, attempt=2),
+        AnnouncementDeadLetterDelivered(entry_id=entry_id, attempts=2),
+    ]
+    check_replay(lmdb_store, quick)
 
 
 def test_an_unknown_channel_is_a_failed_send(
@@ -312,9 +403,12 @@ def test_an_unknown_channel_is_a_failed_send(
     ref = dead_letters.start({"chat": chat})
     entry_id = enqueue(ref, "1", channel="gone")
     dead_letters.clock.set(T0 + 30)
-    assert settle(ref, lmdb_store, 2)[-1] == AnnouncementSendFailed(
-        announcement_id="a-1", error_class="unknown_channel", entry_id=entry_id
-    )
+    assert settle(ref, lmdb_store, 3)[1:] == [
+        AnnouncementDeadLetterRetried(entry_id=entry_id, attempt=1),
+        AnnouncementSendFailed(
+            announcement_id="a-1", error_class="unknown_channel", entry_id=entry_id
+        ),
+    ]
     assert chat.attempted == []
 
 
@@ -325,13 +419,21 @@ def test_provider_recovered_drains_every_entry_at_once(
     dead_letters: Queue, lmdb_store: EventStore, portal: IoPortal
 ) -> None:
     chat, pager = MemoryChannel("chat"), MemoryChannel("pager")
+    spy = recording(dead_letters)
     ref = dead_letters.start({"chat": chat, "pager": pager})
     ids = [enqueue(ref, "1"), enqueue(ref, "2", channel="pager")]
     dead_letters.clock.set(T0 + 10)
     ids.append(enqueue(ref, "3"))
     ref.tell(Drain("openai"))  # long before any retry is due
-    log = settle(ref, lmdb_store, 6)
+    log = settle(ref, lmdb_store, 9)
+    drained = [
+        AnnouncementDeadLetterRetried(entry_id=i, attempt=1, reason="drain", provider="openai")
+        for i in ids
+    ]
+    assert log[3:6] == drained  # in enqueue order, every one decided before any send ended
+    assert spy.retries() == [drained]  # in one append
     delivered = [e for e in log if isinstance(e, AnnouncementDeadLetterDelivered)]
+    assert log[6:] == delivered
     assert sorted(e.entry_id for e in delivered) == sorted(ids)
     assert {e.attempts for e in delivered} == {1}
     assert [m.idempotency_key for m in chat.messages] == ["a-1", "a-3"]
@@ -340,6 +442,7 @@ def test_provider_recovered_drains_every_entry_at_once(
     assert (state.entries, state.delivered) == ((), 3)
     assert dead_letters.clock.now() == T0 + 10
     assert dead_letters.scheduler.pending() == 0
+    check_replay(lmdb_store)
 
 
 def test_a_drain_never_starts_a_second_send_of_an_entry_in_flight(
@@ -353,13 +456,18 @@ def test_a_drain_never_starts_a_second_send_of_an_entry_in_flight(
     other = enqueue(ref, "2")
     assert ask(ref, InFlight()) == (stuck,)
     ref.tell(Drain("openai"))
-    ref.tell(Drain("anthropic"))
-    log = settle(ref, lmdb_store, 3)
-    assert log[-1] == AnnouncementDeadLetterDelivered(entry_id=other, attempts=1)
-    state_of(ref)  # both drains handled
+    ref.tell(Drain("anthropic"))  # finds one entry in flight, the other in flight or gone
+    settle(ref, lmdb_store, 5)  # and both drains handled
+    log = events(lmdb_store, 5)
+    assert log[1] == AnnouncementDeadLetterRetried(entry_id=stuck, attempt=1)  # its backoff
+    assert log[3:] == [
+        AnnouncementDeadLetterRetried(entry_id=other, attempt=1, reason="drain", provider="openai"),
+        AnnouncementDeadLetterDelivered(entry_id=other, attempts=1),
+    ]
     assert ask(ref, InFlight()) == (stuck,)
     assert [m.idempotency_key for m in chat.attempted] == ["a-1", "a-2"]
-    assert lmdb_store.head() == 3
+    assert lmdb_store.head() == 5  # no drain decided a retry of stuck, nor "anthropic" any
+    check_replay(lmdb_store)
 
 
 # -- restarts --------------------------------------------------------------------------------
@@ -372,7 +480,7 @@ def test_a_restart_resumes_the_retries(
     first = dead_letters.start({"chat": chat})
     one = enqueue(first, "1")
     dead_letters.clock.set(T0 + 30)  # one's first retry fails
-    settle(first, lmdb_store, 2)
+    settle(first, lmdb_store, 3)
     dead_letters.clock.set(T0 + 40)
     two = enqueue(first, "2")
     before = state_of(first)
@@ -383,15 +491,18 @@ def test_a_restart_resumes_the_retries(
     assert state_of(second) == before
     quiet_until(dead_letters, second, T0 + 70)  # two's first retry
     dead_letters.clock.set(T0 + 70)
-    assert settle(second, lmdb_store, 4)[-1] == AnnouncementDeadLetterDelivered(
-        entry_id=two, attempts=1
-    )
+    assert settle(second, lmdb_store, 6)[-2:] == [
+        AnnouncementDeadLetterRetried(entry_id=two, attempt=1),
+        AnnouncementDeadLetterDelivered(entry_id=two, attempts=1),
+    ]
     quiet_until(dead_letters, second, T0 + 90)  # one's second retry
     dead_letters.clock.set(T0 + 90)
-    assert settle(second, lmdb_store, 5)[-1] == AnnouncementDeadLetterDelivered(
-        entry_id=one, attempts=2
-    )
+    assert settle(second, lmdb_store, 8)[-2:] == [
+        AnnouncementDeadLetterRetried(entry_id=one, attempt=2),
+        AnnouncementDeadLetterDelivered(entry_id=one, attempts=2),
+    ]
     assert [m.idempotency_key for m in chat.messages] == ["a-2", "a-1"]
+    check_replay(lmdb_store)
 
 
 def test_a_restart_after_a_deadline_passed_retries_at_once(
@@ -402,9 +513,33 @@ def test_a_restart_after_a_deadline_passed_retries_at_once(
     first.stop(block=True, timeout=WAIT)
     dead_letters.clock.set(T0 + 45)  # down while the retry fell due
     dead_letters.start({"chat": chat})
-    assert events(lmdb_store, 2)[-1] == AnnouncementDeadLetterDelivered(
-        entry_id=entry_id, attempts=1
-    )
+    assert events(lmdb_store, 3)[1:] == [
+        AnnouncementDeadLetterRetried(entry_id=entry_id, attempt=1),
+        AnnouncementDeadLetterDelivered(entry_id=entry_id, attempts=1),
+    ]
+    check_replay(lmdb_store)
+
+
+def test_a_retry_decided_but_cut_short_by_a_stop_is_decided_again_after_the_restart(
+    dead_letters: Queue, chat: MemoryChannel, lmdb_store: EventStore, portal: IoPortal
+) -> None:
+    chat.hang_next(1)
+    first = dead_letters.start({"chat": chat})
+    entry_id = enqueue(first, "1")
+    dead_letters.clock.set(T0 + 30)
+    attempted(portal, chat, 1)  # decided and in flight, when the actor stops
+    first.stop(block=True, timeout=WAIT)
+    retried = AnnouncementDeadLetterRetried(entry_id=entry_id, attempt=1)
+    assert events(lmdb_store, 2)[1:] == [retried]  # no outcome: the attempt does not count
+
+    second = dead_letters.start({"chat": chat})  # its retry is past due: at once
+    assert settle(second, lmdb_store, 4)[1:] == [
+        retried,
+        retried,  # the same attempt, decided again
+        AnnouncementDeadLetterDelivered(entry_id=entry_id, attempts=1),
+    ]
+    assert [m.idempotency_key for m in chat.attempted] == ["a-1", "a-1"]
+    check_replay(lmdb_store)
 
 
 def test_a_restart_resumes_the_expiry(
@@ -416,15 +551,16 @@ def test_a_restart_resumes_the_expiry(
     first = dead_letters.start({"chat": down}, slow)
     entry_id = enqueue(first, "1")
     dead_letters.clock.set(T0 + 1500)
-    settle(first, lmdb_store, 2)
+    settle(first, lmdb_store, 3)
     first.stop(block=True, timeout=WAIT)
 
     second = dead_letters.start({"chat": down}, slow)
     quiet_until(dead_letters, second, T0 + 3600)
     dead_letters.clock.set(T0 + 3600)
-    expired = settle(second, lmdb_store, 3)[-1]
+    expired = settle(second, lmdb_store, 4)[-1]
     assert isinstance(expired, AnnouncementDeadLetterExpired)
     assert (expired.entry_id, expired.reason, expired.attempts) == (entry_id, "max_age", 1)
+    check_replay(lmdb_store, slow)
 
 
 # -- a real crash ----------------------------------------------------------------------------
@@ -491,7 +627,8 @@ def test_an_entry_queued_just_before_a_crash_is_delivered_once_after_it(
     try:
         until = time.monotonic() + 30
         entry_id = child.expect(until)["enqueued"]  # in the log: the ask returned
-        assert child.expect(until) == {"failed": entry_id}  # its first retry failed too
+        # the child says "failed" once the retry's decision and its failed send are in
+        assert child.expect(until) == {"failed": entry_id}
         child.kill()
     finally:
         child.close()
@@ -511,25 +648,35 @@ def test_an_entry_queued_just_before_a_crash_is_delivered_once_after_it(
             if how == "retry":
                 quiet_until(harness, ref, T0 + 90)
                 clock.set(T0 + 90)
+                retried = AnnouncementDeadLetterRetried(entry_id=entry_id, attempt=2)
             else:
                 ref.tell(Drain("openai"))
-            log = settle(ref, store, 3)
-            assert log[-1] == AnnouncementDeadLetterDelivered(entry_id=entry_id, attempts=2)
+                retried = AnnouncementDeadLetterRetried(
+                    entry_id=entry_id, attempt=2, reason="drain", provider="openai"
+                )
+            log = settle(ref, store, 5)
+            assert log[-2:] == [
+                retried,
+                AnnouncementDeadLetterDelivered(entry_id=entry_id, attempts=2),
+            ]
             # exactly once: later drains and deadlines find nothing to send
             ref.tell(Drain("openai"))
             clock.set(T0 + 2 * 3600)
             state = state_of(ref)
             assert (state.entries, state.delivered, state.expired) == ((), 1, 0)
-            assert [type(e) for e in events(store, 3)] == [
+            assert [type(e) for e in events(store, 5)] == [
                 AnnouncementDeadLettered,
+                AnnouncementDeadLetterRetried,
                 AnnouncementSendFailed,
+                AnnouncementDeadLetterRetried,
                 AnnouncementDeadLetterDelivered,
             ]
-            assert store.head() == 3
+            assert store.head() == 5
             assert chat.messages == [
                 OutboundMessage(conversation="conv-1", text="text 1", idempotency_key="a-1")
             ]
             assert len(chat.attempted) == 1
+            check_replay(store)
         finally:
             harness.stop()
 

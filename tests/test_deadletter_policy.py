@@ -10,6 +10,7 @@ from stalwart.events import (
     AnnouncementDeadLetterDelivered,
     AnnouncementDeadLettered,
     AnnouncementDeadLetterExpired,
+    AnnouncementDeadLetterRetried,
     AnnouncementSendFailed,
     Event,
 )
@@ -17,9 +18,9 @@ from stalwart.state import (
     DEADLETTER,
     DeadLetterState,
     aggregate_for,
+    decide_drain,
     decide_expiry,
-    drain,
-    due_retries,
+    decide_retries,
     expiry_at,
     fold,
     next_retry_at,
@@ -68,12 +69,15 @@ def test_retries_back_off_exponentially_from_the_last_attempt() -> None:
     now = T0
     for wait in (30, 60, 120, 240, 480):  # base 30 s, doubling, under the 10-minute cap
         assert next_retry_at(state, **RETRY) == now + wait
-        assert due_retries(state, now + wait - MS, **RETRY) == []
-        assert due_retries(state, now + wait, **RETRY) == ["x"]
+        assert decide_retries(state, now + wait - MS, **RETRY) == []
+        attempt = state.entries[0].attempts + 1
+        retried = AnnouncementDeadLetterRetried(entry_id="x", attempt=attempt)
+        assert decide_retries(state, now + wait, **RETRY) == [retried]
+        assert decide_retries(state, now + wait, **RETRY, busy={"x"}) == []  # in flight
         now += wait
         state = log.add(retry_failed("x"), now)
     assert state.entries[0].attempts == 5
-    assert due_retries(state, now + 10_000, **RETRY) == []  # five retries, no more
+    assert decide_retries(state, now + 10_000, **RETRY) == []  # five retries, no more
     assert next_retry_at(state, **RETRY) is None
 
 
@@ -92,7 +96,10 @@ def test_exhausted_retries_expire_with_an_event() -> None:
     for i in range(4):
         log.add(retry_failed("x"), T0 + i)
     assert decide_expiry(log.state, T0 + 10, **EXPIRY) == []
+    assert expiry_at(log.state, max_age_ms=D.max_age_ms, max_retries=5) == T0 + 3600
     state = log.add(retry_failed("x"), T0 + 10)
+    # due at once: at the failure that spent the last retry, long before the hour is up
+    assert expiry_at(state, max_age_ms=D.max_age_ms, max_retries=5) == T0 + 10
     assert decide_expiry(state, T0 + 10, **EXPIRY) == [
         AnnouncementDeadLetterExpired(
             entry_id="x",
@@ -109,7 +116,7 @@ def test_entries_expire_exactly_at_one_hour() -> None:
     log = Log()
     log.add(lettered("x"), T0)
     state = log.add(lettered("y"), T0 + 10)
-    assert expiry_at(state, max_age_ms=D.max_age_ms) == T0 + 3600
+    assert expiry_at(state, max_age_ms=D.max_age_ms, max_retries=5) == T0 + 3600
     assert decide_expiry(state, T0 + 3600 - MS, **EXPIRY) == []
     expired = decide_expiry(state, T0 + 3600, **EXPIRY)
     assert expired == [
@@ -126,12 +133,19 @@ def test_delivery_removes_the_entry_and_a_drain_takes_every_entry_in_order() -> 
     for i, name in enumerate(["c", "a", "b"]):
         log.add(lettered(name), T0 + i)
     state = log.state
-    assert drain(state) == ["c", "a", "b"]  # enqueue order, due or not
+
+    def drained(state: DeadLetterState, busy: tuple[str, ...] = ()) -> list[str]:
+        decided = decide_drain(state, "p", busy=busy)
+        assert all((e.reason, e.provider, e.attempt) == ("drain", "p", 1) for e in decided)
+        return [e.entry_id for e in decided]
+
+    assert drained(state) == ["c", "a", "b"]  # enqueue order, due or not
+    assert drained(state, busy=("a",)) == ["c", "b"]  # a send in flight is not doubled
     state = log.add(AnnouncementDeadLetterDelivered(entry_id="a", attempts=1), T0 + 5)
-    assert (drain(state), state.delivered) == (["c", "b"], 1)
+    assert (drained(state), state.delivered) == (["c", "b"], 1)
     unknown = log.add(AnnouncementDeadLetterDelivered(entry_id="zz", attempts=1), T0 + 6)
     assert (unknown.delivered, len(unknown.entries)) == (1, 2)
-    assert drain(DEADLETTER.initial("deadletter")) == []
+    assert drained(DEADLETTER.initial("deadletter")) == []
 
 
 def test_a_send_failure_without_an_entry_id_matches_the_announcement() -> None:

@@ -23,13 +23,15 @@ from stalwart.channels import MemoryChannel
 from stalwart.cli import cli
 from stalwart.cli._replay import REGISTRY, default_knobs, verify_store
 from stalwart.clock import FakeClock
-from stalwart.config import parse_config
+from stalwart.config import Config, parse_config
 from stalwart.events import (
     ActivationAcked,
     ActivationRequeued,
     AnnouncementDeadLettered,
+    AnnouncementDeadLetterRetried,
     AnnouncementSendFailed,
     Event,
+    MessageAppended,
     PromptFailed,
     PromptRetryScheduled,
     PromptStarted,
@@ -43,7 +45,7 @@ from stalwart.events import (
     TurnStarted,
 )
 from stalwart.runtime import Runtime
-from stalwart.state import verify
+from stalwart.state import decide_restart, verify
 from stalwart.store import EventStore, NewEvent
 from stalwart.testing import Answer, Fail, FakeProvider, Hang
 from tests._log import recorded
@@ -196,11 +198,6 @@ def test_an_undecodable_decision_is_not_also_reported_as_a_decision_that_does_no
 # -- 4. an Agent that crashed in the middle of its model call ---------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect, not fixed yet: a crashed Agent's call keeps its prompt "
-    "deadline in verify (a supervisor restart does not orphan the stream's timers)",
-)
 def test_a_call_cut_short_by_an_agent_crash_is_not_a_missed_prompt_timeout(
     store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
 ) -> None:
@@ -237,6 +234,54 @@ def test_a_call_cut_short_by_an_agent_crash_is_not_a_missed_prompt_timeout(
     report = verify_store(store, None)
     assert report.checked.get("supervisor:restarted") == 1
     assert _where(report) == []
+    # verifying the one stream reads its actor's restart from the runtime stream too
+    assert _where(verify_store(store, "session:crash")) == []
+
+
+def _call_then_restart(store: EventStore, actor: str | None) -> None:
+    """A call with a 5 s stall limit in ``session:s`` at 1 s; ``actor`` (if any) restarted
+    by the supervisor at 2 s; the stream's next event at 60 s, long past the limit."""
+    _put(store, "runtime", _started(), 0)
+    _put(store, "session:s", TurnStarted(turn_id="t1"), 1)
+    started = PromptStarted(
+        call_id="c1", provider="main", model="m1", deadline_kind="stall", timeout_ms=5_000
+    )
+    _put(store, "session:s", started, 1)
+    if actor is not None:
+        supervision = Config().supervision
+        restarted = decide_restart(
+            actor,
+            (),
+            T0 + 2,
+            reason="TypeError",
+            max_restarts=supervision.max_restarts,
+            within_ms=supervision.within_ms,
+            backoff_base_ms=supervision.restart_backoff_base_ms,
+            backoff_cap_ms=supervision.restart_backoff_cap_ms,
+        )
+        _put(store, "runtime", restarted, 2)
+    note = MessageAppended(message_id="m1", role="user", content="still there?")
+    _put(store, "session:s", note, 60)
+
+
+@pytest.mark.parametrize("target", [None, "session:s"], ids=["every stream", "the stream"])
+def test_the_restart_of_a_streams_actor_drops_its_prompt_deadline(
+    lmdb_store: EventStore, target: str | None
+) -> None:
+    _call_then_restart(lmdb_store, "session:s")
+    assert _where(verify_store(lmdb_store, target)) == []
+
+
+@pytest.mark.parametrize("actor", [None, "session:other"], ids=["no restart", "another actor"])
+def test_without_its_actors_restart_the_prompt_deadline_is_missed(
+    lmdb_store: EventStore, actor: str | None
+) -> None:
+    _call_then_restart(lmdb_store, actor)
+    for target in (None, "session:s"):
+        report = verify_store(lmdb_store, target)
+        assert [(f.kind, f.tag) for f in report.findings] == [
+            ("missed", "execution:prompt_timeout")
+        ], target
 
 
 # -- 5. agents and providers whose names hold a dot --------------------------------------------
@@ -272,11 +317,6 @@ def test_a_retry_of_an_agent_whose_name_has_a_dot_verifies_clean(
 # -- 6. the dead-letter queue's retries --------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect, not fixed yet: verify does not check the dead-letter queue's "
-    "retries (count and backoff), only its expiry",
-)
 def test_dead_letter_retries_past_max_retries_and_before_their_backoff_are_found(
     lmdb_store: EventStore, store_dir: Path
 ) -> None:
@@ -302,14 +342,81 @@ def test_dead_letter_retries_past_max_retries_and_before_their_backoff_are_found
     assert not report.clean, "8 retries of one dead letter in a second, none expired: clean"
 
 
+def _letter_log(store: EventStore, retries: list[tuple[float, int, str]]) -> None:
+    """One dead letter queued at 1 s; each ``(at, attempt, reason)`` a recorded retry of it
+    that then fails; then the log goes on to 601 s with the entry expired at its hour
+    (``max_retries`` 5, ``retry_base_ms`` 30 s: retry ``n`` is due ``30 x 2**(n-1)`` s
+    after the attempt before it)."""
+    _put(store, "runtime", _started(), 0)
+    queued = AnnouncementDeadLettered(
+        entry_id="e1", announcement_id="n1", channel="chat", text="sorry", reason="send_failed"
+    )
+    _put(store, "deadletter", queued, 1)
+    for at, attempt, reason in retries:
+        provider = "main" if reason == "drain" else None
+        retried = AnnouncementDeadLetterRetried(
+            entry_id="e1",
+            attempt=attempt,
+            reason=reason,  # type: ignore[arg-type]
+            provider=provider,
+        )
+        _put(store, "deadletter", retried, at)
+        failed = AnnouncementSendFailed(announcement_id="n1", error_class="timeout", entry_id="e1")
+        _put(store, "deadletter", failed, at)
+    _put(store, "runtime", RuntimeStopped(), 601)
+
+
+def test_dead_letter_retries_on_their_backoff_and_a_drain_at_any_time_verify_clean(
+    lmdb_store: EventStore,
+) -> None:
+    _letter_log(lmdb_store, [(31, 1, "backoff"), (40, 2, "drain"), (160, 3, "backoff")])
+    report = verify_store(lmdb_store, None)
+    assert report.checked.get("announcement:dead_letter_retried") == 3
+    assert _where(report) == []
+
+
+@pytest.mark.parametrize(
+    ("retries", "why"),
+    [
+        ([(30.5, 1, "backoff")], "it went 500 ms early"),  # due at 31 s
+        ([(31, 2, "backoff")], "this is not attempt 2"),
+        ([(31, 1, "backoff"), (40, 1, "drain")], "this is not attempt 1"),
+    ],
+    ids=["before its backoff", "wrong attempt", "drain with a stale attempt"],
+)
+def test_a_dead_letter_retry_that_does_not_follow_is_a_mismatch(
+    lmdb_store: EventStore, retries: list[tuple[float, int, str]], why: str
+) -> None:
+    _letter_log(lmdb_store, retries)
+    report = verify_store(lmdb_store, None)
+    [finding] = report.findings
+    assert (finding.kind, finding.tag) == ("mismatch", "announcement:dead_letter_retried")
+    assert why in finding.message, finding.message
+
+
+def test_a_dead_letter_retry_past_max_retries_is_a_mismatch(lmdb_store: EventStore) -> None:
+    """Five retries spent at 31, 91, 211, 451 and 931 s would be clean; here the fifth
+    failure is followed by a sixth retry instead of the ``retries_exhausted`` expiry."""
+    store = lmdb_store
+    _put(store, "runtime", _started(dead_letters={"max_age_ms": 7_200_000}), 0)
+    queued = AnnouncementDeadLettered(
+        entry_id="e1", announcement_id="n1", channel="chat", text="sorry", reason="send_failed"
+    )
+    _put(store, "deadletter", queued, 1)
+    for attempt, at in enumerate((31, 91, 211, 451, 931, 1_000), start=1):
+        retried = AnnouncementDeadLetterRetried(entry_id="e1", attempt=attempt)
+        _put(store, "deadletter", retried, at)
+        failed = AnnouncementSendFailed(announcement_id="n1", error_class="timeout", entry_id="e1")
+        _put(store, "deadletter", failed, at)
+    report = verify_store(store, None)
+    kinds = [(f.kind, f.tag) for f in report.findings]
+    assert ("mismatch", "announcement:dead_letter_retried") in kinds, _where(report)
+    assert "already spent dead_letters.max_retries" in report.findings[0].message
+
+
 # -- 7. a retry the failed call's attempt does not allow ---------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect, not fixed yet: verify takes a retry's attempt from the retry "
-    "itself, not from the failed call it names",
-)
 def test_a_retry_after_the_last_allowed_attempt_is_a_mismatch(
     lmdb_store: EventStore,
 ) -> None:

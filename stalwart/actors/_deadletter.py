@@ -7,13 +7,14 @@ An announcement or notice that could not be delivered is queued
 (``announcement:dead_lettered``), retried up to ``max_retries`` times with deterministic
 backoff, expired after ``max_age_ms`` or once its retries are spent
 (``announcement:dead_letter_expired``: every drop is an event, none silent), and drained
-at once, every entry, when a provider recovers. Each retry's outcome is recorded:
-``announcement:dead_letter_delivered`` (the entry leaves the queue) or
-``announcement:send_failed`` with the ``entry_id`` (one more attempt).
+at once, every entry, when a provider recovers. Each retry is a decision appended before
+its send (``announcement:dead_letter_retried``, reason ``backoff`` or ``drain``) and its
+outcome is recorded: ``announcement:dead_letter_delivered`` (the entry leaves the queue)
+or ``announcement:send_failed`` with the ``entry_id`` (one more attempt).
 
 The actor is a thin shell over the pure fold and policies of
-:mod:`stalwart.state` (``DEADLETTER``, ``decide_expiry``, ``due_retries``,
-``next_retry_at``, ``expiry_at``, ``drain``). For every message it receives, folds,
+:mod:`stalwart.state` (``DEADLETTER``, ``decide_expiry``, ``decide_retries``,
+``next_retry_at``, ``expiry_at``, ``decide_drain``). For every message it receives, folds,
 decides, appends, then acts:
 
 * the state is only ever changed by folding what the store returned from an append, so
@@ -39,7 +40,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import pykka
@@ -52,6 +53,7 @@ from stalwart.errors import ConcurrencyError, CorruptRecordError
 from stalwart.events import (
     AnnouncementDeadLetterDelivered,
     AnnouncementDeadLettered,
+    AnnouncementDeadLetterRetried,
     AnnouncementSendFailed,
     Event,
 )
@@ -61,9 +63,9 @@ from stalwart.state import (
     DeadLetterEntry,
     DeadLetterState,
     apply_deadletter,
+    decide_drain,
     decide_expiry,
-    drain,
-    due_retries,
+    decide_retries,
     expiry_at,
     next_retry_at,
 )
@@ -73,6 +75,8 @@ from ._portal import IoPortal
 from ._scheduler import Scheduler
 from ._send import send_by_clock
 from ._supervised import Supervised
+
+E = TypeVar("E", bound=Event)
 
 __all__ = [
     "DEADLETTER_STREAM",
@@ -309,10 +313,8 @@ class DeadLetterActor(Supervised):
     def _drain(self, provider: str) -> None:
         now = self._clock.now()
         self._expire(now)
-        entries = drain(self._state)
-        log.info("deadletter.draining", provider=provider, entries=len(entries))
-        for entry_id in entries:
-            self._send(entry_id)
+        sent = self._retry(now, lambda: decide_drain(self._state, provider, busy=self._in_flight))
+        log.info("deadletter.draining", provider=provider, entries=sent)
         self._arm()
 
     # -- fold, decide, append, then act ------------------------------------------------------
@@ -326,35 +328,56 @@ class DeadLetterActor(Supervised):
             log.info("deadletter.held", entries=len(self._state.entries))
             self._arm()
             return
-        for entry_id in due_retries(
-            self._state,
+        self._retry(
             now,
-            max_retries=settings.max_retries,
-            base_ms=settings.retry_base_ms,
-            cap_ms=settings.retry_cap_ms,
-        ):
-            self._send(entry_id)
+            lambda: decide_retries(
+                self._state,
+                now,
+                max_retries=settings.max_retries,
+                base_ms=settings.retry_base_ms,
+                cap_ms=settings.retry_cap_ms,
+                busy=self._in_flight,
+            ),
+        )
         self._arm()
 
+    def _retry(self, now: float, decide: Callable[[], list[AnnouncementDeadLetterRetried]]) -> int:
+        """Append the retries ``decide`` gives, then start their sends: how many."""
+        retries = self._decided(now, decide)
+        for retry in retries:
+            self._send(retry.entry_id)
+        return len(retries)
+
     def _expire(self, now: float) -> None:
-        for attempt in range(APPEND_TRIES):
-            expired = decide_expiry(
+        expired = self._decided(
+            now,
+            lambda: decide_expiry(
                 self._state,
                 now,
                 max_age_ms=self._settings.max_age_ms,
                 max_retries=self._settings.max_retries,
-            )
-            if not expired:
-                return
+            ),
+        )
+        if expired:
+            log.warning("deadletter.expired", entries=len(expired))
+
+    def _decided(self, now: float, decide: Callable[[], Sequence[E]]) -> Sequence[E]:
+        """Append what ``decide`` gives on the current state (nothing when it gives none);
+        on a conflict, fold what the other writer appended and decide again (it may have
+        delivered or expired an entry). What was appended."""
+        for attempt in range(APPEND_TRIES):
+            decided = decide()
+            if not decided:
+                return decided
             try:
-                self._append_once(expired, now)
-            except ConcurrencyError:  # decide again on what the other writer appended
+                self._append_once(decided, now)
+            except ConcurrencyError:
                 if attempt + 1 == APPEND_TRIES:
                     raise
                 self._catch_up()
                 continue
-            log.warning("deadletter.expired", entries=len(expired))
-            return
+            return decided
+        raise AssertionError("unreachable")  # the last try raises or returns
 
     def _append(self, events: Sequence[Event], now: float) -> None:
         """Append facts (an entry, a send's outcome) at ``now``. Another process's runtime
@@ -445,7 +468,12 @@ class DeadLetterActor(Supervised):
             retry = max(retry, self._clock.now() + settings.retry_base_ms / 1000)
         deadlines = [
             at
-            for at in (retry, expiry_at(self._state, max_age_ms=settings.max_age_ms))
+            for at in (
+                retry,
+                expiry_at(
+                    self._state, max_age_ms=settings.max_age_ms, max_retries=settings.max_retries
+                ),
+            )
             if at is not None
         ]
         if deadlines:

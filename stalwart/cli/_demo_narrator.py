@@ -45,6 +45,10 @@ SENTENCES: dict[str, Say] = {
     "announcement:dead_lettered": lambda e: (
         "the message could not be delivered: it waits in the dead-letter queue"
     ),
+    "announcement:dead_letter_retried": lambda e: (
+        f"sending the dead letter again (attempt {e.attempt}: "
+        + (f"provider '{e.provider}' recovered)" if e.reason == "drain" else "its backoff came)")
+    ),
     "announcement:dead_letter_delivered": lambda e: (
         f"the dead letter was delivered (after {e.attempts} earlier attempts)"
     ),

@@ -23,6 +23,7 @@ from stalwart.events import (
     RecordedEvent,
     RuntimeStarted,
     RuntimeStopped,
+    SupervisorRestarted,
     ToolBlocked,
     ToolCompleted,
     ToolFailed,
@@ -108,7 +109,7 @@ def default_knobs() -> dict[str, Any]:
 
 def _widest_health_window(store: EventStore, until: int | None) -> int:
     widest = 0
-    for item in _runtime(store, until):
+    for item in _runtime(store, "", until):
         if isinstance(item, RecordedEvent) and isinstance(item.event, RuntimeStarted):
             window = item.event.config.get("health", {}).get("window_ms", 0)
             if isinstance(window, int) and not isinstance(window, bool):
@@ -161,23 +162,31 @@ def _stream(store: EventStore, stream: str, until: int | None) -> Iterator[Item]
             version += 1  # the corrupt record held this version
 
 
-def _runtime(store: EventStore, until: int | None) -> Iterator[Item]:
+def _runtime(store: EventStore, stream: str, until: int | None) -> Iterator[Item]:
+    """The ``runtime`` stream's process starts and stops, and the restarts of ``stream``'s
+    actor (they drop the timers it kept)."""
     for item in _stream(store, "runtime", until):
-        if isinstance(item, RecordedEvent) and isinstance(
-            item.event, RuntimeStarted | RuntimeStopped
+        if not isinstance(item, RecordedEvent):
+            continue
+        event = item.event
+        if isinstance(event, RuntimeStarted | RuntimeStopped) or (
+            isinstance(event, SupervisorRestarted) and event.actor == stream
         ):
             yield item
 
 
 def read_for_verify(store: EventStore, stream: str | None, until: int | None) -> Iterator[Item]:
     """Every record (``stream`` None), or ``stream``'s merged with the ``runtime`` stream's
-    starts and stops (the config in force, the processes' lives), in log order."""
+    starts and stops (the config in force, the processes' lives) and its actor's restarts,
+    in log order."""
     if stream is None:
         return _all(store, until)
     if stream == "runtime":
         return _stream(store, stream, until)
     merged: Iterator[Item] = heapq.merge(
-        _stream(store, stream, until), _runtime(store, until), key=lambda item: item.position
+        _stream(store, stream, until),
+        _runtime(store, stream, until),
+        key=lambda item: item.position,
     )
     return merged
 

@@ -53,6 +53,18 @@ class AnnouncementDeadLettered(Event, frozen=True, tag="announcement:dead_letter
     severity: ClassVar[Severity] = "warning"
 
 
+class AnnouncementDeadLetterRetried(Event, frozen=True, tag="announcement:dead_letter_retried"):
+    """The dead-letter queue sends entry ``entry_id`` again, its ``attempt``-th retry:
+    because its backoff came (``backoff``) or because ``provider`` recovered (``drain``:
+    every entry at once, whatever its backoff). Appended before the send; the send's
+    outcome follows as ``announcement:send_failed`` or ``..._delivered``."""
+
+    entry_id: str
+    attempt: int
+    reason: Literal["backoff", "drain"] = "backoff"
+    provider: str | None = None
+
+
 class AnnouncementDeadLetterDelivered(Event, frozen=True, tag="announcement:dead_letter_delivered"):
     entry_id: str
     attempts: int

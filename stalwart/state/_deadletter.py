@@ -5,15 +5,17 @@ Seed 000: an announcement that could not be delivered is queued
 ``max_age_ms`` (1 h), and drained at once, every entry, on ``provider:recovered``. Every
 drop is an event (``announcement:dead_letter_expired`` with its ``reason``), none silent.
 
-A retry's outcome is recorded in the same stream: ``announcement:send_failed`` with the
-``entry_id`` (one more attempt) or ``announcement:dead_letter_delivered`` (the entry goes).
-Backoff is exponential and deterministic (no jitter), so replay agrees: retry ``n + 1`` is
-due ``min(retry_cap_ms, retry_base_ms x 2**n)`` after the last attempt (or the enqueue).
+A retry is a decision recorded before its send (``announcement:dead_letter_retried``,
+reason ``backoff`` or ``drain``); its outcome follows in the same stream:
+``announcement:send_failed`` with the ``entry_id`` (one more attempt) or
+``announcement:dead_letter_delivered`` (the entry goes). Backoff is exponential and
+deterministic (no jitter), so replay agrees: retry ``n + 1`` is due
+``min(retry_cap_ms, retry_base_ms x 2**n)`` after the last attempt (or the enqueue).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Literal
 
 import msgspec
@@ -22,6 +24,7 @@ from stalwart.events import (
     AnnouncementDeadLetterDelivered,
     AnnouncementDeadLettered,
     AnnouncementDeadLetterExpired,
+    AnnouncementDeadLetterRetried,
     AnnouncementSendFailed,
     Event,
     RecordedEvent,
@@ -119,14 +122,21 @@ def _retryable(state: DeadLetterState, max_retries: int) -> Iterator[DeadLetterE
     return (e for e in state.entries if e.attempts < max_retries)
 
 
-def due_retries(
-    state: DeadLetterState, now: float, *, max_retries: int, base_ms: int, cap_ms: int
-) -> list[str]:
-    """The entry ids whose retry is due at ``now``, in enqueue order."""
+def decide_retries(
+    state: DeadLetterState,
+    now: float,
+    *,
+    max_retries: int,
+    base_ms: int,
+    cap_ms: int,
+    busy: Collection[str] = (),
+) -> list[AnnouncementDeadLetterRetried]:
+    """A ``backoff`` retry of each entry (not ``busy``: its send is in flight) whose retry
+    is due at ``now``, in enqueue order."""
     return [
-        e.entry_id
+        AnnouncementDeadLetterRetried(entry_id=e.entry_id, attempt=e.attempts + 1)
         for e in _retryable(state, max_retries)
-        if now >= retry_at(e, base_ms=base_ms, cap_ms=cap_ms)
+        if e.entry_id not in busy and now >= retry_at(e, base_ms=base_ms, cap_ms=cap_ms)
     ]
 
 
@@ -140,9 +150,18 @@ def next_retry_at(
     )
 
 
-def expiry_at(state: DeadLetterState, *, max_age_ms: int) -> float | None:
-    """The earliest moment an entry reaches ``max_age_ms``, or None for an empty queue."""
-    return min((e.enqueued_at + max_age_ms / 1000 for e in state.entries), default=None)
+def expiry_at(state: DeadLetterState, *, max_age_ms: int, max_retries: int) -> float | None:
+    """The earliest moment an entry is to expire: when it reaches ``max_age_ms``, or at its
+    last attempt once that spent ``max_retries``; None for an empty queue."""
+    return min(
+        (
+            e.last_attempt_at
+            if e.attempts >= max_retries and e.last_attempt_at is not None
+            else e.enqueued_at + max_age_ms / 1000
+            for e in state.entries
+        ),
+        default=None,
+    )
 
 
 def decide_expiry(
@@ -173,9 +192,18 @@ def decide_expiry(
     return expired
 
 
-def drain(state: DeadLetterState) -> list[str]:
-    """Every entry id, in enqueue order: what ``provider:recovered`` sends at once."""
-    return [e.entry_id for e in state.entries]
+def decide_drain(
+    state: DeadLetterState, provider: str, *, busy: Collection[str] = ()
+) -> list[AnnouncementDeadLetterRetried]:
+    """What ``provider:recovered`` sends at once: a ``drain`` retry of every entry not
+    ``busy``, in enqueue order, whatever its backoff."""
+    return [
+        AnnouncementDeadLetterRetried(
+            entry_id=e.entry_id, attempt=e.attempts + 1, reason="drain", provider=provider
+        )
+        for e in state.entries
+        if e.entry_id not in busy
+    ]
 
 
 class DeadLetterAggregate:

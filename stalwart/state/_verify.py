@@ -33,7 +33,13 @@ from typing import Any, Literal
 import msgspec
 
 from stalwart.errors import StalwartError
-from stalwart.events import Event, RecordedEvent, RuntimeStarted, UnknownEvent
+from stalwart.events import (
+    Event,
+    RecordedEvent,
+    RuntimeStarted,
+    SupervisorRestarted,
+    UnknownEvent,
+)
 
 from ._aggregate import Folder
 from ._verify_deadlines import DeadlineWatch, Missed
@@ -138,7 +144,8 @@ class Verification:
 
     ``verify`` says which streams are checked (default: every one); events of the other
     streams still move time and carry the config (feed the ``runtime`` stream's
-    ``runtime:started`` / ``runtime:stopped`` when verifying one stream).
+    ``runtime:started`` / ``runtime:stopped`` when verifying one stream, and the
+    ``supervisor:restarted`` of its actor).
     """
 
     def __init__(
@@ -188,6 +195,9 @@ class Verification:
             assert isinstance(event, RuntimeStarted)
             self._knobs = Knobs(event.config, self._defaults)
             self._restarted(ts)
+        elif kind is SupervisorRestarted:
+            assert isinstance(event, SupervisorRestarted)
+            self._deadlines.actor_restarted(event.actor)
         walk = self._walks.get(record.stream)
         if walk is None:
             if self._verify(record.stream):

@@ -8,7 +8,9 @@ the decision: a later record, or the end of the log (:meth:`~DeadlineWatch.end`)
 suspect whose deadline moves or is met at the same moment as its proof is dropped (a
 fake clock that jumped made them simultaneous). A new process (:meth:`~DeadlineWatch.
 restarted`) drops the timers of the old one; deadlines that survive a restart are owed
-again from its start.
+again from its start. The supervisor restarting the actor that owns a stream
+(:meth:`~DeadlineWatch.actor_restarted`) drops that stream's timers the same way, except
+those the new actor re-arms.
 """
 
 from __future__ import annotations
@@ -94,6 +96,17 @@ class DeadlineWatch:
             else:
                 self._orphaned[key] = due
 
+    def actor_restarted(self, stream: str) -> None:
+        """The supervisor restarted the actor owning ``stream``: the timers it kept died
+        with it (a model call's prompt timeout, its turn's execution timeout), unless the
+        deadline survives a restart (read from the log) or the new actor re-arms it."""
+        for key, due in list(self._pending.items()):
+            if key[0] != stream or key in self._suspects:
+                continue  # a deadline already missed before the crash stays missed
+            deadline = self._deadlines[key[1]]
+            if not (deadline.survives_restart or deadline.survives_actor_restart):
+                self._orphaned[key] = due
+
     def owed(self) -> list[Key]:
         """The deadlines pending or orphaned: the only ones a new config can move (one
         with nothing pending has nothing pending under any config)."""
@@ -125,6 +138,8 @@ class DeadlineWatch:
             key = (armed.stream, armed.index)
             if self._pending.get(key) != armed.due or key in self._suspects:
                 continue  # moved or decided since it was armed
+            if self._orphaned.get(key) == armed.due:
+                continue  # its actor was restarted since: nobody owes it
             decision = self._deadlines[armed.index].decision
             if record.stream == armed.stream and record.type == decision:
                 continue  # the decision itself, late: made, not missed

@@ -30,10 +30,13 @@ from ._prompt import PromptWindow, window_started, window_touched
 
 
 class CallsState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """A session's model calls still open (started, not yet ended), by call id, and its
-    running turn (id and start time) as the Agent's execution timeout sees it."""
+    """A session's model calls still open (started, not yet ended), by call id, the
+    attempt number each call of the running turn was started with (a retry names the
+    call that failed; its attempt is that call's next one), and the running turn (id and
+    start time) as the Agent's execution timeout sees it."""
 
     open: dict[str, PromptWindow] = msgspec.field(default_factory=dict)
+    attempts: dict[str, int] = msgspec.field(default_factory=dict)
     turn_id: str | None = None
     turn_started_at: float | None = None
 
@@ -49,10 +52,11 @@ _MOVES: frozenset[type[Event]] = frozenset(
 class CallsFolder:
     """The fold of :class:`CallsState`; events that do not concern it cost one lookup."""
 
-    __slots__ = ("_open", "_state", "_turn_id", "_turn_started_at")
+    __slots__ = ("_attempts", "_open", "_state", "_turn_id", "_turn_started_at")
 
     def __init__(self, state: CallsState) -> None:
         self._open = dict(state.open)
+        self._attempts = dict(state.attempts)
         self._turn_id = state.turn_id
         self._turn_started_at = state.turn_started_at
         self._state: CallsState | None = state  # the frozen state, until the next change
@@ -69,13 +73,16 @@ class CallsFolder:
                     self._open[event.call_id] = window_touched(window, record.ts)
             case PromptStarted():
                 self._open[event.call_id] = window_started(event, record.ts)
+                self._attempts[event.call_id] = event.attempt
             case PromptCompleted() | PromptFailed() | PromptTimeout():
                 self._open.pop(event.call_id, None)
             case TurnStarted():
                 self._turn_id, self._turn_started_at = event.turn_id, record.ts
+                self._attempts.clear()
             case TurnCompleted() | ExecutionAborted() | UserInterrupt():
                 # the turn's calls are cancelled with it: no prompt event ends them
                 self._open.clear()
+                self._attempts.clear()
                 self._turn_id = self._turn_started_at = None
             case _:
                 pass
@@ -83,7 +90,10 @@ class CallsFolder:
     def state(self) -> CallsState:
         if self._state is None:
             self._state = CallsState(
-                open=dict(self._open), turn_id=self._turn_id, turn_started_at=self._turn_started_at
+                open=dict(self._open),
+                attempts=dict(self._attempts),
+                turn_id=self._turn_id,
+                turn_started_at=self._turn_started_at,
             )
         return self._state
 

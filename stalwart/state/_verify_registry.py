@@ -30,6 +30,8 @@ lives, with ``VERIFIERS.with_(...)``::
             streams="session:",
             slack_ms=lambda knobs: knobs.get_int("activations.poll_ms"),
             survives_restart=True,  # the next worker owes it, whoever held the lease
+            # (survives_actor_restart=True: a restarted Agent re-arms it; one that survives
+            # a new process survives the restart of an actor too)
             moves=frozenset({ActivationLeased, LeaseRenewed, LeaseExpired, ActivationAcked}),
         ),
     )
@@ -146,6 +148,9 @@ class Deadline(Generic[S]):
     streams: str = ""
     slack_ms: Callable[[Knobs], int] = lambda knobs: 0
     survives_restart: bool = False
+    #: kept when the supervisor restarts the actor owning the stream (a
+    #: ``supervisor:restarted`` whose ``actor`` is the stream): the new actor re-arms it
+    survives_actor_restart: bool = False
     #: the event types that can move ``due`` (empty: any event); a new config moves it too
     moves: frozenset[type[Event]] = frozenset()
 

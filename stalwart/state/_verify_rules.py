@@ -47,6 +47,8 @@ from stalwart.events import (
     AnnouncementDeadLetterDelivered,
     AnnouncementDeadLettered,
     AnnouncementDeadLetterExpired,
+    AnnouncementDeadLetterRetried,
+    AnnouncementSendFailed,
     Event,
     ExecutionAborted,
     PromptActivity,
@@ -73,7 +75,15 @@ from stalwart.events import (
 )
 
 from ._breaker import BREAKER, BreakerState, decide_breaker
-from ._deadletter import DEADLETTER, DeadLetterState, decide_expiry, expiry_at
+from ._deadletter import (
+    DEADLETTER,
+    DeadLetterState,
+    decide_drain,
+    decide_expiry,
+    decide_retries,
+    expiry_at,
+    retry_at,
+)
 from ._execution import decide_execution_timeout, execution_deadline
 from ._health import DEFAULT_HORIZON_MS, HealthAggregate, HealthState, decide_health
 from ._prompt import decide_prompt_timeout, next_deadline
@@ -251,19 +261,26 @@ def _execution_due(state: CallsState, knobs: Knobs) -> float | None:
     )
 
 
+def _failed_attempt(state: CallsState, event: PromptRetryScheduled) -> int:
+    """The attempt that failed: that of the call the retry names (the caller retries the
+    call it just saw fail); a retry naming no call of the turn is taken at its word."""
+    return state.attempts.get(event.call_id, event.attempt - 1)
+
+
 def _retry(state: CallsState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
     found = record.event
     assert isinstance(found, PromptRetryScheduled)
-    delay = _retry_delay(found, knobs)
+    failed = _failed_attempt(state, found)
+    delay = _retry_delay(found, failed, knobs)
     if delay is None:
         return []
-    return [msgspec.structs.replace(found, delay_ms=round(delay * 1000))]
+    return [msgspec.structs.replace(found, attempt=failed + 1, delay_ms=round(delay * 1000))]
 
 
-def _retry_delay(event: PromptRetryScheduled, knobs: Knobs) -> float | None:
+def _retry_delay(event: PromptRetryScheduled, failed: int, knobs: Knobs) -> float | None:
     agent = ("agents", event.agent or "")
     return retry_delay(
-        event.attempt - 1,
+        failed,
         event.status,
         event.retry_after_s,
         event.rate_limited_before,
@@ -280,7 +297,9 @@ def _retry_why(state: CallsState, record: RecordedEvent, knobs: Knobs) -> str:
     event = record.event
     assert isinstance(event, PromptRetryScheduled)
     agent = ("agents", event.agent or "")
-    tried = event.attempt - 1
+    tried = _failed_attempt(state, event)
+    if tried != event.attempt - 1:
+        return f"it follows attempt {tried} of call {event.call_id!r}, not {event.attempt - 1}"
     if event.status == 429 or event.reason == "rate_limited":
         return (
             "a 429 is retried once per model, after its Retry-After "
@@ -345,7 +364,47 @@ def _expiry(state: DeadLetterState, record: RecordedEvent, knobs: Knobs) -> list
 
 
 def _expiry_due(state: DeadLetterState, knobs: Knobs) -> float | None:
-    return expiry_at(state, max_age_ms=knobs.get_int("dead_letters.max_age_ms"))
+    return expiry_at(
+        state,
+        max_age_ms=knobs.get_int("dead_letters.max_age_ms"),
+        max_retries=knobs.get_int("dead_letters.max_retries"),
+    )
+
+
+def _letter_retry(state: DeadLetterState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    """A ``backoff`` retry must be due and allowed; a ``drain`` retry may go at once,
+    whatever its backoff (the recovery that drains is in ``provider:<name>``, which this
+    fold does not read: the provider is taken as recorded)."""
+    found = record.event
+    assert isinstance(found, AnnouncementDeadLetterRetried)
+    if found.reason == "drain":
+        return list(decide_drain(state, found.provider or ""))
+    return list(
+        decide_retries(
+            state,
+            record.ts,
+            max_retries=knobs.get_int("dead_letters.max_retries"),
+            base_ms=knobs.get_int("dead_letters.retry_base_ms"),
+            cap_ms=knobs.get_int("dead_letters.retry_cap_ms"),
+        )
+    )
+
+
+def _letter_retry_why(state: DeadLetterState, record: RecordedEvent, knobs: Knobs) -> str:
+    found = record.event
+    assert isinstance(found, AnnouncementDeadLetterRetried)
+    entry = next((e for e in state.entries if e.entry_id == found.entry_id), None)
+    if entry is None:
+        return f"entry {found.entry_id!r} is not in the queue"
+    if found.attempt != entry.attempts + 1:
+        return f"the entry had {entry.attempts} attempts, this is not attempt {found.attempt}"
+    max_retries = knobs.get_int("dead_letters.max_retries")
+    if entry.attempts >= max_retries:
+        return f"its {entry.attempts} attempts already spent dead_letters.max_retries"
+    base = knobs.get_int("dead_letters.retry_base_ms")
+    due = retry_at(entry, base_ms=base, cap_ms=knobs.get_int("dead_letters.retry_cap_ms"))
+    early = round((due - record.ts) * 1000)
+    return f"retry {found.attempt} is due at {moment(due)}; it went {early} ms early"
 
 
 def _restart(state: RestartsState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
@@ -394,7 +453,10 @@ _CALL_MOVES: frozenset[type[Event]] = frozenset(
 )
 _TURN_MOVES: frozenset[type[Event]] = frozenset({TurnStarted, *_CALL_ENDS})
 _LETTER_MOVES: frozenset[type[Event]] = frozenset(
-    {AnnouncementDeadLettered, AnnouncementDeadLetterDelivered, AnnouncementDeadLetterExpired}
+    {
+        *(AnnouncementDeadLettered, AnnouncementDeadLetterDelivered),
+        *(AnnouncementDeadLetterExpired, AnnouncementSendFailed),
+    }
 )
 BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
     Verifier("subagent:watchdog_timeout", _RUN, _watchdog, _RUNS, why=_watchdog_why),
@@ -412,6 +474,13 @@ BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
     Verifier("breaker:half_opened", BREAKER, _breaker, "provider:"),
     Verifier("breaker:closed", BREAKER, _breaker, "provider:"),
     Verifier("announcement:dead_letter_expired", DEADLETTER, _expiry, "deadletter"),
+    Verifier(
+        "announcement:dead_letter_retried",
+        DEADLETTER,
+        _letter_retry,
+        "deadletter",
+        why=_letter_retry_why,
+    ),
     Verifier("supervisor:restarted", RESTARTS, _restart, "runtime"),
     Verifier("supervisor:gave_up", RESTARTS, _restart, "runtime"),
     Deadline(
@@ -420,6 +489,7 @@ BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
         _RUN,
         _watchdog_due,
         _RUNS,
+        survives_actor_restart=True,  # a restarted SubAgent re-arms a running run's watchdog
         moves=_RUN_ENDS,
     ),
     Deadline(
