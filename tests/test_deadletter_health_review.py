@@ -34,7 +34,7 @@ from stalwart.events import (
     SupervisorRestarted,
 )
 from stalwart.runtime import Runtime
-from stalwart.store import EventStore, NewEvent
+from stalwart.store import EventStore, NewEvent, read_readable
 from stalwart.testing import Answer, FakeProvider
 from tests._runtime_support import (
     GUARD,
@@ -145,6 +145,39 @@ def test_one_corrupt_dead_letter_record_does_not_lose_the_rest_of_the_queue(
             "the good dead letter was never delivered; runtime stream: "
             f"{[r.type for r in store.read_stream('runtime')]}"
         )
+
+
+def test_a_corrupt_provider_record_neither_stops_the_runtime_nor_its_health_checks(
+    tmp_path: Path, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """Harm (was): one undecodable record in ``provider:main`` made the provider layer's
+    breaker fold raise CorruptRecordError in ``Runtime.start()``: the runtime could not
+    start at all, and the health actor's fold died on it too. A breaker's and a health
+    window's state are worth less than the whole runtime: the damaged record is logged
+    and passed over, the runtime answers, and the provider's health is still watched
+    (the damaged record was the stream's last, so the health actor's first append must
+    also get past it)."""
+    directory = tmp_path / "store"
+    with store_module.open(directory, clock=clock) as first:  # type: ignore[attr-defined]
+        ok = ProviderCallSucceeded(provider="main", model="m1", agent="a")
+        failed = ProviderCallFailed(
+            provider="main", model="m1", agent="a", error_class="server_error", status=503
+        )
+        _, damaged = first.append(
+            "provider:main", [NewEvent(event=ok, ts=clock.now()), NewEvent(event=failed)]
+        )
+    _corrupt(directory, damaged.position)
+    with (
+        store_module.open(directory, clock=clock) as store,  # type: ignore[attr-defined]
+        Runtime(_config(fake), store=store, clock=clock, channels={"chat": chat}) as rt,
+    ):
+        assert _until(lambda: rt.health()["main"].status == "healthy")
+        _fail(store, clock, "a", "b")
+        assert _until(lambda: rt.health_view.is_degraded("main"))
+        readable = [r.event for r in read_readable(store, "provider:main")]
+        assert [type(e) for e in readable][-1] is ProviderDegraded
+        rt.session("s1", channel="chat").send("hi")  # a degraded primary: the static text
+        assert len(delivered(rt, chat, 1)) == 1
 
 
 # -- 2. a recovery told while the queue restarts is dropped ------------------------------------

@@ -69,7 +69,7 @@ from stalwart.state import (
     expiry_at,
     next_retry_at,
 )
-from stalwart.store import EventStore, NewEvent, load_state
+from stalwart.store import EventStore, NewEvent, load_state, read_readable
 
 from ._portal import IoPortal
 from ._scheduler import Scheduler
@@ -406,20 +406,19 @@ class DeadLetterActor(Supervised):
         """Fold what other writers appended to the stream since this actor last looked,
         skipping a record that cannot be read (its entry, if it was one, is lost; the
         others are not)."""
-        while True:
-            try:
-                for record in self._store.read_stream(self._stream, self._state.version + 1):
-                    self._state = apply_deadletter(self._state, record)
-                return
-            except CorruptRecordError as exc:
-                version = self._state.version + 1
-                log.error(
-                    "deadletter.record_unreadable",
-                    stream=self._stream,
-                    version=version,
-                    position=exc.position,
-                )
-                self._state = msgspec.structs.replace(self._state, version=version)
+        for record in read_readable(
+            self._store, self._stream, self._state.version + 1, unreadable=self._skip
+        ):
+            self._state = apply_deadletter(self._state, record)
+
+    def _skip(self, version: int, exc: CorruptRecordError) -> None:
+        log.error(
+            "deadletter.record_unreadable",
+            stream=self._stream,
+            version=version,
+            position=exc.position,
+        )
+        self._state = msgspec.structs.replace(self._state, version=version)
 
     def _held(self) -> bool:
         return self._any_degraded is not None and self._any_degraded()

@@ -37,7 +37,7 @@ import pykka
 from stalwart._logs import get_logger
 from stalwart.clock import Clock
 from stalwart.config import HealthSettings
-from stalwart.errors import ConcurrencyError, StalwartError
+from stalwart.errors import ConcurrencyError, CorruptRecordError, StalwartError
 from stalwart.events import ProviderDegraded, ProviderRecovered, RecordedEvent
 from stalwart.state import (
     DEFAULT_HORIZON_MS,
@@ -47,7 +47,7 @@ from stalwart.state import (
     decide_health,
     health_deadline,
 )
-from stalwart.store import EventStore, NewEvent, load_state
+from stalwart.store import EventStore, NewEvent, load_state, read_readable
 
 from ._restarts import crashed
 from ._scheduler import Scheduler, TimerHandle
@@ -295,9 +295,17 @@ class ProviderHealthActor(Supervised):
         crashed(self._on_crash, exc_info)
 
     def _load(self) -> _Watch:
-        state = load_state(self._store, self._stream, self._aggregate)
+        # a damaged record is passed over (logged): one lost outcome must not keep the
+        # provider's health unknown for good
+        state = load_state(self._store, self._stream, self._aggregate, skip_unreadable=True)
         if state.health.horizon_ms < self._settings.window_ms:  # a snapshot of a narrower fold
-            state = load_state(self._store, self._stream, self._aggregate, use_snapshots=False)
+            state = load_state(
+                self._store,
+                self._stream,
+                self._aggregate,
+                use_snapshots=False,
+                skip_unreadable=True,
+            )
         return state
 
     # -- messages ----------------------------------------------------------------------------
@@ -351,8 +359,18 @@ class ProviderHealthActor(Supervised):
         self._view.publish(self._report())
 
     def _catch_up(self) -> None:
-        for record in self._store.read_stream(self._stream, self._state.health.version + 1):
+        for record in read_readable(
+            self._store, self._stream, self._state.health.version + 1, unreadable=self._skip
+        ):
             self._fold(record)
+
+    def _skip(self, version: int, exc: CorruptRecordError) -> None:
+        """A record of the stream that cannot be read: logged, and folded past."""
+        log.error(
+            "health.record_unreadable", stream=self._stream, version=version, position=exc.position
+        )
+        health = msgspec.structs.replace(self._state.health, version=version)
+        self._state = msgspec.structs.replace(self._state, health=health)
 
     def _fold(self, record: RecordedEvent) -> None:
         self._state = self._aggregate.apply(self._state, record)

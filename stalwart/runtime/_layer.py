@@ -76,7 +76,11 @@ class ProviderLayer:
                     "provider.api_key_missing", provider=name, env=client.settings.api_key_env
                 )
         self.breakers = {
-            name: Breaker(settings, load_state(store, f"provider:{name}", BREAKER))
+            # a damaged record is passed over (logged): the breaker's state is advisory,
+            # and one lost record must not keep the runtime from starting
+            name: Breaker(
+                settings, load_state(store, f"provider:{name}", BREAKER, skip_unreadable=True)
+            )
             for name, settings in config.providers.items()
         }
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import msgspec
 
 from stalwart._logs import get_logger
+from stalwart.errors import CorruptRecordError
+from stalwart.events import RecordedEvent
 from stalwart.state import Aggregate
 
 from ._protocol import EventStore, Snapshot
@@ -24,6 +27,43 @@ def snapshot_name(aggregate: Aggregate[S]) -> str:
     return f"{aggregate.name}@v{aggregate.version}"
 
 
+def read_readable(
+    store: EventStore,
+    stream: str,
+    from_version: int = 1,
+    *,
+    unreadable: Callable[[int, CorruptRecordError], object] | None = None,
+) -> Iterator[RecordedEvent]:
+    """``stream``'s records from ``from_version`` on, passing over each one that cannot be
+    read (``unreadable(version, error)`` hears of it): for a fold whose state is worth
+    more than the damaged record, such as a provider's breaker or the dead-letter queue.
+    A reader that must not guess past damage uses ``read_stream``."""
+    version = from_version
+    while True:
+        try:
+            for record in store.read_stream(stream, version):
+                version = record.version + 1
+                yield record
+            return
+        except CorruptRecordError as exc:  # the record holding ``version``: the next one on
+            if unreadable is not None:
+                unreadable(version, exc)
+            version += 1
+
+
+def _unreadable_logged(stream: str, fold: str) -> Callable[[int, CorruptRecordError], None]:
+    def logged(version: int, exc: CorruptRecordError) -> None:
+        log.error(
+            "state.record_unreadable",
+            stream=stream,
+            fold=fold,
+            version=version,
+            position=exc.position,
+        )
+
+    return logged
+
+
 def load_state(
     store: EventStore,
     stream: str,
@@ -32,13 +72,16 @@ def load_state(
     until_position: int | None = None,
     snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
     use_snapshots: bool = True,
+    skip_unreadable: bool = False,
 ) -> S:
     """The state of ``stream`` (as of ``until_position`` when given).
 
     Starts from the newest snapshot that decodes (a corrupt one falls back to an older one
     or to the full fold) and folds the events after it. When ``snapshot_every`` > 0 and
     the fold went that many events past the snapshot, a new snapshot is saved (never for
-    a time-travel read with ``until_position``).
+    a time-travel read with ``until_position``). A record that cannot be read raises
+    ``CorruptRecordError``, or with ``skip_unreadable`` is logged (``state.record_unreadable``
+    at ERROR) and folded past.
     """
     name = snapshot_name(aggregate)
     decoder = msgspec.msgpack.Decoder(aggregate.state_type)
@@ -64,7 +107,13 @@ def load_state(
     folder = aggregate.folder(state)
     add = folder.add
     last_version, last_position = base_version, 0
-    for record in store.read_stream(stream, base_version + 1):
+    if skip_unreadable:
+        records = read_readable(
+            store, stream, base_version + 1, unreadable=_unreadable_logged(stream, name)
+        )
+    else:
+        records = store.read_stream(stream, base_version + 1)
+    for record in records:
         if until_position is not None and record.position > until_position:
             break
         add(record)
