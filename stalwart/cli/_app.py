@@ -26,6 +26,10 @@ from ._render import event_json, event_line, fmt_ts, state_lines, to_json
 DEFAULT_STORE = "./.stalwart"
 
 
+#: the highest global position a store can hold (an unsigned 64-bit integer)
+LAST_POSITION = 2**64 - 1
+
+
 class _Group(click.Group):
     """Turns every stalwart error into one line on stderr and exit code 1."""
 
@@ -110,7 +114,7 @@ def _print_events(
 @click.option("--type", "type_glob", metavar="GLOB", help="Only event types matching GLOB.")
 @click.option(
     "--since",
-    type=click.IntRange(min=0),
+    type=click.IntRange(min=0, max=LAST_POSITION - 1),  # positions are u64
     default=0,
     metavar="POSITION",
     help="Only events after POSITION (0: from the start).",
@@ -149,7 +153,7 @@ def tail(
 @click.argument("stream", required=False)
 @click.option(
     "--until",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=LAST_POSITION),
     metavar="POSITION",
     help="The state as it was at global POSITION (time travel); with --verify, verify up to it.",
 )

@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from stalwart._text import escaped
 from stalwart.errors import ConfigError
 from stalwart.state import (
     IncidentsState,
@@ -15,10 +16,11 @@ from stalwart.state import (
     latency_percentile,
 )
 from stalwart.state import incidents as fold_incidents
-from stalwart.store import EventStore
+from stalwart.store import EventStore, read_all_readable
 
 from ._app import _State, cli
 from ._render import fmt_ts, to_json
+from ._views import Unreadable
 
 EMPTY = "no provider calls in the log"
 NO_MATCH = "no provider calls match the filters"
@@ -57,9 +59,9 @@ def parse_since(text: str, newest: float | None) -> float | None:
     )
 
 
-def _newest_ts(store: EventStore) -> float | None:
+def _newest_ts(store: EventStore, unreadable: Unreadable) -> float | None:
     head = store.head()
-    last = next(iter(store.read_all(head, head)), None) if head else None
+    last = next(read_all_readable(store, head, head, unreadable=unreadable), None) if head else None
     return None if last is None else last.ts
 
 
@@ -141,8 +143,8 @@ def table(state: IncidentsState, shown: list[dict[str, Any]]) -> list[str]:
     """The header line, the column names and one aligned line per row."""
     cells = [
         (
-            r["provider"],
-            "-" if r["model"] is None else r["model"],
+            escaped(r["provider"]),
+            "-" if r["model"] is None else escaped(r["model"]),
             str(r["calls"]),
             str(r["failed"]),
             f"{r['failure_rate'] * 100:.1f}%",
@@ -177,20 +179,21 @@ def table(state: IncidentsState, shown: list[dict[str, Any]]) -> list[str]:
 def incidents(state: _State, since: str | None, provider: str | None, as_json: bool) -> None:
     """Failures, timeouts and fallbacks per provider and model, worst first."""
     store = state.store()
+    unreadable = Unreadable()  # records passed over: said after the table
     try:
-        newest = _newest_ts(store)
+        newest = _newest_ts(store, unreadable)
         start = None if since is None else parse_since(since, newest)
-        folded = fold_incidents(store.read_all(), since=start)
+        folded = fold_incidents(read_all_readable(store, unreadable=unreadable), since=start)
     finally:
         store.close()
     shown = rows(folded, provider)
     if as_json:
         for row in shown:
             click.echo(to_json(row))
-        return
-    if not shown:
+    elif not shown:
         unfiltered = since is None and provider is None
         click.echo(EMPTY if unfiltered or newest is None else NO_MATCH)
-        return
-    for text in table(folded, shown):
-        click.echo(text)
+    else:
+        for text in table(folded, shown):
+            click.echo(text)
+    unreadable.check()

@@ -79,7 +79,7 @@ def state_lines(state: Any) -> list[str]:
             shown = _json.encode(value).decode()
         else:
             shown = "-" if value is None else str(value)
-        lines.append(f"{key:<{width}}  {shown}")
+        lines.append(f"{key:<{width}}  {escaped(shown)}")
     return lines
 
 

@@ -39,7 +39,7 @@ from stalwart.state import (
     Verifier,
 )
 from stalwart.state import VerifyReport as Report
-from stalwart.store import EventStore
+from stalwart.store import EventStore, read_all_readable
 from stalwart.tools import ToolBreakerState, apply_tool_breaker, decide_tool_call
 
 from ._render import fmt_ts, to_json
@@ -132,16 +132,17 @@ Item = RecordedEvent | Corrupt
 
 
 def _all(store: EventStore, until: int | None) -> Iterator[Item]:
-    position = 1
-    while True:
-        try:
-            for record in store.read_all(position, until):
-                position = record.position + 1
-                yield record
-            return
-        except CorruptRecordError as exc:
-            yield Corrupt(max(exc.position, position), exc.reason)
-            position = max(exc.position, position) + 1
+    """The log, each record that cannot be read in its place as a :class:`Corrupt`."""
+    passed: list[Corrupt] = []
+
+    def skipped(at: int, exc: CorruptRecordError) -> None:
+        passed.append(Corrupt(at, exc.reason))
+
+    for record in read_all_readable(store, 1, until, unreadable=skipped):
+        yield from passed  # told before the record after it is read
+        passed.clear()
+        yield record
+    yield from passed
 
 
 def _stream(store: EventStore, stream: str, until: int | None) -> Iterator[Item]:

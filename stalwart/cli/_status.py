@@ -12,11 +12,13 @@ from typing import Any
 
 import click
 
+from stalwart._text import escaped
 from stalwart.errors import SessionActionError
 
 from ._app import _State, cli
 from ._render import fmt_ts, to_json
 from ._views import (
+    Unreadable,
     fmt_rel,
     fold_all,
     fold_session,
@@ -150,13 +152,14 @@ def overview_lines(
     """The overview: at most ``limit`` sessions and ``dead_limit`` dead letters of each
     kind (all when None)."""
     now = view["now"]
-    return [
+    lines = [
         *sessions_lines(view, limit),
         "",
         *dead_letter_lines(view["dead_letters"], now, dead_limit),
         "",
         *provider_lines(view["providers"], now),
     ]
+    return [escaped(line) for line in lines]  # recorded values cannot forge a line
 
 
 def _when(at: float | None, now: float) -> str:
@@ -212,7 +215,7 @@ def detail_lines(view: dict[str, Any]) -> list[str]:
     lines += _draft_lines(view["drafts"], now)
     lines.append("")
     lines += dead_letter_lines(view["dead_letters"], now)
-    return lines
+    return [escaped(line) for line in lines]  # tool input, titles: one line each
 
 
 def _draft_lines(drafts: list[dict[str, Any]], now: float) -> list[str]:
@@ -273,9 +276,10 @@ def status(state: _State, session: str | None, as_json: bool) -> None:
     """Sessions by state with their leases, retries, pending requests and backlog, the
     dead-letter backlog and provider health; or SESSION in full."""
     store = state.store()
+    unreadable = Unreadable()  # records passed over: said after the output
     try:
         if session is None:
-            folded = fold_all(store).state()
+            folded = fold_all(store, unreadable=unreadable).state()
         else:
             stream = session_stream(session)
             if store.stream_version(stream) == 0:
@@ -284,7 +288,7 @@ def status(state: _State, session: str | None, as_json: bool) -> None:
                     reason="no_session",
                     session=stream,
                 )
-            folded = fold_session(store, stream)
+            folded = fold_session(store, stream, unreadable)
     finally:
         store.close()
     now = now_for(folded)
@@ -298,6 +302,7 @@ def status(state: _State, session: str | None, as_json: bool) -> None:
         lines = detail_lines(data)
     if as_json:
         click.echo(to_json(data))
-        return
-    for line in lines:
-        click.echo(line)
+    else:
+        for line in lines:
+            click.echo(line)
+    unreadable.check()

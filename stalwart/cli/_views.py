@@ -5,11 +5,13 @@ of every session and one session in full, built from the orchestrator projection
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
 
 from stalwart.clock import SystemClock
+from stalwart.errors import CorruptRecordError
 from stalwart.state import (
     ActivationsState,
     Claim,
@@ -19,7 +21,7 @@ from stalwart.state import (
     retry_posture,
     session_dead_letters,
 )
-from stalwart.store import EventStore
+from stalwart.store import EventStore, read_all_readable, read_readable
 
 STATUSES = ("new", "idle", "running", "requires_action", "closed", "run")
 
@@ -45,6 +47,8 @@ def fmt_rel(at: float | None, now: float) -> str:
     if at is None:
         return "-"
     delta = at - now
+    if not math.isfinite(delta):  # a time no store accepts now (an older record's)
+        return str(at)
     seconds = round(abs(delta))
     if seconds == 0:
         return "now"
@@ -66,24 +70,65 @@ def session_stream(session: str) -> str:
     return session if session.startswith("session:") else f"session:{session}"
 
 
-def fold_all(store: EventStore, folder: OrchestratorFolder | None = None) -> OrchestratorFolder:
-    """Fold what was appended since ``folder`` last looked (everything, for a new one)."""
+class Unreadable:
+    """The records a view's read passed over (it shows what it could read): after the
+    output, :meth:`check` says so in one line (exit 1)."""
+
+    def __init__(self) -> None:
+        self.errors: dict[int, CorruptRecordError] = {}
+        self.last = 0  # the last position passed over
+
+    def __call__(self, at: int, exc: CorruptRecordError) -> None:
+        position = exc.position if exc.position > 0 else at
+        self.errors.setdefault(position, exc)
+        self.last = max(self.last, position)
+
+    def check(self) -> None:
+        if not self.errors:
+            return
+        first = min(self.errors)
+        more = len(self.errors) - 1
+        also = f" (and {more} more)" if more else ""
+        raise CorruptRecordError(
+            first,
+            f"{self.errors[first].reason}{also}; what could be read is shown "
+            "(`stalwart db check` reports the damage)",
+        )
+
+
+def fold_all(
+    store: EventStore,
+    folder: OrchestratorFolder | None = None,
+    unreadable: Unreadable | None = None,
+) -> OrchestratorFolder:
+    """Fold what was appended since ``folder`` last looked (everything, for a new one),
+    passing over records that cannot be read (``unreadable`` hears of each)."""
     folder = folder or OrchestratorFolder()
-    for record in store.read_all(folder.position + 1):
+    unreadable = unreadable if unreadable is not None else Unreadable()
+    start = max(folder.position, unreadable.last) + 1
+    for record in read_all_readable(store, start, unreadable=unreadable):
         folder.add(record)
     return folder
 
 
-def fold_session(store: EventStore, stream: str) -> OrchestratorState:
+def fold_session(
+    store: EventStore, stream: str, unreadable: Unreadable | None = None
+) -> OrchestratorState:
     """The projection of one session's stream and the dead-letter stream (the rest of the
-    log is not read); its ``newest_ts`` is the newest event of the whole log."""
-    records = [*store.read_stream(stream), *store.read_stream("deadletter")]
+    log is not read), passing over records that cannot be read; its ``newest_ts`` is the
+    newest event of the whole log."""
+    records = [
+        *read_readable(store, stream, unreadable=unreadable),
+        *read_readable(store, "deadletter", unreadable=unreadable),
+    ]
     folder = OrchestratorFolder()
     for record in sorted(records, key=lambda r: r.position):
         folder.add(record)
     state = folder.state()
     head = store.head()
-    newest = next(iter(store.read_all(head, head)), None) if head else None
+    newest = (
+        next(read_all_readable(store, head, head, unreadable=unreadable), None) if head else None
+    )
     if newest is not None and (state.newest_ts is None or newest.ts > state.newest_ts):
         state = msgspec.structs.replace(state, newest_ts=newest.ts)
     return state

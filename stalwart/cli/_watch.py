@@ -35,7 +35,7 @@ from stalwart.state import OrchestratorFolder
 from ._app import _State, cli
 from ._render import fmt_ts, to_json
 from ._status import overview_lines
-from ._views import fold_all, now_for, overview, session_stream
+from ._views import Unreadable, fold_all, now_for, overview, session_stream
 
 #: dead letters of each kind a frame lists (the newest; the rest are counted)
 DEAD_LETTERS_SHOWN = 5
@@ -206,8 +206,9 @@ def watch(state: _State, interval: float, once: bool, rows: int | None) -> None:
     store = state.store()
     live = sys.stdout.isatty() and not once
     stop = threading.Event()
+    unreadable = Unreadable()  # records passed over: said once the view stops
     try:
-        folder = fold_all(store)
+        folder = fold_all(store, unreadable=unreadable)
         while True:
             shown = rows if rows is not None or not live else _fit()
             lines = frame(folder, store.location, shown)
@@ -218,12 +219,13 @@ def watch(state: _State, interval: float, once: bool, rows: int | None) -> None:
                 click.echo("\n".join(lines) + ("" if once else "\n"))
             sys.stdout.flush()
             if once or stop.wait(interval):
-                return
-            fold_all(store, folder)
+                break
+            fold_all(store, folder, unreadable)
     except KeyboardInterrupt:
         pass
     finally:
         store.close()
+    unreadable.check()
 
 
 def _fit() -> int:

@@ -9,7 +9,13 @@ import typing
 from ._check import Problem, StoreCheck, check_store
 from ._lmdb import LmdbEventStore
 from ._open import open
-from ._projection import DEFAULT_SNAPSHOT_EVERY, load_state, read_readable, snapshot_name
+from ._projection import (
+    DEFAULT_SNAPSHOT_EVERY,
+    load_state,
+    read_all_readable,
+    read_readable,
+    snapshot_name,
+)
 from ._protocol import (
     NO_STREAM,
     Due,
@@ -47,6 +53,7 @@ __all__ = [
     "check_store",
     "load_state",
     "open",
+    "read_all_readable",
     "read_readable",
     "snapshot_name",
 ]

@@ -43,7 +43,7 @@ from stalwart.events import Codec, RecordedEvent
 
 from ._inbox import Inbox
 from ._lmdb_tail import Entry, LogTail, log_head, read_heads
-from ._protocol import Fence, NewEvent
+from ._protocol import Fence, NewEvent, unix_ts
 from ._rwlock import SharedExclusiveLock
 
 log = get_logger(__name__)
@@ -538,7 +538,7 @@ class _Environment:
         else:
             cached = self._rows.get(key)
             if cached is None:
-                cached = stream_row(txn.get(key, db=self.stream_db))
+                cached = stream_row(txn.get(key, db=self.stream_db), key)
             version, epoch = cached
         if request.expected is not None and request.expected != version:
             request.error = ConcurrencyError(request.stream, request.expected, version)
@@ -566,7 +566,7 @@ class _Environment:
                     position,
                     stream,
                     version,
-                    now if new.ts is None else new.ts,
+                    now if new.ts is None else unix_ts(new.ts),
                     new.id or next(fresh),
                     new.causation_id,
                     new.correlation_id,
@@ -613,11 +613,25 @@ def indexed_at(txn: Any, meta: Any) -> int:
     return 0 if raw is None else int.from_bytes(raw, "big")
 
 
-def stream_row(raw: bytes | None) -> tuple[int, int]:
+def decode_stream_row(stream: bytes, raw: bytes) -> list[Any]:
+    """A stream row's fields (version, last position, last ts[, epoch]); a damaged row
+    is a StoreError naming its stream (``stalwart db check`` walks the log itself)."""
+    try:
+        row = msgspec.msgpack.decode(raw)
+        if not isinstance(row, list) or len(row) < 3:
+            raise ValueError("not a stream row")
+        int(row[0]), int(row[1]), float(row[2])
+    except (msgspec.DecodeError, ValueError, TypeError) as exc:
+        name = stream.decode("utf-8", "backslashreplace")
+        raise StoreError(f"the index row of stream {name!r} cannot be read: {exc}") from None
+    return row
+
+
+def stream_row(raw: bytes | None, stream: bytes = b"") -> tuple[int, int]:
     """A stream row's version and lease epoch (rows written before fencing have none)."""
     if raw is None:
         return 0, 0
-    row = msgspec.msgpack.decode(raw)
+    row = decode_stream_row(stream, raw)
     return int(row[0]), int(row[3]) if len(row) > 3 else 0
 
 

@@ -49,6 +49,7 @@ from ._environment import (
     _Environment,
     _key,
     _PutSnapshot,
+    decode_stream_row,
     stream_row,
 )
 from ._lmdb_due import SESSION_PREFIX, ClaimDue, DueAppend, SetDue, due_db
@@ -443,14 +444,14 @@ class LmdbEventStore:
         key = check_stream(stream)
 
         def get(txn: Any) -> int:
-            return stream_row(txn.get(key, db=env.stream_db))[0]
+            return stream_row(txn.get(key, db=env.stream_db), key)[0]
 
         return env.read(get)
 
     def lease_epoch(self, stream: str) -> int:
         env = self._live()
         key = check_stream(stream)
-        return env.read(lambda txn: stream_row(txn.get(key, db=env.stream_db))[1])
+        return env.read(lambda txn: stream_row(txn.get(key, db=env.stream_db), key)[1])
 
     def streams(self) -> list[StreamInfo]:
         env = self._live()
@@ -458,7 +459,7 @@ class LmdbEventStore:
         def scan(txn: Any) -> list[StreamInfo]:
             out = []
             for key, raw in txn.cursor(db=env.stream_db):
-                version, last_position, last_ts, *rest = msgspec.msgpack.decode(raw)
+                version, last_position, last_ts, *rest = decode_stream_row(bytes(key), raw)
                 out.append(
                     StreamInfo(
                         stream=bytes(key).decode("utf-8"),

@@ -50,6 +50,7 @@ from ._protocol import (
     StreamInfo,
     check_stream,
     checked_events,
+    unix_ts,
 )
 from ._subscription import Subscription
 
@@ -61,13 +62,6 @@ SNAPSHOTS_KEPT = 3
 LISTENER_NAME = "stalwart-listener"
 _LAST = (1 << 63) - 1
 SESSION_PREFIX = "session:"
-
-
-def _unix_ts(ts: object) -> float:
-    """An event's ``ts`` as unix seconds; TypeError for anything but a number."""
-    if isinstance(ts, bool) or not isinstance(ts, int | float):
-        raise TypeError(f"ts must be unix seconds (a number), got {type(ts).__name__}")
-    return float(ts)
 
 
 class PostgresEventStore:
@@ -255,7 +249,7 @@ class PostgresEventStore:
         now = self._clock.now()
         try:
             data = [self._header.encode(new.event) for new in news]
-            stamps = [now if new.ts is None else _unix_ts(new.ts) for new in news]
+            stamps = [now if new.ts is None else unix_ts(new.ts) for new in news]
         except (TypeError, ValueError, OverflowError) as exc:
             raise EventError(f"cannot encode an event for {stream!r}: {exc}") from exc
         for new, encoded in zip(news, data, strict=True):

@@ -51,6 +51,30 @@ def read_readable(
             version += 1
 
 
+def read_all_readable(
+    store: EventStore,
+    from_position: int = 1,
+    until_position: int | None = None,
+    *,
+    unreadable: Callable[[int, CorruptRecordError], object] | None = None,
+) -> Iterator[RecordedEvent]:
+    """The log from ``from_position`` (to ``until_position``), passing over each record
+    that cannot be read (``unreadable(position, error)`` hears of it): for a view that
+    shows what it can and says what it could not."""
+    position = from_position
+    while True:
+        try:
+            for record in store.read_all(position, until_position):
+                position = record.position + 1
+                yield record
+            return
+        except CorruptRecordError as exc:
+            at = max(exc.position, position)
+            if unreadable is not None:
+                unreadable(at, exc)
+            position = at + 1
+
+
 def _unreadable_logged(stream: str, fold: str) -> Callable[[int, CorruptRecordError], None]:
     def logged(version: int, exc: CorruptRecordError) -> None:
         log.error(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -22,8 +23,9 @@ MAX_STREAM_BYTES = 400
 class NewEvent(msgspec.Struct, frozen=True, kw_only=True):
     """An event to append, with what the appender knows about it.
 
-    ``ts`` is the time the event happened (a decision's ``now``); when omitted the store
-    stamps it from its clock. ``id`` is made by :mod:`stalwart.ids` when omitted.
+    ``ts`` is the time the event happened (a decision's ``now``), finite unix seconds;
+    when omitted the store stamps it from its clock. ``id`` is made by
+    :mod:`stalwart.ids` when omitted.
     """
 
     event: Event
@@ -31,6 +33,18 @@ class NewEvent(msgspec.Struct, frozen=True, kw_only=True):
     id: str | None = None
     causation_id: str | None = None
     correlation_id: str | None = None
+
+
+def unix_ts(ts: object) -> float:
+    """A ``NewEvent.ts`` as unix seconds: TypeError for anything but a number, ValueError
+    for a time that is not finite (``inf`` or ``nan`` would be no time at all, and not
+    JSON either: ``tail --json`` could not print it)."""
+    if isinstance(ts, bool) or not isinstance(ts, int | float):
+        raise TypeError(f"ts must be unix seconds (a number), got {type(ts).__name__}")
+    seconds = float(ts)
+    if not math.isfinite(seconds):
+        raise ValueError(f"ts must be a finite number of unix seconds, got {seconds!r}")
+    return seconds
 
 
 class Fence(msgspec.Struct, frozen=True):
