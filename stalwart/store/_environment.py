@@ -620,15 +620,17 @@ def decode_stream_row(stream: bytes, raw: bytes) -> list[Any]:
         row = msgspec.msgpack.decode(raw)
         if not isinstance(row, list) or len(row) < 3:
             raise ValueError("not a stream row")
-        int(row[0]), int(row[1]), float(row[2])
+        for field, kind in zip(row[:3], (int, int, float), strict=True):
+            kind(field)  # each a number: a TypeError or ValueError otherwise
     except (msgspec.DecodeError, ValueError, TypeError) as exc:
         name = stream.decode("utf-8", "backslashreplace")
         raise StoreError(f"the index row of stream {name!r} cannot be read: {exc}") from None
     return row
 
 
-def stream_row(raw: bytes | None, stream: bytes = b"") -> tuple[int, int]:
-    """A stream row's version and lease epoch (rows written before fencing have none)."""
+def stream_row(raw: bytes | None, stream: bytes) -> tuple[int, int]:
+    """``stream``'s row's version and lease epoch (0, 0 for no row; rows written before
+    fencing have no epoch)."""
     if raw is None:
         return 0, 0
     row = decode_stream_row(stream, raw)
