@@ -1,5 +1,5 @@
 """Review of the scheduler and of the passivation of idle Agents: defects found, each
-shown by a failing test.
+shown by a test that failed on the code before its fix.
 
 Real parts only: a real LMDB store in ``tmp_path``, the loopback fake provider, a
 ``MemoryChannel`` and the fake clock. Each docstring says what is wrong and what a host
@@ -58,13 +58,6 @@ def _passivated(rt: Runtime, clock: FakeClock, chat: MemoryChannel) -> SessionHa
 # -- passivation: which Agents the sweep ever looks at ---------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "known, not fixed yet: the sweep only looks at sessions with a recorded wake, so "
-        "an Agent revived by its handle is never passivated again"
-    ),
-)
 @pytest.mark.timeout(60)
 def test_an_agent_revived_by_its_handle_is_passivated_again(
     store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
@@ -86,15 +79,12 @@ def test_an_agent_revived_by_its_handle_is_passivated_again(
         revived = session.ref
         assert revived.is_alive()
         _idle_for(clock, 10 * IDLE_MS / 1000)  # ten idle periods, twenty sweeps
-        assert not revived.is_alive(), (
+        # the sweep runs on its own thread: wait (real time) for the stop it decided
+        assert revived.actor_stopped.wait(GUARD), (
             "the Agent revived by handle.status() was never passivated again"
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=("known, not fixed yet: an Agent whose session never had a wake is never passivated"),
-)
 @pytest.mark.timeout(60)
 def test_an_agent_whose_session_never_had_a_wake_is_passivated(
     store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
@@ -114,7 +104,9 @@ def test_an_agent_whose_session_never_had_a_wake_is_passivated(
         first = session.ref
         assert session.status(GUARD).session.turns == 0  # the Agent is up and idle
         _idle_for(clock, 10 * IDLE_MS / 1000)
-        assert not first.is_alive(), "an Agent idle for ten idle periods was never stopped"
+        assert first.actor_stopped.wait(GUARD), (
+            "an Agent idle for ten idle periods was never stopped"
+        )
 
 
 # -- passivation: the sweep blocks the scheduler's thread and the wake hand-off -------------
@@ -137,13 +129,6 @@ def _busy_for(refs: list[pykka.ActorRef[Any]], count: int) -> None:
         sys.setswitchinterval(interval)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "known, not fixed yet: the passivation sweep asks Agents on the scheduler thread; "
-        "the proof depends on timing, so it is not strict"
-    ),
-)
 @pytest.mark.timeout(60)
 def test_a_wake_due_during_a_sweep_is_not_held_up_by_busy_agents(
     store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
@@ -188,13 +173,6 @@ def test_a_wake_due_during_a_sweep_is_not_held_up_by_busy_agents(
 # -- passivation: the host's handle while the sweep stops its Agent --------------------------
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "known, not fixed yet: passivate stops the Agent before marking it passivated; a "
-        "race, so not strict"
-    ),
-)
 @pytest.mark.timeout(90)
 def test_a_handle_asked_while_the_sweep_stops_its_agent_keeps_working(
     store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
@@ -248,13 +226,6 @@ def test_a_handle_asked_while_the_sweep_stops_its_agent_keeps_working(
 # -- the scheduler on a fake clock ------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "known, not fixed yet (low severity): a FakeClock scheduler does not fire at "
-        "start() what fell due while stopped"
-    ),
-)
 @pytest.mark.timeout(30)
 def test_a_timer_that_fell_due_while_stopped_fires_at_start(clock: FakeClock) -> None:
     """Defect (stalwart/actors/_scheduler.py:Scheduler.start with a FakeClock): timers are

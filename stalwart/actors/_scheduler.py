@@ -235,6 +235,10 @@ class Scheduler:
                 listen = not self._listening
                 self._listening = True
                 target, name = self._run_overdue, "stalwart-scheduler-overdue"
+                # what fell due while stopped fires at once, as the real clock's thread does
+                top = self._peek()
+                if top is not None and top.deadline <= self._manual.now():
+                    self._overdue = True
             else:
                 listen = False
                 target, name = self._run, "stalwart-scheduler"

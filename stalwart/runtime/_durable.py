@@ -6,8 +6,10 @@ it, and the session's Agent runs it as one bounded wake with fenced appends. A w
 a session this process has no Agent for (another process died holding it, or the agent
 was passivated) starts one from the session's recorded agent and channel.
 
-Passivation: an Agent whose session has had no wake for ``passivate_after_ms`` is stopped
-(its state is the log); the next wake starts it again from its snapshot and tail.
+Passivation: an Agent whose session has had no wake (nor been started) for
+``passivate_after_ms`` is stopped (its state is the log); the next wake starts it again
+from its snapshot and tail. The sweep runs on its own thread: the scheduler's callback
+only signals it, so the sweep's asks never hold up the runtime's timers.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from stalwart.actors import (
     Abandoned,
     ActivationWorker,
     Closing,
+    IsIdle,
     LeaseLost,
     Nudge,
     Release,
@@ -42,9 +45,15 @@ from stalwart.ids import new_id
 from stalwart.state import ActivationPolicy
 from stalwart.store import EventStore
 
+from ._handles import STOP_TIMEOUT_S
+
 __all__ = ["Durability", "policy_of"]
 
 log = get_logger(__name__)
+
+#: How long the passivation sweep waits for an Agent to say whether it is idle (a busy
+#: one is left for the next sweep).
+IDLE_ASK_S = 1.0
 
 
 def policy_of(settings: ActivationSettings) -> ActivationPolicy:
@@ -66,7 +75,10 @@ class Durability:
     ``agent_for(session_id, start)`` returns the session's Agent ref (starting it when
     ``start``), or None when it cannot; ``stopping()`` says whether the runtime is closing
     (a wake it cannot hand over then is not a failure: its lease is handed back).
-    ``idle(session_id)`` stops an idle Agent.
+    ``passivate(session_id, ref)`` stops the session's Agent ``ref`` (which said it is
+    idle) and marks it passivated; whether it did (False: another Agent runs it now).
+    The session layer calls :meth:`started` for every supervised Agent it starts, so the
+    sweep looks at every live Agent, not only those that had a wake.
     ``on_crash(restart, reason)`` hears of a worker that died of an exception; calling
     ``restart()`` starts a new one, under a new owner name (as a new process would: the
     leases the dead one held are taken over when they expire).
@@ -80,7 +92,7 @@ class Durability:
         settings: ActivationSettings,
         *,
         agent_for: Callable[[str, bool], pykka.ActorRef[Any] | None],
-        passivate: Callable[[str], bool],
+        passivate: Callable[[str, pykka.ActorRef[Any]], bool],
         stopping: Callable[[], bool] = lambda: False,
         on_crash: Callable[[Callable[[], None], str], object] | None = None,
     ) -> None:
@@ -94,12 +106,22 @@ class Durability:
         self._stopping = stopping
         self._on_crash = on_crash
         self._rng = random.SystemRandom()
-        self._last_wake: dict[str, float] = {}
+        # when each session's Agent last had a wake handed to it, ended one, or started
+        self._last_seen: dict[str, float] = {}
         self._handoff = threading.Lock()
         self._timer = ("durable:passivate", new_id())
+        self._sweep_due = threading.Condition()
+        self._sweep_wanted = False
+        self._sweeping = True
+        self._sweeper: threading.Thread | None = None
         self.owner = ""
         self.worker = self._start_worker()
-        self._arm_passivation()
+        if settings.passivate_after_ms:
+            self._sweeper = threading.Thread(
+                target=self._sweep_loop, name="stalwart-passivation", daemon=True
+            )
+            self._sweeper.start()
+            self._arm_passivation()
 
     def _start_worker(self) -> pykka.ActorRef[Any]:
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{new_id()[:8]}"
@@ -131,7 +153,7 @@ class Durability:
     def tell(self, message: object | None) -> None:
         """For the Agents: None nudges the worker (work was appended), or a WakeEnded."""
         if isinstance(message, WakeEnded):
-            self._last_wake[message.stream] = self._clock.now()
+            self._last_seen[message.stream] = self._clock.now()
         try:
             self.worker.tell(Nudge() if message is None else message)
         except pykka.ActorDeadError:
@@ -149,15 +171,23 @@ class Durability:
         assert isinstance(report, WorkerReport)
         return report
 
+    def started(self, session_id: str) -> None:
+        """A session's Agent was started (for a host's handle, a wake, a restart, a
+        resend): it is passivated once idle for ``passivate_after_ms`` from now."""
+        self._last_seen[f"session:{session_id}"] = self._clock.now()
+
     def closing(self) -> None:
-        """The process stops: the worker leases nothing more (before the Agents stop)."""
-        self._scheduler.cancel(self._timer)
+        """The process stops: the worker leases nothing more and the sweep ends (before
+        the Agents stop)."""
+        self._stop_sweeping()
         with contextlib.suppress(pykka.ActorDeadError):
             self.worker.tell(Closing())
 
     def stop(self) -> None:
         """Hand the running wakes' leases back (their Agents are stopped), then stop."""
-        self._scheduler.cancel(self._timer)
+        self._stop_sweeping()
+        if self._sweeper is not None:
+            self._sweeper.join(STOP_TIMEOUT_S)
         with contextlib.suppress(pykka.ActorDeadError, pykka.Timeout):
             released = self.worker.ask(Release(), timeout=5.0)
             if released:
@@ -173,7 +203,7 @@ class Durability:
             if ref is None:
                 # the runtime is closing: not a failed wake, a lease to hand back
                 return None if self._stopping() else False
-            self._last_wake[wake.stream] = self._clock.now()
+            self._last_seen[wake.stream] = self._clock.now()
             try:
                 ref.tell(wake)
             except pykka.ActorDeadError:
@@ -200,27 +230,78 @@ class Durability:
     # -- passivation ------------------------------------------------------------------------
 
     def _arm_passivation(self) -> None:
-        every = self.settings.passivate_after_ms
-        if not every:
-            return
-        at = self._clock.now() + max(every / 2, 1_000) / 1000
-        self._scheduler.schedule(at, self._sweep, key=self._timer)
+        every = max(self.settings.passivate_after_ms / 2, 1_000) / 1000
+        self._scheduler.schedule(self._clock.now() + every, self._sweep_wanted_at, key=self._timer)
 
-    def _sweep(self, at: float) -> None:
-        """Stop the Agents of sessions with no wake for ``passivate_after_ms`` that say
-        they are idle (no wake, no turn, no send in flight); the next sweep tries again
-        for the others."""
+    def _sweep_wanted_at(self, _at: float) -> None:
+        """The scheduler's callback: signal the sweeper (cheap), and arm the next one."""
+        with self._sweep_due:
+            if not self._sweeping:
+                return
+            self._sweep_wanted = True
+            self._sweep_due.notify()
+        self._arm_passivation()
+
+    def _stop_sweeping(self) -> None:
+        self._scheduler.cancel(self._timer)
+        with self._sweep_due:
+            self._sweeping = False
+            self._sweep_due.notify()
+
+    def _sweep_loop(self) -> None:
+        """The sweeper's thread: one sweep per signal (signals that come during a sweep
+        make one more), until the process stops."""
+        while True:
+            with self._sweep_due:
+                while self._sweeping and not self._sweep_wanted:
+                    self._sweep_due.wait()
+                if not self._sweeping:
+                    return
+                self._sweep_wanted = False
+            try:
+                self._sweep()
+            except Exception:  # a bug: logged, and the next sweep tries again
+                log.exception("durable.sweep_failed")
+
+    def _sweep(self) -> None:
+        """Stop the Agents of sessions with no wake (nor start) for ``passivate_after_ms``
+        that say they are idle (no wake, no turn, no send in flight); the next sweep
+        tries again for the others. The candidates are all asked at once, outside the
+        hand-off lock; the stop re-checks, under it, that no wake was handed over since."""
+        now = self._clock.now()
+        limit = self.settings.passivate_after_ms / 1000
         try:
-            limit = self.settings.passivate_after_ms / 1000
-            running = self.report(timeout=5.0).running if self.worker.is_alive() else {}
-            for stream in list(self._last_wake):
-                with self._handoff:  # the hand-off cannot come between check and stop
-                    last = self._last_wake.get(stream)
-                    if last is None or stream in running or at - last < limit:
-                        continue
-                    if self._passivate(stream.removeprefix("session:")):
-                        del self._last_wake[stream]
+            running = self.report(timeout=STOP_TIMEOUT_S).running
         except (pykka.ActorDeadError, pykka.Timeout) as exc:  # the worker is restarting
             log.warning("durable.sweep_skipped", error=type(exc).__name__)
-        finally:
-            self._arm_passivation()
+            return
+        asked: list[tuple[str, float, pykka.ActorRef[Any], pykka.Future[Any]]] = []
+        for stream, seen in list(self._last_seen.items()):
+            if stream in running or now - seen < limit:
+                continue
+            ref = self._agent_for(stream.removeprefix("session:"), False)
+            if ref is None:  # no live Agent (stopped, or given up on): nothing to stop
+                self._forget(stream, seen)
+                continue
+            with contextlib.suppress(pykka.ActorDeadError):
+                asked.append((stream, seen, ref, ref.ask(IsIdle(), block=False)))
+        for stream, seen, ref, answer in asked:
+            if not self._said_idle(answer):
+                continue
+            with self._handoff:  # the hand-off cannot come between the check and the stop
+                if self._last_seen.get(stream) != seen:
+                    continue  # a wake was handed over (or the Agent started) meanwhile
+                if self._passivate(stream.removeprefix("session:"), ref):
+                    self._forget(stream, seen)
+
+    def _forget(self, stream: str, seen: float) -> None:
+        if self._last_seen.get(stream) == seen:
+            del self._last_seen[stream]
+
+    @staticmethod
+    def _said_idle(answer: pykka.Future[Any]) -> bool:
+        """Whether an Agent answered that it is idle (a busy one waits for the next sweep)."""
+        try:
+            return bool(answer.get(timeout=IDLE_ASK_S))
+        except (pykka.ActorDeadError, pykka.Timeout):
+            return False

@@ -20,7 +20,6 @@ from stalwart.actors import (
     AgentLoopSettings,
     Crashed,
     HealthView,
-    IsIdle,
     LeaseLost,
     WakeFailed,
     WorkerReport,
@@ -44,7 +43,7 @@ from ._control import (
     submit_tool_result,
 )
 from ._durable import Durability
-from ._handles import DEFAULT_CHANNEL, SessionHandle
+from ._handles import DEFAULT_CHANNEL, STOP_TIMEOUT_S, SessionHandle
 from ._layer import ProviderLayer
 from ._tools import SessionTools
 from ._wiring import Wiring, stop_actors
@@ -53,10 +52,6 @@ from ._workspace import Committer, draft_tools
 __all__ = ["SessionLayer"]
 
 log = get_logger(__name__)
-
-#: How long passivation waits for an Agent to say whether it is idle (a busy one is
-#: left for the next sweep).
-IDLE_ASK_S = 1.0
 
 
 class SessionLayer:
@@ -195,6 +190,7 @@ class SessionLayer:
         durable = self._durable if supervised else None
         if durable is not None:  # the session exists when session() returns
             self._record_created(session_id, agent, target, conversation, thread)
+            durable.started(session_id)  # passivated once idle, like any Agent
         context = self._context if supervised else None
         tools = self._own_tools(session_id, agent, settings, durable, context, supervised)
         ref = AgentActor.start(
@@ -312,12 +308,21 @@ class SessionLayer:
     def _revive(self, session_id: str) -> pykka.ActorRef[Any] | None:
         """A passivated session's Agent, started again for its handle (None when the
         runtime is closed, or the Agent is down for another reason: a crash in its
-        restart's backoff, or one supervision gave up on)."""
+        restart's backoff, or one supervision gave up on). An Agent the sweep is still
+        stopping is waited for first."""
         with self._w.lock:
             handle = self._handles.get(session_id)
             if not self._w.running() or handle is None:
                 return None
-            if handle.ref.is_alive():
+            if session_id not in self._passivated:
+                return handle.ref if handle.ref.is_alive() else None
+            stopping = handle.ref
+        stopping.actor_stopped.wait(STOP_TIMEOUT_S)
+        with self._w.lock:
+            handle = self._handles.get(session_id)
+            if not self._w.running() or handle is None:
+                return None
+            if handle.ref.is_alive():  # started again meanwhile (a wake)
                 return handle.ref
             if session_id not in self._passivated:
                 return None
@@ -395,24 +400,20 @@ class SessionLayer:
                 return record.event.conversation, record.event.thread
         return None, None
 
-    def passivate(self, session_id: str) -> bool:
-        """Stop the session's Agent if it says it is idle: no wake, no turn, no send in
-        flight (its handle stays: the next wake restarts it). Whether it is stopped; an
-        Agent too busy to answer at once is left for the next sweep."""
-        handle = self._handles.get(session_id)
-        if handle is None or not handle.ref.is_alive():
-            return True
-        try:
-            idle = handle.ref.ask(IsIdle(), timeout=IDLE_ASK_S)
-        except (pykka.ActorDeadError, pykka.Timeout):
-            return False
-        if not idle:
-            return False
-        log.info("runtime.passivated", session=session_id)
-        stop_actors([handle.ref])
+    def passivate(self, session_id: str, ref: pykka.ActorRef[Any]) -> bool:
+        """Stop the session's Agent ``ref``, which said it is idle (its handle stays: the
+        next wake, or ``handle.status()``, starts it again). The session is marked
+        passivated before its Agent stops, so a host's ``status()`` in between waits for
+        the stop and starts a new one. False when another Agent runs the session now."""
         with self._w.lock:
-            if not handle.ref.is_alive():  # not started again meanwhile
-                self._passivated.add(session_id)
+            handle = self._handles.get(session_id)
+            if handle is None or not ref.is_alive():
+                return True
+            if handle.ref is not ref:
+                return False
+            self._passivated.add(session_id)
+        log.info("runtime.passivated", session=session_id)
+        stop_actors([ref])
         return True
 
     # -- what a host does to a session (see Runtime) -------------------------------------------
