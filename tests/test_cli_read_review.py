@@ -164,11 +164,6 @@ def test_status_of_a_session_is_not_hidden_by_a_corrupt_dead_letter_record(
     assert "request r1" in out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known, partly fixed: a damaged streams row is now a one-line StoreError naming "
-    "the stream (not an internal error), but db check stops there instead of reporting it",
-)
 def test_db_check_reports_a_damaged_streams_row_instead_of_an_internal_error(
     store_dir: Path,
 ) -> None:

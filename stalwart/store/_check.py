@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 import msgspec
 
-from stalwart.errors import CorruptRecordError
+from stalwart.errors import CorruptRecordError, StoreError
 from stalwart.events import RecordedEvent
 
-from ._protocol import EventStore
+from ._protocol import EventStore, StreamInfo
 
 __all__ = ["Problem", "StoreCheck", "check_store"]
 
@@ -74,10 +74,14 @@ def check_store(
         )
     walked = _walk(store, head, report, progress)
     report.records = sum(len(stream.positions) for stream in walked.values())
-    rows = {info.stream: info for info in store.streams()}
-    report.streams = len(rows)
+    rows, damaged = _rows(store)
+    report.streams = len(rows) + len(damaged)
+    for name, error in damaged.items():
+        report.problems.append(Problem(what=str(error), stream=name))
     for name, stream in walked.items():
         row = rows.get(name)
+        if name in damaged:
+            continue  # said above; its reads need the row
         if row is None:
             report.problems.append(Problem(what="the log has it, streams() does not", stream=name))
         elif row.version < stream.last_version:
@@ -93,6 +97,17 @@ def check_store(
             what = f"streams() has it at version {row.version}, the log does not"
             report.problems.append(Problem(what=what, stream=name))
     return report
+
+
+def _rows(store: EventStore) -> tuple[dict[str, StreamInfo], dict[str, StoreError]]:
+    """``streams()`` by name, and (a store that can say so: LMDB's ``stream_rows``) the
+    rows that cannot be read, instead of an error at the first."""
+    stream_rows = getattr(store, "stream_rows", None)
+    if callable(stream_rows):
+        readable, damaged = stream_rows()
+    else:
+        readable, damaged = store.streams(), {}
+    return {info.stream: info for info in readable}, damaged
 
 
 def _walk(

@@ -88,7 +88,7 @@ def _stream_chunk(
     raw = txn.get(prefix[:-1], db=env.stream_db)
     if raw is None:
         return out, None
-    version, end = msgspec.msgpack.decode(raw)[:2]
+    version, end = decode_stream_row(prefix[:-1], raw)[:2]
     indexed = env.indexed(txn)
     if version < first or end <= indexed:
         return out, None
@@ -454,22 +454,35 @@ class LmdbEventStore:
         return env.read(lambda txn: stream_row(txn.get(key, db=env.stream_db), key)[1])
 
     def streams(self) -> list[StreamInfo]:
+        rows, damaged = self.stream_rows()
+        for error in damaged.values():
+            raise error
+        return rows
+
+    def stream_rows(self) -> tuple[list[StreamInfo], dict[str, StoreError]]:
+        """Every stream's row that can be read, and the error of each that cannot (by
+        stream name): what ``stalwart db check`` reports instead of stopping at one."""
         env = self._live()
 
-        def scan(txn: Any) -> list[StreamInfo]:
-            out = []
+        def scan(txn: Any) -> tuple[list[StreamInfo], dict[str, StoreError]]:
+            out, damaged = [], {}
             for key, raw in txn.cursor(db=env.stream_db):
-                version, last_position, last_ts, *rest = decode_stream_row(bytes(key), raw)
+                name = bytes(key).decode("utf-8", "backslashreplace")
+                try:
+                    version, last_position, last_ts, *rest = decode_stream_row(bytes(key), raw)
+                except StoreError as exc:
+                    damaged[name] = exc
+                    continue
                 out.append(
                     StreamInfo(
-                        stream=bytes(key).decode("utf-8"),
+                        stream=name,
                         version=version,
                         last_position=last_position,
                         last_ts=last_ts,
                         lease_epoch=rest[0] if rest else 0,
                     )
                 )
-            return out
+            return out, damaged
 
         return env.read(scan)
 
