@@ -300,3 +300,31 @@ def test_a_failed_answer_is_dead_lettered_when_another_worker_dead_lettered_firs
             assert _dead_lettered(store, theirs)
     finally:
         store.close()
+
+
+def test_a_failed_answer_is_queued_before_its_failure_is_recorded(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """The Agent appended ``announcement:send_failed`` and only then told the dead-letter
+    queue. A crash between the two left a failure in the log that nobody would retry: the
+    next start does not send a failed answer again (it has an outcome) and the queue
+    never had it.
+
+    Correct: the queue's ``announcement:dead_lettered`` is in the log before the
+    ``announcement:send_failed`` that led to it (a crash between them leaves a queued
+    entry, and an answer with no outcome that the next start sends again: at least
+    once, never lost)."""
+    chat.fail_next(1, kind="server_error")
+    with Runtime(_config(fake), store=store, clock=clock, channels={"chat": chat}) as rt:
+        rt.session("s1", channel="chat").send("hello")
+        [failed] = of(
+            AnnouncementSendFailed, log_until(store, "session:s1", has(AnnouncementSendFailed))
+        )
+        assert _until(lambda: _dead_lettered(store, failed.announcement_id))
+        positions = {
+            (type(r.event), getattr(r.event, "announcement_id", None)): r.position
+            for r in store.read_all()
+        }
+    queued = positions[(AnnouncementDeadLettered, failed.announcement_id)]
+    recorded = positions[(AnnouncementSendFailed, failed.announcement_id)]
+    assert queued < recorded, "the failure was recorded before the queue had the answer"

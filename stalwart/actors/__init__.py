@@ -68,6 +68,7 @@ from ._deadletter import (
     QueueState,
     RetryDue,
     RetrySent,
+    dead_letter,
 )
 from ._health import (
     CallOutcome,
@@ -229,6 +230,7 @@ __all__ = [
     "batch_text",
     "context_tools",
     "crashed",
+    "dead_letter",
     "decide_crash",
     "decide_execution_timeout",
     "drafts_note",

@@ -117,7 +117,7 @@ from ._agent_wake import (
     wake_result,
 )
 from ._context import Assemble
-from ._deadletter import Enqueue
+from ._deadletter import Enqueue, dead_letter
 from ._portal import IoPortal
 from ._restarts import crashed
 from ._scheduler import Scheduler
@@ -390,11 +390,8 @@ class AgentActor(Supervised):
             event = AnnouncementSendFailed(
                 announcement_id=message.announcement_id, error_class=error_class
             )
-        # the send's outcome is the announcement's, whichever wake runs now (and whoever
-        # holds the lease): never fenced out, so a failed answer always reaches the queue
-        self._append([event], fenced=False)
         unsent = self._unsent.pop(message.announcement_id, None)
-        if not message.ok and unsent is not None and self._dead_letters is not None:
+        if not message.ok and unsent is not None:  # the queue's entry first, then the failure
             enqueue = Enqueue(
                 announcement_id=message.announcement_id,
                 channel=self._channel.name,
@@ -404,8 +401,10 @@ class AgentActor(Supervised):
                 thread=self._thread,
                 kind=unsent[1],
             )
-            with contextlib.suppress(pykka.ActorDeadError):
-                self._dead_letters.tell(enqueue)
+            dead_letter(self._dead_letters, enqueue)
+        # the send's outcome is the announcement's, whichever wake runs now (and whoever
+        # holds the lease): never fenced out, so a failed answer always reaches the queue
+        self._append([event], fenced=False)
 
     def _on_deadline(self, message: Deadline) -> None:
         turn = self._turn

@@ -31,7 +31,7 @@ from stalwart.ids import new_id
 from stalwart.state import batch_text
 from stalwart.store import EventStore, NewEvent
 
-from ._deadletter import Enqueue
+from ._deadletter import Enqueue, dead_letter
 from ._portal import IoPortal
 from ._restarts import crashed
 from ._scheduler import Scheduler
@@ -211,19 +211,17 @@ class Announcer(Supervised):
             event = AnnouncementSendFailed(
                 announcement_id=sent.announcement_id, error_class=sent.error_class
             )
+        if sent.error_class is not None:  # the queue's entry first, then the failure
+            enqueue = Enqueue(
+                announcement_id=sent.announcement_id,
+                channel=batch.channel,
+                conversation=batch.conversation,
+                text=batch_text(batch.runs),
+                reason=sent.error_class,
+                thread=batch.thread,
+            )
+            dead_letter(self._dead_letters, enqueue)
         self._record(batch, event)
-        if sent.error_class is None or self._dead_letters is None:
-            return
-        enqueue = Enqueue(
-            announcement_id=sent.announcement_id,
-            channel=batch.channel,
-            conversation=batch.conversation,
-            text=batch_text(batch.runs),
-            reason=sent.error_class,
-            thread=batch.thread,
-        )
-        with contextlib.suppress(pykka.ActorDeadError):
-            self._dead_letters.tell(enqueue)
 
     def _record(self, batch: Batch, event: LogEvent) -> None:
         """Append to each run's stream (the run has ended: its actor writes no more)."""

@@ -87,6 +87,7 @@ __all__ = [
     "QueueState",
     "RetryDue",
     "RetrySent",
+    "dead_letter",
 ]
 
 log = get_logger(__name__)
@@ -94,6 +95,9 @@ log = get_logger(__name__)
 DEADLETTER_STREAM = "deadletter"
 #: How many times an append is tried again after another process appended first.
 APPEND_TRIES = 20
+#: How long a sender waits for the queue to record an entry before it records the failed
+#: send that led to it (the entry is still recorded after: the Enqueue is in the mailbox).
+ENQUEUE_WAIT_S = 5.0
 
 
 # -- messages -----------------------------------------------------------------------------
@@ -111,6 +115,36 @@ class Enqueue(msgspec.Struct, frozen=True):
     thread: str | None = None
     #: what the message was (a failure notice is re-sent as one)
     kind: MessageKind = "reply"
+
+
+def dead_letter(queue: pykka.ActorRef[Any] | None, enqueue: Enqueue) -> bool:
+    """Give the queue a failed announcement and wait until its entry is in the log.
+
+    Every sender (an Agent, the announcer, the supervisor) calls this *before* it appends
+    the ``announcement:send_failed`` that led to it: a crash between the two then leaves
+    a queued entry (and an announcement with no outcome, which the next start sends again:
+    at least once), never a recorded failure that nobody will retry. Whether the entry is
+    recorded, or will be (the queue is slow, or restarting and holds the message); False
+    when there is no queue or it refused the entry (said in the log)."""
+    if queue is None:
+        return False
+    try:
+        queue.ask(enqueue, timeout=ENQUEUE_WAIT_S)
+    except pykka.Timeout:  # still in the mailbox: recorded when the queue gets to it
+        log.warning("deadletter.enqueue_slow", announcement_id=enqueue.announcement_id)
+    except pykka.ActorDeadError:  # down: a restarting queue's LiveRef keeps the tell
+        try:
+            queue.tell(enqueue)
+        except pykka.ActorDeadError:
+            return False
+    except Exception as exc:  # the queue could not record it (a store error): said
+        log.error(
+            "deadletter.enqueue_failed",
+            announcement_id=enqueue.announcement_id,
+            error_class=type(exc).__name__,
+        )
+        return False
+    return True
 
 
 class RetryDue(msgspec.Struct, frozen=True):

@@ -15,7 +15,6 @@ run's own failure notice and recovery decision, as for a run that timed out).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from stalwart.ids import new_id
 from stalwart.state import decide_restart, restart_history
 from stalwart.store import EventStore, NewEvent
 
-from ._deadletter import Enqueue
+from ._deadletter import Enqueue, dead_letter
 from ._portal import IoPortal
 from ._scheduler import Scheduler
 from ._send import send_by_clock
@@ -234,17 +233,15 @@ class Restarts:
             event = AnnouncementSendFailed(
                 announcement_id=outcome.announcement_id, error_class=outcome.error_class
             )
+        if outcome.error_class is not None:  # the queue's entry first, then the failure
+            enqueue = Enqueue(
+                announcement_id=outcome.announcement_id,
+                channel=outcome.channel,
+                conversation=outcome.conversation,
+                text=GAVE_UP_TEXT,
+                reason=outcome.error_class,
+                thread=outcome.thread,
+                kind="failure_notice",
+            )
+            dead_letter(self._dead_letters, enqueue)
         self._store.append(RESTART_STREAM, [NewEvent(event=event, ts=self._clock.now())])
-        if outcome.error_class is None or self._dead_letters is None:
-            return
-        enqueue = Enqueue(
-            announcement_id=outcome.announcement_id,
-            channel=outcome.channel,
-            conversation=outcome.conversation,
-            text=GAVE_UP_TEXT,
-            reason=outcome.error_class,
-            thread=outcome.thread,
-            kind="failure_notice",
-        )
-        with contextlib.suppress(pykka.ActorDeadError):
-            self._dead_letters.tell(enqueue)

@@ -78,7 +78,7 @@ from stalwart.state import (
 )
 from stalwart.store import EventStore, NewEvent
 
-from ._deadletter import Enqueue
+from ._deadletter import Enqueue, dead_letter
 from ._portal import IoPortal
 from ._restarts import Crashed, RestartNoticeSent, Restarts, crashed
 from ._scheduler import Scheduler
@@ -542,12 +542,12 @@ class SupervisorActor(Supervised):
             return
         failure = None if outcome.ok else outcome.error_class or "unknown"
         event = notice_outcome(announcement_id, outcome.path, failure, timeout_ms=self._announce_ms)
+        if failure is not None and outcome.path != "announce":
+            self._dead_letter(stream, failure)  # the queue's entry first, then the failure
         self._decide(stream, lambda watch, now: [event])
         log.info("supervisor.notice_sent", run=stream, path=outcome.path, ok=outcome.ok)
-        if not outcome.ok and outcome.path == "announce":
+        if failure is not None and outcome.path == "announce":
             self._send(stream, "direct")
-        elif not outcome.ok:
-            self._dead_letter(stream, outcome.error_class or "unknown")
 
     def _dead_letter(self, stream: str, reason: str) -> None:
         watch = self._runs[stream]
@@ -566,11 +566,7 @@ class SupervisorActor(Supervised):
             thread=watch.thread,
             kind=kind,
         )
-        try:
-            if self._dead_letters is None:
-                raise pykka.ActorDeadError("no dead-letter actor")
-            self._dead_letters.tell(enqueue)
-        except pykka.ActorDeadError:
+        if not dead_letter(self._dead_letters, enqueue):
             log.error("supervisor.notice_lost", run=stream, announcement_id=announcement_id)
 
     # -- completions a crash lost ----------------------------------------------------------
@@ -609,12 +605,12 @@ class SupervisorActor(Supervised):
             for stream, watch in list(self._runs.items())
             if watch.completion_id == announcement_id and self._catch_up(stream) is not None
         ]
+        if failure is not None and batch:  # the queue's entry first, then the failure
+            text = self._runs[batch[0]].completion_text
+            self._enqueue(batch[0], announcement_id, text, failure, "reply")
         for stream in batch:
             self._decide(stream, partial(_ends_completion, announcement_id, event))
         log.info("supervisor.completion_sent", runs=len(batch), ok=outcome.ok)
-        if failure is not None and batch:
-            text = self._runs[batch[0]].completion_text
-            self._enqueue(batch[0], announcement_id, text, failure, "reply")
 
     # -- the timer -----------------------------------------------------------------------------
 
