@@ -121,6 +121,7 @@ from ._deadletter import Enqueue, dead_letter
 from ._portal import IoPortal
 from ._restarts import crashed
 from ._scheduler import Scheduler
+from ._send import clock_timer
 from ._supervised import Supervised
 from ._worker import Abandoned, LeaseLost, Wake, WakeEnded
 
@@ -532,8 +533,16 @@ class AgentActor(Supervised):
             return
         limit = self._settings.tool_limit
         keys = {call.id: self._idempotency_key(call) for call in to_run}
+        timer = partial(clock_timer, self._portal, self._scheduler, self._clock)
         future = self._portal.submit(
-            run_calls, self._tools, tuple(to_run), limit, keys, frozenset(reconcile)
+            run_calls,
+            self._tools,
+            tuple(to_run),
+            limit,
+            keys,
+            frozenset(reconcile),
+            self._clock,
+            timer,
         )
         turn.future = future
         turn_id, step = turn.turn_id, turn.step

@@ -16,11 +16,12 @@ import anyio
 
 from stalwart._logs import get_logger
 from stalwart.channels import Channel, Delivery, OutboundMessage
+from stalwart.clock import Clock
 from stalwart.context import ContextScopeError
 from stalwart.errors import ChannelError, ContextOverflowError, ProviderError
 from stalwart.events import ToolCall
 from stalwart.providers import ProviderResponse
-from stalwart.tools import ToolOutcome, ToolRegistry, run_tools
+from stalwart.tools import Timer, ToolOutcome, ToolRegistry, run_tools
 
 from ._agent_messages import ModelDone, ModelError, SendDone, ToolsDone
 from ._scheduler import TimerHandle
@@ -62,12 +63,17 @@ async def run_calls(
     registry: ToolRegistry,
     calls: tuple[ToolCall, ...],
     limit: int,
-    keys: Mapping[str, str] | None = None,
-    reconcile: frozenset[str] = frozenset(),
+    keys: Mapping[str, str],
+    reconcile: frozenset[str],
+    clock: Clock,
+    timer: Timer,
 ) -> tuple[ToolOutcome, ...]:
     """Run ``calls``, at most ``limit`` at once (outcomes in the calls' order), each with
-    its idempotency key; the ``reconcile`` ones are checked by their tool first."""
-    return await run_tools(registry, calls, limit=limit, keys=keys, reconcile=reconcile)
+    its idempotency key; the ``reconcile`` ones are checked by their tool first. Each
+    call's time limit and duration are kept on the runtime's ``clock`` (``timer``)."""
+    return await run_tools(
+        registry, calls, limit=limit, keys=keys, reconcile=reconcile, clock=clock, timer=timer
+    )
 
 
 async def deliver(channel: Channel, message: OutboundMessage, timeout_s: float) -> Delivery:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import msgspec
 
+from stalwart.context.pipeline import safe_label
 from stalwart.events import (
     ActivationAbandoned,
     ActivationLeased,
@@ -229,8 +230,9 @@ def drafts_note(drafts: list[Draft]) -> str | None:
     """The system prompt's note on drafts still open (None when there are none)."""
     if not drafts:
         return None
-    lines = [
-        f"- {d.path} (revision {d.revision}, {d.size} bytes, sha256 {d.content_hash[:12]})"
+    lines = [  # a path is the model's: reduced to a safe label on this trusted line
+        f"- {safe_label(d.path)} (revision {d.revision}, {d.size} bytes, "
+        f"sha256 {d.content_hash[:12]})"
         for d in drafts
     ]
     return (

@@ -11,6 +11,7 @@ timer on the Clock: when it fires first it cancels the send, and the outcome is
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 
 from stalwart.channels import Channel, OutboundMessage, send_within
@@ -19,7 +20,7 @@ from stalwart.clock import Clock
 from ._portal import IoPortal
 from ._scheduler import Scheduler
 
-__all__ = ["send_by_clock"]
+__all__ = ["clock_timer", "send_by_clock"]
 
 #: The outcome of a send the deadline cut short (what ``send_within`` says for it).
 TIMEOUT = "timeout"
@@ -73,3 +74,25 @@ def send_by_clock(
     send.add_done_callback(settle)
     outcome.add_done_callback(lambda done: send.cancel() if done.cancelled() else None)
     return outcome
+
+
+async def _on_loop(fn: Callable[[], object]) -> None:
+    fn()
+
+
+def clock_timer(
+    portal: IoPortal,
+    scheduler: Scheduler,
+    clock: Clock,
+    seconds: float,
+    expire: Callable[[], object],
+) -> Callable[[], object]:
+    """A :data:`stalwart.tools.Timer` on the runtime's Clock: ``expire`` runs on the
+    portal's loop once ``seconds`` pass on ``clock`` (the scheduler's thread only submits
+    it, never waits for it); the returned callable disarms it."""
+
+    def fire(_at: float) -> None:
+        if portal.running:
+            portal.submit(_on_loop, expire)
+
+    return scheduler.schedule(clock.now() + seconds, fire).cancel

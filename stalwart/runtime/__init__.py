@@ -45,9 +45,10 @@ from ._foundation import runtime_started
 from ._handles import RUNTIME_STREAM, STOP_TIMEOUT_S, RunHandle, SessionHandle
 from ._layer import ProviderLayer, StoreSink
 from ._runtime import Runtime
-from ._tools import SPAWN_TOOL
+from ._tools import BUILTIN_TOOLS, SPAWN_TOOL
 
 __all__ = [
+    "BUILTIN_TOOLS",
     "RUNTIME_STREAM",
     "SPAWN_TOOL",
     "STOP_TIMEOUT_S",

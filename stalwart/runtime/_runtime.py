@@ -44,7 +44,7 @@ from ._layer import ProviderLayer
 from ._parts import PartsLayer
 from ._runs import RunLayer, Splitter, stop_runs
 from ._sessions import SessionLayer
-from ._tools import SPAWN_TOOL, spawn_tool_fn
+from ._tools import BUILTIN_TOOLS, SPAWN_TOOL, spawn_tool_fn
 from ._wiring import Wiring, stop_actors
 from ._workspace import Committer
 
@@ -80,6 +80,7 @@ class Runtime:
         self._committer = committer
         self.clock = clock or SystemClock()
         self.tools = tools if tools is not None else ToolRegistry()
+        self.tools.reserve(BUILTIN_TOOLS, "a stalwart built-in tool")
         self.health_view = HealthView()
         self._base = Foundation(config, self.clock, store, channels or {})
         self._lock = threading.RLock()

@@ -15,10 +15,20 @@ from stalwart.tools import Tool, ToolRegistry, ToolSpec
 if TYPE_CHECKING:
     from ._runtime import Runtime
 
-__all__ = ["SPAWN_TOOL", "SessionTools", "spawn_tool_fn"]
+__all__ = ["BUILTIN_TOOLS", "SPAWN_TOOL", "SessionTools", "spawn_tool_fn"]
 
 #: The built-in tool an agent with ``subagents = true`` offers its model.
 SPAWN_TOOL = "spawn_subagent"
+
+#: Every name a session's built-in tools may use (``spawn_subagent``, the draft tools with
+#: a committer, the DAG context engine's ``ctx_*``): the runtime's registry refuses them.
+BUILTIN_TOOLS = frozenset(
+    {
+        SPAWN_TOOL,
+        *("draft_write", "draft_read", "draft_list", "draft_commit"),
+        *("ctx_search", "ctx_inspect", "ctx_expand"),
+    }
+)
 
 
 class SessionTools(ToolRegistry):
@@ -33,19 +43,23 @@ class SessionTools(ToolRegistry):
         return self._own.get(name) or self._base.get(name)
 
     def specs(self) -> tuple[ToolSpec, ...]:
-        return (*self._base.specs(), *(tool.spec for tool in self._own.values()))
+        # a built-in shadows a host tool of its name (a registry given to the runtime
+        # may hold one): a request never declares one name twice
+        base = (spec for spec in self._base.specs() if spec.name not in self._own)
+        return (*base, *(tool.spec for tool in self._own.values()))
 
     def names(self) -> tuple[str, ...]:
-        return (*self._base.names(), *self._own)
+        return (*(name for name in self._base.names() if name not in self._own), *self._own)
 
     def __contains__(self, name: object) -> bool:
         return name in self._own or name in self._base
 
     def __iter__(self) -> Iterator[Tool]:
-        return iter((*self._base, *self._own.values()))
+        base = (tool for tool in self._base if tool.name not in self._own)
+        return iter((*base, *self._own.values()))
 
     def __len__(self) -> int:
-        return len(self._base) + len(self._own)
+        return len(self.names())
 
 
 def spawn_tool_fn(rt: Runtime, session_id: str, agent: str) -> Callable[..., Awaitable[str]]:

@@ -21,6 +21,7 @@ from functools import partial
 
 import anyio.to_thread
 
+from stalwart._text import escaped
 from stalwart.actors import drafts_note
 from stalwart.clock import Clock
 from stalwart.errors import ToolError
@@ -74,6 +75,8 @@ def draft_tools(
         draft_commit). Writing the same path again makes a new revision."""
         if not path or len(path) > MAX_PATH:
             raise ToolError(f"a draft path is 1 to {MAX_PATH} characters")
+        if escaped(path) != path:  # a line break would write into the system prompt's note
+            raise ToolError("a draft path cannot hold control characters or line breaks")
         size = len(content.encode("utf-8"))
         if size > max_bytes:
             raise ToolError(f"a draft holds at most {max_bytes} bytes; this one is {size}")

@@ -40,7 +40,7 @@ from ._registry import (
     ToolRegistry,
     build_tool,
 )
-from ._run import parse_arguments, result_text, run_tool, run_tools
+from ._run import Timer, parse_arguments, result_text, run_tool, run_tools
 
 __all__ = [
     "ACTIONS",
@@ -52,6 +52,7 @@ __all__ = [
     "CallContext",
     "PendingCall",
     "Status",
+    "Timer",
     "Tool",
     "ToolBreakerState",
     "ToolOutcome",

@@ -143,16 +143,17 @@ def _named_class(exc: BaseException) -> str | None:
 def canonical_arguments(text: str) -> str:
     """``text`` as JSON with keys sorted at every depth and no spaces.
 
-    Empty text is ``{}`` (what a call with no arguments means); text that is not JSON is
-    returned verbatim, so two identical malformed calls still compare equal.
+    Empty text is ``{}`` (what a call with no arguments means); text that is not JSON (or
+    is nested deeper than Python can follow) is returned verbatim, so two identical
+    malformed calls still compare equal.
     """
     if not text.strip():
         return "{}"
     try:
         value = msgspec.json.decode(text)
-    except msgspec.DecodeError:
+        return msgspec.json.encode(value, order="sorted").decode()
+    except (msgspec.DecodeError, RecursionError):  # not JSON, or nested too deeply
         return text
-    return msgspec.json.encode(value, order="sorted").decode()
 
 
 class PendingCall(msgspec.Struct, frozen=True):

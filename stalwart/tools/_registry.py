@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
@@ -68,6 +68,32 @@ class ToolRegistry:
 
     def __init__(self) -> None:
         self._tools: dict[str, Tool] = {}
+        self._reserved: dict[str, str] = {}  # name -> who has it
+
+    def reserve(self, names: Iterable[str], owner: str) -> None:
+        """Refuse ``names`` from now on (the runtime's built-in tools, ``owner`` says
+        whose). ToolRegistrationError (``field="name"``) when one is registered already."""
+        for name in names:
+            if name in self._tools:
+                raise ToolRegistrationError(
+                    f"a tool named {name!r} is already registered, but {owner} uses that name",
+                    field="name",
+                    tool=name,
+                )
+            self._reserved[name] = owner
+
+    def _check_free(self, name: str) -> None:
+        owner = self._reserved.get(name)
+        if owner is not None:
+            raise ToolRegistrationError(
+                f"the tool name {name!r} belongs to {owner}; choose another",
+                field="name",
+                tool=name,
+            )
+        if name in self._tools:
+            raise ToolRegistrationError(
+                f"a tool named {name!r} is already registered", field="name", tool=name
+            )
 
     @overload
     def register(
@@ -126,12 +152,7 @@ class ToolRegistry:
             )
             if reconcile is not None:
                 tool = dataclasses.replace(tool, reconcile=reconcile)
-            if tool.name in self._tools:
-                raise ToolRegistrationError(
-                    f"a tool named {tool.name!r} is already registered",
-                    field="name",
-                    tool=tool.name,
-                )
+            self._check_free(tool.name)
             self._tools[tool.name] = tool
             return target
 
@@ -152,10 +173,7 @@ class ToolRegistry:
 
         schema = parameters or {"type": "object", "properties": {}}
         tool = build_tool(host_implemented, name=name, description=description, parameters=schema)
-        if tool.name in self._tools:
-            raise ToolRegistrationError(
-                f"a tool named {tool.name!r} is already registered", field="name", tool=tool.name
-            )
+        self._check_free(tool.name)
         self._tools[tool.name] = dataclasses.replace(tool, custom=True)
 
     def get(self, name: str) -> Tool | None:

@@ -39,6 +39,11 @@ from ._registry import Tool, ToolRegistry
 
 _SYSTEM_CLOCK = SystemClock()
 
+#: ``timer(seconds, expire)`` arms a deadline ``seconds`` from now on the caller's Clock
+#: and returns what disarms it; ``expire`` must then be called on the event loop running
+#: the call (the runtime's is a scheduler timer that submits it to its portal).
+Timer = Callable[[float, Callable[[], object]], Callable[[], object]]
+
 
 def parse_arguments(tool: Tool, text: str) -> dict[str, Any] | str:
     """The keyword arguments for ``tool`` from a call's JSON text, or why they are invalid."""
@@ -46,6 +51,8 @@ def parse_arguments(tool: Tool, text: str) -> dict[str, Any] | str:
         value = msgspec.json.decode(text if text.strip() else "{}")
     except msgspec.DecodeError as exc:
         return f"they are not valid JSON ({exc})"
+    except RecursionError:
+        return "they are nested too deeply"
     if not isinstance(value, dict):
         return f"they must be a JSON object, not {type(value).__name__}"
     try:
@@ -59,10 +66,21 @@ def parse_arguments(tool: Tool, text: str) -> dict[str, Any] | str:
 
 
 def result_text(result: Any) -> str:
-    """A tool's result as text: a str as it is, anything else as JSON."""
+    """A tool's result as text: a str as it is (what UTF-8 cannot carry, such as the lone
+    surrogates of a file name that is not UTF-8, escaped), anything else as JSON."""
     if isinstance(result, str):
-        return result
+        return recordable(result)
     return msgspec.json.encode(result).decode()
+
+
+def recordable(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (lone surrogates) backslash-escaped, so that
+    the event recording it can be written."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 async def _invoke(
@@ -79,11 +97,11 @@ async def _invoke(
         # the worker thread runs in a copy of this context: current_call() works there too
         run = functools.partial(contextvars.copy_context().run, fn, **kwargs)
         result = await anyio.to_thread.run_sync(run, abandon_on_cancel=True, limiter=limiter)
+        if inspect.isawaitable(result):  # a sync callable (a decorator) handing back a coroutine
+            result = await result  # inside the call's context: current_call() works there
+        return result
     finally:
         unbind(token)
-    if inspect.isawaitable(result):  # a sync callable that hands back a coroutine
-        result = await result
-    return result
 
 
 async def run_tool(
@@ -94,6 +112,7 @@ async def run_tool(
     limiter: anyio.CapacityLimiter | None = None,
     context: CallContext | None = None,
     reconcile: bool = False,
+    timer: Timer | None = None,
 ) -> ToolOutcome:
     """Run one call and say how it ended; never raises for anything the tool or model did.
 
@@ -101,6 +120,8 @@ async def run_tool(
     ``clock`` measures ``elapsed_ms``; ``context`` is what :func:`current_call` returns
     inside the tool. ``reconcile``: the call was cut short by a crash; ask the tool's
     ``reconcile`` check first, and run the call only when it says the effect is absent.
+    ``timer`` keeps the tool's time limit on the caller's Clock (see :data:`Timer`);
+    without one, the event loop's clock does.
     """
     clock = clock or _SYSTEM_CLOCK
     started = clock.monotonic()
@@ -125,8 +146,14 @@ async def run_tool(
     if isinstance(kwargs, str):
         text = invalid_arguments_text(tool.name, kwargs)
         return outcome("invalid_arguments", text, "invalid_arguments")
+    limit_s = tool.timeout_ms / 1000
+    disarm: Callable[[], object] | None = None
     try:
-        with anyio.move_on_after(tool.timeout_ms / 1000) as scope:
+        with anyio.CancelScope() as scope:
+            if timer is None:
+                scope.deadline = anyio.current_time() + limit_s
+            else:
+                disarm = timer(limit_s, scope.cancel)
             try:
                 if reconcile and tool.reconcile is not None:
                     key = (context.idempotency_key if context is not None else None) or call.id
@@ -144,17 +171,20 @@ async def run_tool(
                 # a cancellation of the tool's own making (an inner task it cancelled and
                 # awaited) escaped it: that call failed, nobody cancelled the caller
                 return outcome("error", error_text(tool.name, "cancelled", "surface"), "cancelled")
+            finally:
+                if disarm is not None:
+                    disarm()
     except (Exception, SystemExit) as exc:  # an argparse error or sys.exit() in a tool too
         error_class, action = classify_tool_error(exc)
         text = error_text(tool.name, error_class, action)
         if isinstance(exc, ToolError):
-            text = f"The tool '{tool.name}' failed: {exc}"
+            text = recordable(f"The tool '{tool.name}' failed: {exc}")
         return msgspec.structs.replace(outcome("error", text, error_class), action=action)
     if scope.cancelled_caught:
         return outcome("timeout", timeout_text(tool.name, tool.timeout_ms), "timeout")
     try:
         text = result_text(result)
-    except (TypeError, ValueError, OverflowError):
+    except (TypeError, ValueError, OverflowError, RecursionError):  # a cycle, too deep
         text = error_text(tool.name, "unencodable_result", "surface")
         return outcome("error", text, "unencodable_result")
     return outcome("ok", text)
@@ -168,12 +198,14 @@ async def run_tools(
     clock: Clock | None = None,
     keys: Mapping[str, str] | None = None,
     reconcile: frozenset[str] = frozenset(),
+    timer: Timer | None = None,
 ) -> tuple[ToolOutcome, ...]:
     """Run ``calls`` concurrently, at most ``limit`` at once; outcomes in the calls' order.
 
     A call's timeout starts when it gets its turn, not while it waits for one. ``keys``
     gives calls their idempotency keys (by call id); calls in ``reconcile`` are checked
-    with their tool's ``reconcile`` before they run (see :func:`run_tool`).
+    with their tool's ``reconcile`` before they run; ``clock`` and ``timer`` are
+    :func:`run_tool`'s.
     """
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be a positive integer, got {limit!r}")
@@ -194,6 +226,7 @@ async def run_tools(
                 limiter=threads,
                 context=context,
                 reconcile=call.id in reconcile,
+                timer=timer,
             )
 
     async with anyio.create_task_group() as group:

@@ -59,7 +59,7 @@ and fits the budget whenever the newest turn does. See ``docs/context-pipeline.m
 from ._config import LAYERS, ObservationTier, PipelineConfig
 from ._engine import PipelineEngine, PipelineResult, is_replay
 from ._run import FileReader
-from ._wrap import wrap_untrusted
+from ._wrap import safe_label, wrap_untrusted
 
 __all__ = [
     "LAYERS",
@@ -69,5 +69,6 @@ __all__ = [
     "PipelineEngine",
     "PipelineResult",
     "is_replay",
+    "safe_label",
     "wrap_untrusted",
 ]
