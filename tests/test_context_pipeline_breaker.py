@@ -10,7 +10,7 @@ import structlog
 from stalwart import store as store_module
 from stalwart.clock import FakeClock
 from stalwart.context import SummaryRequest
-from stalwart.context.pipeline import PipelineEngine, PipelineResult
+from stalwart.context.pipeline import PipelineConfig, PipelineEngine, PipelineResult
 from stalwart.events import (
     ContextAssembled,
     ContextCompacted,
@@ -24,6 +24,12 @@ from stalwart.store import EventStore, NewEvent
 from .test_context_pipeline import Transcript, _long
 
 STREAM = "context:s1"
+#: a window the session's transcript fills to about 90%: past the compaction threshold
+#: (85%), so the layer needs its summarizer, but within the budget, where the layer's
+#: stand-in would leave the oldest turns out (and no summary would be needed for a while);
+#: every turn is kept (no history window), so the fill only grows, slowly
+BUDGET = 4_250
+CONFIG = PipelineConfig(history_turns=1_000)
 
 
 class FlakySummarizer:
@@ -48,18 +54,18 @@ class Session:
         self.clock = clock
         self.summarizer = summarizer
         self.transcript = _long(14)
-        self.engine = PipelineEngine(summarizer=summarizer, clock=clock, session="s1")
+        self.engine = PipelineEngine(CONFIG, summarizer=summarizer, clock=clock, session="s1")
 
     def turn(self, text: str = "keep going") -> PipelineResult:
         self.transcript.user(text)
-        result = self.engine.assemble(self.transcript.all, 1_000, provider="openai")
+        result = self.engine.assemble(self.transcript.all, BUDGET, provider="openai")
         now = self.clock.now()
         self.store.append(STREAM, [NewEvent(event=e, ts=now) for e in result.events])
         return result
 
     def restart(self) -> PipelineEngine:
         return PipelineEngine.from_events(
-            self.store.read_stream(STREAM), summarizer=self.summarizer, clock=self.clock
+            self.store.read_stream(STREAM), CONFIG, summarizer=self.summarizer, clock=self.clock
         )
 
 

@@ -18,7 +18,7 @@ from stalwart.events import (
 from stalwart.state import VERIFIERS, VerifyReport, verify
 from stalwart.store import EventStore, NewEvent
 
-from .test_context_pipeline_breaker import STREAM, FlakySummarizer, Session
+from .test_context_pipeline_breaker import BUDGET, CONFIG, STREAM, FlakySummarizer, Session
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ def test_the_limit_in_force_is_the_recorded_config(session: Session) -> None:
     config: dict[str, Any] = {"context_engine": {"pipeline": {"layer_failure_limit": 2}}}
     session.store.append("runtime", [RuntimeStarted(config=config, stalwart_version="test")])
     session.engine = PipelineEngine(
-        PipelineConfig(layer_failure_limit=2),
+        PipelineConfig(layer_failure_limit=2, history_turns=CONFIG.history_turns),
         summarizer=session.summarizer,
         clock=session.clock,
         session="s1",
@@ -110,7 +110,7 @@ def test_a_record_stamped_after_its_decision_is_checked_at_the_decision(
     for _ in range(2):
         old.turn()
     old.transcript.user("once more")
-    result = old.engine.assemble(old.transcript.all, 1_000, provider="openai")
+    result = old.engine.assemble(old.transcript.all, BUDGET, provider="openai")
     clock.advance(0.25)  # the append's clock reading
     lmdb_store.append(STREAM, list(result.events))
     report = verify(lmdb_store.read_all(), VERIFIERS, defaults=default_knobs())

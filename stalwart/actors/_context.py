@@ -37,6 +37,7 @@ restart.
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -373,6 +374,8 @@ class ContextStoreActor(Supervised):
             message.budget,
             provider=message.profile.provider,
             caching=message.profile.caching,
+            # the model's estimator, which Calibrate feeds with the usage reported
+            estimator=self._dag.estimator(message.profile),
         )
         # the layer breaker decided at the assembly's clock reading: its events say so
         # (replay re-derives a breaker's cooldown from the time its event records)
@@ -479,6 +482,6 @@ def pipeline_config(settings: ContextEngineSettings) -> PipelineConfig:
     try:
         return msgspec.convert(settings.pipeline, PipelineConfig)
     except msgspec.ValidationError as exc:
-        raise ConfigError(
-            f"key 'context_engine.pipeline': {exc}", key="context_engine.pipeline"
-        ) from None
+        at = re.search(r"at `\$\.(\w+)", str(exc))  # the knob msgspec names, if any
+        key = "context_engine.pipeline" + (f".{at.group(1)}" if at else "")
+        raise ConfigError(f"key {key!r}: {exc}", key=key) from None

@@ -143,7 +143,9 @@ class ContextCompacted(Event, frozen=True, tag="context:compacted"):
     now on. Carries the numbers that triggered it: ``tokens`` >= ``threshold`` x
     ``budget`` at user turn ``turn``, with the previous compaction at ``previous_turn``;
     ``rule`` is ``over_budget`` when ``tokens`` > ``budget`` let it run within the
-    cooldown."""
+    cooldown. ``fallback`` is ``emergency-truncation`` when no summarizer ran (it was
+    failing or disabled, and the transcript was over the budget): ``body`` then says how
+    many messages were left out, and keeps the text of the earlier summaries it covers."""
 
     summary_id: str
     turn: int
@@ -157,3 +159,4 @@ class ContextCompacted(Event, frozen=True, tag="context:compacted"):
     output_tokens: int = 0
     body: str = ""
     rule: Literal["threshold", "over_budget"] = "threshold"
+    fallback: Literal["emergency-truncation"] | None = None

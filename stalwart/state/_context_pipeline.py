@@ -48,13 +48,16 @@ class LayerBreaker(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class PipelineSummary(msgspec.Struct, frozen=True, kw_only=True):
-    """The compaction in force: ``covers`` are replaced by one message with ``body``."""
+    """The compaction in force: ``covers`` are replaced by one message with ``body``;
+    ``truncated`` when it was an emergency truncation (no summarizer ran), which does
+    not hold the next compaction back for the cooldown."""
 
     summary_id: str
     turn: int
     covers: frozenset[str]
     through_seq: int
     body: str
+    truncated: bool = False
 
 
 class PipelineState(msgspec.Struct, frozen=True, kw_only=True):
@@ -164,6 +167,7 @@ def apply_pipeline_event(state: PipelineState, event: Event) -> PipelineState:
                 covers=frozenset(event.covers),
                 through_seq=event.through_seq,
                 body=event.body,
+                truncated=event.fallback is not None,
             )
             return msgspec.structs.replace(state, summary=summary)
         case ContextAssembled() if event.engine == "pipeline":

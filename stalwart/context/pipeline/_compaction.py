@@ -11,6 +11,8 @@ previous summary with the newer middle.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from stalwart.context._repair import OPENING
 from stalwart.context._tokens import CUT_SUMMARY
 from stalwart.context._types import ContextMessage, SummaryRequest
@@ -70,9 +72,40 @@ def apply_summary(
 
 def keep_summary(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
     """Layer 8's stand-in while it is failing or disabled: the compaction in force stays
-    applied (no new one is made), so a summarizer outage does not undo past ones."""
+    applied (no new one is made), so a summarizer outage does not undo past ones. When
+    the transcript is still over the budget itself (the provider would refuse it), the
+    oldest turns after the anchors are left out, as :func:`compact` would summarize them:
+    an emergency truncation, recorded as ``context:compacted`` with ``fallback``, whose
+    message says what was left out and keeps the text of earlier summaries it replaces."""
     summary = run.state.summary
-    return Outcome(messages if summary is None else apply_summary(messages, summary))
+    kept = messages if summary is None else apply_summary(messages, summary)
+    tokens = _tokens(kept, run)
+    if tokens <= run.budget:
+        return Outcome(kept)
+    plan = _plan(kept, run, run.budget)
+    if plan is None:
+        return Outcome(kept)
+    head, middle, tail = plan
+    left_out = sum(1 for message in middle if not is_summary(message))
+    earlier = [message.content for message in middle if is_summary(message)]
+    text = "\n\n".join([EMERGENCY_TEXT.format(count=left_out), *earlier])
+    return _compacted(head, middle, tail, text, tokens, run, fallback="emergency-truncation")
+
+
+#: What an emergency truncation's message says (before the earlier summaries it keeps).
+EMERGENCY_TEXT = (
+    "The summarizer was unavailable, so {count} earlier messages of this conversation are "
+    "left out here (the session's log keeps them)."
+)
+
+
+def _tokens(messages: tuple[ContextMessage, ...], run: Run) -> int:
+    """What ``messages`` cost, with what layer 10 and the final repair will add."""
+    return (
+        run.estimator.messages(messages)
+        + objective_tokens(messages, run)
+        + _opening_tokens(messages, run)
+    )
 
 
 def _groups(body: tuple[ContextMessage, ...]) -> list[Group]:
@@ -200,14 +233,14 @@ def compact(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
         messages = apply_summary(messages, previous)
     limit = run.budget * config.compaction_threshold
     # counting what layer 10 and the final repair will add, so they cannot push past it
-    tokens = (
-        run.estimator.messages(messages)
-        + objective_tokens(messages, run)
-        + _opening_tokens(messages, run)
-    )
+    tokens = _tokens(messages, run)
     if tokens < limit:
         return Outcome(messages)
-    cooling = previous is not None and run.turn - previous.turn < config.compaction_cooldown_turns
+    cooling = (
+        previous is not None
+        and not previous.truncated  # a truncation is no summary: summarize when it can
+        and run.turn - previous.turn < config.compaction_cooldown_turns
+    )
     if cooling and tokens <= run.budget:
         return Outcome(messages)
     plan = _plan(messages, run, limit)
@@ -223,6 +256,28 @@ def compact(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
     text, input_tokens, output_tokens = run.summarizer(request)
     if not isinstance(text, str):
         raise TypeError(f"a summarizer returns text, got {type(text).__name__}")
+    if not text.strip():  # a summary of nothing would drop the middle: the layer failed
+        raise ValueError("the summarizer returned an empty summary")
+    rule: Literal["threshold", "over_budget"] = "over_budget" if cooling else "threshold"
+    usage = (input_tokens, output_tokens)
+    return _compacted(head, middle, tail, text, tokens, run, rule=rule, usage=usage)
+
+
+def _compacted(
+    head: Group,
+    middle: Group,
+    tail: Group,
+    text: str,
+    tokens: int,
+    run: Run,
+    *,
+    rule: Literal["threshold", "over_budget"] = "over_budget",
+    usage: tuple[int, int] = (0, 0),
+    fallback: Literal["emergency-truncation"] | None = None,
+) -> Outcome:
+    """``middle`` replaced by one summary message of ``text`` (with what the compaction in
+    force covers), and the ``context:compacted`` that records it."""
+    previous = run.state.summary
     covered = [m for m in middle if not is_summary(m)]
     covers = tuple(
         sorted((previous.covers if previous else frozenset()) | {m.message_id for m in covered})
@@ -237,11 +292,12 @@ def compact(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
         through_seq=through_seq,
         tokens=tokens,
         budget=run.budget,
-        threshold=config.compaction_threshold,
+        threshold=run.config.compaction_threshold,
         previous_turn=previous.turn if previous else None,
-        input_tokens=input_tokens,
-        output_tokens=output_tokens,
+        input_tokens=usage[0],
+        output_tokens=usage[1],
         body=message.content,
-        rule="over_budget" if cooling else "threshold",
+        rule=rule,
+        fallback=fallback,
     )
     return Outcome((*head, message, *tail), (event,))

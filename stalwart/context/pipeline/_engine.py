@@ -204,13 +204,16 @@ class PipelineEngine:
         *,
         provider: str,
         caching: bool = True,
+        estimator: TokenEstimator | None = None,
     ) -> PipelineResult:
         """The transcript to send ``provider`` for a window of ``budget_tokens``;
-        ``caching``: the provider caches prompt prefixes (the cache fence holds)."""
+        ``caching``: the provider caches prompt prefixes (the cache fence holds).
+        ``estimator``: the one to count with this time instead of the engine's own (the
+        runtime shares one per model, calibrated with the usage providers report)."""
         original = tuple(messages)
         ids = [message.message_id for message in original]
         head_digest, input_digest = digest(ids, prefix=self._state.last_input_count)
-        estimator = self.estimator(provider)
+        estimator = estimator or self.estimator(provider)
         run = Run(
             config=self.config,
             original=original,
@@ -232,7 +235,8 @@ class PipelineEngine:
             fence, fence_input = len(current), len(original)
             fence_turn = run.turn if broke is not None else self._state.fence_turn
         chars_in, chars_out = chars(original), chars(current)
-        tokens_in, tokens_out = self._input_tokens(original, provider), estimator.messages(current)
+        tokens_in = self._input_tokens(original, provider, estimator)
+        tokens_out = estimator.messages(current)
         events.append(
             ContextAssembled(
                 tokens_in=tokens_in,
@@ -335,10 +339,11 @@ class PipelineEngine:
             return fresh, repairs, "threshold"
         return tuple(repaired), held_repairs, None
 
-    def _input_tokens(self, original: tuple[ContextMessage, ...], provider: str) -> int:
+    def _input_tokens(
+        self, original: tuple[ContextMessage, ...], provider: str, estimator: TokenEstimator
+    ) -> int:
         """``estimator.messages(original)``, reusing last run's count of each message
         that is unchanged (same id, equal message, same provider)."""
-        estimator = self.estimator(provider)
         cached_provider, cached = self._raw
         if cached_provider != provider:
             cached = {}
@@ -366,7 +371,7 @@ class PipelineEngine:
             trial = breaker.status != "closed"
             if trial:
                 if not layer_trial_due(breaker, run.now):
-                    current = self._fallback(name, current, run)
+                    current = self._fallback(name, current, run, events)
                     continue
                 events.append(ContextLayerHalfOpened(layer=name))
                 log.info("context layer half-open", session=self.session, layer=name)
@@ -375,7 +380,7 @@ class PipelineEngine:
             except Exception as exc:  # any layer bug must not fail the turn
                 failed.append(name)
                 events.extend(self._failure(name, breaker, exc, run.now))
-                current = self._fallback(name, current, run)
+                current = self._fallback(name, current, run, events)
                 continue
             if trial:
                 events.append(ContextLayerEnabled(layer=name))
@@ -388,15 +393,17 @@ class PipelineEngine:
         return current, events, fired, failed
 
     def _fallback(
-        self, name: str, current: tuple[ContextMessage, ...], run: Run
+        self, name: str, current: tuple[ContextMessage, ...], run: Run, events: list[Event]
     ) -> tuple[ContextMessage, ...]:
         """What stands in for a layer that failed or is disabled (the compaction in force
-        stays applied when the summarizer is down); unchanged for the other layers."""
+        stays applied when the summarizer is down, and an emergency truncation keeps the
+        request within the budget); unchanged for the other layers. Its events go to
+        ``events``."""
         fallback = _FALLBACKS.get(name)
         if fallback is None:
             return current
         try:
-            return fallback(current, run).messages
+            outcome = fallback(current, run)
         except Exception as exc:  # the stand-in is pure; if it breaks, carry on without it
             log.warning(
                 "context layer fallback failed",
@@ -405,6 +412,8 @@ class PipelineEngine:
                 error=type(exc).__name__,
             )
             return current
+        events.extend(outcome.events)
+        return outcome.messages
 
     def _log_fired(self, name: str, current: tuple[ContextMessage, ...], outcome: Outcome) -> None:
         log.debug(
