@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from stalwart._text import scrub_surrogates
 from stalwart.errors import StalwartError
 from stalwart.events import MessageAppended, RecordedEvent, ToolCall
 
@@ -90,9 +91,7 @@ def _scrubbed(value: Any) -> Any:
     two ``\\u`` escapes becomes its character, a lone surrogate (a log cut mid-emoji)
     becomes U+FFFD, so the messages can be stored and printed."""
     if isinstance(value, str):
-        if value.isascii():
-            return value
-        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        return scrub_surrogates(value)
     if isinstance(value, dict):
         return {_scrubbed(key): _scrubbed(item) for key, item in value.items()}
     if isinstance(value, list):

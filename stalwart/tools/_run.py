@@ -21,6 +21,7 @@ import anyio
 import anyio.to_thread
 import msgspec
 
+from stalwart._text import scrub_surrogates
 from stalwart.clock import Clock, SystemClock
 from stalwart.errors import ToolError
 from stalwart.events import ToolCall
@@ -66,21 +67,11 @@ def parse_arguments(tool: Tool, text: str) -> dict[str, Any] | str:
 
 
 def result_text(result: Any) -> str:
-    """A tool's result as text: a str as it is (what UTF-8 cannot carry, such as the lone
-    surrogates of a file name that is not UTF-8, escaped), anything else as JSON."""
+    """A tool's result as text: a str as it is (made valid Unicode: the lone surrogates of
+    a file name that is not UTF-8 could not be recorded), anything else as JSON."""
     if isinstance(result, str):
-        return recordable(result)
+        return scrub_surrogates(result)
     return msgspec.json.encode(result).decode()
-
-
-def recordable(text: str) -> str:
-    """``text`` with what UTF-8 cannot encode (lone surrogates) backslash-escaped, so that
-    the event recording it can be written."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text
 
 
 async def _invoke(
@@ -178,7 +169,7 @@ async def run_tool(
         error_class, action = classify_tool_error(exc)
         text = error_text(tool.name, error_class, action)
         if isinstance(exc, ToolError):
-            text = recordable(f"The tool '{tool.name}' failed: {exc}")
+            text = scrub_surrogates(f"The tool '{tool.name}' failed: {exc}")
         return msgspec.structs.replace(outcome("error", text, error_class), action=action)
     if scope.cancelled_caught:
         return outcome("timeout", timeout_text(tool.name, tool.timeout_ms), "timeout")

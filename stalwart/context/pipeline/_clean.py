@@ -6,7 +6,9 @@ import re
 
 import msgspec
 
+from stalwart._text import scrub_surrogates
 from stalwart.context._types import ContextMessage, ThinkingBlock
+from stalwart.events import ToolCall
 
 from ._run import Outcome, Run
 from ._transcript import latest_turn, remove
@@ -52,22 +54,16 @@ def scrub_signatures(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
     return Outcome(tuple(out))
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def scrub_surrogates(text: str) -> str:
-    """``text`` with each high+low surrogate pair joined into its character and each lone
-    half replaced by U+FFFD (what a UTF-16 decoder does), so it encodes as UTF-8."""
-    if text.isascii() or _SURROGATE.search(text) is None:  # isascii() is O(1) in CPython
-        return text
-    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
-
-
 def _guard_block(block: ThinkingBlock) -> ThinkingBlock:
     text = scrub_surrogates(block.text)
     if text == block.text:
         return block
     return _replace(block, text=text, signature=None)  # the signature no longer matches
+
+
+def _guard_call(call: ToolCall) -> ToolCall:
+    arguments = scrub_surrogates(call.arguments)
+    return call if arguments == call.arguments else _replace(call, arguments=arguments)
 
 
 def _guard(message: ContextMessage) -> ContextMessage:
@@ -79,12 +75,7 @@ def _guard(message: ContextMessage) -> ContextMessage:
         return message
     content = scrub_surrogates(message.content)
     thinking = tuple(_guard_block(block) for block in message.thinking)
-    calls = tuple(
-        _replace(call, arguments=scrub_surrogates(call.arguments))
-        if not call.arguments.isascii() and _SURROGATE.search(call.arguments)
-        else call
-        for call in message.tool_calls
-    )
+    calls = tuple(_guard_call(call) for call in message.tool_calls)
     if content == message.content and thinking == message.thinking and calls == message.tool_calls:
         return message
     return _replace(message, content=content, thinking=thinking, tool_calls=calls)
