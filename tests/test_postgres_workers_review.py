@@ -1,5 +1,6 @@
-"""Review of durable activations on PostgreSQL with several workers: defects proven by
-failing tests (the store's work queue and leases, the activation worker).
+"""Review of durable activations on PostgreSQL with several workers (the store's work
+queue and leases, the activation worker). Each test failed on the code before its fix
+for the reason its docstring gives ("Defect"); "Expected" is what it checks now.
 
 A real PostgreSQL (``pg_server``), real sockets (a TCP relay in front of the server
 where a connection must break), the loopback fake provider, the fake clock; several
@@ -21,6 +22,7 @@ import pytest
 import structlog.testing
 
 from stalwart import store as store_module
+from stalwart.actors import ABANDONED_TEXT
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
 from stalwart.errors import StoreError
@@ -30,9 +32,11 @@ from stalwart.events import (
     ActivationLeased,
     ActivationReleased,
     ActivationRequeued,
+    AnnouncementQueued,
     LeaseExpired,
     LeaseRenewed,
     RecordedEvent,
+    SupervisorRestarted,
 )
 from stalwart.runtime import Runtime, send_message
 from stalwart.state import ACTIVATIONS, fold
@@ -112,10 +116,6 @@ def _logged(captured: list[dict[str, Any]], event: str, **fields: Any) -> int:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(
-    strict=True,
-    reason="known, not fixed yet: an unsettled claim is claimed again at once by its own worker",
-)
 def test_a_session_the_worker_cannot_fold_does_not_starve_every_other_session(
     pg_server: PostgresServer,
     pg_url: str,
@@ -158,10 +158,6 @@ def test_a_session_the_worker_cannot_fold_does_not_starve_every_other_session(
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(
-    strict=True,
-    reason="known, not fixed yet: a StoreError while handing a wake over leaves its lease held",
-)
 def test_a_store_error_while_handing_a_wake_over_does_not_hold_its_lease_for_ever(
     pg_server: PostgresServer, pg_url: str, clock: FakeClock, fake: FakeProvider
 ) -> None:
@@ -330,11 +326,15 @@ def relay(pg_server: PostgresServer) -> Iterator[CuttingRelay]:
         opened.close()
 
 
+def _relayed(
+    server: PostgresServer, pg_url: str, relay: CuttingRelay, clock: FakeClock
+) -> PostgresEventStore:
+    """A store handle on the test's schema whose connections go through ``relay``."""
+    url = server.url("stalwart_test").replace(f":{server.port}/", f":{relay.port}/")
+    return PostgresEventStore(f"{url}?schema={_schema(pg_url)}", clock=clock, connect_timeout=1.0)
+
+
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(
-    strict=True,
-    reason="known, not fixed yet: a lease append that may have been written is taken as not",
-)
 def test_a_lease_whose_append_lost_its_connection_after_the_commit_is_not_left_to_expire(
     pg_server: PostgresServer,
     pg_url: str,
@@ -357,13 +357,8 @@ def test_a_lease_whose_append_lost_its_connection_after_the_commit_is_not_left_t
     connection mid-lease recovers": after an append that may or may not have been
     written the worker folds the session again and, finding its own lease, runs the
     wake (or hands the lease back), with no expiry counted."""
-    schema = _schema(pg_url)
-    relayed = (
-        pg_server.url("stalwart_test").replace(f":{pg_server.port}/", f":{relay.port}/")
-        + f"?schema={schema}"
-    )
     settings = runtime_config(fake.base_url, activations={"max_attempts": 1})
-    worker_store = PostgresEventStore(relayed, clock=clock, connect_timeout=1.0)
+    worker_store = _relayed(pg_server, pg_url, relay, clock)
     try:
         with Runtime(settings, store=worker_store, clock=clock, channels={"chat": chat}) as rt:
             rt.worker()  # started, and polled once
@@ -419,10 +414,6 @@ def _worker_gone(rt: Runtime, owner: str) -> bool:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(
-    strict=True,
-    reason="known, not fixed yet: a StoreError in _failed kills the worker for good",
-)
 def test_an_agent_crash_while_the_database_is_away_does_not_kill_the_worker_for_good(
     pg_server: PostgresServer,
     pg_url: str,
@@ -449,12 +440,7 @@ def test_an_agent_crash_while_the_database_is_away_does_not_kill_the_worker_for_
     other sessions' leases keep being renewed ("A lost connection loses nothing and
     doubles nothing", docs/scaling.md; a worker that loses its database connection
     mid-lease recovers)."""
-    schema = _schema(pg_url)
-    relayed = (
-        pg_server.url("stalwart_test").replace(f":{pg_server.port}/", f":{relay.port}/")
-        + f"?schema={schema}"
-    )
-    worker_store = PostgresEventStore(relayed, clock=clock, connect_timeout=1.0)
+    worker_store = _relayed(pg_server, pg_url, relay, clock)
     fake.add(Hang(), Hang())
     try:
         with Runtime(
@@ -499,3 +485,153 @@ def test_an_agent_crash_while_the_database_is_away_does_not_kill_the_worker_for_
     )
     assert of(LeaseRenewed, records), why
     assert of(LeaseExpired, records) == [], why
+
+
+# -- after the fixes: the paths around them ----------------------------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_a_lease_whose_append_seemed_to_fail_is_handed_back_when_the_process_stops(
+    pg_server: PostgresServer,
+    pg_url: str,
+    pg_store: EventStore,
+    relay: CuttingRelay,
+    clock: FakeClock,
+    fake: FakeProvider,
+    chat: MemoryChannel,
+) -> None:
+    """Expected (actors/_worker.py:_release): a lease whose append lost its connection
+    after the commit, not yet looked at again when the process stops cleanly, is handed
+    back like a running wake's (``activation:released``), not left to expire and count
+    as a failure."""
+    settings = runtime_config(fake.base_url, activations={"max_attempts": 1})
+    worker_store = _relayed(pg_server, pg_url, relay, clock)
+    try:
+        with Runtime(settings, store=worker_store, clock=clock, channels={"chat": chat}) as rt:
+            rt.worker()
+            relay.arm(b"activation:leased")
+            send_message(pg_store, "s1", "hello", channel="chat", ts=clock.now())
+            clock.advance(1.0)  # the worker's next poll leases it; the answer is cut
+            assert relay.cut.wait(GUARD), "the lease append never went through the relay"
+            owner = rt.worker(timeout=GUARD).owner
+            relay.restore()
+            _wait(lambda: _reachable(worker_store), "the worker's store never reconnected")
+            # no clock step: no poll looks at the session again before the close
+    finally:
+        worker_store.close()
+    records = list(pg_store.read_stream("session:s1"))
+    assert [lease.owner for lease in of(ActivationLeased, records)] == [owner]
+    assert [released.owner for released in of(ActivationReleased, records)] == [owner]
+    assert of((LeaseExpired, ActivationAbandoned), records) == []
+    assert fake.requests == []  # the wake never ran here: the next worker runs it
+
+
+@pytest.mark.timeout(90)
+def test_an_agent_crash_while_the_database_is_away_is_decided_once_it_is_back(
+    pg_server: PostgresServer,
+    pg_url: str,
+    pg_store: EventStore,
+    relay: CuttingRelay,
+    clock: FakeClock,
+    fake: FakeProvider,
+    chat: MemoryChannel,
+) -> None:
+    """Expected (actors/_restarts.py:Restarts.crashed): the restart decision of an Agent
+    that died while the database was away reads and appends the ``runtime`` stream; it
+    failed with a StoreError that killed the supervisor. The crash is now decided again
+    every second until the store answers: the Agent is restarted, and the supervisor
+    lives on."""
+    worker_store = _relayed(pg_server, pg_url, relay, clock)
+    fake.add(Hang())
+    try:
+        with (
+            structlog.testing.capture_logs() as captured,
+            Runtime(
+                runtime_config(fake.base_url, prompt_timeout_ms=600_000),
+                store=worker_store,
+                clock=clock,
+                channels={"chat": chat},
+            ) as rt,
+        ):
+            rt.worker()  # started, and polled once
+            send_message(pg_store, "doomed", "a long job", channel="chat", ts=clock.now())
+            clock.advance(1.0)  # the worker's next poll leases it; the call hangs
+            fake.wait_for(lambda requests: len(requests) == 1, GUARD)
+            doomed = rt.session("doomed", channel="chat")
+            crashed_ref = doomed.ref
+            supervisor = [t for t in threading.enumerate() if t.name.startswith("Supervisor")]
+            relay.cut_now()  # the database goes away
+            crashed_ref.tell(object())  # ... and the Agent dies meanwhile
+            _wait(lambda: not crashed_ref.is_alive(), "the Agent did not die")
+            _wait(  # the decision failed on the store (deferred, or the supervisor died)
+                lambda: (
+                    _logged(captured, "supervision.decision_deferred")
+                    or _logged(captured, "supervision.on_crash_failed")
+                ),
+                "the crash's decision never met the outage",
+            )
+            relay.restore()
+            _wait(lambda: _reachable(worker_store), "the worker's store never reconnected")
+            for _ in range(10):  # the decision comes again each second (fake clock)
+                clock.advance(1.0)
+                with contextlib.suppress(AssertionError):
+                    _stream_until(pg_store, "runtime", _restarted("session:doomed"), guard=0.5)
+                    break
+            restarted = of(SupervisorRestarted, list(pg_store.read_stream("runtime")))
+            alive = [t.name for t in supervisor if t.is_alive()]
+    finally:
+        worker_store.close()
+    # (a provider's health actor may die of the outage too, and is restarted as well)
+    assert [r.actor for r in restarted].count("session:doomed") == 1, restarted
+    assert supervisor, "no supervisor thread found"
+    assert alive == [t.name for t in supervisor], "the supervisor died of the outage"
+
+
+@pytest.mark.timeout(90)
+def test_an_abandonment_whose_append_seemed_to_fail_still_tells_the_user(
+    pg_server: PostgresServer,
+    pg_url: str,
+    pg_store: EventStore,
+    relay: CuttingRelay,
+    clock: FakeClock,
+    fake: FakeProvider,
+    chat: MemoryChannel,
+) -> None:
+    """Expected (actors/_worker.py:_failed): the settlement of a dead Agent's wake is
+    tried again at the next poll when its append failed; when that append was written
+    after all and abandoned the message, the user is still told, once (the restarted
+    Agent says what its crash left unsaid)."""
+    worker_store = _relayed(pg_server, pg_url, relay, clock)
+    fake.add(Hang())
+    settings = runtime_config(
+        fake.base_url, prompt_timeout_ms=600_000, activations={"max_attempts": 1}
+    )
+    try:
+        with Runtime(settings, store=worker_store, clock=clock, channels={"chat": chat}) as rt:
+            rt.worker()  # started, and polled once
+            send_message(pg_store, "s1", "a long job", channel="chat", ts=clock.now())
+            clock.advance(1.0)  # the worker's next poll leases it; the call hangs
+            fake.wait_for(lambda requests: len(requests) == 1, GUARD)
+            relay.arm(b"activation:abandoned")
+            rt.session("s1", channel="chat").ref.tell(object())  # the Agent dies
+            assert relay.cut.wait(GUARD), "the abandonment never went through the relay"
+            rt.worker(timeout=GUARD)  # it has handled the failed append
+            relay.restore()
+            _wait(lambda: _reachable(worker_store), "the worker's store never reconnected")
+            told = False
+            for _ in range(10):  # its next polls (and the Agent's restart) on the fake clock
+                clock.advance(1.0)
+                with contextlib.suppress(AssertionError):
+                    _stream_until(pg_store, "session:s1", has(AnnouncementQueued), guard=0.5)
+                    told = True
+                    break
+            records = list(pg_store.read_stream("session:s1"))
+    finally:
+        worker_store.close()
+    assert len(of(ActivationAbandoned, records)) == 1
+    assert told, f"the user was never told: {[r.type for r in records]}"
+    assert [a.text for a in of(AnnouncementQueued, records)] == [ABANDONED_TEXT]
+
+
+def _restarted(actor: str) -> Callable[[list[RecordedEvent]], bool]:
+    return lambda records: any(r.actor == actor for r in of(SupervisorRestarted, records))

@@ -116,6 +116,22 @@ def test_a_write_back_never_hides_an_append_it_did_not_fold(queue: WorkQueue) ->
     assert work.next_at is None
 
 
+def test_a_claim_names_the_version_that_wrote_its_row_so_a_worker_can_put_it_off(
+    queue: WorkQueue,
+) -> None:
+    """A worker that cannot settle a claimed session (its fold fails) writes its due row
+    back, later, from the claimed version: accepted, and still beaten by a newer append."""
+    queue.append("session:a", [_at(_ready(1), T0)])
+    queue.append("session:a", [_at(_ready(2), T0)])
+    (claim,) = queue.claim_due("w", T0, 10, 5.0).claimed
+    assert (claim.stream, claim.version) == ("session:a", 2)
+    assert queue.set_due("session:a", claim.version, T0 + 60, "w") is True
+    assert _claimed(queue, "w", T0 + 1) == []  # put off, even for its own worker
+    queue.append("session:a", [_at(_ready(3), T0 + 2)])  # new work: due again at once
+    (again,) = queue.claim_due("w", T0 + 2, 10, 5.0).claimed
+    assert again.version == 3
+
+
 def test_concurrent_claims_are_disjoint(queue: WorkQueue) -> None:
     streams = [f"session:s{i:02d}" for i in range(40)]
     for i, stream in enumerate(streams):

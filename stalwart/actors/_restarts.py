@@ -9,6 +9,8 @@ decision there, and then acts: ``restart()`` after the backoff (a scheduler time
 ``FakeClock`` drives it), or, on ``supervisor:gave_up``, the static :data:`GAVE_UP_TEXT`
 to the affected session's channel (``announcement:queued`` / ``delivered`` or
 ``send_failed`` in the ``runtime`` stream; a failed send goes to the dead-letter queue).
+The decision needs the store: while it is away (when actors die of it), the crash is
+told again every :data:`DECISION_RETRY_S` until it can be decided.
 A sub-agent run's actor given up on ends its run instead (``subagent:given_up``, then the
 run's own failure notice and recovery decision, as for a run that timed out).
 """
@@ -27,6 +29,7 @@ from stalwart._logs import get_logger
 from stalwart.channels import Channel, OutboundMessage
 from stalwart.clock import Clock
 from stalwart.config import SupervisionSettings
+from stalwart.errors import StoreError
 from stalwart.events import (
     AnnouncementDelivered,
     AnnouncementQueued,
@@ -58,6 +61,8 @@ log = get_logger(__name__)
 
 #: Where restart decisions go.
 RESTART_STREAM = "runtime"
+#: How long a crash waits to be decided again when the store failed its decision.
+DECISION_RETRY_S = 1.0
 #: What the affected session reads when its actor kept crashing and was given up on.
 GAVE_UP_TEXT = (
     "Sorry, something went wrong on our side and this conversation's agent had to be "
@@ -166,6 +171,19 @@ class Restarts:
 
     def crashed(self, crashed: Crashed) -> None:
         now = self._clock.now()
+        try:
+            self._decide(crashed, now)
+        except StoreError as exc:  # never lose the crash: a restart must still come
+            log.warning(
+                "supervision.decision_deferred", actor=crashed.actor, error=type(exc).__name__
+            )
+            self._scheduler.schedule(
+                now + DECISION_RETRY_S,
+                lambda _at: self._tell(crashed),
+                key=("restart-decision", self._key, crashed.actor),
+            )
+
+    def _decide(self, crashed: Crashed, now: float) -> None:
         decision = decide_crash(self._store, crashed, now, self._settings, self._runtime)
         events: list[Event] = [decision]
         notice = AnnouncementQueued(

@@ -22,6 +22,13 @@ wake's lease is handed back (``activation:released``), so the next worker runs i
 and no failure is counted. The Agent settles the wake itself, in the same
 append as the turn's outcome, and tells the worker :class:`WakeEnded`.
 
+The store may fail under it (a database gone away) without a wake being lost: a claimed
+session it cannot settle is put off with a doubling backoff (so it does not starve the
+others); a lease append that may or may not have been written is looked at again at the
+next poll (its own live lease found there is run, or handed back at a clean stop); a
+wake its Agent could not be started for is a failed wake; a dead Agent's settlement
+that failed is tried again at each poll.
+
 Polls come from the scheduler (every ``poll_ms``, and at the next due time it knows of),
 and from :class:`Nudge` when this process appends work; when a wake ends, the worker
 decides again for that session (with a work queue, for that one alone).
@@ -51,13 +58,14 @@ from stalwart.state import (
     Activation,
     ActivationPolicy,
     ActivationsState,
+    Lease,
     WakeResult,
     decide_lease,
     decide_release,
     decide_settlement,
     due_at,
 )
-from stalwart.store import Due, EventStore, Fence, NewEvent, WorkQueue
+from stalwart.store import Due, DueClaim, EventStore, Fence, NewEvent, WorkQueue
 
 from ._restarts import crashed
 from ._scheduler import Scheduler
@@ -87,6 +95,9 @@ _SETTLED = frozenset({"acked", "blocked", "requeued", "abandoned"})
 CLAIM_BATCH = 8
 #: How long a claim keeps other workers off a session while this one decides for it.
 CLAIM_HOLD_MS = 5_000
+#: The longest a claimed session this worker could not settle (it cannot be folded) is
+#: put off; the first time by one poll interval, doubling each time after.
+PUT_OFF_MAX_S = 300.0
 
 
 class Wake(msgspec.Struct, frozen=True, kw_only=True):
@@ -210,6 +221,9 @@ class ActivationWorker(Supervised):
         self._queue = store if isinstance(store, WorkQueue) else None
         self._states: dict[str, ActivationsState] = {}
         self._running: dict[str, int] = {}  # stream -> the epoch this worker holds
+        self._failing: dict[str, WakeFailed] = {}  # failed wakes whose settling failed
+        self._uncertain: set[str] = set()  # lease appends that may or may not be written
+        self._put_off: dict[str, int] = {}  # unsettled claims: how often, in a row
         self._tick_at: float | None = None  # when the armed tick fires
         self._closing = False  # Closing came: no more leases
 
@@ -289,6 +303,8 @@ class ActivationWorker(Supervised):
     def _poll(self) -> None:
         if self._closing:
             return
+        for failed in list(self._failing.values()):
+            self._failed(failed)
         if self._queue is not None:
             self._poll_queue(self._queue)
             return
@@ -319,11 +335,35 @@ class ActivationWorker(Supervised):
                 if not self._try_lease(stream, now):
                     state = self._states[stream]
                     queue.set_due(stream, state.version, due_at(state), self._owner)
-            except StoreError as exc:  # the hold runs out and the session is claimed again
+            except StoreError as exc:
                 log.warning("worker.claim_unsettled", stream=stream, error=type(exc).__name__)
+                self._put_off_claim(queue, claim, now)
+            else:
+                self._put_off.pop(stream, None)
+        for stream in list(self._uncertain):  # its due row says "leased": no claim comes
+            try:
+                self._refresh(stream)
+                self._try_lease(stream, now)
+            except StoreError as exc:
+                log.warning("worker.lease_unchecked", stream=stream, error=type(exc).__name__)
         if len(work.claimed) >= self._claim_batch:
             self._tell(Nudge())
         self._arm(work.next_at)
+
+    def _put_off_claim(self, queue: WorkQueue, claim: DueClaim, now: float) -> None:
+        """Put a claimed session this worker could not settle (its fold or decision
+        failed: a corrupt record, a read that failed) off by a backoff that doubles each
+        time in a row, up to :data:`PUT_OFF_MAX_S`: the claims hand out the other due
+        sessions meanwhile instead of this one again at once. The write-back is that of a
+        fold of the claimed row's version, so an append since (new work) still wins."""
+        tries = self._put_off.get(claim.stream, 0)
+        self._put_off[claim.stream] = tries + 1
+        delay = min(self._poll_ms / 1000 * 2 ** min(tries, 16), PUT_OFF_MAX_S)
+        try:
+            queue.set_due(claim.stream, claim.version, now + delay, self._owner)
+        except StoreError:  # the store is away: the claim's hold runs out instead
+            return
+        log.warning("worker.claim_put_off", stream=claim.stream, seconds=delay)
 
     def _next_wake(self, stream: str) -> None:
         """After a wake of ``stream`` ended: with a work queue, decide for that session at
@@ -352,7 +392,11 @@ class ActivationWorker(Supervised):
         """
         for _ in range(LEASE_TRIES):
             state = self._states[stream]
-            if stream in self._running or (not state.queue and state.lease is None):
+            if stream in self._running:
+                return False
+            if stream in self._uncertain and self._recover(stream, state, now):
+                return True
+            if not state.queue and state.lease is None:
                 return False
             events = decide_lease(state, self._owner, now, self._policy)
             if not events:
@@ -370,6 +414,10 @@ class ActivationWorker(Supervised):
             except (ConcurrencyError, FencedError):
                 self._sync(stream)  # another worker, the Agent or an action appended first
                 continue
+            except StoreError as exc:  # it may or may not have been written: look again
+                log.warning("worker.lease_uncertain", stream=stream, error=type(exc).__name__)
+                self._uncertain.add(stream)
+                return False
             self._sync(stream)
             if leased is None:
                 log.warning("worker.abandoned_on_expiry", stream=stream)
@@ -380,7 +428,23 @@ class ActivationWorker(Supervised):
             return True
         return False
 
-    def _start(self, stream: str, state: ActivationsState, leased: ActivationLeased) -> None:
+    def _recover(self, stream: str, state: ActivationsState, now: float) -> bool:
+        """After a lease append that may or may not have been written, with ``state``
+        folded since: when the log holds this worker's live lease, run its wake (and
+        renew at once: the lease was taken a while ago) rather than let it expire and
+        count as a failure. True when it did."""
+        self._uncertain.discard(stream)
+        lease = state.lease
+        if lease is None or lease.owner != self._owner or lease.expires_at <= now:
+            return False
+        log.info("worker.lease_recovered", stream=stream, epoch=lease.epoch)
+        self._start(stream, state, lease)
+        self._tell(_Renew(stream, lease.epoch))
+        return True
+
+    def _start(
+        self, stream: str, state: ActivationsState, leased: ActivationLeased | Lease
+    ) -> None:
         head = state.find(leased.activation_id)
         assert head is not None
         covered = [state.find(a) for a in leased.covers]
@@ -395,12 +459,16 @@ class ActivationWorker(Supervised):
         self._running[stream] = leased.epoch
         log.info("worker.leased", stream=stream, epoch=leased.epoch, kind=head.kind)
         self._arm_renewal(stream, leased.epoch)
-        taken = self._wake(wake)
+        error: str | None = None
+        try:
+            taken = self._wake(wake)
+        except StoreError as exc:  # starting its Agent read or wrote the store, and failed
+            taken, error = False, type(exc).__name__
         if taken is None:  # the process is stopping: the lease is kept for Release
             log.info("worker.wake_held", stream=stream, epoch=leased.epoch)
         elif not taken:  # no Agent takes it (it cannot start): a failed wake,
-            log.warning("worker.wake_refused", stream=stream)  # retried, then given up
-            self._failed(WakeFailed(stream, error_class="wake_refused"))
+            log.warning("worker.wake_refused", stream=stream, error=error)  # retried, then
+            self._failed(WakeFailed(stream, error_class="wake_refused"))  # given up
 
     def _next_due(self, now: float) -> float | None:
         """The earliest future time some session's work becomes due or a lease expires."""
@@ -478,32 +546,54 @@ class ActivationWorker(Supervised):
             self._store.append(stream, [NewEvent(event=lost, ts=self._clock.now())])
 
     def _failed(self, message: WakeFailed) -> None:
-        epoch = self._running.get(message.stream)
-        if epoch is None:
+        """Settle a failed wake: requeued with backoff, or abandoned. When the store
+        fails meanwhile (the database is away: when Agents die), the settling is tried
+        again at each poll, the lease renewed until then."""
+        stream = message.stream
+        self._failing.pop(stream, None)
+        epoch = self._running.get(stream)
+        if epoch is None:  # it ended meanwhile (the lease was lost)
             return
-        self._sync(message.stream)
-        state = self._states[message.stream]
-        lease = state.lease
-        self._ended(WakeEnded(message.stream, epoch))
-        if lease is None or lease.epoch != epoch:
-            return
-        now = self._clock.now()
-        result = WakeResult(status="failed", error_class=message.error_class, retryable=True)
-        settlement = decide_settlement(state, lease.activation_id, epoch, result, now, self._policy)
         try:
-            self._store.append(
-                message.stream, [NewEvent(event=settlement, ts=now)], fence=Fence(epoch)
+            self._sync(stream)
+            state = self._states[stream]
+            lease = state.lease
+            # settled (an earlier try's append was written after all; an abandonment is
+            # said by the Agent the supervisor restarts), or taken over
+            if lease is None or lease.epoch != epoch:
+                self._ended(WakeEnded(stream, epoch))
+                return
+            now = self._clock.now()
+            result = WakeResult(status="failed", error_class=message.error_class, retryable=True)
+            settlement = decide_settlement(
+                state, lease.activation_id, epoch, result, now, self._policy
             )
-        except StoreError as exc:  # fenced: taken over meanwhile; the new holder decides
-            log.warning("worker.settle_failed", stream=message.stream, error=type(exc).__name__)
+            self._store.append(stream, [NewEvent(event=settlement, ts=now)], fence=Fence(epoch))
+        except FencedError:  # taken over meanwhile: the new holder decides
+            log.warning("worker.settle_failed", stream=stream, error="FencedError")
+            self._ended(WakeEnded(stream, epoch))
             return
+        except StoreError as exc:
+            log.warning("worker.settle_deferred", stream=stream, error=type(exc).__name__)
+            self._failing[stream] = message
+            return
+        self._ended(WakeEnded(stream, epoch))
         if isinstance(settlement, ActivationAbandoned):
-            self._gave_up(message.stream)
+            self._gave_up(stream)
 
     def _release(self) -> int:
         """Hand back the lease of every wake still running (its Agent was stopped): a
         fenced ``activation:released``, so the next worker leases it at once and counts
         no failure. A lease the wake settled or another worker took is left alone."""
+        for failed in list(self._failing.values()):  # settle those now if the store is back
+            self._failed(failed)
+        for stream in list(self._uncertain):  # a lease append that was written after all
+            with contextlib.suppress(StoreError):
+                self._sync(stream)
+                lease = self._states[stream].lease
+                if lease is not None and lease.owner == self._owner:
+                    self._running.setdefault(stream, lease.epoch)
+        self._uncertain.clear()
         released = 0
         for stream, epoch in list(self._running.items()):
             self._ended(WakeEnded(stream, epoch))
@@ -524,8 +614,12 @@ class ActivationWorker(Supervised):
     def _gave_up(self, stream: str) -> None:
         """An activation was abandoned: its session's Agent must tell the user."""
         log.error("worker.gave_up", stream=stream)
-        if self._abandoned is not None:
+        if self._abandoned is None:
+            return
+        try:
             self._abandoned(Abandoned(stream))
+        except StoreError as exc:  # its Agent could not be started: the log says it all
+            log.error("worker.abandoned_untold", stream=stream, error=type(exc).__name__)
 
     def _ended(self, message: WakeEnded) -> None:
         if self._running.get(message.stream) == message.epoch:

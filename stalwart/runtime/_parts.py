@@ -90,7 +90,7 @@ class PartsLayer:
             settings=self._w.config.supervision,
             send_timeout_s=self._w.config.dead_letters.announce_timeout_ms / 1000,
             default_channel=DEFAULT_CHANNEL,
-            tell=lambda _message: None,  # no notices: an infrastructure give-up is logged
+            tell=self._retold,  # no notices: an infrastructure give-up is logged
             key="runtime",
             runtime=self._w.instance,
         )
@@ -172,6 +172,13 @@ class PartsLayer:
         crashed = Crashed(actor=part, reason=reason, restart=restart, notify=False)
         with self._restarts_lock:
             restarts.crashed(crashed)
+
+    def _retold(self, message: object) -> None:
+        """What the restart duty tells itself: a crash whose decision waited for the
+        store (the scheduler's thread)."""
+        if isinstance(message, Crashed) and self._restarts is not None and self._w.running():
+            with self._restarts_lock:
+                self._restarts.crashed(message)
 
     def restart(self, part: str, start: Callable[[], None]) -> None:
         """Run ``start`` (the part's actor started again) while the runtime runs."""

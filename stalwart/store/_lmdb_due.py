@@ -122,7 +122,7 @@ class ClaimDue(_Job):
         claimed = []
         for at, key, row in due[:limit]:
             _put(txn, db, key, at, row[1], owner, now + hold_s)
-            claimed.append(DueClaim(stream=key.decode(), due_at=at))
+            claimed.append(DueClaim(stream=key.decode(), due_at=at, version=row[1]))
         self.result = DueWork(claimed=claimed, next_at=later)
 
 

@@ -40,7 +40,7 @@ class DueStatements:
             "(held_by IS NULL OR held_by = %s OR held_until <= %s) "
             "ORDER BY due_at LIMIT %s FOR UPDATE SKIP LOCKED) "
             f"UPDATE {{s}}.due d SET held_by = %s, held_until = %s FROM c, {hint} "
-            "WHERE d.stream = c.stream RETURNING d.stream, d.due_at"
+            "WHERE d.stream = c.stream RETURNING d.stream, d.due_at, d.version"
         )
         self.next_at = q("SELECT min(due_at) FROM {s}.due WHERE due_at > %s")
         self.set = q(
@@ -73,7 +73,7 @@ def claim_due(
     rows.sort(key=lambda row: row[1])
     later = db.fetch("read the next due time", q.next_at, (now,))
     return DueWork(
-        claimed=[DueClaim(stream=stream, due_at=at) for stream, at in rows],
+        claimed=[DueClaim(stream=s, due_at=at, version=v) for s, at, v in rows],
         next_at=later[0][0] if later else None,
     )
 

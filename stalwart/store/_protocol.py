@@ -175,10 +175,13 @@ class Due(msgspec.Struct, frozen=True):
 
 
 class DueClaim(msgspec.Struct, frozen=True, kw_only=True):
-    """A session stream whose work is due, now held by the claiming worker."""
+    """A session stream whose work is due, now held by the claiming worker; ``version``
+    is that of the append or fold that wrote its due row (a write-back from a fold of at
+    least that version is not refused, see :meth:`WorkQueue.set_due`)."""
 
     stream: str
     due_at: float
+    version: int = 0
 
 
 class DueWork(msgspec.Struct, frozen=True, kw_only=True):
