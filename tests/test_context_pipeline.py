@@ -34,9 +34,9 @@ from stalwart.context.pipeline._objective import objective_tokens, reinforce_obj
 from stalwart.context.pipeline._reinject import rehydrate
 from stalwart.context.pipeline._run import Run
 from stalwart.context.pipeline._shape import evict_dead_content, mask_observations, window_history
-from stalwart.events import ContextAssembled, ContextCompacted
+from stalwart.events import DEFAULT_CODEC, ContextAssembled, ContextCompacted
 from stalwart.providers import Message
-from stalwart.state import PipelineState, apply_pipeline_event
+from stalwart.state import CONTEXT_PIPELINE, PipelineState, apply_pipeline_event, fold
 
 
 class Transcript:
@@ -679,3 +679,47 @@ def test_a_transcript_still_over_budget_is_reported() -> None:
     (warning,) = [e for e in logs if e["event"] == "context over budget after pipeline"]
     assert warning["log_level"] == "warning"
     assert (warning["tokens_out"], warning["budget"]) == (result.tokens_out, 1_000)
+
+
+def _stored_v1(position: int, covers: list[str], summary_id: str) -> bytes:
+    """A ``context:compacted`` record as schema 1 wrote it: ``covers`` named every id
+    covered so far."""
+    payload = {
+        "type": "context:compacted",
+        "summary_id": summary_id,
+        "turn": position,
+        "covers": covers,
+        "through_seq": position * 10,
+        "tokens": 900,
+        "budget": 1_000,
+        "threshold": 0.85,
+        "body": f"summary {summary_id}",
+    }
+    return msgspec.msgpack.encode(
+        [position, "context:s1", position, 1.0, f"{position:032x}", None, None, 1, payload]
+    )
+
+
+def test_a_schema_1_compaction_reads_as_one_that_added_what_it_covered() -> None:
+    """Schema 1 listed every id covered so far; schema 2 lists only the newly covered
+    ones. Both fold to the same compaction in force (the upcaster names the old list
+    ``added``, and the fold takes the union)."""
+    old = [
+        DEFAULT_CODEC.decode(_stored_v1(1, ["m1", "m2"], "a")),
+        DEFAULT_CODEC.decode(_stored_v1(2, ["m1", "m2", "m3", "m4"], "b")),
+    ]
+    assert [r.schema for r in old] == [1, 1]
+    events = [r.event for r in old if isinstance(r.event, ContextCompacted)]
+    assert [e.added for e in events] == [("m1", "m2"), ("m1", "m2", "m3", "m4")]
+    new = [
+        msgspec.structs.replace(r, schema=2, event=msgspec.structs.replace(r.event, added=added))
+        for r, added in zip(old, [("m1", "m2"), ("m3", "m4")], strict=True)
+    ]
+    folded = [fold(CONTEXT_PIPELINE, "context:s1", records) for records in (old, new)]
+    assert folded[0] == folded[1]
+    assert folded[0].summary is not None
+    assert folded[0].summary.covers == frozenset({"m1", "m2", "m3", "m4"})
+    assert folded[0].summary.summary_id == "b"
+    # and a schema-2 record round-trips as written
+    again = DEFAULT_CODEC.decode(DEFAULT_CODEC.encode(new[1]))
+    assert again.event == new[1].event

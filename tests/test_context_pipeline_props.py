@@ -253,7 +253,7 @@ PIPELINE_EVENTS = st.one_of(
         ContextCompacted,
         summary_id=st.text(max_size=4),
         turn=st.integers(0, 99),
-        covers=st.lists(st.text(max_size=3), max_size=4).map(tuple),
+        added=st.lists(st.text(max_size=3), max_size=4).map(tuple),
         through_seq=st.integers(0, 99),
         tokens=st.integers(0, 9),
         budget=st.integers(0, 9),

@@ -1,7 +1,8 @@
 """Defects a review found in the pipeline context engine as the running runtime uses it
 (calibration, summarizer outages and empty or oversized work for the summarizer, the
-pipeline's knobs, the compaction record, tool-call ids). Each test fails on the current
-code for the defect its name states, and is marked ``xfail(strict=True)`` until fixed."""
+pipeline's knobs, the compaction record, tool-call ids). Each test failed on the code
+before its fix for the defect its name states; one still open is marked
+``xfail(strict=True)`` until fixed."""
 
 from __future__ import annotations
 
@@ -313,11 +314,6 @@ def summarize(request: SummaryRequest) -> tuple[str, int, int]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="known, not fixed yet: covers is cumulative, so the context log grows "
-    "quadratically with the session",
-)
 def test_each_compaction_event_repeats_every_id_ever_covered(
     store: EventStore, clock: FakeClock
 ) -> None:
@@ -347,8 +343,8 @@ def test_each_compaction_event_repeats_every_id_ever_covered(
     assert len(compactions) >= 10
     in_view = 2 * PipelineConfig().history_turns + 1
     sizes = [len(msgspec.json.encode(c)) for c in compactions]
-    assert max(len(c.covers) for c in compactions) <= in_view, (
-        f"ids listed by each compaction: {[len(c.covers) for c in compactions]}; "
+    assert max(len(c.added) for c in compactions) <= in_view, (
+        f"ids listed by each compaction: {[len(c.added) for c in compactions]}; "
         f"bytes: first {sizes[0]}, last {sizes[-1]}, total {sum(sizes)}"
     )
 

@@ -63,8 +63,16 @@ if TYPE_CHECKING:
 else:
     AnyEvent = Union[tuple(EVENT_TYPES[t] for t in sorted(EVENT_TYPES))]  # noqa: UP007
 
+
+def _compacted_added(payload: dict[str, Any]) -> dict[str, Any]:
+    """``context:compacted`` 1 -> 2: every id covered so far (``covers``) becomes
+    ``added``; the fold takes the union, so it reads the same."""
+    payload["added"] = payload.pop("covers")
+    return payload
+
+
 #: Upcasters of the built-in vocabulary: ``(tag, from_schema) -> fn(payload) -> payload``.
-UPCASTERS: Mapping[tuple[str, int], Upcaster] = {}
+UPCASTERS: Mapping[tuple[str, int], Upcaster] = {("context:compacted", 1): _compacted_added}
 
 
 class RecordedEvent(msgspec.Struct, frozen=True, array_like=True, gc=False):

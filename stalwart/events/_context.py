@@ -138,9 +138,13 @@ class ContextLayerEnabled(Event, frozen=True, tag="context:layer_enabled"):
 
 
 class ContextCompacted(Event, frozen=True, tag="context:compacted"):
-    """The pipeline engine's LLM compaction: ``covers`` (message ids) are replaced by one
-    assistant message with ``body`` (the summary as rendered, wrapped as untrusted) from
-    now on. Carries the numbers that triggered it: ``tokens`` >= ``threshold`` x
+    """The pipeline engine's LLM compaction: from now on the messages it covers are
+    replaced by one assistant message with ``body`` (the summary as rendered, wrapped as
+    untrusted). What it covers is what the compaction before it covered plus ``added``
+    (message ids), so each record names only the messages it newly summarized and stays
+    as small as what was in view (schema 1 named every id covered so far, ``covers``:
+    its upcaster makes that ``added``, and the union the fold takes reads the same).
+    Carries the numbers that triggered it: ``tokens`` >= ``threshold`` x
     ``budget`` at user turn ``turn``, with the previous compaction at ``previous_turn``;
     ``rule`` is ``over_budget`` when ``tokens`` > ``budget`` let it run within the
     cooldown. ``fallback`` is ``emergency-truncation`` when no summarizer ran (it was
@@ -149,7 +153,7 @@ class ContextCompacted(Event, frozen=True, tag="context:compacted"):
 
     summary_id: str
     turn: int
-    covers: tuple[str, ...]
+    added: tuple[str, ...]
     through_seq: int
     tokens: int
     budget: int
@@ -160,3 +164,4 @@ class ContextCompacted(Event, frozen=True, tag="context:compacted"):
     body: str = ""
     rule: Literal["threshold", "over_budget"] = "threshold"
     fallback: Literal["emergency-truncation"] | None = None
+    schema_version: ClassVar[int] = 2

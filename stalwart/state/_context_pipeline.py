@@ -161,10 +161,11 @@ def apply_pipeline_event(state: PipelineState, event: Event) -> PipelineState:
         case ContextLayerEnabled():
             return _with_breaker(state, event.layer, _CLOSED)
         case ContextCompacted():
+            before = state.summary.covers if state.summary is not None else frozenset()
             summary = PipelineSummary(
                 summary_id=event.summary_id,
                 turn=event.turn,
-                covers=frozenset(event.covers),
+                covers=before | frozenset(event.added),
                 through_seq=event.through_seq,
                 body=event.body,
                 truncated=event.fallback is not None,

@@ -278,17 +278,17 @@ def _compacted(
     """``middle`` replaced by one summary message of ``text`` (with what the compaction in
     force covers), and the ``context:compacted`` that records it."""
     previous = run.state.summary
+    before = previous.covers if previous else frozenset()
     covered = [m for m in middle if not is_summary(m)]
-    covers = tuple(
-        sorted((previous.covers if previous else frozenset()) | {m.message_id for m in covered})
-    )
+    added = tuple(sorted({m.message_id for m in covered} - before))
+    count = len(before) + len(added)
     through_seq = max([m.seq for m in covered] + ([previous.through_seq] if previous else []))
-    summary_id = f"t{run.turn}-s{through_seq}-n{len(covers)}"
-    message = _summary_message(summary_id, text, len(covers), through_seq, run)
+    summary_id = f"t{run.turn}-s{through_seq}-n{count}"
+    message = _summary_message(summary_id, text, count, through_seq, run)
     event = ContextCompacted(
         summary_id=summary_id,
         turn=run.turn,
-        covers=covers,
+        added=added,
         through_seq=through_seq,
         tokens=tokens,
         budget=run.budget,

@@ -430,7 +430,7 @@ class PipelineEngine:
                     session=self.session,
                     summary_id=event.summary_id,
                     turn=event.turn,
-                    pruned_messages=len(event.covers),
+                    pruned_messages=len(event.added),
                     tokens=event.tokens,
                     budget=event.budget,
                     threshold=event.threshold,
