@@ -357,6 +357,31 @@ def test_a_superseded_result_younger_than_fifteen_stays() -> None:
     assert evict_dead_content(t.all, make_run(t.all)).messages == t.all
 
 
+def test_a_superseded_result_with_a_reused_call_id_goes_alone() -> None:
+    """A provider that numbers calls per response reuses ``call_0``: only the old call
+    and its result go, paired by position; the other calls of that id stay."""
+    t = Transcript()
+    t.user()
+    t.pair("read", '{"path": "a.py"}', "old a")
+    t.pair("read", '{"path": "b.py"}', "b")
+    for _ in range(15):
+        t.assistant("filler")
+    t.pair("read", '{"path": "a.py"}', "new a")
+    messages = tuple(
+        msgspec.structs.replace(
+            m,
+            tool_call_id="call_0" if m.tool_call_id else None,
+            tool_calls=tuple(msgspec.structs.replace(c, id="call_0") for c in m.tool_calls),
+        )
+        for m in t.all
+    )
+    out = evict_dead_content(messages, make_run(messages)).messages
+    results = [m.content for m in out if m.role == "tool"]
+    assert results == ["b", "new a"]
+    assert len([m for m in out if m.tool_calls]) == 2
+    assert pairs_ok(out)
+
+
 def test_different_arguments_are_not_superseded() -> None:
     t = Transcript()
     t.user()

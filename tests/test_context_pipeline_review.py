@@ -379,11 +379,6 @@ def reused_id_session(turns: int) -> tuple[ContextMessage, ...]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="known, not fixed yet: covered messages are removed by tool-call id across "
-    "the whole transcript",
-)
 def test_a_reused_tool_call_id_lets_the_compaction_in_force_erase_newer_tool_results(
     clock: FakeClock,
 ) -> None:

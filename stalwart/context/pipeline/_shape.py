@@ -8,7 +8,7 @@ from stalwart.context._types import ContextMessage
 
 from ._config import ObservationTier, PipelineConfig
 from ._run import Outcome, Run
-from ._transcript import chars, latest_turn, remove
+from ._transcript import answered_by, chars, latest_turn, remove
 
 __all__ = ["MASK_PREFIX", "evict_dead_content", "mask_observations", "window_history"]
 
@@ -44,21 +44,22 @@ def evict_dead_content(messages: tuple[ContextMessage, ...], run: Run) -> Outcom
     """Layer 6: a tool call and its result go when a later call of the same tool with the
     same arguments has a result too, once the old result is ``eviction_min_age``
     messages old (newest seq - its seq >= the knob)."""
-    results = {m.tool_call_id: m for m in messages if m.role == "tool" and m.tool_call_id}
+    owners = answered_by(messages)  # paired by position: call ids may be reused
+    results = {(owners[i], messages[i].tool_call_id or ""): messages[i] for i in owners}
     newest_seq = max((m.seq for m in messages), default=0)
-    answered: list[tuple[tuple[str, str], str]] = [
-        (_call_key(call.name, call.arguments), call.id)
-        for message in messages
+    answered: list[tuple[tuple[str, str], tuple[int, str]]] = [
+        (_call_key(call.name, call.arguments), (index, call.id))
+        for index, message in enumerate(messages)
         for call in message.tool_calls
-        if call.id in results
+        if (index, call.id) in results
     ]
     newer: set[tuple[str, str]] = set()
-    dead: list[str] = []
-    for key, call_id in reversed(answered):
-        if key in newer and newest_seq - results[call_id].seq >= run.config.eviction_min_age:
-            dead.append(call_id)
+    dead: list[tuple[str, str]] = []
+    for key, call in reversed(answered):
+        if key in newer and newest_seq - results[call].seq >= run.config.eviction_min_age:
+            dead.append((messages[call[0]].message_id, call[1]))
         newer.add(key)
-    return Outcome(remove(messages, call_ids=dead) if dead else messages)
+    return Outcome(remove(messages, calls=dead) if dead else messages)
 
 
 def tier_of(config: PipelineConfig, tool: str | None) -> ObservationTier:

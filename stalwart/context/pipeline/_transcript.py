@@ -16,7 +16,15 @@ import msgspec
 
 from stalwart.context._types import ContextMessage
 
-__all__ = ["chars", "digest", "latest_turn", "message_chars", "remove", "to_provider"]
+__all__ = [
+    "answered_by",
+    "chars",
+    "digest",
+    "latest_turn",
+    "message_chars",
+    "remove",
+    "to_provider",
+]
 
 T = TypeVar("T")
 Messages = tuple[ContextMessage, ...]
@@ -67,33 +75,54 @@ def _is_empty(message: ContextMessage) -> bool:
     )
 
 
+def answered_by(messages: Sequence[ContextMessage]) -> dict[int, int]:
+    """Which call each tool result answers: the index of a result -> the index of the
+    nearest assistant message before it with a call of its ``tool_call_id``. Pairing by
+    position, not by id alone: a provider that numbers calls per response (``call_0`` on
+    every turn) reuses ids across the transcript. A result with no such call is absent."""
+    latest: dict[str, int] = {}
+    owners: dict[int, int] = {}
+    for index, message in enumerate(messages):
+        for call in message.tool_calls:
+            latest[call.id] = index
+        if message.role == "tool" and message.tool_call_id is not None:
+            owner = latest.get(message.tool_call_id)
+            if owner is not None:
+                owners[index] = owner
+    return owners
+
+
 def remove(
     messages: Sequence[ContextMessage],
     *,
     message_ids: Iterable[str] = (),
-    call_ids: Iterable[str] = (),
+    calls: Iterable[tuple[str, str]] = (),
 ) -> Messages:
-    """``messages`` without ``message_ids`` and without the tool calls ``call_ids``,
-    keeping pairs whole: a removed assistant message takes its calls' results with it, a
-    removed result takes its call out of the assistant message, and an assistant message
-    left with nothing at all goes too."""
+    """``messages`` without ``message_ids`` and without ``calls`` (each the id of the
+    assistant message that made it and the call's id), keeping pairs whole: a removed
+    assistant message takes its calls' results with it, a removed result takes its call
+    out of the assistant message, and an assistant message left with nothing at all goes
+    too. Results are paired with their calls by :func:`answered_by`, so a reused call id
+    elsewhere in the transcript is left alone."""
     drop = set(message_ids)
-    calls = set(call_ids)
-    if not drop and not calls:
+    strip = set(calls)
+    if not drop and not strip:
         return tuple(messages)
-    for message in messages:
-        if message.message_id in drop:
-            calls.update(call.id for call in message.tool_calls)
-            if message.role == "tool" and message.tool_call_id is not None:
-                calls.add(message.tool_call_id)
+    owners = answered_by(messages)
+    gone: set[int] = set()
+    for index, owner in owners.items():
+        result, caller = messages[index], messages[owner]
+        key = (caller.message_id, result.tool_call_id or "")
+        if result.message_id in drop:
+            strip.add(key)
+        elif caller.message_id in drop or key in strip:
+            gone.add(index)
     out: list[ContextMessage] = []
-    for message in messages:
-        if message.message_id in drop:
+    for index, message in enumerate(messages):
+        if message.message_id in drop or index in gone:
             continue
-        if message.role == "tool" and message.tool_call_id in calls:
-            continue
-        if message.tool_calls and any(call.id in calls for call in message.tool_calls):
-            kept = tuple(call for call in message.tool_calls if call.id not in calls)
+        if any((message.message_id, call.id) in strip for call in message.tool_calls):
+            kept = tuple(c for c in message.tool_calls if (message.message_id, c.id) not in strip)
             trimmed = _replace(message, tool_calls=kept)
             if not _is_empty(trimmed):
                 out.append(trimmed)
