@@ -25,6 +25,7 @@ from stalwart.context import (
     ExtractiveSummarizer,
     ModelProfile,
     SummaryRequest,
+    estimate_text_tokens,
 )
 from stalwart.errors import ConcurrencyError, ToolError
 from stalwart.events import (
@@ -219,6 +220,62 @@ def test_the_provider_summarizer_asks_a_model_and_is_bounded(fake: FakeProvider)
         with pytest.raises(TimeoutError):
             summarizer(request)
         portal.submit(client.aclose).result(timeout=ASK)
+
+
+def _said(count: int, words: int) -> tuple[ContextMessage, ...]:
+    return tuple(
+        ContextMessage(message_id=f"m{n}", seq=n, role="user", content=f"M{n} " + "word " * words)
+        for n in range(count)
+    )
+
+
+def test_the_provider_summarizer_fits_every_request_into_its_models_window(
+    fake: FakeProvider,
+) -> None:
+    """Messages that do not fit one request are summarized in turn, each request
+    carrying the summary so far; every request (input + max_tokens) fits the window."""
+    client = ProviderClient("fake", ProviderSettings(kind="openai", base_url=fake.base_url))
+    request = SummaryRequest(messages=_said(12, 300), max_tokens=2_000)  # ~4.5k tokens
+    with IoPortal() as portal:
+        summarizer = ProviderSummarizer(client, "small", portal, timeout_s=2.0, window=2_000)
+        for n in range(1, 9):
+            fake.add(Answer(text=f"summary {n}", input_tokens=100, output_tokens=n))
+        text, spent_in, spent_out = summarizer(request)
+        sent = [r.body for r in fake.requests]
+        portal.submit(client.aclose).result(timeout=ASK)
+    assert len(sent) >= 3
+    assert text == f"summary {len(sent)}"
+    assert (spent_in, spent_out) == (100 * len(sent), sum(range(1, len(sent) + 1)))
+    for n, body in enumerate(sent):
+        words = sum(estimate_text_tokens(m["content"]) for m in body["messages"])
+        assert words + body["max_tokens"] <= 2_000
+        assert body["max_tokens"] == 500  # a quarter of the window
+        carried = f"<summary-so-far>\nsummary {n}\n</summary-so-far>"
+        assert (carried in body["messages"][1]["content"]) == (n > 0)
+    everything = "\n".join(body["messages"][1]["content"] for body in sent)
+    assert all(f"M{n} " in everything for n in range(12))  # every message, in order
+    assert [everything.index(f"M{n} ") for n in range(12)] == sorted(
+        everything.index(f"M{n} ") for n in range(12)
+    )
+
+
+def test_the_provider_summarizer_cuts_a_message_bigger_than_its_window(
+    fake: FakeProvider,
+) -> None:
+    client = ProviderClient("fake", ProviderSettings(kind="openai", base_url=fake.base_url))
+    request = SummaryRequest(messages=_said(1, 5_000), max_tokens=300)
+    with IoPortal() as portal:
+        summarizer = ProviderSummarizer(client, "small", portal, timeout_s=2.0, window=2_000)
+        fake.add(Answer(text="a summary"))
+        assert summarizer(request)[0] == "a summary"
+        tiny = ProviderSummarizer(client, "small", portal, timeout_s=2.0, window=100)
+        with pytest.raises(ValueError, match="window"):  # a summarizer failure
+            tiny(request)
+        portal.submit(client.aclose).result(timeout=ASK)
+    [body] = [r.body for r in fake.requests]
+    content = body["messages"][1]["content"]
+    assert "too long for the summarizer's window" in content
+    assert sum(estimate_text_tokens(m["content"]) for m in body["messages"]) + 300 <= 2_000
 
 
 def test_decisions_that_could_not_be_recorded_are_forgotten(start, store: EventStore) -> None:  # type: ignore[no-untyped-def]

@@ -15,7 +15,9 @@ from stalwart.context import (
     ContextMessage,
     ContextScopeError,
     SummaryRequest,
+    estimate_text_tokens,
 )
+from stalwart.context._tokens import clip_to_tokens
 from stalwart.errors import ToolError
 from stalwart.providers import Message, ProviderClient, ProviderRequest
 from stalwart.tools import ToolRegistry
@@ -29,6 +31,22 @@ __all__ = ["ProviderSummarizer", "context_tools"]
 # -- an LLM summarizer through the provider layer ------------------------------------------
 
 
+#: What a summary request's framing (roles, tags, the provider's wrapping) may cost.
+FRAME_TOKENS = 64
+#: The share of the summarizer model's window a request may fill by estimate (the rest
+#: is for the estimate's error: this is not the model's own tokenizer).
+WINDOW_SHARE = 0.9
+#: The least room for messages a request must have; less is a summarizer failure.
+MIN_ROOM_TOKENS = 32
+#: What a request after the first adds to the instructions.
+CONTINUE = (
+    " The first block is your summary of the part of the conversation before these "
+    "messages: the new summary must keep what it says."
+)
+#: What ends a message cut to fit the summarizer model's window.
+CUT_MESSAGE = " [... cut: too long for the summarizer's window]"
+
+
 class ProviderSummarizer:
     """A :class:`~stalwart.context.Summarizer` that asks a model through a
     :class:`~stalwart.providers.ProviderClient` on the :class:`IoPortal`'s loop.
@@ -39,26 +57,70 @@ class ProviderSummarizer:
     message, after the engine's instructions in the system prompt. The calling thread
     waits for the answer (the ContextStore's mailbox does); keep ``timeout_s`` at or
     under ``summarizer_breaker.half_open_timeout_ms``.
+
+    With ``window`` (the model's ``context_window``) every request fits it: ``max_tokens``
+    is at most a quarter of it, and messages that do not fit one request are summarized
+    in turn, each request carrying the summary so far (a message too long on its own is
+    cut, and marked so). The tokens of every request are added up.
     """
 
     def __init__(
-        self, client: ProviderClient, model: str, portal: IoPortal, *, timeout_s: float = 30.0
+        self,
+        client: ProviderClient,
+        model: str,
+        portal: IoPortal,
+        *,
+        timeout_s: float = 30.0,
+        window: int | None = None,
     ) -> None:
         self.client = client
         self.model = model
         self.portal = portal
         self.timeout_s = timeout_s
+        self.window = window
 
     def __call__(self, request: SummaryRequest) -> tuple[str, int, int]:
-        chunk = "\n\n".join(
-            f"[{message.role} #{message.seq}]\n{_flatten(message)}" for message in request.messages
-        )
+        pieces = [f"[{m.role} #{m.seq}]\n{_flatten(m)}" for m in request.messages]
+        instructions = request.instructions or SUMMARY_INSTRUCTIONS
+        if self.window is None:
+            return self._ask(instructions, "", pieces, request.max_tokens)
+        max_tokens = max(1, min(request.max_tokens, self.window // 4))
+        fixed = int(self.window * WINDOW_SHARE) - max_tokens - FRAME_TOKENS
+        fixed -= estimate_text_tokens(instructions + CONTINUE)
+        summary, spent_in, spent_out = "", 0, 0
+        left = pieces[::-1]  # a stack: the next piece last
+        while left:
+            room = fixed - estimate_text_tokens(summary)
+            if room < MIN_ROOM_TOKENS:
+                raise ValueError(
+                    f"the summarizer model's window ({self.window} tokens) leaves no room "
+                    "for the messages to summarize"
+                )
+            chunk: list[str] = []
+            while left and estimate_text_tokens("\n\n".join([*chunk, left[-1]])) <= room:
+                chunk.append(left.pop())
+            if not chunk:  # one message bigger than a request: cut to fit
+                chunk.append(clip_to_tokens(left.pop(), room, CUT_MESSAGE))
+            text, used_in, used_out = self._ask(instructions, summary, chunk, max_tokens)
+            spent_in, spent_out = spent_in + used_in, spent_out + used_out
+            # the next request carries it: no longer than it was asked to be
+            summary = clip_to_tokens(text, max_tokens) if left else text
+        return summary, spent_in, spent_out
+
+    def _ask(
+        self, instructions: str, summary: str, chunk: list[str], max_tokens: int
+    ) -> tuple[str, int, int]:
+        messages = "\n\n".join(chunk)
+        content = f"<messages>\n{messages}\n</messages>"
+        if summary:
+            instructions += CONTINUE
+            content = f"<summary-so-far>\n{summary}\n</summary-so-far>\n{content}"
         body = ProviderRequest(
             messages=(
-                Message(role="system", content=request.instructions or SUMMARY_INSTRUCTIONS),
-                Message(role="user", content=f"<messages>\n{chunk}\n</messages>"),
+                Message(role="system", content=instructions),
+                Message(role="user", content=content),
             ),
-            max_tokens=request.max_tokens,
+            max_tokens=max_tokens,
         )
         future = self.portal.submit(self._complete, body)
         try:

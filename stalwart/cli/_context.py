@@ -104,7 +104,9 @@ def _model_summarizer(config: Config, agent: str, stack: contextlib.ExitStack) -
     portal = stack.enter_context(IoPortal())
     stack.callback(lambda: portal.submit(client.aclose).result(timeout=10))
     timeout_s = config.context_engine.summarizer_breaker.half_open_timeout_ms / 1000
-    return ProviderSummarizer(client, settings.model, portal, timeout_s=timeout_s)
+    return ProviderSummarizer(
+        client, settings.model, portal, timeout_s=timeout_s, window=settings.context_window
+    )
 
 
 def _simulate(

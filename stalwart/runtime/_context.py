@@ -88,7 +88,11 @@ class ContextLayer:
         agent = self._config.agents[name]
         timeout_s = settings.summarizer_breaker.half_open_timeout_ms / 1000
         summarizer = ProviderSummarizer(
-            self._layer.clients[agent.provider], agent.model, self._portal, timeout_s=timeout_s
+            self._layer.clients[agent.provider],
+            agent.model,
+            self._portal,
+            timeout_s=timeout_s,
+            window=agent.context_window,
         )
         self._actor = ContextStoreActor.start(
             store=self._store,
