@@ -104,11 +104,16 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     context_window: Positive = 128_000
 
 
-def _ordered(section: str, low: str, low_value: int, high: str, high_value: int) -> None:
-    """ConfigError naming ``section.high`` unless ``low_value <= high_value``."""
-    if low_value > high_value:
+def _ordered(
+    section: str, low: str, low_value: int, high: str, high_value: int, *, strict: bool = False
+) -> None:
+    """ConfigError naming ``section.high`` unless ``low_value <= high_value`` (``<`` when
+    ``strict``)."""
+    if low_value > high_value or (strict and low_value == high_value):
+        sign = ">" if strict else ">="
         raise ConfigError(
-            f"key '{section}.{high}': must be >= {section}.{low} ({low_value}), found {high_value}",
+            f"key '{section}.{high}': must be {sign} {section}.{low} ({low_value}), "
+            f"found {high_value}",
             key=f"{section}.{high}",
         )
 
@@ -232,8 +237,14 @@ class ActivationSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
             "backoff_cap_ms",
             self.backoff_cap_ms,
         )
+        # a renewal due when the lease expires races its takeover: renew well before
         _ordered(
-            "activations", "renew_every_ms", self.renew_every_ms, "lease_ttl_ms", self.lease_ttl_ms
+            "activations",
+            "renew_every_ms",
+            self.renew_every_ms,
+            "lease_ttl_ms",
+            self.lease_ttl_ms,
+            strict=True,
         )
 
 

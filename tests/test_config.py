@@ -41,6 +41,16 @@ def test_empty_yaml_is_the_defaults(tmp_path: Path) -> None:
         ({"store": {"tail_poll_ms": "fast"}}, "store.tail_poll_ms", ["int", "found 'fast'"]),
         ({"store": {"tail_poll_ms": 5000}}, "store.tail_poll_ms", ["<= 1000", "found 5000"]),
         ({"store": 3}, "store", ["object", "found 3"]),
+        (
+            {"activations": {"lease_ttl_ms": 10_000, "renew_every_ms": 10_000}},
+            "activations.lease_ttl_ms",
+            ["> activations.renew_every_ms (10000)", "found 10000"],
+        ),
+        (
+            {"activations": {"backoff_base_ms": 9_000, "backoff_cap_ms": 8_000}},
+            "activations.backoff_cap_ms",
+            [">= activations.backoff_base_ms (9000)", "found 8000"],
+        ),
     ],
 )
 def test_bad_values_name_the_key_and_what_is_allowed(
