@@ -10,8 +10,13 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
+import lmdb
+import structlog.testing
+
+from stalwart import store as store_module
 from stalwart.actors import ABANDONED_TEXT
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
@@ -147,3 +152,41 @@ def test_only_recent_news_is_sent_again(
         time.sleep(0.2)  # real-time: proving an absence needs a wait
         assert len(chat.attempted) == 1
         assert not of(AnnouncementDelivered, list(store.read_stream("session:old")))
+
+
+def test_a_damaged_session_does_not_stop_the_resend_of_the_others(
+    tmp_path: Path, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """The start-up resend reads each recent session's log; one it cannot read (a
+    corrupt record) is logged and passed over, and the sessions after it still get
+    their answers (it used to end the whole sweep)."""
+    directory = tmp_path / "store"
+    writer = store_module.open(directory, clock=clock)
+    try:
+        for session in ("a-broken", "b-fine"):
+            created = SessionCreated(agent="default", channel="chat")
+            announcement = AnnouncementQueued(
+                announcement_id=f"ann-{session}", channel="chat", kind="completion", text=session
+            )
+            writer.append(f"session:{session}", [created, announcement])
+        broken = list(writer.read_stream("session:a-broken"))[-1].position
+    finally:
+        writer.close()
+    env = lmdb.open(str(directory), max_dbs=8)  # bit rot in the broken session's record
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(broken.to_bytes(8, "big"), b"\xc1garbage", db=env.open_db(b"log", txn=txn))
+    finally:
+        env.close()
+    store = store_module.open(directory, clock=clock)
+    try:
+        with (
+            structlog.testing.capture_logs() as captured,
+            Runtime(_config(fake), store=store, clock=clock, channels={"chat": chat}) as rt,
+        ):
+            [message] = delivered(rt, chat, 1)  # no session opened: the sweep started it
+            assert message.text == "b-fine"
+            failed = [e for e in captured if e["event"] == "runtime.resend_failed"]
+            assert [e["session"] for e in failed] == ["a-broken"]
+    finally:
+        store.close()

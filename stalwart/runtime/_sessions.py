@@ -119,11 +119,18 @@ class SessionLayer:
                 if not self._w.running():
                     return
                 session_id = info.stream.removeprefix("session:")
-                if session_id in self._handles or not left_unsent(self._w.store, info.stream, now):
-                    continue
-                log.info("runtime.resend_cut_short", session=session_id)
-                self.agent_for_wake(session_id, True)
-        except StalwartError as exc:  # a closed store, a damaged stream: said, not raised
+                try:
+                    if session_id in self._handles or not left_unsent(
+                        self._w.store, info.stream, now
+                    ):
+                        continue
+                    log.info("runtime.resend_cut_short", session=session_id)
+                    self.agent_for_wake(session_id, True)
+                except StalwartError as exc:  # a damaged stream: the others still go
+                    log.warning(
+                        "runtime.resend_failed", session=session_id, error_class=type(exc).__name__
+                    )
+        except StalwartError as exc:  # a closed store, an unreadable streams index
             log.warning("runtime.resend_sweep_failed", error_class=type(exc).__name__)
         except Exception:  # a bug: logged (a background thread has nobody to raise to)
             log.exception("runtime.resend_sweep_failed")
