@@ -441,6 +441,33 @@ def test_ephemeral_results_older_than_ten_go_with_their_call() -> None:
     assert pairs_ok(out)
 
 
+def test_a_nameless_result_takes_the_tier_of_its_own_call_when_ids_are_reused() -> None:
+    """Results without a tool name, every call ``call_0`` (a provider that numbers calls
+    per response): each result's tier is that of the call just before it, not of the
+    last call anywhere with its id."""
+    config = PipelineConfig(observation_tiers={"search": "ephemeral", "read": "protected"})
+    t = Transcript(system=None)
+    t.user("go")
+    for n in range(24):
+        t.pair("search" if n % 2 == 0 else "read", "{}", f"{n} " + "x" * 6_000)
+    t.pair("read", "{}", "last")  # the newest call with the reused id is a protected one
+    messages = tuple(
+        msgspec.structs.replace(
+            m,
+            name=None,
+            tool_call_id="call_0" if m.tool_call_id else None,
+            tool_calls=tuple(msgspec.structs.replace(c, id="call_0") for c in m.tool_calls),
+        )
+        for m in t.all
+    )
+    out = mask_observations(messages, make_run(messages, config=config)).messages
+    kept = [m.content.split(" ")[0] for m in out if m.role == "tool"]
+    searches_kept = [n for n in kept if n.isdigit() and int(n) % 2 == 0]
+    assert len(searches_kept) < 12  # old search results went (ephemeral)
+    assert all(str(n) in kept for n in range(1, 24, 2))  # every read result stays
+    assert pairs_ok(out)
+
+
 def test_protected_results_are_never_masked() -> None:
     config = PipelineConfig(observation_tiers={"read": "protected"})
     t = _observations(30, 5_000)

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stalwart.actors import Crashed, IoPortal, Scheduler
+from stalwart.channels import MemoryChannel
+from stalwart.clock import FakeClock
 from stalwart.config import Config, SupervisionSettings, parse_config
 from stalwart.errors import ConfigError
 from stalwart.events import RecordedEvent, RuntimeStopped, SupervisorGaveUp, SupervisorRestarted
 from stalwart.state import decide_restart, restart_backoff_ms, restart_history
+from stalwart.store import EventStore
+from tests._runtime_support import of
 
 T0 = 1_700_000_000.0
 MS = 0.001
@@ -119,3 +127,54 @@ def test_never_more_than_the_limit_in_any_window_and_decisions_replay(gaps: list
         assert sum(1 for u in times if t <= u < t + 5) <= 3
     for index, record in enumerate(log):
         assert crash(restart_history(log[:index], "agent:a"), record.ts) == record.event
+
+
+# -- a crash decided again after a store error --------------------------------------------------
+
+
+def _restarts(store: EventStore, clock: FakeClock, scheduler: Scheduler, portal: IoPortal) -> Any:
+    from stalwart.actors._restarts import Restarts
+
+    return Restarts(
+        store=store,
+        clock=clock,
+        scheduler=scheduler,
+        portal=portal,
+        channels={"chat": MemoryChannel("chat")},
+        dead_letters=None,
+        settings=SupervisionSettings(),
+        send_timeout_s=1.0,
+        default_channel="chat",
+        tell=lambda _message: None,
+        key="test",
+    )
+
+
+def test_a_retried_crash_whose_decision_was_written_is_not_decided_twice(
+    store: EventStore, clock: FakeClock
+) -> None:
+    """A decision's append may be written though it raised (a lost connection): the
+    retry finds it by ``crash_id`` and acts on it, with no second decision."""
+    restarted: list[str] = []
+    with Scheduler(clock) as scheduler, IoPortal() as portal:
+        restarts = _restarts(store, clock, scheduler, portal)
+        first = Crashed(actor="session:s1", reason="E", restart=lambda: restarted.append("s1"))
+        restarts.crashed(first)
+        clock.advance(1.0)  # past the backoff: restarted
+        again = dataclasses.replace(first, retry=True)  # as if the append had raised
+        restarts.crashed(again)
+        clock.advance(1.0)
+    decisions = of(SupervisorRestarted, list(store.read_stream("runtime")))
+    assert [d.crash_id for d in decisions] == [first.crash_id]
+    assert restarted == ["s1", "s1"]  # acted on, each time it was told
+
+
+def test_a_retried_crash_with_no_decision_yet_is_decided(
+    store: EventStore, clock: FakeClock
+) -> None:
+    with Scheduler(clock) as scheduler, IoPortal() as portal:
+        restarts = _restarts(store, clock, scheduler, portal)
+        crash = Crashed(actor="session:s1", reason="E", restart=lambda: None, retry=True)
+        restarts.crashed(crash)
+    decisions = of(SupervisorRestarted, list(store.read_stream("runtime")))
+    assert [d.crash_id for d in decisions] == [crash.crash_id]

@@ -9,6 +9,7 @@ import anyio
 import msgspec
 import pykka
 
+from stalwart.clock import SystemClock
 from stalwart.config import ContextEngineSettings
 from stalwart.context import (
     SUMMARY_INSTRUCTIONS,
@@ -31,6 +32,8 @@ __all__ = ["ProviderSummarizer", "context_tools"]
 # -- an LLM summarizer through the provider layer ------------------------------------------
 
 
+#: Real waits (a provider call's bound), not the runtime's clock.
+_WAITS = SystemClock()
 #: What a summary request's framing (roles, tags, the provider's wrapping) may cost.
 FRAME_TOKENS = 64
 #: The share of the summarizer model's window a request may fill by estimate (the rest
@@ -61,7 +64,8 @@ class ProviderSummarizer:
     With ``window`` (the model's ``context_window``) every request fits it: ``max_tokens``
     is at most a quarter of it, and messages that do not fit one request are summarized
     in turn, each request carrying the summary so far (a message too long on its own is
-    cut, and marked so). The tokens of every request are added up.
+    cut, and marked so). The tokens of every request are added up, and ``timeout_s``
+    bounds them all together.
     """
 
     def __init__(
@@ -80,10 +84,11 @@ class ProviderSummarizer:
         self.window = window
 
     def __call__(self, request: SummaryRequest) -> tuple[str, int, int]:
+        deadline = _WAITS.monotonic() + self.timeout_s  # for all its requests together
         pieces = [f"[{m.role} #{m.seq}]\n{_flatten(m)}" for m in request.messages]
         instructions = request.instructions or SUMMARY_INSTRUCTIONS
         if self.window is None:
-            return self._ask(instructions, "", pieces, request.max_tokens)
+            return self._ask(instructions, "", pieces, request.max_tokens, deadline)
         max_tokens = max(1, min(request.max_tokens, self.window // 4))
         fixed = int(self.window * WINDOW_SHARE) - max_tokens - FRAME_TOKENS
         fixed -= estimate_text_tokens(instructions + CONTINUE)
@@ -97,18 +102,23 @@ class ProviderSummarizer:
                     "for the messages to summarize"
                 )
             chunk: list[str] = []
-            while left and estimate_text_tokens("\n\n".join([*chunk, left[-1]])) <= room:
+            used = 0  # each piece's estimate and a token for its separator: no less than
+            while left:  # the estimate of the joined text
+                cost = estimate_text_tokens(left[-1]) + 1
+                if used + cost > room:
+                    break
                 chunk.append(left.pop())
+                used += cost
             if not chunk:  # one message bigger than a request: cut to fit
                 chunk.append(clip_to_tokens(left.pop(), room, CUT_MESSAGE))
-            text, used_in, used_out = self._ask(instructions, summary, chunk, max_tokens)
+            text, used_in, used_out = self._ask(instructions, summary, chunk, max_tokens, deadline)
             spent_in, spent_out = spent_in + used_in, spent_out + used_out
             # the next request carries it: no longer than it was asked to be
             summary = clip_to_tokens(text, max_tokens) if left else text
         return summary, spent_in, spent_out
 
     def _ask(
-        self, instructions: str, summary: str, chunk: list[str], max_tokens: int
+        self, instructions: str, summary: str, chunk: list[str], max_tokens: int, deadline: float
     ) -> tuple[str, int, int]:
         messages = "\n\n".join(chunk)
         content = f"<messages>\n{messages}\n</messages>"
@@ -122,16 +132,19 @@ class ProviderSummarizer:
             ),
             max_tokens=max_tokens,
         )
-        future = self.portal.submit(self._complete, body)
+        timeout_s = deadline - _WAITS.monotonic()
+        if timeout_s <= 0:
+            raise TimeoutError("the summary took longer than its timeout")
+        future = self.portal.submit(self._complete, body, timeout_s)
         try:
-            response = future.result(timeout=self.timeout_s + 1.0)
+            response = future.result(timeout=timeout_s + 1.0)
         except TimeoutError:
             future.cancel()
             raise
         return response.text, response.input_tokens, response.output_tokens
 
-    async def _complete(self, body: ProviderRequest) -> Any:
-        with anyio.fail_after(self.timeout_s):
+    async def _complete(self, body: ProviderRequest, timeout_s: float) -> Any:
+        with anyio.fail_after(timeout_s):
             return await self.client.complete(self.model, body)
 
 

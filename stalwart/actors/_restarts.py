@@ -10,7 +10,8 @@ decision there, and then acts: ``restart()`` after the backoff (a scheduler time
 to the affected session's channel (``announcement:queued`` / ``delivered`` or
 ``send_failed`` in the ``runtime`` stream; a failed send goes to the dead-letter queue).
 The decision needs the store: while it is away (when actors die of it), the crash is
-told again every :data:`DECISION_RETRY_S` until it can be decided.
+told again every :data:`DECISION_RETRY_S` until it can be decided; a decision whose
+append was written after all is found by its ``crash_id``, not made twice.
 A sub-agent run's actor given up on ends its run instead (``subagent:given_up``, then the
 run's own failure notice and recovery decision, as for a run that timed out).
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -88,6 +89,10 @@ class Crashed:
     #: the run's stream when the actor runs a sub-agent run: a give-up ends the run as
     #: failed (its own notice names the task) instead of sending :data:`GAVE_UP_TEXT`
     run: str | None = None
+    #: names the decision (``crash_id`` of ``supervisor:restarted`` / ``gave_up``)
+    crash_id: str = field(default_factory=new_id)
+    #: told again after a store error: its decision may be in the log already
+    retry: bool = False
 
 
 class RestartNoticeSent(msgspec.Struct, frozen=True, kw_only=True):
@@ -120,6 +125,7 @@ def decide_crash(
         backoff_cap_ms=settings.restart_backoff_cap_ms,
         session=crashed.session,
         runtime=runtime,
+        crash_id=crashed.crash_id,
     )
 
 
@@ -154,6 +160,7 @@ class Restarts:
         key: str,
         runtime: str = "",
         end_run: Callable[[str, SupervisorGaveUp], object] | None = None,
+        retry: Callable[[Crashed], object] | None = None,
     ) -> None:
         self._store = store
         self._clock = clock
@@ -168,35 +175,20 @@ class Restarts:
         self._key = key
         self._runtime = runtime
         self._end_run = end_run
+        #: how a crash whose decision failed on the store is told again (by default to
+        #: ``tell``); ActorDeadError (its supervisor is being restarted) tries later
+        self._retry = retry or tell
 
     def crashed(self, crashed: Crashed) -> None:
         now = self._clock.now()
         try:
-            self._decide(crashed, now)
+            decision, notice = self._recorded(crashed, now)
         except StoreError as exc:  # never lose the crash: a restart must still come
             log.warning(
                 "supervision.decision_deferred", actor=crashed.actor, error=type(exc).__name__
             )
-            self._scheduler.schedule(
-                now + DECISION_RETRY_S,
-                lambda _at: self._tell(crashed),
-                key=("restart-decision", self._key, crashed.actor),
-            )
-
-    def _decide(self, crashed: Crashed, now: float) -> None:
-        decision = decide_crash(self._store, crashed, now, self._settings, self._runtime)
-        events: list[Event] = [decision]
-        notice = AnnouncementQueued(
-            announcement_id=new_id(),
-            channel=crashed.channel or self._default_channel,
-            kind="failure_notice",
-            text=GAVE_UP_TEXT,
-        )
-        ends_run = crashed.run is not None and self._end_run is not None
-        notify = crashed.notify and not ends_run
-        if isinstance(decision, SupervisorGaveUp) and notify:
-            events.append(notice)
-        self._store.append(RESTART_STREAM, [NewEvent(event=e, ts=now) for e in events])
+            self._defer(replace(crashed, retry=True), now)
+            return
         if isinstance(decision, SupervisorRestarted):
             log.warning("supervision.restarting", actor=crashed.actor, ms=decision.backoff_ms)
             restart = crashed.restart
@@ -209,9 +201,50 @@ class Restarts:
         log.error("supervision.gave_up", actor=crashed.actor, restarts=decision.restarts)
         if crashed.run is not None and self._end_run is not None:
             self._end_run(crashed.run, decision)
-        elif notify:
+        elif notice is not None:
             conversation = crashed.conversation or crashed.session or crashed.actor
             self._send(notice, conversation, crashed.thread)
+
+    def _defer(self, crashed: Crashed, now: float) -> None:
+        """Tell the crash again in :data:`DECISION_RETRY_S`."""
+
+        def again(_at: float) -> None:
+            try:
+                self._retry(crashed)
+            except pykka.ActorDeadError:  # its supervisor is being restarted: later
+                self._defer(crashed, self._clock.now())
+
+        key = ("restart-decision", self._key, crashed.crash_id)
+        self._scheduler.schedule(now + DECISION_RETRY_S, again, key=key)
+
+    def _recorded(
+        self, crashed: Crashed, now: float
+    ) -> tuple[SupervisorRestarted | SupervisorGaveUp, AnnouncementQueued | None]:
+        """The crash's decision and give-up notice (None: none to send), appended to the
+        ``runtime`` stream, or found there when an earlier try's append was written."""
+        ends_run = crashed.run is not None and self._end_run is not None
+        notice = AnnouncementQueued(
+            announcement_id=f"{crashed.crash_id}-notice",
+            channel=crashed.channel or self._default_channel,
+            kind="failure_notice",
+            text=GAVE_UP_TEXT,
+        )
+        if crashed.retry:
+            for record in self._store.read_stream(RESTART_STREAM):
+                event = record.event
+                if (
+                    isinstance(event, SupervisorRestarted | SupervisorGaveUp)
+                    and event.crash_id == crashed.crash_id
+                ):
+                    gave_up = isinstance(event, SupervisorGaveUp)
+                    return event, notice if gave_up and crashed.notify and not ends_run else None
+        decision = decide_crash(self._store, crashed, now, self._settings, self._runtime)
+        events: list[Event] = [decision]
+        sends = isinstance(decision, SupervisorGaveUp) and crashed.notify and not ends_run
+        if sends:
+            events.append(notice)
+        self._store.append(RESTART_STREAM, [NewEvent(event=e, ts=now) for e in events])
+        return decision, notice if sends else None
 
     def _send(self, notice: AnnouncementQueued, conversation: str, thread: str | None) -> None:
         message = OutboundMessage(

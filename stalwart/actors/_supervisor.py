@@ -60,7 +60,7 @@ from stalwart._logs import get_logger
 from stalwart.channels import Channel, MessageKind, OutboundMessage
 from stalwart.clock import Clock
 from stalwart.config import SubagentSettings, SupervisionSettings
-from stalwart.errors import ConcurrencyError, CorruptRecordError
+from stalwart.errors import ConcurrencyError, CorruptRecordError, StoreError
 from stalwart.events import (
     AnnouncementQueued,
     Event,
@@ -182,6 +182,7 @@ class SupervisorActor(Supervised):
         on_crash: Callable[[str], object] | None = None,
         runtime: str = "",
         on_run_ended: Callable[[RunEnded], object] | None = None,
+        retry_crash: Callable[[Crashed], object] | None = None,
     ) -> None:
         super().__init__()
         self._on_crash = on_crash  # called once if this actor dies of an exception
@@ -216,6 +217,7 @@ class SupervisorActor(Supervised):
             key=self.actor_urn,
             runtime=runtime,
             end_run=self._given_up,
+            retry=retry_crash,  # the runtime's: reaches this actor's successor too
         )
         self._runs: dict[str, RunWatch] = {}
         self._not_runs: set[str] = set()
@@ -250,7 +252,10 @@ class SupervisorActor(Supervised):
                     self._next_ghost = at + self._settings.ghost_sweep_interval_ms / 1000
                 if heartbeats:
                     self._next_heartbeat = at + self._settings.heartbeat_interval_ms / 1000
-                self._sweep(ghosts=ghosts, heartbeats=heartbeats)
+                try:
+                    self._sweep(ghosts=ghosts, heartbeats=heartbeats)
+                except StoreError as exc:  # the store is away: the next sweep looks again
+                    log.warning("supervisor.sweep_failed", error=type(exc).__name__)
                 self._arm()
             case Sweep():
                 return self._sweep(ghosts=True, heartbeats=True)

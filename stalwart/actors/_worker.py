@@ -24,10 +24,10 @@ append as the turn's outcome, and tells the worker :class:`WakeEnded`.
 
 The store may fail under it (a database gone away) without a wake being lost: a claimed
 session it cannot settle is put off with a doubling backoff (so it does not starve the
-others); a lease append that may or may not have been written is looked at again at the
-next poll (its own live lease found there is run, or handed back at a clean stop); a
-wake its Agent could not be started for is a failed wake; a dead Agent's settlement
-that failed is tried again at each poll.
+others); a lease append that may or may not have been written (or was not read back) is
+looked at again by the next poll (its own live lease found there is run, or handed back
+at a clean stop); a wake its Agent could not be started for is a failed wake; a dead
+Agent's settlement that failed is tried again at each poll while its lease lasts.
 
 Polls come from the scheduler (every ``poll_ms``, and at the next due time it knows of),
 and from :class:`Nudge` when this process appends work; when a wake ends, the worker
@@ -142,6 +142,14 @@ class WakeFailed(msgspec.Struct, frozen=True):
     error_class: str
 
 
+class _Unsettled(msgspec.Struct, frozen=True):
+    """A failed wake whose settlement the store refused: tried again until ``until``."""
+
+    message: WakeFailed
+    epoch: int
+    until: float
+
+
 class Nudge(msgspec.Struct, frozen=True):
     """Work was appended: poll now."""
 
@@ -221,7 +229,7 @@ class ActivationWorker(Supervised):
         self._queue = store if isinstance(store, WorkQueue) else None
         self._states: dict[str, ActivationsState] = {}
         self._running: dict[str, int] = {}  # stream -> the epoch this worker holds
-        self._failing: dict[str, WakeFailed] = {}  # failed wakes whose settling failed
+        self._failing: dict[str, _Unsettled] = {}  # failed wakes whose settling failed
         self._uncertain: set[str] = set()  # lease appends that may or may not be written
         self._put_off: dict[str, int] = {}  # unsettled claims: how often, in a row
         self._tick_at: float | None = None  # when the armed tick fires
@@ -303,8 +311,8 @@ class ActivationWorker(Supervised):
     def _poll(self) -> None:
         if self._closing:
             return
-        for failed in list(self._failing.values()):
-            self._failed(failed)
+        for unsettled in list(self._failing.values()):
+            self._settle_failed(unsettled)
         if self._queue is not None:
             self._poll_queue(self._queue)
             return
@@ -418,7 +426,13 @@ class ActivationWorker(Supervised):
                 log.warning("worker.lease_uncertain", stream=stream, error=type(exc).__name__)
                 self._uncertain.add(stream)
                 return False
-            self._sync(stream)
+            try:
+                self._sync(stream)
+            except StoreError as exc:  # written, not read back: the next poll runs it
+                if leased is not None:
+                    log.warning("worker.lease_unread", stream=stream, error=type(exc).__name__)
+                    self._uncertain.add(stream)
+                    return False
             if leased is None:
                 log.warning("worker.abandoned_on_expiry", stream=stream)
                 if claim is not None:
@@ -546,14 +560,22 @@ class ActivationWorker(Supervised):
             self._store.append(stream, [NewEvent(event=lost, ts=self._clock.now())])
 
     def _failed(self, message: WakeFailed) -> None:
-        """Settle a failed wake: requeued with backoff, or abandoned. When the store
-        fails meanwhile (the database is away: when Agents die), the settling is tried
-        again at each poll, the lease renewed until then."""
-        stream = message.stream
-        self._failing.pop(stream, None)
-        epoch = self._running.get(stream)
+        """Settle a failed wake: requeued with backoff, or abandoned."""
+        epoch = self._running.get(message.stream)
         if epoch is None:  # it ended meanwhile (the lease was lost)
             return
+        self._ended(WakeEnded(message.stream, epoch))
+        until = self._clock.now() + self._policy.lease_ttl_ms / 1000
+        self._settle_failed(_Unsettled(message, epoch, until))
+
+    def _settle_failed(self, unsettled: _Unsettled) -> None:
+        """Append the settlement of a failed wake. When the store fails (the database is
+        away: when Agents die), it is tried again at each poll until the lease would have
+        expired (it is no longer renewed); after that the lease's expiry counts the
+        failure instead, once either way (a settlement is fenced by the lease's epoch)."""
+        message, epoch = unsettled.message, unsettled.epoch
+        stream = message.stream
+        self._failing.pop(stream, None)
         try:
             self._sync(stream)
             state = self._states[stream]
@@ -561,7 +583,6 @@ class ActivationWorker(Supervised):
             # settled (an earlier try's append was written after all; an abandonment is
             # said by the Agent the supervisor restarts), or taken over
             if lease is None or lease.epoch != epoch:
-                self._ended(WakeEnded(stream, epoch))
                 return
             now = self._clock.now()
             result = WakeResult(status="failed", error_class=message.error_class, retryable=True)
@@ -571,13 +592,14 @@ class ActivationWorker(Supervised):
             self._store.append(stream, [NewEvent(event=settlement, ts=now)], fence=Fence(epoch))
         except FencedError:  # taken over meanwhile: the new holder decides
             log.warning("worker.settle_failed", stream=stream, error="FencedError")
-            self._ended(WakeEnded(stream, epoch))
             return
         except StoreError as exc:
-            log.warning("worker.settle_deferred", stream=stream, error=type(exc).__name__)
-            self._failing[stream] = message
+            if self._clock.now() < unsettled.until:
+                log.warning("worker.settle_deferred", stream=stream, error=type(exc).__name__)
+                self._failing[stream] = unsettled
+            else:  # the lease's expiry counts the failure
+                log.warning("worker.settle_failed", stream=stream, error=type(exc).__name__)
             return
-        self._ended(WakeEnded(stream, epoch))
         if isinstance(settlement, ActivationAbandoned):
             self._gave_up(stream)
 
@@ -585,8 +607,8 @@ class ActivationWorker(Supervised):
         """Hand back the lease of every wake still running (its Agent was stopped): a
         fenced ``activation:released``, so the next worker leases it at once and counts
         no failure. A lease the wake settled or another worker took is left alone."""
-        for failed in list(self._failing.values()):  # settle those now if the store is back
-            self._failed(failed)
+        for unsettled in list(self._failing.values()):  # settle those now if it is back
+            self._settle_failed(unsettled)
         for stream in list(self._uncertain):  # a lease append that was written after all
             with contextlib.suppress(StoreError):
                 self._sync(stream)

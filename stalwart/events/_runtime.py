@@ -33,6 +33,8 @@ class SupervisorRestarted(Event, frozen=True, tag="supervisor:restarted"):
     #: the runtime instance that decided (its restarts are counted apart from other
     #: processes' on the same store); empty in logs written before it
     runtime: str = ""
+    #: the crash decided (a decision retried after a store error is not made twice)
+    crash_id: str = ""
     severity: ClassVar[Severity] = "warning"
 
 
@@ -44,4 +46,5 @@ class SupervisorGaveUp(Event, frozen=True, tag="supervisor:gave_up"):
     max_restarts: int = 0
     reason: str = ""
     runtime: str = ""
+    crash_id: str = ""
     severity: ClassVar[Severity] = "error"

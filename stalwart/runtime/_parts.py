@@ -90,7 +90,8 @@ class PartsLayer:
             settings=self._w.config.supervision,
             send_timeout_s=self._w.config.dead_letters.announce_timeout_ms / 1000,
             default_channel=DEFAULT_CHANNEL,
-            tell=self._retold,  # no notices: an infrastructure give-up is logged
+            tell=lambda _message: None,  # no notices: an infrastructure give-up is logged
+            retry=self._retold,
             key="runtime",
             runtime=self._w.instance,
         )
@@ -139,6 +140,7 @@ class PartsLayer:
             runtime=self._w.instance,
             on_crash=partial(self.crashed, "supervisor", self._restart_supervisor),
             on_run_ended=self._runs.ended,
+            retry_crash=self.supervisor_ref.tell,
         )
 
     def _start_announcer(self) -> pykka.ActorRef[Any]:
@@ -173,12 +175,18 @@ class PartsLayer:
         with self._restarts_lock:
             restarts.crashed(crashed)
 
-    def _retold(self, message: object) -> None:
-        """What the restart duty tells itself: a crash whose decision waited for the
-        store (the scheduler's thread)."""
-        if isinstance(message, Crashed) and self._restarts is not None and self._w.running():
-            with self._restarts_lock:
-                self._restarts.crashed(message)
+    def _retold(self, crashed: Crashed) -> None:
+        """A crash whose decision waited for the store, told again (by a scheduler
+        timer): decided on a thread of its own, since the decision reads and appends and
+        the store may still be slow to answer."""
+
+        def decide() -> None:
+            restarts = self._restarts
+            if restarts is not None and self._w.running():
+                with self._restarts_lock:
+                    restarts.crashed(crashed)
+
+        threading.Thread(target=decide, name="stalwart-restart-decision", daemon=True).start()
 
     def restart(self, part: str, start: Callable[[], None]) -> None:
         """Run ``start`` (the part's actor started again) while the runtime runs."""

@@ -50,9 +50,11 @@ def decide_restart(
     backoff_cap_ms: int,
     session: str | None = None,
     runtime: str = "",
+    crash_id: str = "",
 ) -> SupervisorRestarted | SupervisorGaveUp:
     """Restart ``actor`` after a crash at ``now``, or give up (one_for_one intensity);
-    ``history_ts`` is that runtime instance's (``runtime``, recorded in the decision)."""
+    ``history_ts`` is that runtime instance's (``runtime``, recorded in the decision, as
+    the ``crash_id`` that names the crash)."""
     recent = sum(1 for ts in history_ts if ts <= now and now - ts < within_ms / 1000)
     if recent >= max_restarts:
         return SupervisorGaveUp(
@@ -63,6 +65,7 @@ def decide_restart(
             max_restarts=max_restarts,
             reason=reason,
             runtime=runtime,
+            crash_id=crash_id,
         )
     return SupervisorRestarted(
         actor=actor,
@@ -72,4 +75,5 @@ def decide_restart(
         window_ms=within_ms,
         max_restarts=max_restarts,
         runtime=runtime,
+        crash_id=crash_id,
     )

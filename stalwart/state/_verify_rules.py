@@ -423,6 +423,7 @@ def _restart(state: RestartsState, record: RecordedEvent, knobs: Knobs) -> list[
             backoff_cap_ms=knobs.get_int("supervision.restart_backoff_cap_ms"),
             session=session,
             runtime=found.runtime,
+            crash_id=found.crash_id,
         )
     ]
 

@@ -82,13 +82,19 @@ def mask_observations(messages: tuple[ContextMessage, ...], run: Run) -> Outcome
     config = run.config
     if chars(messages) <= config.observation_trigger_chars:
         return Outcome(messages)
-    names = {call.id: call.name for m in messages for call in m.tool_calls}
+    owners = answered_by(messages)  # a result's call, by position (ids may be reused)
+
+    def name_of(index: int, call_id: str | None) -> str | None:
+        owner = owners.get(index)
+        calls = messages[owner].tool_calls if owner is not None else ()
+        return next((call.name for call in calls if call.id == call_id), None)
+
     results = [i for i, m in enumerate(messages) if m.role == "tool"]
     out = list(messages)
     gone: list[str] = []
     for age, index in enumerate(reversed(results)):
         message = messages[index]
-        tool = message.name or names.get(message.tool_call_id or "")
+        tool = message.name or name_of(index, message.tool_call_id)
         tier = tier_of(config, tool)
         if tier == "ephemeral" and age >= config.ephemeral_keep_window:
             gone.append(message.message_id)
