@@ -13,7 +13,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import psycopg
@@ -104,7 +104,7 @@ def _stream_until(
         store.wait_for(head + 1, left)
 
 
-def _logged(captured: list[dict[str, Any]], event: str, **fields: Any) -> int:
+def _logged(captured: list[MutableMapping[str, Any]], event: str, **fields: Any) -> int:
     return sum(
         1
         for entry in list(captured)
@@ -361,16 +361,7 @@ def test_a_lease_whose_append_lost_its_connection_after_the_commit_is_not_left_t
     worker_store = _relayed(pg_server, pg_url, relay, clock)
     try:
         with Runtime(settings, store=worker_store, clock=clock, channels={"chat": chat}) as rt:
-            rt.worker()  # started, and polled once
-            relay.arm(b"activation:leased")
-            send_message(pg_store, "s1", "hello", channel="chat", ts=clock.now())
-            clock.advance(1.0)  # the worker's next poll leases it; the answer is cut
-            assert relay.cut.wait(GUARD), "the lease append never went through the relay"
-            # the worker handles one message at a time: its answer comes once the poll
-            # that sent the lease append is over (the append failed: "may or may not")
-            owner = rt.worker(timeout=GUARD).owner
-            relay.restore()  # the database is reachable again
-            _wait(lambda: _reachable(worker_store), "the worker's store never reconnected")
+            owner = _lease_cut_after_commit(rt, relay, pg_store, worker_store, clock)
             leased = of(ActivationLeased, list(pg_store.read_stream("session:s1")))
             assert [lease.owner for lease in leased] == [owner]  # it was written
             answered = False
@@ -391,6 +382,29 @@ def test_a_lease_whose_append_lost_its_connection_after_the_commit_is_not_left_t
         f"at the lease's expiry: {[r.type for r in records if r.type[:5] in ('activ', 'lease')]}"
     )
     assert of(LeaseExpired, records) == []
+
+
+def _lease_cut_after_commit(
+    rt: Runtime,
+    relay: CuttingRelay,
+    pg_store: EventStore,
+    worker_store: EventStore,
+    clock: FakeClock,
+) -> str:
+    """Send ``s1`` a message; the worker's lease append commits, its answer is cut and the
+    store cannot reconnect at once ("may or may not have been written"); then the
+    database comes back. The worker's owner name."""
+    rt.worker()  # started, and polled once
+    relay.arm(b"activation:leased")
+    send_message(pg_store, "s1", "hello", channel="chat", ts=clock.now())
+    clock.advance(1.0)  # the worker's next poll leases it; the answer is cut
+    assert relay.cut.wait(GUARD), "the lease append never went through the relay"
+    # the worker handles one message at a time: its answer comes once the poll that sent
+    # the lease append is over (the append failed: "may or may not")
+    owner: str = rt.worker(timeout=GUARD).owner
+    relay.restore()  # the database is reachable again
+    _wait(lambda: _reachable(worker_store), "the worker's store never reconnected")
+    return owner
 
 
 def _reachable(store: EventStore) -> bool:
@@ -508,14 +522,7 @@ def test_a_lease_whose_append_seemed_to_fail_is_handed_back_when_the_process_sto
     worker_store = _relayed(pg_server, pg_url, relay, clock)
     try:
         with Runtime(settings, store=worker_store, clock=clock, channels={"chat": chat}) as rt:
-            rt.worker()
-            relay.arm(b"activation:leased")
-            send_message(pg_store, "s1", "hello", channel="chat", ts=clock.now())
-            clock.advance(1.0)  # the worker's next poll leases it; the answer is cut
-            assert relay.cut.wait(GUARD), "the lease append never went through the relay"
-            owner = rt.worker(timeout=GUARD).owner
-            relay.restore()
-            _wait(lambda: _reachable(worker_store), "the worker's store never reconnected")
+            owner = _lease_cut_after_commit(rt, relay, pg_store, worker_store, clock)
             # no clock step: no poll looks at the session again before the close
     finally:
         worker_store.close()

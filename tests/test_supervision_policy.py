@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stalwart.actors import Crashed, IoPortal, Scheduler
+from stalwart.actors._restarts import Restarts
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
 from stalwart.config import Config, SupervisionSettings, parse_config
@@ -132,9 +132,9 @@ def test_never_more_than_the_limit_in_any_window_and_decisions_replay(gaps: list
 # -- a crash decided again after a store error --------------------------------------------------
 
 
-def _restarts(store: EventStore, clock: FakeClock, scheduler: Scheduler, portal: IoPortal) -> Any:
-    from stalwart.actors._restarts import Restarts
-
+def _restarts(
+    store: EventStore, clock: FakeClock, scheduler: Scheduler, portal: IoPortal
+) -> Restarts:
     return Restarts(
         store=store,
         clock=clock,
