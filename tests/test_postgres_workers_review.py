@@ -326,20 +326,25 @@ def relay(pg_server: PostgresServer) -> Iterator[CuttingRelay]:
         opened.close()
 
 
-def _relayed(
-    server: PostgresServer, pg_url: str, relay: CuttingRelay, clock: FakeClock
-) -> PostgresEventStore:
-    """A store handle on the test's schema whose connections go through ``relay``."""
-    url = server.url("stalwart_test").replace(f":{server.port}/", f":{relay.port}/")
-    return PostgresEventStore(f"{url}?schema={_schema(pg_url)}", clock=clock, connect_timeout=1.0)
+@pytest.fixture
+def worker_store(
+    pg_server: PostgresServer, pg_url: str, relay: CuttingRelay, clock: FakeClock
+) -> Iterator[PostgresEventStore]:
+    """A store handle on the test's schema whose connections go through ``relay`` (the
+    worker's, as another process would have)."""
+    url = pg_server.url("stalwart_test").replace(f":{pg_server.port}/", f":{relay.port}/")
+    opened = PostgresEventStore(f"{url}?schema={_schema(pg_url)}", clock=clock, connect_timeout=1.0)
+    try:
+        yield opened
+    finally:
+        opened.close()
 
 
 @pytest.mark.timeout(90)
 def test_a_lease_whose_append_lost_its_connection_after_the_commit_is_not_left_to_expire(
-    pg_server: PostgresServer,
-    pg_url: str,
     pg_store: EventStore,
     relay: CuttingRelay,
+    worker_store: PostgresEventStore,
     clock: FakeClock,
     fake: FakeProvider,
     chat: MemoryChannel,
@@ -358,25 +363,21 @@ def test_a_lease_whose_append_lost_its_connection_after_the_commit_is_not_left_t
     written the worker folds the session again and, finding its own lease, runs the
     wake (or hands the lease back), with no expiry counted."""
     settings = runtime_config(fake.base_url, activations={"max_attempts": 1})
-    worker_store = _relayed(pg_server, pg_url, relay, clock)
-    try:
-        with Runtime(settings, store=worker_store, clock=clock, channels={"chat": chat}) as rt:
-            owner = _lease_cut_after_commit(rt, relay, pg_store, worker_store, clock)
-            leased = of(ActivationLeased, list(pg_store.read_stream("session:s1")))
-            assert [lease.owner for lease in leased] == [owner]  # it was written
-            answered = False
-            for _ in range(20):  # 20 polls, 20 s: well inside the 30 s lease
-                clock.advance(1.0)
-                with contextlib.suppress(TimeoutError):
-                    fake.wait_for(lambda requests: len(requests) >= 1, 0.5)
-                    answered = True
-                    break
-            if not answered:  # what the user gets instead: the lease's expiry
-                clock.advance(11.0)
-                log_until(pg_store, "session:s1", has(LeaseExpired))
-            records = list(pg_store.read_stream("session:s1"))
-    finally:
-        worker_store.close()
+    with Runtime(settings, store=worker_store, clock=clock, channels={"chat": chat}) as rt:
+        owner = _lease_cut_after_commit(rt, relay, pg_store, worker_store, clock)
+        leased = of(ActivationLeased, list(pg_store.read_stream("session:s1")))
+        assert [lease.owner for lease in leased] == [owner]  # it was written
+        answered = False
+        for _ in range(20):  # 20 polls, 20 s: well inside the 30 s lease
+            clock.advance(1.0)
+            with contextlib.suppress(TimeoutError):
+                fake.wait_for(lambda requests: len(requests) >= 1, 0.5)
+                answered = True
+                break
+        if not answered:  # what the user gets instead: the lease's expiry
+            clock.advance(11.0)
+            log_until(pg_store, "session:s1", has(LeaseExpired))
+        records = list(pg_store.read_stream("session:s1"))
     assert answered, (
         f"20 s after the database came back the worker had not run the wake it leased; "
         f"at the lease's expiry: {[r.type for r in records if r.type[:5] in ('activ', 'lease')]}"
@@ -429,10 +430,9 @@ def _worker_gone(rt: Runtime, owner: str) -> bool:
 
 @pytest.mark.timeout(90)
 def test_an_agent_crash_while_the_database_is_away_does_not_kill_the_worker_for_good(
-    pg_server: PostgresServer,
-    pg_url: str,
     pg_store: EventStore,
     relay: CuttingRelay,
+    worker_store: PostgresEventStore,
     clock: FakeClock,
     fake: FakeProvider,
     chat: MemoryChannel,
@@ -454,43 +454,39 @@ def test_an_agent_crash_while_the_database_is_away_does_not_kill_the_worker_for_
     other sessions' leases keep being renewed ("A lost connection loses nothing and
     doubles nothing", docs/scaling.md; a worker that loses its database connection
     mid-lease recovers)."""
-    worker_store = _relayed(pg_server, pg_url, relay, clock)
     fake.add(Hang(), Hang())
-    try:
-        with Runtime(
-            runtime_config(fake.base_url, prompt_timeout_ms=600_000),
-            store=worker_store,
-            clock=clock,
-            channels={"chat": chat},
-        ) as rt:
-            owner = rt.worker().owner
-            send_message(pg_store, "healthy", "a long job", channel="chat", ts=clock.now())
-            send_message(pg_store, "doomed", "another", channel="chat", ts=clock.now())
-            clock.advance(1.0)  # the worker's next poll leases both; both calls hang
-            fake.wait_for(lambda requests: len(requests) == 2, GUARD)
-            assert set(rt.worker().running) == {"session:healthy", "session:doomed"}
-            doomed = rt.session("doomed", channel="chat")
-            agents = [t for t in threading.enumerate() if t.name.startswith("AgentActor-")]
-            relay.cut_now()  # the database goes away
-            doomed.ref.tell(object())  # ... and an Agent dies meanwhile
-            # its thread ends once its on_failure has told the worker (WakeFailed); the
-            # worker handles one message at a time, so an ask returns after that one
-            _wait(lambda: any(not t.is_alive() for t in agents), "the Agent did not die")
-            with contextlib.suppress(pykka.ActorDeadError, pykka.Timeout):
-                rt.worker(timeout=GUARD)
-            relay.restore()  # two seconds later it is back
-            _wait(lambda: _reachable(worker_store), "the worker's store never reconnected")
-            send_message(pg_store, "later", "a new message", channel="chat", ts=clock.now())
-            for _ in range(8):  # 40 s: the healthy lease (30 s) must still be renewed
-                clock.advance(5.0)
-                time.sleep(0.05)  # real-time: let renewals and polls land between steps
-            with contextlib.suppress(AssertionError):  # (the fixed worker renews it)
-                _stream_until(pg_store, "session:healthy", has(LeaseRenewed), guard=3.0)
-            records = list(pg_store.read_stream("session:healthy"))
-            later = [r.type for r in pg_store.read_stream("session:later")]
-            alive = not _worker_gone(rt, owner)
-    finally:
-        worker_store.close()
+    with Runtime(
+        runtime_config(fake.base_url, prompt_timeout_ms=600_000),
+        store=worker_store,
+        clock=clock,
+        channels={"chat": chat},
+    ) as rt:
+        owner = rt.worker().owner
+        send_message(pg_store, "healthy", "a long job", channel="chat", ts=clock.now())
+        send_message(pg_store, "doomed", "another", channel="chat", ts=clock.now())
+        clock.advance(1.0)  # the worker's next poll leases both; both calls hang
+        fake.wait_for(lambda requests: len(requests) == 2, GUARD)
+        assert set(rt.worker().running) == {"session:healthy", "session:doomed"}
+        doomed = rt.session("doomed", channel="chat")
+        agents = [t for t in threading.enumerate() if t.name.startswith("AgentActor-")]
+        relay.cut_now()  # the database goes away
+        doomed.ref.tell(object())  # ... and an Agent dies meanwhile
+        # its thread ends once its on_failure has told the worker (WakeFailed); the
+        # worker handles one message at a time, so an ask returns after that one
+        _wait(lambda: any(not t.is_alive() for t in agents), "the Agent did not die")
+        with contextlib.suppress(pykka.ActorDeadError, pykka.Timeout):
+            rt.worker(timeout=GUARD)
+        relay.restore()  # two seconds later it is back
+        _wait(lambda: _reachable(worker_store), "the worker's store never reconnected")
+        send_message(pg_store, "later", "a new message", channel="chat", ts=clock.now())
+        for _ in range(8):  # 40 s: the healthy lease (30 s) must still be renewed
+            clock.advance(5.0)
+            time.sleep(0.05)  # real-time: let renewals and polls land between steps
+        with contextlib.suppress(AssertionError):  # (the fixed worker renews it)
+            _stream_until(pg_store, "session:healthy", has(LeaseRenewed), guard=3.0)
+        records = list(pg_store.read_stream("session:healthy"))
+        later = [r.type for r in pg_store.read_stream("session:later")]
+        alive = not _worker_gone(rt, owner)
     seen = [r.type for r in records if r.type[:5] in ("activ", "lease")]
     why = (
         f"40 s after a 2 s outage the healthy session's lease was neither renewed nor "
@@ -506,10 +502,9 @@ def test_an_agent_crash_while_the_database_is_away_does_not_kill_the_worker_for_
 
 @pytest.mark.timeout(90)
 def test_a_lease_whose_append_seemed_to_fail_is_handed_back_when_the_process_stops(
-    pg_server: PostgresServer,
-    pg_url: str,
     pg_store: EventStore,
     relay: CuttingRelay,
+    worker_store: PostgresEventStore,
     clock: FakeClock,
     fake: FakeProvider,
     chat: MemoryChannel,
@@ -519,13 +514,9 @@ def test_a_lease_whose_append_seemed_to_fail_is_handed_back_when_the_process_sto
     back like a running wake's (``activation:released``), not left to expire and count
     as a failure."""
     settings = runtime_config(fake.base_url, activations={"max_attempts": 1})
-    worker_store = _relayed(pg_server, pg_url, relay, clock)
-    try:
-        with Runtime(settings, store=worker_store, clock=clock, channels={"chat": chat}) as rt:
-            owner = _lease_cut_after_commit(rt, relay, pg_store, worker_store, clock)
-            # no clock step: no poll looks at the session again before the close
-    finally:
-        worker_store.close()
+    with Runtime(settings, store=worker_store, clock=clock, channels={"chat": chat}) as rt:
+        owner = _lease_cut_after_commit(rt, relay, pg_store, worker_store, clock)
+        # no clock step: no poll looks at the session again before the close
     records = list(pg_store.read_stream("session:s1"))
     assert [lease.owner for lease in of(ActivationLeased, records)] == [owner]
     assert [released.owner for released in of(ActivationReleased, records)] == [owner]
@@ -535,10 +526,9 @@ def test_a_lease_whose_append_seemed_to_fail_is_handed_back_when_the_process_sto
 
 @pytest.mark.timeout(90)
 def test_an_agent_crash_while_the_database_is_away_is_decided_once_it_is_back(
-    pg_server: PostgresServer,
-    pg_url: str,
     pg_store: EventStore,
     relay: CuttingRelay,
+    worker_store: PostgresEventStore,
     clock: FakeClock,
     fake: FakeProvider,
     chat: MemoryChannel,
@@ -548,46 +538,42 @@ def test_an_agent_crash_while_the_database_is_away_is_decided_once_it_is_back(
     failed with a StoreError that killed the supervisor. The crash is now decided again
     every second until the store answers: the Agent is restarted, and the supervisor
     lives on."""
-    worker_store = _relayed(pg_server, pg_url, relay, clock)
     fake.add(Hang())
-    try:
-        with (
-            structlog.testing.capture_logs() as captured,
-            Runtime(
-                runtime_config(fake.base_url, prompt_timeout_ms=600_000),
-                store=worker_store,
-                clock=clock,
-                channels={"chat": chat},
-            ) as rt,
-        ):
-            rt.worker()  # started, and polled once
-            send_message(pg_store, "doomed", "a long job", channel="chat", ts=clock.now())
-            clock.advance(1.0)  # the worker's next poll leases it; the call hangs
-            fake.wait_for(lambda requests: len(requests) == 1, GUARD)
-            doomed = rt.session("doomed", channel="chat")
-            crashed_ref = doomed.ref
-            supervisor = [t for t in threading.enumerate() if t.name.startswith("Supervisor")]
-            relay.cut_now()  # the database goes away
-            crashed_ref.tell(object())  # ... and the Agent dies meanwhile
-            _wait(lambda: not crashed_ref.is_alive(), "the Agent did not die")
-            _wait(  # the decision failed on the store (deferred, or the supervisor died)
-                lambda: (
-                    _logged(captured, "supervision.decision_deferred")
-                    or _logged(captured, "supervision.on_crash_failed")
-                ),
-                "the crash's decision never met the outage",
-            )
-            relay.restore()
-            _wait(lambda: _reachable(worker_store), "the worker's store never reconnected")
-            for _ in range(10):  # the decision comes again each second (fake clock)
-                clock.advance(1.0)
-                with contextlib.suppress(AssertionError):
-                    _stream_until(pg_store, "runtime", _restarted("session:doomed"), guard=0.5)
-                    break
-            restarted = of(SupervisorRestarted, list(pg_store.read_stream("runtime")))
-            alive = [t.name for t in supervisor if t.is_alive()]
-    finally:
-        worker_store.close()
+    with (
+        structlog.testing.capture_logs() as captured,
+        Runtime(
+            runtime_config(fake.base_url, prompt_timeout_ms=600_000),
+            store=worker_store,
+            clock=clock,
+            channels={"chat": chat},
+        ) as rt,
+    ):
+        rt.worker()  # started, and polled once
+        send_message(pg_store, "doomed", "a long job", channel="chat", ts=clock.now())
+        clock.advance(1.0)  # the worker's next poll leases it; the call hangs
+        fake.wait_for(lambda requests: len(requests) == 1, GUARD)
+        doomed = rt.session("doomed", channel="chat")
+        crashed_ref = doomed.ref
+        supervisor = [t for t in threading.enumerate() if t.name.startswith("Supervisor")]
+        relay.cut_now()  # the database goes away
+        crashed_ref.tell(object())  # ... and the Agent dies meanwhile
+        _wait(lambda: not crashed_ref.is_alive(), "the Agent did not die")
+        _wait(  # the decision failed on the store (deferred, or the supervisor died)
+            lambda: (
+                _logged(captured, "supervision.decision_deferred")
+                or _logged(captured, "supervision.on_crash_failed")
+            ),
+            "the crash's decision never met the outage",
+        )
+        relay.restore()
+        _wait(lambda: _reachable(worker_store), "the worker's store never reconnected")
+        for _ in range(10):  # the decision comes again each second (fake clock)
+            clock.advance(1.0)
+            with contextlib.suppress(AssertionError):
+                _stream_until(pg_store, "runtime", _restarted("session:doomed"), guard=0.5)
+                break
+        restarted = of(SupervisorRestarted, list(pg_store.read_stream("runtime")))
+        alive = [t.name for t in supervisor if t.is_alive()]
     # (a provider's health actor may die of the outage too, and is restarted as well)
     assert [r.actor for r in restarted].count("session:doomed") == 1, restarted
     assert supervisor, "no supervisor thread found"
@@ -596,10 +582,9 @@ def test_an_agent_crash_while_the_database_is_away_is_decided_once_it_is_back(
 
 @pytest.mark.timeout(90)
 def test_an_abandonment_whose_append_seemed_to_fail_still_tells_the_user(
-    pg_server: PostgresServer,
-    pg_url: str,
     pg_store: EventStore,
     relay: CuttingRelay,
+    worker_store: PostgresEventStore,
     clock: FakeClock,
     fake: FakeProvider,
     chat: MemoryChannel,
@@ -608,33 +593,29 @@ def test_an_abandonment_whose_append_seemed_to_fail_still_tells_the_user(
     tried again at the next poll when its append failed; when that append was written
     after all and abandoned the message, the user is still told, once (the restarted
     Agent says what its crash left unsaid)."""
-    worker_store = _relayed(pg_server, pg_url, relay, clock)
     fake.add(Hang())
     settings = runtime_config(
         fake.base_url, prompt_timeout_ms=600_000, activations={"max_attempts": 1}
     )
-    try:
-        with Runtime(settings, store=worker_store, clock=clock, channels={"chat": chat}) as rt:
-            rt.worker()  # started, and polled once
-            send_message(pg_store, "s1", "a long job", channel="chat", ts=clock.now())
-            clock.advance(1.0)  # the worker's next poll leases it; the call hangs
-            fake.wait_for(lambda requests: len(requests) == 1, GUARD)
-            relay.arm(b"activation:abandoned")
-            rt.session("s1", channel="chat").ref.tell(object())  # the Agent dies
-            assert relay.cut.wait(GUARD), "the abandonment never went through the relay"
-            rt.worker(timeout=GUARD)  # it has handled the failed append
-            relay.restore()
-            _wait(lambda: _reachable(worker_store), "the worker's store never reconnected")
-            told = False
-            for _ in range(10):  # its next polls (and the Agent's restart) on the fake clock
-                clock.advance(1.0)
-                with contextlib.suppress(AssertionError):
-                    _stream_until(pg_store, "session:s1", has(AnnouncementQueued), guard=0.5)
-                    told = True
-                    break
-            records = list(pg_store.read_stream("session:s1"))
-    finally:
-        worker_store.close()
+    with Runtime(settings, store=worker_store, clock=clock, channels={"chat": chat}) as rt:
+        rt.worker()  # started, and polled once
+        send_message(pg_store, "s1", "a long job", channel="chat", ts=clock.now())
+        clock.advance(1.0)  # the worker's next poll leases it; the call hangs
+        fake.wait_for(lambda requests: len(requests) == 1, GUARD)
+        relay.arm(b"activation:abandoned")
+        rt.session("s1", channel="chat").ref.tell(object())  # the Agent dies
+        assert relay.cut.wait(GUARD), "the abandonment never went through the relay"
+        rt.worker(timeout=GUARD)  # it has handled the failed append
+        relay.restore()
+        _wait(lambda: _reachable(worker_store), "the worker's store never reconnected")
+        told = False
+        for _ in range(10):  # its next polls (and the Agent's restart) on the fake clock
+            clock.advance(1.0)
+            with contextlib.suppress(AssertionError):
+                _stream_until(pg_store, "session:s1", has(AnnouncementQueued), guard=0.5)
+                told = True
+                break
+        records = list(pg_store.read_stream("session:s1"))
     assert len(of(ActivationAbandoned, records)) == 1
     assert told, f"the user was never told: {[r.type for r in records]}"
     assert [a.text for a in of(AnnouncementQueued, records)] == [ABANDONED_TEXT]
