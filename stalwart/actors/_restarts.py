@@ -222,29 +222,31 @@ class Restarts:
     ) -> tuple[SupervisorRestarted | SupervisorGaveUp, AnnouncementQueued | None]:
         """The crash's decision and give-up notice (None: none to send), appended to the
         ``runtime`` stream, or found there when an earlier try's append was written."""
-        ends_run = crashed.run is not None and self._end_run is not None
         notice = AnnouncementQueued(
             announcement_id=f"{crashed.crash_id}-notice",
             channel=crashed.channel or self._default_channel,
             kind="failure_notice",
             text=GAVE_UP_TEXT,
         )
-        if crashed.retry:
-            for record in self._store.read_stream(RESTART_STREAM):
-                event = record.event
-                if (
-                    isinstance(event, SupervisorRestarted | SupervisorGaveUp)
-                    and event.crash_id == crashed.crash_id
-                ):
-                    gave_up = isinstance(event, SupervisorGaveUp)
-                    return event, notice if gave_up and crashed.notify and not ends_run else None
-        decision = decide_crash(self._store, crashed, now, self._settings, self._runtime)
-        events: list[Event] = [decision]
-        sends = isinstance(decision, SupervisorGaveUp) and crashed.notify and not ends_run
-        if sends:
-            events.append(notice)
-        self._store.append(RESTART_STREAM, [NewEvent(event=e, ts=now) for e in events])
-        return decision, notice if sends else None
+        ends_run = crashed.run is not None and self._end_run is not None
+        notifies = crashed.notify and not ends_run
+        decision = self._found(crashed.crash_id) if crashed.retry else None
+        if decision is None:
+            decision = decide_crash(self._store, crashed, now, self._settings, self._runtime)
+            gives_up = isinstance(decision, SupervisorGaveUp) and notifies
+            events: list[Event] = [decision, notice] if gives_up else [decision]
+            self._store.append(RESTART_STREAM, [NewEvent(event=e, ts=now) for e in events])
+        return decision, notice if isinstance(decision, SupervisorGaveUp) and notifies else None
+
+    def _found(self, crash_id: str) -> SupervisorRestarted | SupervisorGaveUp | None:
+        """The decision of ``crash_id`` already in the ``runtime`` stream, if any."""
+        for record in self._store.read_stream(RESTART_STREAM):
+            event = record.event
+            if isinstance(event, SupervisorRestarted | SupervisorGaveUp) and (
+                event.crash_id == crash_id
+            ):
+                return event
+        return None
 
     def _send(self, notice: AnnouncementQueued, conversation: str, thread: str | None) -> None:
         message = OutboundMessage(

@@ -311,8 +311,7 @@ class ActivationWorker(Supervised):
     def _poll(self) -> None:
         if self._closing:
             return
-        for unsettled in list(self._failing.values()):
-            self._settle_failed(unsettled)
+        self._settle_pending()
         if self._queue is not None:
             self._poll_queue(self._queue)
             return
@@ -568,6 +567,11 @@ class ActivationWorker(Supervised):
         until = self._clock.now() + self._policy.lease_ttl_ms / 1000
         self._settle_failed(_Unsettled(message, epoch, until))
 
+    def _settle_pending(self) -> None:
+        """Try again the settlements the store refused."""
+        for unsettled in list(self._failing.values()):
+            self._settle_failed(unsettled)
+
     def _settle_failed(self, unsettled: _Unsettled) -> None:
         """Append the settlement of a failed wake. When the store fails (the database is
         away: when Agents die), it is tried again at each poll until the lease would have
@@ -607,8 +611,7 @@ class ActivationWorker(Supervised):
         """Hand back the lease of every wake still running (its Agent was stopped): a
         fenced ``activation:released``, so the next worker leases it at once and counts
         no failure. A lease the wake settled or another worker took is left alone."""
-        for unsettled in list(self._failing.values()):  # settle those now if it is back
-            self._settle_failed(unsettled)
+        self._settle_pending()  # now, if the store is back
         for stream in list(self._uncertain):  # a lease append that was written after all
             with contextlib.suppress(StoreError):
                 self._sync(stream)
