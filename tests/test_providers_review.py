@@ -32,6 +32,7 @@ from stalwart.events import (
     ProviderCallSucceeded,
 )
 from stalwart.providers import (
+    MAX_FRAME_BYTES,
     Accumulator,
     Message,
     ProviderClient,
@@ -314,6 +315,28 @@ async def test_a_frame_of_an_unexpected_shape_is_a_typed_error(
     assert [f.error_class for f in failed] == ["malformed"]
     assert reply is not None
     assert reply.text == "recovered"
+
+
+async def test_a_frame_that_never_ends_is_refused_not_buffered(raw: Any) -> None:
+    """A gateway that streams one line without end (a runaway proxy, a body that is not an
+    event stream under the right content type) used to grow the parser's buffer until
+    memory ran out: bytes kept coming, so no stall fired. Past ``MAX_FRAME_BYTES`` the
+    stream is ``malformed``, a typed retryable error, and the connection is closed."""
+    sent: list[int] = []
+
+    def endless(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: ")
+        block = b"x" * 65536
+        for _ in range(4 * MAX_FRAME_BYTES // len(block)):
+            conn.sendall(block)
+            sent.append(len(block))
+
+    server = raw([endless])
+    with pytest.raises(ProviderError) as caught:
+        await collect("openai", server.base_url)
+    assert caught.value.kind == "malformed"
+    assert str(MAX_FRAME_BYTES) in str(caught.value)
+    assert sum(sent) < 4 * MAX_FRAME_BYTES  # the client went away; the server stopped
 
 
 # -- the API key --------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import anyio
@@ -17,6 +18,7 @@ from stalwart.providers import (
     ProviderClient,
     ProviderRequest,
     SseEvent,
+    SseFrameTooLarge,
     SseParser,
     StreamEvent,
     ThinkingDelta,
@@ -68,6 +70,45 @@ def test_pending_reports_a_half_frame() -> None:
     assert parser.pending
     list(parser.feed(b"1}\n\n"))
     assert not parser.pending
+
+
+def test_a_long_line_in_small_chunks_is_scanned_once() -> None:
+    """4 MiB of one data line in 64-byte chunks: linear work. Rejoining the unfinished
+    line at every chunk took ~10 s here; scanning each byte once takes ~0.1 s."""
+    line = b"data: " + b"x" * (4 * 1024 * 1024) + b"\r\n\r\n"
+    parser = SseParser()
+    began = time.perf_counter()
+    events = [event for i in range(0, len(line), 64) for event in parser.feed(line[i : i + 64])]
+    elapsed = time.perf_counter() - began
+    assert [len(event.data) for event in events] == [4 * 1024 * 1024]
+    assert not parser.pending
+    assert elapsed < 3.0
+
+
+def test_a_frame_past_the_bound_is_refused() -> None:
+    parser = SseParser(max_frame_bytes=1024)
+    assert parser.feed(b"data: " + b"x" * 1000 + b"\n\n") == [SseEvent("message", "x" * 1000)]
+    with pytest.raises(SseFrameTooLarge, match="exceeds 1024 bytes"):
+        parser.feed(b"data: " + b"y" * 1100)  # one unfinished line
+
+
+def test_many_data_lines_count_towards_the_bound() -> None:
+    parser = SseParser(max_frame_bytes=1024)
+    for _ in range(10):  # 1,000 of 1,024 bytes
+        assert parser.feed(b"data: " + b"z" * 99 + b"\n") == []
+    with pytest.raises(SseFrameTooLarge):
+        parser.feed(b"data: " + b"z" * 99 + b"\n")
+
+
+def test_the_bound_is_per_frame() -> None:
+    parser = SseParser(max_frame_bytes=1024)
+    frame = b"data: " + b"w" * 900 + b"\n\n"
+    events = [event for _ in range(50) for event in parser.feed(frame)]
+    assert len(events) == 50
+
+
+def test_a_crlf_split_across_chunks_and_an_empty_chunk_between() -> None:
+    assert parse(b"data: a\r", b"", b"\ndata: b\r", b"\n\r", b"\n") == [SseEvent("message", "a\nb")]
 
 
 # -- the wires over MockTransport -------------------------------------------------------------

@@ -7,7 +7,7 @@ from ._caller import ModelCaller
 from ._classify import classify_request, classify_status, classify_transport
 from ._client import Accumulator, ProviderClient
 from ._sink import EventSink
-from ._sse import SseEvent, SseParser
+from ._sse import MAX_FRAME_BYTES, SseEvent, SseFrameTooLarge, SseParser
 from ._types import (
     Done,
     Message,
@@ -22,6 +22,7 @@ from ._types import (
 )
 
 __all__ = [
+    "MAX_FRAME_BYTES",
     "Accumulator",
     "Breaker",
     "Done",
@@ -32,6 +33,7 @@ __all__ = [
     "ProviderRequest",
     "ProviderResponse",
     "SseEvent",
+    "SseFrameTooLarge",
     "SseParser",
     "StreamEvent",
     "TextDelta",

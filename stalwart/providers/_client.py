@@ -23,7 +23,7 @@ from stalwart.events import ToolCall
 from ._anthropic import AnthropicWire
 from ._classify import classify_request, classify_status, stream_error
 from ._openai import OpenAIWire
-from ._sse import SseEvent, SseParser
+from ._sse import SseEvent, SseFrameTooLarge, SseParser
 from ._types import (
     Done,
     ProviderRequest,
@@ -158,7 +158,11 @@ class ProviderClient:
         decoder = self._wire.stream_decoder(self.name, model)
         chunks = response.aiter_bytes()
         async for chunk in chunks:
-            for frame in parser.feed(chunk):
+            try:
+                frames = parser.feed(chunk)
+            except SseFrameTooLarge as exc:
+                raise stream_error("malformed", str(exc), provider=self.name, model=model) from None
+            for frame in frames:
                 try:
                     events = decoder.feed(frame)
                 except _SHAPE_ERRORS:

@@ -3,15 +3,24 @@
 Bytes arrive in arbitrary chunks; frames end at a blank line; lines end in LF, CRLF or
 CR; ``:`` starts a comment; several ``data:`` lines join with newlines; one UTF-8 byte
 order mark at the very start of the stream is dropped.
+
+Each byte is scanned once, however finely a long line is split across chunks, and a
+frame larger than ``max_frame_bytes`` is refused (:class:`SseFrameTooLarge`) instead of
+growing without bound.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
 
 import msgspec
 
 _BOM = b"\xef\xbb\xbf"
+_LINE_END = re.compile(rb"\r\n?|\n")
+_CR = 0x0D
+
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+"""Default bound on one frame: its unfinished line plus the data lines gathered so far."""
 
 
 class SseEvent(msgspec.Struct, frozen=True):
@@ -19,51 +28,56 @@ class SseEvent(msgspec.Struct, frozen=True):
     data: str
 
 
-class SseParser:
-    """Feed it bytes; it yields every complete event."""
+class SseFrameTooLarge(ValueError):
+    """A frame grew past the parser's bound before its blank line came."""
 
-    def __init__(self) -> None:
-        self._buffer = b""
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"an event-stream frame exceeds {limit} bytes")
+        self.limit = limit
+
+
+class SseParser:
+    """Feed it bytes; it returns every event the bytes complete."""
+
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        self._max_frame_bytes = max_frame_bytes
+        self._buffer = bytearray()  # the unfinished line
+        self._scanned = 0  # how much of it is known to hold no line end
         self._event = ""
         self._data: list[str] = []
-        self._pending_cr = False
+        self._data_bytes = 0
+        self._pending_cr = False  # the last chunk ended in CR: a LF opening the next is its pair
         self._began = False  # past the stream's first bytes (and its BOM, if any)
 
-    def feed(self, chunk: bytes) -> Iterator[SseEvent]:
-        buffer = self._buffer + chunk
+    def feed(self, chunk: bytes) -> list[SseEvent]:
+        if self._pending_cr and chunk:
+            self._pending_cr = False
+            if chunk[:1] == b"\n":
+                chunk = chunk[1:]
+        buffer = self._buffer
+        buffer += chunk
         if not self._began:
             if len(buffer) < len(_BOM) and _BOM.startswith(buffer):
-                self._buffer = buffer  # maybe a BOM split across chunks: wait for more
-                return
+                return []  # maybe a BOM split across chunks: wait for more
             self._began = True
-            buffer = buffer.removeprefix(_BOM)
-        if self._pending_cr and buffer.startswith(b"\n"):
-            buffer = buffer[1:]  # the LF of a CRLF split across chunks
-        self._pending_cr = False
+            if buffer.startswith(_BOM):
+                del buffer[: len(_BOM)]
+        events: list[SseEvent] = []
         start = 0
-        length = len(buffer)
-        while start < length:
-            cr = buffer.find(b"\r", start)
-            lf = buffer.find(b"\n", start)
-            ends = [i for i in (cr, lf) if i >= 0]
-            if not ends:
-                break
-            end = min(ends)
-            line = buffer[start:end]
-            if buffer[end : end + 1] == b"\r":
-                if end + 1 == length:
-                    self._pending_cr = True
-                    start = end + 1
-                elif buffer[end + 1 : end + 2] == b"\n":
-                    start = end + 2
-                else:
-                    start = end + 1
-            else:
-                start = end + 1
-            event = self._line(line.decode("utf-8", errors="replace"))
+        position = self._scanned
+        while (match := _LINE_END.search(buffer, position)) is not None:
+            end = match.end()
+            if end == len(buffer) and buffer[end - 1] == _CR:
+                self._pending_cr = True
+            event = self._line(buffer[start : match.start()].decode("utf-8", errors="replace"))
             if event is not None:
-                yield event
-        self._buffer = buffer[start:]
+                events.append(event)
+            start = position = end
+        del buffer[:start]
+        self._scanned = len(buffer)
+        if self._data_bytes + len(buffer) > self._max_frame_bytes:
+            raise SseFrameTooLarge(self._max_frame_bytes)
+        return events
 
     def _line(self, line: str) -> SseEvent | None:
         if not line:
@@ -71,7 +85,7 @@ class SseParser:
                 self._event = ""
                 return None
             event = SseEvent(event=self._event or "message", data="\n".join(self._data))
-            self._event, self._data = "", []
+            self._event, self._data, self._data_bytes = "", [], 0
             return event
         if line.startswith(":"):
             return None
@@ -79,6 +93,7 @@ class SseParser:
         value = value.removeprefix(" ")
         if field == "data":
             self._data.append(value)
+            self._data_bytes += len(value) + 1
         elif field == "event":
             self._event = value
         return None
