@@ -13,6 +13,7 @@ from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider
 
 from ._postgres import pg_server, pg_url  # noqa: F401  (one PostgreSQL cluster per session)
+from ._relay import pg_store, relay, relayed_store  # noqa: F401  (a database that goes away)
 
 
 @pytest.fixture(autouse=True)

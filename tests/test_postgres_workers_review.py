@@ -10,10 +10,9 @@ separate processes would have. No mocks of stalwart's parts."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import psycopg
@@ -25,7 +24,6 @@ from stalwart import store as store_module
 from stalwart.actors import ABANDONED_TEXT
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
-from stalwart.errors import StoreError
 from stalwart.events import (
     ActivationAbandoned,
     ActivationAcked,
@@ -42,11 +40,8 @@ from stalwart.runtime import Runtime, send_message
 from stalwart.state import ACTIVATIONS, fold
 from stalwart.store import EventStore, PostgresEventStore
 from stalwart.testing import FakeProvider, Hang, PostgresServer
+from tests._relay import CuttingRelay, reachable, schema_of
 from tests._runtime_support import GUARD, has, log_until, of, runtime_config
-
-
-def _schema(pg_url: str) -> str:
-    return pg_url.rsplit("schema=", 1)[1]
 
 
 def _sql(server: PostgresServer, statement: str, params: tuple[object, ...] = ()) -> None:
@@ -58,18 +53,9 @@ def _corrupt(server: PostgresServer, pg_url: str, stream: str, version: int) -> 
     """Make one stored record undecodable (bit rot, a bad manual edit)."""
     _sql(
         server,
-        f"UPDATE {_schema(pg_url)}.events SET data = %s WHERE stream = %s AND version = %s",
+        f"UPDATE {schema_of(pg_url)}.events SET data = %s WHERE stream = %s AND version = %s",
         (b"\xc1", stream, version),
     )
-
-
-@pytest.fixture
-def pg_store(pg_url: str, clock: FakeClock) -> Iterator[EventStore]:
-    opened = store_module.open(pg_url, clock=clock)
-    try:
-        yield opened
-    finally:
-        opened.close()
 
 
 def _wait(check: Callable[[], Any], what: str, guard: float = GUARD) -> Any:
@@ -224,127 +210,11 @@ def test_a_store_error_while_handing_a_wake_over_does_not_hold_its_lease_for_eve
 # -- a lease append whose connection broke after its commit --------------------------------------
 
 
-class CuttingRelay:
-    """A TCP relay in front of PostgreSQL. ``arm(marker)``: when a request holding
-    ``marker`` has been answered by the server, that answer is dropped, every relayed
-    connection is cut and new ones are refused until :meth:`restore` (a network
-    partition that began right after the server committed)."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self._target = (host, port)
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._lock = threading.Lock()
-        self._pairs: list[tuple[socket.socket, socket.socket]] = []
-        self._marker: bytes | None = None
-        self._refusing = False
-        self.cut = threading.Event()
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True, name="relay-accept").start()
-
-    def arm(self, marker: bytes) -> None:
-        self._marker = marker
-
-    def cut_now(self) -> None:
-        """Cut every relayed connection and refuse new ones (the database went away)."""
-        with self._lock:
-            self._refusing = True
-        self._cut_all()
-
-    def restore(self) -> None:
-        with self._lock:
-            self._refusing = False
-
-    def close(self) -> None:
-        self._closed = True
-        self._listener.close()
-        self._cut_all()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                refusing = self._refusing
-            if refusing:
-                client.close()
-                continue
-            try:
-                server = socket.create_connection(self._target)
-            except OSError:
-                client.close()
-                continue
-            pair = (client, server)
-            with self._lock:
-                self._pairs.append(pair)
-            marked = threading.Event()
-            threading.Thread(
-                target=self._pump, args=(client, server, marked, True), daemon=True
-            ).start()
-            threading.Thread(
-                target=self._pump, args=(server, client, marked, False), daemon=True
-            ).start()
-
-    def _pump(
-        self, source: socket.socket, sink: socket.socket, marked: threading.Event, up: bool
-    ) -> None:
-        with contextlib.suppress(OSError):
-            while data := source.recv(65536):
-                marker = self._marker
-                if up and marker is not None and marker in data:
-                    marked.set()
-                elif not up and marked.is_set():  # the server answered: it committed
-                    self._marker = None
-                    with self._lock:
-                        self._refusing = True
-                    self._cut_all()
-                    self.cut.set()
-                    return
-                sink.sendall(data)
-        with contextlib.suppress(OSError):
-            sink.shutdown(socket.SHUT_WR)
-
-    def _cut_all(self) -> None:
-        with self._lock:
-            pairs, self._pairs = self._pairs, []
-        for pair in pairs:
-            for sock in pair:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-                with contextlib.suppress(OSError):
-                    sock.close()
-
-
-@pytest.fixture
-def relay(pg_server: PostgresServer) -> Iterator[CuttingRelay]:
-    opened = CuttingRelay(pg_server.host, pg_server.port)
-    try:
-        yield opened
-    finally:
-        opened.close()
-
-
-@pytest.fixture
-def worker_store(
-    pg_server: PostgresServer, pg_url: str, relay: CuttingRelay, clock: FakeClock
-) -> Iterator[PostgresEventStore]:
-    """A store handle on the test's schema whose connections go through ``relay`` (the
-    worker's, as another process would have)."""
-    url = pg_server.url("stalwart_test").replace(f":{pg_server.port}/", f":{relay.port}/")
-    opened = PostgresEventStore(f"{url}?schema={_schema(pg_url)}", clock=clock, connect_timeout=1.0)
-    try:
-        yield opened
-    finally:
-        opened.close()
-
-
 @pytest.mark.timeout(90)
 def test_a_lease_whose_append_lost_its_connection_after_the_commit_is_not_left_to_expire(
     pg_store: EventStore,
     relay: CuttingRelay,
-    worker_store: PostgresEventStore,
+    relayed_store: PostgresEventStore,
     clock: FakeClock,
     fake: FakeProvider,
     chat: MemoryChannel,
@@ -363,8 +233,8 @@ def test_a_lease_whose_append_lost_its_connection_after_the_commit_is_not_left_t
     written the worker folds the session again and, finding its own lease, runs the
     wake (or hands the lease back), with no expiry counted."""
     settings = runtime_config(fake.base_url, activations={"max_attempts": 1})
-    with Runtime(settings, store=worker_store, clock=clock, channels={"chat": chat}) as rt:
-        owner = _lease_cut_after_commit(rt, relay, pg_store, worker_store, clock)
+    with Runtime(settings, store=relayed_store, clock=clock, channels={"chat": chat}) as rt:
+        owner = _lease_cut_after_commit(rt, relay, pg_store, relayed_store, clock)
         leased = of(ActivationLeased, list(pg_store.read_stream("session:s1")))
         assert [lease.owner for lease in leased] == [owner]  # it was written
         answered = False
@@ -389,7 +259,7 @@ def _lease_cut_after_commit(
     rt: Runtime,
     relay: CuttingRelay,
     pg_store: EventStore,
-    worker_store: EventStore,
+    relayed_store: EventStore,
     clock: FakeClock,
 ) -> str:
     """Send ``s1`` a message; the worker's lease append commits, its answer is cut and the
@@ -404,17 +274,8 @@ def _lease_cut_after_commit(
     # the lease append is over (the append failed: "may or may not")
     owner: str = rt.worker(timeout=GUARD).owner
     relay.restore()  # the database is reachable again
-    _wait(lambda: _reachable(worker_store), "the worker's store never reconnected")
+    _wait(lambda: reachable(relayed_store), "the worker's store never reconnected")
     return owner
-
-
-def _reachable(store: EventStore) -> bool:
-    """Whether ``store`` reaches its database (its pool has reconnected)."""
-    try:
-        store.head()
-    except StoreError:
-        return False
-    return True
 
 
 def _worker_gone(rt: Runtime, owner: str) -> bool:
@@ -432,7 +293,7 @@ def _worker_gone(rt: Runtime, owner: str) -> bool:
 def test_an_agent_crash_while_the_database_is_away_does_not_kill_the_worker_for_good(
     pg_store: EventStore,
     relay: CuttingRelay,
-    worker_store: PostgresEventStore,
+    relayed_store: PostgresEventStore,
     clock: FakeClock,
     fake: FakeProvider,
     chat: MemoryChannel,
@@ -457,7 +318,7 @@ def test_an_agent_crash_while_the_database_is_away_does_not_kill_the_worker_for_
     fake.add(Hang(), Hang())
     with Runtime(
         runtime_config(fake.base_url, prompt_timeout_ms=600_000),
-        store=worker_store,
+        store=relayed_store,
         clock=clock,
         channels={"chat": chat},
     ) as rt:
@@ -477,7 +338,7 @@ def test_an_agent_crash_while_the_database_is_away_does_not_kill_the_worker_for_
         with contextlib.suppress(pykka.ActorDeadError, pykka.Timeout):
             rt.worker(timeout=GUARD)
         relay.restore()  # two seconds later it is back
-        _wait(lambda: _reachable(worker_store), "the worker's store never reconnected")
+        _wait(lambda: reachable(relayed_store), "the worker's store never reconnected")
         send_message(pg_store, "later", "a new message", channel="chat", ts=clock.now())
         for _ in range(8):  # 40 s: the healthy lease (30 s) must still be renewed
             clock.advance(5.0)
@@ -504,7 +365,7 @@ def test_an_agent_crash_while_the_database_is_away_does_not_kill_the_worker_for_
 def test_a_lease_whose_append_seemed_to_fail_is_handed_back_when_the_process_stops(
     pg_store: EventStore,
     relay: CuttingRelay,
-    worker_store: PostgresEventStore,
+    relayed_store: PostgresEventStore,
     clock: FakeClock,
     fake: FakeProvider,
     chat: MemoryChannel,
@@ -514,8 +375,8 @@ def test_a_lease_whose_append_seemed_to_fail_is_handed_back_when_the_process_sto
     back like a running wake's (``activation:released``), not left to expire and count
     as a failure."""
     settings = runtime_config(fake.base_url, activations={"max_attempts": 1})
-    with Runtime(settings, store=worker_store, clock=clock, channels={"chat": chat}) as rt:
-        owner = _lease_cut_after_commit(rt, relay, pg_store, worker_store, clock)
+    with Runtime(settings, store=relayed_store, clock=clock, channels={"chat": chat}) as rt:
+        owner = _lease_cut_after_commit(rt, relay, pg_store, relayed_store, clock)
         # no clock step: no poll looks at the session again before the close
     records = list(pg_store.read_stream("session:s1"))
     assert [lease.owner for lease in of(ActivationLeased, records)] == [owner]
@@ -528,7 +389,7 @@ def test_a_lease_whose_append_seemed_to_fail_is_handed_back_when_the_process_sto
 def test_an_agent_crash_while_the_database_is_away_is_decided_once_it_is_back(
     pg_store: EventStore,
     relay: CuttingRelay,
-    worker_store: PostgresEventStore,
+    relayed_store: PostgresEventStore,
     clock: FakeClock,
     fake: FakeProvider,
     chat: MemoryChannel,
@@ -543,7 +404,7 @@ def test_an_agent_crash_while_the_database_is_away_is_decided_once_it_is_back(
         structlog.testing.capture_logs() as captured,
         Runtime(
             runtime_config(fake.base_url, prompt_timeout_ms=600_000),
-            store=worker_store,
+            store=relayed_store,
             clock=clock,
             channels={"chat": chat},
         ) as rt,
@@ -566,7 +427,7 @@ def test_an_agent_crash_while_the_database_is_away_is_decided_once_it_is_back(
             "the crash's decision never met the outage",
         )
         relay.restore()
-        _wait(lambda: _reachable(worker_store), "the worker's store never reconnected")
+        _wait(lambda: reachable(relayed_store), "the worker's store never reconnected")
         for _ in range(10):  # the decision comes again each second (fake clock)
             clock.advance(1.0)
             with contextlib.suppress(AssertionError):
@@ -584,7 +445,7 @@ def test_an_agent_crash_while_the_database_is_away_is_decided_once_it_is_back(
 def test_an_abandonment_whose_append_seemed_to_fail_still_tells_the_user(
     pg_store: EventStore,
     relay: CuttingRelay,
-    worker_store: PostgresEventStore,
+    relayed_store: PostgresEventStore,
     clock: FakeClock,
     fake: FakeProvider,
     chat: MemoryChannel,
@@ -597,7 +458,7 @@ def test_an_abandonment_whose_append_seemed_to_fail_still_tells_the_user(
     settings = runtime_config(
         fake.base_url, prompt_timeout_ms=600_000, activations={"max_attempts": 1}
     )
-    with Runtime(settings, store=worker_store, clock=clock, channels={"chat": chat}) as rt:
+    with Runtime(settings, store=relayed_store, clock=clock, channels={"chat": chat}) as rt:
         rt.worker()  # started, and polled once
         send_message(pg_store, "s1", "a long job", channel="chat", ts=clock.now())
         clock.advance(1.0)  # the worker's next poll leases it; the call hangs
@@ -607,7 +468,7 @@ def test_an_abandonment_whose_append_seemed_to_fail_still_tells_the_user(
         assert relay.cut.wait(GUARD), "the abandonment never went through the relay"
         rt.worker(timeout=GUARD)  # it has handled the failed append
         relay.restore()
-        _wait(lambda: _reachable(worker_store), "the worker's store never reconnected")
+        _wait(lambda: reachable(relayed_store), "the worker's store never reconnected")
         told = False
         for _ in range(10):  # its next polls (and the Agent's restart) on the fake clock
             clock.advance(1.0)
