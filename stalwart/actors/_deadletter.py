@@ -297,6 +297,19 @@ class DeadLetterActor(Supervised):
         return None
 
     def _enqueue(self, message: Enqueue) -> str:
+        """Queue the announcement, unless an entry of it is already queued with retries
+        left (a sender told again after a store error, or a resend that failed again):
+        one entry per announcement, so it is delivered once."""
+        self._catch_up()
+        for queued in self._state.entries:
+            retries_left = queued.attempts < self._settings.max_retries
+            if queued.announcement_id == message.announcement_id and retries_left:
+                log.info(
+                    "deadletter.already_queued",
+                    entry_id=queued.entry_id,
+                    announcement_id=queued.announcement_id,
+                )
+                return queued.entry_id
         event = AnnouncementDeadLettered(
             entry_id=new_id(),
             announcement_id=message.announcement_id,

@@ -56,13 +56,15 @@ __all__ = [
     "Restarts",
     "crashed",
     "decide_crash",
+    "tell_later",
 ]
 
 log = get_logger(__name__)
 
 #: Where restart decisions go.
 RESTART_STREAM = "runtime"
-#: How long a crash waits to be decided again when the store failed its decision.
+#: How long a crash (or an outcome the supervisor records) waits to be told again when
+#: the store failed what it records.
 DECISION_RETRY_S = 1.0
 #: What the affected session reads when its actor kept crashing and was given up on.
 GAVE_UP_TEXT = (
@@ -129,6 +131,25 @@ def decide_crash(
     )
 
 
+def tell_later(
+    scheduler: Scheduler,
+    clock: Clock,
+    tell: Callable[[Any], object],
+    message: object,
+    key: object = None,
+) -> None:
+    """Tell ``message`` again in :data:`DECISION_RETRY_S`: what it records met a store
+    error. A dead recipient (its supervisor is being restarted) is tried again later."""
+
+    def again(_at: float) -> None:
+        try:
+            tell(message)
+        except pykka.ActorDeadError:
+            tell_later(scheduler, clock, tell, message, key)
+
+    scheduler.schedule(clock.now() + DECISION_RETRY_S, again, key=key)
+
+
 def crashed(on_crash: Callable[[str], object] | None, exc_info: tuple[object, ...]) -> None:
     """An actor's ``on_failure``: tell ``on_crash`` the exception's class (never raises)."""
     if on_crash is None:
@@ -187,7 +208,7 @@ class Restarts:
             log.warning(
                 "supervision.decision_deferred", actor=crashed.actor, error=type(exc).__name__
             )
-            self._defer(replace(crashed, retry=True), now)
+            self._defer(replace(crashed, retry=True))
             return
         if isinstance(decision, SupervisorRestarted):
             log.warning("supervision.restarting", actor=crashed.actor, ms=decision.backoff_ms)
@@ -200,22 +221,21 @@ class Restarts:
             return
         log.error("supervision.gave_up", actor=crashed.actor, restarts=decision.restarts)
         if crashed.run is not None and self._end_run is not None:
-            self._end_run(crashed.run, decision)
+            try:
+                self._end_run(crashed.run, decision)
+            except StoreError as exc:  # the run's end: decided again from the log, later
+                log.warning(
+                    "supervision.end_run_deferred", run=crashed.run, error=type(exc).__name__
+                )
+                self._defer(replace(crashed, retry=True))
         elif notice is not None:
             conversation = crashed.conversation or crashed.session or crashed.actor
             self._send(notice, conversation, crashed.thread)
 
-    def _defer(self, crashed: Crashed, now: float) -> None:
+    def _defer(self, crashed: Crashed) -> None:
         """Tell the crash again in :data:`DECISION_RETRY_S`."""
-
-        def again(_at: float) -> None:
-            try:
-                self._retry(crashed)
-            except pykka.ActorDeadError:  # its supervisor is being restarted: later
-                self._defer(crashed, self._clock.now())
-
         key = ("restart-decision", self._key, crashed.crash_id)
-        self._scheduler.schedule(now + DECISION_RETRY_S, again, key=key)
+        tell_later(self._scheduler, self._clock, self._retry, crashed, key)
 
     def _recorded(
         self, crashed: Crashed, now: float
@@ -279,6 +299,10 @@ class Restarts:
         future.add_done_callback(done)
 
     def notice_sent(self, outcome: RestartNoticeSent) -> None:
+        """Record the give-up notice's send (dead-lettered first when it failed), once: an
+        outcome told again after a store error may be in the log already."""
+        if self._outcome_recorded(outcome.announcement_id):
+            return
         event: Event
         if outcome.error_class is None:
             event = AnnouncementDelivered(announcement_id=outcome.announcement_id, path="direct")
@@ -298,3 +322,10 @@ class Restarts:
             )
             dead_letter(self._dead_letters, enqueue)
         self._store.append(RESTART_STREAM, [NewEvent(event=event, ts=self._clock.now())])
+
+    def _outcome_recorded(self, announcement_id: str) -> bool:
+        return any(
+            isinstance(record.event, AnnouncementDelivered | AnnouncementSendFailed)
+            and record.event.announcement_id == announcement_id
+            for record in self._store.read_stream(RESTART_STREAM)
+        )

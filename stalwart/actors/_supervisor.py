@@ -80,7 +80,7 @@ from stalwart.store import EventStore, NewEvent
 
 from ._deadletter import Enqueue, dead_letter
 from ._portal import IoPortal
-from ._restarts import Crashed, RestartNoticeSent, Restarts, crashed
+from ._restarts import Crashed, RestartNoticeSent, Restarts, crashed, tell_later
 from ._scheduler import Scheduler
 from ._send import send_by_clock
 from ._subagent import RunEnded, RunOutcome, Spawn
@@ -182,7 +182,7 @@ class SupervisorActor(Supervised):
         on_crash: Callable[[str], object] | None = None,
         runtime: str = "",
         on_run_ended: Callable[[RunEnded], object] | None = None,
-        retry_crash: Callable[[Crashed], object] | None = None,
+        retell: Callable[[object], object] | None = None,
     ) -> None:
         super().__init__()
         self._on_crash = on_crash  # called once if this actor dies of an exception
@@ -217,8 +217,11 @@ class SupervisorActor(Supervised):
             key=self.actor_urn,
             runtime=runtime,
             end_run=self._given_up,
-            retry=retry_crash,  # the runtime's: reaches this actor's successor too
+            retry=retell,
         )
+        #: how a message whose record met a store error is told again (the runtime's
+        #: reaches this actor's successor too)
+        self._retell = retell or self._tell
         self._runs: dict[str, RunWatch] = {}
         self._not_runs: set[str] = set()
         self._sending: set[str] = set()  # announcement ids with a send in flight
@@ -259,6 +262,28 @@ class SupervisorActor(Supervised):
                 self._arm()
             case Sweep():
                 return self._sweep(ghosts=True, heartbeats=True)
+            case RunEnded() | NoticeSent() | _CompletionSent() | RestartNoticeSent():
+                try:
+                    self._record(message)
+                except StoreError as exc:  # the store is away: told again in a second
+                    log.warning(
+                        "supervisor.record_deferred",
+                        message=type(message).__name__,
+                        error=type(exc).__name__,
+                    )
+                    tell_later(self._scheduler, self._clock, self._retell, message)
+            case GetRuns():
+                return dict(self._runs)
+            case Crashed():
+                self._restarts.crashed(message)
+            case _:
+                raise TypeError(f"SupervisorActor does not understand {message!r}")
+        return None
+
+    def _record(self, message: RunEnded | NoticeSent | _CompletionSent | RestartNoticeSent) -> None:
+        """A run's end or a send's outcome, settled and recorded; each is safe to tell
+        again (what the log already holds is not decided twice)."""
+        match message:
             case RunEnded(run_id=run_id):
                 stream = f"session:{run_id}"
                 if self._catch_up(stream) is not None:
@@ -267,15 +292,8 @@ class SupervisorActor(Supervised):
                 self._notice_sent(message)
             case _CompletionSent(outcome=outcome):
                 self._completion_sent(outcome)
-            case GetRuns():
-                return dict(self._runs)
-            case Crashed():
-                self._restarts.crashed(message)
             case RestartNoticeSent():
                 self._restarts.notice_sent(message)
-            case _:
-                raise TypeError(f"SupervisorActor does not understand {message!r}")
-        return None
 
     # -- the sweeps ----------------------------------------------------------------------------
 
@@ -547,11 +565,18 @@ class SupervisorActor(Supervised):
             return
         failure = None if outcome.ok else outcome.error_class or "unknown"
         event = notice_outcome(announcement_id, outcome.path, failure, timeout_ms=self._announce_ms)
-        if failure is not None and outcome.path != "announce":
+        pending = _notice_pending(self._runs[stream], announcement_id, outcome.path)
+        if failure is not None and outcome.path != "announce" and pending:
             self._dead_letter(stream, failure)  # the queue's entry first, then the failure
-        self._decide(stream, lambda watch, now: [event])
+        self._decide(stream, partial(_ends_notice, announcement_id, outcome.path, event))
         log.info("supervisor.notice_sent", run=stream, path=outcome.path, ok=outcome.ok)
-        if failure is not None and outcome.path == "announce":
+        watch = self._runs[stream]
+        falls_back = (  # and its direct send not already under way (an earlier try's)
+            watch.notice == "fallback"
+            and watch.notice_id == announcement_id
+            and announcement_id not in self._sending
+        )
+        if failure is not None and outcome.path == "announce" and falls_back:
             self._send(stream, "direct")
 
     def _dead_letter(self, stream: str, reason: str) -> None:
@@ -633,6 +658,21 @@ class SupervisorActor(Supervised):
 
 def _running(watch: RunWatch) -> bool:
     return watch.run.status == "running"
+
+
+def _notice_pending(watch: RunWatch, announcement_id: str, path: Path) -> bool:
+    """Whether a send of the run's notice by ``path`` still waits for its outcome: the
+    announce send while it is queued, the direct one until it is delivered or failed."""
+    stages = ("queued",) if path == "announce" else ("queued", "fallback")
+    return watch.notice_id == announcement_id and watch.notice in stages
+
+
+def _ends_notice(
+    announcement_id: str, path: Path, event: Event, watch: RunWatch, now: float
+) -> list[Event]:
+    """The send's outcome, unless the notice moved past it meanwhile (an earlier try of
+    the same outcome was written though its append raised)."""
+    return [event] if _notice_pending(watch, announcement_id, path) else []
 
 
 def _ends_completion(

@@ -140,7 +140,7 @@ class PartsLayer:
             runtime=self._w.instance,
             on_crash=partial(self.crashed, "supervisor", self._restart_supervisor),
             on_run_ended=self._runs.ended,
-            retry_crash=self.supervisor_ref.tell,
+            retell=self.supervisor_ref.tell,
         )
 
     def _start_announcer(self) -> pykka.ActorRef[Any]:
