@@ -24,7 +24,7 @@ expected, what was found and where; they never contain secrets or payload conten
     │   ├── StoreReadOnlyError      a write through a handle opened read-only
     │   ├── ConcurrencyError        expected_version did not match the stream
     │   ├── FencedError             the append's lease epoch is not the stream's (a lost lease)
-    │   ├── InvalidStreamError      a stream id that cannot be stored
+    │   ├── InvalidStreamError      a stream id (or snapshot name) that cannot be stored
     │   └── CorruptRecordError      a stored record that cannot be decoded
     ├── ToolError                raised by a tool on purpose: a message meant for the model
     └── ToolRegistrationError    a bad tool name, a duplicate, a signature with no schema
@@ -183,7 +183,8 @@ class StoreReadOnlyError(StoreError):
 
 
 class InvalidStreamError(StoreError):
-    """A stream id that cannot be stored (empty, too long, or with a NUL byte)."""
+    """A stream id or snapshot name that cannot be stored (empty, too long, or with a NUL
+    byte)."""
 
 
 class ConcurrencyError(StoreError):

@@ -28,6 +28,7 @@ from stalwart.events import (
     UnknownEvent,
 )
 from stalwart.store import NO_STREAM, EventStore, Fence, NewEvent, Snapshot
+from stalwart.store._protocol import MAX_SNAPSHOT_NAME_BYTES, MAX_STREAM_BYTES
 
 
 def msg(n: int | str, content: str = "x") -> MessageAppended:
@@ -358,6 +359,24 @@ class EventStoreContract:
         assert [s.version for s in found] == [40, 30, 20]
         assert found[0].data == b"40"
         assert list(store.snapshots("session:a", "other")) == []
+
+    def test_a_snapshot_name_that_cannot_be_stored_is_refused(self, store: EventStore) -> None:
+        """The longest stream id and snapshot name fit one key; a longer name, a NUL or an
+        empty name is a typed error on save (LMDB's 511-byte key limit raised from its
+        writer before), and has no snapshots to read."""
+        longest = Snapshot(
+            stream="s" * MAX_STREAM_BYTES,
+            name="n" * MAX_SNAPSHOT_NAME_BYTES,
+            version=1,
+            position=1,
+            data=b"1",
+        )
+        store.put_snapshot(longest)
+        assert [s.version for s in store.snapshots(longest.stream, longest.name)] == [1]
+        for name in ("n" * (MAX_SNAPSHOT_NAME_BYTES + 1), "a\x00b", ""):
+            with pytest.raises(InvalidStreamError, match="snapshot name"):
+                store.put_snapshot(msgspec.structs.replace(longest, name=name))
+            assert list(store.snapshots(longest.stream, name)) == []
 
     # -- durability and lifecycle ---------------------------------------------------------------
 

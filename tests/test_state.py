@@ -6,6 +6,7 @@ from pathlib import Path
 
 import lmdb
 import msgspec
+import structlog.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,6 +32,7 @@ from stalwart.state import (
     CONTEXT_DAG,
     SESSION,
     SUMMARY,
+    SessionAggregate,
     SessionState,
     aggregate_for,
     apply_session,
@@ -278,6 +280,23 @@ def test_snapshot_rebuild_equals_full_fold(tmp_path: Path, n: int, every: int) -
             load_state(store, "session:s", SESSION, snapshot_every=every)
         full = load_state(store, "session:s", SESSION, use_snapshots=False, snapshot_every=0)
         assert load_state(store, "session:s", SESSION, snapshot_every=0) == full
+
+
+class _LongNamed(SessionAggregate):
+    name = "a-fold-whose-name-is-too-long-for-a-snapshot-key-" * 3
+
+
+def test_a_snapshot_that_cannot_be_saved_leaves_the_state_right(lmdb_store: EventStore) -> None:
+    """Saving a snapshot only saves time: when the store refuses it (here a fold name too
+    long for a key; a full disk or an outage alike), the fold is still returned."""
+    _fill(lmdb_store, 30)
+    full = load_state(lmdb_store, "session:s", SESSION, use_snapshots=False, snapshot_every=0)
+    with structlog.testing.capture_logs() as captured:
+        state = load_state(lmdb_store, "session:s", _LongNamed(), snapshot_every=10)
+    assert state == full
+    assert [e["event"] for e in captured if e["log_level"] == "warning"] == [
+        "state.snapshot_not_saved"
+    ]
 
 
 def test_time_travel_ignores_newer_snapshots(lmdb_store: EventStore) -> None:

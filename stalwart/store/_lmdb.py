@@ -28,6 +28,7 @@ from stalwart._logs import get_logger
 from stalwart.clock import Clock, SystemClock
 from stalwart.errors import (
     CorruptRecordError,
+    InvalidStreamError,
     StoreClosedError,
     StoreError,
     StoreNotFoundError,
@@ -61,6 +62,7 @@ from ._protocol import (
     NewEvent,
     Snapshot,
     StreamInfo,
+    check_snapshot_key,
     check_stream,
     checked_events,
 )
@@ -490,7 +492,7 @@ class LmdbEventStore:
 
     def put_snapshot(self, snapshot: Snapshot) -> None:
         env = self._writable()
-        prefix = check_stream(snapshot.stream) + b"\x00" + snapshot.name.encode() + b"\x00"
+        prefix = check_snapshot_key(snapshot.stream, snapshot.name)
         value = msgspec.msgpack.encode(
             (snapshot.position, zlib.crc32(snapshot.data), snapshot.data)
         )
@@ -498,7 +500,11 @@ class LmdbEventStore:
 
     def snapshots(self, stream: str, name: str) -> Iterator[Snapshot]:
         env = self._live()
-        prefix = check_stream(stream) + b"\x00" + name.encode() + b"\x00"
+        check_stream(stream)
+        try:
+            prefix = check_snapshot_key(stream, name)
+        except InvalidStreamError:  # a name no snapshot can be saved under: it has none
+            return
 
         def scan(txn: Any) -> list[tuple[bytes, bytes]]:
             cursor = txn.cursor(db=env.snapshot_db)

@@ -29,6 +29,7 @@ from stalwart.errors import (
     CorruptRecordError,
     EventError,
     FencedError,
+    InvalidStreamError,
     StoreClosedError,
     StoreError,
     StoreReadOnlyError,
@@ -48,6 +49,7 @@ from ._protocol import (
     NewEvent,
     Snapshot,
     StreamInfo,
+    check_snapshot_key,
     check_stream,
     checked_events,
     unix_ts,
@@ -412,7 +414,7 @@ class PostgresEventStore:
 
     def put_snapshot(self, snapshot: Snapshot) -> None:
         self._writable()
-        check_stream(snapshot.stream)
+        check_snapshot_key(snapshot.stream, snapshot.name)
         key = (snapshot.stream, snapshot.name)
         row = (*key, snapshot.version, snapshot.position, zlib.crc32(snapshot.data), snapshot.data)
 
@@ -425,6 +427,10 @@ class PostgresEventStore:
 
     def snapshots(self, stream: str, name: str) -> Iterator[Snapshot]:
         check_stream(stream)
+        try:
+            check_snapshot_key(stream, name)
+        except InvalidStreamError:  # a name no snapshot can be saved under: it has none
+            return
         rows = self._db.fetch("read snapshots", self._sql.snapshots, (stream, name))
         for version, position, crc, data in rows:
             if zlib.crc32(data) != crc:

@@ -8,7 +8,7 @@ from typing import TypeVar
 import msgspec
 
 from stalwart._logs import get_logger
-from stalwart.errors import CorruptRecordError
+from stalwart.errors import CorruptRecordError, StoreError
 from stalwart.events import RecordedEvent
 from stalwart.state import Aggregate
 
@@ -148,13 +148,21 @@ def load_state(
         and until_position is None
         and last_version - base_version >= snapshot_every
     ):
-        store.put_snapshot(
-            Snapshot(
-                stream=stream,
-                name=name,
-                version=last_version,
-                position=last_position,
-                data=msgspec.msgpack.encode(state),
-            )
+        snapshot = Snapshot(
+            stream=stream,
+            name=name,
+            version=last_version,
+            position=last_position,
+            data=msgspec.msgpack.encode(state),
         )
+        try:
+            store.put_snapshot(snapshot)
+        except StoreError as exc:  # a snapshot only saves time: the state is still right
+            log.warning(
+                "state.snapshot_not_saved",
+                stream=stream,
+                fold=name,
+                version=last_version,
+                error=type(exc).__name__,
+            )
     return state

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 NO_STREAM = 0
 
 MAX_STREAM_BYTES = 400
+#: A fold's snapshot name (``name@vN``): with the stream id and the version it is one LMDB
+#: key, at most 511 bytes.
+MAX_SNAPSHOT_NAME_BYTES = 100
 
 
 class NewEvent(msgspec.Struct, frozen=True, kw_only=True):
@@ -257,6 +260,25 @@ def check_stream(stream: str) -> bytes:
             f"stream id is {len(encoded)} bytes, at most {MAX_STREAM_BYTES} are allowed"
         )
     return encoded
+
+
+def check_snapshot_key(stream: str, name: str) -> bytes:
+    """A snapshot's key prefix as stored (stream, NUL, name, NUL), or InvalidStreamError
+    naming what is wrong."""
+    encoded = check_stream(stream)
+    if not isinstance(name, str) or not name:
+        raise InvalidStreamError(f"a snapshot name must be a non-empty string, found {name!r}")
+    try:
+        named = name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidStreamError(f"snapshot name {name!r} is not valid UTF-8") from None
+    if b"\x00" in named:
+        raise InvalidStreamError(f"snapshot name {name!r} contains a NUL character")
+    if len(named) > MAX_SNAPSHOT_NAME_BYTES:
+        raise InvalidStreamError(
+            f"snapshot name is {len(named)} bytes, at most {MAX_SNAPSHOT_NAME_BYTES} are allowed"
+        )
+    return encoded + b"\x00" + named + b"\x00"
 
 
 def checked_events(
