@@ -18,6 +18,7 @@ expected, what was found and where; they never contain secrets or payload conten
     │   └── PromptTimeoutError      a stall, makespan or retry deadline aborted the call
     ├── SessionActionError       a confirmation, tool result, interrupt or wake refused
     ├── SpawnRefusedError        a sub-agent spawn with no valid timeout (class or custom)
+    ├── SummaryFailedError       a summary that failed after some of its requests were billed
     ├── StoreError               the durable log
     │   ├── StoreNotFoundError      no store at the location (and create=False)
     │   ├── StoreClosedError        the store was closed
@@ -150,6 +151,22 @@ class SessionActionError(StalwartError):
         super().__init__(message)
         self.reason = reason
         self.session = session
+
+
+class SummaryFailedError(StalwartError):
+    """A summarizer that failed after the provider answered (and billed) some of its
+    requests: a summary too long for one request is written in parts, and a later part
+    timed out or failed. ``error_class`` names the failure; ``input_tokens`` and
+    ``output_tokens`` are what the answered parts cost, so the spend caps count them."""
+
+    def __init__(self, error_class: str, *, input_tokens: int, output_tokens: int) -> None:
+        super().__init__(
+            f"the summary failed ({error_class}) after parts of it were answered "
+            f"({input_tokens} input and {output_tokens} output tokens)"
+        )
+        self.error_class = error_class
+        self.input_tokens = input_tokens
+        self.output_tokens = output_tokens
 
 
 class SpawnRefusedError(StalwartError):

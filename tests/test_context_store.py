@@ -250,7 +250,7 @@ def test_the_provider_summarizer_fits_every_request_into_its_models_window(
         words = sum(estimate_text_tokens(m["content"]) for m in body["messages"])
         assert words + body["max_tokens"] <= 2_000
         assert body["max_tokens"] == 500  # a quarter of the window
-        carried = f"<summary-so-far>\nsummary {n}\n</summary-so-far>"
+        carried = f"<summary-so-far>\n| summary {n}\n</summary-so-far>"  # quoted data
         assert (carried in body["messages"][1]["content"]) == (n > 0)
     everything = "\n".join(body["messages"][1]["content"] for body in sent)
     assert all(f"M{n} " in everything for n in range(12))  # every message, in order

@@ -16,7 +16,7 @@ from typing import Protocol
 import anyio.to_thread
 import msgspec
 
-from stalwart.context import ModelProfile, estimate_text_tokens, request_budget
+from stalwart.context import ModelProfile, declared_tokens, estimate_text_tokens, request_budget
 from stalwart.providers import Message, ModelCaller, ProviderRequest, ProviderResponse
 
 from ._context import Assemble, Assembled, Calibrate
@@ -81,8 +81,13 @@ async def call_through_context(
     messages = with_system(system, assembled)
     response = await caller.call(stream, msgspec.structs.replace(request, messages=messages))
     reported = response.input_tokens
-    if reported > 0:
-        gate.calibrate(
-            Calibrate(profile=assemble.profile, estimated=assembled.tokens, reported=reported)
+    if reported > 0:  # the provider counted the system text and the tools as well
+        overhead = declared_tokens(request.tools) + (estimate_text_tokens(system) if system else 0)
+        calibrate = Calibrate(
+            profile=assemble.profile,
+            estimated=assembled.tokens,
+            reported=reported,
+            overhead=overhead,
         )
+        gate.calibrate(calibrate)
     return response

@@ -128,11 +128,14 @@ class Assembled(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Calibrate(msgspec.Struct, frozen=True, kw_only=True):
-    """The provider reported ``reported`` input tokens for an assembly of ``estimated``."""
+    """The provider reported ``reported`` input tokens for an assembly of ``estimated``
+    sent with ``overhead`` more (the uncalibrated estimate of the agent's system text and
+    tool declarations: the provider counts them too)."""
 
     profile: ModelProfile
     estimated: int
     reported: int
+    overhead: int = 0
 
 
 class SearchContext(msgspec.Struct, frozen=True, kw_only=True):
@@ -236,6 +239,8 @@ class ContextStoreActor(Supervised):
         self._pipelines: dict[str, PipelineEngine] = {}
         self._pipeline_config = pipeline_config(self._settings)
         self._versions: dict[str, int] = {}
+        #: the governors hold what an append that failed did not record
+        self._governors_stale = False
 
     @property
     def mode(self) -> str:
@@ -275,7 +280,9 @@ class ContextStoreActor(Supervised):
 
     def _calibrate(self, message: Calibrate) -> float:
         with self._turnstile:
-            return self._dag.calibrate(message.profile, message.estimated, message.reported)
+            return self._dag.calibrate(
+                message.profile, message.estimated, message.reported, overhead=message.overhead
+            )
 
     def _in_lane(self, message: Assemble | SearchContext | InspectContext | ExpandContext) -> Any:
         with self._turnstile:
@@ -313,6 +320,10 @@ class ContextStoreActor(Supervised):
         if self.mode == "pipeline":
             return self._pipeline(message)
         session_id = message.session_id
+        if self._governors_stale:  # an append failed: fold them from the log again first
+            self._dag.governors.clear()
+            self._dag.observe(governor_records(self._store))
+            self._governors_stale = False
         try:
             if valid_session_id(session_id) and session_id not in self._dag.sessions:
                 self._restore(session_id, message.messages)
@@ -336,8 +347,10 @@ class ContextStoreActor(Supervised):
             self._append(f"context:{session_id}", result.events)
         except Exception:
             # what the engine decided is not in the log: forget it, so the next call
-            # rebuilds the session from what is (nothing is used before it is recorded)
+            # rebuilds the session, and the tenants' governors (a summarizer failure
+            # or spend it folded), from what is: nothing is used before it is recorded
             self._forget(session_id)
+            self._governors_stale = True
             raise
         return Assembled(
             messages=to_provider_messages(result.messages),

@@ -250,7 +250,7 @@ class DagSession:
         self.bound = state.bound
         self.tenant = state.tenant if state.bound else self.tenant
         self.degraded = state.degraded
-        self.tail_degraded = state.degraded == "tail_over_budget"
+        self.tail_degraded = state.tail_clipped
         for node in state.summaries.values():
             if node.depth == 0 and any(m not in self.positions for m in node.covers):
                 raise ContextScopeError("the context stream covers messages of another history")

@@ -163,11 +163,14 @@ class DagEngine(Summaries, Recall):
             found = self.estimators[key] = TokenEstimator(profile.provider, profile.model)
         return found
 
-    def calibrate(self, profile: ModelProfile, estimated: int, reported: int) -> float:
+    def calibrate(
+        self, profile: ModelProfile, estimated: int, reported: int, *, overhead: int = 0
+    ) -> float:
         """Feed the provider's reported input tokens for an assembly whose
-        ``Assembly.tokens`` was ``estimated`` (calibrated with the factor then in force)."""
+        ``Assembly.tokens`` was ``estimated`` (calibrated with the factor then in force),
+        sent with ``overhead`` more tokens (uncalibrated: a system text, tool declarations)."""
         estimator = self.estimator(profile)
-        return estimator.calibrate(round(estimated / estimator.factor), reported)
+        return estimator.calibrate(round(estimated / estimator.factor) + overhead, reported)
 
     # -- assembly ---------------------------------------------------------------------
 
@@ -285,6 +288,7 @@ class DagEngine(Summaries, Recall):
                 fence=fence,
                 evicted=evicted,
                 repairs=repairs,
+                tail_clipped=session.tail_degraded,
             )
         )
         return Assembly(

@@ -20,6 +20,7 @@ import msgspec
 from stalwart._logs import get_logger
 from stalwart.clock import Clock
 from stalwart.config import ContextEngineSettings
+from stalwart.errors import SummaryFailedError
 from stalwart.events import (
     ContextDagDegraded,
     ContextSummarizerFailed,
@@ -229,19 +230,13 @@ class Summaries:
             depth=depth,
             instructions=SUMMARY_INSTRUCTIONS,
         )
-        error: str | None = None
         self.running[tenant] = running + projected
         if verdict.trial:
             self.trials.add(tenant)
         try:
             with self.outside():  # timed in here: not the wait to be let back in
                 started = self.clock.now()
-                try:
-                    text, spent_in, spent_out = self.summarizer(request)
-                    if not isinstance(text, str):
-                        raise TypeError("a summarizer returns text")
-                except Exception as exc:
-                    error = type(exc).__name__
+                text, spent_in, spent_out, error = self._answer(request)
                 answered = self.clock.now()
         finally:
             left = self.running.get(tenant, 0) - projected
@@ -257,13 +252,25 @@ class Summaries:
             error = "trial_timeout"
         if error is None:
             text = clip_to_tokens(text, limit)  # a summarizer that ignores its limit is cut
-        if error != "trial_timeout" and error is not None:
-            spent_in = spent_out = 0  # it never answered: nothing to charge
-        elif spent_in <= 0 and spent_out <= 0:  # it answered (maybe too late): charged
+        replied = error is None or error == "trial_timeout"
+        if replied and spent_in <= 0 and spent_out <= 0:  # it answered (maybe too late)
             spent_in, spent_out = estimated, math.ceil(len(text) / 3)
         if error is not None:
             self._failed(session, turn, tenant, error, elapsed_ms, spent_in, spent_out)
             return None
+        return text, spent_in, spent_out, None
+
+    def _answer(self, request: SummaryRequest) -> tuple[str, int, int, str | None]:
+        """The summarizer's text and spend, or the class of its failure (last) and what
+        that charges: the parts it had answered, else nothing (it never answered)."""
+        try:
+            text, spent_in, spent_out = self.summarizer(request)
+            if not isinstance(text, str):
+                raise TypeError("a summarizer returns text")
+        except SummaryFailedError as exc:
+            return "", exc.input_tokens, exc.output_tokens, exc.error_class
+        except Exception as exc:
+            return "", 0, 0, type(exc).__name__
         return text, spent_in, spent_out, None
 
     def _failed(

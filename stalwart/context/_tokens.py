@@ -209,9 +209,15 @@ def request_budget(
     and JSON schema, estimated like text). Never below 1."""
     profile = estimator.profile if estimator else DEFAULT_PROFILE
     factor = estimator.factor if estimator else 1.0
+    declared = declared_tokens(tools, profile)
+    return max(1, context_window - max_output_tokens - math.ceil(declared * factor))
+
+
+def declared_tokens(tools: Iterable[ToolSpec], profile: TokenProfile = DEFAULT_PROFILE) -> int:
+    """The uncalibrated estimate of tool declarations (name, description, JSON schema)."""
     declared = 0
     for spec in tools:
         schema = json.dumps(spec.parameters, separators=(",", ":"), sort_keys=True)
         declared += profile.tool_call_overhead
         declared += estimate_text_tokens(f"{spec.name} {spec.description} {schema}", profile)
-    return max(1, context_window - max_output_tokens - math.ceil(declared * factor))
+    return declared

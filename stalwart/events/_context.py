@@ -63,6 +63,9 @@ class ContextAssembled(Event, frozen=True, tag="context:assembled"):
     fence: int = 0
     evicted: int = 0
     repairs: int = 0
+    #: the DAG engine shrank the fresh tail to fit (an over-budget episode goes on);
+    #: False once it fits again, which ends the episode
+    tail_clipped: bool = False
     fence_input: int = 0
     fence_turn: int = 0
     cache_break: str | None = None

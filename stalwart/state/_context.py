@@ -24,6 +24,7 @@ from typing import Literal
 import msgspec
 
 from stalwart.events import (
+    ContextAssembled,
     ContextBound,
     ContextDagDegraded,
     ContextSummarizerFailed,
@@ -69,6 +70,8 @@ class ContextDagState(msgspec.Struct, frozen=True, kw_only=True):
     roots: tuple[str, ...] = ()
     last_covered: str | None = None
     degraded: str | None = None
+    #: the last assembly clipped the fresh tail (a ``tail_over_budget`` episode goes on)
+    tail_clipped: bool = False
 
 
 def summary_node(event: ContextSummaryCreated, ts: float) -> SummaryNode:
@@ -126,7 +129,10 @@ def apply_context_event(
                 state, version=version, summaries=summaries, parents=parents, roots=tuple(roots)
             )
         case ContextDagDegraded():
-            return replace(state, version=version, degraded=event.reason)
+            clipped = state.tail_clipped or event.reason == "tail_over_budget"
+            return replace(state, version=version, degraded=event.reason, tail_clipped=clipped)
+        case ContextAssembled():
+            return replace(state, version=version, tail_clipped=event.tail_clipped)
         case _:
             return replace(state, version=version)
 
@@ -139,7 +145,7 @@ class ContextDagAggregate:
     """The DAG fold for ``context:<session>`` streams."""
 
     name = "context_dag"
-    version = 1
+    version = 2  # 2: tail_clipped
     state_type = ContextDagState
 
     def initial(self, stream: str) -> ContextDagState:
