@@ -45,7 +45,7 @@ from stalwart._logs import get_logger
 from stalwart.channels import Channel, MessageKind, OutboundMessage
 from stalwart.clock import Clock
 from stalwart.context import ModelProfile, SessionMessages
-from stalwart.errors import ConcurrencyError, FencedError
+from stalwart.errors import ConcurrencyError, FencedError, StoreError
 from stalwart.events import (
     ActivationReady,
     ActivationRequeued,
@@ -295,8 +295,11 @@ class AgentActor(Supervised):
                 self._on_sent(message)
             case Deadline():
                 self._on_deadline(message)
-            case AgentStatus():
-                pass
+            case AgentStatus():  # what others appended (a message, a wake) counts too
+                try:
+                    self._refresh()
+                except StoreError as exc:  # the last fold, then
+                    log.warning("agent.status_stale", stream=self._stream, error=type(exc).__name__)
             case IsIdle():
                 busy = self._wake or self._turn or self._queue or self._unsent
                 return not busy

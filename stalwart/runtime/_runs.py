@@ -107,9 +107,14 @@ class RunLayer:
         return self._start(spawn, work, agent, announce=announce)
 
     def _check(self, spawn: Spawn) -> None:
-        """SpawnRefusedError (nothing appended) for no valid timeout, a step budget that
-        is not a positive number (its watchdog limit would be 0 ms or less: the run would
-        be force-failed the moment it starts) or an unknown channel."""
+        """SpawnRefusedError (nothing appended) for a task that is not text that can be
+        stored, no valid timeout, a step budget that is not a positive number (its
+        watchdog limit would be 0 ms or less: the run would be force-failed the moment it
+        starts) or an unknown channel."""
+        if not isinstance(spawn.task, str) or not _storable(spawn.task):
+            raise SpawnRefusedError(
+                "spawn refused: the task must be text that is valid UTF-8", field="task"
+            )
         if spawn.max_steps is not None and (
             isinstance(spawn.max_steps, bool)
             or not isinstance(spawn.max_steps, int)
@@ -290,3 +295,12 @@ def stop_runs(runs: Sequence[RunSpec]) -> None:
 async def _no_work(report: RunReport) -> str:
     """A restarted run's work: never run (the actor resumes the run, not the work)."""
     raise RuntimeError("a restarted run does not run its work again")
+
+
+def _storable(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

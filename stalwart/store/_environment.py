@@ -43,7 +43,7 @@ from stalwart.events import Codec, RecordedEvent
 
 from ._inbox import Inbox
 from ._lmdb_tail import Entry, LogTail, log_head, read_heads
-from ._protocol import Fence, NewEvent, unix_ts
+from ._protocol import Fence, NewEvent, unencodable, unix_ts
 from ._rwlock import SharedExclusiveLock
 
 log = get_logger(__name__)
@@ -579,7 +579,7 @@ class _Environment:
                 values.append(value)
         except Exception as exc:  # whatever it is, it is this request's alone
             # this request alone fails; the rest of the batch is written
-            request.error = EventError(f"cannot encode an event for {stream!r}: {exc!r}")
+            request.error = EventError(f"cannot encode an event for {stream!r}: {unencodable(exc)}")
             return
         log, entries = batch.log, batch.entries
         for record, value in zip(records, values, strict=True):

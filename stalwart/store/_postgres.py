@@ -52,6 +52,7 @@ from ._protocol import (
     check_snapshot_key,
     check_stream,
     checked_events,
+    unencodable,
     unix_ts,
 )
 from ._subscription import Subscription
@@ -253,7 +254,7 @@ class PostgresEventStore:
             data = [self._header.encode(new.event) for new in news]
             stamps = [now if new.ts is None else unix_ts(new.ts) for new in news]
         except (TypeError, ValueError, OverflowError) as exc:
-            raise EventError(f"cannot encode an event for {stream!r}: {exc}") from exc
+            raise EventError(f"cannot encode an event for {stream!r}: {unencodable(exc)}") from exc
         for new, encoded in zip(news, data, strict=True):
             self._codec.check(new.event, encoded)  # unreadable, it would stop every read
         columns = (

@@ -311,3 +311,16 @@ def checked_events(
         if expected_version is not None and expected_version != version:
             raise ConcurrencyError(stream, expected_version, version)
     return news
+
+
+def unencodable(exc: Exception) -> str:
+    """Why an event cannot be encoded, without its content: msgspec names the field and
+    the type; a text that is not UTF-8 (a lone surrogate) is named by its position, never
+    quoted (``UnicodeEncodeError``'s own text holds the whole string)."""
+    if isinstance(exc, UnicodeError):
+        start = getattr(exc, "start", None)
+        where = f" at character {start}" if isinstance(start, int) else ""
+        return f"a text is not valid UTF-8{where} ({type(exc).__name__})"
+    if isinstance(exc, msgspec.MsgspecError):
+        return str(exc)
+    return type(exc).__name__
