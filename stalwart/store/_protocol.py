@@ -314,13 +314,12 @@ def checked_events(
 
 
 def unencodable(exc: Exception) -> str:
-    """Why an event cannot be encoded, without its content: msgspec names the field and
-    the type; a text that is not UTF-8 (a lone surrogate) is named by its position, never
-    quoted (``UnicodeEncodeError``'s own text holds the whole string)."""
+    """Why an event cannot be encoded: the error's own words (msgspec and the store's
+    checks name a field, a type or a rule, never a value), except for a text that is not
+    UTF-8 (a lone surrogate), named by its position: ``UnicodeEncodeError``'s repr holds
+    the whole string, and its message the character."""
     if isinstance(exc, UnicodeError):
         start = getattr(exc, "start", None)
         where = f" at character {start}" if isinstance(start, int) else ""
         return f"a text is not valid UTF-8{where} ({type(exc).__name__})"
-    if isinstance(exc, msgspec.MsgspecError):
-        return str(exc)
-    return type(exc).__name__
+    return f"{type(exc).__name__}: {exc}"
