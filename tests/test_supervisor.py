@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -153,13 +154,20 @@ class Tree:
             self.barrier()
 
 
-@pytest.fixture
-def tree(lmdb_store: EventStore, clock: FakeClock) -> Iterator[Tree]:
+@contextmanager
+def grown(store: EventStore, clock: FakeClock) -> Iterator[Tree]:
+    """A tree on its own scheduler and portal, every actor stopped when the block ends."""
     with Scheduler(clock) as scheduler, IoPortal() as portal:
         try:
-            yield Tree(lmdb_store, clock, scheduler, portal)
+            yield Tree(store, clock, scheduler, portal)
         finally:
             pykka.ActorRegistry.stop_all(timeout=WAIT)
+
+
+@pytest.fixture
+def tree(lmdb_store: EventStore, clock: FakeClock) -> Iterator[Tree]:
+    with grown(lmdb_store, clock) as built:
+        yield built
 
 
 def spawn(run_id: str = "r1", **fields: Any) -> Spawn:

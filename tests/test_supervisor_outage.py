@@ -15,7 +15,6 @@ from functools import partial
 from typing import Any
 
 import msgspec
-import pykka
 import pytest
 import structlog.testing
 
@@ -46,7 +45,7 @@ from stalwart.state import DeadLetterState
 from stalwart.store import EventStore, PostgresEventStore
 from tests._relay import CuttingRelay, reachable
 from tests._runtime_support import advance_until
-from tests.test_supervisor import ANNOUNCE_MS, WAIT, Tree, timed_out
+from tests.test_supervisor import ANNOUNCE_MS, WAIT, Tree, grown, timed_out
 
 GUARD = 10.0
 
@@ -69,21 +68,15 @@ def _logged(captured: list[Any], event: str) -> bool:
 
 @pytest.fixture
 def tree(lmdb_store: EventStore, clock: FakeClock) -> Iterator[Tree]:
-    with Scheduler(clock) as scheduler, IoPortal() as portal:
-        try:
-            yield Tree(lmdb_store, clock, scheduler, portal)
-        finally:
-            pykka.ActorRegistry.stop_all(timeout=WAIT)
+    with grown(lmdb_store, clock) as built:
+        yield built
 
 
 @pytest.fixture
 def relayed_tree(relayed_store: PostgresEventStore, clock: FakeClock) -> Iterator[Tree]:
     """A supervisor and a dead-letter queue whose store goes through the relay."""
-    with Scheduler(clock) as scheduler, IoPortal() as portal:
-        try:
-            yield Tree(relayed_store, clock, scheduler, portal)
-        finally:
-            pykka.ActorRegistry.stop_all(timeout=WAIT)
+    with grown(relayed_store, clock) as built:
+        yield built
 
 
 @pytest.mark.timeout(90)

@@ -245,39 +245,32 @@ class WorkQueue(Protocol):
         ...
 
 
+def _encoded(what: str, text: str, limit: int) -> bytes:
+    """``text`` as stored (UTF-8, no NUL, at most ``limit`` bytes), or InvalidStreamError
+    naming ``what`` is wrong with it."""
+    if not isinstance(text, str) or not text:
+        raise InvalidStreamError(f"a {what} must be a non-empty string, found {text!r}")
+    try:
+        encoded = text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: bytes a command line could not decode
+        raise InvalidStreamError(f"{what} {text!r} is not valid UTF-8") from None
+    if b"\x00" in encoded:
+        raise InvalidStreamError(f"{what} {text!r} contains a NUL character")
+    if len(encoded) > limit:
+        raise InvalidStreamError(f"{what} is {len(encoded)} bytes, at most {limit} are allowed")
+    return encoded
+
+
 def check_stream(stream: str) -> bytes:
     """The stream id as stored, or InvalidStreamError naming what is wrong."""
-    if not isinstance(stream, str) or not stream:
-        raise InvalidStreamError(f"a stream id must be a non-empty string, found {stream!r}")
-    try:
-        encoded = stream.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate: bytes a command line could not decode
-        raise InvalidStreamError(f"stream id {stream!r} is not valid UTF-8") from None
-    if b"\x00" in encoded:
-        raise InvalidStreamError(f"stream id {stream!r} contains a NUL character")
-    if len(encoded) > MAX_STREAM_BYTES:
-        raise InvalidStreamError(
-            f"stream id is {len(encoded)} bytes, at most {MAX_STREAM_BYTES} are allowed"
-        )
-    return encoded
+    return _encoded("stream id", stream, MAX_STREAM_BYTES)
 
 
 def check_snapshot_key(stream: str, name: str) -> bytes:
     """A snapshot's key prefix as stored (stream, NUL, name, NUL), or InvalidStreamError
     naming what is wrong."""
     encoded = check_stream(stream)
-    if not isinstance(name, str) or not name:
-        raise InvalidStreamError(f"a snapshot name must be a non-empty string, found {name!r}")
-    try:
-        named = name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidStreamError(f"snapshot name {name!r} is not valid UTF-8") from None
-    if b"\x00" in named:
-        raise InvalidStreamError(f"snapshot name {name!r} contains a NUL character")
-    if len(named) > MAX_SNAPSHOT_NAME_BYTES:
-        raise InvalidStreamError(
-            f"snapshot name is {len(named)} bytes, at most {MAX_SNAPSHOT_NAME_BYTES} are allowed"
-        )
+    named = _encoded("snapshot name", name, MAX_SNAPSHOT_NAME_BYTES)
     return encoded + b"\x00" + named + b"\x00"
 
 
