@@ -23,6 +23,7 @@ from stalwart.events import (
 )
 from stalwart.state import (
     ACTIVATIONS,
+    MESSAGES_KEPT,
     Activation,
     ActivationPolicy,
     ActivationsState,
@@ -30,6 +31,7 @@ from stalwart.state import (
     WakeResult,
     decide_interrupt,
     decide_lease,
+    decide_message,
     decide_release,
     decide_settlement,
     decide_wake,
@@ -254,6 +256,34 @@ def test_delayed_wakes_dedupe_caps_and_horizon() -> None:
     due = next_due(folded.state, 50.0)
     assert due is not None
     assert due.activation_id == "w3"
+
+
+def test_a_message_given_again_with_its_id_returns_the_activation_that_carries_it() -> None:
+    folded = log()
+    first = decide_message(folded.state, "a1", "m1", "where is order 7?")
+    assert first == ActivationReady(
+        activation_id="a1", kind="message", message_id="m1", text="where is order 7?"
+    )
+    folded.add(first, 0.0)
+    apply_all(folded, decide_lease(folded.state, "w", 0.0, POLICY), 0.0)
+    folded.add(
+        decide_settlement(folded.state, "a1", 1, WakeResult(status="acked"), 1.0, POLICY), 1.0
+    )
+    assert folded.state.queue == ()  # settled: the id is remembered all the same
+    assert decide_message(folded.state, "a2", "m1", "where is order 7?") == "a1"
+    folded.add(ActivationReady(activation_id="w1", kind="wake", text="check"), 2.0)
+    assert [seen.message_id for seen in folded.state.messages] == ["m1"]  # wakes are not
+
+
+def test_message_ids_are_remembered_for_the_newest_messages_only() -> None:
+    folded = log()
+    for n in range(MESSAGES_KEPT + 1):
+        message(folded, n, float(n))
+    assert len(folded.state.messages) == MESSAGES_KEPT
+    assert decide_message(folded.state, "again", "m1", "") == "a1"
+    forgotten = decide_message(folded.state, "again", "m0", "")  # older than the window
+    assert isinstance(forgotten, ActivationReady)
+    assert forgotten.activation_id == "again"
 
 
 def test_a_wake_does_not_wait_behind_a_retrying_message() -> None:

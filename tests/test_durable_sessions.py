@@ -5,6 +5,7 @@ Agent runs each as one fenced wake; approvals, custom tools, interrupts, delayed
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -269,6 +270,27 @@ def test_a_delayed_wake_runs_once_when_due_and_dedupes_by_key(
     assert leased.activation_id == first
     clock.advance(600.0)
     assert len(of(ActivationLeased, list(store.read_stream("session:s1")))) == 1
+
+
+def test_a_message_id_sent_from_many_threads_at_once_is_recorded_once(
+    store: EventStore, clock: FakeClock
+) -> None:
+    """Redeliveries racing each other (and the session's creation): one
+    ``activation:ready`` for the id, and every sender is given its activation id."""
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        ids = list(
+            pool.map(
+                lambda _: send_message(store, "s1", "refund?", message_id="m1", ts=clock.now()),
+                range(16),
+            )
+        )
+    records = list(store.read_stream("session:s1"))
+    [ready] = of(ActivationReady, records)
+    assert len(of(SessionCreated, records)) == 1
+    assert set(ids) == {ready.activation_id}
+    other = send_message(store, "s1", "and order 8?", message_id="m2", ts=clock.now())
+    assert other != ready.activation_id
+    assert len(of(ActivationReady, list(store.read_stream("session:s1")))) == 2
 
 
 def test_wake_caps_are_refused_with_a_clear_error(

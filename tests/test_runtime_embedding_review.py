@@ -5,8 +5,8 @@ Real parts only: a real LMDB store in ``tmp_path``, the loopback fake provider,
 ``MemoryChannel``s and the fake clock. Each docstring says what is (or was) wrong, why it
 matters to a host or its users, and what is expected. Three are fixed (a status that
 counts what others appended, a refused message's text kept out of the error, a spawn
-whose task cannot be stored refused); the five still open are marked
-``xfail(strict=True)``.
+whose task cannot be stored refused, a host channel whose name is not its key); the
+four still open are marked ``xfail(strict=True)``.
 """
 
 from __future__ import annotations
@@ -88,7 +88,6 @@ def test_a_sessions_status_counts_the_work_queued_for_it(
 # -- one message, one answer -----------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="a message sent again with its id is answered again")
 def test_a_message_sent_again_with_its_id_is_not_answered_twice(
     store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
 ) -> None:
@@ -101,7 +100,8 @@ def test_a_message_sent_again_with_its_id_is_not_answered_twice(
     makes its user get every redelivered message answered again (and a new message that
     reuses an id is dropped, yet "answered"). Expected: a message id already recorded in
     the session is not run again (no model call, no reply), as a delayed wake's
-    ``dedupe_key`` returns the pending one."""
+    ``dedupe_key`` returns the pending one. Fixed: ``decide_message`` over the newest
+    ``MESSAGES_KEPT`` message ids of the session's activations."""
     with Runtime(
         runtime_config(fake.base_url), store=store, clock=clock, channels={"chat": chat}
     ) as rt:
@@ -226,7 +226,6 @@ def test_an_abandonment_nobody_could_tell_is_told_by_the_next_runtime(
 # -- handles ---------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="status() says the runtime was closed while it runs")
 def test_a_crashed_sessions_handle_answers_status_while_the_runtime_runs(
     store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
 ) -> None:
@@ -238,7 +237,8 @@ def test_a_crashed_sessions_handle_answers_status_while_the_runtime_runs(
     handle's ``send`` still works (the worker starts a new Agent at once). A host that
     believes the message rebuilds its runtime, or reports an outage that is not there.
     Expected: the report, folded from the log (or from an Agent started for it), as for a
-    passivated session; at worst a typed error that says what is true."""
+    passivated session; at worst a typed error that says what is true. Fixed: folded
+    from the log (the supervisor's backoff still decides when the Agent starts again)."""
     with Runtime(
         runtime_config(fake.base_url), store=store, clock=clock, channels={"chat": chat}
     ) as rt:
@@ -250,13 +250,15 @@ def test_a_crashed_sessions_handle_answers_status_while_the_runtime_runs(
         crashed.tell(object())  # the Agent dies of an exception (the clock does not move:
         assert crashed.actor_stopped.wait(GUARD)  # its restart's backoff has not passed)
         report = session.status(GUARD)
+        assert not crashed.is_alive()
+        assert session.ref is crashed  # status() does not restart it
     assert report.session.turns == 1
+    assert report.idle
 
 
 # -- channels --------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="the session records the channel's name, not its key")
 def test_a_host_channel_named_unlike_its_key_still_gets_the_sessions_replies_after_restart(
     store: EventStore, clock: FakeClock, fake: FakeProvider
 ) -> None:
@@ -269,7 +271,8 @@ def test_a_host_channel_named_unlike_its_key_still_gets_the_sessions_replies_aft
     and falls back to ``console``: the user's reply is printed on the server's stdout. A
     failed send is likewise dead-lettered to a channel the queue cannot find. Expected:
     the session keeps replying on the channel it was started on (record the key), or a
-    channel whose name is not its key is refused up front with ``ConfigError``."""
+    channel whose name is not its key is refused up front with ``ConfigError``. Fixed:
+    the key is recorded (the Agent's ``channel_name``)."""
     cfg = runtime_config(fake.base_url)
     with Runtime(cfg, store=store, clock=clock, channels={"chat": MemoryChannel("slack")}) as rt:
         rt.session("s1", channel="chat")
@@ -282,6 +285,23 @@ def test_a_host_channel_named_unlike_its_key_still_gets_the_sessions_replies_aft
         assert queued.channel in ("chat", "slack")  # not "console"
         [reply] = delivered(rt, chat, 1)
     assert reply.text == "default answer"
+
+
+def test_a_log_that_recorded_the_channels_own_name_still_finds_it_by_that_name(
+    store: EventStore, clock: FakeClock, fake: FakeProvider
+) -> None:
+    """A log written before sessions recorded the key names the channel's own ``name``
+    (``"slack"``): the runtime whose ``channels={"chat": ...}`` holds the one channel of
+    that name replies there, and records its key from then on."""
+    send_message(store, "s1", "hello", channel="slack", ts=clock.now())
+    chat = MemoryChannel("slack")
+    with Runtime(
+        runtime_config(fake.base_url), store=store, clock=clock, channels={"chat": chat}
+    ) as rt:
+        [reply] = delivered(rt, chat, 1)
+        records = log_until(store, "session:s1", has(AnnouncementDelivered))
+    assert reply.text == "default answer"
+    assert [queued.channel for queued in of(AnnouncementQueued, records)] == ["chat"]
 
 
 # -- sub-agent runs --------------------------------------------------------------------------

@@ -299,8 +299,9 @@ def test_a_crashing_agent_is_restarted_then_given_up_after_the_fourth_crash_in_5
     assert [q.kind for q in queued] == ["failure_notice"]
     clock.advance(10.0)
     assert not session.ref.is_alive()
-    with pytest.raises(RuntimeError, match="stopped"):
-        session.status(timeout=GUARD)
+    report = session.status(timeout=GUARD)  # folded from the log: nothing starts the Agent
+    assert report.idle
+    assert not session.ref.is_alive()
     assert len(of(SupervisorRestarted, list(store.read_stream("runtime")))) == 3
 
 

@@ -45,9 +45,8 @@ from stalwart._logs import get_logger
 from stalwart.channels import Channel, MessageKind, OutboundMessage
 from stalwart.clock import Clock
 from stalwart.context import ModelProfile, SessionMessages
-from stalwart.errors import ConcurrencyError, FencedError, StoreError
+from stalwart.errors import ConcurrencyError, FencedError, StoreClosedError, StoreError
 from stalwart.events import (
-    ActivationReady,
     ActivationRequeued,
     AnnouncementDelivered,
     AnnouncementQueued,
@@ -65,7 +64,7 @@ from stalwart.events import (
 )
 from stalwart.ids import new_id
 from stalwart.providers import ModelCaller, ProviderRequest, ProviderResponse
-from stalwart.state import ActivationPolicy, WakeResult, decide_settlement
+from stalwart.state import ActivationPolicy, WakeResult, decide_message, decide_settlement
 from stalwart.store import NO_STREAM, EventStore, Fence, NewEvent, load_state
 from stalwart.tools import (
     ToolOutcome,
@@ -198,6 +197,7 @@ class AgentActor(Supervised):
         hold: Callable[[str, Fence | None], object] | None = None,
         context: ContextGate | None = None,
         profile: ModelProfile | None = None,
+        channel_name: str | None = None,
     ) -> None:
         super().__init__()
         self._stream = f"session:{session_id}"
@@ -208,6 +208,8 @@ class AgentActor(Supervised):
         self._caller = caller
         self._tools = tools
         self._channel = channel
+        #: what the log records as the channel: the key the runtime finds it by
+        self._channel_name = channel_name if channel_name is not None else channel.name
         self._conversation = conversation if conversation is not None else session_id
         self._thread = thread
         self._settings = settings or AgentLoopSettings()
@@ -232,6 +234,7 @@ class AgentActor(Supervised):
         self._ledger = WakeLedger(self._stream)
         self._wake: Wake | None = None
         self._fence: Fence | None = None
+        self._store_closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -241,7 +244,7 @@ class AgentActor(Supervised):
             self._ledger.add(record)
             self._context_log.add(record)
         if self._folder.version == 0:
-            created = SessionCreated(agent=self._agent_name, channel=self._channel.name)
+            created = SessionCreated(agent=self._agent_name, channel=self._channel_name)
             with contextlib.suppress(ConcurrencyError):  # a first message created it
                 new = NewEvent(event=created, ts=self._clock.now())
                 self._store.append(self._stream, [new], expected_version=NO_STREAM)
@@ -297,7 +300,10 @@ class AgentActor(Supervised):
                 self._on_deadline(message)
             case AgentStatus():  # what others appended (a message, a wake) counts too
                 try:
-                    self._refresh()
+                    if not self._store_closed:
+                        self._refresh()
+                except StoreClosedError:  # the runtime is closing: the last fold answers
+                    self._store_closed = True  # (a closed handle never opens again)
                 except StoreError as exc:  # the last fold, then
                     log.warning("agent.status_stale", stream=self._stream, error=type(exc).__name__)
             case IsIdle():
@@ -398,7 +404,7 @@ class AgentActor(Supervised):
         if not message.ok and unsent is not None:  # the queue's entry first, then the failure
             enqueue = Enqueue(
                 announcement_id=message.announcement_id,
-                channel=self._channel.name,
+                channel=self._channel_name,
                 conversation=self._conversation,
                 text=unsent[0],
                 reason=error_class,
@@ -637,7 +643,7 @@ class AgentActor(Supervised):
             return
         announcement_id = new_id()
         queued = AnnouncementQueued(
-            announcement_id=announcement_id, channel=self._channel.name, kind=kind, text=text
+            announcement_id=announcement_id, channel=self._channel_name, kind=kind, text=text
         )
         self._append([*before, completed, queued, *([settlement] if settlement else [])], now=now)
         turn.stop()
@@ -663,13 +669,14 @@ class AgentActor(Supervised):
     # -- wakes -----------------------------------------------------------------------------------
 
     def _record_message(self, message: UserMessage) -> None:
-        """Durable mode: a user message becomes an ``activation:ready`` for the worker."""
-        ready = ActivationReady(
-            activation_id=new_id(),
-            kind="message",
-            message_id=message.message_id or new_id(),
-            text=message.text,
+        """Durable mode: a user message becomes an ``activation:ready`` for the worker
+        (one whose id the session was already given is not run again)."""
+        self._refresh()
+        ready = decide_message(
+            self._ledger.activations, new_id(), message.message_id or new_id(), message.text
         )
+        if isinstance(ready, str):
+            return
         self._store.append(self._stream, [NewEvent(event=ready, ts=self._clock.now())])
         self._refresh()
         if self._worker is not None:
@@ -738,7 +745,7 @@ class AgentActor(Supervised):
             notice.append(
                 AnnouncementQueued(
                     announcement_id=announcement_id,
-                    channel=self._channel.name,
+                    channel=self._channel_name,
                     kind="static_reply",
                     text=APPROVAL_TEXT,
                 )
@@ -781,7 +788,7 @@ class AgentActor(Supervised):
 
     def _notice(self, text: str) -> AnnouncementQueued:
         return AnnouncementQueued(
-            announcement_id=new_id(), channel=self._channel.name, kind="failure_notice", text=text
+            announcement_id=new_id(), channel=self._channel_name, kind="failure_notice", text=text
         )
 
     def _speak_up(self) -> None:

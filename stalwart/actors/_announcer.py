@@ -23,7 +23,7 @@ import msgspec
 import pykka
 
 from stalwart._logs import get_logger
-from stalwart.channels import Channel, OutboundMessage
+from stalwart.channels import Channel, OutboundMessage, channel_named
 from stalwart.clock import Clock
 from stalwart.events import AnnouncementDelivered, AnnouncementQueued, AnnouncementSendFailed
 from stalwart.events import Event as LogEvent
@@ -195,7 +195,7 @@ class Announcer(Supervised):
             idempotency_key=announcement_id,
             kind="reply",
         )
-        channel = self._channels.get(batch.channel)
+        channel = channel_named(self._channels, batch.channel)
         future = send_by_clock(
             self._portal, self._scheduler, self._clock, channel, message, self._send_s
         )

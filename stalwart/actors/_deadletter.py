@@ -46,7 +46,7 @@ import msgspec
 import pykka
 
 from stalwart._logs import get_logger
-from stalwart.channels import Channel, MessageKind, OutboundMessage, message_kind
+from stalwart.channels import Channel, MessageKind, OutboundMessage, channel_named, message_kind
 from stalwart.clock import Clock
 from stalwart.config import DeadLetterSettings
 from stalwart.errors import ConcurrencyError, CorruptRecordError
@@ -483,7 +483,7 @@ class DeadLetterActor(Supervised):
             kind=message_kind(entry.kind),
         )
         timeout_s = self._settings.announce_timeout_ms / 1000
-        channel = self._channels.get(entry.channel)
+        channel = channel_named(self._channels, entry.channel)
         future = send_by_clock(
             self._portal, self._scheduler, self._clock, channel, message, timeout_s
         )

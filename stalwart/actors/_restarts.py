@@ -27,7 +27,7 @@ import msgspec
 import pykka
 
 from stalwart._logs import get_logger
-from stalwart.channels import Channel, OutboundMessage
+from stalwart.channels import Channel, OutboundMessage, channel_named
 from stalwart.clock import Clock
 from stalwart.config import SupervisionSettings
 from stalwart.errors import StoreError
@@ -276,7 +276,7 @@ class Restarts:
             idempotency_key=notice.announcement_id,
             kind="failure_notice",
         )
-        channel = self._channels.get(notice.channel)
+        channel = channel_named(self._channels, notice.channel)
         future = send_by_clock(
             self._portal, self._scheduler, self._clock, channel, message, self._send_s
         )

@@ -57,7 +57,7 @@ import msgspec
 import pykka
 
 from stalwart._logs import get_logger
-from stalwart.channels import Channel, MessageKind, OutboundMessage
+from stalwart.channels import Channel, MessageKind, OutboundMessage, channel_named
 from stalwart.clock import Clock
 from stalwart.config import SubagentSettings, SupervisionSettings
 from stalwart.errors import ConcurrencyError, CorruptRecordError, StoreError
@@ -548,7 +548,7 @@ class SupervisorActor(Supervised):
             idempotency_key=announcement_id,
             kind=kind,
         )
-        channel = self._channels.get(watch.channel or self._default_channel)
+        channel = channel_named(self._channels, watch.channel or self._default_channel)
         if path == "announce" and self._announcer is not None:
             channel = self._announcer
         future = send_by_clock(

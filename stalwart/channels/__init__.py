@@ -10,7 +10,14 @@ from ._console import ConsoleChannel
 from ._factory import channel_from_settings
 from ._memory import MemoryChannel
 from ._send import send_within
-from ._types import Channel, Delivery, MessageKind, OutboundMessage, message_kind
+from ._types import (
+    Channel,
+    Delivery,
+    MessageKind,
+    OutboundMessage,
+    channel_named,
+    message_kind,
+)
 from ._webhook import WebhookChannel
 
 __all__ = [
@@ -22,6 +29,7 @@ __all__ = [
     "OutboundMessage",
     "WebhookChannel",
     "channel_from_settings",
+    "channel_named",
     "message_kind",
     "send_within",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal, Protocol, cast, get_args, runtime_checkable
 
 import msgspec
@@ -61,6 +62,19 @@ class Channel(Protocol):
     async def aclose(self) -> None:
         """Release what the channel holds; a later send raises ChannelError (``closed``)."""
         ...
+
+
+def channel_named(channels: Mapping[str, Channel], name: str | None) -> Channel | None:
+    """The channel a log names: by its key in the runtime's channels (what sessions,
+    announcements and dead-letter entries record), else the one channel whose own
+    ``name`` it is (logs written before the key was recorded); None when neither."""
+    if name is None:
+        return None
+    found = channels.get(name)
+    if found is not None:
+        return found
+    named = [channel for channel in channels.values() if channel.name == name]
+    return named[0] if len(named) == 1 else None
 
 
 def closed_error(name: str) -> ChannelError:

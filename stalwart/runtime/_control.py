@@ -32,6 +32,7 @@ from stalwart.state import (
     SessionState,
     WakeRefused,
     decide_interrupt,
+    decide_message,
     decide_wake,
 )
 from stalwart.store import NO_STREAM, EventStore, Fence, NewEvent
@@ -128,28 +129,53 @@ def send_message(
     ts: float | None = None,
 ) -> str:
     """Record a user message as an ``activation:ready`` (durable when this returns);
-    creates the session when it has no events. Returns the activation id."""
+    creates the session when it has no events. Returns the activation id.
+
+    A ``message_id`` the session was already given (among its newest ``MESSAGES_KEPT``
+    messages) is not recorded again: the activation that carries it is returned, so a
+    message delivered twice (a chat platform redelivering its webhook) is answered once.
+    """
     activation_id = new_id()
-    ready = ActivationReady(
-        activation_id=activation_id,
-        kind="message",
-        message_id=message_id or new_id(),
-        text=text,
-    )
+    if message_id is None:  # a new id: nothing to compare, one append
+        ready = ActivationReady(
+            activation_id=activation_id, kind="message", message_id=new_id(), text=text
+        )
+        _created_then(store, session_id, ready, agent, channel, ts)
+        return activation_id
+    chosen: list[str] = []
+
+    def decide(
+        session: SessionState, activations: ActivationsState
+    ) -> tuple[list[Event], Fence | None]:
+        decision = decide_message(activations, activation_id, message_id, text)
+        chosen[:] = [decision if isinstance(decision, str) else activation_id]
+        if isinstance(decision, str):
+            return [], None
+        if session.version == 0:
+            return [SessionCreated(agent=agent, channel=channel), decision], None
+        return [decision], None
+
+    _act(store, session_id, decide, ts)
+    return chosen[0]
+
+
+def _created_then(
+    store: EventStore, session_id: str, event: Event, agent: str, channel: str, ts: float | None
+) -> None:
+    """Append ``event``, after a ``session:created`` when the session has no events."""
     stream = _stream(session_id)
     if store.stream_version(stream) == 0:
         try:
             created = SessionCreated(agent=agent, channel=channel)
             store.append(
                 stream,
-                [NewEvent(event=created, ts=ts), NewEvent(event=ready, ts=ts)],
+                [NewEvent(event=created, ts=ts), NewEvent(event=event, ts=ts)],
                 expected_version=NO_STREAM,
             )
-            return activation_id
+            return
         except ConcurrencyError:
             pass  # created meanwhile: append as to any session
-    store.append(stream, [NewEvent(event=ready, ts=ts)])
-    return activation_id
+    store.append(stream, [NewEvent(event=event, ts=ts)])
 
 
 def _answer(

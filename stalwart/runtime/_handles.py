@@ -123,10 +123,12 @@ class SessionHandle:
         thread: str | None = None,
         post: Callable[[str, str | None], None] | None = None,
         revive: Callable[[], pykka.ActorRef[Any] | None] | None = None,
+        folded: Callable[[], AgentReport | None] | None = None,
     ) -> None:
         self.session_id = session_id
         self._post = post
         self._revive = revive  # the Agent again, after a passivation (None: closed)
+        self._folded = folded  # the report from the log, with no Agent (None: closed)
         self.agent = agent
         self.channel = channel
         self.conversation = conversation if conversation is not None else session_id
@@ -155,19 +157,28 @@ class SessionHandle:
         """The agent's :class:`AgentReport` (``idle``, ``queued``, ``step``, the session).
 
         A passivated session's Agent is started again to answer (it rebuilds from the
-        log); RuntimeError once the runtime was closed."""
+        log). One that is down for another reason (it crashed and its restart waits for
+        the supervisor's backoff, or supervision gave up on it) is not started: the
+        report is folded from the log (``queued`` counts the pending activations, ``step``
+        is 0). RuntimeError once the runtime was closed."""
         try:
             report = self.ref.ask(AgentStatus(), timeout=timeout)
         except pykka.ActorDeadError:
-            ref = self._revive() if self._revive is not None else None
-            if ref is None:
-                raise self._stopped() from None
-            try:
-                report = ref.ask(AgentStatus(), timeout=timeout)
-            except pykka.ActorDeadError:
-                raise self._stopped() from None
+            report = self._without_agent(timeout)
         assert isinstance(report, AgentReport)
         return report
+
+    def _without_agent(self, timeout: float) -> AgentReport:
+        ref = self._revive() if self._revive is not None else None
+        if ref is not None:
+            with contextlib.suppress(pykka.ActorDeadError):
+                report = ref.ask(AgentStatus(), timeout=timeout)
+                assert isinstance(report, AgentReport)
+                return report
+        folded = self._folded() if self._folded is not None else None
+        if folded is None:
+            raise self._stopped()
+        return folded
 
     def _stopped(self) -> RuntimeError:
         return RuntimeError(f"session {self.session_id!r} is stopped: its runtime was closed")

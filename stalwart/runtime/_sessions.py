@@ -18,6 +18,7 @@ from stalwart.actors import (
     RESEND_WITHIN_S,
     AgentActor,
     AgentLoopSettings,
+    AgentReport,
     Crashed,
     HealthView,
     LeaseLost,
@@ -25,7 +26,7 @@ from stalwart.actors import (
     WorkerReport,
     left_unsent,
 )
-from stalwart.channels import Channel
+from stalwart.channels import Channel, channel_named
 from stalwart.config import AgentSettings
 from stalwart.errors import ConcurrencyError, ConfigError, SessionActionError, StalwartError
 from stalwart.events import SessionCreated
@@ -196,7 +197,7 @@ class SessionLayer:
         target = target or self._target(channel)
         durable = self._durable if supervised else None
         if durable is not None:  # the session exists when session() returns
-            self._record_created(session_id, agent, target, conversation, thread)
+            self._record_created(session_id, agent, channel, conversation, thread)
             durable.started(session_id)  # passivated once idle, like any Agent
         context = self._context if supervised else None
         tools = self._own_tools(session_id, agent, settings, durable, context, supervised)
@@ -222,9 +223,11 @@ class SessionLayer:
             hold=self._layer.sink.hold if durable is not None else None,
             context=context.gate if context is not None else None,
             profile=context.profile(agent) if context is not None else None,
+            channel_name=channel,
         )
         post = partial(self.post, session_id) if durable is not None else None
         revive = partial(self._revive, session_id) if durable is not None else None
+        folded = partial(self._folded, session_id) if durable is not None else None
         return SessionHandle(
             session_id,
             ref,
@@ -234,6 +237,7 @@ class SessionLayer:
             thread=thread,
             post=post,
             revive=revive,
+            folded=folded,
         )
 
     def _target(self, channel: str) -> Channel:
@@ -261,12 +265,12 @@ class SessionLayer:
         self,
         session_id: str,
         agent: str,
-        target: Channel,
+        channel: str,
         conversation: str | None,
         thread: str | None,
     ) -> None:
         created = SessionCreated(
-            agent=agent, channel=target.name, conversation=conversation, thread=thread
+            agent=agent, channel=channel, conversation=conversation, thread=thread
         )
         with contextlib.suppress(ConcurrencyError):
             self._w.store.append(
@@ -335,6 +339,14 @@ class SessionLayer:
                 return None
             return self._start_again(session_id, handle)
 
+    def _folded(self, session_id: str) -> AgentReport | None:
+        """The session's report from the log, for a handle whose Agent is down and not
+        passivated (None once the runtime is closed)."""
+        if not self._w.running():
+            return None
+        session, activations = load_session(self._w.store, session_id)
+        return AgentReport(session=session, queued=activations.backlog)
+
     # -- crashes, wakes, passivation -----------------------------------------------------------
 
     def agent_crashed(self, session_id: str, reason: str) -> None:
@@ -393,11 +405,14 @@ class SessionLayer:
             if agent:
                 log.warning("runtime.agent_not_configured", session=session_id, agent=agent)
             agent = "default"
-        if channel is None or channel not in self._w.channels:
-            if channel is not None:
-                log.warning("runtime.channel_not_configured", session=session_id, channel=channel)
-            channel = DEFAULT_CHANNEL
-        return agent, channel
+        if channel is None:
+            return agent, DEFAULT_CHANNEL
+        # a log written before sessions recorded the channel's key may name the channel
+        found = channel_named(self._w.channels, channel)
+        if found is None:
+            log.warning("runtime.channel_not_configured", session=session_id, channel=channel)
+            return agent, DEFAULT_CHANNEL
+        return agent, next(key for key, known in self._w.channels.items() if known is found)
 
     def _address(self, session_id: str) -> tuple[str | None, str | None]:
         """The conversation and thread the session was created with (None: not recorded,

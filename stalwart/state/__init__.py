@@ -5,12 +5,14 @@ This package imports only :mod:`stalwart.events`; nothing here does I/O or reads
 
 from ._activation import (
     ACTIVATIONS,
+    MESSAGES_KEPT,
     Activation,
     ActivationOutcome,
     ActivationsAggregate,
     ActivationsState,
     Claim,
     Lease,
+    SeenMessage,
     apply_activations,
 )
 from ._activation_policy import (
@@ -20,6 +22,7 @@ from ._activation_policy import (
     activation_backoff_ms,
     decide_interrupt,
     decide_lease,
+    decide_message,
     decide_release,
     decide_settlement,
     decide_wake,
@@ -198,6 +201,7 @@ __all__ = [
     "FAILED_CALLS",
     "HEALTH",
     "KNOBS",
+    "MESSAGES_KEPT",
     "NOTICES",
     "PAUSES",
     "PROBE_AGENT",
@@ -271,6 +275,7 @@ __all__ = [
     "RunAggregate",
     "RunState",
     "RunStatus",
+    "SeenMessage",
     "Selective",
     "SessionAggregate",
     "SessionFolder",
@@ -317,6 +322,7 @@ __all__ = [
     "decide_interrupt",
     "decide_layer_failure",
     "decide_lease",
+    "decide_message",
     "decide_pause",
     "decide_prompt_timeout",
     "decide_recovery",

@@ -33,16 +33,21 @@ from ._aggregate import ApplyFolder
 
 __all__ = [
     "ACTIVATIONS",
+    "MESSAGES_KEPT",
     "Activation",
     "ActivationOutcome",
     "ActivationsAggregate",
     "ActivationsState",
     "Claim",
     "Lease",
+    "SeenMessage",
     "apply_activations",
 ]
 
 HISTORY_KEPT = 20
+#: how many of a session's newest user message ids its activations remember: a message
+#: sent again with one of them (a chat platform redelivering a webhook) is not run again
+MESSAGES_KEPT = 256
 
 
 class Activation(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -59,6 +64,13 @@ class Activation(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     dedupe_key: str | None = None
     streak: int = 0
     last_error: str | None = None
+
+
+class SeenMessage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A user message the session was given: its id and the activation that carries it."""
+
+    message_id: str
+    activation_id: str
 
 
 class Lease(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -100,6 +112,8 @@ class ActivationsState(msgspec.Struct, frozen=True, kw_only=True):
     requeued: int = 0
     abandoned: int = 0
     expired: int = 0
+    #: the newest ``MESSAGES_KEPT`` user messages, oldest first
+    messages: tuple[SeenMessage, ...] = ()
 
     def find(self, activation_id: str) -> Activation | None:
         for activation in self.queue:
@@ -176,7 +190,13 @@ def apply_activations(state: ActivationsState, record: RecordedEvent) -> Activat
                 text=event.text,
                 dedupe_key=event.dedupe_key,
             )
-            return msgspec.structs.replace(state, queue=(*state.queue, activation))
+            messages = state.messages
+            if event.kind == "message" and event.message_id is not None:
+                seen = SeenMessage(message_id=event.message_id, activation_id=event.activation_id)
+                messages = (*messages, seen)[-MESSAGES_KEPT:]
+            return msgspec.structs.replace(
+                state, queue=(*state.queue, activation), messages=messages
+            )
         case ActivationLeased():
             lease = Lease(
                 activation_id=event.activation_id,
@@ -311,7 +331,7 @@ class ActivationsAggregate:
     """The activations fold as an :class:`~stalwart.state.Aggregate`."""
 
     name = "activations"
-    version = 1
+    version = 2  # 2: ``messages`` (a snapshot without it would forget them)
     state_type = ActivationsState
 
     def initial(self, stream: str) -> ActivationsState:

@@ -46,6 +46,7 @@ __all__ = [
     "activation_backoff_ms",
     "decide_interrupt",
     "decide_lease",
+    "decide_message",
     "decide_settlement",
     "decide_wake",
     "lease_expired",
@@ -287,6 +288,20 @@ def decide_wake(
         wake_at=max(wake_at, now),
         dedupe_key=dedupe_key,
         text=text,
+    )
+
+
+def decide_message(
+    state: ActivationsState, activation_id: str, message_id: str, text: str
+) -> ActivationReady | str:
+    """A user message: the ``activation:ready`` to append, or the id of the activation
+    that already carries ``message_id`` among the session's newest ``MESSAGES_KEPT``
+    messages (nothing to append): a message delivered twice is run once."""
+    for seen in state.messages:
+        if seen.message_id == message_id:
+            return seen.activation_id
+    return ActivationReady(
+        activation_id=activation_id, kind="message", message_id=message_id, text=text
     )
 
 
