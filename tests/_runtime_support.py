@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 
+from stalwart.actors import RESEND_GRACE_S
 from stalwart.channels import MemoryChannel, OutboundMessage
 from stalwart.clock import FakeClock
 from stalwart.config import Config, parse_config
@@ -18,6 +19,12 @@ from stalwart.store import EventStore
 
 #: The longest any wait in these tests takes before it fails.
 GUARD = 10.0
+
+
+def in_flight_s(config: Config) -> float:
+    """How long after it was queued an unsent announcement is left to its sender (whose
+    send may still be under way) before another Agent sends it again."""
+    return config.dead_letters.announce_timeout_ms / 1000 + RESEND_GRACE_S
 
 
 def agent_settings(prompt_timeout_ms: int = 5_000, **fields: Any) -> dict[str, Any]:

@@ -37,7 +37,15 @@ from stalwart.runtime import Runtime, send_message
 from stalwart.store import EventStore
 from stalwart.testing import FakeProvider, Hang
 
-from ._runtime_support import GUARD, delivered, has, log_until, of, runtime_config
+from ._runtime_support import (
+    GUARD,
+    delivered,
+    has,
+    in_flight_s,
+    log_until,
+    of,
+    runtime_config,
+)
 
 
 def _config(fake: FakeProvider, **extra: Any) -> Config:
@@ -127,6 +135,29 @@ def test_an_answer_whose_send_a_crash_cut_short_is_sent_again(
         assert done.announcement_id == queued.announcement_id
 
 
+def test_an_answer_young_enough_to_be_in_flight_elsewhere_is_sent_once_its_time_is_past(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """An answer queued a moment ago with no outcome may still be on its way from the
+    runtime that queued it: its Agent, once started, sends it only when the sender's send
+    timeout (plus ``RESEND_GRACE_S``) is past."""
+    created = SessionCreated(agent="default", channel="chat")
+    answer = AnnouncementQueued(
+        announcement_id="a-1", channel="chat", kind="completion", text="your refund landed"
+    )
+    store.append("session:s1", [created, answer])
+    config = _config(fake)
+    with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
+        rt.session("s1", channel="chat").status(GUARD)  # its Agent has started (and spoken)
+        clock.advance(in_flight_s(config) - 1.0)
+        assert chat.attempted == []
+        clock.advance(1.0)
+        [message] = delivered(rt, chat, 1)
+        assert (message.text, message.idempotency_key) == ("your refund landed", "a-1")
+        log_until(store, "session:s1", has(AnnouncementDelivered))
+    assert len(chat.attempted) == 1
+
+
 def test_only_recent_news_is_sent_again(
     store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
 ) -> None:
@@ -179,6 +210,7 @@ def test_a_damaged_session_does_not_stop_the_resend_of_the_others(
     finally:
         env.close()
     store = store_module.open(directory, clock=clock)
+    clock.advance(in_flight_s(_config(fake)))  # the process that was sending them is gone
     try:
         with (
             structlog.testing.capture_logs() as captured,

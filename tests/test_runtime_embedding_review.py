@@ -3,18 +3,14 @@ defects found, each shown by a failing test.
 
 Real parts only: a real LMDB store in ``tmp_path``, the loopback fake provider,
 ``MemoryChannel``s and the fake clock. Each docstring says what is (or was) wrong, why it
-matters to a host or its users, and what is expected. Three are fixed (a status that
-counts what others appended, a refused message's text kept out of the error, a spawn
-whose task cannot be stored refused, a host channel whose name is not its key); the
-four still open are marked ``xfail(strict=True)``.
-"""
+matters to a host or its users, and what is expected. All eight are fixed (the last five
+were strict xfails for a session)."""
 
 from __future__ import annotations
 
 import time
 
 import anyio
-import pytest
 
 from stalwart.actors import ABANDONED_TEXT
 from stalwart.channels import MemoryChannel
@@ -153,7 +149,6 @@ def test_a_message_with_a_lone_surrogate_does_not_put_its_text_in_the_error(
 # -- the start-up resend ---------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="a reply still being sent elsewhere is sent again")
 def test_a_reply_another_live_runtime_is_sending_is_not_sent_again(
     store: EventStore, clock: FakeClock, fake: FakeProvider
 ) -> None:
@@ -167,7 +162,8 @@ def test_a_reply_another_live_runtime_is_sending_is_not_sent_again(
     session, while the first is mid-send sends the same reply again: the user gets it
     twice. Expected: an announcement is sent again only once its sender is known to be
     gone (its runtime recorded ``runtime:stopped``) or its send could no longer be in
-    flight (older than ``announce_timeout_ms``)."""
+    flight (older than ``announce_timeout_ms``). Fixed: by its age (the send timeout
+    plus ``RESEND_GRACE_S``); a younger one is looked at again when it is old enough."""
     cfg = runtime_config(fake.base_url)
     first = MemoryChannel("chat")
     first.hang_next(1)  # runtime A is still sending the answer (a slow receiver)
@@ -192,7 +188,6 @@ def _unknown_channel_config(base_url: str) -> Config:
     )
 
 
-@pytest.mark.xfail(strict=True, reason="an untold abandonment is never told")
 def test_an_abandonment_nobody_could_tell_is_told_by_the_next_runtime(
     store: EventStore, clock: FakeClock, fake: FakeProvider
 ) -> None:
@@ -205,7 +200,7 @@ def test_an_abandonment_nobody_could_tell_is_told_by_the_next_runtime(
     not for abandonments left untold; with no work due, nothing starts the Agent, and the
     user who sent the message hears nothing, ever. Expected: a runtime that can reach
     the session's channel tells the user (``ABANDONED_TEXT``) at start, as it resends a
-    reply a crash cut short."""
+    reply a crash cut short. Fixed: the sweep's ``left_unsaid`` counts it."""
     send_message(store, "s1", "hello", channel="chat", ts=clock.now())
     with Runtime(_unknown_channel_config(fake.base_url), store=store, clock=clock):
         log_until(store, "session:s1", has(ActivationAbandoned))

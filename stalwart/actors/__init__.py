@@ -2,7 +2,7 @@
 
 from stalwart.state import batch_text
 
-from ._agent import RESEND_WITHIN_S, AgentActor, left_unsent
+from ._agent import RESEND_GRACE_S, RESEND_WITHIN_S, AgentActor, left_unsaid
 from ._agent_fold import (
     AGENT_VIEW,
     UNANSWERED_TOOL_TEXT,
@@ -142,6 +142,7 @@ __all__ = [
     "NO_HUMAN_TEXT",
     "OVERFLOW_TEXT",
     "REFUSALS_STREAM",
+    "RESEND_GRACE_S",
     "RESEND_WITHIN_S",
     "RESTART_STREAM",
     "RUN_WATCH",
@@ -236,7 +237,7 @@ __all__ = [
     "drafts_note",
     "execution_deadline",
     "failure_notice",
-    "left_unsent",
+    "left_unsaid",
     "request_messages",
     "subsession_work",
     "to_provider_messages",

@@ -99,6 +99,7 @@ from ._agent_messages import (
     Deadline,
     IsIdle,
     ModelDone,
+    ResendDue,
     SendDone,
     ToolsDone,
     UserMessage,
@@ -124,21 +125,26 @@ from ._send import clock_timer
 from ._supervised import Supervised
 from ._worker import Abandoned, LeaseLost, Wake, WakeEnded
 
-__all__ = ["AgentActor", "left_unsent"]
+__all__ = ["AgentActor", "left_unsaid"]
 
 log = get_logger(__name__)
 
 #: How long after it was queued an announcement whose send a crash cut short is sent
 #: again (the dead-letter queue's default maximum age: older news is stale).
 RESEND_WITHIN_S = 3_600.0
+#: Beyond its sender's send timeout, how long an unsent announcement is left to the
+#: sender (which records the outcome once its send ends) before it is sent again.
+RESEND_GRACE_S = 5.0
 
 
-def left_unsent(store: EventStore, stream: str, now: float) -> bool:
-    """Whether a session's log holds an announcement queued within
-    :data:`RESEND_WITHIN_S` whose send never ended (a close or a crash cut it short),
-    and no live lease (a wake running elsewhere speaks for itself): its Agent, once
-    started, sends it again. Only sessions a runtime created (``session:created`` first)
-    count: a sub-agent run's own announcements are its internals."""
+def left_unsaid(store: EventStore, stream: str, now: float) -> bool:
+    """Whether a session's log, with no live lease (a wake running elsewhere speaks for
+    itself), holds news within :data:`RESEND_WITHIN_S` that nobody may be telling: an
+    announcement whose send never ended (a close or a crash cut it short; or its sender
+    is still at it, which the Agent tells apart by its age), or an activation the worker
+    gave up on that nobody told the user about. Its Agent, once started, says it. Only
+    sessions a runtime created (``session:created`` first) count: a sub-agent run's own
+    announcements are its internals."""
     ledger = WakeLedger(stream)
     for record in store.read_stream(stream):
         if record.version == 1 and not isinstance(record.event, SessionCreated):
@@ -147,6 +153,8 @@ def left_unsent(store: EventStore, stream: str, now: float) -> bool:
     lease = ledger.activations.lease
     if lease is not None and lease.expires_at > now:
         return False
+    if ledger.abandoned is not None and now - ledger.abandoned <= RESEND_WITHIN_S:
+        return True
     return any(now - at <= RESEND_WITHIN_S for _, at in ledger.unsent.values())
 
 
@@ -235,6 +243,10 @@ class AgentActor(Supervised):
         self._wake: Wake | None = None
         self._fence: Fence | None = None
         self._store_closed = False
+        #: when unsent announcements another sender may still be sending are looked at
+        #: again (None: no such check is pending)
+        self._resend_at: float | None = None
+        self._own_notices: set[str] = set()  # appended by this Agent, not sent yet
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -259,6 +271,8 @@ class AgentActor(Supervised):
     def on_stop(self) -> None:
         if self._turn is not None:
             self._turn.stop()  # the turn stays running in the log: a restart closes it
+        if self._resend_at is not None:
+            self._scheduler.cancel(("agent:resend", self._stream))
 
     def on_failure(self, *exc_info: object) -> None:
         self.on_stop()
@@ -284,6 +298,10 @@ class AgentActor(Supervised):
                 self._on_wake(message)
             case Abandoned():
                 self._speak_up()
+            case ResendDue():
+                self._resend_at = None
+                self._refresh()  # what the other sender recorded meanwhile
+                self._speak_up()
             case LeaseLost():
                 if self._wake is not None and message.epoch in (None, self._wake.epoch):
                     # an interrupt (no epoch) is news to the worker: it still counts the
@@ -308,7 +326,7 @@ class AgentActor(Supervised):
                     log.warning("agent.status_stale", stream=self._stream, error=type(exc).__name__)
             case IsIdle():
                 busy = self._wake or self._turn or self._queue or self._unsent
-                return not busy
+                return not busy and self._resend_at is None
             case _:
                 raise TypeError(f"AgentActor does not understand {message!r}")
         while self._turn is None and self._queue:  # FIFO; a loop, so no recursion
@@ -787,9 +805,13 @@ class AgentActor(Supervised):
             self._worker(WakeEnded(wake.stream, wake.epoch))
 
     def _notice(self, text: str) -> AnnouncementQueued:
-        return AnnouncementQueued(
+        """A failure notice to append; :meth:`_speak_up` sends it (it is this Agent's own,
+        so no other sender can have it in flight)."""
+        notice = AnnouncementQueued(
             announcement_id=new_id(), channel=self._channel_name, kind="failure_notice", text=text
         )
+        self._own_notices.add(notice.announcement_id)
+        return notice
 
     def _speak_up(self) -> None:
         """Say what a crash or a given-up wake left unsaid: that a turn broke off, when the
@@ -816,11 +838,24 @@ class AgentActor(Supervised):
                 with contextlib.suppress(ConcurrencyError):
                     self._store.append(self._stream, news, expected_version=self._folder.version)
                 self._refresh()
+        # a send is bounded by its timeout, after which its sender records the outcome:
+        # until then the announcement may be in flight from another runtime on this log
+        in_flight_s = self._settings.send_timeout_ms / 1000 + RESEND_GRACE_S
+        later: float | None = None
         for announcement_id, (queued, at) in list(ledger.unsent.items()):
             if announcement_id in self._unsent or now - at > RESEND_WITHIN_S:
                 continue
+            if now - at < in_flight_s and announcement_id not in self._own_notices:
+                later = min(later, at + in_flight_s) if later is not None else at + in_flight_s
+                continue
+            self._own_notices.discard(announcement_id)
             log.info("agent.send_again", stream=self._stream, announcement_id=announcement_id)
             self._send("", announcement_id, queued.text, queued.kind)
+        if later is not None and (self._resend_at is None or later < self._resend_at):
+            self._resend_at = later
+            self._scheduler.schedule(
+                later, lambda _: self._tell(ResendDue()), key=("agent:resend", self._stream)
+            )
 
     def _send(self, turn_id: str, announcement_id: str, text: str, kind: Kind) -> None:
         message = OutboundMessage(

@@ -30,6 +30,7 @@ __all__ = [
     "IsIdle",
     "ModelDone",
     "ModelError",
+    "ResendDue",
     "SendDone",
     "ToolsDone",
     "UserMessage",
@@ -146,6 +147,11 @@ class Deadline(msgspec.Struct, frozen=True):
 
     turn_id: str
     at: float
+
+
+class ResendDue(msgspec.Struct, frozen=True):
+    """An announcement another sender may still have been sending is old enough now that
+    its send cannot be in flight any more: send again what is still unsent."""
 
 
 # -- asked ----------------------------------------------------------------------------------

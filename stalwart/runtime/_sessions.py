@@ -24,7 +24,7 @@ from stalwart.actors import (
     LeaseLost,
     WakeFailed,
     WorkerReport,
-    left_unsent,
+    left_unsaid,
 )
 from stalwart.channels import Channel, channel_named
 from stalwart.config import AgentSettings
@@ -109,9 +109,11 @@ class SessionLayer:
 
     def _resend_cut_short(self) -> None:
         """Start the Agent of every session whose reply or notice a close or a crash cut
-        short mid-send (:func:`~stalwart.actors.left_unsent`): the Agent sends it again
-        as it starts. Without this, a session with no work due would never start again,
-        and its user would never get the answer. Runs once, beside the worker."""
+        short mid-send, or whose given-up message nobody told the user about
+        (:func:`~stalwart.actors.left_unsaid`): the Agent says it as it starts (a send
+        young enough to be still under way elsewhere once its sender's timeout is past).
+        Without this, a session with no work due would never start again, and its user
+        would never hear. Runs once, beside the worker."""
         now = self._w.clock.now()
         try:
             for info in self._w.store.streams():
@@ -121,7 +123,7 @@ class SessionLayer:
                     return
                 session_id = info.stream.removeprefix("session:")
                 try:
-                    if session_id in self._handles or not left_unsent(
+                    if session_id in self._handles or not left_unsaid(
                         self._w.store, info.stream, now
                     ):
                         continue
