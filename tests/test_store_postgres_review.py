@@ -6,6 +6,8 @@ failed on the code before its fix, for the defect its name states. A real Postgr
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 import socket
 import threading
 import time
@@ -20,7 +22,9 @@ from stalwart.clock import FakeClock
 from stalwart.errors import CorruptRecordError, StoreError
 from stalwart.events import MessageAppended
 from stalwart.store import NewEvent, PostgresEventStore, Snapshot
+from stalwart.store._postgres_writer import ConnectionLostError
 from stalwart.testing import PostgresServer
+from tests._relay import CuttingRelay, schema_of
 
 _dbs = itertools.count(1)
 
@@ -263,3 +267,69 @@ def test_an_append_cancelled_by_statement_timeout_is_a_clear_failure(
         # and the error must not say the connection was lost or that it may have been
         assert "may or may not" not in str(caught.value)
         assert [r.version for r in store.read_stream("s:1")] == [1]
+
+
+# -- a lost append whose server session will not end ---------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_lost_append_whose_session_will_not_end_is_not_sent_again(
+    pg_server: PostgresServer,
+    pg_url: str,
+    relay: CuttingRelay,
+    relayed_store: PostgresEventStore,
+) -> None:
+    """Defect: when an append's connection is lost, the store ends the append's server
+    session (``pg_terminate_backend(pid, 5000)``) so that it cannot commit later, then
+    sends again what is not in the log. It ignored the answer: a session that is still
+    there after the 5 s (a stalled server process) may commit yet, and the append was
+    sent again beside it (written twice, or blocked behind its locks). Expected: the
+    append fails with the "may or may not have been written" error, and nothing is sent
+    again. The stall is a real one: the server process is stopped with SIGSTOP."""
+    schema = schema_of(pg_url)
+    relayed_store.append("s:1", [_msg(1)])
+    test_db = pg_server.url("stalwart_test")
+    with psycopg.connect(test_db, autocommit=True) as admin:
+        admin.execute(  # the next insert into the log takes 3 s inside the server's session
+            f"CREATE FUNCTION {schema}.slow() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN PERFORM pg_sleep(3); RETURN NULL; END $$; "
+            f"CREATE TRIGGER slow AFTER INSERT ON {schema}.events "
+            f"FOR EACH STATEMENT EXECUTE FUNCTION {schema}.slow()"
+        )
+    failures: list[BaseException] = []
+
+    def append() -> None:
+        try:
+            relayed_store.append("s:1", [_msg(2)], expected_version=1)
+        except BaseException as exc:
+            failures.append(exc)
+
+    appender = threading.Thread(target=append)
+    appender.start()
+    stalled: list[int] = []
+    try:
+        for _ in range(250):
+            rows = _admin(
+                pg_server,
+                "SELECT pid FROM pg_stat_activity WHERE query LIKE '%%append_batch%%' "
+                "AND state = 'active' AND pid <> pg_backend_pid()",
+            )
+            if rows:
+                stalled.append(int(rows[0][0]))  # type: ignore[index]
+                break
+            time.sleep(0.02)  # real time: polls pg_stat_activity for the append
+        assert stalled, "the append never reached the server"
+        os.kill(stalled[0], signal.SIGSTOP)  # the server process stalls mid-append
+        relay.cut_now()  # and the client's connection is lost
+        relay.restore()
+        appender.join(30)
+    finally:
+        for pid in stalled:
+            os.kill(pid, signal.SIGCONT)  # it ends now: the 5 s wait is over
+    assert not appender.is_alive()
+    [failure] = failures
+    assert isinstance(failure, ConnectionLostError)
+    assert "may or may not have been written" in str(failure)
+    with psycopg.connect(test_db, autocommit=True) as admin:
+        admin.execute(f"DROP TRIGGER slow ON {schema}.events")
+    assert [r.version for r in relayed_store.read_stream("s:1")] == [1]  # never twice

@@ -185,7 +185,14 @@ class PostgresEventStore:
         found: list[tuple[str, int, int, int] | None] = []
         with self._db.connection("check a lost append") as conn:
             if pid is not None and pid != conn.info.backend_pid:  # never our own session
-                conn.execute(self._sql.end_session, (pid,))
+                ended = conn.execute(self._sql.end_session, (pid,)).fetchone()
+                if ended is not None and not ended[0]:  # still there after 5 s (a stalled
+                    # server process): it may commit yet, so nothing is sent again
+                    log.warning("store.append_session_lingers", location=self.location)
+                    raise ConnectionLostError(
+                        f"the session of a lost append to the store at {self.location} "
+                        "did not end; it may or may not have been written"
+                    )
             for job in jobs:
                 row = conn.execute(self._sql.find_event, (job.stream, job.ids[0])).fetchone()
                 found.append(None if row is None else ("ok", row[0], row[1] - 1, 0))
