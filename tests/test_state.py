@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from stalwart import store as store_module
 from stalwart.events import (
+    ContextDagDegraded,
     Event,
     ExecutionAborted,
     MessageAppended,
@@ -40,6 +41,7 @@ from stalwart.state import (
     fold_streams,
 )
 from stalwart.store import EventStore, Snapshot, load_state, snapshot_name
+from tests._log import FoldedLog
 
 
 def records(events: list[Event], stream: str = "session:s") -> list[RecordedEvent]:
@@ -344,3 +346,16 @@ def test_bit_rot_in_a_snapshot_is_caught_by_its_checksum(store_dir: Path) -> Non
 
 def test_a_context_stream_replays_with_the_dag_fold() -> None:
     assert aggregate_for("context:s1") is CONTEXT_DAG
+
+
+def test_the_dag_fold_keeps_the_summarizers_episode_across_other_degradations() -> None:
+    """``degraded`` is what a new summarizer episode (``spend_cap`` / ``breaker_open``) is
+    compared with after a restart: a clipped tail or a refused write in between neither
+    ends the episode nor starts one."""
+    folded = FoldedLog(CONTEXT_DAG, "context:s1")
+    folded.add(ContextDagDegraded(reason="spend_cap", knob="k", used=9, limit=8), 1.0)
+    folded.add(ContextDagDegraded(reason="tail_over_budget"), 2.0)
+    folded.add(ContextDagDegraded(reason="fail_closed_rollover"), 3.0)
+    assert (folded.state.degraded, folded.state.tail_clipped) == ("spend_cap", True)
+    folded.add(ContextDagDegraded(reason="breaker_open"), 4.0)
+    assert folded.state.degraded == "breaker_open"

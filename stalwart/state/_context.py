@@ -130,7 +130,11 @@ def apply_context_event(
             )
         case ContextDagDegraded():
             clipped = state.tail_clipped or event.reason == "tail_over_budget"
-            return replace(state, version=version, degraded=event.reason, tail_clipped=clipped)
+            # only the summarizer's episodes (what a new episode is compared with): a
+            # clipped tail or a refused write between them does not end one
+            episode = event.reason in ("spend_cap", "breaker_open")
+            degraded = event.reason if episode else state.degraded
+            return replace(state, version=version, degraded=degraded, tail_clipped=clipped)
         case ContextAssembled():
             return replace(state, version=version, tail_clipped=event.tail_clipped)
         case _:
@@ -145,7 +149,7 @@ class ContextDagAggregate:
     """The DAG fold for ``context:<session>`` streams."""
 
     name = "context_dag"
-    version = 2  # 2: tail_clipped
+    version = 3  # 2: tail_clipped; 3: degraded is the summarizer's episode only
     state_type = ContextDagState
 
     def initial(self, stream: str) -> ContextDagState:
