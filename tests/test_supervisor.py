@@ -30,6 +30,7 @@ import pytest
 from stalwart import store as store_module
 from stalwart.actors import (
     FAILED_SENTENCE,
+    RESEND_GRACE_S,
     SWEPT_SENTENCE,
     TIMED_OUT_SENTENCE,
     DeadLetterActor,
@@ -480,11 +481,11 @@ def test_the_run_and_the_supervisor_share_its_stream_without_losing_a_write(tree
     assert state.status == "running"
 
 
-def test_a_notice_a_crash_interrupted_is_sent_again_directly_by_the_next_supervisor(
-    lmdb_store: EventStore, clock: FakeClock
-) -> None:
+def _notice_left_queued(store: EventStore) -> str:
+    """A timed-out run whose notice was queued at T0 + 120 (its send's outcome unrecorded:
+    the supervisor that queued it died, or is still sending it); the notice's text."""
     text = failure_notice("summarise the report", "timed_out", 120_000)
-    lmdb_store.append(
+    store.append(
         "session:r9",
         [
             NewEvent(
@@ -518,7 +519,14 @@ def test_a_notice_a_crash_interrupted_is_sent_again_directly_by_the_next_supervi
                 ts=T0 + 120,
             ),
         ],
-    )  # the supervisor that queued the notice died before its send ended
+    )
+    return text
+
+
+def test_a_notice_a_crash_interrupted_is_sent_again_directly_by_the_next_supervisor(
+    lmdb_store: EventStore, clock: FakeClock
+) -> None:
+    text = _notice_left_queued(lmdb_store)  # the supervisor that queued it died
     clock.set(T0 + 130)
     with Scheduler(clock) as scheduler, IoPortal() as portal:
         try:
@@ -537,6 +545,32 @@ def test_a_notice_a_crash_interrupted_is_sent_again_directly_by_the_next_supervi
             assert tree.spawned.empty()  # its recovery was decided before the crash
         finally:
             pykka.ActorRegistry.stop_all(timeout=WAIT)
+
+
+def test_a_notice_another_supervisor_may_still_be_sending_is_sent_again_only_later(
+    lmdb_store: EventStore, clock: FakeClock
+) -> None:
+    """A notice queued a second ago may be in flight from the supervisor of another
+    process on the log: it is sent again (directly, once) only when its send could no
+    longer be under way (the announce timeout plus ``RESEND_GRACE_S``), at a later sweep."""
+    text = _notice_left_queued(lmdb_store)
+    clock.set(T0 + 121)
+    with grown(lmdb_store, clock) as tree:
+        tree.barrier()  # the first sweep ran: too young to be sent again
+
+        async def a_few_loop_turns() -> None:  # a send it began would have reached the channel
+            for _ in range(20):
+                await anyio.sleep(0)
+
+        tree.portal.submit(a_few_loop_turns).result(WAIT)
+        assert tree.chat.attempted == []
+        assert T0 + 121 + TICK >= T0 + 120 + ANNOUNCE_MS / 1000 + RESEND_GRACE_S
+        tree.tick()  # the next sweep
+        [message] = delivered(tree.portal, tree.chat, 1)
+        assert (message.text, message.idempotency_key) == (text, "n1")
+        tree.tick(2)
+        assert len(tree.chat.attempted) == 1
+        assert tree.announcer.attempted == []
 
 
 # -- completions a crash lost ------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from stalwart.state import batch_text
 
-from ._agent import RESEND_GRACE_S, RESEND_WITHIN_S, AgentActor, left_unsaid
+from ._agent import RESEND_WITHIN_S, AgentActor, left_unsaid
 from ._agent_fold import (
     AGENT_VIEW,
     UNANSWERED_TOOL_TEXT,
@@ -96,6 +96,7 @@ from ._scheduler import (
     TimerHandle,
     TimerState,
 )
+from ._send import RESEND_GRACE_S
 from ._subagent import GetRun, RunEnded, RunReport, Spawn, SubAgentActor, Work
 from ._subagent_notice import (
     FAILED_SENTENCE,

@@ -121,7 +121,7 @@ from ._deadletter import Enqueue, dead_letter
 from ._portal import IoPortal
 from ._restarts import crashed
 from ._scheduler import Scheduler
-from ._send import clock_timer
+from ._send import RESEND_GRACE_S, clock_timer
 from ._supervised import Supervised
 from ._worker import Abandoned, LeaseLost, Wake, WakeEnded
 
@@ -132,9 +132,6 @@ log = get_logger(__name__)
 #: How long after it was queued an announcement whose send a crash cut short is sent
 #: again (the dead-letter queue's default maximum age: older news is stale).
 RESEND_WITHIN_S = 3_600.0
-#: Beyond its sender's send timeout, how long an unsent announcement is left to the
-#: sender (which records the outcome once its send ends) before it is sent again.
-RESEND_GRACE_S = 5.0
 
 
 def left_unsaid(store: EventStore, stream: str, now: float) -> bool:
@@ -301,7 +298,10 @@ class AgentActor(Supervised):
             case ResendDue():
                 self._resend_at = None
                 self._refresh()  # what the other sender recorded meanwhile
-                self._speak_up()
+                if self._turn is not None or self._wake is not None:  # said after it
+                    self._resend_later(self._clock.now() + RESEND_GRACE_S)
+                else:
+                    self._speak_up()
             case LeaseLost():
                 if self._wake is not None and message.epoch in (None, self._wake.epoch):
                     # an interrupt (no epoch) is news to the worker: it still counts the
@@ -851,10 +851,15 @@ class AgentActor(Supervised):
             self._own_notices.discard(announcement_id)
             log.info("agent.send_again", stream=self._stream, announcement_id=announcement_id)
             self._send("", announcement_id, queued.text, queued.kind)
-        if later is not None and (self._resend_at is None or later < self._resend_at):
-            self._resend_at = later
+        if later is not None:
+            self._resend_later(later)
+
+    def _resend_later(self, at: float) -> None:
+        """Look at the unsent announcements again at ``at`` (the Agent stays up until)."""
+        if self._resend_at is None or at < self._resend_at:
+            self._resend_at = at
             self._scheduler.schedule(
-                later, lambda _: self._tell(ResendDue()), key=("agent:resend", self._stream)
+                at, lambda _: self._tell(ResendDue()), key=("agent:resend", self._stream)
             )
 
     def _send(self, turn_id: str, announcement_id: str, text: str, kind: Kind) -> None:

@@ -20,10 +20,14 @@ from stalwart.clock import Clock
 from ._portal import IoPortal
 from ._scheduler import Scheduler
 
-__all__ = ["clock_timer", "send_by_clock"]
+__all__ = ["RESEND_GRACE_S", "clock_timer", "send_by_clock"]
 
 #: The outcome of a send the deadline cut short (what ``send_within`` says for it).
 TIMEOUT = "timeout"
+#: Beyond a send's timeout, how long an announcement with no outcome is left to its
+#: sender (which records the outcome once its send ends) before another sender, in this
+#: process or another on the same log, sends it again.
+RESEND_GRACE_S = 5.0
 
 
 def send_by_clock(

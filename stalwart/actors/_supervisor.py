@@ -82,7 +82,7 @@ from ._deadletter import Enqueue, dead_letter
 from ._portal import IoPortal
 from ._restarts import Crashed, RestartNoticeSent, Restarts, crashed, tell_later
 from ._scheduler import Scheduler
-from ._send import send_by_clock
+from ._send import RESEND_GRACE_S, send_by_clock
 from ._subagent import RunEnded, RunOutcome, Spawn
 from ._subagent_notice import NoticeSent, Path, failure_notice, sent
 from ._supervised import Supervised
@@ -91,6 +91,7 @@ from ._supervisor_fold import (
     UNSUCCESSFUL,
     RunWatch,
     completion_interrupted,
+    notice_interrupted,
     owed_completion,
     recovery,
     respawn,
@@ -423,7 +424,9 @@ class SupervisorActor(Supervised):
             return
         if watch.notice == "none" and self._decide(stream, self._queue_notice):
             self._send(stream, "announce")
-        elif watch.notice in ("queued", "fallback") and watch.notice_id not in self._sending:
+        elif watch.notice_id not in self._sending and notice_interrupted(
+            watch, self._clock.now(), wait_s=self._announce_s + RESEND_GRACE_S
+        ):
             self._send(stream, "direct")  # a send a crash interrupted: send again, directly
         splits: dict[str, tuple[tuple[str, ...], str]] = {}  # one splitter call per settle
         if self._decide(stream, partial(self._recovery, splits=splits)):

@@ -39,6 +39,7 @@ __all__ = [
     "RunWatch",
     "RunWatchAggregate",
     "completion_interrupted",
+    "notice_interrupted",
     "owed_completion",
     "recovery",
     "respawn",
@@ -62,6 +63,9 @@ class RunWatch(msgspec.Struct, frozen=True, kw_only=True):
     notice_id: str = ""
     notice_text: str = ""
     notice: NoticeStage = "none"
+    #: when the notice reached its stage (``queued``: its announce send began;
+    #: ``fallback``: its direct send did)
+    notice_at: float | None = None
     #: ``subagent:spawned``'s ``announce`` (None: not recorded, nothing is owed)
     announce: bool | None = None
     completion_id: str = ""
@@ -80,7 +84,11 @@ def _notice(state: RunWatch, record: RecordedEvent) -> RunWatch:
     if moved is notice:
         return state
     return msgspec.structs.replace(
-        state, notice_id=moved.announcement_id, notice_text=moved.text, notice=moved.stage
+        state,
+        notice_id=moved.announcement_id,
+        notice_text=moved.text,
+        notice=moved.stage,
+        notice_at=record.ts if moved.stage != notice.stage else state.notice_at,
     )
 
 
@@ -118,7 +126,7 @@ class RunWatchAggregate:
     """RUN plus the notice's channel, conversation and stage."""
 
     name = "supervisor_run_watch"
-    version = 3
+    version = 4  # 4: notice_at
     state_type = RunWatch
 
     def initial(self, stream: str) -> RunWatch:
@@ -175,6 +183,15 @@ def completion_interrupted(watch: RunWatch, now: float, *, wait_s: float) -> boo
         and watch.completion_at is not None
         and now >= watch.completion_at + wait_s
     )
+
+
+def notice_interrupted(watch: RunWatch, now: float, *, wait_s: float) -> bool:
+    """Whether the run's notice is queued (or fell back to a direct send) and its send
+    began ``wait_s`` ago or more with no outcome: longer than a send can take, so no
+    sender, in this process or another on the same log, still has it in flight."""
+    if watch.notice not in ("queued", "fallback"):
+        return False
+    return watch.notice_at is None or now >= watch.notice_at + wait_s
 
 
 def respawn(watch: RunWatch, context: str) -> Spawn:
