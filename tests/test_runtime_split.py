@@ -58,11 +58,12 @@ def spawns(store: EventStore) -> dict[str, SubagentSpawned]:
 def wait_for_run(store: EventStore, found: Callable[[SubagentSpawned], bool]) -> str:
     give_up = time.monotonic() + GUARD
     while True:
+        head = store.head()  # before the look: a spawn appended meanwhile wakes the wait
         for run_id, spawned in spawns(store).items():
             if found(spawned):
                 return run_id
         assert time.monotonic() < give_up, "no such run was ever spawned"
-        store.wait_for(store.head() + 1, give_up - time.monotonic())
+        store.wait_for(head + 1, give_up - time.monotonic())
 
 
 def fail_twice(

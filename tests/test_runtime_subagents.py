@@ -118,10 +118,7 @@ def test_a_timed_out_run_is_respawned_through_the_runtime_with_the_same_work(
     handle.status()
     clock.advance(rt.config.subagents.class_timeouts_ms.formatting / 1000)
     assert handle.result(GUARD).outcome == "timed_out"
-    give_up = time.monotonic() + GUARD
-    while not (second := _attempt(store, 2)):
-        assert time.monotonic() < give_up, "the run was never respawned"
-        store.wait_for(store.head() + 1, give_up - time.monotonic())
+    second = _respawned(store, 2)
     again = rt.run(second)
     assert again is not None
     assert again.parent == "p1"
@@ -137,6 +134,18 @@ def _attempt(store: EventStore, attempt: int) -> str | None:
             if first.event.attempt == attempt:
                 return info.stream.removeprefix("session:")
     return None
+
+
+def _respawned(store: EventStore, attempt: int) -> str:
+    """The run id of the lineage's ``attempt``, once it is spawned (woken by appends)."""
+    give_up = time.monotonic() + GUARD
+    while True:
+        head = store.head()  # before the look: a spawn appended meanwhile wakes the wait
+        found = _attempt(store, attempt)
+        if found:
+            return found
+        assert time.monotonic() < give_up, f"attempt {attempt} was never spawned"
+        store.wait_for(head + 1, give_up - time.monotonic())
 
 
 def test_a_crashed_run_is_restarted_and_its_watchdog_still_fires(
@@ -343,10 +352,7 @@ def test_a_run_left_by_a_dead_process_is_swept_and_resumed_by_the_parents_agent(
     )
     settings = rt.config.subagents
     clock.advance((1_000 + settings.ghost_grace_ms + settings.ghost_sweep_interval_ms) / 1000)
-    give_up = time.monotonic() + GUARD
-    while not (second := _attempt(store, 2)):
-        assert time.monotonic() < give_up, "the swept run was never respawned"
-        store.wait_for(store.head() + 1, give_up - time.monotonic())
+    second = _respawned(store, 2)
     records = log_until(store, f"session:{second}", has(SubagentCompleted))
     [completed] = of(SubagentCompleted, records)
     assert completed.outcome == "succeeded"  # not refused for want of an agent named default
