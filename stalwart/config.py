@@ -173,13 +173,17 @@ class HealthSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 class DeadLetterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The announcement path (seed 000): ``announce_timeout_ms`` before a direct send, then
     the dead-letter queue: ``max_retries`` with deterministic exponential backoff
-    (``min(retry_cap_ms, retry_base_ms x 2**n)``), expiry at ``max_age_ms``."""
+    (``min(retry_cap_ms, retry_base_ms x 2**n)``), expiry at ``max_age_ms``. At close,
+    the sessions' sends in flight get up to ``close_grace_ms`` to end and be recorded
+    before the Agents stop (0: cut them short at once; the next runtime sends them
+    again)."""
 
     announce_timeout_ms: Positive = 30_000
     max_retries: Annotated[int, msgspec.Meta(ge=0, le=100)] = 5
     max_age_ms: Positive = 3_600_000
     retry_base_ms: Positive = 30_000
     retry_cap_ms: Positive = 600_000
+    close_grace_ms: Annotated[int, msgspec.Meta(ge=0, le=600_000)] = 5_000
 
     def __post_init__(self) -> None:
         _ordered(

@@ -12,18 +12,20 @@ from __future__ import annotations
 
 import os
 import runpy
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 import pytest
 import structlog.testing
 
 from stalwart import store as store_module
 from stalwart.actors import DEGRADED_TEXT, FAILED_TEXT, MAX_STEPS_TEXT
-from stalwart.channels import ConsoleChannel, MemoryChannel
+from stalwart.channels import ConsoleChannel, Delivery, MemoryChannel, OutboundMessage
 from stalwart.clock import FakeClock
 from stalwart.config import Config, parse_config
 from stalwart.errors import ConfigError, SessionActionError
@@ -315,6 +317,60 @@ def test_close_while_a_call_hangs_returns_promptly_and_closes_the_request(
         session.send("still there?")
     with pytest.raises(RuntimeError, match="closed"):
         rt.health()
+
+
+class SlowChannel:
+    """A host channel whose receiver takes ``delay_s`` (real time) to answer, or never
+    answers (``delay_s=None``), until the send is cancelled."""
+
+    def __init__(self, name: str, delay_s: float | None) -> None:
+        self.name = name
+        self.delay_s = delay_s
+        self.started = threading.Event()
+        self.delivered: list[OutboundMessage] = []
+
+    async def send(self, message: OutboundMessage) -> Delivery:
+        self.started.set()
+        if self.delay_s is None:
+            await anyio.sleep_forever()
+        await anyio.sleep(self.delay_s)
+        self.delivered.append(message)
+        return Delivery(channel=self.name)
+
+    async def aclose(self) -> None:
+        return None
+
+
+def test_close_lets_an_answer_being_sent_end_and_records_it(
+    store: EventStore, clock: FakeClock, fake: FakeProvider
+) -> None:
+    """A close while the answer is on its way to a slow receiver waits for it (up to
+    ``dead_letters.close_grace_ms``): the user has it, and the log says so, so the next
+    runtime sends nothing again."""
+    chat = SlowChannel("chat", 0.3)
+    with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
+        rt.session("s1", channel="chat").send("hello")
+        assert chat.started.wait(GUARD)
+    assert [m.text for m in chat.delivered] == ["default answer"]
+    records = list(store.read_stream("session:s1"))
+    assert [type(r.event) for r in records].count(AnnouncementDelivered) == 1
+
+
+def test_close_cuts_a_send_short_once_its_grace_is_spent(
+    store: EventStore, clock: FakeClock, fake: FakeProvider
+) -> None:
+    chat = SlowChannel("chat", None)  # a receiver that never answers
+    cfg = config(fake.base_url, dead_letters={"close_grace_ms": 300})
+    rt = Runtime(cfg, store=store, clock=clock, channels={"chat": chat}).start()
+    rt.session("s1", channel="chat").send("hello")
+    assert chat.started.wait(GUARD)
+    began = time.monotonic()
+    with structlog.testing.capture_logs() as captured:
+        rt.close()
+    took = time.monotonic() - began
+    assert 0.3 <= took < 3.0  # the grace, then the stop (generous: a loaded machine)
+    assert [e["sessions"] for e in captured if e["event"] == "runtime.sends_cut_short"] == [1]
+    assert store.stream_version("runtime") == 2  # started, stopped
 
 
 # -- config ---------------------------------------------------------------------------------

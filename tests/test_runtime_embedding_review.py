@@ -164,7 +164,7 @@ def test_a_reply_another_live_runtime_is_sending_is_not_sent_again(
     gone (its runtime recorded ``runtime:stopped``) or its send could no longer be in
     flight (older than ``announce_timeout_ms``). Fixed: by its age (the send timeout
     plus ``RESEND_GRACE_S``); a younger one is looked at again when it is old enough."""
-    cfg = runtime_config(fake.base_url)
+    cfg = runtime_config(fake.base_url, dead_letters={"close_grace_ms": 0})
     first = MemoryChannel("chat")
     first.hang_next(1)  # runtime A is still sending the answer (a slow receiver)
     with Runtime(cfg, store=store, clock=clock, channels={"chat": first}) as a:

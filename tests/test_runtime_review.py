@@ -142,9 +142,8 @@ def test_an_answer_whose_send_a_close_cut_short_is_sent_after_restart(
     (or dead-letters) announcements left unsent, as it does turns left running."""
     chat = MemoryChannel("chat")
     chat.hang_next(1)  # the answer's send is in flight when the runtime closes
-    with Runtime(
-        runtime_config(fake.base_url), store=store, clock=clock, channels={"chat": chat}
-    ) as rt:
+    hurried = runtime_config(fake.base_url, dead_letters={"close_grace_ms": 0})  # cut at once
+    with Runtime(hurried, store=store, clock=clock, channels={"chat": chat}) as rt:
         rt.session("s1", channel="chat").send("hello")
         delivered(rt, chat, 1, attempted=True)
     records = list(store.read_stream("session:s1"))

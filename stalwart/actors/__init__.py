@@ -30,6 +30,7 @@ from ._agent_messages import (
     ModelDone,
     ModelError,
     SendDone,
+    SendsPending,
     ToolsDone,
     UserMessage,
 )
@@ -210,6 +211,7 @@ __all__ = [
     "SchedulerStats",
     "SearchContext",
     "SendDone",
+    "SendsPending",
     "Spawn",
     "SubAgentActor",
     "SubsessionFailed",

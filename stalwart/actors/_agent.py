@@ -101,6 +101,7 @@ from ._agent_messages import (
     ModelDone,
     ResendDue,
     SendDone,
+    SendsPending,
     ToolsDone,
     UserMessage,
 )
@@ -324,6 +325,8 @@ class AgentActor(Supervised):
                     self._store_closed = True  # (a closed handle never opens again)
                 except StoreError as exc:  # the last fold, then
                     log.warning("agent.status_stale", stream=self._stream, error=type(exc).__name__)
+            case SendsPending():
+                return len(self._unsent)
             case IsIdle():
                 busy = self._wake or self._turn or self._queue or self._unsent
                 return not busy and self._resend_at is None

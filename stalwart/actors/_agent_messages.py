@@ -32,6 +32,7 @@ __all__ = [
     "ModelError",
     "ResendDue",
     "SendDone",
+    "SendsPending",
     "ToolsDone",
     "UserMessage",
 ]
@@ -158,7 +159,13 @@ class ResendDue(msgspec.Struct, frozen=True):
 
 
 class AgentStatus(msgspec.Struct, frozen=True):
-    """Ask for the :class:`AgentReport` (no store read)."""
+    """Ask for the :class:`AgentReport` (what others appended to the session is folded
+    in first)."""
+
+
+class SendsPending(msgspec.Struct, frozen=True):
+    """Ask how many of the Agent's sends are in flight (their outcome not recorded yet):
+    a closing runtime gives them a moment to end before it stops the Agent."""
 
 
 class IsIdle(msgspec.Struct, frozen=True):

@@ -188,6 +188,10 @@ class Runtime:
                 "worker",
                 lambda: self._sessions.pause_worker() if self._sessions is not None else None,
             ),
+            (
+                "sends",  # the answers being sent get a moment to end and be recorded
+                lambda: self._sessions.let_sends_end(sessions) if self._sessions else None,
+            ),
             ("agents", lambda: stop_actors([s.ref for s in sessions])),
             (
                 "leases",  # the Agents append nothing more: their leases are handed back

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -22,11 +23,13 @@ from stalwart.actors import (
     Crashed,
     HealthView,
     LeaseLost,
+    SendsPending,
     WakeFailed,
     WorkerReport,
     left_unsaid,
 )
 from stalwart.channels import Channel, channel_named
+from stalwart.clock import SystemClock
 from stalwart.config import AgentSettings
 from stalwart.errors import ConcurrencyError, ConfigError, SessionActionError, StalwartError
 from stalwart.events import SessionCreated
@@ -53,6 +56,10 @@ from ._workspace import Committer, draft_tools
 __all__ = ["SessionLayer"]
 
 log = get_logger(__name__)
+
+#: real time: how often a closing runtime looks again at the sends still in flight
+CLOSE_POLL_S = 0.02
+_REAL_TIME = SystemClock()
 
 
 class SessionLayer:
@@ -137,6 +144,31 @@ class SessionLayer:
             log.warning("runtime.resend_sweep_failed", error_class=type(exc).__name__)
         except Exception:  # a bug: logged (a background thread has nobody to raise to)
             log.exception("runtime.resend_sweep_failed")
+
+    def let_sends_end(self, handles: list[SessionHandle]) -> None:
+        """Give the Agents' sends in flight up to ``dead_letters.close_grace_ms`` to end,
+        so their outcomes are in the log before the Agents stop (the runtime closes). One
+        cut short is sent again by the next runtime."""
+        grace_s = self._w.config.dead_letters.close_grace_ms / 1000
+        clock = _REAL_TIME  # the sends are real I/O: a fake clock does not move meanwhile
+        give_up = clock.monotonic() + grace_s
+        waiting = [handle.ref for handle in handles] if grace_s > 0 else []
+        while waiting:
+            asked = [(ref, ref.ask(SendsPending(), block=False)) for ref in waiting]
+            waiting = []
+            for ref, answer in asked:
+                try:
+                    if answer.get(timeout=max(0.0, give_up - clock.monotonic())):
+                        waiting.append(ref)
+                except pykka.Timeout:  # too busy to say: counted as still sending
+                    waiting.append(ref)
+                except pykka.ActorDeadError:
+                    pass
+            if not waiting or clock.monotonic() >= give_up:
+                break
+            time.sleep(CLOSE_POLL_S)
+        if waiting:
+            log.warning("runtime.sends_cut_short", sessions=len(waiting), grace_s=grace_s)
 
     def pause_worker(self) -> None:
         """No new leases (the process stops); the running wakes keep theirs."""
