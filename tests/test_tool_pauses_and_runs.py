@@ -364,8 +364,10 @@ def test_a_webhook_closed_while_a_send_backs_off_raises_a_channel_error() -> Non
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01})
     thread.start()
     url = f"http://127.0.0.1:{server.server_address[1]}/hook"
+    # full-jitter backoff waits anywhere in [0, 400 ms]: with three attempts, two short
+    # waits used to spend them all before the close (a 503 error, not "closed")
     settings = ChannelSettings(
-        kind="webhook", url=url, max_attempts=3, retry_base_ms=400, retry_cap_ms=400
+        kind="webhook", url=url, max_attempts=50, retry_base_ms=400, retry_cap_ms=400
     )
     message = OutboundMessage(conversation="c1", text="hello", idempotency_key="k1")
     raised: list[BaseException] = []
