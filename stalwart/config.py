@@ -21,6 +21,7 @@ import yaml
 from .errors import ConfigError
 
 __all__ = [
+    "MIN_CONTEXT_WINDOW",
     "ActivationSettings",
     "AgentSettings",
     "ChannelSettings",
@@ -46,6 +47,9 @@ __all__ = [
 #: sensible count or duration); larger could not even be recorded in ``runtime:started``
 MAX_KNOB = 2**53 - 1
 Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_KNOB)]
+#: The smallest ``context_window`` an agent may declare: a summary request's instructions,
+#: its framing, the summary so far and the reply (each up to a quarter) must leave room.
+MIN_CONTEXT_WINDOW = 1_024
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=MAX_KNOB)]
 
 
@@ -77,8 +81,9 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     The loop makes at most ``max_steps`` model calls per turn and runs at most
     ``tool_limit`` tool calls at once; ``system_prompt``, when set, starts every request.
     ``subagents`` offers its model the built-in ``spawn_subagent`` tool. ``context_window``
-    is the model's window in tokens: the context engine fits every request into it, less
-    the reply (``max_tokens``), the tool declarations and the system prompt.
+    is the model's window in tokens (at least ``MIN_CONTEXT_WINDOW``, 1 024: less leaves a
+    summary request no room for messages): the context engine fits every request into
+    it, less the reply (``max_tokens``), the tool declarations and the system prompt.
     (The turn's execution timeout is ``supervision.execution_timeout_ms`` and a send's
     deadline ``dead_letters.announce_timeout_ms``.)
     """
@@ -101,7 +106,7 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     tool_limit: Positive = 4
     system_prompt: str | None = None
     subagents: bool = False
-    context_window: Positive = 128_000
+    context_window: Annotated[int, msgspec.Meta(ge=MIN_CONTEXT_WINDOW, le=MAX_KNOB)] = 128_000
 
 
 def _ordered(

@@ -14,14 +14,19 @@ import pytest
 from stalwart.actors import Assemble, ContextStoreActor, IoPortal, ProviderSummarizer, ask_context
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
-from stalwart.config import ContextEngineSettings, ProviderSettings, SummarizerBreakerSettings
+from stalwart.config import (
+    MIN_CONTEXT_WINDOW,
+    ContextEngineSettings,
+    ProviderSettings,
+    SummarizerBreakerSettings,
+)
 from stalwart.context import (
     ContextMessage,
     ExtractiveSummarizer,
     SummaryRequest,
     estimate_text_tokens,
 )
-from stalwart.errors import ConcurrencyError
+from stalwart.errors import ConcurrencyError, ConfigError
 from stalwart.events import (
     ContextAssembled,
     ContextDagDegraded,
@@ -371,6 +376,31 @@ def test_an_empty_answer_for_one_chunk_silently_drops_the_messages_before_it(
         close(portal, client)
     assert text is None, f"returned {text!r} as the summary of all six messages"
     assert len(fake.requests) == 1  # the empty part ended it: nothing went on without it
+
+
+def test_the_smallest_window_allowed_summarizes_many_messages_in_parts(
+    fake: FakeProvider, portal: IoPortal
+) -> None:
+    """A summarizer window under ``MIN_CONTEXT_WINDOW`` left no room for messages once the
+    instructions, the framing, the summary so far and the reply were counted: every
+    summary failed at run time. The config refuses such a ``context_window`` up front
+    (``ConfigError``), ``ProviderSummarizer`` a ``ValueError``; at the minimum, a long
+    conversation is summarized in parts, each request carrying a summary as long as a
+    reply may be."""
+    long_summary = "the refund for order 7 was approved and is on its way. " * 40
+    fake.set_default(Answer(text=long_summary))  # clipped to max_tokens when carried on
+    client = client_of(fake)
+    with pytest.raises(ValueError, match="at least 1024"):
+        ProviderSummarizer(client, "small", portal, window=MIN_CONTEXT_WINDOW - 1)
+    summarizer = ProviderSummarizer(client, "small", portal, timeout_s=5.0, window=1_024)
+    try:
+        text = summarizer(SummaryRequest(messages=numbered(12, 300), max_tokens=400))[0]
+    finally:
+        close(portal, client)
+    assert text == long_summary
+    assert len(fake.requests) > 3  # in parts
+    with pytest.raises(ConfigError, match="context_window"):
+        runtime_config(fake.base_url, agents={"default": agent_settings(context_window=500)})
 
 
 # -- 5. calibration with the usage the provider reported ------------------------------------

@@ -11,7 +11,7 @@ import msgspec
 import pykka
 
 from stalwart.clock import SystemClock
-from stalwart.config import ContextEngineSettings
+from stalwart.config import MIN_CONTEXT_WINDOW, ContextEngineSettings
 from stalwart.context import (
     SUMMARY_INSTRUCTIONS,
     ContextMessage,
@@ -86,6 +86,11 @@ class ProviderSummarizer:
         timeout_s: float = 30.0,
         window: int | None = None,
     ) -> None:
+        if window is not None and window < MIN_CONTEXT_WINDOW:
+            raise ValueError(
+                f"the summarizer model's window is {window} tokens, at least "
+                f"{MIN_CONTEXT_WINDOW} are needed to leave room for the messages"
+            )
         self.client = client
         self.model = model
         self.portal = portal
