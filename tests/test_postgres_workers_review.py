@@ -140,6 +140,42 @@ def test_a_session_the_worker_cannot_fold_does_not_starve_every_other_session(
             ) from None
 
 
+@pytest.mark.timeout(90)
+def test_a_put_off_sessions_backoff_starts_over_once_it_has_new_work(
+    pg_server: PostgresServer,
+    pg_url: str,
+    pg_store: EventStore,
+    clock: FakeClock,
+    fake: FakeProvider,
+    chat: MemoryChannel,
+) -> None:
+    """The put-off backoff doubles while the same claim keeps failing; a claim at a newer
+    version (new work was appended: the session changed) starts it over, instead of
+    carrying a count the worker kept from the old failures (up to 5 min)."""
+    send_message(pg_store, "broken", "hello", channel="chat", ts=clock.now())
+    _corrupt(pg_server, pg_url, "session:broken", 2)  # its activation:ready
+    settings = runtime_config(fake.base_url, activations={"poll_ms": 1_000})
+
+    def delays(captured: list[MutableMapping[str, Any]]) -> list[float]:
+        return [
+            entry["seconds"]
+            for entry in list(captured)
+            if entry.get("event") == "worker.claim_put_off"
+        ]
+
+    with (
+        structlog.testing.capture_logs() as captured,
+        Runtime(settings, store=pg_store, clock=clock, channels={"chat": chat}),
+    ):
+        _wait(lambda: delays(captured), "the broken session was never put off")
+        clock.advance(1.0)
+        _wait(lambda: len(delays(captured)) >= 2, "it was not put off again")
+        send_message(pg_store, "broken", "are you there?", channel="chat", ts=clock.now())
+        clock.advance(2.0)  # new work: due at once, and still unreadable
+        _wait(lambda: len(delays(captured)) >= 3, "the new work was never claimed")
+    assert delays(captured)[:3] == [1.0, 2.0, 1.0]
+
+
 # -- a wake no Agent could be started for ------------------------------------------------------
 
 

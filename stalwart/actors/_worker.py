@@ -231,7 +231,9 @@ class ActivationWorker(Supervised):
         self._running: dict[str, int] = {}  # stream -> the epoch this worker holds
         self._failing: dict[str, _Unsettled] = {}  # failed wakes whose settling failed
         self._uncertain: set[str] = set()  # lease appends that may or may not be written
-        self._put_off: dict[str, int] = {}  # unsettled claims: how often, in a row
+        self._unchecked: set[str] = set()  # uncertain ones whose stream could not be read
+        #: unsettled claims: how often in a row, at which version of the stream
+        self._put_off: dict[str, tuple[int, int]] = {}
         self._tick_at: float | None = None  # when the armed tick fires
         self._closing = False  # Closing came: no more leases
 
@@ -351,8 +353,13 @@ class ActivationWorker(Supervised):
             try:
                 self._refresh(stream)
                 self._try_lease(stream, now)
-            except StoreError as exc:
-                log.warning("worker.lease_unchecked", stream=stream, error=type(exc).__name__)
+            except StoreError as exc:  # said once, not at every poll while it lasts
+                level = log.debug if stream in self._unchecked else log.warning
+                level("worker.lease_unchecked", stream=stream, error=type(exc).__name__)
+                self._unchecked.add(stream)
+            else:
+                self._unchecked.discard(stream)
+        self._unchecked &= self._uncertain  # one settled meanwhile is forgotten
         if len(work.claimed) >= self._claim_batch:
             self._tell(Nudge())
         self._arm(work.next_at)
@@ -363,8 +370,10 @@ class ActivationWorker(Supervised):
         time in a row, up to :data:`PUT_OFF_MAX_S`: the claims hand out the other due
         sessions meanwhile instead of this one again at once. The write-back is that of a
         fold of the claimed row's version, so an append since (new work) still wins."""
-        tries = self._put_off.get(claim.stream, 0)
-        self._put_off[claim.stream] = tries + 1
+        tries, version = self._put_off.get(claim.stream, (0, claim.version))
+        if version != claim.version:  # appended to since (new work): a fresh start
+            tries = 0
+        self._put_off[claim.stream] = (tries + 1, claim.version)
         delay = min(self._poll_ms / 1000 * 2 ** min(tries, 16), PUT_OFF_MAX_S)
         try:
             queue.set_due(claim.stream, claim.version, now + delay, self._owner)
