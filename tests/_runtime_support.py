@@ -9,12 +9,12 @@ from typing import Any
 
 import anyio
 
-from stalwart.actors import RESEND_GRACE_S
+from stalwart.actors import RESEND_GRACE_S, IoPortal
 from stalwart.channels import MemoryChannel, OutboundMessage
 from stalwart.clock import FakeClock
 from stalwart.config import Config, parse_config
 from stalwart.events import RecordedEvent
-from stalwart.runtime import Runtime
+from stalwart.runtime import Runtime, load_session
 from stalwart.store import EventStore
 
 #: The longest any wait in these tests takes before it fails.
@@ -100,3 +100,27 @@ def advance_until(clock: FakeClock, check: Callable[[], Any], step_s: float) -> 
         clock.advance(step_s)
         time.sleep(0.01)  # real-time: the outcome is handled on other threads
     return found
+
+
+def flush(portal: IoPortal) -> None:
+    """Let an I/O loop run what was submitted to it before this call (a send it began
+    reaches its channel)."""
+
+    async def yield_a_few() -> None:
+        for _ in range(50):
+            await anyio.sleep(0)
+
+    portal.submit(yield_a_few).result(GUARD)
+
+
+def settled(store: EventStore, session_id: str) -> None:
+    """Wait until the session has no unsettled activation and no lease (woken by appends)."""
+    give_up = time.monotonic() + GUARD
+    while True:
+        head = store.head()
+        _, activations = load_session(store, session_id)
+        if activations.backlog == 0 and activations.lease is None:
+            return
+        left = give_up - time.monotonic()
+        assert left > 0, "the session never settled its work"
+        store.wait_for(head + 1, left)

@@ -8,8 +8,6 @@ were strict xfails for a session)."""
 
 from __future__ import annotations
 
-import time
-
 import anyio
 
 from stalwart.actors import ABANDONED_TEXT
@@ -25,31 +23,16 @@ from stalwart.events import (
 from stalwart.runtime import Runtime, load_session, send_message
 from stalwart.store import EventStore
 from stalwart.testing import FakeProvider
-from tests._runtime_support import GUARD, delivered, has, log_until, of, runtime_config
-
-
-def _flush(rt: Runtime) -> None:
-    """Let the runtime's I/O loop run what was submitted to it before this call."""
-
-    async def yield_a_few() -> None:
-        for _ in range(20):
-            await anyio.sleep(0)
-
-    rt.portal.submit(yield_a_few).result(GUARD)
-
-
-def _settled(store: EventStore, session_id: str) -> None:
-    """Wait until the session has no unsettled activation and no lease (woken by appends)."""
-    give_up = time.monotonic() + GUARD
-    while True:
-        head = store.head()
-        _, activations = load_session(store, session_id)
-        if activations.backlog == 0 and activations.lease is None:
-            return
-        left = give_up - time.monotonic()
-        assert left > 0, "the session never settled its work"
-        store.wait_for(head + 1, left)
-
+from tests._runtime_support import (
+    GUARD,
+    delivered,
+    flush,
+    has,
+    log_until,
+    of,
+    runtime_config,
+    settled,
+)
 
 # -- the live state and the log ------------------------------------------------------------
 
@@ -104,9 +87,9 @@ def test_a_message_sent_again_with_its_id_is_not_answered_twice(
         session = rt.session("s1", channel="chat")
         session.send("where is order 7?", message_id="m1")
         delivered(rt, chat, 1)
-        _settled(store, "s1")
+        settled(store, "s1")
         session.send("where is order 7?", message_id="m1")  # the platform redelivered it
-        _settled(store, "s1")
+        settled(store, "s1")
     records = list(store.read_stream("session:s1"))
     assert len(of(AnnouncementQueued, records)) == 1
     assert len(fake.requests) == 1
@@ -173,7 +156,7 @@ def test_a_reply_another_live_runtime_is_sending_is_not_sent_again(
         second = MemoryChannel("chat")
         with Runtime(cfg, store=store, clock=clock, channels={"chat": second}) as b:
             b.session("s1", channel="chat").status(GUARD)  # B's Agent of s1 has started
-            _flush(b)
+            flush(b.portal)
             resent = list(second.attempted)
     assert resent == []
 

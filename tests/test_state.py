@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from stalwart import store as store_module
 from stalwart.events import (
     ContextDagDegraded,
+    ContextSummaryCreated,
     Event,
     ExecutionAborted,
     MessageAppended,
@@ -359,3 +360,6 @@ def test_the_dag_fold_keeps_the_summarizers_episode_across_other_degradations() 
     assert (folded.state.degraded, folded.state.tail_clipped) == ("spend_cap", True)
     folded.add(ContextDagDegraded(reason="breaker_open"), 4.0)
     assert folded.state.degraded == "breaker_open"
+    condensed = ContextSummaryCreated(summary_id="c1", depth=1, covers=(), descendant_count=0)
+    folded.add(condensed, 5.0)  # a real summary again, at any depth: the episode is over
+    assert folded.state.degraded is None

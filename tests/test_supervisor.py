@@ -481,7 +481,7 @@ def test_the_run_and_the_supervisor_share_its_stream_without_losing_a_write(tree
     assert state.status == "running"
 
 
-def _notice_left_queued(store: EventStore) -> str:
+def notice_left_queued(store: EventStore) -> str:
     """A timed-out run whose notice was queued at T0 + 120 (its send's outcome unrecorded:
     the supervisor that queued it died, or is still sending it); the notice's text."""
     text = failure_notice("summarise the report", "timed_out", 120_000)
@@ -526,7 +526,7 @@ def _notice_left_queued(store: EventStore) -> str:
 def test_a_notice_a_crash_interrupted_is_sent_again_directly_by_the_next_supervisor(
     lmdb_store: EventStore, clock: FakeClock
 ) -> None:
-    text = _notice_left_queued(lmdb_store)  # the supervisor that queued it died
+    text = notice_left_queued(lmdb_store)  # the supervisor that queued it died
     clock.set(T0 + 130)
     with Scheduler(clock) as scheduler, IoPortal() as portal:
         try:
@@ -553,7 +553,7 @@ def test_a_notice_another_supervisor_may_still_be_sending_is_sent_again_only_lat
     """A notice queued a second ago may be in flight from the supervisor of another
     process on the log: it is sent again (directly, once) only when its send could no
     longer be under way (the announce timeout plus ``RESEND_GRACE_S``), at a later sweep."""
-    text = _notice_left_queued(lmdb_store)
+    text = notice_left_queued(lmdb_store)
     clock.set(T0 + 121)
     with grown(lmdb_store, clock) as tree:
         tree.barrier()  # the first sweep ran: too young to be sent again

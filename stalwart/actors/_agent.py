@@ -50,6 +50,7 @@ from stalwart.events import (
     ActivationRequeued,
     AnnouncementDelivered,
     AnnouncementQueued,
+    AnnouncementResent,
     AnnouncementSendFailed,
     Event,
     MessageAppended,
@@ -133,6 +134,9 @@ log = get_logger(__name__)
 #: How long after it was queued an announcement whose send a crash cut short is sent
 #: again (the dead-letter queue's default maximum age: older news is stale).
 RESEND_WITHIN_S = 3_600.0
+#: How often an append expecting the folded version (a resend's record, a message) is
+#: tried while other appends keep winning the stream.
+RACE_TRIES = 3
 
 
 def left_unsaid(store: EventStore, stream: str, now: float) -> bool:
@@ -153,7 +157,7 @@ def left_unsaid(store: EventStore, stream: str, now: float) -> bool:
         return False
     if ledger.abandoned is not None and now - ledger.abandoned <= RESEND_WITHIN_S:
         return True
-    return any(now - at <= RESEND_WITHIN_S for _, at in ledger.unsent.values())
+    return any(now - unsent.queued_at <= RESEND_WITHIN_S for unsent in ledger.unsent.values())
 
 
 #: What an announcement is (``announcement:queued``): the answer, or a static text.
@@ -270,7 +274,7 @@ class AgentActor(Supervised):
         if self._turn is not None:
             self._turn.stop()  # the turn stays running in the log: a restart closes it
         if self._resend_at is not None:
-            self._scheduler.cancel(("agent:resend", self._stream))
+            self._scheduler.cancel(("agent:resend", self.actor_urn))
 
     def on_failure(self, *exc_info: object) -> None:
         self.on_stop()
@@ -692,14 +696,22 @@ class AgentActor(Supervised):
     def _record_message(self, message: UserMessage) -> None:
         """Durable mode: a user message becomes an ``activation:ready`` for the worker
         (one whose id the session was already given is not run again)."""
-        self._refresh()
-        ready = decide_message(
-            self._ledger.activations, new_id(), message.message_id or new_id(), message.text
-        )
-        if isinstance(ready, str):
-            return
-        self._store.append(self._stream, [NewEvent(event=ready, ts=self._clock.now())])
-        self._refresh()
+        message_id = message.message_id or new_id()
+        for _ in range(RACE_TRIES):
+            self._refresh()
+            ready = decide_message(self._ledger.activations, new_id(), message_id, message.text)
+            if isinstance(ready, str):
+                return
+            news = [NewEvent(event=ready, ts=self._clock.now())]
+            try:  # on the version folded: a redelivery recorded meanwhile is seen
+                self._store.append(self._stream, news, expected_version=self._folder.version)
+            except ConcurrencyError:
+                continue
+            self._refresh()
+            break
+        else:  # the stream kept moving: recorded all the same (a lost message is worse)
+            self._store.append(self._stream, news)
+            self._refresh()
         if self._worker is not None:
             self._worker(None)
 
@@ -841,28 +853,57 @@ class AgentActor(Supervised):
                 with contextlib.suppress(ConcurrencyError):
                     self._store.append(self._stream, news, expected_version=self._folder.version)
                 self._refresh()
-        # a send is bounded by its timeout, after which its sender records the outcome:
-        # until then the announcement may be in flight from another runtime on this log
+        self._send_again(now)
+
+    def _send_again(self, now: float) -> None:
+        """Send again every announcement within :data:`RESEND_WITHIN_S` with no outcome
+        whose latest send is older than a send can take (its timeout plus
+        :data:`RESEND_GRACE_S`): until then it may be under way from another runtime on
+        this log, and it is looked at again when it is not. Each resend is recorded first
+        (``announcement:resent``, expecting the folded version): of two runtimes deciding
+        at once, one appends and sends; the other folds that and waits again."""
         in_flight_s = self._settings.send_timeout_ms / 1000 + RESEND_GRACE_S
-        later: float | None = None
-        for announcement_id, (queued, at) in list(ledger.unsent.items()):
-            if announcement_id in self._unsent or now - at > RESEND_WITHIN_S:
+        for _ in range(RACE_TRIES):
+            later: float | None = None
+            due: list[tuple[str, AnnouncementQueued]] = []
+            for announcement_id, unsent in list(self._ledger.unsent.items()):
+                if announcement_id in self._unsent or now - unsent.queued_at > RESEND_WITHIN_S:
+                    continue
+                if announcement_id in self._own_notices:  # just queued here: send it now
+                    self._own_notices.discard(announcement_id)
+                    self._send("", announcement_id, unsent.queued.text, unsent.queued.kind)
+                    continue
+                free_at = unsent.sent_at + in_flight_s
+                if now < free_at:
+                    later = free_at if later is None else min(later, free_at)
+                    continue
+                due.append((announcement_id, unsent.queued))
+            if later is not None:
+                self._resend_later(later)
+            if not due:
+                return
+            resent = [
+                NewEvent(event=AnnouncementResent(announcement_id=announcement_id), ts=now)
+                for announcement_id, _ in due
+            ]
+            try:
+                self._store.append(self._stream, resent, expected_version=self._folder.version)
+            except ConcurrencyError:  # another sender (or anyone) appended: look again
+                self._refresh()
                 continue
-            if now - at < in_flight_s and announcement_id not in self._own_notices:
-                later = min(later, at + in_flight_s) if later is not None else at + in_flight_s
-                continue
-            self._own_notices.discard(announcement_id)
-            log.info("agent.send_again", stream=self._stream, announcement_id=announcement_id)
-            self._send("", announcement_id, queued.text, queued.kind)
-        if later is not None:
-            self._resend_later(later)
+            self._refresh()
+            for announcement_id, queued in due:
+                log.info("agent.send_again", stream=self._stream, announcement_id=announcement_id)
+                self._send("", announcement_id, queued.text, queued.kind)
+            return
+        self._resend_later(now + RESEND_GRACE_S)  # the stream kept moving: later, then
 
     def _resend_later(self, at: float) -> None:
         """Look at the unsent announcements again at ``at`` (the Agent stays up until)."""
         if self._resend_at is None or at < self._resend_at:
             self._resend_at = at
             self._scheduler.schedule(
-                at, lambda _: self._tell(ResendDue()), key=("agent:resend", self._stream)
+                at, lambda _: self._tell(ResendDue()), key=("agent:resend", self.actor_urn)
             )
 
     def _send(self, turn_id: str, announcement_id: str, text: str, kind: Kind) -> None:

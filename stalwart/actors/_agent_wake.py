@@ -23,6 +23,7 @@ from stalwart.events import (
     ActivationLeased,
     AnnouncementDelivered,
     AnnouncementQueued,
+    AnnouncementResent,
     AnnouncementSendFailed,
     MessageAppended,
     RecordedEvent,
@@ -95,6 +96,15 @@ class Resolution(msgspec.Struct, frozen=True):
     output: str = ""
 
 
+class Unsent(msgspec.Struct, frozen=True):
+    """An announcement with no outcome in the log: when it was queued (how old the news
+    is) and when its latest send began (its queueing, or an ``announcement:resent``)."""
+
+    queued: AnnouncementQueued
+    queued_at: float
+    sent_at: float
+
+
 class WakeLedger:
     """The wake's bookkeeping, folded record by record beside the Agent's view."""
 
@@ -125,8 +135,8 @@ class WakeLedger:
         self.started: set[str] = set()
         self.requests: dict[str, SessionRequiresAction] = {}  # request id -> the request
         self.resolutions: dict[str, Resolution] = {}  # call id -> the answer
-        #: announcement id -> the announcement and when it was queued, until its send ends
-        self.unsent: dict[str, tuple[AnnouncementQueued, float]] = {}
+        #: announcement id -> the announcement and its times, until its send ends
+        self.unsent: dict[str, Unsent] = {}
         self.announced = False  # an announcement was queued since the latest lease
         #: when an activation was given up on with nothing announced since its lease
         #: (None once a notice or the turn's close for it is in the log)
@@ -162,10 +172,15 @@ class WakeLedger:
                 self.resolutions.clear()
                 self.interrupted = {call.id for call in self.unanswered()}
             case AnnouncementQueued():
-                self.unsent[event.announcement_id] = (event, record.ts)
+                self.unsent[event.announcement_id] = Unsent(event, record.ts, record.ts)
                 self.announced, self.abandoned = True, None
             case AnnouncementDelivered() | AnnouncementSendFailed():
                 self.unsent.pop(event.announcement_id, None)
+            case AnnouncementResent() if event.announcement_id in self.unsent:
+                unsent = self.unsent[event.announcement_id]
+                self.unsent[event.announcement_id] = msgspec.structs.replace(
+                    unsent, sent_at=record.ts
+                )
             case ActivationLeased():
                 self.announced = False
             case ActivationAbandoned() if not self.announced and self.abandoned is None:

@@ -424,8 +424,8 @@ class SupervisorActor(Supervised):
             return
         if watch.notice == "none" and self._decide(stream, self._queue_notice):
             self._send(stream, "announce")
-        elif watch.notice_id not in self._sending and notice_interrupted(
-            watch, self._clock.now(), wait_s=self._announce_s + RESEND_GRACE_S
+        elif watch.notice_id not in self._sending and self._decide(
+            stream, partial(notice_interrupted, wait_s=self._announce_s + RESEND_GRACE_S)
         ):
             self._send(stream, "direct")  # a send a crash interrupted: send again, directly
         splits: dict[str, tuple[tuple[str, ...], str]] = {}  # one splitter call per settle

@@ -11,6 +11,7 @@ import msgspec
 from stalwart.events import (
     AnnouncementDelivered,
     AnnouncementQueued,
+    AnnouncementResent,
     AnnouncementSendFailed,
     Event,
     RecordedEvent,
@@ -118,6 +119,8 @@ def apply_watch(state: RunWatch, record: RecordedEvent) -> RunWatch:
             state.completion == "queued" and record.event.announcement_id == state.completion_id
         ):
             return msgspec.structs.replace(state, completion="ended")
+        case AnnouncementResent() if record.event.announcement_id == state.notice_id:
+            return msgspec.structs.replace(state, notice_at=record.ts)
         case _:
             return _notice(state, record)
 
@@ -185,13 +188,17 @@ def completion_interrupted(watch: RunWatch, now: float, *, wait_s: float) -> boo
     )
 
 
-def notice_interrupted(watch: RunWatch, now: float, *, wait_s: float) -> bool:
-    """Whether the run's notice is queued (or fell back to a direct send) and its send
-    began ``wait_s`` ago or more with no outcome: longer than a send can take, so no
-    sender, in this process or another on the same log, still has it in flight."""
+def notice_interrupted(watch: RunWatch, now: float, *, wait_s: float) -> list[Event]:
+    """The ``announcement:resent`` of the run's notice when it is queued (or fell back to
+    a direct send) and its latest send began ``wait_s`` ago or more with no outcome:
+    longer than a send can take, so no sender, in this process or another on the same
+    log, still has it in flight. Recorded before the send, it starts the wait again for
+    every other supervisor."""
     if watch.notice not in ("queued", "fallback"):
-        return False
-    return watch.notice_at is None or now >= watch.notice_at + wait_s
+        return []
+    if watch.notice_at is not None and now < watch.notice_at + wait_s:
+        return []
+    return [AnnouncementResent(announcement_id=watch.notice_id)]
 
 
 def respawn(watch: RunWatch, context: str) -> Spawn:

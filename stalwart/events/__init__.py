@@ -28,6 +28,7 @@ from ._announcement import (
     AnnouncementDelivered,
     AnnouncementFallbackDirect,
     AnnouncementQueued,
+    AnnouncementResent,
     AnnouncementSendFailed,
 )
 from ._base import Event, Severity, UnknownEvent
@@ -124,6 +125,7 @@ __all__ = [
     "AnnouncementDelivered",
     "AnnouncementFallbackDirect",
     "AnnouncementQueued",
+    "AnnouncementResent",
     "AnnouncementSendFailed",
     "AnyEvent",
     "BreakerClosed",

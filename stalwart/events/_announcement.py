@@ -27,6 +27,16 @@ class AnnouncementSendFailed(Event, frozen=True, tag="announcement:send_failed")
     severity: ClassVar[Severity] = "warning"
 
 
+class AnnouncementResent(Event, frozen=True, tag="announcement:resent"):
+    """A sender sends ``announcement_id`` again: its earlier send has no outcome in the log
+    and is older than a send can take (a crash or a close cut it short). Appended,
+    expecting the stream's version, before the send: a sender in another runtime on the
+    log measures from it, so it does not send the announcement beside this one."""
+
+    announcement_id: str
+    severity: ClassVar[Severity] = "warning"
+
+
 class AnnouncementFallbackDirect(Event, frozen=True, tag="announcement:fallback_direct"):
     """The announce send of ``announcement_id`` (bounded by ``timeout_ms``) failed with
     ``error_class``: the notice goes directly to its channel. Records written before

@@ -136,7 +136,7 @@ def send_message(
     message delivered twice (a chat platform redelivering its webhook) is answered once.
     """
     activation_id = new_id()
-    if message_id is None:  # a new id: nothing to compare, one append
+    if not message_id:  # a new id (an empty one is none): nothing to compare, one append
         ready = ActivationReady(
             activation_id=activation_id, kind="message", message_id=new_id(), text=text
         )

@@ -126,7 +126,12 @@ def apply_context_event(
                 else:
                     roots.append(root)
             return replace(
-                state, version=version, summaries=summaries, parents=parents, roots=tuple(roots)
+                state,
+                version=version,
+                summaries=summaries,
+                parents=parents,
+                roots=tuple(roots),
+                degraded=state.degraded if event.fallback else None,  # as the live engine
             )
         case ContextDagDegraded():
             clipped = state.tail_clipped or event.reason == "tail_over_budget"

@@ -186,8 +186,10 @@ class PostgresEventStore:
         with self._db.connection("check a lost append") as conn:
             if pid is not None and pid != conn.info.backend_pid:  # never our own session
                 ended = conn.execute(self._sql.end_session, (pid,)).fetchone()
-                if ended is not None and not ended[0]:  # still there after 5 s (a stalled
-                    # server process): it may commit yet, so nothing is sent again
+                lingers = ended is not None and not ended[0]  # false: not gone in 5 s, or
+                if lingers:  # gone just before the call; only a session still there counts
+                    lingers = conn.execute(self._sql.session_alive, (pid,)).fetchone() is not None
+                if lingers:  # a stalled server process: it may commit yet, nothing is resent
                     log.warning("store.append_session_lingers", location=self.location)
                     raise ConnectionLostError(
                         f"the session of a lost append to the store at {self.location} "

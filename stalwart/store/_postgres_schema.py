@@ -432,6 +432,7 @@ class Statements:
             "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE pid = %s "
             "AND usename = current_user AND datname = current_database()"
         )
+        self.session_alive = q("SELECT 1 FROM pg_stat_activity WHERE pid = %s")
         self.find_event = q(
             "SELECT position, version FROM {s}.events WHERE stream = %s AND id = %s "
             "ORDER BY version DESC LIMIT 1"
