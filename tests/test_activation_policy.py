@@ -27,6 +27,7 @@ from stalwart.state import (
     Activation,
     ActivationPolicy,
     ActivationsState,
+    SeenMessage,
     WakeRefused,
     WakeResult,
     decide_interrupt,
@@ -37,6 +38,7 @@ from stalwart.state import (
     decide_wake,
     due_hint,
     next_due,
+    remember_message,
 )
 
 from ._log import FoldedLog
@@ -258,30 +260,35 @@ def test_delayed_wakes_dedupe_caps_and_horizon() -> None:
     assert due.activation_id == "w3"
 
 
+def _recent(events: list[Event]) -> tuple[SeenMessage, ...]:
+    recent: tuple[SeenMessage, ...] = ()
+    for event in events:
+        recent = remember_message(recent, event)
+    return recent
+
+
 def test_a_message_given_again_with_its_id_returns_the_activation_that_carries_it() -> None:
-    folded = log()
-    first = decide_message(folded.state, "a1", "m1", "where is order 7?")
+    first = decide_message((), "a1", "m1", "where is order 7?")
     assert first == ActivationReady(
         activation_id="a1", kind="message", message_id="m1", text="where is order 7?"
     )
-    folded.add(first, 0.0)
-    apply_all(folded, decide_lease(folded.state, "w", 0.0, POLICY), 0.0)
-    folded.add(
-        decide_settlement(folded.state, "a1", 1, WakeResult(status="acked"), 1.0, POLICY), 1.0
-    )
-    assert folded.state.queue == ()  # settled: the id is remembered all the same
-    assert decide_message(folded.state, "a2", "m1", "where is order 7?") == "a1"
-    folded.add(ActivationReady(activation_id="w1", kind="wake", text="check"), 2.0)
-    assert [seen.message_id for seen in folded.state.messages] == ["m1"]  # wakes are not
+    acked = ActivationAcked(activation_id="a1", epoch=1)  # settled: remembered all the same
+    wake = ActivationReady(activation_id="w1", kind="wake", text="check")  # not a message
+    recent = _recent([first, acked, wake])
+    assert [seen.message_id for seen in recent] == ["m1"]
+    assert decide_message(recent, "a2", "m1", "where is order 7?") == "a1"
 
 
 def test_message_ids_are_remembered_for_the_newest_messages_only() -> None:
-    folded = log()
-    for n in range(MESSAGES_KEPT + 1):
-        message(folded, n, float(n))
-    assert len(folded.state.messages) == MESSAGES_KEPT
-    assert decide_message(folded.state, "again", "m1", "") == "a1"
-    forgotten = decide_message(folded.state, "again", "m0", "")  # older than the window
+    recent = _recent(
+        [
+            ActivationReady(activation_id=f"a{n}", kind="message", message_id=f"m{n}")
+            for n in range(MESSAGES_KEPT + 1)
+        ]
+    )
+    assert len(recent) == MESSAGES_KEPT
+    assert decide_message(recent, "again", "m1", "") == "a1"
+    forgotten = decide_message(recent, "again", "m0", "")  # older than the window
     assert isinstance(forgotten, ActivationReady)
     assert forgotten.activation_id == "again"
 

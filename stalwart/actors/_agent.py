@@ -699,7 +699,7 @@ class AgentActor(Supervised):
         message_id = message.message_id or new_id()
         for _ in range(RACE_TRIES):
             self._refresh()
-            ready = decide_message(self._ledger.activations, new_id(), message_id, message.text)
+            ready = decide_message(self._ledger.recent, new_id(), message_id, message.text)
             if isinstance(ready, str):
                 return
             news = [NewEvent(event=ready, ts=self._clock.now())]

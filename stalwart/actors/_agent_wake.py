@@ -44,10 +44,12 @@ from stalwart.state import (
     ActivationsState,
     Draft,
     DraftsState,
+    SeenMessage,
     WakeResult,
     apply_drafts,
     decide_pause,
     pause_kind,
+    remember_message,
 )
 from stalwart.tools import Tool
 
@@ -117,6 +119,7 @@ class WakeLedger:
         "interrupted",
         "last_calls",
         "message_ids",
+        "recent",
         "requests",
         "resolutions",
         "results",
@@ -128,6 +131,8 @@ class WakeLedger:
         self.activations: ActivationsState = ACTIVATIONS.initial(stream)
         self.drafts: DraftsState = DRAFTS.initial(stream)
         self.message_ids: set[str] = set()
+        #: the newest user messages given to the session (``remember_message``)
+        self.recent: tuple[SeenMessage, ...] = ()
         self.last_calls: tuple[ToolCall, ...] = ()
         self.call_ids: set[str] = set()  # every call id of the session's assistant messages
         self.interrupted: set[str] = set()  # the last calls an interrupt closed unanswered
@@ -144,6 +149,7 @@ class WakeLedger:
 
     def add(self, record: RecordedEvent) -> None:
         self.activations = ACTIVATIONS.apply(self.activations, record)
+        self.recent = remember_message(self.recent, record.event)
         self.drafts = apply_drafts(self.drafts, record)
         event = record.event
         match event:

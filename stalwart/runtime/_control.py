@@ -29,11 +29,13 @@ from stalwart.state import (
     Activation,
     ActivationPolicy,
     ActivationsState,
+    SeenMessage,
     SessionState,
     WakeRefused,
     decide_interrupt,
     decide_message,
     decide_wake,
+    remember_message,
 )
 from stalwart.store import NO_STREAM, EventStore, Fence, NewEvent
 
@@ -102,7 +104,11 @@ def _act(store: EventStore, session_id: str, decide: Decision, ts: float | None)
         except (ConcurrencyError, FencedError):
             continue
         return events
-    raise SessionActionError(
+    raise _contended(stream)
+
+
+def _contended(stream: str) -> SessionActionError:
+    return SessionActionError(
         f"session {stream!r} kept changing: the action was not taken after {ATTEMPTS} tries",
         reason="contended",
         session=stream,
@@ -142,21 +148,26 @@ def send_message(
         )
         _created_then(store, session_id, ready, agent, channel, ts)
         return activation_id
-    chosen: list[str] = []
-
-    def decide(
-        session: SessionState, activations: ActivationsState
-    ) -> tuple[list[Event], Fence | None]:
-        decision = decide_message(activations, activation_id, message_id, text)
-        chosen[:] = [decision if isinstance(decision, str) else activation_id]
+    stream = _stream(session_id)
+    version = 0  # each try reads on from where the last one ended
+    recent: tuple[SeenMessage, ...] = ()
+    for _ in range(ATTEMPTS):
+        for record in store.read_stream(stream, version + 1):
+            version, recent = record.version, remember_message(recent, record.event)
+        decision = decide_message(recent, activation_id, message_id, text)
         if isinstance(decision, str):
-            return [], None
-        if session.version == 0:
-            return [SessionCreated(agent=agent, channel=channel), decision], None
-        return [decision], None
-
-    _act(store, session_id, decide, ts)
-    return chosen[0]
+            return decision
+        events: list[Event] = [decision]
+        if version == 0:
+            events.insert(0, SessionCreated(agent=agent, channel=channel))
+        try:
+            store.append(
+                stream, [NewEvent(event=e, ts=ts) for e in events], expected_version=version
+            )
+        except ConcurrencyError:
+            continue
+        return activation_id
+    raise _contended(stream)
 
 
 def _created_then(

@@ -14,6 +14,7 @@ from ._activation import (
     Lease,
     SeenMessage,
     apply_activations,
+    remember_message,
 )
 from ._activation_policy import (
     ActivationPolicy,
@@ -355,6 +356,7 @@ __all__ = [
     "next_retry_at",
     "notice_outcome",
     "pause_kind",
+    "remember_message",
     "restart_backoff_ms",
     "restart_history",
     "retry_at",

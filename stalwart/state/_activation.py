@@ -20,6 +20,7 @@ from stalwart.events import (
     ActivationReady,
     ActivationReleased,
     ActivationRequeued,
+    Event,
     LeaseExpired,
     LeaseRenewed,
     RecordedEvent,
@@ -42,6 +43,7 @@ __all__ = [
     "Lease",
     "SeenMessage",
     "apply_activations",
+    "remember_message",
 ]
 
 HISTORY_KEPT = 20
@@ -71,6 +73,17 @@ class SeenMessage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
     message_id: str
     activation_id: str
+
+
+def remember_message(recent: tuple[SeenMessage, ...], event: Event) -> tuple[SeenMessage, ...]:
+    """The session's newest ``MESSAGES_KEPT`` user messages (oldest first) after one more
+    event of its stream: an ``activation:ready`` of a message adds its id. Folded only
+    where a message is recorded (``send_message``, the Agent), not into the activations
+    every worker keeps for every session."""
+    if isinstance(event, ActivationReady) and event.kind == "message" and event.message_id:
+        seen = SeenMessage(message_id=event.message_id, activation_id=event.activation_id)
+        return (*recent, seen)[-MESSAGES_KEPT:]
+    return recent
 
 
 class Lease(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -112,8 +125,6 @@ class ActivationsState(msgspec.Struct, frozen=True, kw_only=True):
     requeued: int = 0
     abandoned: int = 0
     expired: int = 0
-    #: the newest ``MESSAGES_KEPT`` user messages, oldest first
-    messages: tuple[SeenMessage, ...] = ()
 
     def find(self, activation_id: str) -> Activation | None:
         for activation in self.queue:
@@ -190,13 +201,7 @@ def apply_activations(state: ActivationsState, record: RecordedEvent) -> Activat
                 text=event.text,
                 dedupe_key=event.dedupe_key,
             )
-            messages = state.messages
-            if event.kind == "message" and event.message_id is not None:
-                seen = SeenMessage(message_id=event.message_id, activation_id=event.activation_id)
-                messages = (*messages, seen)[-MESSAGES_KEPT:]
-            return msgspec.structs.replace(
-                state, queue=(*state.queue, activation), messages=messages
-            )
+            return msgspec.structs.replace(state, queue=(*state.queue, activation))
         case ActivationLeased():
             lease = Lease(
                 activation_id=event.activation_id,
@@ -331,7 +336,7 @@ class ActivationsAggregate:
     """The activations fold as an :class:`~stalwart.state.Aggregate`."""
 
     name = "activations"
-    version = 2  # 2: ``messages`` (a snapshot without it would forget them)
+    version = 1
     state_type = ActivationsState
 
     def initial(self, stream: str) -> ActivationsState:

@@ -18,6 +18,7 @@ Replay re-runs each of them on the state just before its event (``replay --verif
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
@@ -37,7 +38,7 @@ from stalwart.events import (
     UserInterrupt,
 )
 
-from ._activation import Activation, ActivationsState, expired_lease
+from ._activation import Activation, ActivationsState, SeenMessage, expired_lease
 
 __all__ = [
     "ActivationPolicy",
@@ -292,12 +293,13 @@ def decide_wake(
 
 
 def decide_message(
-    state: ActivationsState, activation_id: str, message_id: str, text: str
+    recent: Sequence[SeenMessage], activation_id: str, message_id: str, text: str
 ) -> ActivationReady | str:
     """A user message: the ``activation:ready`` to append, or the id of the activation
-    that already carries ``message_id`` among the session's newest ``MESSAGES_KEPT``
-    messages (nothing to append): a message delivered twice is run once."""
-    for seen in state.messages:
+    that already carries ``message_id`` among the session's newest messages (``recent``,
+    see :func:`remember_message`; nothing to append): a message delivered twice is run
+    once."""
+    for seen in recent:
         if seen.message_id == message_id:
             return seen.activation_id
     return ActivationReady(
