@@ -18,6 +18,7 @@ from stalwart.actors import (
     IoPortal,
     Scheduler,
     SupervisorActor,
+    batch_text,
 )
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
@@ -26,11 +27,12 @@ from stalwart.events import (
     ActivationReady,
     AnnouncementDelivered,
     AnnouncementQueued,
+    AnnouncementResent,
     MessageAppended,
     SessionCreated,
 )
 from stalwart.runtime import Runtime
-from stalwart.store import EventStore
+from stalwart.store import EventStore, NewEvent
 from stalwart.testing import FakeProvider
 from tests._runtime_support import (
     GUARD,
@@ -43,7 +45,7 @@ from tests._runtime_support import (
     runtime_config,
     settled,
 )
-from tests.test_supervisor import T0, notice_left_queued
+from tests.test_supervisor import T0, notice_left_queued, succeeded
 
 ANNOUNCE_MS = 200  # the supervisors' send timeout (on the FakeClock)
 
@@ -191,3 +193,41 @@ def test_a_notice_one_supervisor_is_resending_is_not_sent_again_beside_it_by_ano
             pykka.ActorRegistry.stop_all(timeout=GUARD)
     assert [m.idempotency_key for m in chat_a.attempted] == ["n1"]
     assert resent == []
+
+
+def test_a_batch_one_supervisor_is_resending_is_not_sent_again_beside_it_by_another(
+    lmdb_store: EventStore, clock: FakeClock
+) -> None:
+    """The same gap for a batch of completions a crash cut short: once a supervisor sends
+    it again, every run of the batch records ``announcement:resent``, so the supervisor
+    of another process waits again whichever run of the batch it looks at first."""
+    text = batch_text((("r1", "first"), ("r2", "second")))
+    for run_id, result in (("r1", "first"), ("r2", "second")):
+        succeeded(lmdb_store, run_id, announce=True, result=result)
+        queued = AnnouncementQueued(
+            announcement_id="b1", channel="chat", kind="completion", text=text
+        )
+        lmdb_store.append(f"session:{run_id}", [NewEvent(event=queued, ts=T0 + 11)])
+    settings = SubagentSettings()
+    clock.set(T0 + 12 + (settings.announce_max_wait_ms + ANNOUNCE_MS) / 1000)
+    with (
+        Scheduler(clock) as scheduler_a,
+        IoPortal() as portal_a,
+        Scheduler(clock) as scheduler_b,
+        IoPortal() as portal_b,
+    ):
+        try:
+            chat_a, chat_b = MemoryChannel("chat"), MemoryChannel("chat")
+            chat_a.hang_next(1)  # A's resend of the batch is on its way
+            _supervisor(lmdb_store, clock, scheduler_a, portal_a, chat_a)
+            _attempted(portal_a, chat_a, 1)
+            b = _supervisor(lmdb_store, clock, scheduler_b, portal_b, chat_b)
+            b.ask(GetRuns(), timeout=GUARD)  # B's first sweep ran
+            flush(portal_b)
+            resent = list(chat_b.attempted)
+        finally:
+            pykka.ActorRegistry.stop_all(timeout=GUARD)
+    assert [m.idempotency_key for m in chat_a.attempted] == ["b1"]
+    assert resent == []
+    for run_id in ("r1", "r2"):
+        assert len(of(AnnouncementResent, list(lmdb_store.read_stream(f"session:{run_id}")))) == 1

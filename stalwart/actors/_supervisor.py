@@ -63,6 +63,7 @@ from stalwart.config import SubagentSettings, SupervisionSettings
 from stalwart.errors import ConcurrencyError, CorruptRecordError, StoreError
 from stalwart.events import (
     AnnouncementQueued,
+    AnnouncementResent,
     Event,
     SubagentGivenUp,
     SubagentRecoveryDecided,
@@ -618,8 +619,12 @@ class SupervisorActor(Supervised):
         watch = self._runs[stream]  # as the decision left it
         if watch.completion_id in self._sending:
             return  # this batch's send is under way (another run of it started it)
-        if completion_interrupted(watch, self._clock.now(), wait_s=wait_s):
+        if self._decide(stream, partial(completion_interrupted, wait_s=wait_s)):
             log.warning("supervisor.completion_interrupted", run=stream)
+            resent: list[Event] = [AnnouncementResent(announcement_id=watch.completion_id)]
+            for other, batched in list(self._runs.items()):  # the batch's other runs too
+                if other != stream and batched.completion_id == watch.completion_id:
+                    self._decide(other, partial(_unless_ended, watch.completion_id, resent))
             self._send_completion(stream)
 
     def _send_completion(self, stream: str) -> None:
@@ -642,7 +647,7 @@ class SupervisorActor(Supervised):
             text = self._runs[batch[0]].completion_text
             self._enqueue(batch[0], announcement_id, text, failure, "reply")
         for stream in batch:
-            self._decide(stream, partial(_ends_completion, announcement_id, event))
+            self._decide(stream, partial(_unless_ended, announcement_id, [event]))
         log.info("supervisor.completion_sent", runs=len(batch), ok=outcome.ok)
 
     # -- the timer -----------------------------------------------------------------------------
@@ -678,9 +683,10 @@ def _ends_notice(
     return [event] if _notice_pending(watch, announcement_id, path) else []
 
 
-def _ends_completion(
-    announcement_id: str, event: Event, watch: RunWatch, now: float
+def _unless_ended(
+    announcement_id: str, events: list[Event], watch: RunWatch, now: float
 ) -> list[Event]:
-    """The send's outcome, unless the run's completion was ended meanwhile."""
+    """``events`` (the send's outcome, its resend), unless the run's completion
+    ``announcement_id`` ended meanwhile."""
     queued = watch.completion == "queued" and watch.completion_id == announcement_id
-    return [event] if queued else []
+    return events if queued else []

@@ -121,6 +121,10 @@ def apply_watch(state: RunWatch, record: RecordedEvent) -> RunWatch:
             return msgspec.structs.replace(state, completion="ended")
         case AnnouncementResent() if record.event.announcement_id == state.notice_id:
             return msgspec.structs.replace(state, notice_at=record.ts)
+        case AnnouncementResent() if (
+            state.completion == "queued" and record.event.announcement_id == state.completion_id
+        ):
+            return msgspec.structs.replace(state, completion_at=record.ts)
         case _:
             return _notice(state, record)
 
@@ -177,15 +181,19 @@ def owed_completion(watch: RunWatch, now: float, *, wait_s: float, channel: str)
     ]  # fmt: skip
 
 
-def completion_interrupted(watch: RunWatch, now: float, *, wait_s: float) -> bool:
-    """Whether the run's completion announcement was queued ``wait_s`` ago and its send
-    never ended (every send is bounded, and its outcome recorded): a crash cut it short."""
-    return (
+def completion_interrupted(watch: RunWatch, now: float, *, wait_s: float) -> list[Event]:
+    """The ``announcement:resent`` of the run's completion when it was queued (or last
+    resent) ``wait_s`` ago and its send never ended (every send is bounded, and its
+    outcome recorded): a crash cut it short. Recorded before the send, it starts the wait
+    again for every other supervisor."""
+    if (
         watch.announce is True
         and watch.completion == "queued"
         and watch.completion_at is not None
         and now >= watch.completion_at + wait_s
-    )
+    ):
+        return [AnnouncementResent(announcement_id=watch.completion_id)]
+    return []
 
 
 def notice_interrupted(watch: RunWatch, now: float, *, wait_s: float) -> list[Event]:
