@@ -116,7 +116,7 @@ DECISIONS = frozenset(
         *("breaker:opened", "breaker:half_opened", "breaker:closed"),
         *("announcement:fallback_direct", "announcement:dead_lettered"),
         *("announcement:dead_letter_delivered", "announcement:dead_letter_expired"),
-        "announcement:dead_letter_retried",
+        *("announcement:dead_letter_retried", "announcement:resent"),
         *("activation:leased", "activation:acked", "activation:requeued", "activation:blocked"),
         *("activation:abandoned", "activation:lease_lost", "lease:expired"),
         "activation:released",
