@@ -40,8 +40,8 @@ from stalwart.events import (
     UserInterrupt,
 )
 from stalwart.runtime import Runtime, send_message
-from stalwart.state import DRAFTS, fold
-from stalwart.store import EventStore, Fence, NewEvent
+from stalwart.state import DRAFTS, RECENT_MESSAGES, fold
+from stalwart.store import EventStore, Fence, NewEvent, snapshot_name
 from stalwart.testing import Answer, FakeProvider, FakeToolCall, Hang
 from stalwart.tools import current_call
 from tests._runtime_support import (
@@ -290,6 +290,26 @@ def test_a_message_id_sent_from_many_threads_at_once_is_recorded_once(
     assert set(ids) == {ready.activation_id}
     other = send_message(store, "s1", "and order 8?", message_id="m2", ts=clock.now())
     assert other != ready.activation_id
+    assert len(of(ActivationReady, list(store.read_stream("session:s1")))) == 2
+
+
+def test_a_message_id_is_remembered_across_the_recent_messages_snapshot(
+    store: EventStore, clock: FakeClock
+) -> None:
+    """A long session's message ids are read from a snapshot of the recent-messages fold
+    and the events after it, not from the whole stream: an id given before the snapshot
+    is still known after it."""
+    first = send_message(store, "s1", "refund?", message_id="m1", ts=clock.now())
+    chatter = [
+        NewEvent(event=MessageAppended(message_id=f"x{n}", role="user", content="."))
+        for n in range(600)
+    ]
+    store.append("session:s1", chatter)  # past the snapshot interval (500)
+    other = send_message(store, "s1", "order 8?", message_id="m2", ts=clock.now())
+    assert [s.version for s in store.snapshots("session:s1", snapshot_name(RECENT_MESSAGES))]
+    store.append("session:s1", chatter[:10])
+    assert send_message(store, "s1", "refund?", message_id="m1", ts=clock.now()) == first
+    assert send_message(store, "s1", "order 8?", message_id="m2", ts=clock.now()) == other
     assert len(of(ActivationReady, list(store.read_stream("session:s1")))) == 2
 
 

@@ -25,19 +25,18 @@ from stalwart.events import (
 from stalwart.ids import new_id, valid_session_id
 from stalwart.state import (
     ACTIVATIONS,
+    RECENT_MESSAGES,
     SESSION,
     Activation,
     ActivationPolicy,
     ActivationsState,
-    SeenMessage,
     SessionState,
     WakeRefused,
     decide_interrupt,
     decide_message,
     decide_wake,
-    remember_message,
 )
-from stalwart.store import NO_STREAM, EventStore, Fence, NewEvent
+from stalwart.store import NO_STREAM, EventStore, Fence, NewEvent, load_state
 
 __all__ = [
     "INVALID_SESSION_TEXT",
@@ -149,12 +148,14 @@ def send_message(
         _created_then(store, session_id, ready, agent, channel, ts)
         return activation_id
     stream = _stream(session_id)
-    version = 0  # each try reads on from where the last one ended
-    recent: tuple[SeenMessage, ...] = ()
+    recent = load_state(store, stream, RECENT_MESSAGES)  # from its snapshot and tail
     for _ in range(ATTEMPTS):
-        for record in store.read_stream(stream, version + 1):
-            version, recent = record.version, remember_message(recent, record.event)
-        decision = decide_message(recent, activation_id, message_id, text)
+        folder = RECENT_MESSAGES.folder(recent)
+        for record in store.read_stream(stream, recent.version + 1):  # what came since
+            folder.add(record)
+        recent = folder.state()
+        version = recent.version
+        decision = decide_message(recent.messages, activation_id, message_id, text)
         if isinstance(decision, str):
             return decision
         events: list[Event] = [decision]

@@ -86,6 +86,41 @@ def remember_message(recent: tuple[SeenMessage, ...], event: Event) -> tuple[See
     return recent
 
 
+class RecentMessages(msgspec.Struct, frozen=True, kw_only=True):
+    """A session's newest user messages (:func:`remember_message`) at ``version``."""
+
+    stream: str
+    version: int = 0
+    messages: tuple[SeenMessage, ...] = ()
+
+
+def apply_recent_messages(state: RecentMessages, record: RecordedEvent) -> RecentMessages:
+    return msgspec.structs.replace(
+        state, version=record.version, messages=remember_message(state.messages, record.event)
+    )
+
+
+class RecentMessagesAggregate:
+    """The recent-messages fold as an :class:`~stalwart.state.Aggregate` (snapshotted, so
+    recording a message with an id does not read the whole session)."""
+
+    name = "recent_messages"
+    version = 1
+    state_type = RecentMessages
+
+    def initial(self, stream: str) -> RecentMessages:
+        return RecentMessages(stream=stream)
+
+    def apply(self, state: RecentMessages, record: RecordedEvent) -> RecentMessages:
+        return apply_recent_messages(state, record)
+
+    def folder(self, state: RecentMessages) -> ApplyFolder[RecentMessages]:
+        return ApplyFolder(apply_recent_messages, state)
+
+
+RECENT_MESSAGES = RecentMessagesAggregate()
+
+
 class Lease(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     activation_id: str
     owner: str
