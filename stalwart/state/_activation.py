@@ -47,8 +47,8 @@ __all__ = [
 ]
 
 HISTORY_KEPT = 20
-#: how many of a session's newest user message ids its activations remember: a message
-#: sent again with one of them (a chat platform redelivering a webhook) is not run again
+#: how many of a session's newest user message ids are remembered (``RECENT_MESSAGES``):
+#: a message sent again with one of them (a redelivered webhook) is not run again
 MESSAGES_KEPT = 256
 
 
