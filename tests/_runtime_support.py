@@ -124,3 +124,13 @@ def settled(store: EventStore, session_id: str) -> None:
         left = give_up - time.monotonic()
         assert left > 0, "the session never settled its work"
         store.wait_for(head + 1, left)
+
+
+def attempted_on(portal: IoPortal, channel: MemoryChannel, count: int) -> None:
+    """Wait (on the channel's loop, ``portal``) until ``count`` sends reached ``channel``."""
+
+    async def wait() -> None:
+        with anyio.fail_after(GUARD):
+            await channel.wait_for(count, attempted=True)
+
+    portal.submit(wait).result(GUARD + 1)

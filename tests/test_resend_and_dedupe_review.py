@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio
 import pykka
 
 from stalwart.actors import (
@@ -36,6 +35,7 @@ from stalwart.store import EventStore, NewEvent
 from stalwart.testing import FakeProvider
 from tests._runtime_support import (
     GUARD,
+    attempted_on,
     delivered,
     flush,
     has,
@@ -48,16 +48,6 @@ from tests._runtime_support import (
 from tests.test_supervisor import T0, notice_left_queued, succeeded
 
 ANNOUNCE_MS = 200  # the supervisors' send timeout (on the FakeClock)
-
-
-def _attempted(portal: IoPortal, channel: MemoryChannel, count: int) -> None:
-    """Wait (on the channel's loop) until ``count`` sends reached ``channel``."""
-
-    async def wait() -> None:
-        with anyio.fail_after(GUARD):
-            await channel.wait_for(count, attempted=True)
-
-    portal.submit(wait).result(GUARD + 1)
 
 
 # -- one message, one answer -----------------------------------------------------------------
@@ -184,7 +174,7 @@ def test_a_notice_one_supervisor_is_resending_is_not_sent_again_beside_it_by_ano
             chat_a, chat_b = MemoryChannel("chat"), MemoryChannel("chat")
             chat_a.hang_next(1)  # A's resend is on its way (its Clock timeout never comes)
             _supervisor(lmdb_store, clock, scheduler_a, portal_a, chat_a)
-            _attempted(portal_a, chat_a, 1)  # A's first sweep resent the notice
+            attempted_on(portal_a, chat_a, 1)  # A's first sweep resent the notice
             b = _supervisor(lmdb_store, clock, scheduler_b, portal_b, chat_b)
             b.ask(GetRuns(), timeout=GUARD)  # B's first sweep ran
             flush(portal_b)
@@ -220,7 +210,7 @@ def test_a_batch_one_supervisor_is_resending_is_not_sent_again_beside_it_by_anot
             chat_a, chat_b = MemoryChannel("chat"), MemoryChannel("chat")
             chat_a.hang_next(1)  # A's resend of the batch is on its way
             _supervisor(lmdb_store, clock, scheduler_a, portal_a, chat_a)
-            _attempted(portal_a, chat_a, 1)
+            attempted_on(portal_a, chat_a, 1)
             b = _supervisor(lmdb_store, clock, scheduler_b, portal_b, chat_b)
             b.ask(GetRuns(), timeout=GUARD)  # B's first sweep ran
             flush(portal_b)

@@ -697,21 +697,22 @@ class AgentActor(Supervised):
         """Durable mode: a user message becomes an ``activation:ready`` for the worker
         (one whose id the session was already given is not run again)."""
         message_id = message.message_id or new_id()
-        for _ in range(RACE_TRIES):
+        for attempt in range(1, RACE_TRIES + 1):
             self._refresh()
             ready = decide_message(self._ledger.recent, new_id(), message_id, message.text)
             if isinstance(ready, str):
                 return
             news = [NewEvent(event=ready, ts=self._clock.now())]
-            try:  # on the version folded: a redelivery recorded meanwhile is seen
-                self._store.append(self._stream, news, expected_version=self._folder.version)
+            # on the version folded, so a redelivery recorded meanwhile is seen; when the
+            # stream keeps moving, the last try records it all the same (a lost message
+            # is worse than a twice-recorded one)
+            expected = self._folder.version if attempt < RACE_TRIES else None
+            try:
+                self._store.append(self._stream, news, expected_version=expected)
             except ConcurrencyError:
                 continue
             self._refresh()
-            break
-        else:  # the stream kept moving: recorded all the same (a lost message is worse)
-            self._store.append(self._stream, news)
-            self._refresh()
+            return
         if self._worker is not None:
             self._worker(None)
 
@@ -850,8 +851,10 @@ class AgentActor(Supervised):
                 log.warning("agent.wake_abandoned", stream=self._stream, turn_id=running)
                 news = [NewEvent(event=e, ts=now) for e in events]
                 # on the version folded: a wake that started meanwhile speaks for itself
-                with contextlib.suppress(ConcurrencyError):
+                try:
                     self._store.append(self._stream, news, expected_version=self._folder.version)
+                except ConcurrencyError:  # something else was appended: look again soon
+                    self._resend_later(now + RESEND_GRACE_S)
                 self._refresh()
         self._send_again(now)
 

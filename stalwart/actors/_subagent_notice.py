@@ -71,9 +71,14 @@ class NoticeSent(msgspec.Struct, frozen=True, kw_only=True):
     path: Path
     ok: bool
     error_class: str | None = None
+    #: which send of the announcement this was (a resend may be under way beside a late
+    #: outcome of the send before it)
+    send_id: str = ""
 
 
-def sent(stream: str, announcement_id: str, path: Path, future: Future[str | None]) -> NoticeSent:
+def sent(
+    stream: str, announcement_id: str, path: Path, send_id: str, future: Future[str | None]
+) -> NoticeSent:
     """The message a finished send makes (a done-callback: cheap, never raises)."""
     error: str | None
     if future.cancelled():
@@ -83,5 +88,5 @@ def sent(stream: str, announcement_id: str, path: Path, future: Future[str | Non
         error = type(exc).__name__ if exc is not None else future.result()
     return NoticeSent(
         stream=stream, announcement_id=announcement_id, path=path, ok=error is None,
-        error_class=error,
+        error_class=error, send_id=send_id,
     )  # fmt: skip

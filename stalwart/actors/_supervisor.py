@@ -226,7 +226,9 @@ class SupervisorActor(Supervised):
         self._retell = retell or self._tell
         self._runs: dict[str, RunWatch] = {}
         self._not_runs: set[str] = set()
-        self._sending: set[str] = set()  # announcement ids with a send in flight
+        #: announcement id -> the ids of its sends in flight (a resend may be under way
+        #: while a late outcome of the send before it is recorded)
+        self._sending: dict[str, set[str]] = {}
         self._timer_key = ("supervisor", self.actor_urn)
         self._next_ghost = 0.0
         self._next_heartbeat = 0.0
@@ -558,13 +560,26 @@ class SupervisorActor(Supervised):
         future = send_by_clock(
             self._portal, self._scheduler, self._clock, channel, message, self._announce_s
         )
-        self._sending.add(announcement_id)
-        done = partial(sent, stream, announcement_id, path)
+        send_id = new_id()
+        self._sending.setdefault(announcement_id, set()).add(send_id)
+        done = partial(sent, stream, announcement_id, path, send_id)
         future.add_done_callback(lambda f: self._tell(told(done(f))))
 
+    def _ended_send(self, outcome: NoticeSent) -> bool:
+        """Forget the send ``outcome`` ended (told again, it is forgotten once); whether
+        another send of the same announcement is still under way here (a resend begun
+        while this outcome waited for the store): then a failure of this one is moot."""
+        sends = self._sending.get(outcome.announcement_id, set())
+        sends.discard(outcome.send_id)
+        if not sends:
+            self._sending.pop(outcome.announcement_id, None)
+        return bool(sends)
+
     def _notice_sent(self, outcome: NoticeSent) -> None:
-        self._sending.discard(outcome.announcement_id)
         stream, announcement_id = outcome.stream, outcome.announcement_id
+        if self._ended_send(outcome) and not outcome.ok and outcome.path == "direct":
+            log.info("supervisor.outcome_superseded", run=stream, path=outcome.path)
+            return  # the resend under way says how the notice went
         if self._catch_up(stream) is None:
             return
         failure = None if outcome.ok else outcome.error_class or "unknown"
@@ -635,7 +650,9 @@ class SupervisorActor(Supervised):
     def _completion_sent(self, outcome: NoticeSent) -> None:
         """Record the send's outcome in every run of its batch; dead-letter a failure once."""
         announcement_id = outcome.announcement_id
-        self._sending.discard(announcement_id)
+        if self._ended_send(outcome) and not outcome.ok:
+            log.info("supervisor.outcome_superseded", path="direct")
+            return  # the resend under way says how the batch went
         failure = None if outcome.ok else outcome.error_class or "unknown"
         event = notice_outcome(announcement_id, "direct", failure, timeout_ms=self._announce_ms)
         batch = [
