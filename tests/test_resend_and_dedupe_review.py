@@ -17,7 +17,6 @@ from stalwart.actors import (
     IoPortal,
     Scheduler,
     SupervisorActor,
-    batch_text,
 )
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
@@ -31,7 +30,7 @@ from stalwart.events import (
     SessionCreated,
 )
 from stalwart.runtime import Runtime
-from stalwart.store import EventStore, NewEvent
+from stalwart.store import EventStore
 from stalwart.testing import FakeProvider
 from tests._runtime_support import (
     GUARD,
@@ -45,7 +44,7 @@ from tests._runtime_support import (
     runtime_config,
     settled,
 )
-from tests.test_supervisor import T0, notice_left_queued, succeeded
+from tests.test_supervisor import T0, batch_left_queued, notice_left_queued
 
 ANNOUNCE_MS = 200  # the supervisors' send timeout (on the FakeClock)
 
@@ -130,9 +129,17 @@ def test_an_answer_one_runtime_is_resending_is_not_sent_again_beside_it_by_anoth
     assert resent == []
 
 
-def _supervisor(
-    store: EventStore, clock: FakeClock, scheduler: Scheduler, portal: IoPortal, chat: Any
+def supervisor(
+    store: EventStore,
+    clock: FakeClock,
+    scheduler: Scheduler,
+    portal: IoPortal,
+    chat: Any,
+    *,
+    announce_ms: int = ANNOUNCE_MS,
+    announcer: MemoryChannel | None = None,
 ) -> pykka.ActorRef[Any]:
+    """A supervisor on ``store`` whose runs' channel is ``chat``."""
     return SupervisorActor.start(
         store=store,
         clock=clock,
@@ -140,8 +147,34 @@ def _supervisor(
         portal=portal,
         channels={"chat": chat},
         settings=SubagentSettings(),
-        announce_timeout_ms=ANNOUNCE_MS,
-        announcer=MemoryChannel("parent"),
+        announce_timeout_ms=announce_ms,
+        announcer=announcer or MemoryChannel("parent"),
+    )
+
+
+def _sent_beside(store: EventStore, clock: FakeClock) -> tuple[list[str], list[str]]:
+    """Supervisor A starts and resends what is due (its send hangs: still under way),
+    then supervisor B of another process starts and sweeps: the idempotency keys each
+    sent."""
+    with (
+        Scheduler(clock) as scheduler_a,
+        IoPortal() as portal_a,
+        Scheduler(clock) as scheduler_b,
+        IoPortal() as portal_b,
+    ):
+        try:
+            chat_a, chat_b = MemoryChannel("chat"), MemoryChannel("chat")
+            chat_a.hang_next(1)  # A's resend is on its way (its Clock timeout never comes)
+            supervisor(store, clock, scheduler_a, portal_a, chat_a)
+            attempted_on(portal_a, chat_a, 1)  # A's first sweep resent it
+            b = supervisor(store, clock, scheduler_b, portal_b, chat_b)
+            b.ask(GetRuns(), timeout=GUARD)  # B's first sweep ran
+            flush(portal_b)
+        finally:
+            pykka.ActorRegistry.stop_all(timeout=GUARD)
+    return (
+        [m.idempotency_key for m in chat_a.attempted],
+        [m.idempotency_key for m in chat_b.attempted],
     )
 
 
@@ -164,25 +197,7 @@ def test_a_notice_one_supervisor_is_resending_is_not_sent_again_beside_it_by_ano
     expecting the run's version) that moves ``notice_at``."""
     notice_left_queued(lmdb_store)
     clock.set(T0 + 130)  # past T0 + 120 + ANNOUNCE_MS / 1000 + RESEND_GRACE_S
-    with (
-        Scheduler(clock) as scheduler_a,
-        IoPortal() as portal_a,
-        Scheduler(clock) as scheduler_b,
-        IoPortal() as portal_b,
-    ):
-        try:
-            chat_a, chat_b = MemoryChannel("chat"), MemoryChannel("chat")
-            chat_a.hang_next(1)  # A's resend is on its way (its Clock timeout never comes)
-            _supervisor(lmdb_store, clock, scheduler_a, portal_a, chat_a)
-            attempted_on(portal_a, chat_a, 1)  # A's first sweep resent the notice
-            b = _supervisor(lmdb_store, clock, scheduler_b, portal_b, chat_b)
-            b.ask(GetRuns(), timeout=GUARD)  # B's first sweep ran
-            flush(portal_b)
-            resent = list(chat_b.attempted)
-        finally:
-            pykka.ActorRegistry.stop_all(timeout=GUARD)
-    assert [m.idempotency_key for m in chat_a.attempted] == ["n1"]
-    assert resent == []
+    assert _sent_beside(lmdb_store, clock) == (["n1"], [])
 
 
 def test_a_batch_one_supervisor_is_resending_is_not_sent_again_beside_it_by_another(
@@ -191,33 +206,9 @@ def test_a_batch_one_supervisor_is_resending_is_not_sent_again_beside_it_by_anot
     """The same gap for a batch of completions a crash cut short: once a supervisor sends
     it again, every run of the batch records ``announcement:resent``, so the supervisor
     of another process waits again whichever run of the batch it looks at first."""
-    text = batch_text((("r1", "first"), ("r2", "second")))
-    for run_id, result in (("r1", "first"), ("r2", "second")):
-        succeeded(lmdb_store, run_id, announce=True, result=result)
-        queued = AnnouncementQueued(
-            announcement_id="b1", channel="chat", kind="completion", text=text
-        )
-        lmdb_store.append(f"session:{run_id}", [NewEvent(event=queued, ts=T0 + 11)])
+    batch_left_queued(lmdb_store)
     settings = SubagentSettings()
     clock.set(T0 + 12 + (settings.announce_max_wait_ms + ANNOUNCE_MS) / 1000)
-    with (
-        Scheduler(clock) as scheduler_a,
-        IoPortal() as portal_a,
-        Scheduler(clock) as scheduler_b,
-        IoPortal() as portal_b,
-    ):
-        try:
-            chat_a, chat_b = MemoryChannel("chat"), MemoryChannel("chat")
-            chat_a.hang_next(1)  # A's resend of the batch is on its way
-            _supervisor(lmdb_store, clock, scheduler_a, portal_a, chat_a)
-            attempted_on(portal_a, chat_a, 1)
-            b = _supervisor(lmdb_store, clock, scheduler_b, portal_b, chat_b)
-            b.ask(GetRuns(), timeout=GUARD)  # B's first sweep ran
-            flush(portal_b)
-            resent = list(chat_b.attempted)
-        finally:
-            pykka.ActorRegistry.stop_all(timeout=GUARD)
-    assert [m.idempotency_key for m in chat_a.attempted] == ["b1"]
-    assert resent == []
+    assert _sent_beside(lmdb_store, clock) == (["b1"], [])
     for run_id in ("r1", "r2"):
         assert len(of(AnnouncementResent, list(lmdb_store.read_stream(f"session:{run_id}")))) == 1

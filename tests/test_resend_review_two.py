@@ -15,57 +15,21 @@ from typing import Any
 import pykka
 import structlog
 
-from stalwart.actors import IoPortal, Scheduler, SupervisorActor, Sweep
+from stalwart.actors import IoPortal, Scheduler, Sweep
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
-from stalwart.config import SubagentSettings
 from stalwart.events import (
     AnnouncementResent,
-    SubagentRecoveryDecided,
-    SubagentSpawned,
-    SubagentWatchdogTimeout,
 )
-from stalwart.store import EventStore, NewEvent, PostgresEventStore
+from stalwart.store import EventStore, PostgresEventStore
 from tests._relay import CuttingRelay, reachable
 from tests._runtime_support import attempted_on, flush
+from tests.test_resend_and_dedupe_review import supervisor
+from tests.test_supervisor import T0, run_timed_out
 
 GUARD = 10.0
-T0 = 1_800_000_000.0  # the conftest clock's start
 ANNOUNCE_MS = 5_000  # the supervisor's send timeout (on the FakeClock)
 RETRY_S = 1.0  # DECISION_RETRY_S: a record that met a store error is told again then
-
-
-def _timed_out_run(store: EventStore) -> None:
-    """A run that timed out at T0 + 120 (recovery decided), its notice not queued yet."""
-    store.append(
-        "session:r9",
-        [
-            NewEvent(
-                event=SubagentSpawned(
-                    parent="p1",
-                    task="summarise the report",
-                    task_class="formatting",
-                    timeout_ms=120_000,
-                    timeout_knob="class_timeouts_ms.formatting",
-                    channel="chat",
-                    conversation="conv-9",
-                ),
-                ts=T0,
-            ),
-            NewEvent(
-                event=SubagentWatchdogTimeout(
-                    deadline=T0 + 120,
-                    limit_ms=120_000,
-                    knob="class_timeouts_ms.formatting",
-                    elapsed_ms=120_000,
-                ),
-                ts=T0 + 120,
-            ),
-            NewEvent(
-                event=SubagentRecoveryDecided(action="respawn", reason="no_work"), ts=T0 + 120
-            ),
-        ],
-    )
 
 
 def _logged(
@@ -101,7 +65,7 @@ def test_a_late_announce_outcome_does_not_send_the_notice_beside_its_resend(
     dropped) without a second direct send. Fixed: the supervisor counts each send of an
     announcement apart (``NoticeSent.send_id``), and a failed outcome of a send whose
     resend is under way is moot."""
-    _timed_out_run(pg_store)
+    run_timed_out(pg_store)
     clock.set(T0 + 130)
     with (
         structlog.testing.capture_logs() as logs,
@@ -112,14 +76,13 @@ def test_a_late_announce_outcome_does_not_send_the_notice_beside_its_resend(
             announcer, chat = MemoryChannel("parent"), MemoryChannel("chat")
             announcer.hang_next(1)  # the announce send times out on the Clock
             chat.hang_next(1)  # the resend is still on its way when the retell lands
-            supervisor = SupervisorActor.start(
-                store=relayed_store,
-                clock=clock,
-                scheduler=scheduler,
-                portal=portal,
-                channels={"chat": chat},
-                settings=SubagentSettings(),
-                announce_timeout_ms=ANNOUNCE_MS,
+            ref = supervisor(
+                relayed_store,
+                clock,
+                scheduler,
+                portal,
+                chat,
+                announce_ms=ANNOUNCE_MS,
                 announcer=announcer,
             )
             attempted_on(portal, announcer, 1)  # the first sweep queued the notice, sent it
@@ -134,7 +97,7 @@ def test_a_late_announce_outcome_does_not_send_the_notice_beside_its_resend(
             while not reachable(relayed_store):
                 assert time.monotonic() < give_up, "the database never came back"
                 time.sleep(0.05)  # real-time: the pool reconnects
-            supervisor.ask(Sweep(), timeout=GUARD)  # past announce timeout + grace: resent
+            ref.ask(Sweep(), timeout=GUARD)  # past announce timeout + grace: resent
             attempted_on(portal, chat, 1)
             records = list(pg_store.read_stream("session:r9"))
             assert [r.event for r in records if isinstance(r.event, AnnouncementResent)]
@@ -144,7 +107,7 @@ def test_a_late_announce_outcome_does_not_send_the_notice_beside_its_resend(
                 lambda e: e["event"] == "supervisor.notice_sent" and e.get("path") == "announce",
                 1,
             )
-            supervisor.ask(Sweep(), timeout=GUARD)  # what the outcome started has begun
+            ref.ask(Sweep(), timeout=GUARD)  # what the outcome started has begun
             flush(portal)
             sent = [m.idempotency_key for m in chat.attempted]
         finally:

@@ -481,10 +481,9 @@ def test_the_run_and_the_supervisor_share_its_stream_without_losing_a_write(tree
     assert state.status == "running"
 
 
-def notice_left_queued(store: EventStore) -> str:
-    """A timed-out run whose notice was queued at T0 + 120 (its send's outcome unrecorded:
-    the supervisor that queued it died, or is still sending it); the notice's text."""
-    text = failure_notice("summarise the report", "timed_out", 120_000)
+def run_timed_out(store: EventStore) -> None:
+    """Run r9's log: spawned at T0, timed out at T0 + 120, its recovery decided; its
+    failure notice not queued yet."""
     store.append(
         "session:r9",
         [
@@ -512,14 +511,19 @@ def notice_left_queued(store: EventStore) -> str:
             NewEvent(
                 event=SubagentRecoveryDecided(action="respawn", reason="no_work"), ts=T0 + 120
             ),
-            NewEvent(
-                event=AnnouncementQueued(
-                    announcement_id="n1", channel="chat", kind="failure_notice", text=text
-                ),
-                ts=T0 + 120,
-            ),
         ],
     )
+
+
+def notice_left_queued(store: EventStore) -> str:
+    """:func:`run_timed_out`, its notice queued at T0 + 120 (its send's outcome
+    unrecorded: the supervisor that queued it died, or is still sending it); the text."""
+    run_timed_out(store)
+    text = failure_notice("summarise the report", "timed_out", 120_000)
+    notice = AnnouncementQueued(
+        announcement_id="n1", channel="chat", kind="failure_notice", text=text
+    )
+    store.append("session:r9", [NewEvent(event=notice, ts=T0 + 120)])
     return text
 
 
@@ -649,16 +653,23 @@ def test_a_success_that_asked_for_no_announcement_gets_none(
             pykka.ActorRegistry.stop_all(timeout=WAIT)
 
 
-def test_a_batch_a_crash_cut_short_is_sent_again_once_with_its_own_id(
-    lmdb_store: EventStore, clock: FakeClock
-) -> None:
+def batch_left_queued(store: EventStore) -> str:
+    """Runs r1 and r2 succeeded; their batch b1 was queued at T0 + 11 and its send never
+    ended (the announcer's process died, or is still sending it); the batch's text."""
     text = batch_text((("r1", "first"), ("r2", "second")))
     for run_id, result in (("r1", "first"), ("r2", "second")):
-        succeeded(lmdb_store, run_id, announce=True, result=result)
+        succeeded(store, run_id, announce=True, result=result)
         queued = AnnouncementQueued(
             announcement_id="b1", channel="chat", kind="completion", text=text
         )
-        lmdb_store.append(f"session:{run_id}", [NewEvent(event=queued, ts=T0 + 11)])
+        store.append(f"session:{run_id}", [NewEvent(event=queued, ts=T0 + 11)])
+    return text
+
+
+def test_a_batch_a_crash_cut_short_is_sent_again_once_with_its_own_id(
+    lmdb_store: EventStore, clock: FakeClock
+) -> None:
+    text = batch_left_queued(lmdb_store)
     clock.set(T0 + 11 + OWED_S)  # the announcer's send never ended: its process died
     with Scheduler(clock) as scheduler, IoPortal() as portal:
         try:
