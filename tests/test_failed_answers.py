@@ -99,7 +99,10 @@ def test_a_failed_answer_reaches_the_dead_letters_after_the_next_wake_was_fenced
             "the failed answer never reached the dead-letter queue; session log: "
             f"{[r.type for r in store.read_stream('session:s1')]}"
         )
-        failed = of(AnnouncementSendFailed, list(store.read_stream("session:s1")))
+        # the queue's entry is in the log first, the answer's failure right after it
+        failed = of(
+            AnnouncementSendFailed, log_until(store, "session:s1", has(AnnouncementSendFailed))
+        )
         assert [e.announcement_id for e in failed] == [queued.announcement_id]
 
 

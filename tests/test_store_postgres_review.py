@@ -300,7 +300,7 @@ def test_a_lost_append_whose_session_will_not_end_is_not_sent_again(
 
     def append() -> None:
         try:
-            relayed_store.append("s:1", [_msg(2)], expected_version=1)
+            relayed_store.append("s:1", [_msg(2)])  # no expected version: a resend
         except BaseException as exc:
             failures.append(exc)
 
@@ -332,4 +332,7 @@ def test_a_lost_append_whose_session_will_not_end_is_not_sent_again(
     assert "may or may not have been written" in str(failure)
     with psycopg.connect(test_db, autocommit=True) as admin:
         admin.execute(f"DROP TRIGGER slow ON {schema}.events")
-    assert [r.version for r in relayed_store.read_stream("s:1")] == [1]  # never twice
+    # the stalled session may have been at its commit when it stopped (then it is
+    # written, once), or it is rolled back; never written twice (sent again beside it)
+    written = [r.event for r in relayed_store.read_stream("s:1")]
+    assert written in ([_msg(1)], [_msg(1), _msg(2)])
