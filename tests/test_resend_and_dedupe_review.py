@@ -30,7 +30,7 @@ from stalwart.events import (
     SessionCreated,
 )
 from stalwart.runtime import Runtime
-from stalwart.store import EventStore
+from stalwart.store import EventStore, NewEvent
 from stalwart.testing import FakeProvider
 from tests._runtime_support import (
     GUARD,
@@ -212,3 +212,27 @@ def test_a_batch_one_supervisor_is_resending_is_not_sent_again_beside_it_by_anot
     assert _sent_beside(lmdb_store, clock) == (["b1"], [])
     for run_id in ("r1", "r2"):
         assert len(of(AnnouncementResent, list(lmdb_store.read_stream(f"session:{run_id}")))) == 1
+
+
+def test_a_batch_whose_outcome_one_run_holds_is_not_sent_again(
+    lmdb_store: EventStore, clock: FakeClock
+) -> None:
+    """A crash between the appends of a batch's outcome leaves it recorded in one run and
+    not in the other: the batch was sent, so no supervisor sends it again for the run
+    that still shows it queued (whichever run of the batch comes first)."""
+    batch_left_queued(lmdb_store)
+    lmdb_store.append(
+        "session:r2",
+        [NewEvent(event=AnnouncementDelivered(announcement_id="b1", path="direct"), ts=T0 + 12)],
+    )
+    settings = SubagentSettings()
+    clock.set(T0 + 12 + (settings.announce_max_wait_ms + ANNOUNCE_MS) / 1000)
+    with Scheduler(clock) as scheduler, IoPortal() as portal:
+        try:
+            chat = MemoryChannel("chat")
+            ref = supervisor(lmdb_store, clock, scheduler, portal, chat)
+            ref.ask(GetRuns(), timeout=GUARD)  # its first sweep ran
+            flush(portal)
+        finally:
+            pykka.ActorRegistry.stop_all(timeout=GUARD)
+    assert chat.attempted == []

@@ -632,14 +632,25 @@ class SupervisorActor(Supervised):
             self._send_completion(stream)
             return
         watch = self._runs[stream]  # as the decision left it
-        if watch.completion_id in self._sending:
+        if watch.completion_id in self._sending or watch.completion != "queued":
             return  # this batch's send is under way (another run of it started it)
+        batched = {
+            other: known
+            for other, known in list(self._runs.items())
+            if known.completion_id == watch.completion_id
+        }
+        if any(known.completion != "queued" for known in batched.values()):
+            return  # a run of the batch holds its outcome: it was sent
+        batch = sorted(batched)
+        if stream != batch[0]:  # the batch's first run decides for all (when swept)
+            return
+        # the resend is decided on the first run's stream, expecting its version: of two
+        # supervisors, one appends there and sends, the other folds it and waits again
         if self._decide(stream, partial(completion_interrupted, wait_s=wait_s)):
             log.warning("supervisor.completion_interrupted", run=stream)
             resent: list[Event] = [AnnouncementResent(announcement_id=watch.completion_id)]
-            for other, batched in list(self._runs.items()):  # the batch's other runs too
-                if other != stream and batched.completion_id == watch.completion_id:
-                    self._decide(other, partial(_unless_ended, watch.completion_id, resent))
+            for other in batch[1:]:  # the batch's other runs say so too
+                self._decide(other, partial(_unless_ended, watch.completion_id, resent))
             self._send_completion(stream)
 
     def _send_completion(self, stream: str) -> None:
