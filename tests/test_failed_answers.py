@@ -94,7 +94,7 @@ def test_a_failed_answer_reaches_the_dead_letters_after_the_next_wake_was_fenced
         session.send("two")
         fake.wait_for(lambda requests: len(requests) >= 2, GUARD)  # wake 2 is running
         interrupt(store, "s1", "wrong customer", ts=clock.now())  # as the CLI does
-        # the send deadline passes (real time) and the send fails
+        clock.advance(1.5)  # the send deadline passes (on the Clock) and the send fails
         assert _until(lambda: _dead_lettered(store, queued.announcement_id)), (
             "the failed answer never reached the dead-letter queue; session log: "
             f"{[r.type for r in store.read_stream('session:s1')]}"
@@ -170,7 +170,7 @@ def test_passivation_does_not_cut_off_a_send_in_flight(
     if refused is not None:
         assert "passivate_after_ms" in refused or "announce_timeout_ms" in refused
         return
-    chat.hang_next(1)  # the answer's send hangs until its deadline (2 s real)
+    chat.hang_next(1)  # the answer's send hangs until its deadline (2 s on the Clock)
     with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
         session = rt.session("s1", channel="chat")
         session.send("hello")
@@ -178,6 +178,10 @@ def test_passivation_does_not_cut_off_a_send_in_flight(
         [queued] = of(AnnouncementQueued, records)
         delivered(rt, chat, 1, attempted=True)  # in flight
         clock.advance(1.5)  # the session has had no wake for passivate_after_ms
+        # the sweep runs on its own thread: real time for it to (wrongly) stop the Agent
+        # while the send is still in flight, before the send's deadline passes
+        _until(lambda: not session.ref.is_alive(), timeout=0.5)
+        clock.advance(0.6)  # the send's deadline: it fails
         assert _until(lambda: _dead_lettered(store, queued.announcement_id), timeout=5.0), (
             "the answer's failed send was never recorded nor dead-lettered; session log: "
             f"{[r.type for r in store.read_stream('session:s1')]}"

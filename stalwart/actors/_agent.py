@@ -84,7 +84,7 @@ from ._agent_fold import (
     execution_deadline,
     request_messages,
 )
-from ._agent_io import LiveTurn, deliver, model_done, run_calls, sent, tools_done
+from ._agent_io import LiveTurn, model_done, run_calls, sent, tools_done
 from ._agent_messages import (
     ABANDONED_TEXT,
     APPROVAL_TEXT,
@@ -123,7 +123,7 @@ from ._deadletter import Enqueue, dead_letter
 from ._portal import IoPortal
 from ._restarts import crashed
 from ._scheduler import Scheduler
-from ._send import RESEND_GRACE_S, clock_timer
+from ._send import RESEND_GRACE_S, clock_timer, send_by_clock
 from ._supervised import Supervised
 from ._worker import Abandoned, LeaseLost, Wake, WakeEnded
 
@@ -921,7 +921,10 @@ class AgentActor(Supervised):
         path: Literal["announce", "direct"] = "announce" if kind == "completion" else "direct"
         timeout_s = self._settings.send_timeout_ms / 1000
         self._unsent[announcement_id] = (text, message.kind)
-        future = self._portal.submit(deliver, self._channel, message, timeout_s)
+        # bounded on the Clock, which the resend wait of another runtime is counted on too
+        future = send_by_clock(
+            self._portal, self._scheduler, self._clock, self._channel, message, timeout_s
+        )
         future.add_done_callback(
             lambda done: self._tell(sent(turn_id, announcement_id, path, done))
         )

@@ -12,13 +12,10 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any, Literal
 
-import anyio
-
 from stalwart._logs import get_logger
-from stalwart.channels import Channel, Delivery, OutboundMessage
 from stalwart.clock import Clock
 from stalwart.context import ContextScopeError
-from stalwart.errors import ChannelError, ContextOverflowError, ProviderError
+from stalwart.errors import ContextOverflowError, ProviderError
 from stalwart.events import ToolCall
 from stalwart.providers import ProviderResponse
 from stalwart.tools import Timer, ToolOutcome, ToolRegistry, run_tools
@@ -26,7 +23,7 @@ from stalwart.tools import Timer, ToolOutcome, ToolRegistry, run_tools
 from ._agent_messages import ModelDone, ModelError, SendDone, ToolsDone
 from ._scheduler import TimerHandle
 
-__all__ = ["LiveTurn", "deliver", "model_done", "run_calls", "sent", "tools_done"]
+__all__ = ["LiveTurn", "model_done", "run_calls", "sent", "tools_done"]
 
 log = get_logger(__name__)
 
@@ -76,12 +73,6 @@ async def run_calls(
     )
 
 
-async def deliver(channel: Channel, message: OutboundMessage, timeout_s: float) -> Delivery:
-    """Send ``message`` within ``timeout_s`` (the caller owns the send's deadline)."""
-    with anyio.fail_after(timeout_s):
-        return await channel.send(message)
-
-
 def model_done(turn_id: str, step: int, future: Future[ProviderResponse]) -> ModelDone | None:
     """The message a finished model call makes."""
     if future.cancelled():
@@ -120,23 +111,19 @@ def sent(
     turn_id: str,
     announcement_id: str,
     path: Literal["announce", "direct"],
-    future: Future[Delivery],
+    future: Future[str | None],
 ) -> SendDone | None:
-    """The message a finished channel send makes."""
+    """The message a finished channel send makes (``future``: what
+    :func:`~stalwart.actors._send.send_by_clock` gives, None when delivered, else the
+    failure's word)."""
     if future.cancelled():
         return None
     exc = future.exception()
-    error_class: str | None = None
-    if isinstance(exc, ChannelError):
-        error_class = exc.kind
-    elif isinstance(exc, TimeoutError):
-        error_class = "timeout"
-    elif exc is not None:
-        error_class = type(exc).__name__
+    error_class = future.result() if exc is None else type(exc).__name__
     return SendDone(
         turn_id=turn_id,
         announcement_id=announcement_id,
-        ok=exc is None,
+        ok=error_class is None,
         error_class=error_class,
         path=path,
     )
