@@ -34,13 +34,15 @@ class Harness:
             recorded = self.store.append("provider:p", [NewEvent(event=e, ts=now) for e in events])
             self.breaker.fold(recorded)
 
-    def call(self, ok: bool, error_class: str = "server_error") -> None:
+    def call(self, ok: bool, error_class: str = "server_error", *, retried: bool = False) -> None:
         self.record(self.breaker.due(self.clock.now()))
         probe = self.breaker.admit()
         outcome: Event = (
             ProviderCallSucceeded(provider="p", model="m", agent="a")
             if ok
-            else ProviderCallFailed(provider="p", model="m", agent="a", error_class=error_class)
+            else ProviderCallFailed(
+                provider="p", model="m", agent="a", error_class=error_class, retried=retried
+            )
         )
         self.record([outcome])
         self.record(self.breaker.settled(probe, self.clock.now()))
@@ -145,3 +147,28 @@ def test_a_callers_mistake_is_no_answer_to_the_probe(harness: Harness) -> None:
     assert harness.breaker.state.status == "half_open"
     harness.call(ok=True)  # the next call is the probe again
     assert harness.breaker.state.status == "closed"
+
+
+def test_an_attempt_the_caller_retries_is_not_a_failed_call(harness: Harness) -> None:
+    """Retries on the same model are inside one call (seed 000's SDK retries): five
+    calls of three attempts each open the breaker, not the second call's middle attempt."""
+    for _ in range(4):
+        harness.call(ok=False, retried=True)
+        harness.call(ok=False, retried=True)
+        harness.call(ok=False)  # the call's last attempt: its failure
+    assert harness.breaker.state.status == "closed"
+    assert harness.breaker.state.consecutive_failures == 4
+    harness.call(ok=False, retried=True)
+    harness.call(ok=False)
+    assert harness.breaker.state.status == "open"
+
+
+def test_a_failed_probe_is_the_probes_answer_even_when_it_would_be_retried(
+    harness: Harness,
+) -> None:
+    for _ in range(5):
+        harness.call(ok=False)
+    harness.clock.advance(60)
+    harness.call(ok=False, retried=True)  # the half-open probe fails: open again
+    assert harness.breaker.state.status == "open"
+    assert harness.breaker.state.opened_at == harness.clock.now()

@@ -38,8 +38,10 @@ KNOBS = {
 }
 
 
-def failed(agent: str) -> ProviderCallFailed:
-    return ProviderCallFailed(provider="p", model="m", agent=agent, error_class="server_error")
+def failed(agent: str, *, retried: bool = False) -> ProviderCallFailed:
+    return ProviderCallFailed(
+        provider="p", model="m", agent=agent, error_class="server_error", retried=retried
+    )
 
 
 def succeeded(agent: str) -> ProviderCallSucceeded:
@@ -231,3 +233,36 @@ def test_the_callers_own_mistakes_never_degrade_a_provider() -> None:
     assert state.failures == ()
     state = log.add(failed("a"), T0 + 10)  # a real failure still counts
     assert len(state.failures) == 1
+
+
+def test_a_call_is_one_failure_however_many_attempts_it_took() -> None:
+    """One agent's turn whose three attempts fail (``max_retries`` 2) is one failed call,
+    not the three in a row that degrade the provider: seed 000's SDK retries are inside
+    one call. Three such calls are."""
+    log = Log()
+    for call in range(3):
+        at = T0 + 10 * call
+        log.add(failed("a", retried=True), at)
+        state = log.add(failed("a", retried=True), at + 1)
+        assert decide_health(state, at + 1, **KNOBS) == []
+        state = log.add(failed("a"), at + 2)
+        expected = (
+            []
+            if call < 2
+            else [
+                ProviderDegraded(
+                    provider="p", rule="consecutive", agents=("a",), failures=3, window_ms=60_000
+                )
+            ]
+        )
+        assert decide_health(state, at + 2, **KNOBS) == expected
+    assert [m.ts for m in state.failures] == [T0 + 2, T0 + 12, T0 + 22]
+
+
+def test_retried_attempts_of_two_agents_do_not_degrade_by_the_agents_rule() -> None:
+    log = Log()
+    log.add(failed("a", retried=True), T0)
+    state = log.add(failed("b", retried=True), T0 + 1)
+    assert decide_health(state, T0 + 1, **KNOBS) == []
+    state = log.add(failed("b"), T0 + 2)
+    assert decide_health(state, T0 + 2, **KNOBS) == []  # one agent's failed call so far

@@ -809,10 +809,12 @@ async def test_a_fallback_success_keeps_the_primarys_failures(
     async with provider_layer(cfg, store) as layer:
         reply = await call(layer)
         assert (reply.provider, reply.model) == ("backup", "m2")
-        assert layer.breakers["main"].state.consecutive_failures == 3
+        assert layer.breakers["main"].state.consecutive_failures == 1  # one call: 3 attempts
         assert layer.breakers["backup"].state.consecutive_failures == 0
     rebuilt = load_state(store, "provider:main", BREAKER)
-    assert rebuilt.consecutive_failures == 3
+    assert rebuilt.consecutive_failures == 1
+    failed = of(store, ProviderCallFailed, "provider:main")
+    assert [f.retried for f in failed] == [True, True, False]
     assert tags(store, "provider:main") == ["provider:call_failed"] * 3
     assert tags(store, "provider:backup") == ["provider:call_succeeded"]
 

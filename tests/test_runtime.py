@@ -33,6 +33,8 @@ from stalwart.events import (
     AnnouncementDeadLetterDelivered,
     AnnouncementDeadLettered,
     AnnouncementDelivered,
+    BreakerOpened,
+    ProviderCallFailed,
     ProviderDegraded,
     ProviderRecovered,
     RuntimeStarted,
@@ -288,6 +290,44 @@ def test_a_degraded_provider_answers_at_once_and_recovery_drains_the_dead_letter
     assert (queue.entries, queue.delivered) == ((), 1)
     [done] = [r for r in records if isinstance(r.event, AnnouncementDeadLetterDelivered)]
     assert done.ts == clock.now() < entry.enqueued_at + 120  # at recovery, before any retry
+
+
+def test_a_call_whose_retries_all_fail_is_one_failure_for_the_health_monitor(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """Seed 000's "3 consecutive failures from any single agent" counts calls, its SDK
+    retries being inside one: a turn whose three attempts (``max_retries`` 2) all fail
+    does not degrade the provider for every agent. Three such turns do, and with the
+    default breaker (5 failed calls) the provider is degraded before its breaker opens."""
+    fake.set_default(Fail(status=503))
+    retrying = AGENT | {"max_retries": 2, "retry_base_ms": 1, "retry_cap_ms": 2}
+    cfg = config(
+        fake.base_url,
+        providers={"main": {"kind": "openai", "base_url": fake.base_url}},
+        agents={"default": retrying},
+    )
+    with Runtime(cfg, store=store, clock=clock, channels={"chat": chat}) as rt:
+        session = rt.session("a", channel="chat")
+        session.send("one")
+        assert delivered(rt, chat, 1)[0].text == FAILED_TEXT
+        outcomes = [r.event for r in store.read_stream("provider:main")]
+        assert [e.retried for e in outcomes if isinstance(e, ProviderCallFailed)] == [
+            True,
+            True,
+            False,
+        ]
+        head = store.stream_version("provider:main")
+        give_up = time.monotonic() + GUARD
+        while (report := rt.health()["main"]).version < head and time.monotonic() < give_up:
+            time.sleep(0.01)  # real time: the health actor folds on its own thread
+        assert report.version >= head
+        assert not report.degraded
+        for count, text in ((2, "two"), (3, "three")):
+            session.send(text)
+            assert delivered(rt, chat, count)[-1].text == FAILED_TEXT
+        records = log_until(store, "provider:main", has(ProviderDegraded))
+    assert not [r for r in records if isinstance(r.event, BreakerOpened)]
+    assert len(fake.requests) == 9
 
 
 # -- stopping -------------------------------------------------------------------------------

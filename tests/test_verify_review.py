@@ -101,8 +101,10 @@ def test_a_health_window_widened_across_a_restart_does_not_break_the_degraded_ch
         health={"window_ms": 120_000},
     )
     with Runtime(wider, store=store, clock=clock, channels={"chat": chat}) as rt:
-        rt.session("b", channel="chat").send("two")
-        delivered(rt, chat, 2)
+        session = rt.session("b", channel="chat")
+        for count, text in enumerate(("two", "three", "four"), start=2):
+            session.send(text)  # three failed calls in a row (each retried), one per turn
+            delivered(rt, chat, count)
         log_until(store, "provider:main", has(ProviderDegraded))
     report = verify_store(store, None)
     assert report.checked.get("provider:degraded") == 1

@@ -8,11 +8,16 @@ from ._base import Event, Severity
 
 
 class ProviderCallFailed(Event, frozen=True, tag="provider:call_failed"):
+    """One attempt failed. ``retried``: the caller tries the same model again (an attempt
+    inside one call, as an SDK's retries are: the breaker and the health monitor count
+    calls, so neither counts this one, except as a half-open breaker's probe)."""
+
     provider: str
     model: str
     agent: str
     error_class: str
     status: int | None = None
+    retried: bool = False
     severity: ClassVar[Severity] = "warning"
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping
 from contextlib import aclosing
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import anyio
 
@@ -78,6 +78,13 @@ def _pair(entry: str) -> tuple[str, str]:
     """``provider:model`` as (provider, model)."""
     provider, _, model = entry.partition(":")
     return provider, model
+
+
+class _Retry(NamedTuple):
+    """A failed attempt's retry on the same model: after ``delay`` s (``jitter`` drawn)."""
+
+    delay: float
+    jitter: float
 
 
 class _Live:
@@ -185,36 +192,49 @@ class ModelCaller:
     ) -> ProviderResponse:
         attempt = 0
         rate_limit_retried = False
+        retry: _Retry | None = None
+
+        def plan(exc: ProviderError) -> bool:
+            """Whether ``exc`` is retried on this model (decided before its failure is
+            recorded, so the record says whether the call goes on)."""
+            nonlocal retry
+            retry = None
+            if not exc.retryable:
+                return False
+            agent = self.agent
+            jitter = self._rng.random()  # recorded: replay re-derives the delay from it
+            delay = retry_delay(
+                attempt,
+                exc.status,
+                exc.retry_after,
+                rate_limit_retried,
+                jitter,
+                max_retries=agent.max_retries,
+                retry_base_ms=agent.retry_base_ms,
+                retry_cap_ms=agent.retry_cap_ms,
+                max_retry_after_ms=agent.rate_limit_same_model_max_retry_after_ms,
+                rate_limited=exc.kind == "rate_limited",
+            )
+            if delay is not None:
+                retry = _Retry(delay, jitter)
+            return retry is not None
+
         while True:
             attempt += 1
+            retry = None
             kind: Literal["stall", "whole_call"] = (
                 "stall" if primary and attempt == 1 else "whole_call"
             )
             try:
                 return await self._attempt(
-                    stream, provider, model, request, attempt, kind, on_event
+                    stream, provider, model, request, attempt, kind, on_event, plan
                 )
             except BreakerOpenError:
                 raise
             except ProviderError as exc:
-                if not exc.retryable:
+                if retry is None:
                     raise
-                agent = self.agent
-                jitter = self._rng.random()  # recorded: replay re-derives the delay from it
-                delay = retry_delay(
-                    attempt,
-                    exc.status,
-                    exc.retry_after,
-                    rate_limit_retried,
-                    jitter,
-                    max_retries=agent.max_retries,
-                    retry_base_ms=agent.retry_base_ms,
-                    retry_cap_ms=agent.retry_cap_ms,
-                    max_retry_after_ms=agent.rate_limit_same_model_max_retry_after_ms,
-                    rate_limited=exc.kind == "rate_limited",
-                )
-                if delay is None:
-                    raise
+                delay, jitter = retry.delay, retry.jitter
                 await self._emit(
                     stream,
                     PromptRetryScheduled(
@@ -241,7 +261,9 @@ class ModelCaller:
         attempt: int,
         kind: Literal["stall", "whole_call"],
         on_event: OnEvent | None,
+        plan: Callable[[ProviderError], bool],
     ) -> ProviderResponse:
+        """One attempt; ``plan`` says whether its failure is retried on this model."""
         breaker = self._breakers[provider]
         async with breaker.lock:
             await self._provider_events(breaker, breaker.due(self._clock.now()))
@@ -265,7 +287,8 @@ class ModelCaller:
             response = await self._run(stream, started, request, now, on_event)
         except ProviderError as exc:
             exc.call_id = started.call_id
-            await self._settle(stream, breaker, probe, started, now, exc)
+            retried = plan(exc)
+            await self._settle(stream, breaker, probe, started, now, exc, retried=retried)
             raise
         else:
             await self._settle(stream, breaker, probe, started, now, None, response)
@@ -340,6 +363,8 @@ class ModelCaller:
         started_at: float,
         error: ProviderError | None,
         response: ProviderResponse | None = None,
+        *,
+        retried: bool = False,
     ) -> None:
         now = self._clock.now()
         provider, model = started.provider, started.model
@@ -372,6 +397,7 @@ class ModelCaller:
                 agent=self._agent_name,
                 error_class=error.kind,
                 status=error.status,
+                retried=retried,
             )
             log.info("provider.call_failed", provider=provider, model=model, kind=error.kind)
         # two streams, appended together: the store's group commit makes them one fsync

@@ -2,6 +2,9 @@
 
 closed --(N consecutive failures)--> open --(reset timeout)--> half_open
 half_open --(the probe succeeds)--> closed;  half_open --(the probe fails)--> open
+
+A failure is a call's, as for the health monitor: an attempt the caller retries on the
+same model (``retried``) is not counted while the breaker is closed.
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ def apply_breaker(state: BreakerState, record: RecordedEvent) -> BreakerState:
     replace = msgspec.structs.replace
     match event:
         case ProviderCallFailed() if event.error_class in CALLER_FAULTS:
+            return replace(state, version=record.version)
+        case ProviderCallFailed() if event.retried and state.status != "half_open":
+            # an attempt inside one call: the call's last attempt counts (a probe's
+            # failure is the probe's answer, retried or not)
             return replace(state, version=record.version)
         case ProviderCallFailed():
             outcome = "failure" if state.status == "half_open" else state.probe_outcome

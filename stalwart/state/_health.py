@@ -3,10 +3,11 @@
 Seed 000's monitor aggregates failures across agents. Within ``window_ms`` (60 s) before
 ``now``, failures from ``>= min_agents`` (2) distinct agents, or ``consecutive`` (3)
 failures in a row from one agent (no success of that agent in between), make the provider
-``degraded``, once. It ``recovers`` once: at the first recorded success while degraded
-(rule ``probe`` when the caller is :data:`PROBE_AGENT`, else ``success``), or when no
-failure has been recorded for ``window_ms`` (rule ``quiet_window``, a timer:
-:func:`health_deadline`).
+``degraded``, once. A failure is a call's: an attempt the caller retries on the same model
+(``retried``) is inside one call, as seed 000's SDK retries are, and is not counted.
+It ``recovers`` once: at the first recorded success while degraded (rule ``probe`` when
+the caller is :data:`PROBE_AGENT`, else ``success``), or when no failure has been
+recorded for ``window_ms`` (rule ``quiet_window``, a timer: :func:`health_deadline`).
 
 The fold keeps its memory bounded: failures and successes older than the state's
 ``horizon_ms`` before the newest event are dropped. ``horizon_ms`` is fixed when the fold
@@ -88,6 +89,8 @@ def apply_health(state: HealthState, record: RecordedEvent) -> HealthState:
     match event:
         case ProviderCallFailed() if event.error_class in CALLER_FAULTS:
             return state  # the request was wrong, the provider is fine (as for the breaker)
+        case ProviderCallFailed() if event.retried:
+            return state  # an attempt the call goes on from: its outcome is the call's
         case ProviderCallFailed():
             mark = Mark(record.ts, event.agent, record.version)
             return replace(state, failures=(*state.failures, mark), last_failure_at=record.ts)
