@@ -19,6 +19,7 @@ cancelled, and their done-callbacks run.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
@@ -47,6 +48,8 @@ class IoPortal:
         self._lock = threading.Lock()
         self._context: AbstractContextManager[BlockingPortal] | None = None
         self._portal: BlockingPortal | None = None
+        #: the asyncio loop, for :meth:`call_soon` (read without the lock: see there)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def running(self) -> bool:
@@ -61,6 +64,8 @@ class IoPortal:
                 context = start_blocking_portal(self._backend, name=self._name)
                 self._portal = context.__enter__()
                 self._context = context
+                if self._backend == "asyncio":
+                    self._loop = self._portal.call(asyncio.get_running_loop)
         return self
 
     def stop(self) -> None:
@@ -68,6 +73,7 @@ class IoPortal:
         with self._lock:
             portal, self._portal = self._portal, None
             context, self._context = self._context, None
+            self._loop = None
         if portal is None or context is None:
             return
         portal.call(portal.stop, True)  # cancel_remaining: what is in flight ends now
@@ -85,6 +91,23 @@ class IoPortal:
                 raise RuntimeError("the I/O portal is not running: call start() first")
             return portal.start_task_soon(fn, *args)
 
+    def call_soon(self, fn: Callable[[], object]) -> bool:
+        """Run the plain callable ``fn()`` on the loop soon, without waiting for the loop
+        to take it (``submit`` waits, so a thread that must never stall, the scheduler's,
+        uses this); False when the portal is not running. The lock is not taken: a
+        ``submit`` holds it while the loop is busy."""
+        loop = self._loop
+        if loop is None:
+            if not self.running:
+                return False
+            self.submit(_run, fn)  # another backend: no loop to hand it to directly
+            return True
+        try:
+            loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # the loop closed meanwhile
+            return False
+        return True
+
     def __enter__(self) -> Self:
         return self.start()
 
@@ -99,3 +122,7 @@ class IoPortal:
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"IoPortal({self._backend!r}, {state})"
+
+
+async def _run(fn: Callable[[], object]) -> None:
+    fn()

@@ -5,14 +5,18 @@ which reads the loop's monotonic clock: under a ``FakeClock`` an announce timeou
 then take real seconds, and the outcome would be recorded at the same fake time as the
 send it timed out, so replay could not show the wait. Here the deadline is a scheduler
 timer on the Clock: when it fires first it cancels the send, and the outcome is
-``"timeout"`` as before.
+``"timeout"`` as before. The timer cuts a cancel scope inside the send, not the
+portal's future, so the outcome is what the send did: a channel that delivers although
+the deadline passed (a write with no checkpoint) is recorded as delivered.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
+
+import anyio
 
 from stalwart.channels import Channel, OutboundMessage, send_within
 from stalwart.clock import Clock
@@ -30,6 +34,43 @@ TIMEOUT = "timeout"
 RESEND_GRACE_S = 5.0
 
 
+class _Deadline:
+    """A send's deadline, between the scheduler's thread (which passes it) and the loop
+    (which runs the send): the cancel scope to cut, once the send has one."""
+
+    __slots__ = ("expired", "lock", "scope")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.expired = False
+        self.scope: anyio.CancelScope | None = None
+
+    def arm(self, scope: anyio.CancelScope) -> None:
+        """On the loop: the send's scope, cut at once when the deadline already passed."""
+        with self.lock:
+            self.scope = scope
+            if self.expired:
+                scope.cancel()
+
+    def expire(self) -> anyio.CancelScope | None:
+        """On the scheduler's thread: the scope to cut (None when the send has none yet:
+        it cuts itself when it starts)."""
+        with self.lock:
+            self.expired = True
+            return self.scope
+
+
+async def _send_until(
+    deadline: _Deadline, channel: Channel | None, message: OutboundMessage
+) -> str | None:
+    """The send, cut when its deadline's scope is cancelled: its outcome is what the send
+    did (a send that ends without reaching a checkpoint after the cut has still ended)."""
+    with anyio.CancelScope() as scope:
+        deadline.arm(scope)
+        return await send_within(channel, message, None)
+    return TIMEOUT  # the deadline cut it
+
+
 def send_by_clock(
     portal: IoPortal,
     scheduler: Scheduler,
@@ -39,49 +80,24 @@ def send_by_clock(
     timeout_s: float,
 ) -> Future[str | None]:
     """Send ``message`` on the portal; when ``timeout_s`` pass on ``clock`` first, the
-    send is cancelled and the returned future holds ``"timeout"``.
+    send is cut and the returned future holds ``"timeout"``.
 
     Otherwise it holds what ``send_within`` gives (None when delivered, else the failure's
-    word), or ends cancelled when the portal stops. Cancelling it cancels the send.
+    word): a send the channel completes as the deadline passes is delivered, not timed
+    out. It ends cancelled when the portal stops; cancelling it cancels the send.
     """
-    outcome: Future[str | None] = Future()
-    expired = threading.Event()
-    started: list[Future[str | None]] = []
+    deadline = _Deadline()
 
     def expire(_at: float) -> None:
-        expired.set()  # before cancel(): the done-callback runs inside it
-        for send in started:
-            send.cancel()
+        scope = deadline.expire()
+        if scope is not None:  # never waits for the loop (a send may be blocking it)
+            portal.call_soon(scope.cancel)
 
     # armed before the send starts, so a send seen by its channel has its deadline
     timer = scheduler.schedule(clock.now() + timeout_s, expire)
-    send = portal.submit(send_within, channel, message, None)
-    started.append(send)
-    if expired.is_set():  # the deadline came before the send was known to it
-        send.cancel()
-
-    def settle(finished: Future[str | None]) -> None:
-        timer.cancel()
-        try:
-            if finished.cancelled():
-                if expired.is_set():
-                    outcome.set_result(TIMEOUT)
-                else:
-                    outcome.cancel()
-            elif (error := finished.exception()) is not None:
-                outcome.set_exception(error)
-            else:
-                outcome.set_result(finished.result())
-        except InvalidStateError:  # the caller cancelled it first
-            pass
-
-    send.add_done_callback(settle)
-    outcome.add_done_callback(lambda done: send.cancel() if done.cancelled() else None)
-    return outcome
-
-
-async def _on_loop(fn: Callable[[], object]) -> None:
-    fn()
+    send = portal.submit(_send_until, deadline, channel, message)
+    send.add_done_callback(lambda _: timer.cancel())
+    return send
 
 
 def clock_timer(
@@ -92,11 +108,10 @@ def clock_timer(
     expire: Callable[[], object],
 ) -> Callable[[], object]:
     """A :data:`stalwart.tools.Timer` on the runtime's Clock: ``expire`` runs on the
-    portal's loop once ``seconds`` pass on ``clock`` (the scheduler's thread only submits
-    it, never waits for it); the returned callable disarms it."""
+    portal's loop once ``seconds`` pass on ``clock`` (the scheduler's thread hands it over
+    and never waits for the loop); the returned callable disarms it."""
 
     def fire(_at: float) -> None:
-        if portal.running:
-            portal.submit(_on_loop, expire)
+        portal.call_soon(expire)
 
     return scheduler.schedule(clock.now() + seconds, fire).cancel
