@@ -34,14 +34,15 @@ class Harness:
             recorded = self.store.append("provider:p", [NewEvent(event=e, ts=now) for e in events])
             self.breaker.fold(recorded)
 
-    def call(self, ok: bool, error_class: str = "server_error", *, retried: bool = False) -> None:
+    def call(self, ok: bool, error_class: str = "server_error", *, retry_of: str = "") -> None:
+        """One attempt (``retry_of``: the failed attempt of the same call it retries)."""
         self.record(self.breaker.due(self.clock.now()))
         probe = self.breaker.admit()
         outcome: Event = (
-            ProviderCallSucceeded(provider="p", model="m", agent="a")
+            ProviderCallSucceeded(provider="p", model="m", agent="a", retry_of=retry_of)
             if ok
             else ProviderCallFailed(
-                provider="p", model="m", agent="a", error_class=error_class, retried=retried
+                provider="p", model="m", agent="a", error_class=error_class, retry_of=retry_of
             )
         )
         self.record([outcome])
@@ -149,26 +150,30 @@ def test_a_callers_mistake_is_no_answer_to_the_probe(harness: Harness) -> None:
     assert harness.breaker.state.status == "closed"
 
 
-def test_an_attempt_the_caller_retries_is_not_a_failed_call(harness: Harness) -> None:
+def test_a_call_is_one_failure_however_many_attempts_it_takes(harness: Harness) -> None:
     """Retries on the same model are inside one call (seed 000's SDK retries): five
-    calls of three attempts each open the breaker, not the second call's middle attempt."""
+    calls of three failed attempts each open the breaker, not the second call."""
     for _ in range(4):
-        harness.call(ok=False, retried=True)
-        harness.call(ok=False, retried=True)
-        harness.call(ok=False)  # the call's last attempt: its failure
+        harness.call(ok=False)
+        harness.call(ok=False, retry_of="first")
+        harness.call(ok=False, retry_of="second")
     assert harness.breaker.state.status == "closed"
     assert harness.breaker.state.consecutive_failures == 4
-    harness.call(ok=False, retried=True)
     harness.call(ok=False)
     assert harness.breaker.state.status == "open"
 
 
-def test_a_failed_probe_is_the_probes_answer_even_when_it_would_be_retried(
-    harness: Harness,
-) -> None:
+def test_a_retry_that_succeeds_ends_the_streak(harness: Harness) -> None:
+    for _ in range(4):
+        harness.call(ok=False)
+    harness.call(ok=True, retry_of="the fourth")
+    assert harness.breaker.state.consecutive_failures == 0
+
+
+def test_a_failed_probe_is_the_probes_answer_whatever_attempt_it_is(harness: Harness) -> None:
     for _ in range(5):
         harness.call(ok=False)
     harness.clock.advance(60)
-    harness.call(ok=False, retried=True)  # the half-open probe fails: open again
+    harness.call(ok=False, retry_of="an attempt from before the breaker opened")
     assert harness.breaker.state.status == "open"
     assert harness.breaker.state.opened_at == harness.clock.now()

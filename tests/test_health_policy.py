@@ -38,14 +38,19 @@ KNOBS = {
 }
 
 
-def failed(agent: str, *, retried: bool = False) -> ProviderCallFailed:
+def failed(agent: str, *, call_id: str = "", retry_of: str = "") -> ProviderCallFailed:
     return ProviderCallFailed(
-        provider="p", model="m", agent=agent, error_class="server_error", retried=retried
+        provider="p",
+        model="m",
+        agent=agent,
+        error_class="server_error",
+        call_id=call_id,
+        retry_of=retry_of,
     )
 
 
-def succeeded(agent: str) -> ProviderCallSucceeded:
-    return ProviderCallSucceeded(provider="p", model="m", agent=agent)
+def succeeded(agent: str, *, retry_of: str = "") -> ProviderCallSucceeded:
+    return ProviderCallSucceeded(provider="p", model="m", agent=agent, retry_of=retry_of)
 
 
 class Log(FoldedLog[HealthState]):
@@ -242,10 +247,10 @@ def test_a_call_is_one_failure_however_many_attempts_it_took() -> None:
     log = Log()
     for call in range(3):
         at = T0 + 10 * call
-        log.add(failed("a", retried=True), at)
-        state = log.add(failed("a", retried=True), at + 1)
-        assert decide_health(state, at + 1, **KNOBS) == []
-        state = log.add(failed("a"), at + 2)
+        state = log.add(failed("a", call_id=f"{call}.1"), at)
+        assert len(state.failures) == call + 1  # counted from its first failed attempt
+        log.add(failed("a", call_id=f"{call}.2", retry_of=f"{call}.1"), at + 1)
+        state = log.add(failed("a", call_id=f"{call}.3", retry_of=f"{call}.2"), at + 2)
         expected = (
             []
             if call < 2
@@ -259,10 +264,22 @@ def test_a_call_is_one_failure_however_many_attempts_it_took() -> None:
     assert [m.ts for m in state.failures] == [T0 + 2, T0 + 12, T0 + 22]
 
 
-def test_retried_attempts_of_two_agents_do_not_degrade_by_the_agents_rule() -> None:
+def test_a_retry_that_succeeds_takes_its_calls_failure_back() -> None:
+    """Agent a's call fails once and its retry succeeds; agent b's call fails: one
+    agent's failure in the window, not two."""
     log = Log()
-    log.add(failed("a", retried=True), T0)
-    state = log.add(failed("b", retried=True), T0 + 1)
-    assert decide_health(state, T0 + 1, **KNOBS) == []
-    state = log.add(failed("b"), T0 + 2)
-    assert decide_health(state, T0 + 2, **KNOBS) == []  # one agent's failed call so far
+    log.add(failed("a", call_id="a1"), T0)
+    log.add(succeeded("a", retry_of="a1"), T0 + 1)
+    state = log.add(failed("b", call_id="b1"), T0 + 2)
+    assert [m.agent for m in state.failures] == ["b"]
+    assert decide_health(state, T0 + 2, **KNOBS) == []
+
+
+def test_a_failed_attempt_whose_retry_never_comes_stays_a_failed_call() -> None:
+    """A call cut during its retry's backoff (a turn's execution timeout, an interrupt,
+    a crash), or whose retry the breaker refuses, records no more: its first failure is
+    still the call's. Three of them in a row degrade the provider."""
+    log = Log()
+    for call in range(3):
+        state = log.add(failed("a", call_id=f"c{call}"), T0 + call)
+    assert decide_health(state, T0 + 2, **KNOBS)[0].rule == "consecutive"

@@ -814,7 +814,9 @@ async def test_a_fallback_success_keeps_the_primarys_failures(
     rebuilt = load_state(store, "provider:main", BREAKER)
     assert rebuilt.consecutive_failures == 1
     failed = of(store, ProviderCallFailed, "provider:main")
-    assert [f.retried for f in failed] == [True, True, False]
+    started = [e.call_id for e in of(store, PromptStarted) if e.model == "m1"]
+    assert [f.call_id for f in failed] == started  # each attempt's failure ...
+    assert [f.retry_of for f in failed] == ["", *started[:2]]  # ... stands for the one before
     assert tags(store, "provider:main") == ["provider:call_failed"] * 3
     assert tags(store, "provider:backup") == ["provider:call_succeeded"]
 

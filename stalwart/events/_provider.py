@@ -8,24 +8,31 @@ from ._base import Event, Severity
 
 
 class ProviderCallFailed(Event, frozen=True, tag="provider:call_failed"):
-    """One attempt failed. ``retried``: the caller tries the same model again (an attempt
-    inside one call, as an SDK's retries are: the breaker and the health monitor count
-    calls, so neither counts this one, except as a half-open breaker's probe)."""
+    """One attempt failed. ``call_id``: the attempt's (its ``prompt:started``);
+    ``retry_of``: the failed attempt of the same call it retried on the same model ("" for
+    a call's first attempt). A call is one failure however many attempts it takes, as
+    seed 000's SDK retries are inside one: the health monitor and the breaker let an
+    attempt's outcome stand in for the one it retried."""
 
     provider: str
     model: str
     agent: str
     error_class: str
     status: int | None = None
-    retried: bool = False
+    call_id: str = ""
+    retry_of: str = ""
     severity: ClassVar[Severity] = "warning"
 
 
 class ProviderCallSucceeded(Event, frozen=True, tag="provider:call_succeeded"):
+    """One attempt succeeded; ``retry_of`` as for :class:`ProviderCallFailed` (a retry that
+    succeeds takes its call's failure back)."""
+
     provider: str
     model: str
     agent: str
     latency_ms: int = 0
+    retry_of: str = ""
     severity: ClassVar[Severity] = "debug"
 
 

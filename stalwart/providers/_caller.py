@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping
 from contextlib import aclosing
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import anyio
 
@@ -78,13 +78,6 @@ def _pair(entry: str) -> tuple[str, str]:
     """``provider:model`` as (provider, model)."""
     provider, _, model = entry.partition(":")
     return provider, model
-
-
-class _Retry(NamedTuple):
-    """A failed attempt's retry on the same model: after ``delay`` s (``jitter`` drawn)."""
-
-    delay: float
-    jitter: float
 
 
 class _Live:
@@ -192,49 +185,38 @@ class ModelCaller:
     ) -> ProviderResponse:
         attempt = 0
         rate_limit_retried = False
-        retry: _Retry | None = None
-
-        def plan(exc: ProviderError) -> bool:
-            """Whether ``exc`` is retried on this model (decided before its failure is
-            recorded, so the record says whether the call goes on)."""
-            nonlocal retry
-            retry = None
-            if not exc.retryable:
-                return False
-            agent = self.agent
-            jitter = self._rng.random()  # recorded: replay re-derives the delay from it
-            delay = retry_delay(
-                attempt,
-                exc.status,
-                exc.retry_after,
-                rate_limit_retried,
-                jitter,
-                max_retries=agent.max_retries,
-                retry_base_ms=agent.retry_base_ms,
-                retry_cap_ms=agent.retry_cap_ms,
-                max_retry_after_ms=agent.rate_limit_same_model_max_retry_after_ms,
-                rate_limited=exc.kind == "rate_limited",
-            )
-            if delay is not None:
-                retry = _Retry(delay, jitter)
-            return retry is not None
-
+        retry_of = ""  # the failed attempt this one retries (one call, several attempts)
         while True:
             attempt += 1
-            retry = None
             kind: Literal["stall", "whole_call"] = (
                 "stall" if primary and attempt == 1 else "whole_call"
             )
             try:
                 return await self._attempt(
-                    stream, provider, model, request, attempt, kind, on_event, plan
+                    stream, provider, model, request, attempt, kind, on_event, retry_of
                 )
             except BreakerOpenError:
                 raise
             except ProviderError as exc:
-                if retry is None:
+                retry_of = exc.call_id or ""
+                if not exc.retryable:
                     raise
-                delay, jitter = retry.delay, retry.jitter
+                agent = self.agent
+                jitter = self._rng.random()  # recorded: replay re-derives the delay from it
+                delay = retry_delay(
+                    attempt,
+                    exc.status,
+                    exc.retry_after,
+                    rate_limit_retried,
+                    jitter,
+                    max_retries=agent.max_retries,
+                    retry_base_ms=agent.retry_base_ms,
+                    retry_cap_ms=agent.retry_cap_ms,
+                    max_retry_after_ms=agent.rate_limit_same_model_max_retry_after_ms,
+                    rate_limited=exc.kind == "rate_limited",
+                )
+                if delay is None:
+                    raise
                 await self._emit(
                     stream,
                     PromptRetryScheduled(
@@ -261,9 +243,10 @@ class ModelCaller:
         attempt: int,
         kind: Literal["stall", "whole_call"],
         on_event: OnEvent | None,
-        plan: Callable[[ProviderError], bool],
+        retry_of: str,
     ) -> ProviderResponse:
-        """One attempt; ``plan`` says whether its failure is retried on this model."""
+        """One attempt; ``retry_of``: the call id of the failed attempt it retries (its
+        outcome stands for the call's from then on, as the provider stream records)."""
         breaker = self._breakers[provider]
         async with breaker.lock:
             await self._provider_events(breaker, breaker.due(self._clock.now()))
@@ -287,11 +270,12 @@ class ModelCaller:
             response = await self._run(stream, started, request, now, on_event)
         except ProviderError as exc:
             exc.call_id = started.call_id
-            retried = plan(exc)
-            await self._settle(stream, breaker, probe, started, now, exc, retried=retried)
+            await self._settle(stream, breaker, probe, started, now, exc, retry_of=retry_of)
             raise
         else:
-            await self._settle(stream, breaker, probe, started, now, None, response)
+            await self._settle(
+                stream, breaker, probe, started, now, None, response, retry_of=retry_of
+            )
             return response
         finally:
             breaker.release(probe)  # a cancelled call must not hold the probe slot for ever
@@ -364,7 +348,7 @@ class ModelCaller:
         error: ProviderError | None,
         response: ProviderResponse | None = None,
         *,
-        retried: bool = False,
+        retry_of: str = "",
     ) -> None:
         now = self._clock.now()
         provider, model = started.provider, started.model
@@ -383,6 +367,7 @@ class ModelCaller:
                 model=model,
                 agent=self._agent_name,
                 latency_ms=round((now - started_at) * 1000),
+                retry_of=retry_of,
             )
         else:
             session_event = PromptFailed(
@@ -397,7 +382,8 @@ class ModelCaller:
                 agent=self._agent_name,
                 error_class=error.kind,
                 status=error.status,
-                retried=retried,
+                call_id=started.call_id,
+                retry_of=retry_of,
             )
             log.info("provider.call_failed", provider=provider, model=model, kind=error.kind)
         # two streams, appended together: the store's group commit makes them one fsync

@@ -3,8 +3,9 @@
 closed --(N consecutive failures)--> open --(reset timeout)--> half_open
 half_open --(the probe succeeds)--> closed;  half_open --(the probe fails)--> open
 
-A failure is a call's, as for the health monitor: an attempt the caller retries on the
-same model (``retried``) is not counted while the breaker is closed.
+A failure is a call's, as for the health monitor: a failed retry (``retry_of``) of an
+attempt already counted is not counted again while the breaker is closed (a half-open
+breaker's probe answers whatever attempt it is).
 """
 
 from __future__ import annotations
@@ -51,9 +52,8 @@ def apply_breaker(state: BreakerState, record: RecordedEvent) -> BreakerState:
     match event:
         case ProviderCallFailed() if event.error_class in CALLER_FAULTS:
             return replace(state, version=record.version)
-        case ProviderCallFailed() if event.retried and state.status != "half_open":
-            # an attempt inside one call: the call's last attempt counts (a probe's
-            # failure is the probe's answer, retried or not)
+        case ProviderCallFailed() if event.retry_of and state.status != "half_open":
+            # the call's failure, counted at its first failed attempt
             return replace(state, version=record.version)
         case ProviderCallFailed():
             outcome = "failure" if state.status == "half_open" else state.probe_outcome
@@ -127,7 +127,7 @@ class BreakerAggregate:
     """The breaker fold for ``provider:<name>`` streams."""
 
     name = "breaker"
-    version = 1
+    version = 2  # 2: a failed retry is not counted again
     state_type = BreakerState
 
     def initial(self, stream: str) -> BreakerState:

@@ -3,8 +3,10 @@
 Seed 000's monitor aggregates failures across agents. Within ``window_ms`` (60 s) before
 ``now``, failures from ``>= min_agents`` (2) distinct agents, or ``consecutive`` (3)
 failures in a row from one agent (no success of that agent in between), make the provider
-``degraded``, once. A failure is a call's: an attempt the caller retries on the same model
-(``retried``) is inside one call, as seed 000's SDK retries are, and is not counted.
+``degraded``, once. A failure is a call's: the attempts the caller makes on the same model
+are one call, as seed 000's SDK retries are, so an attempt's outcome (``retry_of``) takes
+the place of the failure it retried: a failed call counts once from its first failed
+attempt, and a retry that succeeds takes its failure back.
 It ``recovers`` once: at the first recorded success while degraded (rule ``probe`` when
 the caller is :data:`PROBE_AGENT`, else ``success``), or when no failure has been
 recorded for ``window_ms`` (rule ``quiet_window``, a timer: :func:`health_deadline`).
@@ -42,11 +44,20 @@ DEFAULT_HORIZON_MS = 60_000
 
 
 class Mark(msgspec.Struct, frozen=True, gc=False, array_like=True):
-    """One call outcome: when, by which agent, and where in the stream (for ordering)."""
+    """One call outcome: when, by which agent, where in the stream (for ordering), and
+    the attempt's call id (a retry of it takes its place)."""
 
     ts: float
     agent: str
     version: int
+    call: str = ""
+
+
+def _without(marks: tuple[Mark, ...], call: str) -> tuple[Mark, ...]:
+    """``marks`` but the failure of attempt ``call`` (which a retry now stands for)."""
+    if not call:
+        return marks
+    return tuple(m for m in marks if m.call != call)
 
 
 class HealthState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -89,12 +100,13 @@ def apply_health(state: HealthState, record: RecordedEvent) -> HealthState:
     match event:
         case ProviderCallFailed() if event.error_class in CALLER_FAULTS:
             return state  # the request was wrong, the provider is fine (as for the breaker)
-        case ProviderCallFailed() if event.retried:
-            return state  # an attempt the call goes on from: its outcome is the call's
         case ProviderCallFailed():
-            mark = Mark(record.ts, event.agent, record.version)
-            return replace(state, failures=(*state.failures, mark), last_failure_at=record.ts)
+            mark = Mark(record.ts, event.agent, record.version, event.call_id)
+            failures = (*_without(state.failures, event.retry_of), mark)
+            return replace(state, failures=failures, last_failure_at=record.ts)
         case ProviderCallSucceeded():
+            if event.retry_of:  # the call succeeded after all: its failure is taken back
+                state = replace(state, failures=_without(state.failures, event.retry_of))
             mark = Mark(record.ts, event.agent, record.version)
             others = tuple(m for m in state.successes if m.agent != event.agent)
             if state.status == "degraded" and state.recovering_agent is None:
@@ -205,7 +217,7 @@ class HealthAggregate:
     """
 
     name = "provider_health"
-    version = 2
+    version = 3  # 3: a retry's outcome takes the place of the failure it retried
     state_type = HealthState
 
     def __init__(self, horizon_ms: int = DEFAULT_HORIZON_MS) -> None:
