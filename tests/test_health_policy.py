@@ -261,7 +261,7 @@ def test_a_call_is_one_failure_however_many_attempts_it_took() -> None:
             ]
         )
         assert decide_health(state, at + 2, **KNOBS) == expected
-    assert [m.ts for m in state.failures] == [T0 + 2, T0 + 12, T0 + 22]
+    assert [m.ts for m in state.failures] == [T0, T0 + 10, T0 + 20]  # each call from its start
 
 
 def test_a_retry_that_succeeds_takes_its_calls_failure_back() -> None:

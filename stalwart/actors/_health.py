@@ -173,11 +173,13 @@ class _WatchAggregate:
     """HEALTH plus the rule and time of the latest decision (for GetHealth after a restart)."""
 
     name = "provider_health_watch"
-    version = 1
     state_type = _Watch
 
     def __init__(self, health: HealthAggregate) -> None:
         self._health = health
+        # the health fold's counting is in its snapshots: a new one is not read as old
+        # (2 and below: the health fold before it counted calls; this was 1 then)
+        self.version = health.version
 
     def initial(self, stream: str) -> _Watch:
         return _Watch(health=self._health.initial(stream))

@@ -53,6 +53,19 @@ class Mark(msgspec.Struct, frozen=True, gc=False, array_like=True):
     call: str = ""
 
 
+def _retried(marks: tuple[Mark, ...], retry_of: str, call: str) -> tuple[Mark, ...] | None:
+    """``marks`` with the failure of attempt ``retry_of`` now standing for attempt
+    ``call`` of the same call: it keeps its time and place (the call failed then, before
+    any success in between), only its id moves on. None when there is no such mark."""
+    if not retry_of:
+        return None
+    for index, mark in enumerate(marks):
+        if mark.call == retry_of:
+            moved = msgspec.structs.replace(mark, call=call)
+            return (*marks[:index], moved, *marks[index + 1 :])
+    return None
+
+
 def _without(marks: tuple[Mark, ...], call: str) -> tuple[Mark, ...]:
     """``marks`` but the failure of attempt ``call`` (which a retry now stands for)."""
     if not call:
@@ -101,8 +114,10 @@ def apply_health(state: HealthState, record: RecordedEvent) -> HealthState:
         case ProviderCallFailed() if event.error_class in CALLER_FAULTS:
             return state  # the request was wrong, the provider is fine (as for the breaker)
         case ProviderCallFailed():
-            mark = Mark(record.ts, event.agent, record.version, event.call_id)
-            failures = (*_without(state.failures, event.retry_of), mark)
+            failures = _retried(state.failures, event.retry_of, event.call_id)
+            if failures is None:  # a call's first failure (or one whose first has aged out)
+                mark = Mark(record.ts, event.agent, record.version, event.call_id)
+                failures = (*state.failures, mark)
             return replace(state, failures=failures, last_failure_at=record.ts)
         case ProviderCallSucceeded():
             if event.retry_of:  # the call succeeded after all: its failure is taken back
