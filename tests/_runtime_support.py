@@ -39,6 +39,11 @@ def agent_settings(prompt_timeout_ms: int = 5_000, **fields: Any) -> dict[str, A
     }
 
 
+#: :func:`agent_settings` fields for the default ``max_retries`` (2) with a millisecond
+#: backoff, so a call's attempts follow each other at once
+RETRYING: dict[str, Any] = {"max_retries": 2, "retry_base_ms": 1, "retry_cap_ms": 2}
+
+
 def runtime_config(base_url: str, *, prompt_timeout_ms: int = 5_000, **sections: Any) -> Config:
     """One OpenAI-wire provider ``main`` at ``base_url`` and a ``default`` agent on it
     (:func:`agent_settings`); ``sections`` add or replace top-level sections."""

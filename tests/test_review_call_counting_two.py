@@ -38,6 +38,7 @@ from stalwart.state import BREAKER, HEALTH, HealthAggregate, decide_health
 from stalwart.state._health import apply_health
 from stalwart.store import EventStore, NewEvent, load_state
 from stalwart.testing import Answer, Fail, FakeProvider
+from tests._runtime_support import RETRYING, agent_settings
 
 STREAM = "provider:main"
 SESSION = "session:s1"
@@ -212,16 +213,7 @@ async def test_a_fallback_to_another_model_of_the_same_provider_starts_a_new_cal
     failure back, leaving m1's one failed call in the health fold."""
     fake.add(Fail(status=500, model="m1", times=3), Fail(status=500, model="m2"))
     fake.set_default(Answer(text="from m2"))
-    agent = {
-        "provider": "main",
-        "model": "m1",
-        "fallback_models": ("main:m2",),
-        "prompt_timeout_ms": 2_000,
-        "retry_prompt_timeout_ms": 2_000,
-        "max_retries": 2,
-        "retry_base_ms": 1,
-        "retry_cap_ms": 2,
-    }
+    agent = agent_settings(2_000, **RETRYING, fallback_models=("main:m2",))
     main = {"kind": "openai", "base_url": fake.base_url, "connect_timeout_ms": 1000}
     cfg = parse_config({"providers": {"main": main}, "agents": {"default": agent}})
     layer = ProviderLayer(cfg, store, clock=clock, rng=random.Random(7))

@@ -43,7 +43,15 @@ from stalwart.runtime import ProviderLayer, Runtime
 from stalwart.state import HEALTH, decide_health
 from stalwart.store import EventStore, load_state
 from stalwart.testing import Answer, Fail, FakeProvider
-from tests._runtime_support import GUARD, has, log_until, of, runtime_config
+from tests._runtime_support import (
+    GUARD,
+    RETRYING,
+    agent_settings,
+    has,
+    log_until,
+    of,
+    runtime_config,
+)
 
 SESSION = "session:s1"
 REQUEST = ProviderRequest(messages=(Message(role="user", content="hi"),))
@@ -91,15 +99,7 @@ def _retrying(fake: FakeProvider, **provider: Any) -> Config:
     """Provider ``main`` (its knobs: ``provider``) and agent ``default`` with the default
     ``max_retries`` (2) and a millisecond backoff, so attempts follow each other at once."""
     main = {"kind": "openai", "base_url": fake.base_url, "connect_timeout_ms": 1000, **provider}
-    agent = {
-        "provider": "main",
-        "model": "m1",
-        "prompt_timeout_ms": 2_000,
-        "retry_prompt_timeout_ms": 2_000,
-        "max_retries": 2,
-        "retry_base_ms": 1,
-        "retry_cap_ms": 2,
-    }
+    agent = agent_settings(2_000, **RETRYING)
     return parse_config({"providers": {"main": main}, "agents": {"default": agent}})
 
 
@@ -329,16 +329,7 @@ def test_each_retried_failure_is_followed_by_its_retry_and_the_log_verifies(
     ``replay --verify`` re-derives every retry and breaker decision from the log."""
     fake.add(Fail(status=503, model="m1"), Fail(status=429, retry_after="0", model="m1", times=2))
     fake.set_default(Answer(text="from the backup"))
-    agent = {
-        "provider": "main",
-        "model": "m1",
-        "fallback_models": ("backup:m2",),
-        "prompt_timeout_ms": 2_000,
-        "retry_prompt_timeout_ms": 2_000,
-        "max_retries": 2,
-        "retry_base_ms": 1,
-        "retry_cap_ms": 2,
-    }
+    agent = agent_settings(2_000, **RETRYING, fallback_models=("backup:m2",))
     main = {"kind": "openai", "base_url": fake.base_url, "breaker_failure_threshold": 2}
     cfg = runtime_config(
         fake.base_url,
