@@ -453,6 +453,9 @@ def test_an_idle_agent_is_passivated_and_rebuilt_by_its_next_wake(
         session = rt.session("s1", channel="chat")
         session.send("one")
         delivered(rt, chat, 1)
+        # the Agent has taken the send's outcome in (an Agent with a send in flight is
+        # not idle, and the sweep would look again only when the clock moves on)
+        log_until(store, "session:s1", has(AnnouncementDelivered))
         first = session.ref
         clock.advance(30.0)
         assert first.is_alive()  # not idle long enough yet

@@ -15,7 +15,7 @@ from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
 from stalwart.config import parse_config
 from stalwart.errors import ConfigError, SessionActionError
-from stalwart.events import ActivationAcked, AnnouncementQueued
+from stalwart.events import ActivationAcked, AnnouncementDelivered, AnnouncementQueued
 from stalwart.runtime import Runtime, SessionHandle
 from stalwart.store import EventStore
 from stalwart.testing import FakeProvider, Hang
@@ -35,6 +35,8 @@ def _passivated(rt: Runtime, clock: FakeClock, chat: MemoryChannel) -> SessionHa
     session = rt.session("s1", channel="chat")
     session.send("one")
     delivered(rt, chat, 1)
+    # the Agent has taken the send's outcome in (with a send in flight it is not idle)
+    log_until(rt.store, "session:s1", has(AnnouncementDelivered))
     first = session.ref
     clock.advance(30.0)
     clock.advance(60.0)  # idle for longer than passivate_after_ms: the sweep stops it
