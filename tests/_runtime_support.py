@@ -93,6 +93,16 @@ def of(kind: Kind, records: list[RecordedEvent]) -> list[Any]:
     return [r.event for r in records if isinstance(r.event, kind)]
 
 
+def until(check: Callable[[], Any], timeout: float = GUARD) -> Any:
+    """Poll ``check()`` until it gives something true, and give it; fail after
+    ``timeout`` real seconds (for state another thread changes with no event to wait on)."""
+    give_up = time.monotonic() + timeout
+    while not (found := check()):
+        assert time.monotonic() < give_up, "the awaited outcome never came"
+        time.sleep(0.01)  # real-time: the outcome is handled on other threads
+    return found
+
+
 def advance_until(clock: FakeClock, check: Callable[[], Any], step_s: float) -> Any:
     """Advance ``clock`` by ``step_s`` until ``check()`` gives something true, and give it.
 

@@ -10,8 +10,6 @@ held.
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -38,7 +36,7 @@ from stalwart.state import BREAKER, HEALTH, HealthAggregate, decide_health
 from stalwart.state._health import apply_health
 from stalwart.store import EventStore, NewEvent, load_state
 from stalwart.testing import Answer, Fail, FakeProvider
-from tests._runtime_support import RETRYING, agent_settings
+from tests._runtime_support import RETRYING, agent_settings, until
 
 STREAM = "provider:main"
 SESSION = "session:s1"
@@ -73,14 +71,6 @@ def _append(store: EventStore, clock: FakeClock, *events: Event) -> None:
     for event in events:
         clock.advance(1)
         store.append(STREAM, [NewEvent(event=event, ts=clock.now())])
-
-
-def _until(check: Callable[[], Any], timeout: float = GUARD) -> Any:
-    give_up = time.monotonic() + timeout
-    while not (found := check()):
-        assert time.monotonic() < give_up, "the awaited outcome never came"
-        time.sleep(0.01)
-    return found
 
 
 # -- 8996469: the health fold -------------------------------------------------------------
@@ -258,7 +248,7 @@ def test_a_hanging_send_is_cut_on_the_clock_and_call_soon_follows_a_restarted_po
         with portal:
             chat.hang_next(1)
             hung = send_by_clock(portal, scheduler, clock, chat, _message("one"), 1.0)
-            _until(lambda: len(chat.attempted) >= 1)
+            until(lambda: len(chat.attempted) >= 1)
             assert not hung.done()
             clock.advance(1.5)
             assert hung.result(GUARD) == TIMEOUT
@@ -272,14 +262,14 @@ def test_a_hanging_send_is_cut_on_the_clock_and_call_soon_follows_a_restarted_po
             assert portal.call_soon(boom)
             ran: list[str] = []
             assert portal.call_soon(lambda: ran.append("after"))
-            _until(lambda: ran)
+            until(lambda: ran)
             chat.hang_next(1)
             stopped = send_by_clock(portal, scheduler, clock, chat, _message("three"), 1.0)
-            _until(lambda: len(chat.attempted) >= 3)
+            until(lambda: len(chat.attempted) >= 3)
         assert stopped.cancelled()
         assert not portal.call_soon(lambda: ran.append("stopped"))
         clock.advance(2)  # the stopped send's deadline: nothing to cut, nothing raised
         with portal:
             assert portal.call_soon(lambda: ran.append("restarted"))
-            _until(lambda: "restarted" in ran)
+            until(lambda: "restarted" in ran)
     assert ran == ["after", "restarted"]

@@ -14,7 +14,7 @@ import random
 import select
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
@@ -46,11 +46,13 @@ from stalwart.testing import Answer, Fail, FakeProvider
 from tests._runtime_support import (
     GUARD,
     RETRYING,
+    advance_until,
     agent_settings,
     has,
     log_until,
     of,
     runtime_config,
+    until,
 )
 
 SESSION = "session:s1"
@@ -62,16 +64,6 @@ HEALTH_KNOBS: dict[str, int] = {"window_ms": 60_000, "min_agents": 2, "consecuti
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-def _until(check: Callable[[], Any], timeout: float = GUARD) -> Any:
-    """Poll ``check()`` (real time: the actors work on their own threads) until it gives
-    something true, and give it; fail after ``timeout`` s."""
-    give_up = time.monotonic() + timeout
-    while not (found := check()):
-        assert time.monotonic() < give_up, "the awaited outcome never came"
-        time.sleep(0.01)
-    return found
 
 
 def _degraded(store: EventStore, now: float) -> bool:
@@ -178,7 +170,7 @@ def test_a_call_cut_during_its_retry_backoff_still_counts_as_a_failed_call(
             session.send(f"message {count}")
             log_until(store, SESSION, has(PromptRetryScheduled, count))  # in its backoff
             clock.advance(6)  # the turn's execution timeout, on the Clock
-            _until(lambda n=count: len(chat.messages) >= n)  # the turn was aborted
+            until(lambda n=count: len(chat.messages) >= n)  # the turn was aborted
     failed = of(ProviderCallFailed, list(store.read_stream("provider:main")))
     assert [e.retry_of for e in failed] == ["", "", ""]  # no retry ever ran
     assert len(fake.requests) == 3
@@ -275,10 +267,10 @@ def test_a_reply_the_channel_delivered_is_not_recorded_as_timed_out(
             rt.session("s1", channel="console").send("hello")
             records = log_until(store, SESSION, has(AnnouncementQueued))
             [queued] = of(AnnouncementQueued, records)
-            _until(lambda: _loop_blocked(rt))  # the answer's write is under way, blocked
+            until(lambda: _loop_blocked(rt))  # the answer's write is under way, blocked
             clock.advance(1.5)  # its deadline passes on the Clock
             _drain_until(read_fd, b"[s1] the answer\n")  # the reader catches up
-            outcome = _until(lambda: _outcome(store, queued.announcement_id))
+            outcome = until(lambda: _outcome(store, queued.announcement_id))
             assert isinstance(outcome.event, AnnouncementDelivered), (
                 "the answer reached the console, but the log says "
                 f"{outcome.type} ({getattr(outcome.event, 'error_class', None)})"
@@ -302,19 +294,14 @@ def test_a_reply_cut_off_by_close_is_not_timed_out_after_the_portal_stopped(
         rt.session("s1", channel="chat").send("hello")
         records = log_until(store, SESSION, has(AnnouncementQueued))
         [queued] = of(AnnouncementQueued, records)
-        _until(lambda: len(chat.attempted) >= 1)  # the send is in flight, hanging
+        until(lambda: len(chat.attempted) >= 1)  # the send is in flight, hanging
     clock.advance(2)  # the send's deadline, after the portal stopped
-    time.sleep(0.05)  # real time: a timer that (wrongly) fired would tell someone now
+    time.sleep(0.05)  # real-time: a timer that (wrongly) fired would tell someone now
     assert _outcome(store, queued.announcement_id) is None
     assert not list(store.read_stream("deadletter"))
     with Runtime(cfg, store=store, clock=clock, channels={"chat": chat}):
-        give_up = time.monotonic() + GUARD
-        while _outcome(store, queued.announcement_id) is None:
-            assert time.monotonic() < give_up, "the cut-off answer was never sent again"
-            clock.advance(1)  # the in-flight wait (timeout + grace) passes on the Clock
-            time.sleep(0.02)  # real time: the new Agent sends on its own threads
-    outcome = _outcome(store, queued.announcement_id)
-    assert outcome is not None
+        # the in-flight wait (timeout + grace) passes on the Clock; the new Agent resends
+        outcome = advance_until(clock, lambda: _outcome(store, queued.announcement_id), 1)
     assert isinstance(outcome.event, AnnouncementDelivered)
     assert [m.text for m in chat.messages] == ["the answer"]
 
@@ -339,7 +326,7 @@ def test_each_retried_failure_is_followed_by_its_retry_and_the_log_verifies(
     )
     with Runtime(cfg, store=store, clock=clock, channels={"chat": chat}) as rt:
         rt.session("s1", channel="chat").send("hello")
-        _until(lambda: len(chat.messages) >= 1)
+        until(lambda: len(chat.messages) >= 1)
     assert [m.text for m in chat.messages] == ["from the backup"]
     session = [r.event for r in store.read_stream(SESSION)]
     failed_calls = [e.call_id for e in session if isinstance(e, PromptFailed)]

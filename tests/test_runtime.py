@@ -44,7 +44,7 @@ from stalwart.events import (
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Answer, Fail, FakeProvider, FakeToolCall, Hang
-from tests._runtime_support import GUARD, delivered, has, log_until
+from tests._runtime_support import GUARD, delivered, has, log_until, until
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT: dict[str, Any] = {
@@ -317,10 +317,8 @@ def test_a_call_whose_retries_all_fail_is_one_failure_for_the_health_monitor(
         ]
         assert [bool(e.retry_of) for e in failed] == [False, True, True]  # one call
         head = store.stream_version("provider:main")
-        give_up = time.monotonic() + GUARD
-        while (report := rt.health()["main"]).version < head and time.monotonic() < give_up:
-            time.sleep(0.01)  # real time: the health actor folds on its own thread
-        assert report.version >= head
+        # the health actor folds on its own thread: its report once it has folded them
+        report = until(lambda: (now := rt.health()["main"]).version >= head and now)
         assert not report.degraded
         for count, text in ((2, "two"), (3, "three")):
             session.send(text)
