@@ -10,7 +10,7 @@ from stalwart import store as store_module
 from stalwart.clock import FakeClock
 from stalwart.config import ProviderSettings
 from stalwart.errors import BreakerOpenError
-from stalwart.events import Event, ProviderCallFailed, ProviderCallSucceeded
+from stalwart.events import BreakerOpened, Event, ProviderCallFailed, ProviderCallSucceeded
 from stalwart.providers import Breaker
 from stalwart.state import BREAKER
 from stalwart.store import EventStore, NewEvent, load_state
@@ -34,19 +34,40 @@ class Harness:
             recorded = self.store.append("provider:p", [NewEvent(event=e, ts=now) for e in events])
             self.breaker.fold(recorded)
 
-    def call(self, ok: bool, error_class: str = "server_error", *, retry_of: str = "") -> None:
-        """One attempt (``retry_of``: the failed attempt of the same call it retries)."""
+    def start(self) -> bool:
+        """Admit one attempt, as the caller does: True when it is the half-open probe."""
         self.record(self.breaker.due(self.clock.now()))
-        probe = self.breaker.admit()
+        return self.breaker.admit()
+
+    def end(
+        self, probe: bool, ok: bool, error_class: str = "server_error", *, retry_of: str = ""
+    ) -> None:
+        """The attempt's outcome, then the decisions that follow it."""
         outcome: Event = (
-            ProviderCallSucceeded(provider="p", model="m", agent="a", retry_of=retry_of)
+            ProviderCallSucceeded(
+                provider="p", model="m", agent="a", retry_of=retry_of, probe=probe
+            )
             if ok
             else ProviderCallFailed(
-                provider="p", model="m", agent="a", error_class=error_class, retry_of=retry_of
+                provider="p",
+                model="m",
+                agent="a",
+                error_class=error_class,
+                retry_of=retry_of,
+                probe=probe,
             )
         )
         self.record([outcome])
         self.record(self.breaker.settled(probe, self.clock.now()))
+
+    def call(self, ok: bool, error_class: str = "server_error", *, retry_of: str = "") -> None:
+        """One attempt (``retry_of``: the failed attempt of the same call it retries)."""
+        self.end(self.start(), ok, error_class, retry_of=retry_of)
+
+    def open(self) -> None:
+        for _ in range(SETTINGS.breaker_failure_threshold):
+            self.call(ok=False)
+        assert self.breaker.state.status == "open"
 
 
 @pytest.fixture
@@ -92,8 +113,7 @@ def test_half_open_exactly_at_the_reset_timeout_with_one_probe(harness: Harness)
     assert harness.breaker.admit() is True  # the probe
     with pytest.raises(BreakerOpenError, match="half-open"):
         harness.breaker.admit()  # a concurrent caller is refused at once
-    harness.record([ProviderCallSucceeded(provider="p", model="m", agent="a")])
-    harness.record(harness.breaker.settled(True, harness.clock.now()))
+    harness.end(True, ok=True)
     assert harness.breaker.state.status == "closed"
     assert harness.breaker.admit() is False
 
@@ -177,3 +197,55 @@ def test_a_failed_probe_is_the_probes_answer_whatever_attempt_it_is(harness: Har
     harness.call(ok=False, retry_of="an attempt from before the breaker opened")
     assert harness.breaker.state.status == "open"
     assert harness.breaker.state.opened_at == harness.clock.now()
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_a_call_from_before_the_breaker_opened_is_no_answer_to_the_probe(
+    harness: Harness, ok: bool
+) -> None:
+    """A call admitted while the breaker was closed (a long stream, say) may end while it
+    is half-open: whether it succeeded says nothing of the provider now, so only the
+    probe's outcome closes or opens the breaker again."""
+    early = harness.start()
+    assert early is False
+    harness.open()
+    harness.clock.advance(60)
+    probe = harness.start()
+    assert probe is True
+    harness.end(early, ok=ok)
+    assert harness.breaker.state.status == "half_open"
+    with pytest.raises(BreakerOpenError, match="half-open"):
+        harness.start()  # the probe is still in flight
+    harness.end(probe, ok=True)
+    assert harness.breaker.state.status == "closed"
+
+
+def test_a_failure_from_before_the_breaker_opened_still_counts_after_the_probe_fails(
+    harness: Harness,
+) -> None:
+    early = harness.start()
+    harness.open()
+    harness.clock.advance(60)
+    probe = harness.start()
+    harness.end(early, ok=False)
+    harness.end(probe, ok=False)
+    state = harness.breaker.state
+    assert (state.status, state.opened_at) == ("open", harness.clock.now())
+    opened = [r.event for r in harness.store.read_stream("provider:p")][-1]
+    assert isinstance(opened, BreakerOpened)
+    assert opened.failures == SETTINGS.breaker_failure_threshold + 2
+
+
+def test_an_outcome_recorded_before_outcomes_named_the_probe_still_answers_it(
+    harness: Harness,
+) -> None:
+    """A log written before ``probe`` existed: any outcome while half-open was the
+    probe's answer, and folding that log again decides as it did then."""
+    harness.open()
+    harness.clock.advance(60)
+    harness.record(harness.breaker.due(harness.clock.now()))
+    assert harness.breaker.state.status == "half_open"
+    harness.record([ProviderCallSucceeded(provider="p", model="m", agent="a")])
+    assert harness.breaker.state.probe_outcome == "success"
+    harness.record(harness.breaker.settled(False, harness.clock.now()))
+    assert harness.breaker.state.status == "closed"

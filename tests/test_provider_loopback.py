@@ -1014,6 +1014,50 @@ async def test_a_cancelled_probe_frees_the_probe_slot(
         assert layer.breakers["main"].state.status == "closed"
 
 
+async def test_a_call_from_before_the_breaker_opened_is_no_answer_to_the_probe(
+    fake: FakeProvider, store: EventStore, clock: FakeClock
+) -> None:
+    """A slow answer admitted while the breaker was closed arrives while it is half-open:
+    it is not the probe, so the breaker stays half-open until the probe's own outcome."""
+    # the makespan ceiling (2 x 40 s) outlasts the reset timeout the clock is moved by
+    cfg = config(fake.base_url, settings=BREAKER_SETTINGS, max_retries=0, prompt_timeout_ms=40_000)
+    fake.add(Answer(text="late", first_delay_ms=800, model="m1"))
+    early_done = anyio.Event()
+    probe_scope = anyio.CancelScope()
+
+    async def early() -> None:
+        assert (await call(layer)).text == "late"
+        early_done.set()
+
+    async def probe() -> None:
+        with probe_scope:
+            await call(layer)
+
+    async with provider_layer(cfg, store, clock) as layer:
+        async with anyio.create_task_group() as group:
+            group.start_soon(early)
+            await wait_requests(fake, 1)
+            await _open_the_breaker(layer, fake)
+            clock.advance(60)
+            fake.add(Hang(model="m1"))
+            group.start_soon(probe)
+            await wait_requests(fake, 5)
+            with anyio.fail_after(GUARD):
+                await early_done.wait()
+            assert layer.breakers["main"].state.status == "half_open"
+            probe_scope.cancel()  # the probe never answers: its slot is freed
+        assert (await call(layer)).text == "recovered"  # the next call is the probe
+        assert layer.breakers["main"].state.status == "closed"
+    assert tags(store, "provider:main")[3:] == [
+        "breaker:opened",
+        "breaker:half_opened",
+        "provider:call_succeeded",
+        "provider:call_succeeded",
+        "breaker:closed",
+    ]
+    assert [e.probe for e in of(store, ProviderCallSucceeded, "provider:main")] == [False, True]
+
+
 async def test_the_breaker_is_rebuilt_from_the_log(
     fake: FakeProvider, tmp_path: Path, clock: FakeClock
 ) -> None:

@@ -12,7 +12,9 @@ class ProviderCallFailed(Event, frozen=True, tag="provider:call_failed"):
     ``retry_of``: the failed attempt of the same call it retried on the same model ("" for
     a call's first attempt). A call is one failure however many attempts it takes, as
     seed 000's SDK retries are inside one: the health monitor and the breaker let an
-    attempt's outcome stand in for the one it retried."""
+    attempt's outcome stand in for the one it retried. ``probe``: whether the attempt was
+    the half-open breaker's one trial (only the trial's outcome answers it; None in records
+    written before the field, when any outcome while half-open did)."""
 
     provider: str
     model: str
@@ -21,18 +23,20 @@ class ProviderCallFailed(Event, frozen=True, tag="provider:call_failed"):
     status: int | None = None
     call_id: str = ""
     retry_of: str = ""
+    probe: bool | None = None
     severity: ClassVar[Severity] = "warning"
 
 
 class ProviderCallSucceeded(Event, frozen=True, tag="provider:call_succeeded"):
-    """One attempt succeeded; ``retry_of`` as for :class:`ProviderCallFailed` (a retry that
-    succeeds takes its call's failure back)."""
+    """One attempt succeeded; ``retry_of`` and ``probe`` as for :class:`ProviderCallFailed`
+    (a retry that succeeds takes its call's failure back)."""
 
     provider: str
     model: str
     agent: str
     latency_ms: int = 0
     retry_of: str = ""
+    probe: bool | None = None
     severity: ClassVar[Severity] = "debug"
 
 

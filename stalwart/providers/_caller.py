@@ -368,6 +368,7 @@ class ModelCaller:
                 agent=self._agent_name,
                 latency_ms=round((now - started_at) * 1000),
                 retry_of=retry_of,
+                probe=probe,
             )
         else:
             session_event = PromptFailed(
@@ -384,6 +385,7 @@ class ModelCaller:
                 status=error.status,
                 call_id=started.call_id,
                 retry_of=retry_of,
+                probe=probe,
             )
             log.info("provider.call_failed", provider=provider, model=model, kind=error.kind)
         # two streams, appended together: the store's group commit makes them one fsync

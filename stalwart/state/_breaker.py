@@ -4,8 +4,10 @@ closed --(N consecutive failures)--> open --(reset timeout)--> half_open
 half_open --(the probe succeeds)--> closed;  half_open --(the probe fails)--> open
 
 A failure is a call's, as for the health monitor: a failed retry (``retry_of``) of an
-attempt already counted is not counted again while the breaker is closed (a half-open
-breaker's probe answers whatever attempt it is).
+attempt already counted is not counted again (a half-open breaker's probe answers whatever
+attempt it is). Only the probe's outcome (``probe``) answers a half-open breaker: a call
+admitted before the breaker opened may end while it is half-open, and its success or
+failure says nothing of the provider now.
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ class BreakerState(msgspec.Struct, frozen=True, kw_only=True):
     probe_outcome: Literal["success", "failure"] | None = None
 
 
+def _answers_probe(state: BreakerState, event: ProviderCallFailed | ProviderCallSucceeded) -> bool:
+    """Whether a call's outcome is the half-open breaker's probe's (a record written before
+    outcomes said so, ``probe`` None, is taken as the probe's, as it then was)."""
+    return state.status == "half_open" and event.probe is not False
+
+
 def apply_breaker(state: BreakerState, record: RecordedEvent) -> BreakerState:
     """The breaker after one more event of its provider stream."""
     event = record.event
@@ -52,11 +60,11 @@ def apply_breaker(state: BreakerState, record: RecordedEvent) -> BreakerState:
     match event:
         case ProviderCallFailed() if event.error_class in CALLER_FAULTS:
             return replace(state, version=record.version)
-        case ProviderCallFailed() if event.retry_of and state.status != "half_open":
+        case ProviderCallFailed() if event.retry_of and not _answers_probe(state, event):
             # the call's failure, counted at its first failed attempt
             return replace(state, version=record.version)
         case ProviderCallFailed():
-            outcome = "failure" if state.status == "half_open" else state.probe_outcome
+            outcome = "failure" if _answers_probe(state, event) else state.probe_outcome
             return replace(
                 state,
                 version=record.version,
@@ -64,7 +72,7 @@ def apply_breaker(state: BreakerState, record: RecordedEvent) -> BreakerState:
                 probe_outcome=outcome,
             )
         case ProviderCallSucceeded():
-            outcome = "success" if state.status == "half_open" else state.probe_outcome
+            outcome = "success" if _answers_probe(state, event) else state.probe_outcome
             return replace(
                 state, version=record.version, consecutive_failures=0, probe_outcome=outcome
             )
@@ -127,7 +135,7 @@ class BreakerAggregate:
     """The breaker fold for ``provider:<name>`` streams."""
 
     name = "breaker"
-    version = 2  # 2: a failed retry is not counted again
+    version = 3  # 2: a failed retry is not counted again; 3: only the probe answers it
     state_type = BreakerState
 
     def initial(self, stream: str) -> BreakerState:
