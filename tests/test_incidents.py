@@ -243,6 +243,59 @@ def test_fallbacks_count_both_ways(store: EventStore) -> None:
     assert all(m.calls == 0 and m.failure_rate == 0.0 for m in rows.values())
 
 
+def attempt_failed(
+    call_id: str, error_class: str = "unavailable", retry_of: str = "", model: str = "gpt-4o"
+) -> ProviderCallFailed:
+    return ProviderCallFailed(
+        provider="openai",
+        model=model,
+        agent="a",
+        error_class=error_class,
+        call_id=call_id,
+        retry_of=retry_of,
+    )
+
+
+def test_a_call_is_counted_once_by_its_latest_attempt(store: EventStore) -> None:
+    """The attempts on one model are one call, as the breaker and the health monitor
+    count them: a retry takes its failed attempt's place, whatever it ends in."""
+    put(
+        store,
+        "provider:openai",
+        T0,
+        # a call whose retry answered: one success, its failure taken back
+        attempt_failed("a1", "timeout_stall"),
+        ProviderCallSucceeded(provider="openai", model="gpt-4o", agent="a", retry_of="a1"),
+        # a call of three failed attempts: one failure, of the last attempt's class
+        attempt_failed("b1", "rate_limited"),
+        attempt_failed("b2", "unavailable", retry_of="b1"),
+        attempt_failed("b3", "server_error", retry_of="b2"),
+        # a call that failed once, with no retry
+        attempt_failed("c1", "unavailable"),
+    )
+    gpt = by_model(incidents(store.read_all()))["openai", "gpt-4o"]
+    assert (gpt.calls, gpt.succeeded, gpt.failed, gpt.retried) == (3, 1, 2, 3)
+    assert gpt.failures == {"server_error": 1, "unavailable": 1}
+    assert gpt.failure_rate == 2 / 3
+
+
+def test_a_retry_whose_attempt_is_not_counted_is_a_call_of_its_own(store: EventStore) -> None:
+    put(store, "provider:openai", T0, attempt_failed("a1"))
+    put(store, "provider:openai", T0 + 10, attempt_failed("a2", retry_of="a1"))
+    put(store, "provider:openai", T0 + 11, attempt_failed("b1"), attempt_failed("b2"))
+    put(store, "provider:openai", T0 + 12, attempt_failed("b3", retry_of="b1"))
+    put(store, "provider:openai", T0 + 12, attempt_failed("b4", retry_of="b2"))
+    late = by_model(incidents(store.read_all(), since=T0 + 5))["openai", "gpt-4o"]
+    assert (late.calls, late.failed, late.retried) == (3, 3, 2)  # a1 was before since
+    state = incidents(store.read_all(), since=T0 + 5, max_open_calls=1)
+    bounded = by_model(state)["openai", "gpt-4o"]
+    # one failed attempt remembered: each is forgotten for the next before its retry
+    # comes, so every retry is a call of its own
+    assert (bounded.calls, bounded.failed, bounded.retried) == (5, 5, 0)
+    assert [f.call_id for f in state.failed_attempts] == ["b4"]
+    assert state.forgotten_calls == 4
+
+
 def test_calls_are_counted_only_in_provider_streams(store: EventStore) -> None:
     put(store, "session:a", T0, ok("openai", "gpt-4o"), failed("openai", "gpt-4o", "x"))
     put(store, "provider:openai", T0, ok("openai", "gpt-4o"))
@@ -305,6 +358,8 @@ def test_apply_equals_the_folder_and_a_prefix_then_the_rest_equals_all(
 ) -> None:
     fill(store)
     put(store, "session:z", T0 + 40, started("open", "openai", "gpt-4o"))
+    put(store, "provider:openai", T0 + 41, attempt_failed("r1"), attempt_failed("s1"))
+    put(store, "provider:openai", T0 + 42, attempt_failed("r2", retry_of="r1"))
     records = list(store.read_all())
     whole = incidents(records, since=T0 + 5, max_open_calls=2)
     state = IncidentsState(since=T0 + 5, max_open_calls=2)
@@ -451,6 +506,7 @@ def test_json_is_one_object_per_model_with_the_documented_keys(filled: Path) -> 
                 "failed",
                 "failure_rate",
                 "failures_by_class",
+                "retried",
                 "timeouts",
                 "timeouts_by_limit",
                 "fallbacks_away",
@@ -474,6 +530,7 @@ def test_json_is_one_object_per_model_with_the_documented_keys(filled: Path) -> 
         "failed": 1,
         "failure_rate": 0.5,
         "failures_by_class": {"timeout_stall": 1},
+        "retried": 0,
         "timeouts": 1,
         "timeouts_by_limit": {"stall": 1},
         "fallbacks_away": 1,
@@ -638,13 +695,16 @@ async def test_real_calls_are_attributed_to_the_right_models(store_dir: Path) ->
     rows = {(o["provider"], o["model"]): o for o in map(json.loads, out.splitlines())}
     assert set(rows) == {("main", "m1"), ("backup", "m2")}
     m1, m2 = rows["main", "m1"], rows["backup", "m2"]
-    assert (m1["calls"], m1["succeeded"], m1["failed"]) == (4, 1, 3)
-    assert m1["failures_by_class"] == {"timeout_stall": 1, "unavailable": 2}
-    assert m1["timeouts_by_limit"] == {"stall": 1}
+    # two calls of two attempts each: the stalled one's retry answered, the 503s' did not
+    assert (m1["calls"], m1["succeeded"], m1["failed"], m1["retried"]) == (2, 1, 1, 2)
+    assert m1["failures_by_class"] == {"unavailable": 1}
+    assert m1["timeouts_by_limit"] == {"stall": 1}  # a timeout is an attempt's
     assert (m1["fallbacks_away"], m1["fallbacks_to"], m1["fallbacks_exhausted"]) == (1, 0, 0)
-    assert m1["failure_rate"] == 0.75
+    assert m1["failure_rate"] == 0.5
     assert (m2["calls"], m2["failed"], m2["timeouts"]) == (1, 0, 0)
     assert (m2["fallbacks_away"], m2["fallbacks_to"]) == (0, 1)
     assert m2["latency_p50_ms"] is not None
     code, out, _ = run("--store", str(store_dir), "incidents")
-    assert [line.split()[:2] for line in out.splitlines()[2:]] == [["main", "m1"], ["backup", "m2"]]
+    lines = out.splitlines()
+    assert lines[0] == "3 calls, 1 failed (2 failed attempts retried), 1 timeout across 2 models"
+    assert [line.split()[:2] for line in lines[2:]] == [["main", "m1"], ["backup", "m2"]]

@@ -74,6 +74,7 @@ def _row(model: ModelIncidents, provider: ProviderIncidents | None) -> dict[str,
         "failed": model.failed,
         "failure_rate": round(model.failure_rate, 4),
         "failures_by_class": model.failures,
+        "retried": model.retried,
         "timeouts": model.timeout_count,
         "timeouts_by_limit": model.timeouts,
         "fallbacks_away": model.fallbacks_away,
@@ -126,12 +127,13 @@ def _count(n: int, noun: str) -> str:
 def _header(state: IncidentsState, shown: list[dict[str, Any]]) -> str:
     calls = sum(r["calls"] for r in shown)
     failed = sum(r["failed"] for r in shown)
+    retried = sum(r["retried"] for r in shown)
     timeouts = sum(r["timeouts"] for r in shown)
     models = sum(1 for r in shown if r["model"] is not None)
-    text = (
-        f"{_count(calls, 'call')}, {failed} failed, {_count(timeouts, 'timeout')} "
-        f"across {_count(models, 'model')}"
-    )
+    text = f"{_count(calls, 'call')}, {failed} failed"
+    if retried:
+        text += f" ({_count(retried, 'failed attempt')} retried)"
+    text += f", {_count(timeouts, 'timeout')} across {_count(models, 'model')}"
     if state.since is not None:
         text += f" since {fmt_ts(state.since)}"
     if state.unmatched_timeouts:

@@ -106,6 +106,7 @@ from ._health import (
 )
 from ._incidents import (
     DEFAULT_MAX_OPEN_CALLS,
+    FailedAttempt,
     IncidentsFolder,
     IncidentsState,
     ModelIncidents,
@@ -239,6 +240,7 @@ __all__ = [
     "Draft",
     "DraftsAggregate",
     "DraftsState",
+    "FailedAttempt",
     "FailedCall",
     "FailedCallsState",
     "Finding",

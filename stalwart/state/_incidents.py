@@ -4,7 +4,12 @@ Which model fails more than the others? The projection folds ``read_all`` and co
 ``(provider, model)``:
 
 - calls: one per ``provider:call_succeeded`` or ``provider:call_failed`` in a
-  ``provider:<name>`` stream; failures by error class (``failed / calls`` is the rate);
+  ``provider:<name>`` stream, except that an attempt which retried a failed one
+  (``retry_of``) takes its place, as for the breaker and the health monitor: a call is
+  counted once, by its latest attempt, and ``retried`` counts the failed attempts a retry
+  took the place of; failures by error class (``failed / calls`` is the rate). A failed
+  attempt is remembered for its retry like an open call (at most ``max_open_calls``; one
+  forgotten, or before ``since``, leaves its retry counted as a call of its own);
 - timeouts by limit: an ``execution:prompt_timeout`` names only its ``call_id``, so the
   fold joins it to the ``prompt:started`` that opened the call. The join remembers open
   calls only: a call is forgotten when it completes, fails or times out, and at most
@@ -27,6 +32,7 @@ fast accumulator and :func:`apply_incidents` the pure one-event interface.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TypeVar
 
 import msgspec
 
@@ -49,6 +55,7 @@ from stalwart.events import (
 DEFAULT_MAX_OPEN_CALLS = 4096
 
 _EXACT = 16  # latencies below this many ms get a bucket each
+_V = TypeVar("_V")
 
 
 class ModelIncidents(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,6 +66,8 @@ class ModelIncidents(msgspec.Struct, frozen=True, kw_only=True):
     succeeded: int = 0
     failed: int = 0
     failures: dict[str, int] = msgspec.field(default_factory=dict)
+    #: failed attempts a retry of the same call took the place of (not in ``failed``)
+    retried: int = 0
     timeouts: dict[str, int] = msgspec.field(default_factory=dict)
     fallbacks_away: int = 0
     fallbacks_to: int = 0
@@ -101,6 +110,15 @@ class OpenCall(msgspec.Struct, frozen=True, array_like=True):
     model: str
 
 
+class FailedAttempt(msgspec.Struct, frozen=True, array_like=True):
+    """A counted failed attempt that a retry of the same call may still take the place of."""
+
+    call_id: str
+    provider: str
+    model: str
+    error_class: str
+
+
 class IncidentsState(msgspec.Struct, frozen=True, kw_only=True):
     """Incidents per model and per provider, both sorted by name."""
 
@@ -108,8 +126,10 @@ class IncidentsState(msgspec.Struct, frozen=True, kw_only=True):
     models: tuple[ModelIncidents, ...] = ()
     providers: tuple[ProviderIncidents, ...] = ()
     open_calls: tuple[OpenCall, ...] = ()
+    failed_attempts: tuple[FailedAttempt, ...] = ()
     max_open_calls: int = DEFAULT_MAX_OPEN_CALLS
-    #: open calls dropped to keep the join bounded, and timeouts no open call explained
+    #: open calls (and failed attempts) dropped to keep the joins bounded, and timeouts no
+    #: open call explained
     forgotten_calls: int = 0
     unmatched_timeouts: int = 0
 
@@ -170,6 +190,7 @@ class _Row:
         "latency_max_ms",
         "model",
         "provider",
+        "retried",
         "succeeded",
         "timeouts",
     )
@@ -180,6 +201,7 @@ class _Row:
         self.succeeded = row.succeeded
         self.failed = row.failed
         self.failures = dict(row.failures)
+        self.retried = row.retried
         self.timeouts = dict(row.timeouts)
         self.fallbacks_away = row.fallbacks_away
         self.fallbacks_to = row.fallbacks_to
@@ -202,6 +224,7 @@ class _Row:
             succeeded=self.succeeded,
             failed=self.failed,
             failures=dict(sorted(self.failures.items())),
+            retried=self.retried,
             timeouts=dict(sorted(self.timeouts.items())),
             fallbacks_away=self.fallbacks_away,
             fallbacks_to=self.fallbacks_to,
@@ -222,13 +245,14 @@ def _seen(row: ProviderIncidents, ts: float) -> ProviderIncidents:
 class IncidentsFolder:
     """The incidents projection as a mutable accumulator over ``read_all``."""
 
-    __slots__ = ("_open", "_providers", "_rows", "_state")
+    __slots__ = ("_failed", "_open", "_providers", "_rows", "_state")
 
     def __init__(self, state: IncidentsState) -> None:
         self._state = state
         self._rows = {(r.provider, r.model): _Row(r) for r in state.models}
         self._providers = {p.provider: p for p in state.providers}
         self._open = {c.call_id: (c.provider, c.model) for c in state.open_calls}
+        self._failed = {f.call_id: f for f in state.failed_attempts}
 
     def _row(self, provider: str, model: str) -> _Row:
         row = self._rows.get((provider, model))
@@ -240,11 +264,29 @@ class IncidentsFolder:
         calls = self._open
         calls.pop(event.call_id, None)
         calls[event.call_id] = (event.provider, event.model)
-        if len(calls) > self._state.max_open_calls:
-            del calls[next(iter(calls))]
+        self._bound(calls)
+
+    def _bound(self, remembered: dict[str, _V]) -> None:
+        if len(remembered) > self._state.max_open_calls:
+            del remembered[next(iter(remembered))]
             self._state = msgspec.structs.replace(
                 self._state, forgotten_calls=self._state.forgotten_calls + 1
             )
+
+    def _retry(self, retry_of: str) -> None:
+        """An attempt retried the failed attempt ``retry_of``: the call's failure is now
+        the retry's outcome, so the one counted for that attempt is taken back."""
+        attempt = self._failed.pop(retry_of, None) if retry_of else None
+        if attempt is None:
+            return  # not counted (before ``since``, or forgotten): the retry counts alone
+        row = self._row(attempt.provider, attempt.model)
+        row.failed -= 1
+        left = row.failures[attempt.error_class] - 1
+        if left:
+            row.failures[attempt.error_class] = left
+        else:
+            del row.failures[attempt.error_class]
+        row.retried += 1
 
     def _provider_event(self, provider: str, ts: float, *, opened: int, degraded: int) -> None:
         row = self._providers.get(provider) or ProviderIncidents(provider=provider)
@@ -256,6 +298,28 @@ class IncidentsFolder:
             ),
             ts,
         )
+
+    def _succeeded(self, event: ProviderCallSucceeded, ts: float) -> None:
+        self._retry(event.retry_of)
+        row = self._row(event.provider, event.model)
+        row.succeeded += 1
+        latency = max(event.latency_ms, 0)
+        bucket = latency_bucket(latency)
+        row.buckets[bucket] = row.buckets.get(bucket, 0) + 1
+        row.latency_max_ms = max(row.latency_max_ms, latency)
+        row.seen(ts)
+
+    def _call_failed(self, event: ProviderCallFailed, ts: float) -> None:
+        self._retry(event.retry_of)
+        row = self._row(event.provider, event.model)
+        row.failed += 1
+        row.failures[event.error_class] = row.failures.get(event.error_class, 0) + 1
+        row.seen(ts)
+        if event.call_id:  # its retry, if any, takes its place
+            self._failed[event.call_id] = FailedAttempt(
+                event.call_id, event.provider, event.model, event.error_class
+            )
+            self._bound(self._failed)
 
     def add(self, record: RecordedEvent) -> None:
         event = record.event
@@ -280,18 +344,9 @@ class IncidentsFolder:
                 row.timeouts[event.limit] = row.timeouts.get(event.limit, 0) + 1
                 row.seen(ts)
             case ProviderCallSucceeded() if counted and record.stream.startswith("provider:"):
-                row = self._row(event.provider, event.model)
-                row.succeeded += 1
-                latency = max(event.latency_ms, 0)
-                bucket = latency_bucket(latency)
-                row.buckets[bucket] = row.buckets.get(bucket, 0) + 1
-                row.latency_max_ms = max(row.latency_max_ms, latency)
-                row.seen(ts)
+                self._succeeded(event, ts)
             case ProviderCallFailed() if counted and record.stream.startswith("provider:"):
-                row = self._row(event.provider, event.model)
-                row.failed += 1
-                row.failures[event.error_class] = row.failures.get(event.error_class, 0) + 1
-                row.seen(ts)
+                self._call_failed(event, ts)
             case ModelFallbackAttempt() if counted:
                 away = self._row(*split_model(event.from_model))
                 away.fallbacks_away += 1
@@ -316,6 +371,7 @@ class IncidentsFolder:
             models=tuple(row.frozen() for _, row in sorted(self._rows.items())),
             providers=tuple(row for _, row in sorted(self._providers.items())),
             open_calls=tuple(OpenCall(cid, p, m) for cid, (p, m) in self._open.items()),
+            failed_attempts=tuple(self._failed.values()),
         )
 
 
