@@ -15,24 +15,108 @@ a provider does.
 
 Stopping the portal cancels whatever is still in flight; the futures of those calls end
 cancelled, and their done-callbacks run.
+
+Neither ``submit`` nor ``call_soon`` waits for the loop: the call is handed over with
+``call_soon_threadsafe`` and started there. A channel that blocks the loop (a synchronous
+HTTP call inside ``async def send``, say) delays every call on it, but no actor's thread
+is stuck behind it, so each can still keep its own time (``send_by_clock``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Self, TypeVar, TypeVarTuple, Unpack
+from typing import Any, Self, TypeVar, TypeVarTuple, Unpack
 
+import anyio
+from anyio.abc import TaskStatus
 from anyio.from_thread import BlockingPortal, start_blocking_portal
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 __all__ = ["IoPortal"]
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
+
+
+class _Job:
+    """One submitted call: the coroutine function, its arguments, the caller's future."""
+
+    __slots__ = ("args", "fn", "future")
+
+    def __init__(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
+        self.fn = fn
+        self.args = args
+        self.future: Future[Any] = Future()
+
+
+class _Spawner:
+    """The task on the loop that starts the jobs handed to it from other threads."""
+
+    def __init__(self) -> None:
+        send, receive = anyio.create_memory_object_stream[_Job](math.inf)
+        self._send: MemoryObjectSendStream[_Job] = send
+        self._receive: MemoryObjectReceiveStream[_Job] = receive
+
+    def post(self, job: _Job) -> None:
+        """On the loop: queue ``job`` (cancelled when the spawner has stopped)."""
+        try:
+            self._send.send_nowait(job)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            job.future.cancel()
+
+    async def serve(self, *, task_status: TaskStatus[None]) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                task_status.started()
+                async for job in self._receive:
+                    group.start_soon(_run, job)
+        finally:
+            self._send.close()
+            while True:  # jobs queued as the portal stopped: they never started
+                try:
+                    self._receive.receive_nowait().future.cancel()
+                except (anyio.WouldBlock, anyio.EndOfStream):
+                    break
+            self._receive.close()
+
+
+async def _run(job: _Job) -> None:
+    """Run one job; its future ends with the outcome. Cancelling the future cancels the
+    call; a cancelled call (the portal stopping) ends the future cancelled. The future
+    stays pending while the call runs, so that ``cancel()`` can still reach it."""
+    future = job.future
+    if future.cancelled():
+        return
+    loop = asyncio.get_running_loop()
+    scope = anyio.CancelScope()
+
+    def cancelled(done: Future[Any]) -> None:
+        if done.cancelled():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nothing left to cancel
+                loop.call_soon_threadsafe(scope.cancel)
+
+    try:
+        with scope:
+            future.add_done_callback(cancelled)
+            result = await job.fn(*job.args)
+    except anyio.get_cancelled_exc_class():
+        future.cancel()
+        raise
+    except BaseException as exc:
+        if future.set_running_or_notify_cancel():
+            future.set_exception(exc)
+        if not isinstance(exc, Exception):
+            raise
+    else:
+        if not scope.cancelled_caught and future.set_running_or_notify_cancel():
+            future.set_result(result)
 
 
 class IoPortal:
@@ -43,13 +127,17 @@ class IoPortal:
     """
 
     def __init__(self, *, backend: str = "asyncio", name: str = "stalwart-io") -> None:
-        self._backend = backend
+        if backend != "asyncio":
+            raise ValueError(f"IoPortal runs on asyncio only, not {backend!r}")
         self._name = name
         self._lock = threading.Lock()
         self._context: AbstractContextManager[BlockingPortal] | None = None
         self._portal: BlockingPortal | None = None
         #: the asyncio loop, for :meth:`call_soon` (read without the lock: see there)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._spawner: _Spawner | None = None
+        #: futures of the calls handed over and not yet ended, cancelled by ``stop``
+        self._pending: set[Future[Any]] = set()
 
     @property
     def running(self) -> bool:
@@ -61,11 +149,12 @@ class IoPortal:
         """Start the event loop thread (a no-op when it runs already)."""
         with self._lock:
             if self._portal is None:
-                context = start_blocking_portal(self._backend, name=self._name)
-                self._portal = context.__enter__()
-                self._context = context
-                if self._backend == "asyncio":
-                    self._loop = self._portal.call(asyncio.get_running_loop)
+                context = start_blocking_portal("asyncio", name=self._name)
+                portal = context.__enter__()
+                spawner = _Spawner()
+                portal.start_task(spawner.serve)
+                self._loop = portal.call(asyncio.get_running_loop)
+                self._portal, self._context, self._spawner = portal, context, spawner
         return self
 
     def stop(self) -> None:
@@ -73,35 +162,47 @@ class IoPortal:
         with self._lock:
             portal, self._portal = self._portal, None
             context, self._context = self._context, None
-            self._loop = None
+            self._loop = self._spawner = None
         if portal is None or context is None:
             return
         portal.call(portal.stop, True)  # cancel_remaining: what is in flight ends now
         context.__exit__(None, None, None)  # joins the thread
+        with self._lock:  # a call handed over as the loop closed never started
+            left, self._pending = self._pending, set()
+        for future in left:
+            future.cancel()
 
     def submit(self, fn: Callable[[Unpack[Ts]], Awaitable[T]], *args: *Ts) -> Future[T]:
         """Run ``fn(*args)`` on the loop; its outcome arrives in the returned future.
 
-        Cancelling the future cancels the call. Raises RuntimeError when the portal is
-        not running.
+        Never waits for the loop. Cancelling the future cancels the call. Raises
+        RuntimeError when the portal is not running.
         """
+        job = _Job(fn, args)
         with self._lock:
-            portal = self._portal
-            if portal is None:
+            loop, spawner = self._loop, self._spawner
+            if loop is None or spawner is None:
                 raise RuntimeError("the I/O portal is not running: call start() first")
-            return portal.start_task_soon(fn, *args)
+            self._pending.add(job.future)
+            try:
+                loop.call_soon_threadsafe(spawner.post, job)
+            except RuntimeError:  # the loop closed meanwhile
+                self._pending.discard(job.future)
+                raise RuntimeError("the I/O portal is not running: call start() first") from None
+        job.future.add_done_callback(self._ended)
+        return job.future
+
+    def _ended(self, future: Future[Any]) -> None:
+        with self._lock:
+            self._pending.discard(future)
 
     def call_soon(self, fn: Callable[[], object]) -> bool:
         """Run the plain callable ``fn()`` on the loop soon, without waiting for the loop
-        to take it (``submit`` waits, so a thread that must never stall, the scheduler's,
-        uses this); False when the portal is not running. The lock is not taken: a
-        ``submit`` holds it while the loop is busy."""
+        to take it; False when the portal is not running. The lock is not taken, so a
+        thread that must never stall (the scheduler's) can call it at any time."""
         loop = self._loop
         if loop is None:
-            if not self.running:
-                return False
-            self.submit(_run, fn)  # another backend: no loop to hand it to directly
-            return True
+            return False
         try:
             loop.call_soon_threadsafe(fn)
         except RuntimeError:  # the loop closed meanwhile
@@ -121,8 +222,4 @@ class IoPortal:
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
-        return f"IoPortal({self._backend!r}, {state})"
-
-
-async def _run(fn: Callable[[], object]) -> None:
-    fn()
+        return f"IoPortal({state})"

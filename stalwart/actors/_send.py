@@ -8,16 +8,24 @@ timer on the Clock: when it fires first it cancels the send, and the outcome is
 ``"timeout"`` as before. The timer cuts a cancel scope inside the send, not the
 portal's future, so the outcome is what the send did: a channel that delivers although
 the deadline passed (a write with no checkpoint) is recorded as delivered.
+
+A send that does not end when cut (a channel that blocks the event loop with a
+synchronous call, or waits on a thread that ignores cancellation) would leave its
+sender waiting for ever. It is given :data:`RESEND_GRACE_S` more, on the Clock; then its
+outcome is ``"timeout"`` all the same (logged as ``channel.send_unended``), though the
+send may still deliver later (logged as ``channel.send_ended_late``): a reply shown twice
+is better than one no one is told of.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 import anyio
 
+from stalwart._logs import get_logger
 from stalwart.channels import Channel, OutboundMessage, send_within
 from stalwart.clock import Clock
 
@@ -25,6 +33,8 @@ from ._portal import IoPortal
 from ._scheduler import Scheduler
 
 __all__ = ["RESEND_GRACE_S", "clock_timer", "send_by_clock"]
+
+log = get_logger(__name__)
 
 #: The outcome of a send the deadline cut short (what ``send_within`` says for it).
 TIMEOUT = "timeout"
@@ -84,20 +94,64 @@ def send_by_clock(
 
     Otherwise it holds what ``send_within`` gives (None when delivered, else the failure's
     word): a send the channel completes as the deadline passes is delivered, not timed
-    out. It ends cancelled when the portal stops; cancelling it cancels the send.
+    out. A send that has not ended :data:`RESEND_GRACE_S` after it was cut is given up:
+    the future holds ``"timeout"`` then. It ends cancelled when the portal stops;
+    cancelling it cancels the send.
     """
     deadline = _Deadline()
+    outcome: Future[str | None] = Future()
+    name = getattr(channel, "name", None)
 
     def expire(_at: float) -> None:
         scope = deadline.expire()
         if scope is not None:  # never waits for the loop (a send may be blocking it)
             portal.call_soon(scope.cancel)
 
+    def abandon(_at: float) -> None:
+        if _settle(outcome, TIMEOUT):
+            log.warning("channel.send_unended", channel=name, waited_s=timeout_s + RESEND_GRACE_S)
+
     # armed before the send starts, so a send seen by its channel has its deadline
-    timer = scheduler.schedule(clock.now() + timeout_s, expire)
+    now = clock.now()
+    timers = (
+        scheduler.schedule(now + timeout_s, expire),
+        scheduler.schedule(now + timeout_s + RESEND_GRACE_S, abandon),
+    )
     send = portal.submit(_send_until, deadline, channel, message)
-    send.add_done_callback(lambda _: timer.cancel())
-    return send
+
+    def ended(done: Future[str | None]) -> None:
+        for timer in timers:
+            timer.cancel()
+        if done.cancelled():
+            outcome.cancel()
+            return
+        error = done.exception()
+        settled = _settle(outcome, done.result() if error is None else None, error)
+        if not settled and not outcome.cancelled():
+            word = "error" if error is not None else done.result() or "delivered"
+            log.warning("channel.send_ended_late", channel=name, outcome=word)
+
+    def dropped(done: Future[str | None]) -> None:
+        if done.cancelled():
+            send.cancel()
+
+    send.add_done_callback(ended)
+    outcome.add_done_callback(dropped)
+    return outcome
+
+
+def _settle(
+    outcome: Future[str | None], result: str | None, error: BaseException | None = None
+) -> bool:
+    """Complete ``outcome`` unless something already did; True when this call did."""
+    try:
+        if error is not None:
+            outcome.set_exception(error)
+        else:
+            outcome.set_result(result)
+    except InvalidStateError:
+        return False
+    return True
 
 
 def clock_timer(
