@@ -80,6 +80,7 @@ from ._health import (
     PollHealth,
     ProviderHealthActor,
 )
+from ._loop_watch import LoopWatch
 from ._portal import IoPortal
 from ._restarts import (
     GAVE_UP_TEXT,
@@ -191,6 +192,7 @@ __all__ = [
     "IoPortal",
     "IsIdle",
     "LeaseLost",
+    "LoopWatch",
     "ModelDone",
     "ModelError",
     "NoticeSent",

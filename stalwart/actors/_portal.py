@@ -136,6 +136,7 @@ class IoPortal:
         #: the asyncio loop, for :meth:`call_soon` (read without the lock: see there)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._spawner: _Spawner | None = None
+        self._thread_ident: int | None = None
         #: futures of the calls handed over and not yet ended, cancelled by ``stop``
         self._pending: set[Future[Any]] = set()
 
@@ -144,6 +145,12 @@ class IoPortal:
         """True between ``start()`` and ``stop()``."""
         with self._lock:
             return self._portal is not None
+
+    @property
+    def thread_ident(self) -> int | None:
+        """The loop thread's ``threading.get_ident()`` while running (to say where it is
+        blocked), else None."""
+        return self._thread_ident if self.running else None
 
     def start(self) -> Self:
         """Start the event loop thread (a no-op when it runs already)."""
@@ -154,6 +161,7 @@ class IoPortal:
                 spawner = _Spawner()
                 portal.start_task(spawner.serve)
                 self._loop = portal.call(asyncio.get_running_loop)
+                self._thread_ident = portal.call(threading.get_ident)
                 self._portal, self._context, self._spawner = portal, context, spawner
         return self
 

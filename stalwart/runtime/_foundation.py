@@ -13,7 +13,7 @@ from typing import TypeVar
 import stalwart
 from stalwart import store as store_module
 from stalwart._logs import get_logger
-from stalwart.actors import IoPortal, Scheduler
+from stalwart.actors import IoPortal, LoopWatch, Scheduler
 from stalwart.channels import Channel, ConsoleChannel, channel_from_settings
 from stalwart.clock import Clock
 from stalwart.config import Config
@@ -71,6 +71,7 @@ class Foundation:
         self._started_recorded = False
         self._portal: IoPortal | None = None
         self._scheduler: Scheduler | None = None
+        self._watch: LoopWatch | None = None
         #: this runtime instance (its restarts are counted apart from other processes')
         self.instance = new_id()
 
@@ -96,6 +97,7 @@ class Foundation:
         self._started_recorded = True
         self._portal = IoPortal().start()
         self._scheduler = Scheduler(self._clock).start()
+        self._watch = LoopWatch(self._portal, self._scheduler, self._clock).start()
 
     def wiring(self, lock: threading.RLock, running: Callable[[], bool]) -> Wiring:
         """What the runtime's layers are started on (once :meth:`open` has returned)."""
@@ -148,6 +150,8 @@ class Foundation:
 
     def stop_threads(self) -> None:
         """The scheduler, then the portal (which cancels whatever is still in flight)."""
+        if self._watch is not None:
+            self._watch.stop()
         try:
             if self._scheduler is not None:
                 self._scheduler.stop(STOP_TIMEOUT_S)
