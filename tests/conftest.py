@@ -1,10 +1,12 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
+import structlog.testing
 
 from stalwart import store as store_module
 from stalwart.channels import MemoryChannel
@@ -22,6 +24,18 @@ def _fresh_logging() -> Iterator[None]:
     host that configured nothing would have it, for the next test."""
     yield
     structlog.reset_defaults()
+
+
+@pytest.fixture
+def logs() -> Iterator[list[MutableMapping[str, Any]]]:
+    """Every log call of the library, whatever an earlier test configured (the CLI's level)."""
+    saved = structlog.get_config()
+    structlog.reset_defaults()
+    try:
+        with structlog.testing.capture_logs() as captured:
+            yield captured
+    finally:
+        structlog.configure(**saved)
 
 
 @pytest.fixture

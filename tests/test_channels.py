@@ -23,8 +23,6 @@ import anyio
 import httpx
 import msgspec
 import pytest
-import structlog
-import structlog.testing
 
 from stalwart.channels import (
     Channel,
@@ -137,17 +135,6 @@ def receiver() -> Iterator[Callable[..., Receiver]]:
     yield make
     for each in made:
         each.close()
-
-
-@pytest.fixture
-def logs() -> Iterator[list[MutableMapping[str, Any]]]:
-    saved = structlog.get_config()
-    structlog.reset_defaults()
-    try:
-        with structlog.testing.capture_logs() as captured:
-            yield captured
-    finally:
-        structlog.configure(**saved)
 
 
 def webhook(url: str, transport: httpx.AsyncBaseTransport | None = None, **knobs: Any) -> Channel:

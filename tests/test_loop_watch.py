@@ -6,12 +6,9 @@ Real parts: the real IoPortal and Scheduler; time from the FakeClock.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import structlog
-import structlog.testing
 
 from stalwart.actors import IoPortal, LoopWatch, Scheduler
 from stalwart.clock import FakeClock
@@ -19,17 +16,6 @@ from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import FakeProvider
 from tests._runtime_support import GUARD, runtime_config, until
-
-
-@pytest.fixture
-def logs() -> Iterator[list[Any]]:
-    saved = structlog.get_config()
-    structlog.reset_defaults()
-    try:
-        with structlog.testing.capture_logs() as captured:
-            yield captured
-    finally:
-        structlog.configure(**saved)
 
 
 def _said(logs: list[Any], event: str) -> list[Any]:

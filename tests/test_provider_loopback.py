@@ -25,8 +25,6 @@ import anyio
 import anyio.to_thread
 import msgspec
 import pytest
-import structlog
-import structlog.testing
 
 from stalwart import store as store_module
 from stalwart.clock import Clock, FakeClock, SystemClock
@@ -118,18 +116,6 @@ def store(tmp_path: Path) -> Iterator[EventStore]:
         yield opened
     finally:
         opened.close()
-
-
-@pytest.fixture
-def logs() -> Iterator[list[MutableMapping[str, Any]]]:
-    """Every log call of the library, whatever an earlier test configured (the CLI's level)."""
-    saved = structlog.get_config()
-    structlog.reset_defaults()
-    try:
-        with structlog.testing.capture_logs() as captured:
-            yield captured
-    finally:
-        structlog.configure(**saved)
 
 
 @pytest.fixture

@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
 import anyio
 import anyio.to_thread
 import pytest
-import structlog
-import structlog.testing
 
 from stalwart.actors import RESEND_GRACE_S, IoPortal
 from stalwart.actors._scheduler import Scheduler
@@ -67,17 +64,6 @@ class BlockingChannel:
 
     async def aclose(self) -> None:
         self.gate.set()
-
-
-@pytest.fixture
-def logs() -> Iterator[list[Any]]:
-    saved = structlog.get_config()
-    structlog.reset_defaults()
-    try:
-        with structlog.testing.capture_logs() as captured:
-            yield captured
-    finally:
-        structlog.configure(**saved)
 
 
 def _message(text: str) -> OutboundMessage:
