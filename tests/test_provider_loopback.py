@@ -1007,7 +1007,7 @@ async def test_a_call_from_before_the_breaker_opened_is_no_answer_to_the_probe(
     it is not the probe, so the breaker stays half-open until the probe's own outcome."""
     # the makespan ceiling (2 x 40 s) outlasts the reset timeout the clock is moved by
     cfg = config(fake.base_url, settings=BREAKER_SETTINGS, max_retries=0, prompt_timeout_ms=40_000)
-    fake.add(Answer(text="late", first_delay_ms=800, model="m1"))
+    fake.add(Answer(text="late", first_delay_ms=1500, model="m1"))  # past the probe's start
     early_done = anyio.Event()
     probe_scope = anyio.CancelScope()
 

@@ -108,7 +108,11 @@ async def _run(job: _Job) -> None:
             result = await job.fn(*job.args)
     except anyio.get_cancelled_exc_class():
         future.cancel()
-        raise
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # the portal is stopping: the cancellation is the loop's, let it through
+        # else the call raised a CancelledError of its own (a future someone else
+        # cancelled): its outcome, not a reason to stop every other call on the loop
     except BaseException as exc:
         if future.set_running_or_notify_cancel():
             future.set_exception(exc)
@@ -171,13 +175,13 @@ class IoPortal:
             portal, self._portal = self._portal, None
             context, self._context = self._context, None
             self._loop = self._spawner = None
+            # this loop's calls: a start while this stop waits has calls of its own
+            left, self._pending = self._pending, set()
         if portal is None or context is None:
             return
         portal.call(portal.stop, True)  # cancel_remaining: what is in flight ends now
         context.__exit__(None, None, None)  # joins the thread
-        with self._lock:  # a call handed over as the loop closed never started
-            left, self._pending = self._pending, set()
-        for future in left:
+        for future in left:  # a call handed over as the loop closed never started
             future.cancel()
 
     def submit(self, fn: Callable[[Unpack[Ts]], Awaitable[T]], *args: *Ts) -> Future[T]:

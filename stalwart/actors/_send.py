@@ -117,7 +117,12 @@ def send_by_clock(
         scheduler.schedule(now + timeout_s, expire),
         scheduler.schedule(now + timeout_s + RESEND_GRACE_S, abandon),
     )
-    send = portal.submit(_send_until, deadline, channel, message)
+    try:
+        send = portal.submit(_send_until, deadline, channel, message)
+    except RuntimeError:  # the portal stopped: no send, so nothing to cut or give up
+        for timer in timers:
+            timer.cancel()
+        raise
 
     def ended(done: Future[str | None]) -> None:
         for timer in timers:
