@@ -108,3 +108,29 @@ def test_the_runtime_watches_its_loop(
         finally:
             gate.set()
         until(lambda: _said(logs, "io.loop_unblocked"))
+
+
+def test_a_clock_that_jumps_is_not_taken_for_a_long_wait(clock: FakeClock, logs: list[Any]) -> None:
+    """A FakeClock moved by minutes at once: the beat has waited that long on the clock,
+    but only as many checks as ``after_s`` holds say the loop did not take it."""
+    gate = threading.Event()
+    entered = threading.Event()
+
+    async def blocking_sdk_call() -> None:
+        entered.set()
+        gate.wait(GUARD)
+
+    with Scheduler(clock) as scheduler, IoPortal() as portal:
+        watch = LoopWatch(portal, scheduler, clock, every_s=1.0, after_s=5.0).start()
+        try:
+            _settle(portal)
+            portal.submit(blocking_sdk_call)
+            assert entered.wait(GUARD)
+            for _ in range(5):  # the beat, then four checks
+                clock.advance(60.0)
+            assert _said(logs, "io.loop_blocked") == []
+            clock.advance(60.0)  # the fifth check
+            assert len(_said(logs, "io.loop_blocked")) == 1
+        finally:
+            gate.set()
+        watch.stop()

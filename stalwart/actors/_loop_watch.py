@@ -4,7 +4,7 @@ Every network call of a runtime runs on the portal's one event loop, so a channe
 async tool that makes a synchronous call there (a blocking SDK inside ``async def``)
 holds up every model call, send and tool of every session until it returns. Nothing
 fails, and nothing says why. The watch hands the loop a beat every ``every_s`` on the
-runtime's Clock; when a beat has waited ``after_s`` and two checks found it waiting, it
+runtime's Clock; when a beat has waited ``after_s`` and as many checks found it waiting, it
 logs ``io.loop_blocked`` once, with the code the loop thread is running (file, line and
 function of its innermost frames: code locations only, never values), and
 ``io.loop_unblocked`` with the whole wait once the loop takes the beat.
@@ -12,6 +12,7 @@ function of its innermost frames: code locations only, never values), and
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import traceback
@@ -49,6 +50,9 @@ class LoopWatch:
         self._clock = clock
         self._every_s = every_s
         self._after_s = after_s
+        #: checks that must find a beat waiting, as many as ``after_s`` holds: a clock
+        #: that jumps (a FakeClock) is not taken for a loop that waited
+        self._checks_needed = max(2, math.floor(after_s / every_s))
         self._lock = threading.Lock()
         self._timer: TimerHandle | None = None
         self._sent_at: float | None = None  # the beat waiting for the loop, if any
@@ -85,7 +89,11 @@ class LoopWatch:
                 self._sent_at, self._checks = at, 0
             else:
                 self._checks += 1
-                if not self._warned and self._checks >= 2 and at - sent_at >= self._after_s:
+                if (
+                    not self._warned
+                    and self._checks >= self._checks_needed
+                    and at - sent_at >= self._after_s
+                ):
                     self._warned = True
                     blocked = at - sent_at
         if sent_at is None:
