@@ -134,3 +134,20 @@ def test_a_clock_that_jumps_is_not_taken_for_a_long_wait(clock: FakeClock, logs:
         finally:
             gate.set()
         watch.stop()
+
+
+def test_a_restarted_watch_checks_on_one_timer(clock: FakeClock, logs: list[Any]) -> None:
+    with Scheduler(clock) as scheduler, IoPortal() as portal:
+        idle = scheduler.pending()
+        watch = LoopWatch(portal, scheduler, clock, every_s=1.0, after_s=2.0)
+        for _ in range(3):
+            watch.start()
+            watch.start()  # a second start while running changes nothing
+            assert scheduler.pending() == idle + 1
+            for _ in range(3):
+                _settle(portal)
+                clock.advance(1.0)
+            assert scheduler.pending() == idle + 1
+            watch.stop()
+            assert scheduler.pending() == idle
+    assert _said(logs, "io.loop_blocked") == []

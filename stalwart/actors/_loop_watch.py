@@ -12,6 +12,7 @@ function of its innermost frames: code locations only, never values), and
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import threading
@@ -58,6 +59,9 @@ class LoopWatch:
         self._sent_at: float | None = None  # the beat waiting for the loop, if any
         self._checks = 0  # how many checks found it waiting
         self._warned = False
+        #: counts starts: a check armed before a stop (and already firing as it came)
+        #: must not go on beside the checks of the next start
+        self._generation = 0
 
     def start(self) -> LoopWatch:
         """Hand the loop its first beat now, and check every ``every_s``."""
@@ -65,10 +69,14 @@ class LoopWatch:
         with self._lock:
             if self._timer is not None:
                 return self
-            self._timer = self._scheduler.schedule(now + self._every_s, self._check)
-            self._sent_at, self._checks = now, 0
+            self._generation += 1
+            self._timer = self._arm(now + self._every_s)
+            self._sent_at, self._checks, self._warned = now, 0, False
         self._send_beat()
         return self
+
+    def _arm(self, at: float) -> TimerHandle:
+        return self._scheduler.schedule(at, functools.partial(self._check, self._generation))
 
     def stop(self) -> None:
         with self._lock:
@@ -77,12 +85,12 @@ class LoopWatch:
         if timer is not None:
             timer.cancel()
 
-    def _check(self, at: float) -> None:
+    def _check(self, generation: int, at: float) -> None:
         """On the scheduler's thread: beat, or say the last beat is still waiting."""
         with self._lock:
-            if self._timer is None:
-                return
-            self._timer = self._scheduler.schedule(at + self._every_s, self._check)
+            if self._timer is None or generation != self._generation:
+                return  # stopped, or a check of an earlier start
+            self._timer = self._arm(at + self._every_s)
             sent_at = self._sent_at
             blocked: float | None = None  # how long the beat has waited, to say it
             if sent_at is None:
