@@ -1,12 +1,13 @@
 """A send that does not end when cut, and an event loop a channel blocks.
 
-A channel written with a synchronous HTTP call inside ``async def send`` (or one that
-waits on a thread that ignores cancellation) neither ends when its deadline cuts it nor
-lets the loop run anything else. Before, the sender waited for its outcome for ever (the
-answer was neither delivered nor dead-lettered, and nobody was told), and every actor
-that handed the loop a call stalled with it, because ``IoPortal.submit`` waited for the
-loop to take the call. Now no thread waits for the loop, and a send that has not ended
-``RESEND_GRACE_S`` after its cut is given up as ``timeout``.
+A channel that waits on a thread a cancel does not end (``anyio.to_thread.run_sync``)
+does not end when its deadline cuts it. Before, the sender waited for its outcome for
+ever: the answer was neither delivered nor dead-lettered, and nobody was told. Now a send
+still running ``RESEND_GRACE_S`` after its cut, when the loop looks, is given up as
+``timeout``. A channel with a synchronous call inside ``async def send`` blocks the whole
+loop: no actor's thread waits for it any more (``IoPortal.submit`` used to), the runtime's
+``LoopWatch`` says where it is blocked, and the send is recorded as what it did once the
+loop is free.
 
 Real parts only: the real IoPortal and Scheduler on a FakeClock, a real LMDB store, the
 fake provider over loopback HTTP, the runtime's own actors.
@@ -26,9 +27,9 @@ import pytest
 from stalwart.actors import RESEND_GRACE_S, IoPortal
 from stalwart.actors._scheduler import Scheduler
 from stalwart.actors._send import TIMEOUT, send_by_clock
-from stalwart.channels import Delivery, OutboundMessage
+from stalwart.channels import Delivery, MemoryChannel, OutboundMessage
 from stalwart.clock import FakeClock
-from stalwart.events import AnnouncementDeadLettered, AnnouncementQueued, AnnouncementSendFailed
+from stalwart.events import AnnouncementDelivered, AnnouncementQueued
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider
@@ -75,11 +76,10 @@ def _pending(future: Future[Any]) -> bool:
     return not future.done()
 
 
-@pytest.mark.parametrize("on_loop", [False, True], ids=["thread", "loop"])
 def test_a_send_that_ignores_its_cut_is_given_up_after_the_grace(
-    clock: FakeClock, logs: list[Any], on_loop: bool
+    clock: FakeClock, logs: list[Any]
 ) -> None:
-    channel = BlockingChannel(on_loop=on_loop)
+    channel = BlockingChannel(on_loop=False)
     with Scheduler(clock) as scheduler, IoPortal() as portal:
         try:
             sent = send_by_clock(portal, scheduler, clock, channel, _message("one"), TIMEOUT_S)
@@ -102,6 +102,49 @@ def test_a_send_that_ignores_its_cut_is_given_up_after_the_grace(
     assert late["outcome"] == "delivered"  # no checkpoint after the call: it delivered
     assert sent.result() == TIMEOUT
     assert "one" not in str(logs)  # the message's text never reaches a log
+
+
+def test_a_send_that_blocks_the_loop_is_recorded_as_it_ends(
+    clock: FakeClock, logs: list[Any]
+) -> None:
+    """The loop looks at a send past its grace only once it is free again: a send that
+    blocked it and delivered meanwhile is recorded as delivered, not given up."""
+    channel = BlockingChannel(on_loop=True)
+    with Scheduler(clock) as scheduler, IoPortal() as portal:
+        try:
+            sent = send_by_clock(portal, scheduler, clock, channel, _message("one"), TIMEOUT_S)
+            assert channel.entered.wait(GUARD)
+            clock.advance(TIMEOUT_S + RESEND_GRACE_S)
+            assert _pending(sent)
+        finally:
+            channel.gate.set()
+        assert sent.result(GUARD) is None
+    assert [m.text for m in channel.messages] == ["one"]
+    assert not [e for e in logs if e["event"].startswith("channel.send_")]
+
+
+def test_a_send_the_loop_has_not_run_yet_is_not_given_up_when_the_clock_jumps(
+    clock: FakeClock, logs: list[Any]
+) -> None:
+    """A FakeClock moved past a send's deadline and its grace before the loop ran the
+    send (here the loop is busy with another call): the send cuts itself when it starts,
+    a channel with no checkpoint delivers all the same, and that is its outcome. (Once,
+    the give-up settled ``timeout`` from the clock's thread at once: a test moving the
+    clock right after a reply saw it dead-lettered though it was delivered.)"""
+    busy = BlockingChannel(on_loop=True, name="busy")
+    chat = MemoryChannel("chat")
+    with Scheduler(clock) as scheduler, IoPortal() as portal:
+        try:
+            send_by_clock(portal, scheduler, clock, busy, _message("busy"), 60.0)
+            assert busy.entered.wait(GUARD)
+            sent = send_by_clock(portal, scheduler, clock, chat, _message("one"), TIMEOUT_S)
+            for _ in range(3):
+                clock.advance(TIMEOUT_S + RESEND_GRACE_S)
+        finally:
+            busy.gate.set()
+        assert sent.result(GUARD) is None
+    assert [m.text for m in chat.messages] == ["one"]
+    assert not [e for e in logs if e["event"] == "channel.send_unended"]
 
 
 def test_a_send_that_ends_within_the_grace_is_recorded_as_it_ended(clock: FakeClock) -> None:
@@ -185,12 +228,13 @@ def test_submit_on_a_stopped_portal_is_refused() -> None:
     assert not portal.call_soon(lambda: None)
 
 
-def test_an_answer_whose_channel_blocks_the_loop_is_dead_lettered(
-    store: EventStore, clock: FakeClock, fake: FakeProvider
+def test_an_answer_whose_channel_blocks_the_loop(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, logs: list[Any]
 ) -> None:
-    """An Agent's reply on a channel that blocks the loop: the send is given up
-    ``RESEND_GRACE_S`` after its deadline, recorded as failed and dead-lettered, while
-    the loop is still blocked (nothing the Agent or the queue does waits for it)."""
+    """An Agent's reply on a channel that blocks the loop: the runtime's actors go on
+    (the session's status answers: no actor waits for the loop), the loop watch says
+    the loop is blocked and where, and once the loop is free the reply is recorded as
+    delivered."""
     fake.add(Answer(text="the answer"))
     chat = BlockingChannel(on_loop=True)
     config = runtime_config(
@@ -204,19 +248,21 @@ def test_an_answer_whose_channel_blocks_the_loop_is_dead_lettered(
                 AnnouncementQueued, log_until(store, "session:s1", has(AnnouncementQueued))
             )
             assert chat.entered.wait(GUARD)  # the loop is blocked from here on
-            clock.advance(1.5 + RESEND_GRACE_S)
-            failed = of(
-                AnnouncementSendFailed,
-                log_until(store, "session:s1", has(AnnouncementSendFailed)),
-            )
-            assert [(e.announcement_id, e.error_class) for e in failed] == [
-                (queued.announcement_id, TIMEOUT)
-            ]
-            entries = of(
-                AnnouncementDeadLettered,
-                log_until(store, "deadletter", has(AnnouncementDeadLettered)),
-            )
-            assert [e.announcement_id for e in entries] == [queued.announcement_id]
+            for _ in range(8):
+                clock.advance(1.0)
+            assert session.status(GUARD).idle  # the turn ended; only its reply waits
+            [blocked] = until(lambda: _said(logs, "io.loop_blocked"))
+            assert any("in _call" in frame for frame in blocked["where"])
             assert not chat.gate.is_set()  # all of it while the loop was still blocked
         finally:
             chat.gate.set()
+        delivered_ = of(
+            AnnouncementDelivered, log_until(store, "session:s1", has(AnnouncementDelivered))
+        )
+        assert [e.announcement_id for e in delivered_] == [queued.announcement_id]
+    assert [m.text for m in chat.messages] == ["the answer"]
+    assert not _said(logs, "channel.send_unended")
+
+
+def _said(logs: list[Any], event: str) -> list[Any]:
+    return [entry for entry in logs if entry["event"] == event]

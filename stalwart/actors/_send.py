@@ -9,21 +9,26 @@ timer on the Clock: when it fires first it cancels the send, and the outcome is
 portal's future, so the outcome is what the send did: a channel that delivers although
 the deadline passed (a write with no checkpoint) is recorded as delivered.
 
-A send that does not end when cut (a channel that blocks the event loop with a
-synchronous call, or waits on a thread that ignores cancellation) would leave its
-sender waiting for ever. It is given :data:`RESEND_GRACE_S` more, on the Clock; then its
-outcome is ``"timeout"`` all the same (logged as ``channel.send_unended``), though the
-send may still deliver later (logged as ``channel.send_ended_late``): a reply shown twice
-is better than one no one is told of.
+A send that does not end when cut (a channel that waits on a thread a cancel does not
+end, or swallows the cancellation) would leave its sender waiting for ever. It is given
+:data:`RESEND_GRACE_S` more, on the Clock; then the loop looks, behind the send's own
+start, and a send still running is given up: its outcome is ``"timeout"`` all the same
+(logged as ``channel.send_unended``), though it may still deliver later (logged as
+``channel.send_ended_late``): a reply shown twice is better than one no one is told of.
+The look is on the loop so that a send the loop has not yet run (a clock that jumped) is
+never taken for one that does not end. A channel that blocks the loop itself holds the
+look up too: the runtime's :class:`~stalwart.actors.LoopWatch` says so, and where.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 
 import anyio
+import anyio.lowlevel
 
 from stalwart._logs import get_logger
 from stalwart.channels import Channel, OutboundMessage, send_within
@@ -101,6 +106,7 @@ def send_by_clock(
     deadline = _Deadline()
     outcome: Future[str | None] = Future()
     name = getattr(channel, "name", None)
+    send = portal.submit(_send_until, deadline, channel, message)  # raises when stopped
 
     def expire(_at: float) -> None:
         scope = deadline.expire()
@@ -108,21 +114,16 @@ def send_by_clock(
             portal.call_soon(scope.cancel)
 
     def abandon(_at: float) -> None:
-        if _settle(outcome, TIMEOUT):
-            log.warning("channel.send_unended", channel=name, waited_s=timeout_s + RESEND_GRACE_S)
+        # a call of its own on the loop, so after the send's start: never waits for it
+        with contextlib.suppress(RuntimeError):  # stopped: the send ends cancelled
+            portal.submit(_give_up, send, outcome, name, timeout_s + RESEND_GRACE_S)
 
-    # armed before the send starts, so a send seen by its channel has its deadline
+    # a send that starts after its deadline cuts itself (``_Deadline.arm``)
     now = clock.now()
     timers = (
         scheduler.schedule(now + timeout_s, expire),
         scheduler.schedule(now + timeout_s + RESEND_GRACE_S, abandon),
     )
-    try:
-        send = portal.submit(_send_until, deadline, channel, message)
-    except RuntimeError:  # the portal stopped: no send, so nothing to cut or give up
-        for timer in timers:
-            timer.cancel()
-        raise
 
     def ended(done: Future[str | None]) -> None:
         for timer in timers:
@@ -140,9 +141,19 @@ def send_by_clock(
         if done.cancelled():
             send.cancel()
 
-    send.add_done_callback(ended)
+    send.add_done_callback(ended)  # after the timers: it disarms them
     outcome.add_done_callback(dropped)
     return outcome
+
+
+async def _give_up(
+    send: Future[str | None], outcome: Future[str | None], name: str | None, waited_s: float
+) -> None:
+    """On the loop, once the send had its turn after its cut: still running, it does not
+    end when cut, and its outcome is taken as ``timeout``."""
+    await anyio.lowlevel.checkpoint()  # one more turn for a send the cut is ending
+    if not send.done() and _settle(outcome, TIMEOUT):
+        log.warning("channel.send_unended", channel=name, waited_s=waited_s)
 
 
 def _settle(
