@@ -6,6 +6,8 @@ Real parts: the real IoPortal and Scheduler; time from the FakeClock.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -31,9 +33,11 @@ def _settle(portal: IoPortal) -> None:
     portal.submit(_nothing).result(GUARD)
 
 
-def test_a_blocked_loop_is_said_once_with_where_then_its_end(
-    clock: FakeClock, logs: list[Any]
-) -> None:
+@contextmanager
+def _blocked_loop(clock: FakeClock) -> Iterator[threading.Event]:
+    """A watched portal (a beat every 1 s, said after 5 s) whose loop a synchronous call
+    in ``blocking_sdk_call`` blocks until the yielded gate is opened (at the latest on
+    leaving)."""
     gate = threading.Event()
     entered = threading.Event()
 
@@ -47,24 +51,32 @@ def test_a_blocked_loop_is_said_once_with_where_then_its_end(
             _settle(portal)
             portal.submit(blocking_sdk_call)
             assert entered.wait(GUARD)
-            for _ in range(5):
-                clock.advance(1.0)
-            assert _said(logs, "io.loop_blocked") == []  # the beat has waited 4-5 s
-            clock.advance(1.0)
-            [blocked] = _said(logs, "io.loop_blocked")
-            assert blocked["log_level"] == "warning"
-            assert blocked["blocked_s"] >= 5.0
-            assert any("in blocking_sdk_call" in frame for frame in blocked["where"])
-            assert any("test_loop_watch.py" in frame for frame in blocked["where"])
-            for _ in range(10):
-                clock.advance(1.0)
-            assert len(_said(logs, "io.loop_blocked")) == 1  # once per episode
+            yield gate
         finally:
             gate.set()
+            watch.stop()
+
+
+def test_a_blocked_loop_is_said_once_with_where_then_its_end(
+    clock: FakeClock, logs: list[Any]
+) -> None:
+    with _blocked_loop(clock) as gate:
+        for _ in range(5):
+            clock.advance(1.0)
+        assert _said(logs, "io.loop_blocked") == []  # the beat has waited 4-5 s
+        clock.advance(1.0)
+        [blocked] = _said(logs, "io.loop_blocked")
+        assert blocked["log_level"] == "warning"
+        assert blocked["blocked_s"] >= 5.0
+        assert any("in blocking_sdk_call" in frame for frame in blocked["where"])
+        assert any("test_loop_watch.py" in frame for frame in blocked["where"])
+        for _ in range(10):
+            clock.advance(1.0)
+        assert len(_said(logs, "io.loop_blocked")) == 1  # once per episode
+        gate.set()
         until(lambda: _said(logs, "io.loop_unblocked"))
-        [unblocked] = _said(logs, "io.loop_unblocked")
-        assert unblocked["blocked_s"] >= 15.0
-        watch.stop()
+    [unblocked] = _said(logs, "io.loop_unblocked")
+    assert unblocked["blocked_s"] >= 15.0
 
 
 def test_a_free_loop_is_never_said_blocked_whatever_the_clock_does(
@@ -113,27 +125,12 @@ def test_the_runtime_watches_its_loop(
 def test_a_clock_that_jumps_is_not_taken_for_a_long_wait(clock: FakeClock, logs: list[Any]) -> None:
     """A FakeClock moved by minutes at once: the beat has waited that long on the clock,
     but only as many checks as ``after_s`` holds say the loop did not take it."""
-    gate = threading.Event()
-    entered = threading.Event()
-
-    async def blocking_sdk_call() -> None:
-        entered.set()
-        gate.wait(GUARD)
-
-    with Scheduler(clock) as scheduler, IoPortal() as portal:
-        watch = LoopWatch(portal, scheduler, clock, every_s=1.0, after_s=5.0).start()
-        try:
-            _settle(portal)
-            portal.submit(blocking_sdk_call)
-            assert entered.wait(GUARD)
-            for _ in range(5):  # the beat, then four checks
-                clock.advance(60.0)
-            assert _said(logs, "io.loop_blocked") == []
-            clock.advance(60.0)  # the fifth check
-            assert len(_said(logs, "io.loop_blocked")) == 1
-        finally:
-            gate.set()
-        watch.stop()
+    with _blocked_loop(clock):
+        for _ in range(5):  # the beat, then four checks
+            clock.advance(60.0)
+        assert _said(logs, "io.loop_blocked") == []
+        clock.advance(60.0)  # the fifth check
+        assert len(_said(logs, "io.loop_blocked")) == 1
 
 
 def test_a_restarted_watch_checks_on_one_timer(clock: FakeClock, logs: list[Any]) -> None:
