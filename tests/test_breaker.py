@@ -92,8 +92,7 @@ def test_opens_after_five_consecutive_failures(harness: Harness) -> None:
 
 
 def test_rejected_calls_do_not_count(harness: Harness) -> None:
-    for _ in range(5):
-        harness.call(ok=False)
+    harness.open()
     failures = harness.breaker.state.consecutive_failures
     for _ in range(10):
         with pytest.raises(BreakerOpenError):
@@ -102,8 +101,7 @@ def test_rejected_calls_do_not_count(harness: Harness) -> None:
 
 
 def test_half_open_exactly_at_the_reset_timeout_with_one_probe(harness: Harness) -> None:
-    for _ in range(5):
-        harness.call(ok=False)
+    harness.open()
     harness.clock.advance(60 - 0.001)
     with pytest.raises(BreakerOpenError):
         harness.call(ok=True)
@@ -119,8 +117,7 @@ def test_half_open_exactly_at_the_reset_timeout_with_one_probe(harness: Harness)
 
 
 def test_a_failed_probe_opens_again(harness: Harness) -> None:
-    for _ in range(5):
-        harness.call(ok=False)
+    harness.open()
     harness.clock.advance(60)
     harness.call(ok=False)
     assert harness.breaker.state.status == "open"
@@ -161,8 +158,7 @@ def test_the_callers_own_mistakes_do_not_open_the_breaker(
 
 
 def test_a_callers_mistake_is_no_answer_to_the_probe(harness: Harness) -> None:
-    for _ in range(5):
-        harness.call(ok=False)
+    harness.open()
     harness.clock.advance(60)
     harness.call(ok=False, error_class="bad_request")  # the probe: neither good nor bad news
     assert harness.breaker.state.status == "half_open"
@@ -191,8 +187,7 @@ def test_a_retry_that_succeeds_ends_the_streak(harness: Harness) -> None:
 
 
 def test_a_failed_probe_is_the_probes_answer_whatever_attempt_it_is(harness: Harness) -> None:
-    for _ in range(5):
-        harness.call(ok=False)
+    harness.open()
     harness.clock.advance(60)
     harness.call(ok=False, retry_of="an attempt from before the breaker opened")
     assert harness.breaker.state.status == "open"

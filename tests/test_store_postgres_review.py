@@ -317,7 +317,7 @@ def test_a_lost_append_whose_session_will_not_end_is_not_sent_again(
             if rows:
                 stalled.append(int(rows[0][0]))  # type: ignore[index]
                 break
-            time.sleep(0.02)  # real time: polls pg_stat_activity for the append
+            time.sleep(0.02)  # real-time: polls pg_stat_activity for the append
         assert stalled, "the append never reached the server"
         os.kill(stalled[0], signal.SIGSTOP)  # the server process stalls mid-append
         relay.cut_now()  # and the client's connection is lost

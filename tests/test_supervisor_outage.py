@@ -54,7 +54,7 @@ def _wait(check: Callable[[], Any], what: str) -> Any:
     give_up = time.monotonic() + GUARD
     while not (found := check()):
         assert time.monotonic() < give_up, what
-        time.sleep(0.02)  # real time: the outcome is handled on other threads
+        time.sleep(0.02)  # real-time: the outcome is handled on other threads
     return found
 
 
