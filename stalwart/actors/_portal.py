@@ -77,13 +77,8 @@ class _Spawner:
                 task_status.started()
                 async for job in self._receive:
                     group.start_soon(_run, job)
-        finally:
+        finally:  # jobs still queued never started: ``stop`` cancels their futures
             self._send.close()
-            while True:  # jobs queued as the portal stopped: they never started
-                try:
-                    self._receive.receive_nowait().future.cancel()
-                except (anyio.WouldBlock, anyio.EndOfStream):
-                    break
             self._receive.close()
 
 
