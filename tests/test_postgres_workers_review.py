@@ -206,6 +206,9 @@ def test_a_store_error_while_handing_a_wake_over_does_not_hold_its_lease_for_eve
             settings, store=first, clock=clock, channels={"chat": MemoryChannel("chat")}
         ).start()
         try:
+            # its first poll has ended and armed the next (an ask waits behind it): a
+            # poll still running as the clock moves would arm the next after the move
+            worker_a.worker(GUARD)
             send_message(first, "s1", "a long job", channel="chat", ts=clock.now())
             clock.advance(1.0)  # worker A's next poll (poll_ms) leases it; the call hangs
             fake.wait_for(lambda requests: len(requests) == 1, GUARD)
