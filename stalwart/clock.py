@@ -12,7 +12,13 @@ import time
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Clock", "FakeClock", "SystemClock"]
+__all__ = ["Clock", "FakeClock", "SystemClock", "Timer"]
+
+
+#: ``timer(seconds, expire)`` arms a deadline ``seconds`` from now on the caller's Clock
+#: and returns what disarms it; ``expire`` must then be called on the event loop running
+#: the call (the runtime's is a scheduler timer that submits it to its portal).
+Timer = Callable[[float, Callable[[], object]], Callable[[], object]]
 
 
 @runtime_checkable

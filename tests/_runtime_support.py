@@ -117,6 +117,16 @@ def advance_until(clock: FakeClock, check: Callable[[], Any], step_s: float) -> 
     return found
 
 
+def delivered_by_clock(
+    clock: FakeClock, channel: MemoryChannel, count: int, step_s: float = 0.002
+) -> list[OutboundMessage]:
+    """The channel's messages once ``count`` arrived, ``clock`` moved on by ``step_s``
+    while they have not: for turns whose retries wait out their backoff on the Clock."""
+    return advance_until(
+        clock, lambda: len(channel.messages) >= count and list(channel.messages), step_s
+    )
+
+
 def flush(portal: IoPortal) -> None:
     """Let an I/O loop run what was submitted to it before this call (a send it began
     reaches its channel)."""

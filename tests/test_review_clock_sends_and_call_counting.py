@@ -48,6 +48,7 @@ from tests._runtime_support import (
     RETRYING,
     advance_until,
     agent_settings,
+    delivered_by_clock,
     has,
     log_until,
     of,
@@ -136,9 +137,9 @@ async def test_a_failed_probe_whose_retry_the_breaker_refuses_is_still_a_failed_
 def test_a_call_cut_during_its_retry_backoff_still_counts_as_a_failed_call(
     store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
 ) -> None:
-    """The provider answers 503 with ``Retry-After: 3`` (under the 20 s the caller
+    """The provider answers 503 with ``Retry-After: 10`` (under the 20 s the caller
     waits out on the same model): every call's first attempt fails, and the caller
-    sleeps 3 s before its retry. The turn's execution timeout
+    sleeps 10 s (on the Clock) before its retry. The turn's execution timeout
     (``supervision.execution_timeout_ms``, 5 s on the Clock) fires during that sleep: the
     Agent aborts the turn and cancels the call, so the retry never happens. Three such
     turns in a row, 6 s apart.
@@ -149,7 +150,7 @@ def test_a_call_cut_during_its_retry_backoff_still_counts_as_a_failed_call(
 
     Correct: the three failed calls count, and the monitor decides ``provider:degraded``
     (consecutive)."""
-    fake.set_default(Fail(status=503, retry_after="3"))
+    fake.set_default(Fail(status=503, retry_after="10"))
     cfg = runtime_config(
         fake.base_url,
         agents={
@@ -326,7 +327,7 @@ def test_each_retried_failure_is_followed_by_its_retry_and_the_log_verifies(
     )
     with Runtime(cfg, store=store, clock=clock, channels={"chat": chat}) as rt:
         rt.session("s1", channel="chat").send("hello")
-        until(lambda: len(chat.messages) >= 1)
+        delivered_by_clock(clock, chat, 1)  # the 503's backoff runs on the Clock
     assert [m.text for m in chat.messages] == ["from the backup"]
     session = [r.event for r in store.read_stream(SESSION)]
     failed_calls = [e.call_id for e in session if isinstance(e, PromptFailed)]

@@ -44,7 +44,14 @@ from stalwart.events import (
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Answer, Fail, FakeProvider, FakeToolCall, Hang
-from tests._runtime_support import GUARD, delivered, has, log_until, until
+from tests._runtime_support import (
+    GUARD,
+    delivered,
+    delivered_by_clock,
+    has,
+    log_until,
+    until,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT: dict[str, Any] = {
@@ -308,8 +315,8 @@ def test_a_call_whose_retries_all_fail_is_one_failure_for_the_health_monitor(
     )
     with Runtime(cfg, store=store, clock=clock, channels={"chat": chat}) as rt:
         session = rt.session("a", channel="chat")
-        session.send("one")
-        assert delivered(rt, chat, 1)[0].text == FAILED_TEXT
+        session.send("one")  # each attempt's backoff on the Clock
+        assert delivered_by_clock(clock, chat, 1)[0].text == FAILED_TEXT
         failed = [
             r.event
             for r in store.read_stream("provider:main")
@@ -322,7 +329,7 @@ def test_a_call_whose_retries_all_fail_is_one_failure_for_the_health_monitor(
         assert not report.degraded
         for count, text in ((2, "two"), (3, "three")):
             session.send(text)
-            assert delivered(rt, chat, count)[-1].text == FAILED_TEXT
+            assert delivered_by_clock(clock, chat, count)[-1].text == FAILED_TEXT
         records = log_until(store, "provider:main", has(ProviderDegraded))
     assert not [r for r in records if isinstance(r.event, BreakerOpened)]
     assert len(fake.requests) == 9

@@ -33,7 +33,7 @@ from stalwart.events import (
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore, NewEvent
 from stalwart.testing import FakeProvider
-from tests._runtime_support import GUARD, delivered, has, log_until
+from tests._runtime_support import GUARD, delivered, delivered_by_clock, has, log_until
 
 AGENT: dict[str, Any] = {
     "provider": "main",
@@ -192,7 +192,7 @@ def test_retries_recorded_by_the_runtime_are_re_derived_and_a_doctored_delay_is_
     )
     with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
         rt.session("r1", channel="chat").send("hello")
-        delivered(rt, chat, 1)
+        delivered_by_clock(clock, chat, 1, step_s=0.01)  # the backoffs run on the Clock
     records = list(store.read_stream("session:r1"))
     retries = [r for r in records if isinstance(r.event, PromptRetryScheduled)]
     assert [(r.event.status, r.event.rate_limited_before) for r in retries] == [

@@ -49,7 +49,14 @@ from stalwart.state import decide_restart, verify
 from stalwart.store import EventStore, NewEvent
 from stalwart.testing import Answer, Fail, FakeProvider, Hang
 from tests._log import recorded
-from tests._runtime_support import GUARD, agent_settings, delivered, has, log_until
+from tests._runtime_support import (
+    GUARD,
+    agent_settings,
+    delivered,
+    delivered_by_clock,
+    has,
+    log_until,
+)
 
 T0 = 1_800_000_000.0
 
@@ -104,7 +111,7 @@ def test_a_health_window_widened_across_a_restart_does_not_break_the_degraded_ch
         session = rt.session("b", channel="chat")
         for count, text in enumerate(("two", "three", "four"), start=2):
             session.send(text)  # three failed calls in a row (each retried), one per turn
-            delivered(rt, chat, count)
+            delivered_by_clock(clock, chat, count)  # the backoffs run on the Clock
         log_until(store, "provider:main", has(ProviderDegraded))
     report = verify_store(store, None)
     assert report.checked.get("provider:degraded") == 1
@@ -310,7 +317,7 @@ def test_a_retry_of_an_agent_whose_name_has_a_dot_verifies_clean(
     )
     with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
         rt.session("a", agent="support.v2", channel="chat").send("one")
-        assert delivered(rt, chat, 1)[0].text == "fine"
+        assert delivered_by_clock(clock, chat, 1)[0].text == "fine"
     report = verify_store(store, "session:a")
     assert report.checked.get("prompt:retry_scheduled") == 1
     assert _where(report) == []

@@ -98,7 +98,7 @@ from ._scheduler import (
     TimerHandle,
     TimerState,
 )
-from ._send import RESEND_GRACE_S
+from ._send import RESEND_GRACE_S, clock_timer
 from ._subagent import GetRun, RunEnded, RunReport, Spawn, SubAgentActor, Work
 from ._subagent_notice import (
     FAILED_SENTENCE,
@@ -234,6 +234,7 @@ __all__ = [
     "WorkerStatus",
     "ask_context",
     "batch_text",
+    "clock_timer",
     "context_tools",
     "crashed",
     "dead_letter",

@@ -23,7 +23,7 @@ import anyio
 
 from stalwart._logs import get_logger
 from stalwart.backoff import retry_delay
-from stalwart.clock import Clock
+from stalwart.clock import Clock, Timer
 from stalwart.config import AgentSettings
 from stalwart.errors import (
     BreakerOpenError,
@@ -83,15 +83,58 @@ def _pair(entry: str) -> tuple[str, str]:
 class _Live:
     """The running attempt's deadline window, and the cancel scope that enforces it."""
 
-    def __init__(self, started: PromptStarted, ts: float) -> None:
+    def __init__(
+        self, started: PromptStarted, ts: float, scope: anyio.CancelScope, timer: Timer | None
+    ) -> None:
         self.window = window_started(started, ts)
         self.last_recorded = float("-inf")  # the first sign of life is always recorded
         self.deltas = 0  # text, thinking and tool-call deltas so far: roughly tokens
+        self._scope = scope
+        self._timer = timer
+        self._disarm: Callable[[], object] | None = None
+        self._armed = 0  # which arming may still cancel the scope
 
-    def arm(self, scope: anyio.CancelScope, now: float) -> None:
-        """Move the scope's deadline to the window's next one (the event loop's clock)."""
+    def arm(self, now: float) -> None:
+        """Move the scope's deadline to the window's next one: on the caller's Clock
+        through its timer, else on the event loop's clock."""
         when, _, _ = next_deadline(self.window)
-        scope.deadline = anyio.current_time() + (when - now)
+        if self._timer is None:
+            self._scope.deadline = anyio.current_time() + (when - now)
+            return
+        self.disarm()
+        armed = self._armed = self._armed + 1
+
+        def expire() -> None:
+            # a timer that fired as activity moved the window on must not cut the call
+            if armed == self._armed:
+                self._scope.cancel()
+
+        self._disarm = self._timer(max(when - now, 0.0), expire)
+
+    def disarm(self) -> None:
+        if self._disarm is not None:
+            self._disarm()
+            self._disarm = None
+
+
+class _Backoff:
+    """The wait before a retry: ``seconds`` on the caller's Clock (through its timer),
+    else on the event loop's clock, counted from when it is made."""
+
+    def __init__(self, seconds: float, timer: Timer | None) -> None:
+        self._over = anyio.Event()
+        self._until = anyio.current_time() + seconds
+        self._disarm = None if timer is None else timer(seconds, self._over.set)
+
+    async def wait(self) -> None:
+        if self._disarm is None:
+            await anyio.sleep_until(self._until)
+        else:
+            await self._over.wait()
+
+    def disarm(self) -> None:
+        if self._disarm is not None:
+            self._disarm()
 
 
 class ModelCaller:
@@ -108,8 +151,13 @@ class ModelCaller:
         agent_name: str = "default",
         rng: random.Random | None = None,
         skip: Callable[[str], bool] | None = None,
+        timer: Timer | None = None,
     ) -> None:
         self.agent = agent
+        #: keeps every deadline and backoff on ``clock`` (see :data:`stalwart.clock.Timer`;
+        #: the runtime's is a scheduler timer on its portal, the loop the calls run on);
+        #: without one they run on the event loop's clock, which is the real one
+        self._timer = timer
         #: a provider the chain passes over before any call (degraded: seed 000 spends no
         #: tokens on a down provider), recorded as a fallback with reason
         #: ``provider_degraded`` and no call id, as a breaker's refusal is
@@ -217,22 +265,28 @@ class ModelCaller:
                 )
                 if delay is None:
                     raise
-                await self._emit(
-                    stream,
-                    PromptRetryScheduled(
-                        call_id=exc.call_id or "",
-                        attempt=attempt + 1,
-                        delay_ms=round(delay * 1000),
-                        reason=exc.kind,
-                        agent=self._agent_name,
-                        status=exc.status,
-                        retry_after_s=exc.retry_after,
-                        jitter=jitter,
-                        rate_limited_before=rate_limit_retried,
-                    ),
-                )
-                rate_limit_retried = rate_limit_retried or exc.kind == "rate_limited"
-                await anyio.sleep(delay)
+                # armed before it is recorded: the wait counts from the decision, and
+                # whoever sees the record (a test moving a FakeClock) finds it armed
+                backoff = _Backoff(delay, self._timer)
+                try:
+                    await self._emit(
+                        stream,
+                        PromptRetryScheduled(
+                            call_id=exc.call_id or "",
+                            attempt=attempt + 1,
+                            delay_ms=round(delay * 1000),
+                            reason=exc.kind,
+                            agent=self._agent_name,
+                            status=exc.status,
+                            retry_after_s=exc.retry_after,
+                            jitter=jitter,
+                            rate_limited_before=rate_limit_retried,
+                        ),
+                    )
+                    rate_limit_retried = rate_limit_retried or exc.kind == "rate_limited"
+                    await backoff.wait()
+                finally:
+                    backoff.disarm()
 
     async def _attempt(
         self,
@@ -288,24 +342,27 @@ class ModelCaller:
         ts: float,
         on_event: OnEvent | None,
     ) -> ProviderResponse:
-        live = _Live(started, ts)
         client = self._clients[started.provider]
         accumulator = Accumulator(started.provider, started.model)
         response: ProviderResponse | None = None
         with anyio.CancelScope() as scope:
-            live.arm(scope, self._clock.now())
-            if self.agent.stream:
-                # aclosing: an abort closes the response (and its socket) at once, not
-                # whenever the abandoned generator happens to be finalized
-                async with aclosing(client.stream(started.model, request)) as events:
-                    async for event in events:
-                        accumulator.add(event)
-                        if on_event is not None:
-                            on_event(event)
-                        await self._activity(stream, live, event, scope)
-                response = accumulator.response()
-            else:
-                response = await client.complete(started.model, request)
+            live = _Live(started, ts, scope, self._timer)
+            live.arm(self._clock.now())
+            try:
+                if self.agent.stream:
+                    # aclosing: an abort closes the response (and its socket) at once, not
+                    # whenever the abandoned generator happens to be finalized
+                    async with aclosing(client.stream(started.model, request)) as events:
+                        async for event in events:
+                            accumulator.add(event)
+                            if on_event is not None:
+                                on_event(event)
+                            await self._activity(stream, live, event)
+                    response = accumulator.response()
+                else:
+                    response = await client.complete(started.model, request)
+            finally:
+                live.disarm()
         if response is not None:
             return response
         # the scope's deadline passed: the pure decision says which limit, and when
@@ -321,9 +378,7 @@ class ModelCaller:
             model=started.model,
         )
 
-    async def _activity(
-        self, stream: str, live: _Live, event: StreamEvent, scope: anyio.CancelScope
-    ) -> None:
+    async def _activity(self, stream: str, live: _Live, event: StreamEvent) -> None:
         """Record activity at most once per interval; only recorded activity resets the budget."""
         kind = _ACTIVITY.get(type(event))
         if kind is None:
@@ -334,7 +389,7 @@ class ModelCaller:
             return
         live.last_recorded = now
         live.window = window_touched(live.window, now)
-        live.arm(scope, now)
+        live.arm(now)
         activity = PromptActivity(call_id=live.window.call_id, kind=kind, tokens=live.deltas)
         await self._emit(stream, activity, now)
 

@@ -10,7 +10,7 @@ from functools import partial
 import anyio.to_thread
 
 from stalwart._logs import get_logger
-from stalwart.clock import Clock, SystemClock
+from stalwart.clock import Clock, SystemClock, Timer
 from stalwart.config import Config
 from stalwart.events import Event, RecordedEvent
 from stalwart.providers import Breaker, ModelCaller, ProviderClient
@@ -85,9 +85,14 @@ class ProviderLayer:
         }
 
     def caller(
-        self, agent: str = "default", *, skip: Callable[[str], bool] | None = None
+        self,
+        agent: str = "default",
+        *,
+        skip: Callable[[str], bool] | None = None,
+        timer: Timer | None = None,
     ) -> ModelCaller:
-        """The caller for a configured agent (``skip``: providers its chain passes over)."""
+        """The caller for a configured agent (``skip``: providers its chain passes over;
+        ``timer``: keeps its deadlines and backoffs on the layer's clock)."""
         return ModelCaller(
             self.config.agent(agent),
             self.clients,
@@ -97,6 +102,7 @@ class ProviderLayer:
             agent_name=agent,
             rng=self._rng,
             skip=skip,
+            timer=timer,
         )
 
     async def aclose(self) -> None:

@@ -26,6 +26,7 @@ from stalwart.actors import (
     SendsPending,
     WakeFailed,
     WorkerReport,
+    clock_timer,
     left_unsaid,
 )
 from stalwart.channels import Channel, channel_named
@@ -241,7 +242,11 @@ class SessionLayer:
             self._w.clock,
             self._w.scheduler,
             self._w.portal,
-            self._layer.caller(agent, skip=self._health_view.is_degraded),
+            self._layer.caller(
+                agent,
+                skip=self._health_view.is_degraded,
+                timer=partial(clock_timer, self._w.portal, self._w.scheduler, self._w.clock),
+            ),
             tools,
             target,
             conversation=conversation,

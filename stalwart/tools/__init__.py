@@ -8,6 +8,7 @@ calls that keep failing. Nothing here appends events: the helpers build them for
 Agent, which records them.
 """
 
+from stalwart.clock import Timer
 from stalwart.events import ToolSpec
 
 from ._breaker import (
@@ -40,7 +41,7 @@ from ._registry import (
     ToolRegistry,
     build_tool,
 )
-from ._run import Timer, parse_arguments, result_text, run_tool, run_tools
+from ._run import parse_arguments, result_text, run_tool, run_tools
 
 __all__ = [
     "ACTIONS",

@@ -22,7 +22,7 @@ import anyio.to_thread
 import msgspec
 
 from stalwart._text import scrub_surrogates
-from stalwart.clock import Clock, SystemClock
+from stalwart.clock import Clock, SystemClock, Timer
 from stalwart.errors import ToolError
 from stalwart.events import ToolCall
 
@@ -39,11 +39,6 @@ from ._outcome import (
 from ._registry import Tool, ToolRegistry
 
 _SYSTEM_CLOCK = SystemClock()
-
-#: ``timer(seconds, expire)`` arms a deadline ``seconds`` from now on the caller's Clock
-#: and returns what disarms it; ``expire`` must then be called on the event loop running
-#: the call (the runtime's is a scheduler timer that submits it to its portal).
-Timer = Callable[[float, Callable[[], object]], Callable[[], object]]
 
 
 def parse_arguments(tool: Tool, text: str) -> dict[str, Any] | str:

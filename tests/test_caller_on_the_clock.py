@@ -1,0 +1,155 @@
+"""A runtime's model calls keep their deadlines and backoffs on the runtime's Clock.
+
+The stall budget, the makespan ceiling, the whole-call limit of a retry and the wait
+before a retry all come from the runtime's ``Clock`` (through a scheduler timer on its
+portal), as every other deadline does: on a ``FakeClock`` they fire when the test moves
+time past them, never on their own. Real provider (a FakeProvider on 127.0.0.1), real
+store, real runtime.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from stalwart.actors import FAILED_TEXT
+from stalwart.channels import MemoryChannel
+from stalwart.clock import FakeClock
+from stalwart.events import (
+    PromptActivity,
+    PromptRetryScheduled,
+    PromptStarted,
+    PromptTimeout,
+)
+from stalwart.runtime import Runtime
+from stalwart.store import EventStore
+from stalwart.testing import Answer, Fail, FakeProvider, Hang, Trickle
+from tests._runtime_support import (
+    agent_settings,
+    delivered,
+    flush,
+    has,
+    log_until,
+    of,
+    runtime_config,
+)
+
+SESSION = "session:s1"
+#: the turn's own limit, far beyond every model deadline below
+NO_EXECUTION_LIMIT = {"execution_timeout_ms": 36_000_000}
+
+
+def _timeouts(store: EventStore) -> list[PromptTimeout]:
+    return of(PromptTimeout, list(store.read_stream(SESSION)))
+
+
+def test_a_hung_call_is_cut_when_the_clock_passes_its_stall_budget_and_not_before(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """A provider that accepts the request and never answers: the three-minute stall
+    budget (the default) fires once the Clock has moved three minutes, in microseconds of
+    real time, and the user is told. Before that moment, nothing is cut."""
+    fake.set_default(Hang())
+    cfg = runtime_config(
+        fake.base_url,
+        agents={"default": agent_settings(180_000)},
+        supervision=NO_EXECUTION_LIMIT,
+    )
+    with Runtime(cfg, store=store, clock=clock, channels={"chat": chat}) as rt:
+        rt.session("s1", channel="chat").send("hello")
+        log_until(store, SESSION, has(PromptStarted))
+        fake.wait_for(lambda requests: len(requests) == 1)
+        clock.advance(179.9)
+        flush(rt.portal)
+        assert _timeouts(store) == []
+        assert chat.messages == []
+        clock.advance(0.2)
+        (timeout,) = of(PromptTimeout, log_until(store, SESSION, has(PromptTimeout)))
+        assert timeout.limit == "stall"
+        assert timeout.limit_ms == 180_000
+        assert timeout.elapsed_ms == 180_100
+        assert [m.text for m in delivered(rt, chat, 1)] == [FAILED_TEXT]
+    assert len(fake.requests) == 1  # no retries configured
+
+
+def test_activity_moves_the_stall_budget_on_the_clock_until_the_makespan_ceiling(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """A stream that keeps trickling deltas never stalls: each recorded activity (at the
+    Clock's time) moves the 60 s stall budget on, and the stream is cut by the makespan
+    ceiling (60 s x ``stall_ceiling_multiplier`` 3 = 180 s of Clock time) instead."""
+    fake.set_default(Trickle(interval_ms=20))
+    agent = agent_settings(60_000, stall_ceiling_multiplier=3)
+    cfg = runtime_config(fake.base_url, agents={"default": agent}, supervision=NO_EXECUTION_LIMIT)
+    with Runtime(cfg, store=store, clock=clock, channels={"chat": chat}) as rt:
+        rt.session("s1", channel="chat").send("hello")
+        (started,) = of(PromptStarted, log_until(store, SESSION, has(PromptStarted)))
+        begun = clock.now()
+        log_until(store, SESSION, has(PromptActivity))  # the first delta, at once
+        for seen in (2, 3, 4):  # at 50, 100 and 150 s: each gap under the 60 s budget
+            clock.advance(50)
+            log_until(store, SESSION, has(PromptActivity, seen))
+            assert _timeouts(store) == []
+        clock.advance(50)  # 200 s: past the 180 s ceiling, 50 s after the last delta
+        (timeout,) = of(PromptTimeout, log_until(store, SESSION, has(PromptTimeout)))
+        assert timeout.call_id == started.call_id
+        assert timeout.limit == "makespan"
+        assert timeout.limit_ms == 180_000
+        assert timeout.elapsed_ms == round((clock.now() - begun) * 1000)
+        assert [m.text for m in delivered(rt, chat, 1)] == [FAILED_TEXT]
+
+
+def test_a_retry_waits_its_backoff_on_the_clock(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """A 503 asking for 15 s: the retry is made once the Clock has moved 15 s (and not
+    while it has not), and its answer reaches the user."""
+    fake.add(Fail(status=503, retry_after="15"))
+    fake.set_default(Answer(text="after the wait"))
+    agent = agent_settings(5_000, max_retries=1)
+    cfg = runtime_config(fake.base_url, agents={"default": agent}, supervision=NO_EXECUTION_LIMIT)
+    with Runtime(cfg, store=store, clock=clock, channels={"chat": chat}) as rt:
+        rt.session("s1", channel="chat").send("hello")
+        (retry,) = of(PromptRetryScheduled, log_until(store, SESSION, has(PromptRetryScheduled)))
+        assert retry.delay_ms == 15_000
+        clock.advance(14.9)
+        flush(rt.portal)
+        assert len(fake.requests) == 1
+        clock.advance(0.2)
+        assert [m.text for m in delivered(rt, chat, 1)] == ["after the wait"]
+    assert len(fake.requests) == 2
+
+
+@pytest.mark.parametrize("hung_retry", [True, False], ids=["hung", "answered"])
+def test_a_retry_has_the_whole_call_limit_on_the_clock(
+    store: EventStore,
+    clock: FakeClock,
+    fake: FakeProvider,
+    chat: MemoryChannel,
+    hung_retry: bool,
+) -> None:
+    """The retry of a failed first attempt has the shorter whole-call limit
+    (``retry_prompt_timeout_ms``), on the Clock: a retry that hangs is cut when the Clock
+    passes it; one that answers in time is not cut by the first attempt's timers."""
+    fake.add(Fail(status=503, retry_after="1"))
+    fake.set_default(Hang() if hung_retry else Answer(text="in time"))
+    agent = agent_settings(180_000, max_retries=1) | {"retry_prompt_timeout_ms": 20_000}
+    cfg = runtime_config(fake.base_url, agents={"default": agent}, supervision=NO_EXECUTION_LIMIT)
+    with Runtime(cfg, store=store, clock=clock, channels={"chat": chat}) as rt:
+        rt.session("s1", channel="chat").send("hello")
+        log_until(store, SESSION, has(PromptRetryScheduled))
+        clock.advance(1)
+        log_until(store, SESSION, has(PromptStarted, 2))
+        if not hung_retry:
+            assert [m.text for m in delivered(rt, chat, 1)] == ["in time"]
+            clock.advance(200)  # past every limit either attempt had
+            flush(rt.portal)
+            assert _timeouts(store) == []
+            return
+        fake.wait_for(lambda requests: len(requests) == 2)
+        clock.advance(19.9)
+        flush(rt.portal)
+        assert _timeouts(store) == []
+        clock.advance(0.2)
+        (timeout,) = of(PromptTimeout, log_until(store, SESSION, has(PromptTimeout)))
+        assert (timeout.limit, timeout.limit_ms) == ("retry_deadline", 20_000)
+        assert [m.text for m in delivered(rt, chat, 1)] == [FAILED_TEXT]
