@@ -9,6 +9,8 @@ store, real runtime.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from stalwart.actors import FAILED_TEXT
@@ -71,12 +73,73 @@ def test_a_hung_call_is_cut_when_the_clock_passes_its_stall_budget_and_not_befor
     assert len(fake.requests) == 1  # no retries configured
 
 
+class _MovesTimeOnRecord:
+    """The real store, with the clock moved by ``seconds`` as soon as the first event of
+    type ``kind`` is durable, before its append returns: a host that moves its FakeClock
+    the moment it sees that record, before the caller that wrote it has gone on."""
+
+    def __init__(self, store: EventStore, clock: FakeClock, kind: type, seconds: float) -> None:
+        self._store = store
+        self._clock = clock
+        self._kind = kind
+        self._seconds = seconds
+        self._moved = False
+
+    def append(self, stream: str, events: Any, *args: Any, **kwargs: Any) -> Any:
+        recorded = self._store.append(stream, events, *args, **kwargs)
+        if not self._moved and any(isinstance(r.event, self._kind) for r in recorded):
+            self._moved = True
+            self._clock.advance(self._seconds)
+        return recorded
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_a_clock_moved_as_the_attempt_is_recorded_cuts_it_at_its_budget(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """The clock passes the stall budget the moment ``prompt:started`` is durable
+    (before the request has even left): the call is cut then, at its budget counted
+    from its start, not a budget later."""
+    fake.set_default(Hang())
+    cfg = runtime_config(
+        fake.base_url, agents={"default": agent_settings(60_000)}, supervision=NO_EXECUTION_LIMIT
+    )
+    moving = _MovesTimeOnRecord(store, clock, PromptStarted, 60)
+    with Runtime(cfg, store=moving, clock=clock, channels={"chat": chat}) as rt:  # type: ignore[arg-type]
+        rt.session("s1", channel="chat").send("hello")
+        (timeout,) = of(PromptTimeout, log_until(store, SESSION, has(PromptTimeout)))
+        assert (timeout.limit, timeout.elapsed_ms) == ("stall", 60_000)
+        assert [m.text for m in delivered(rt, chat, 1)] == [FAILED_TEXT]
+
+
+def test_a_clock_moved_as_the_retry_is_recorded_ends_its_wait(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """The clock passes a retry's 15 s wait the moment ``prompt:retry_scheduled`` is
+    durable: the retry is made, because the wait was armed (counted from the decision)
+    before the decision was recorded. Armed after, it would count 15 s from the moved
+    clock, and the retry would wait for time that never comes."""
+    fake.add(Fail(status=503, retry_after="15"))
+    fake.set_default(Answer(text="after the wait"))
+    agent = agent_settings(5_000, max_retries=1)
+    cfg = runtime_config(fake.base_url, agents={"default": agent}, supervision=NO_EXECUTION_LIMIT)
+    moving = _MovesTimeOnRecord(store, clock, PromptRetryScheduled, 15)
+    with Runtime(cfg, store=moving, clock=clock, channels={"chat": chat}) as rt:  # type: ignore[arg-type]
+        rt.session("s1", channel="chat").send("hello")
+        assert [m.text for m in delivered(rt, chat, 1)] == ["after the wait"]
+    assert len(fake.requests) == 2
+
+
 def test_activity_moves_the_stall_budget_on_the_clock_until_the_makespan_ceiling(
     store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
 ) -> None:
     """A stream that keeps trickling deltas never stalls: each recorded activity (at the
     Clock's time) moves the 60 s stall budget on, and the stream is cut by the makespan
-    ceiling (60 s x ``stall_ceiling_multiplier`` 3 = 180 s of Clock time) instead."""
+    ceiling (60 s x ``stall_ceiling_multiplier`` 3 = 180 s of Clock time) instead. (A
+    stream that keeps trickling was cut at the ceiling before the deadlines moved to the
+    Clock too: the next delta found it passed.)"""
     fake.set_default(Trickle(interval_ms=20))
     agent = agent_settings(60_000, stall_ceiling_multiplier=3)
     cfg = runtime_config(fake.base_url, agents={"default": agent}, supervision=NO_EXECUTION_LIMIT)

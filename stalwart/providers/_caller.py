@@ -86,10 +86,11 @@ class _Live:
     def __init__(
         self, started: PromptStarted, ts: float, scope: anyio.CancelScope, timer: Timer | None
     ) -> None:
+        self.started = started
         self.window = window_started(started, ts)
         self.last_recorded = float("-inf")  # the first sign of life is always recorded
         self.deltas = 0  # text, thinking and tool-call deltas so far: roughly tokens
-        self._scope = scope
+        self.scope = scope
         self._timer = timer
         self._disarm: Callable[[], object] | None = None
         self._armed = 0  # which arming may still cancel the scope
@@ -99,7 +100,7 @@ class _Live:
         through its timer, else on the event loop's clock."""
         when, _, _ = next_deadline(self.window)
         if self._timer is None:
-            self._scope.deadline = anyio.current_time() + (when - now)
+            self.scope.deadline = anyio.current_time() + (when - now)
             return
         self.disarm()
         armed = self._armed = self._armed + 1
@@ -107,7 +108,7 @@ class _Live:
         def expire() -> None:
             # a timer that fired as activity moved the window on must not cut the call
             if armed == self._armed:
-                self._scope.cancel()
+                self.scope.cancel()
 
         self._disarm = self._timer(max(when - now, 0.0), expire)
 
@@ -317,11 +318,15 @@ class ModelCaller:
             makespan_ms=timeout_ms * agent.stall_ceiling_multiplier if kind == "stall" else 0,
         )
         now = self._clock.now()
+        # the deadline is armed before the attempt is recorded: whoever sees
+        # ``prompt:started`` (a test moving a FakeClock) finds it armed
+        live = _Live(started, now, anyio.CancelScope(), self._timer)
+        live.arm(now)
         try:
             await self._emit(stream, started, now)
             if on_event is not None:
                 on_event(started)
-            response = await self._run(stream, started, request, now, on_event)
+            response = await self._run(stream, live, request, on_event)
         except ProviderError as exc:
             exc.call_id = started.call_id
             await self._settle(stream, breaker, probe, started, now, exc, retry_of=retry_of)
@@ -332,37 +337,30 @@ class ModelCaller:
             )
             return response
         finally:
+            live.disarm()
             breaker.release(probe)  # a cancelled call must not hold the probe slot for ever
 
     async def _run(
-        self,
-        stream: str,
-        started: PromptStarted,
-        request: ProviderRequest,
-        ts: float,
-        on_event: OnEvent | None,
+        self, stream: str, live: _Live, request: ProviderRequest, on_event: OnEvent | None
     ) -> ProviderResponse:
+        started = live.started
         client = self._clients[started.provider]
         accumulator = Accumulator(started.provider, started.model)
         response: ProviderResponse | None = None
-        with anyio.CancelScope() as scope:
-            live = _Live(started, ts, scope, self._timer)
-            live.arm(self._clock.now())
-            try:
-                if self.agent.stream:
-                    # aclosing: an abort closes the response (and its socket) at once, not
-                    # whenever the abandoned generator happens to be finalized
-                    async with aclosing(client.stream(started.model, request)) as events:
-                        async for event in events:
-                            accumulator.add(event)
-                            if on_event is not None:
-                                on_event(event)
-                            await self._activity(stream, live, event)
-                    response = accumulator.response()
-                else:
-                    response = await client.complete(started.model, request)
-            finally:
-                live.disarm()
+        with live.scope:  # cancelled already if its deadline passed while it was recorded
+            if self.agent.stream:
+                # aclosing: an abort closes the response (and its socket) at once, not
+                # whenever the abandoned generator happens to be finalized
+                async with aclosing(client.stream(started.model, request)) as events:
+                    async for event in events:
+                        accumulator.add(event)
+                        if on_event is not None:
+                            on_event(event)
+                        await self._activity(stream, live, event)
+                response = accumulator.response()
+            else:
+                response = await client.complete(started.model, request)
+        live.disarm()
         if response is not None:
             return response
         # the scope's deadline passed: the pure decision says which limit, and when
