@@ -17,6 +17,7 @@ from stalwart.actors import FAILED_TEXT
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
 from stalwart.events import (
+    ContextSummarizerFailed,
     PromptActivity,
     PromptRetryScheduled,
     PromptStarted,
@@ -33,6 +34,7 @@ from tests._runtime_support import (
     log_until,
     of,
     runtime_config,
+    until,
 )
 
 SESSION = "session:s1"
@@ -216,3 +218,45 @@ def test_a_retry_has_the_whole_call_limit_on_the_clock(
         (timeout,) = of(PromptTimeout, log_until(store, SESSION, has(PromptTimeout)))
         assert (timeout.limit, timeout.limit_ms) == ("retry_deadline", 20_000)
         assert [m.text for m in delivered(rt, chat, 1)] == [FAILED_TEXT]
+
+
+def test_a_hung_summary_fails_when_the_clock_passes_its_bound(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """The context engine's summarizer call (the ``default`` agent's model) is bounded
+    by ``summarizer_breaker.half_open_timeout_ms`` on the Clock too: a summary whose
+    provider never answers fails when the clock passes 20 s, not before, and the turn
+    goes on without it."""
+    worker = agent_settings(model="worker", context_window=3_000, max_tokens=200)
+    cfg = runtime_config(
+        fake.base_url,
+        agents={"default": agent_settings(model="summarizer"), "worker": worker},
+        context_engine={
+            "fresh_tail_turns": 2,
+            "summarizer_breaker": {"half_open_timeout_ms": 20_000},
+        },
+        supervision=NO_EXECUTION_LIMIT,
+    )
+    fake.set_default(Hang())  # the summarizer's requests: the worker's are scripted
+    with Runtime(cfg, store=store, clock=clock, channels={"chat": chat}) as rt:
+        session = rt.session("s1", agent="worker", channel="chat")
+
+        def summarizing() -> bool:
+            return any(r.model == "summarizer" for r in fake.requests)
+
+        turn = 0
+        while not summarizing():
+            assert turn < 12, "the engine never asked for a summary"
+            fake.add(Answer(model="worker", text=f"noted {turn}. " + "words " * 150))
+            session.send(f"fact {turn}: " + "detail " * 150)
+            turn += 1
+            until(lambda n=turn: len(chat.messages) >= n or summarizing())
+        clock.advance(19.9)
+        flush(rt.portal)
+        assert not of(ContextSummarizerFailed, list(store.read_stream("context:s1")))
+        clock.advance(0.2)
+        failed = of(
+            ContextSummarizerFailed, log_until(store, "context:s1", has(ContextSummarizerFailed))
+        )
+        assert failed[0].error_class == "TimeoutError"
+        delivered(rt, chat, turn)  # the turn went on without the summary

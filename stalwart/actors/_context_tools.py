@@ -10,7 +10,7 @@ import anyio
 import msgspec
 import pykka
 
-from stalwart.clock import SystemClock
+from stalwart.clock import Clock, SystemClock, Timer
 from stalwart.config import MIN_CONTEXT_WINDOW, ContextEngineSettings
 from stalwart.context import (
     SUMMARY_INSTRUCTIONS,
@@ -33,7 +33,7 @@ __all__ = ["ProviderSummarizer", "context_tools"]
 # -- an LLM summarizer through the provider layer ------------------------------------------
 
 
-#: Real waits (a provider call's bound), not the runtime's clock.
+#: Without a timer, a summary's bound is real time.
 _WAITS = SystemClock()
 #: What a summary request's framing (roles, tags, the provider's wrapping) may cost.
 FRAME_TOKENS = 64
@@ -65,7 +65,10 @@ class ProviderSummarizer:
 
     The call is bounded by ``timeout_s`` (a cancel scope on the loop, and the wait for
     its result): a hung provider is a summarizer failure, which the engine records and
-    its breaker counts, never a hang. The chunk is sent as untrusted data inside one user
+    its breaker counts, never a hang. With ``clock`` and ``timer`` (a
+    :data:`~stalwart.clock.Timer` on that clock, the runtime's) the bound is kept on
+    the clock: under a ``FakeClock`` a hung summary fails when the clock passes it.
+    Without them it is real time. The chunk is sent as untrusted data inside one user
     message, after the engine's instructions in the system prompt. The calling thread
     waits for the answer (the ContextStore's mailbox does); keep ``timeout_s`` at or
     under ``summarizer_breaker.half_open_timeout_ms``.
@@ -85,7 +88,11 @@ class ProviderSummarizer:
         *,
         timeout_s: float = 30.0,
         window: int | None = None,
+        clock: Clock | None = None,
+        timer: Timer | None = None,
     ) -> None:
+        if (clock is None) != (timer is None):
+            raise ValueError("a summarizer's clock and timer come together")
         if window is not None and window < MIN_CONTEXT_WINDOW:
             raise ValueError(
                 f"the summarizer model's window is {window} tokens, at least "
@@ -96,9 +103,11 @@ class ProviderSummarizer:
         self.portal = portal
         self.timeout_s = timeout_s
         self.window = window
+        self._clock = clock or _WAITS
+        self._timer = timer
 
     def __call__(self, request: SummaryRequest) -> tuple[str, int, int]:
-        deadline = _WAITS.monotonic() + self.timeout_s  # for all its requests together
+        deadline = self._clock.monotonic() + self.timeout_s  # for all its requests together
         pieces = [f"[{m.role} #{m.seq}]\n{_quoted(_flatten(m))}" for m in request.messages]
         instructions = (request.instructions or SUMMARY_INSTRUCTIONS) + FRAMING
         if self.window is None:
@@ -170,20 +179,30 @@ class ProviderSummarizer:
             ),
             max_tokens=max_tokens,
         )
-        timeout_s = deadline - _WAITS.monotonic()
+        timeout_s = deadline - self._clock.monotonic()
         if timeout_s <= 0:
             raise TimeoutError("the summary took longer than its timeout")
         future = self.portal.submit(self._complete, body, timeout_s)
         try:
-            response = future.result(timeout=timeout_s + 1.0)
+            # on the clock, the timer cuts the call on the loop, whenever the clock gets
+            # there; in real time, the wait is bounded too (a loop that never runs it)
+            response = future.result(timeout=None if self._timer else timeout_s + 1.0)
         except TimeoutError:
             future.cancel()
             raise
         return response.text, response.input_tokens, response.output_tokens
 
     async def _complete(self, body: ProviderRequest, timeout_s: float) -> Any:
-        with anyio.fail_after(timeout_s):
-            return await self.client.complete(self.model, body)
+        if self._timer is None:
+            with anyio.fail_after(timeout_s):
+                return await self.client.complete(self.model, body)
+        with anyio.CancelScope() as scope:
+            disarm = self._timer(timeout_s, scope.cancel)
+            try:
+                return await self.client.complete(self.model, body)
+            finally:
+                disarm()
+        raise TimeoutError("the summary took longer than its timeout")
 
 
 #: The frame's tags, defanged inside data too (any case): angle brackets become U+2039 and

@@ -27,7 +27,7 @@ from stalwart.actors import (
     ask_context,
     context_tools,
 )
-from stalwart.clock import Clock
+from stalwart.clock import Clock, Timer
 from stalwart.config import Config
 from stalwart.context import ModelProfile
 from stalwart.store import EventStore
@@ -70,6 +70,7 @@ class ContextLayer:
         portal: IoPortal,
         layer: ProviderLayer,
         *,
+        timer: Timer,
         on_crash: Callable[[Callable[[], None], str], object],
     ) -> None:
         self._config = config
@@ -77,6 +78,7 @@ class ContextLayer:
         self._clock = clock
         self._portal = portal
         self._layer = layer
+        self._timer = timer
         self._on_crash = on_crash
         self._actor: pykka.ActorRef[Any] | None = None
         self.ref = LiveRef(lambda: self._actor, "context")
@@ -93,6 +95,8 @@ class ContextLayer:
             self._portal,
             timeout_s=timeout_s,
             window=agent.context_window,
+            clock=self._clock,
+            timer=self._timer,
         )
         self._actor = ContextStoreActor.start(
             store=self._store,

@@ -162,6 +162,7 @@ class Runtime:
                 self.clock,
                 wiring.portal,
                 self._layer,
+                timer=wiring.timer,
                 on_crash=lambda start, reason: parts.crashed(
                     "context", partial(parts.restart, "context", start), reason
                 ),

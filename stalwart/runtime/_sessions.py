@@ -26,7 +26,6 @@ from stalwart.actors import (
     SendsPending,
     WakeFailed,
     WorkerReport,
-    clock_timer,
     left_unsaid,
 )
 from stalwart.channels import Channel, channel_named
@@ -245,7 +244,7 @@ class SessionLayer:
             self._layer.caller(
                 agent,
                 skip=self._health_view.is_degraded,
-                timer=partial(clock_timer, self._w.portal, self._w.scheduler, self._w.clock),
+                timer=self._w.timer,
             ),
             tools,
             target,

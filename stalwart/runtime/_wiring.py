@@ -11,7 +11,7 @@ from typing import Any
 import pykka
 
 from stalwart._logs import get_logger
-from stalwart.actors import IoPortal, Scheduler
+from stalwart.actors import IoPortal, Scheduler, clock_timer
 from stalwart.channels import Channel
 from stalwart.clock import Clock
 from stalwart.config import Config
@@ -40,6 +40,11 @@ class Wiring:
     running: Callable[[], bool]
     #: the runtime instance's id (``runtime:started``'s ``instance``)
     instance: str = ""
+
+    def timer(self, seconds: float, expire: Callable[[], object]) -> Callable[[], object]:
+        """A :data:`~stalwart.clock.Timer` on the runtime's Clock: ``expire`` runs on the
+        portal's loop once ``seconds`` pass on the clock."""
+        return clock_timer(self.portal, self.scheduler, self.clock, seconds, expire)
 
 
 def stop_actors(refs: Sequence[pykka.ActorRef[Any] | None]) -> None:
