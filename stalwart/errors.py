@@ -8,6 +8,7 @@ expected, what was found and where; they never contain secrets or payload conten
 ::
 
     StalwartError
+    ├── CallSealedError          a model call recording after its turn ended (it stops there)
     ├── ChannelError             a message could not be delivered to a channel (retryable, kind)
     ├── ConfigError              malformed or out-of-range configuration
     ├── EventError               the event vocabulary
@@ -167,6 +168,11 @@ class SummaryFailedError(StalwartError):
         self.error_class = error_class
         self.input_tokens = input_tokens
         self.output_tokens = output_tokens
+
+
+class CallSealedError(StalwartError):
+    """A model call tried to record after the turn that made it ended (it sealed the
+    call): the call stops there, and nothing of it follows the turn's end in the log."""
 
 
 class SpawnRefusedError(StalwartError):

@@ -9,6 +9,7 @@ store, real runtime.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from stalwart.actors import FAILED_TEXT
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
+from stalwart.errors import CallSealedError
 from stalwart.events import (
     ContextSummarizerFailed,
     PromptActivity,
@@ -23,10 +25,12 @@ from stalwart.events import (
     PromptStarted,
     PromptTimeout,
 )
+from stalwart.providers import CallSeal
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Answer, Fail, FakeProvider, Hang, Trickle
 from tests._runtime_support import (
+    GUARD,
     agent_settings,
     delivered,
     flush,
@@ -260,3 +264,24 @@ def test_a_hung_summary_fails_when_the_clock_passes_its_bound(
         )
         assert failed[0].error_class == "TimeoutError"
         delivered(rt, chat, turn)  # the turn went on without the summary
+
+
+def test_a_seal_waits_for_the_append_under_way_and_refuses_every_later_one() -> None:
+    """The turn's seal of its model call: an append already under way lands before the
+    seal returns (so before the turn's end), and every later one is refused; an attempt
+    may not begin once the turn's time is up, even before the seal."""
+    seal = CallSeal(not_after=100.0)
+    assert seal.may_begin(99.9)
+    assert not seal.may_begin(100.0)
+    seal.enter()  # an append of the call, under way
+    sealed = threading.Event()
+    sealer = threading.Thread(target=lambda: seal.seal(GUARD) and sealed.set())
+    sealer.start()
+    assert not sealed.wait(0.2)  # real-time: the seal waits for the append under way
+    seal.leave()
+    sealer.join(GUARD)
+    assert sealed.is_set()
+    with pytest.raises(CallSealedError):
+        seal.enter()
+    assert not seal.may_begin(0.0)
+    assert CallSeal().seal(0.0)  # nothing under way: at once

@@ -54,6 +54,7 @@ from stalwart.events import (
     AnnouncementSendFailed,
     Event,
     MessageAppended,
+    PromptTimeout,
     RecordedEvent,
     SessionCreated,
     SessionRequiresAction,
@@ -64,8 +65,15 @@ from stalwart.events import (
     TurnStarted,
 )
 from stalwart.ids import new_id
-from stalwart.providers import ModelCaller, ProviderRequest, ProviderResponse
-from stalwart.state import ActivationPolicy, WakeResult, decide_message, decide_settlement
+from stalwart.providers import CallSeal, ModelCaller, ProviderRequest, ProviderResponse
+from stalwart.state import (
+    CALLS,
+    ActivationPolicy,
+    WakeResult,
+    decide_message,
+    decide_prompt_timeout,
+    decide_settlement,
+)
 from stalwart.store import NO_STREAM, EventStore, Fence, NewEvent, load_state
 from stalwart.tools import (
     ToolOutcome,
@@ -242,6 +250,8 @@ class AgentActor(Supervised):
         self._profile = profile or ModelProfile()
         self._context_log = SessionMessages()
         self._ledger = WakeLedger(self._stream)
+        #: the model calls of the running turn still open in the log (the caller's records)
+        self._calls = CALLS.folder(CALLS.initial(self._stream))
         self._wake: Wake | None = None
         self._fence: Fence | None = None
         self._store_closed = False
@@ -257,6 +267,7 @@ class AgentActor(Supervised):
         for record in self._store.read_stream(self._stream, 1, self._folder.version):
             self._ledger.add(record)
             self._context_log.add(record)
+            self._calls.add(record)
         if self._folder.version == 0:
             created = SessionCreated(agent=self._agent_name, channel=self._channel_name)
             with contextlib.suppress(ConcurrencyError):  # a first message created it
@@ -485,6 +496,8 @@ class AgentActor(Supervised):
             system = f"{system}\n\n{note}" if system else note
         tools, max_tokens = self._tools.specs(), self._caller.agent.max_tokens
         future: Future[ProviderResponse]
+        limit = self._settings.execution_timeout_ms
+        seal = turn.seal = CallSeal(not_after=execution_deadline(turn.started_at, limit))
         if self._context is not None:
             base = ProviderRequest(messages=(), tools=tools, max_tokens=max_tokens)
             window = self._settings.context_window
@@ -503,6 +516,7 @@ class AgentActor(Supervised):
                 self._context,
                 assemble,
                 system,
+                seal,
             )
         else:
             request = ProviderRequest(
@@ -510,7 +524,8 @@ class AgentActor(Supervised):
                 tools=tools,
                 max_tokens=max_tokens,
             )
-            future = self._portal.submit(self._caller.call, self._stream, request)
+            call = partial(self._caller.call, seal=seal)
+            future = self._portal.submit(call, self._stream, request)
         turn.future = future
         turn_id, step = turn.turn_id, turn.step
         future.add_done_callback(lambda done: self._tell(model_done(turn_id, step, done)))
@@ -590,16 +605,26 @@ class AgentActor(Supervised):
         if aborted is None:
             return False
         log.warning("agent.execution_timeout", stream=self._stream, elapsed_ms=aborted.elapsed_ms)
+        turn.seal_call()
+        self._refresh()  # what the call recorded before it was sealed
         self._finish(
             turn,
             "aborted",
             "pipeline_timeout",
             TIMEOUT_TEXT,
             "failure_notice",
-            before=[aborted],
+            before=[*self._passed_prompt_limits(now), aborted],
             now=now,
         )
         return True
+
+    def _passed_prompt_limits(self, now: float) -> list[PromptTimeout]:
+        """The running turn's open model calls whose own limit has passed by ``now``
+        (the pure decision): when the Clock passed it together with the turn's (one jump
+        of a FakeClock, a process frozen past both), the call's cut was on its way to the
+        loop as the turn ended; it is recorded here, before the turn's end."""
+        passed = (decide_prompt_timeout(w, now) for w in self._calls.state().open.values())
+        return [timeout for timeout in passed if timeout is not None]
 
     def _idempotency_key(self, call: ToolCall) -> str:
         """Stable across crashes and retries of the call: the session and the call id."""
@@ -655,6 +680,7 @@ class AgentActor(Supervised):
 
         In a wake, the settlement goes in the same append: a failure a retry may fix
         requeues the wake with no message to the user; the rest ack (or abandon) it."""
+        turn.seal_call()  # nothing of a call in flight lands after the turn's end
         now = self._clock.now() if now is None else now  # the decisions' time and the ts
         completed = TurnCompleted(
             turn_id=turn.turn_id, outcome=outcome, reason=reason, steps=turn.step
@@ -952,6 +978,7 @@ class AgentActor(Supervised):
             self._folder.add(record)
             self._ledger.add(record)
             self._context_log.add(record)
+            self._calls.add(record)
 
     def _current(self, turn_id: str, step: int, what: str) -> LiveTurn | None:
         turn = self._turn

@@ -17,7 +17,7 @@ import anyio.to_thread
 import msgspec
 
 from stalwart.context import ModelProfile, declared_tokens, estimate_text_tokens, request_budget
-from stalwart.providers import Message, ModelCaller, ProviderRequest, ProviderResponse
+from stalwart.providers import CallSeal, Message, ModelCaller, ProviderRequest, ProviderResponse
 
 from ._context import Assemble, Assembled, Calibrate
 
@@ -75,11 +75,15 @@ async def call_through_context(
     gate: ContextGate,
     assemble: Assemble,
     system: str | None,
+    seal: CallSeal | None = None,
 ) -> ProviderResponse:
-    """Assemble, call, and calibrate the estimator with the usage the provider reported."""
+    """Assemble, call, and calibrate the estimator with the usage the provider reported
+    (``seal``: the call's, see :meth:`ModelCaller.call`)."""
     assembled = await anyio.to_thread.run_sync(gate.assemble, assemble, abandon_on_cancel=True)
     messages = with_system(system, assembled)
-    response = await caller.call(stream, msgspec.structs.replace(request, messages=messages))
+    response = await caller.call(
+        stream, msgspec.structs.replace(request, messages=messages), seal=seal
+    )
     reported = response.input_tokens
     if reported > 0:  # the provider counted the system text and the tools as well
         overhead = declared_tokens(request.tools) + (estimate_text_tokens(system) if system else 0)

@@ -15,9 +15,9 @@ from typing import Any, Literal
 from stalwart._logs import get_logger
 from stalwart.clock import Clock
 from stalwart.context import ContextScopeError
-from stalwart.errors import ContextOverflowError, ProviderError
+from stalwart.errors import CallSealedError, ContextOverflowError, ProviderError
 from stalwart.events import ToolCall
-from stalwart.providers import ProviderResponse
+from stalwart.providers import CallSeal, ProviderResponse
 from stalwart.tools import Timer, ToolOutcome, ToolRegistry, run_tools
 
 from ._agent_messages import ModelDone, ModelError, SendDone, ToolsDone
@@ -27,11 +27,15 @@ __all__ = ["LiveTurn", "model_done", "run_calls", "sent", "tools_done"]
 
 log = get_logger(__name__)
 
+#: The longest an Agent ending a turn waits for an append of its model call under way
+#: (one durable append; the loop must run to say it ended).
+SEAL_WAIT_S = 2.0
+
 
 class LiveTurn:
     """The running turn, as only the live actor knows it (what is in flight)."""
 
-    __slots__ = ("blocked", "calls", "future", "started_at", "step", "timer", "turn_id")
+    __slots__ = ("blocked", "calls", "future", "seal", "started_at", "step", "timer", "turn_id")
 
     def __init__(self, turn_id: str, started_at: float) -> None:
         self.turn_id = turn_id
@@ -41,11 +45,20 @@ class LiveTurn:
         self.timer: TimerHandle | None = None
         self.calls: tuple[ToolCall, ...] = ()
         self.blocked: dict[int, ToolOutcome] = {}  # position in calls -> blocked outcome
+        self.seal: CallSeal | None = None  # the model call in flight's hold on the log
 
     def waiting_for(self) -> Literal["model", "tools"] | None:
         if self.future is None:
             return None
         return "tools" if self.calls else "model"
+
+    def seal_call(self) -> None:
+        """Before the turn's end is appended: nothing more of its model call in flight
+        reaches the log (an append of it under way lands first; waited for up to
+        :data:`SEAL_WAIT_S`)."""
+        seal, self.seal = self.seal, None
+        if seal is not None and not seal.seal(SEAL_WAIT_S):
+            log.warning("agent.call_seal_timed_out", turn_id=self.turn_id, waited_s=SEAL_WAIT_S)
 
     def stop(self) -> None:
         """Cancel the timer and whatever is in flight (the portal cancels the task)."""
@@ -78,6 +91,8 @@ def model_done(turn_id: str, step: int, future: Future[ProviderResponse]) -> Mod
     if future.cancelled():
         return None
     exc = future.exception()
+    if isinstance(exc, CallSealedError):  # its turn has ended: nobody waits for it
+        return None
     if exc is None:
         return ModelDone(turn_id=turn_id, step=step, response=future.result())
     error: ModelError

@@ -6,6 +6,7 @@ from ._breaker import Breaker
 from ._caller import ModelCaller
 from ._classify import classify_request, classify_status, classify_transport
 from ._client import Accumulator, ProviderClient
+from ._seal import CallSeal
 from ._sink import EventSink
 from ._sse import MAX_FRAME_BYTES, SseEvent, SseFrameTooLarge, SseParser
 from ._types import (
@@ -25,6 +26,7 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "Accumulator",
     "Breaker",
+    "CallSeal",
     "Done",
     "EventSink",
     "Message",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping
 from contextlib import aclosing
+from contextvars import ContextVar
 from typing import Literal
 
 import anyio
@@ -27,6 +28,7 @@ from stalwart.clock import Clock, Timer
 from stalwart.config import AgentSettings
 from stalwart.errors import (
     BreakerOpenError,
+    CallSealedError,
     PromptTimeoutError,
     ProviderError,
 )
@@ -53,6 +55,7 @@ from stalwart.state import (
 
 from ._breaker import Breaker
 from ._client import Accumulator, ProviderClient
+from ._seal import CallSeal
 from ._sink import EventSink
 from ._types import (
     ProviderRequest,
@@ -64,6 +67,10 @@ from ._types import (
 )
 
 log = get_logger(__name__)
+
+#: the seal of the call this task runs (each call is a task of its own; the tasks it
+#: starts inherit it)
+_SEAL: ContextVar[CallSeal | None] = ContextVar("stalwart_call_seal", default=None)
 
 #: Sees each attempt's ``prompt:started``, then that attempt's stream events as they come.
 OnEvent = Callable[[StreamEvent | PromptStarted], None]
@@ -189,9 +196,27 @@ class ModelCaller:
         )
 
     async def call(
-        self, stream: str, request: ProviderRequest, on_event: OnEvent | None = None
+        self,
+        stream: str,
+        request: ProviderRequest,
+        on_event: OnEvent | None = None,
+        *,
+        seal: CallSeal | None = None,
     ) -> ProviderResponse:
-        """The reply, or the last error after every model of the chain failed."""
+        """The reply, or the last error after every model of the chain failed.
+
+        ``seal``: the turn's hold on the call's records in ``stream``; once the turn seals
+        it, the call's next record raises :class:`~stalwart.errors.CallSealedError` and
+        the call ends there (see :mod:`stalwart.providers._seal`)."""
+        token = _SEAL.set(seal)
+        try:
+            return await self._chain(stream, request, on_event)
+        finally:
+            _SEAL.reset(token)
+
+    async def _chain(
+        self, stream: str, request: ProviderRequest, on_event: OnEvent | None
+    ) -> ProviderResponse:
         names = self._names(request)
         index = 0
         while True:
@@ -302,6 +327,10 @@ class ModelCaller:
     ) -> ProviderResponse:
         """One attempt; ``retry_of``: the call id of the failed attempt it retries (its
         outcome stands for the call's from then on, as the provider stream records)."""
+        seal = _SEAL.get()
+        if seal is not None and not seal.may_begin(self._clock.now()):
+            # its turn has ended, or its time is up: no request the turn no longer wants
+            raise CallSealedError("the turn that made this model call has ended")
         breaker = self._breakers[provider]
         async with breaker.lock:
             await self._provider_events(breaker, breaker.due(self._clock.now()))
@@ -442,16 +471,25 @@ class ModelCaller:
             )
             log.info("provider.call_failed", provider=provider, model=model, kind=error.kind)
         # two streams, appended together: the store's group commit makes them one fsync
+        sealed: CallSealedError | None = None
         async with anyio.create_task_group() as group:
-            group.start_soon(self._emit, stream, session_event, now)
             group.start_soon(self._provider_outcome, breaker, probe, outcome, now)
+            try:
+                await self._emit(stream, session_event, now)
+            except CallSealedError as exc:  # the turn ended: the provider's part still counts
+                sealed = exc
+        if sealed is not None:
+            raise sealed
 
     async def _provider_outcome(
         self, breaker: Breaker, probe: bool, outcome: Event, now: float
     ) -> None:
-        async with breaker.lock:
-            await self._provider_events(breaker, [outcome])
-            await self._provider_events(breaker, breaker.settled(probe, now))
+        # what the provider did is a fact of the provider's, whatever became of the turn:
+        # recorded (and folded into the breaker) even when the call is cancelled or sealed
+        with anyio.CancelScope(shield=True):
+            async with breaker.lock:
+                await self._provider_events(breaker, [outcome])
+                await self._provider_events(breaker, breaker.settled(probe, now))
 
     async def _provider_events(self, breaker: Breaker, events: list[Event]) -> None:
         if events:
@@ -461,4 +499,14 @@ class ModelCaller:
             breaker.fold(recorded)
 
     async def _emit(self, stream: str, event: Event, ts: float | None = None) -> None:
-        await self._sink.emit(stream, [event], self._clock.now() if ts is None else ts)
+        """Record one of the call's events in the caller's stream (while its turn lets it)."""
+        at = self._clock.now() if ts is None else ts
+        seal = _SEAL.get()
+        if seal is None:
+            await self._sink.emit(stream, [event], at)
+            return
+        seal.enter()
+        try:
+            await self._sink.emit(stream, [event], at)
+        finally:
+            seal.leave()
