@@ -10,14 +10,15 @@ store, real runtime.
 from __future__ import annotations
 
 import threading
+from functools import partial
 from typing import Any
 
 import pytest
 
-from stalwart.actors import FAILED_TEXT
+from stalwart.actors import FAILED_TEXT, IoPortal, Scheduler, clock_timer
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
-from stalwart.errors import CallSealedError
+from stalwart.errors import CallSealedError, PromptTimeoutError
 from stalwart.events import (
     ContextSummarizerFailed,
     PromptActivity,
@@ -25,8 +26,8 @@ from stalwart.events import (
     PromptStarted,
     PromptTimeout,
 )
-from stalwart.providers import CallSeal
-from stalwart.runtime import Runtime
+from stalwart.providers import CallSeal, Message, ProviderRequest, TextDelta
+from stalwart.runtime import ProviderLayer, Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Answer, Fail, FakeProvider, Hang, Trickle
 from tests._runtime_support import (
@@ -42,6 +43,7 @@ from tests._runtime_support import (
 )
 
 SESSION = "session:s1"
+REQUEST = ProviderRequest(messages=(Message(role="user", content="hi"),))
 #: the turn's own limit, far beyond every model deadline below
 NO_EXECUTION_LIMIT = {"execution_timeout_ms": 36_000_000}
 
@@ -285,3 +287,35 @@ def test_a_seal_waits_for_the_append_under_way_and_refuses_every_later_one() -> 
         seal.enter()
     assert not seal.may_begin(0.0)
     assert CallSeal().seal(0.0)  # nothing under way: at once
+
+
+def test_a_delta_read_after_the_clock_passed_the_stall_budget_does_not_save_the_call(
+    store: EventStore, clock: FakeClock, fake: FakeProvider
+) -> None:
+    """The clock passes a trickling call's 60 s stall budget just as the loop reads its
+    next delta (the timer's cut is queued behind it on the loop). That delta came after
+    the limit: the call is cut at the moment the clock got there, as the pure decision
+    says, not given a new budget by the late delta (whose re-arming would make the
+    queued cut stale)."""
+    fake.set_default(Trickle(interval_ms=20))
+    cfg = runtime_config(fake.base_url, agents={"default": agent_settings(60_000)})
+    deltas = 0
+
+    def on_event(event: object) -> None:
+        nonlocal deltas
+        if isinstance(event, TextDelta):
+            deltas += 1
+            if deltas == 3:  # on the loop, just before this delta's activity is looked at
+                clock.advance(61)
+
+    with IoPortal() as portal, Scheduler(clock) as scheduler:
+        layer = ProviderLayer(cfg, store, clock=clock)
+        caller = layer.caller(timer=partial(clock_timer, portal, scheduler, clock))
+        try:
+            future = portal.submit(partial(caller.call, on_event=on_event), SESSION, REQUEST)
+            with pytest.raises(PromptTimeoutError):
+                future.result(GUARD)
+        finally:
+            portal.submit(layer.aclose).result(GUARD)
+    (timeout,) = _timeouts(store)
+    assert (timeout.limit, timeout.elapsed_ms) == ("stall", 61_000)

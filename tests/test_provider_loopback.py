@@ -1005,8 +1005,9 @@ async def test_a_call_from_before_the_breaker_opened_is_no_answer_to_the_probe(
 ) -> None:
     """A slow answer admitted while the breaker was closed arrives while it is half-open:
     it is not the probe, so the breaker stays half-open until the probe's own outcome."""
-    # the makespan ceiling (2 x 40 s) outlasts the reset timeout the clock is moved by
-    cfg = config(fake.base_url, settings=BREAKER_SETTINGS, max_retries=0, prompt_timeout_ms=40_000)
+    # the stall budget (100 s, from the call's start: its first delta comes after the
+    # move) outlasts the reset timeout the clock is moved by
+    cfg = config(fake.base_url, settings=BREAKER_SETTINGS, max_retries=0, prompt_timeout_ms=100_000)
     fake.add(Answer(text="late", first_delay_ms=1500, model="m1"))  # past the probe's start
     early_done = anyio.Event()
     probe_scope = anyio.CancelScope()

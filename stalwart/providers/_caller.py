@@ -412,6 +412,11 @@ class ModelCaller:
             return
         live.deltas += 1
         now = self._clock.now()
+        if next_deadline(live.window)[0] <= now:
+            # it came after the limit (the timer's cut may still be on its way): the
+            # call is cut, not given a new budget that would make that cut stale
+            live.scope.cancel()
+            return
         if now - live.last_recorded < self.agent.activity_interval_ms / 1000:
             return
         live.last_recorded = now
