@@ -9,8 +9,9 @@ replies from it:
   into lines and JSON-decode each ``data:`` frame;
 - ``client``: stalwart's ``ProviderClient.stream`` (SSE parser, wire decoder, neutral
   events), no log;
-- ``caller``: stalwart's ``ModelCaller.call``: the client plus deadlines, the breaker and
-  every event appended durably to an LMDB store (what an agent really runs).
+- ``caller``: stalwart's ``ModelCaller.call``: the client plus deadlines (on a scheduler
+  timer, as a runtime keeps them), the breaker and every event appended durably to an
+  LMDB store (what an agent really runs).
 
 Throughput is tokens (deltas) per second of a long reply; latency is the wall time of a
 short call, sequentially. Ratios are stalwart / peer. The fake provider (a Python server)
@@ -22,6 +23,7 @@ The caller's extra latency per call is mostly its durable appends (a call record
 
 from __future__ import annotations
 
+import asyncio
 import os
 import statistics
 import subprocess
@@ -37,6 +39,8 @@ import msgspec
 from benchmarks._machine import scratch
 from benchmarks._registry import Result, benchmark, ratio
 from stalwart import store as store_module
+from stalwart.actors import Scheduler
+from stalwart.clock import SystemClock
 from stalwart.config import parse_config
 from stalwart.providers import Message, ProviderRequest
 from stalwart.runtime import ProviderLayer
@@ -135,6 +139,9 @@ class _Clients:
         self.config = config
         self.http: httpx.AsyncClient | None = None
         self.layer: ProviderLayer | None = None
+        # the caller as a runtime runs it: deadlines and backoffs on a scheduler timer
+        self.clock = SystemClock()
+        self.scheduler = Scheduler(self.clock).start()
 
     def request(self) -> ProviderRequest:
         return ProviderRequest(messages=(Message(role="user", content="Where is my refund?"),))
@@ -154,7 +161,7 @@ class _Clients:
                 async for _ in self.layer.clients["fake"].stream(model, self.request()):
                     events += 1
                 return events
-            caller = self.layer.caller()
+            caller = self.layer.caller(timer=self._timer)
             caller.agent = msgspec.structs.replace(caller.agent, model=model)
             return await caller.call("session:bench", self.request())
 
@@ -165,7 +172,17 @@ class _Clients:
         self.http = None
         self.layer = None
 
+    def _timer(self, seconds: float, expire: Callable[[], object]) -> Callable[[], object]:
+        """The runtime's ``clock_timer``, with this event loop in its portal's place."""
+        loop = asyncio.get_running_loop()
+
+        def fire(_at: float) -> None:
+            loop.call_soon_threadsafe(expire)
+
+        return self.scheduler.schedule(self.clock.now() + seconds, fire).cancel
+
     def close(self) -> None:
+        self.scheduler.stop()
         self.store.close()
 
 
