@@ -315,9 +315,13 @@ def test_the_announce_timeout_falls_back_on_the_runtime_clock(
         assert handle.result(GUARD).outcome == "timed_out"
         log_until(store, handle.stream, has(AnnouncementQueued))
         # the send's Clock deadline is armed when it starts, a moment after its
-        # announcement:queued: step past it until the direct send arrives
+        # announcement:queued: step past it until this run's direct send is delivered
+        # (not until any message: the steps also time out the run's recovery attempt,
+        # whose own notice may come first on a slow machine)
         advance_until(
-            clock, lambda: chat.messages, rt.config.dead_letters.announce_timeout_ms / 4000
+            clock,
+            lambda: of(AnnouncementDelivered, list(store.read_stream(handle.stream))),
+            rt.config.dead_letters.announce_timeout_ms / 4000,
         )
         seen = messages_until(rt, chat, lambda ms: any(TIMED_OUT_SENTENCE in m.text for m in ms))
         records = list(store.read_stream(handle.stream))
