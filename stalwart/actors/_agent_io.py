@@ -61,7 +61,10 @@ class LiveTurn:
             log.warning("agent.call_seal_timed_out", turn_id=self.turn_id, waited_s=SEAL_WAIT_S)
 
     def stop(self) -> None:
-        """Cancel the timer and whatever is in flight (the portal cancels the task)."""
+        """Cancel the timer and whatever is in flight (the portal cancels the task); its
+        model call, sealed first, records nothing more (a lost lease's fence is lifted
+        next, and a stopped actor's turn is closed by the next one)."""
+        self.seal_call()
         if self.timer is not None:
             self.timer.cancel()
         if self.future is not None:

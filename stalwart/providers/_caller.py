@@ -14,6 +14,7 @@ step is an event: session events in the caller's stream, outcomes and breaker ch
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Callable, Mapping
 from contextlib import aclosing
@@ -397,7 +398,10 @@ class ModelCaller:
         at = max(self._clock.now(), when)
         timeout = decide_prompt_timeout(live.window, at)
         assert timeout is not None
-        await self._emit(stream, timeout, at)
+        # a turn that has sealed the call recorded its end (and this limit, if it passed
+        # first); the attempt still fails, so the provider's outcome counts (``_settle``)
+        with contextlib.suppress(CallSealedError):
+            await self._emit(stream, timeout, at)
         raise PromptTimeoutError(
             f"{started.provider}/{started.model}: aborted by the {timeout.limit} limit",
             limit=timeout.limit,
