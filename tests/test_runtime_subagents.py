@@ -358,3 +358,49 @@ def test_a_run_left_by_a_dead_process_is_swept_and_resumed_by_the_parents_agent(
     assert completed.outcome == "succeeded"  # not refused for want of an agent named default
     calls = [r.event for r in store.read_stream("provider:main")]
     assert {getattr(call, "agent", None) for call in calls} >= {"plain"}
+
+
+@pytest.mark.timeout(90)
+def test_more_model_driven_runs_than_the_default_thread_limit_all_answer(
+    rt: Runtime, fake: FakeProvider
+) -> None:
+    """Each model-driven run waits for its sub-session's answer on a worker thread for its
+    whole life. Those waits must not take the I/O loop's shared worker threads (anyio's
+    default limit: 40), which every append of a model call (and every sync tool) needs:
+    with 48 runs at once, all of them still get their answers."""
+    runs = 48
+    assert runs > 40  # anyio's default thread limiter
+    fake.set_default(Answer(text="done"))
+    handles = [rt.spawn("p1", f"task {n}", task_class="research") for n in range(runs)]
+    results = [handle.result(GUARD * 3) for handle in handles]
+    assert [r.outcome for r in results] == ["succeeded"] * runs
+    assert {r.result for r in results} == {"done"}
+
+
+@pytest.mark.timeout(90)
+def test_more_spawn_tool_calls_than_the_default_thread_limit_all_answer(
+    rt: Runtime, fake: FakeProvider
+) -> None:
+    """The ``spawn_subagent`` tool waits for its run on a worker thread for the run's
+    whole life. Forty-eight such calls at once (forty-eight parent turns, each with its
+    tool call under way) must not take every one of the I/O loop's shared worker threads
+    (anyio's default limit, 40), which the runs' own model calls need for their appends:
+    every call gets its run's answer."""
+    from stalwart.runtime._tools import spawn_tool_fn
+
+    calls = 48
+    fake.set_default(Answer(text="done"))
+    spawn_subagent = spawn_tool_fn(rt, "p1", "default")
+
+    async def all_at_once() -> list[str]:
+        answers = [""] * calls
+
+        async def one(n: int) -> None:
+            answers[n] = await spawn_subagent(task=f"task {n}", task_class="research")
+
+        async with anyio.create_task_group() as group:
+            for n in range(calls):
+                group.start_soon(one, n)
+        return answers
+
+    assert rt.portal.submit(all_at_once).result(GUARD * 3) == ["done"] * calls

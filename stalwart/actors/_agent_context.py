@@ -79,7 +79,12 @@ async def call_through_context(
 ) -> ProviderResponse:
     """Assemble, call, and calibrate the estimator with the usage the provider reported
     (``seal``: the call's, see :meth:`ModelCaller.call`)."""
-    assembled = await anyio.to_thread.run_sync(gate.assemble, assemble, abandon_on_cancel=True)
+    # a thread of its own: an assembly waits on the ContextStore (summaries included),
+    # and must not hold one of the loop's shared worker threads, which appends need
+    own = anyio.CapacityLimiter(1)
+    assembled = await anyio.to_thread.run_sync(
+        gate.assemble, assemble, abandon_on_cancel=True, limiter=own
+    )
     messages = with_system(system, assembled)
     response = await caller.call(
         stream, msgspec.structs.replace(request, messages=messages), seal=seal

@@ -98,7 +98,11 @@ def subsession_work(
         try:
             ref.tell(UserMessage(task))
             follow = partial(_follow, store, stream, report, stop)
-            return await anyio.to_thread.run_sync(follow, abandon_on_cancel=True)
+            # a thread of its own for the run's whole life: on the loop's shared worker
+            # threads (anyio's default limit, 40), that many runs would leave none for
+            # the appends of their own model calls, and every call would wait for ever
+            own = anyio.CapacityLimiter(1)
+            return await anyio.to_thread.run_sync(follow, abandon_on_cancel=True, limiter=own)
         finally:
             stop.set()
             with contextlib.suppress(pykka.ActorDeadError):

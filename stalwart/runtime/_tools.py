@@ -93,7 +93,10 @@ def spawn_tool_fn(rt: Runtime, session_id: str, agent: str) -> Callable[..., Awa
             handle = await anyio.to_thread.run_sync(spawn)
         except SpawnRefusedError as exc:
             raise ToolError(str(exc), error_class="spawn_refused") from exc
-        ended = await anyio.to_thread.run_sync(handle.result, abandon_on_cancel=True)
+        # a thread of its own for the run's whole life, never one of the loop's shared
+        # worker threads, which the run's own model calls need for their appends
+        own = anyio.CapacityLimiter(1)
+        ended = await anyio.to_thread.run_sync(handle.result, abandon_on_cancel=True, limiter=own)
         return ended.result if ended.outcome == "succeeded" else ended.notice
 
     return spawn_subagent
