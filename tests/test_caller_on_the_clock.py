@@ -52,6 +52,12 @@ def _timeouts(store: EventStore) -> list[PromptTimeout]:
     return of(PromptTimeout, list(store.read_stream(SESSION)))
 
 
+def _timed_out(store: EventStore) -> PromptTimeout:
+    """The session's one ``execution:prompt_timeout``, once it is in the log."""
+    (timeout,) = of(PromptTimeout, log_until(store, SESSION, has(PromptTimeout)))
+    return timeout
+
+
 def test_a_hung_call_is_cut_when_the_clock_passes_its_stall_budget_and_not_before(
     store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
 ) -> None:
@@ -73,7 +79,7 @@ def test_a_hung_call_is_cut_when_the_clock_passes_its_stall_budget_and_not_befor
         assert _timeouts(store) == []
         assert chat.messages == []
         clock.advance(0.2)
-        (timeout,) = of(PromptTimeout, log_until(store, SESSION, has(PromptTimeout)))
+        timeout = _timed_out(store)
         assert timeout.limit == "stall"
         assert timeout.limit_ms == 180_000
         assert timeout.elapsed_ms == 180_100
@@ -117,7 +123,7 @@ def test_a_clock_moved_as_the_attempt_is_recorded_cuts_it_at_its_budget(
     moving = _MovesTimeOnRecord(store, clock, PromptStarted, 60)
     with Runtime(cfg, store=moving, clock=clock, channels={"chat": chat}) as rt:  # type: ignore[arg-type]
         rt.session("s1", channel="chat").send("hello")
-        (timeout,) = of(PromptTimeout, log_until(store, SESSION, has(PromptTimeout)))
+        timeout = _timed_out(store)
         assert (timeout.limit, timeout.elapsed_ms) == ("stall", 60_000)
         assert [m.text for m in delivered(rt, chat, 1)] == [FAILED_TEXT]
 
@@ -161,7 +167,7 @@ def test_activity_moves_the_stall_budget_on_the_clock_until_the_makespan_ceiling
             log_until(store, SESSION, has(PromptActivity, seen))
             assert _timeouts(store) == []
         clock.advance(50)  # 200 s: past the 180 s ceiling, 50 s after the last delta
-        (timeout,) = of(PromptTimeout, log_until(store, SESSION, has(PromptTimeout)))
+        timeout = _timed_out(store)
         assert timeout.call_id == started.call_id
         assert timeout.limit == "makespan"
         assert timeout.limit_ms == 180_000
@@ -221,7 +227,7 @@ def test_a_retry_has_the_whole_call_limit_on_the_clock(
         flush(rt.portal)
         assert _timeouts(store) == []
         clock.advance(0.2)
-        (timeout,) = of(PromptTimeout, log_until(store, SESSION, has(PromptTimeout)))
+        timeout = _timed_out(store)
         assert (timeout.limit, timeout.limit_ms) == ("retry_deadline", 20_000)
         assert [m.text for m in delivered(rt, chat, 1)] == [FAILED_TEXT]
 
