@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import anyio.to_thread
 import msgspec
 
+from stalwart._aio import wait_on_own_thread
 from stalwart.context import ModelProfile, declared_tokens, estimate_text_tokens, request_budget
 from stalwart.providers import CallSeal, Message, ModelCaller, ProviderRequest, ProviderResponse
 
@@ -79,12 +79,7 @@ async def call_through_context(
 ) -> ProviderResponse:
     """Assemble, call, and calibrate the estimator with the usage the provider reported
     (``seal``: the call's, see :meth:`ModelCaller.call`)."""
-    # a thread of its own: an assembly waits on the ContextStore (summaries included),
-    # and must not hold one of the loop's shared worker threads, which appends need
-    own = anyio.CapacityLimiter(1)
-    assembled = await anyio.to_thread.run_sync(
-        gate.assemble, assemble, abandon_on_cancel=True, limiter=own
-    )
+    assembled = await wait_on_own_thread(gate.assemble, assemble)  # summaries included
     messages = with_system(system, assembled)
     response = await caller.call(
         stream, msgspec.structs.replace(request, messages=messages), seal=seal

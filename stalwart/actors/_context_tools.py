@@ -6,10 +6,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import anyio
 import msgspec
 import pykka
 
+from stalwart._aio import cut_after
 from stalwart.clock import Clock, SystemClock, Timer
 from stalwart.config import MIN_CONTEXT_WINDOW, ContextEngineSettings
 from stalwart.context import (
@@ -193,15 +193,8 @@ class ProviderSummarizer:
         return response.text, response.input_tokens, response.output_tokens
 
     async def _complete(self, body: ProviderRequest, timeout_s: float) -> Any:
-        if self._timer is None:
-            with anyio.fail_after(timeout_s):
-                return await self.client.complete(self.model, body)
-        with anyio.CancelScope() as scope:
-            disarm = self._timer(timeout_s, scope.cancel)
-            try:
-                return await self.client.complete(self.model, body)
-            finally:
-                disarm()
+        with cut_after(timeout_s, self._timer):
+            return await self.client.complete(self.model, body)
         raise TimeoutError("the summary took longer than its timeout")
 
 

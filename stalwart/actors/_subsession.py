@@ -21,6 +21,7 @@ from typing import Any
 import anyio.to_thread
 import pykka
 
+from stalwart._aio import wait_on_own_thread
 from stalwart.events import MessageAppended, PromptActivity, TurnCompleted, TurnStarted
 from stalwart.store import EventStore
 
@@ -98,11 +99,7 @@ def subsession_work(
         try:
             ref.tell(UserMessage(task))
             follow = partial(_follow, store, stream, report, stop)
-            # a thread of its own for the run's whole life: on the loop's shared worker
-            # threads (anyio's default limit, 40), that many runs would leave none for
-            # the appends of their own model calls, and every call would wait for ever
-            own = anyio.CapacityLimiter(1)
-            return await anyio.to_thread.run_sync(follow, abandon_on_cancel=True, limiter=own)
+            return await wait_on_own_thread(follow)  # for the run's whole life
         finally:
             stop.set()
             with contextlib.suppress(pykka.ActorDeadError):

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, cast
 
 import anyio.to_thread
 
+from stalwart._aio import wait_on_own_thread
 from stalwart.errors import SpawnRefusedError, ToolError
 from stalwart.events import TaskClass
 from stalwart.tools import Tool, ToolRegistry, ToolSpec
@@ -93,10 +94,7 @@ def spawn_tool_fn(rt: Runtime, session_id: str, agent: str) -> Callable[..., Awa
             handle = await anyio.to_thread.run_sync(spawn)
         except SpawnRefusedError as exc:
             raise ToolError(str(exc), error_class="spawn_refused") from exc
-        # a thread of its own for the run's whole life, never one of the loop's shared
-        # worker threads, which the run's own model calls need for their appends
-        own = anyio.CapacityLimiter(1)
-        ended = await anyio.to_thread.run_sync(handle.result, abandon_on_cancel=True, limiter=own)
+        ended = await wait_on_own_thread(handle.result)  # for the run's whole life
         return ended.result if ended.outcome == "succeeded" else ended.notice
 
     return spawn_subagent

@@ -21,6 +21,7 @@ import anyio
 import anyio.to_thread
 import msgspec
 
+from stalwart._aio import cut_after
 from stalwart._text import scrub_surrogates
 from stalwart.clock import Clock, SystemClock, Timer
 from stalwart.errors import ToolError
@@ -132,14 +133,8 @@ async def run_tool(
     if isinstance(kwargs, str):
         text = invalid_arguments_text(tool.name, kwargs)
         return outcome("invalid_arguments", text, "invalid_arguments")
-    limit_s = tool.timeout_ms / 1000
-    disarm: Callable[[], object] | None = None
     try:
-        with anyio.CancelScope() as scope:
-            if timer is None:
-                scope.deadline = anyio.current_time() + limit_s
-            else:
-                disarm = timer(limit_s, scope.cancel)
+        with cut_after(tool.timeout_ms / 1000, timer) as scope:
             try:
                 if reconcile and tool.reconcile is not None:
                     key = (context.idempotency_key if context is not None else None) or call.id
@@ -157,9 +152,6 @@ async def run_tool(
                 # a cancellation of the tool's own making (an inner task it cancelled and
                 # awaited) escaped it: that call failed, nobody cancelled the caller
                 return outcome("error", error_text(tool.name, "cancelled", "surface"), "cancelled")
-            finally:
-                if disarm is not None:
-                    disarm()
     except (Exception, SystemExit) as exc:  # an argparse error or sys.exit() in a tool too
         error_class, action = classify_tool_error(exc)
         text = error_text(tool.name, error_class, action)
