@@ -78,6 +78,10 @@ ALLOWED["_logs"] = set()
 ALLOWED["_text"] = set()
 for _rules in ALLOWED.values():
     _rules.update(("_logs", "_text"))
+#: the anyio patterns the I/O layers share (``stalwart._aio``), on a Clock's timers
+ALLOWED["_aio"] = {"clock"}
+for _part_name in ("tools", "actors", "testing", "runtime"):
+    ALLOWED[_part_name].add("_aio")
 
 
 def _part(path: Path) -> str:
