@@ -337,10 +337,13 @@ def _check_channel(where: str, channel: ChannelSettings) -> None:
 class SummarizerSpendSettings(
     msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
 ):
-    """Seed 000's rolling per-tenant caps on summarizer input+output tokens (0 disables)."""
+    """Seed 000's rolling per-tenant caps on summarizer input+output tokens (0 disables).
+    A call still running counts what it may spend until it ends, or, if its worker died
+    without recording its end, for ``reservation_lease_ms``."""
 
     max_tokens_per_tenant_per_hour: NonNegative = 500_000
     max_tokens_per_tenant_per_day: NonNegative = 5_000_000
+    reservation_lease_ms: Positive = 300_000
 
 
 class SummarizerBreakerSettings(

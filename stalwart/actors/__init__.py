@@ -80,6 +80,7 @@ from ._health import (
     PollHealth,
     ProviderHealthActor,
 )
+from ._ledger import LEDGER_STREAM, StoreLedger, ledger_stream
 from ._loop_watch import LoopWatch
 from ._portal import IoPortal
 from ._restarts import (
@@ -139,6 +140,7 @@ __all__ = [
     "FAILED_TEXT",
     "GAVE_UP_TEXT",
     "INTERRUPTED_TEXT",
+    "LEDGER_STREAM",
     "MAX_STEPS_TEXT",
     "MAX_WAIT_S",
     "NOTICE_TEMPLATE",
@@ -215,6 +217,7 @@ __all__ = [
     "SendDone",
     "SendsPending",
     "Spawn",
+    "StoreLedger",
     "SubAgentActor",
     "SubsessionFailed",
     "SupervisorActor",
@@ -243,6 +246,7 @@ __all__ = [
     "drafts_note",
     "execution_deadline",
     "failure_notice",
+    "ledger_stream",
     "left_unsaid",
     "request_messages",
     "subsession_work",

@@ -26,9 +26,9 @@ decisions with a ``context:assembled`` record, and only then reply. In dag mode 
 the :class:`~stalwart.context.DagEngine`; with ``context_engine.version = "pipeline"``,
 one :class:`~stalwart.context.pipeline.PipelineEngine` per session. A refused write
 (fail-closed rollover) records ``context:dag_degraded`` and the ask raises
-:class:`~stalwart.context.ContextScopeError`. The summarizer governor is folded from
-every ``context:`` stream at start, in log order, so spend caps and the breaker survive a
-restart.
+:class:`~stalwart.context.ContextScopeError`. Each summarizer call is admitted and
+released in its tenant's ledger stream (:class:`~stalwart.actors.StoreLedger`), so spend
+caps and the breaker survive a restart and hold across every worker on the store.
 
 :func:`~stalwart.actors.context_tools` gives an agent ``ctx_search`` / ``ctx_inspect`` /
 ``ctx_expand`` bound to its own session and tenant (dag mode only), and
@@ -41,7 +41,6 @@ import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import partial
-from operator import attrgetter
 from types import TracebackType
 from typing import Any
 
@@ -67,15 +66,13 @@ from stalwart.events import (
     ContextLayerDisabled,
     ContextLayerEnabled,
     ContextLayerHalfOpened,
-    ContextSummarizerFailed,
-    ContextSummaryCreated,
     Event,
-    RecordedEvent,
 )
 from stalwart.providers import Message
 from stalwart.store import EventStore, NewEvent
 
 from ._lanes import Lanes, Turnstile, answer
+from ._ledger import StoreLedger
 from ._supervised import Supervised
 
 __all__ = [
@@ -233,23 +230,28 @@ class ContextStoreActor(Supervised):
         self._turnstile = Turnstile()
         self._summarizer = _OffTheLock(summarizer, self._turnstile)
         self._lanes: Lanes | None = None
+        #: the tenants' summarizer governors, shared by every worker on the store
+        self._ledger = StoreLedger(
+            store, clock, lease_ms=self._settings.summarizer_spend.reservation_lease_ms
+        )
         self._dag = DagEngine(
-            self._settings, summarizer=summarizer, clock=clock, outside=self._turnstile.open
+            self._settings,
+            summarizer=summarizer,
+            clock=clock,
+            outside=self._turnstile.open,
+            ledger=self._ledger,
         )
         self._pipelines: dict[str, PipelineEngine] = {}
         self._pipeline_config = pipeline_config(self._settings)
         self._versions: dict[str, int] = {}
-        #: the governors hold what an append that failed did not record
-        self._governors_stale = False
 
     @property
     def mode(self) -> str:
         return self._settings.version
 
     def started(self) -> None:
-        self._dag.observe(governor_records(self._store))
         self._lanes = Lanes(self._settings.parallel_sessions, name="stalwart-context")
-        log.info("context_store.started", engine=self.mode, tenants=len(self._dag.governors))
+        log.info("context_store.started", engine=self.mode)
 
     def on_stop(self) -> None:
         if self._lanes is not None:
@@ -320,10 +322,6 @@ class ContextStoreActor(Supervised):
         if self.mode == "pipeline":
             return self._pipeline(message)
         session_id = message.session_id
-        if self._governors_stale:  # an append failed: fold them from the log again first
-            self._dag.governors.clear()
-            self._dag.observe(governor_records(self._store))
-            self._governors_stale = False
         try:
             if valid_session_id(session_id) and session_id not in self._dag.sessions:
                 self._restore(session_id, message.messages)
@@ -347,10 +345,9 @@ class ContextStoreActor(Supervised):
             self._append(f"context:{session_id}", result.events)
         except Exception:
             # what the engine decided is not in the log: forget it, so the next call
-            # rebuilds the session, and the tenants' governors (a summarizer failure
-            # or spend it folded), from what is: nothing is used before it is recorded
+            # rebuilds the session from what is (the summarizer calls it made are in
+            # their tenant's ledger already: what they spent was spent)
             self._forget(session_id)
-            self._governors_stale = True
             raise
         return Assembled(
             messages=to_provider_messages(result.messages),
@@ -468,25 +465,6 @@ class ContextStoreActor(Supervised):
 
 
 _BREAKER_EVENTS = (ContextLayerDisabled, ContextLayerHalfOpened, ContextLayerEnabled)
-
-
-def governor_records(store: EventStore) -> list[RecordedEvent]:
-    """What the tenants' summarizer governors fold, from every ``context:`` stream, in
-    log order: a tenant's sessions interleave, and its breaker counts failures in the
-    order they came, across them. Summaries are kept without their bodies."""
-    found: list[RecordedEvent] = []
-    for info in store.streams():
-        if not info.stream.startswith("context:"):
-            continue
-        for record in store.read_stream(info.stream):
-            event = record.event
-            if isinstance(event, ContextSummaryCreated):
-                bare = msgspec.structs.replace(event, body="", covers=(), topics=())
-                found.append(msgspec.structs.replace(record, event=bare))
-            elif isinstance(event, ContextSummarizerFailed):
-                found.append(record)
-    found.sort(key=attrgetter("position"))
-    return found
 
 
 def pipeline_config(settings: ContextEngineSettings) -> PipelineConfig:

@@ -7,6 +7,7 @@ agent can search and expand back to the exact messages; see ``docs/context.md``.
 
 from ._dag import ContextScopeError, DagSession, valid_session_id
 from ._engine import Assembly, DagEngine, ModelProfile
+from ._ledger import Decide, MemoryLedger, Reservation, SummarizerLedger, ended, reserved
 from ._recall import Expansion, Inspection, SearchHit
 from ._render import DAG_SYSTEM_CLAUSE, neutralise, render_summary
 from ._repair import SYNTHETIC_RESULT, Provider, repair, validity_violations
@@ -45,20 +46,25 @@ __all__ = [
     "Countable",
     "DagEngine",
     "DagSession",
+    "Decide",
     "Expansion",
     "ExtractiveSummarizer",
     "Inspection",
+    "MemoryLedger",
     "ModelProfile",
     "Provider",
+    "Reservation",
     "SearchHit",
     "SessionMessages",
     "Summarizer",
+    "SummarizerLedger",
     "SummaryRequest",
     "ThinkingBlock",
     "TokenEstimator",
     "TokenProfile",
     "TranscriptError",
     "declared_tokens",
+    "ended",
     "estimate_message_tokens",
     "estimate_text_tokens",
     "estimate_tokens",
@@ -69,6 +75,7 @@ __all__ = [
     "render_summary",
     "repair",
     "request_budget",
+    "reserved",
     "valid_session_id",
     "validity_violations",
 ]

@@ -42,9 +42,10 @@ from stalwart.events import (
     RecordedEvent,
 )
 from stalwart.ids import new_id
-from stalwart.state import CONTEXT_DAG, GovernorState, apply_governor_event, fold
+from stalwart.state import CONTEXT_DAG, fold
 
 from ._dag import ContextScopeError, DagSession, valid_session_id
+from ._ledger import MemoryLedger, SummarizerLedger
 from ._recall import Recall
 from ._render import DAG_SYSTEM_CLAUSE
 from ._repair import repair
@@ -98,8 +99,11 @@ class DagEngine(Summaries, Recall):
     Not thread-safe: one owner calls it at a time (the ContextStore actor's sessions,
     under its lock; the CLI; a benchmark). Each summarizer call runs inside
     ``outside()``, where that owner lets others in (the ContextStore releases its lock
-    there), and is timed inside it. Calls still running count against their tenant's
-    spend caps, and a half-open breaker allows one trial among them.
+    there), and is timed inside it. Each call is admitted and released by ``ledger``
+    (in memory by default; the ContextStore's is the event store), also inside
+    ``outside()``, so the ledger is thread-safe: calls still running
+    count against their tenant's spend caps, and a half-open breaker allows one trial
+    among them.
     """
 
     def __init__(
@@ -110,16 +114,16 @@ class DagEngine(Summaries, Recall):
         clock: Clock,
         make_id: Callable[[], str] = new_id,
         outside: Callable[[], AbstractContextManager[object]] = nullcontext,
+        ledger: SummarizerLedger | None = None,
     ) -> None:
         self.settings = settings or ContextEngineSettings()
         self.summarizer = summarizer
         self.clock = clock
         self.make_id = make_id
         self.outside = outside
+        lease_ms = self.settings.summarizer_spend.reservation_lease_ms
+        self.ledger = ledger or MemoryLedger(clock, lease_ms=lease_ms, make_id=make_id)
         self.sessions: dict[str, DagSession] = {}
-        self.governors: dict[str | None, GovernorState] = {}
-        self.running: dict[str | None, int] = {}
-        self.trials: set[str | None] = set()
         self.estimators: dict[tuple[str, str], TokenEstimator] = {}
 
     # -- sessions and state -----------------------------------------------------------
@@ -148,13 +152,6 @@ class DagEngine(Summaries, Recall):
         session.restore(fold(CONTEXT_DAG, stream, records))
         self.sessions[session_id] = session
         return session
-
-    def observe(self, records: Iterable[RecordedEvent]) -> None:
-        """Fold records of any ``context:*`` stream into the tenants' governors."""
-        for record in records:
-            tenant = getattr(record.event, "tenant", None)
-            governor = self.governors.get(tenant) or GovernorState(tenant=tenant)
-            self.governors[tenant] = apply_governor_event(governor, record.event, record.ts)
 
     def estimator(self, profile: ModelProfile) -> TokenEstimator:
         key = (profile.provider, profile.model)

@@ -27,15 +27,10 @@ from stalwart.events import (
     ContextSummaryCreated,
     Event,
 )
-from stalwart.state import (
-    GovernorState,
-    SummarizerVerdict,
-    apply_governor_event,
-    decide_summarizer,
-    summary_node,
-)
+from stalwart.state import GovernorState, SummarizerVerdict, decide_summarizer, summary_node
 
 from ._dag import DagSession
+from ._ledger import Reservation, SummarizerLedger
 from ._render import emergency_body, merged_topics, topics_of
 from ._tokens import clip_to_tokens, estimate_message_tokens
 from ._types import ContextMessage, Summarizer, SummaryRequest
@@ -68,20 +63,10 @@ class Summaries:
     summarizer: Summarizer
     clock: Clock
     make_id: Callable[[], str]
-    governors: dict[str | None, GovernorState]
-    #: per tenant: the tokens its summarizer calls still running were allowed to spend,
-    #: and whether one of them is the half-open breaker's trial (the ContextStore runs
-    #: sessions side by side, and a call's spend is known only when it returns)
-    running: dict[str | None, int]
-    trials: set[str | None]
+    #: admits and releases each summarizer call against the tenant's governor
+    ledger: SummarizerLedger
     #: entered around each summarizer call (the owner lets others work meanwhile)
     outside: Callable[[], AbstractContextManager[object]]
-
-    def _record(self, event: Event) -> None:
-        """Fold an event this engine made into its tenant's governor."""
-        tenant = getattr(event, "tenant", None)
-        governor = self.governors.get(tenant) or GovernorState(tenant=tenant)
-        self.governors[tenant] = apply_governor_event(governor, event, self.clock.now())
 
     def _summarize(
         self, session: DagSession, raw_budget: int, system_tokens: int, tail: int, turn: TurnLog
@@ -191,7 +176,6 @@ class Summaries:
         turn.layers[layer] = None
         if event.fallback:
             turn.layers["emergency_truncation"] = None
-        self._record(event)
 
     def _call(
         self,
@@ -205,60 +189,69 @@ class Summaries:
         no, or None when the summarizer failed (recorded; never retried inline)."""
         settings = self.settings
         tenant = session.tenant
-        governor = self.governors.get(tenant) or GovernorState(tenant=tenant)
         estimated = sum(estimate_message_tokens(message) for message in messages)
         projected = estimated + limit
-        now = self.clock.now()
-        running = self.running.get(tenant, 0)
-        verdict = decide_summarizer(
-            governor,
-            now,
-            projected=projected,
-            per_hour=settings.summarizer_spend.max_tokens_per_tenant_per_hour,
-            per_day=settings.summarizer_spend.max_tokens_per_tenant_per_day,
-            failure_threshold=settings.summarizer_breaker.failure_threshold,
-            reset_timeout_ms=settings.summarizer_breaker.reset_timeout_ms,
-            in_flight=running,
-            trial_running=tenant in self.trials,
-        )
-        if not verdict.allowed:
-            self._degrade(session, verdict, now, turn)
-            return emergency_body(messages, limit * 3), 0, 0, "emergency-truncation"
+
+        def decide(governor: GovernorState, now: float) -> SummarizerVerdict:
+            return decide_summarizer(
+                governor,
+                now,
+                projected=projected,
+                per_hour=settings.summarizer_spend.max_tokens_per_tenant_per_hour,
+                per_day=settings.summarizer_spend.max_tokens_per_tenant_per_day,
+                failure_threshold=settings.summarizer_breaker.failure_threshold,
+                reset_timeout_ms=settings.summarizer_breaker.reset_timeout_ms,
+            )
+
         request = SummaryRequest(
             messages=tuple(messages),
             max_tokens=limit,
             depth=depth,
             instructions=SUMMARY_INSTRUCTIONS,
         )
-        self.running[tenant] = running + projected
-        if verdict.trial:
-            self.trials.add(tenant)
-        try:
-            with self.outside():  # timed in here: not the wait to be let back in
-                started = self.clock.now()
-                text, spent_in, spent_out, error = self._answer(request)
-                answered = self.clock.now()
-        finally:
-            left = self.running.get(tenant, 0) - projected
-            if left > 0:
-                self.running[tenant] = left
-            else:
-                self.running.pop(tenant, None)
-            if verdict.trial:
-                self.trials.discard(tenant)
-        elapsed_ms = int((answered - started) * 1000)
-        trial_limit = settings.summarizer_breaker.half_open_timeout_ms
-        if error is None and verdict.trial and elapsed_ms > trial_limit:
-            error = "trial_timeout"
-        if error is None:
-            text = clip_to_tokens(text, limit)  # a summarizer that ignores its limit is cut
-        replied = error is None or error == "trial_timeout"
-        if replied and spent_in <= 0 and spent_out <= 0:  # it answered (maybe too late)
-            spent_in, spent_out = estimated, math.ceil(len(text) / 3)
+        with self.outside():  # the ledger's I/O and the call: others work meanwhile
+            verdict, reservation = self.ledger.admit(tenant, session.session_id, projected, decide)
+            if reservation is not None:
+                text, spent_in, spent_out, error, elapsed_ms = self._governed(
+                    request, reservation, estimated
+                )
+        if reservation is None:
+            self._degrade(session, verdict, self.clock.now(), turn)
+            return emergency_body(messages, limit * 3), 0, 0, "emergency-truncation"
         if error is not None:
             self._failed(session, turn, tenant, error, elapsed_ms, spent_in, spent_out)
             return None
         return text, spent_in, spent_out, None
+
+    def _governed(
+        self, request: SummaryRequest, reservation: Reservation, estimated: int
+    ) -> tuple[str, int, int, str | None, int]:
+        """The admitted call: its text, spend, failure class (None when it answered)
+        and time taken in ms, released in the ledger whatever happens."""
+        text, spent_in, spent_out = "", 0, 0
+        error: str | None = "interrupted"  # until the summarizer answers
+        elapsed_ms = 0
+        try:
+            started = self.clock.now()
+            text, spent_in, spent_out, error = self._answer(request)
+            elapsed_ms = int((self.clock.now() - started) * 1000)
+            trial_limit = self.settings.summarizer_breaker.half_open_timeout_ms
+            if error is None and reservation.trial and elapsed_ms > trial_limit:
+                error = "trial_timeout"
+            if error is None:  # a summarizer that ignores its limit is cut
+                text = clip_to_tokens(text, request.max_tokens)
+            replied = error is None or error == "trial_timeout"
+            if replied and spent_in <= 0 and spent_out <= 0:  # it answered (maybe too late)
+                spent_in, spent_out = estimated, math.ceil(len(text) / 3)
+        finally:
+            self.ledger.release(
+                reservation,
+                input_tokens=spent_in,
+                output_tokens=spent_out,
+                error_class=error,
+                duration_ms=elapsed_ms,
+            )
+        return text, spent_in, spent_out, error, elapsed_ms
 
     def _answer(self, request: SummaryRequest) -> tuple[str, int, int, str | None]:
         """The summarizer's text and spend, or the class of its failure (last) and what
@@ -293,7 +286,6 @@ class Summaries:
         )
         turn.events.append(failure)
         turn.layers["summarizer_failed"] = None
-        self._record(failure)
         log.warning(
             "context_summarizer_failed",
             session=session.session_id,

@@ -51,7 +51,10 @@ from ._context import (
     ContextLayerDisabled,
     ContextLayerEnabled,
     ContextLayerHalfOpened,
+    ContextLedgerOpened,
     ContextSummarizerFailed,
+    ContextSummarizerReleased,
+    ContextSummarizerReserved,
     ContextSummaryCreated,
 )
 from ._draft import DraftCommitted, DraftDiscarded, DraftStaged
@@ -139,7 +142,10 @@ __all__ = [
     "ContextLayerDisabled",
     "ContextLayerEnabled",
     "ContextLayerHalfOpened",
+    "ContextLedgerOpened",
     "ContextSummarizerFailed",
+    "ContextSummarizerReleased",
+    "ContextSummarizerReserved",
     "ContextSummaryCreated",
     "DraftCommitted",
     "DraftDiscarded",

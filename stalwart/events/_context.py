@@ -107,6 +107,49 @@ class ContextSummarizerFailed(Event, frozen=True, tag="context:summarizer_failed
     severity: ClassVar[Severity] = "warning"
 
 
+class ContextLedgerOpened(Event, frozen=True, tag="context:ledger_opened"):
+    """The first event of a tenant's summarizer ledger (stream ``context-ledger:<tenant>``,
+    ``context-ledger`` for no tenant): the governor as the ``context:<session>`` streams
+    recorded it before the ledger existed (a log older than it), carried on from here.
+    ``spend`` is ``(ts, tokens)`` within the last day, oldest first."""
+
+    tenant: str | None = None
+    spend: tuple[tuple[float, int], ...] = ()
+    consecutive_failures: int = 0
+    last_failure_at: float | None = None
+    severity: ClassVar[Severity] = "debug"
+
+
+class ContextSummarizerReserved(Event, frozen=True, tag="context:summarizer_reserved"):
+    """A summarizer call the tenant's governor let run, recorded in its ledger before the
+    call (with the ledger's version expected, so workers sharing a store admit calls one
+    at a time): ``tokens`` it may spend (counted against the caps until it is released),
+    ``trial`` when it is the half-open breaker's single trial, and ``lease_ms`` after
+    which a call never released (its worker died) counts no more."""
+
+    call_id: str
+    tenant: str | None = None
+    session: str | None = None
+    tokens: int = 0
+    trial: bool = False
+    lease_ms: int = 0
+    severity: ClassVar[Severity] = "debug"
+
+
+class ContextSummarizerReleased(Event, frozen=True, tag="context:summarizer_released"):
+    """A reserved summarizer call ended: what it spent, and ``error_class`` (the
+    exception's class name, or ``trial_timeout``) when it failed, which the breaker
+    counts; None when it answered, which closes the breaker."""
+
+    call_id: str
+    tenant: str | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    error_class: str | None = None
+    duration_ms: int = 0
+    severity: ClassVar[Severity] = "debug"
+
+
 class ContextBound(Event, frozen=True, tag="context:bound"):
     """The first event of ``context:<session>``: the session and tenant it belongs to.
     A later write naming another tenant is refused (fail-closed rollover)."""

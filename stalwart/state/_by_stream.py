@@ -8,7 +8,7 @@ from stalwart.events import Event, SubagentSpawned
 
 from ._aggregate import Aggregate
 from ._breaker import BREAKER
-from ._context import CONTEXT_DAG
+from ._context import CONTEXT_DAG, SUMMARIZER_LEDGER
 from ._deadletter import DEADLETTER
 from ._session import SESSION
 from ._subagent import RUN
@@ -21,8 +21,10 @@ def aggregate_for(stream: str, first: Event | None = None) -> Aggregate[Any]:
     A sub-agent run is a ``session:`` stream whose ``first`` event is its
     ``subagent:spawned``: it replays with the run fold (``RUN``: its status, task,
     deadline, outcome). A provider's health fold (``HEALTH``) is applied by name. A
-    ``context:`` stream replays with the DAG engine's fold (its summaries, spend and
-    breaker); the pipeline engine's layer breakers are ``CONTEXT_PIPELINE``.
+    ``context:`` stream replays with the DAG engine's fold (its summaries and
+    degradations); the pipeline engine's layer breakers are ``CONTEXT_PIPELINE``. A tenant's
+    summarizer ledger (``context-ledger...``) replays with its governor
+    (``SUMMARIZER_LEDGER``: spend, breaker counts, calls still running).
     """
     if stream.startswith("session:"):
         return RUN if isinstance(first, SubagentSpawned) else SESSION
@@ -32,4 +34,6 @@ def aggregate_for(stream: str, first: Event | None = None) -> Aggregate[Any]:
         return DEADLETTER
     if stream.startswith("context:"):
         return CONTEXT_DAG
+    if stream.startswith("context-ledger"):
+        return SUMMARIZER_LEDGER
     return SUMMARY

@@ -5,11 +5,17 @@ spend and breaker, with the pure decision on whether the summarizer may run.
 each covers, where the session's scope was bound. The session's messages live in its own
 stream; folding both rebuilds the engine exactly (see ``stalwart.context``).
 
-The summarizer governor folds every ``context:*`` stream of one tenant:
+The summarizer governor folds one tenant's ledger (``context-ledger:<tenant>``: the calls
+admitted and released, recorded at decision time, so workers sharing a store share one
+spend and one breaker), or, for a log older than the ledger, every ``context:*`` stream
+of the tenant:
 
 - spend: each summary's ``input_tokens + output_tokens`` at its timestamp; a rolling hour
   and a rolling day are compared with their caps (0 disables a window);
-- breaker: ``context:summarizer_failed`` counts consecutive failures, a summary made by
+- in flight: a reserved call (``context:summarizer_reserved``) counts what it may spend
+  until it is released, or until its lease ends (its worker died);
+- breaker: a failed call (``context:summarizer_released`` with an ``error_class``; in an
+  older log ``context:summarizer_failed``) counts consecutive failures, a summary made by
   the summarizer resets them. At ``failure_threshold`` the breaker is open until
   ``reset_timeout_ms`` after the latest failure, then half-open: one trial call, whose
   failure opens it again and whose success closes it.
@@ -27,7 +33,10 @@ from stalwart.events import (
     ContextAssembled,
     ContextBound,
     ContextDagDegraded,
+    ContextLedgerOpened,
     ContextSummarizerFailed,
+    ContextSummarizerReleased,
+    ContextSummarizerReserved,
     ContextSummaryCreated,
     Event,
     RecordedEvent,
@@ -173,8 +182,19 @@ CONTEXT_DAG = ContextDagAggregate()
 # -- the summarizer governor (per tenant) ---------------------------------------------------
 
 
+class ReservedCall(msgspec.Struct, frozen=True, kw_only=True):
+    """A reserved summarizer call not yet released: what it may spend, whether it is the
+    half-open trial, and when its lease ends (unix seconds)."""
+
+    call_id: str
+    tokens: int
+    trial: bool = False
+    expires: float = 0.0
+
+
 class GovernorState(msgspec.Struct, frozen=True, kw_only=True):
-    """A tenant's summarizer spend within the last day and its breaker counts.
+    """A tenant's summarizer spend within the last day, its breaker counts, and (from its
+    ledger) the calls still running.
 
     ``spend`` is ``(ts, tokens)`` oldest first, pruned to the day before the newest."""
 
@@ -182,17 +202,47 @@ class GovernorState(msgspec.Struct, frozen=True, kw_only=True):
     spend: tuple[tuple[float, int], ...] = ()
     consecutive_failures: int = 0
     last_failure_at: float | None = None
+    calls: tuple[ReservedCall, ...] = ()
 
 
 def apply_governor_event(state: GovernorState, event: Event, ts: float) -> GovernorState:
-    """The governor after one more event (of any ``context:*`` stream); other tenants'
-    events leave it as it is."""
+    """The governor after one more event of the tenant's ledger (or, for a log older
+    than the ledger, of any ``context:*`` stream); other tenants' events leave it as it
+    is. A fold takes one source: the ledger records every call the session streams
+    record too."""
     replace = msgspec.structs.replace
+    if getattr(event, "tenant", None) != state.tenant:
+        return state
     match event:
-        case ContextSummaryCreated() if event.tenant == state.tenant and not event.fallback:
+        case ContextSummarizerReserved():
+            expires = ts + event.lease_ms / 1000
+            call = ReservedCall(
+                call_id=event.call_id, tokens=event.tokens, trial=event.trial, expires=expires
+            )
+            return replace(state, calls=(*_live(state.calls, ts), call))
+        case ContextSummarizerReleased():
+            calls = tuple(c for c in _live(state.calls, ts) if c.call_id != event.call_id)
+            spend = _spent(state, ts, event.input_tokens + event.output_tokens)
+            if event.error_class is None:
+                return replace(state, spend=spend, calls=calls, consecutive_failures=0)
+            return replace(
+                state,
+                spend=spend,
+                calls=calls,
+                consecutive_failures=state.consecutive_failures + 1,
+                last_failure_at=ts,
+            )
+        case ContextLedgerOpened():
+            return replace(
+                state,
+                spend=event.spend,
+                consecutive_failures=event.consecutive_failures,
+                last_failure_at=event.last_failure_at,
+            )
+        case ContextSummaryCreated() if not event.fallback:
             spend = _spent(state, ts, event.input_tokens + event.output_tokens)
             return replace(state, spend=spend, consecutive_failures=0)
-        case ContextSummarizerFailed() if event.tenant == state.tenant:
+        case ContextSummarizerFailed():
             return replace(
                 state,
                 spend=_spent(state, ts, event.input_tokens + event.output_tokens),
@@ -203,6 +253,17 @@ def apply_governor_event(state: GovernorState, event: Event, ts: float) -> Gover
             return state
 
 
+def _live(calls: tuple[ReservedCall, ...], now: float) -> tuple[ReservedCall, ...]:
+    """The calls whose lease has not ended at ``now``."""
+    return tuple(call for call in calls if call.expires > now)
+
+
+def in_flight(state: GovernorState, now: float) -> int:
+    """What the tenant's calls still running (reserved, not released, lease not ended)
+    may spend."""
+    return sum(call.tokens for call in _live(state.calls, now))
+
+
 def _spent(state: GovernorState, ts: float, tokens: int) -> tuple[tuple[float, int], ...]:
     """The spend entries of the last day, with ``tokens`` spent at ``ts`` (if any)."""
     kept = tuple(entry for entry in state.spend if entry[0] > ts - DAY_S)
@@ -211,6 +272,30 @@ def _spent(state: GovernorState, ts: float, tokens: int) -> tuple[tuple[float, i
 
 def apply_governor(state: GovernorState, record: RecordedEvent) -> GovernorState:
     return apply_governor_event(state, record.event, record.ts)
+
+
+class LedgerAggregate:
+    """The governor's fold of one tenant's ledger stream (``context-ledger...``). The
+    tenant is the one its first event (``context:ledger_opened``) names: a stream named
+    by a digest does not say it."""
+
+    name = "summarizer_ledger"
+    version = 1
+    state_type = GovernorState
+
+    def initial(self, stream: str) -> GovernorState:
+        return GovernorState()
+
+    def apply(self, state: GovernorState, record: RecordedEvent) -> GovernorState:
+        if record.version == 1:
+            state = msgspec.structs.replace(state, tenant=getattr(record.event, "tenant", None))
+        return apply_governor_event(state, record.event, record.ts)
+
+    def folder(self, state: GovernorState) -> ApplyFolder[GovernorState]:
+        return ApplyFolder(self.apply, state)
+
+
+SUMMARIZER_LEDGER = LedgerAggregate()
 
 
 class SummarizerVerdict(msgspec.Struct, frozen=True, kw_only=True):
@@ -251,9 +336,13 @@ def decide_summarizer(
     """May a summarizer call that would spend about ``projected`` tokens run at ``now``?
 
     The breaker is checked first (an open breaker makes no call at all, and a half-open
-    one allows a single trial: none while ``trial_running``), then each window: a call is
-    refused when what the window already spent, plus ``in_flight`` (what the tenant's
-    calls still running were allowed to spend), plus ``projected`` would pass its cap."""
+    one allows a single trial: none while one is running), then each window: a call is
+    refused when what the window already spent, plus what the tenant's calls still
+    running may spend (the state's open calls, plus ``in_flight``), plus ``projected``
+    would pass its cap. ``trial_running`` adds a trial the state does not hold."""
+    live = _live(state.calls, now)
+    in_flight += sum(call.tokens for call in live)
+    trial_running = trial_running or any(call.trial for call in live)
     trial = False
     if state.consecutive_failures >= failure_threshold and state.last_failure_at is not None:
         reopens = state.last_failure_at + reset_timeout_ms / 1000

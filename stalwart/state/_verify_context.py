@@ -9,6 +9,10 @@ context:layer_disabled      CONTEXT_PIPELINE        decide_layer_failure (contex
                                                     layer and error class)
 context:layer_half_opened   CONTEXT_PIPELINE        layer_trial_due
 context:layer_enabled       CONTEXT_PIPELINE        only during the layer's trial
+context:summarizer_         SUMMARIZER_LEDGER       decide_summarizer (context_engine.
+reserved                    (context-ledger)        summarizer_spend.*, summarizer_breaker.
+                                                    failure_threshold, reset_timeout_ms;
+                                                    the recorded estimate ``tokens``)
 ==========================  ======================  ======================================
 
 A layer's failure is an exception raised by code, which replay cannot re-run: which layer
@@ -19,6 +23,11 @@ clock reading, which the event's record carries; a record written before that wa
 (its time is the append's, a little later) is re-derived at the time its ``retry_at``
 implies, when that is not after the record. A trial's success is the layer running
 without raising: what is checked is that the layer was in its trial.
+
+A summarizer call's admission is re-derived from its tenant's ledger as it stood before
+the reservation: the call's estimate within both rolling caps (with the calls still
+running), the breaker closed or half-open with no trial running, whether it was the
+trial, and its lease.
 """
 
 from __future__ import annotations
@@ -27,10 +36,20 @@ from stalwart.events import (
     ContextLayerDisabled,
     ContextLayerEnabled,
     ContextLayerHalfOpened,
+    ContextSummarizerReserved,
     Event,
     RecordedEvent,
 )
 
+from ._context import (
+    DAY_S,
+    HOUR_S,
+    SUMMARIZER_LEDGER,
+    GovernorState,
+    decide_summarizer,
+    in_flight,
+    window_spend,
+)
 from ._context_pipeline import (
     CONTEXT_PIPELINE,
     PipelineState,
@@ -101,10 +120,58 @@ def _breaker_why(state: PipelineState, record: RecordedEvent, knobs: Knobs) -> s
     return f"the {layer} layer's breaker is {breaker.status}{retry}"
 
 
+_SPEND = "context_engine.summarizer_spend"
+_BREAKER = "context_engine.summarizer_breaker"
+
+
+def _reserved(state: GovernorState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    event = record.event
+    assert isinstance(event, ContextSummarizerReserved)
+    verdict = decide_summarizer(
+        state,
+        record.ts,
+        projected=event.tokens,
+        per_hour=knobs.get_int(f"{_SPEND}.max_tokens_per_tenant_per_hour"),
+        per_day=knobs.get_int(f"{_SPEND}.max_tokens_per_tenant_per_day"),
+        failure_threshold=knobs.get_int(f"{_BREAKER}.failure_threshold"),
+        reset_timeout_ms=knobs.get_int(f"{_BREAKER}.reset_timeout_ms"),
+    )
+    if not verdict.allowed:
+        return []
+    return [
+        ContextSummarizerReserved(
+            call_id=event.call_id,
+            tenant=event.tenant,
+            session=event.session,
+            tokens=event.tokens,
+            trial=verdict.trial,
+            lease_ms=knobs.get_int(f"{_SPEND}.reservation_lease_ms"),
+        )
+    ]
+
+
+def _reserved_why(state: GovernorState, record: RecordedEvent, knobs: Knobs) -> str:
+    now = record.ts
+    running = in_flight(state, now)
+    return (
+        f"the tenant had spent {window_spend(state, now, HOUR_S)} tokens in the hour and "
+        f"{window_spend(state, now, DAY_S)} in the day, with {running} more in calls still "
+        f"running ({_SPEND}.*), and {state.consecutive_failures} failures in a row "
+        f"({_BREAKER}.failure_threshold)"
+    )
+
+
 CONTEXT_RULES = (
     Verifier("context:layer_disabled", CONTEXT_PIPELINE, _disabled, _CONTEXT, why=_disabled_why),
     Verifier(
         "context:layer_half_opened", CONTEXT_PIPELINE, _half_opened, _CONTEXT, why=_breaker_why
     ),
     Verifier("context:layer_enabled", CONTEXT_PIPELINE, _enabled, _CONTEXT, why=_breaker_why),
+    Verifier(
+        "context:summarizer_reserved",
+        SUMMARIZER_LEDGER,
+        _reserved,
+        "context-ledger",
+        why=_reserved_why,
+    ),
 )

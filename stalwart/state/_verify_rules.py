@@ -120,7 +120,7 @@ DECISIONS = frozenset(
         *("activation:leased", "activation:acked", "activation:requeued", "activation:blocked"),
         *("activation:abandoned", "activation:lease_lost", "lease:expired"),
         "activation:released",
-        *("context:dag_degraded", "context:layer_disabled"),
+        *("context:dag_degraded", "context:layer_disabled", "context:summarizer_reserved"),
     }
 )
 

@@ -27,6 +27,7 @@ from ._protocol import (
     Snapshot,
     StreamInfo,
     WorkQueue,
+    check_stream,
 )
 from ._subscription import Subscription
 
@@ -51,6 +52,7 @@ __all__ = [
     "Subscription",
     "WorkQueue",
     "check_store",
+    "check_stream",
     "load_state",
     "open",
     "read_all_readable",

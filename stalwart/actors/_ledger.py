@@ -1,0 +1,216 @@
+"""The ContextStore's summarizer ledger: one stream per tenant in the event store.
+
+Every worker on a store (LMDB shared by processes, or PostgreSQL) admits a tenant's
+summarizer calls through the tenant's stream, ``context-ledger:<tenant>`` (see
+:func:`ledger_stream`), so the spend caps and the breaker hold across them, and every
+verdict can be re-derived from the log:
+
+1. fold the stream from where this worker last read it;
+2. decide (pure, at the clock's reading);
+3. append ``context:summarizer_reserved`` with the version folded as the expected
+   version: when another worker appended first, the append conflicts and the worker
+   folds again and decides again.
+
+A call's end, ``context:summarizer_released``, needs no expected version (it only frees
+what its reservation held). When it cannot be appended (the store is down), it is kept
+and appended before the next admission; until then the reservation counts, at most for
+its lease.
+
+The stream's first event, ``context:ledger_opened``, carries the governor folded from the
+``context:<session>`` streams for a log that is older than the ledger: spend and
+breaker counts made before the upgrade still hold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable
+from operator import attrgetter
+
+import msgspec
+
+from stalwart._logs import get_logger
+from stalwart.clock import Clock
+from stalwart.context import Decide, Reservation, ended, reserved
+from stalwart.errors import ConcurrencyError, InvalidStreamError
+from stalwart.events import (
+    ContextLedgerOpened,
+    ContextSummarizerFailed,
+    ContextSummaryCreated,
+    RecordedEvent,
+)
+from stalwart.ids import new_id
+from stalwart.state import DAY_S, GovernorState, SummarizerVerdict, apply_governor_event
+from stalwart.store import EventStore, NewEvent, check_stream
+
+__all__ = ["LEDGER_STREAM", "StoreLedger", "governor_records", "ledger_stream"]
+
+log = get_logger(__name__)
+
+#: the ledger of the sessions that name no tenant; a tenant's is ``context-ledger:<tenant>``
+LEDGER_STREAM = "context-ledger"
+#: how many times an admission folds and decides again when other workers keep
+#: appending to the same ledger first
+ADMIT_ATTEMPTS = 64
+
+
+def ledger_stream(tenant: str | None) -> str:
+    """The stream of ``tenant``'s summarizer ledger. A tenant whose name cannot be part
+    of a stream id (too long, not UTF-8) gets one named by its SHA-256."""
+    if tenant is None:
+        return LEDGER_STREAM
+    stream = f"{LEDGER_STREAM}:{tenant}"
+    try:
+        check_stream(stream)
+    except InvalidStreamError:
+        digest = hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()
+        return f"{LEDGER_STREAM}#sha256:{digest}"
+    return stream
+
+
+class StoreLedger:
+    """A :class:`~stalwart.context.SummarizerLedger` over an event store (see the module).
+    Lanes admit side by side: the store's expected version orders their admissions as it
+    orders other workers'."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        clock: Clock,
+        *,
+        lease_ms: int,
+        make_id: Callable[[], str] = new_id,
+    ) -> None:
+        self._store = store
+        self._clock = clock
+        self._lease_ms = lease_ms
+        self._make_id = make_id
+        #: per tenant: its governor as folded, and the ledger's version it folded
+        self._folded: dict[str | None, tuple[GovernorState, int]] = {}
+        #: releases not appended yet (the store refused them), oldest first
+        self._unreleased: list[tuple[str, NewEvent]] = []
+        #: the governors folded from the ``context:`` streams (older logs), once
+        self._legacy: dict[str | None, GovernorState] | None = None
+        #: held while the releases are flushed, and while the older logs are folded
+        self._lock = threading.Lock()
+
+    def governor(self, tenant: str | None) -> GovernorState:
+        return self._fold(tenant)[0]
+
+    def admit(
+        self, tenant: str | None, session: str | None, tokens: int, decide: Decide
+    ) -> tuple[SummarizerVerdict, Reservation | None]:
+        self._flush()
+        stream = ledger_stream(tenant)
+        for _ in range(ADMIT_ATTEMPTS):
+            state, version = self._fold(tenant)
+            now = self._clock.now()
+            first: list[NewEvent] = []
+            if version == 0:  # a new ledger: it opens with what older records hold
+                opened = self._opening(tenant, now)
+                first.append(NewEvent(event=opened, ts=now))
+                state = apply_governor_event(state, opened, now)
+            verdict = decide(state, now)
+            if not verdict.allowed:
+                return verdict, None
+            reservation = Reservation(
+                call_id=self._make_id(),
+                tenant=tenant,
+                session=session,
+                tokens=tokens,
+                trial=verdict.trial,
+            )
+            event = NewEvent(event=reserved(reservation, self._lease_ms), ts=now)
+            try:
+                self._store.append(stream, [*first, event], expected_version=version)
+            except ConcurrencyError:
+                continue  # another worker admitted a call first: fold it, decide again
+            return verdict, reservation
+        raise ConcurrencyError(stream, version, self._store.stream_version(stream))
+
+    def release(
+        self,
+        reservation: Reservation,
+        *,
+        input_tokens: int,
+        output_tokens: int,
+        error_class: str | None,
+        duration_ms: int,
+    ) -> None:
+        event = ended(
+            reservation,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            error_class=error_class,
+            duration_ms=duration_ms,
+        )
+        stream = ledger_stream(reservation.tenant)
+        self._unreleased.append((stream, NewEvent(event=event, ts=self._clock.now())))
+        self._flush()
+
+    def _flush(self) -> None:
+        """Append the releases the store refused before, oldest first."""
+        with self._lock:
+            while self._unreleased:
+                stream, event = self._unreleased[0]
+                try:
+                    self._store.append(stream, [event])
+                except Exception as exc:
+                    log.warning(
+                        "context_ledger.release_not_recorded",
+                        stream=stream,
+                        waiting=len(self._unreleased),
+                        error_class=type(exc).__name__,
+                        error_kind="dependency",
+                    )
+                    return
+                self._unreleased.pop(0)
+
+    def _fold(self, tenant: str | None) -> tuple[GovernorState, int]:
+        """The tenant's governor with what its ledger gained since the last fold."""
+        state, version = self._folded.get(tenant) or (GovernorState(tenant=tenant), 0)
+        for record in self._store.read_stream(ledger_stream(tenant), version + 1):
+            state = apply_governor_event(state, record.event, record.ts)
+            version = record.version
+        known = self._folded.get(tenant)
+        if known is None or known[1] < version:  # another lane may have folded further
+            self._folded[tenant] = (state, version)
+        return state, version
+
+    def _opening(self, tenant: str | None, now: float) -> ContextLedgerOpened:
+        with self._lock:
+            if self._legacy is None:
+                folded: dict[str | None, GovernorState] = {}
+                for record in governor_records(self._store):
+                    owner = getattr(record.event, "tenant", None)
+                    before = folded.get(owner) or GovernorState(tenant=owner)
+                    folded[owner] = apply_governor_event(before, record.event, record.ts)
+                self._legacy = folded
+            legacy = self._legacy.get(tenant) or GovernorState(tenant=tenant)
+        return ContextLedgerOpened(
+            tenant=tenant,
+            spend=tuple(entry for entry in legacy.spend if entry[0] > now - DAY_S),
+            consecutive_failures=legacy.consecutive_failures,
+            last_failure_at=legacy.last_failure_at,
+        )
+
+
+def governor_records(store: EventStore) -> list[RecordedEvent]:
+    """What the tenants' summarizer governors folded before the ledger existed, from
+    every ``context:`` stream, in log order: a tenant's sessions interleave, and its
+    breaker counts failures in the order they came, across them. Summaries are kept
+    without their bodies."""
+    found: list[RecordedEvent] = []
+    for info in store.streams():
+        if not info.stream.startswith("context:"):
+            continue
+        for record in store.read_stream(info.stream):
+            event = record.event
+            if isinstance(event, ContextSummaryCreated):
+                bare = msgspec.structs.replace(event, body="", covers=(), topics=())
+                found.append(msgspec.structs.replace(record, event=bare))
+            elif isinstance(event, ContextSummarizerFailed):
+                found.append(record)
+    found.sort(key=attrgetter("position"))
+    return found

@@ -1,0 +1,160 @@
+"""Where a tenant's summarizer calls are admitted and released: the governor's ledger.
+
+The DAG engine asks its ledger before every summarizer call. The ledger folds the
+tenant's governor, lets the pure decision (:func:`~stalwart.state.decide_summarizer`)
+judge the call, and records an admitted call as ``context:summarizer_reserved`` before it
+runs; when the call ends, ``context:summarizer_released`` records what it spent and
+whether it failed. A call still running counts against the caps (and a half-open trial
+bars others) until it is released or its lease ends.
+
+:class:`MemoryLedger` keeps those events in memory for an engine that runs alone (the
+CLI's ``context simulate``, a benchmark, a test). The ContextStore actor's ledger
+(:class:`stalwart.actors.StoreLedger`) appends them to the tenant's stream in the event
+store, so every worker on that store shares one spend and one breaker, and each decision
+can be replayed from the log.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+import msgspec
+
+from stalwart.clock import Clock
+from stalwart.events import ContextSummarizerReleased, ContextSummarizerReserved, Event
+from stalwart.ids import new_id
+from stalwart.state import GovernorState, SummarizerVerdict, apply_governor_event
+
+__all__ = ["Decide", "MemoryLedger", "Reservation", "SummarizerLedger", "ended", "reserved"]
+
+#: the governor's decision on one call: the tenant's governor and the clock's reading
+Decide = Callable[[GovernorState, float], SummarizerVerdict]
+
+
+class Reservation(msgspec.Struct, frozen=True, kw_only=True):
+    """An admitted summarizer call, to be released when it ends."""
+
+    call_id: str
+    tenant: str | None
+    session: str | None = None
+    tokens: int = 0
+    trial: bool = False
+
+
+class SummarizerLedger(Protocol):
+    """Admits and releases a tenant's summarizer calls (see the module). The engine
+    calls it inside ``outside()``, where its owner lets other sessions work: it must be
+    safe to call from several threads at once."""
+
+    def admit(
+        self, tenant: str | None, session: str | None, tokens: int, decide: Decide
+    ) -> tuple[SummarizerVerdict, Reservation | None]:
+        """The verdict on a call that may spend about ``tokens``, and its reservation
+        when it was let run (recorded before this returns)."""
+        ...
+
+    def release(
+        self,
+        reservation: Reservation,
+        *,
+        input_tokens: int,
+        output_tokens: int,
+        error_class: str | None,
+        duration_ms: int,
+    ) -> None:
+        """Record the end of an admitted call: what it spent, and the class of its
+        failure (None when it answered)."""
+        ...
+
+    def governor(self, tenant: str | None) -> GovernorState:
+        """The tenant's governor as the ledger holds it now."""
+        ...
+
+
+def reserved(reservation: Reservation, lease_ms: int) -> ContextSummarizerReserved:
+    """The event that records ``reservation``, whose lease is ``lease_ms``."""
+    return ContextSummarizerReserved(
+        call_id=reservation.call_id,
+        tenant=reservation.tenant,
+        session=reservation.session,
+        tokens=reservation.tokens,
+        trial=reservation.trial,
+        lease_ms=lease_ms,
+    )
+
+
+def ended(
+    reservation: Reservation,
+    *,
+    input_tokens: int,
+    output_tokens: int,
+    error_class: str | None,
+    duration_ms: int,
+) -> ContextSummarizerReleased:
+    """The event that records the end of ``reservation``'s call."""
+    return ContextSummarizerReleased(
+        call_id=reservation.call_id,
+        tenant=reservation.tenant,
+        input_tokens=max(0, input_tokens),
+        output_tokens=max(0, output_tokens),
+        error_class=error_class,
+        duration_ms=max(0, duration_ms),
+    )
+
+
+class MemoryLedger:
+    """A ledger kept in memory: one process, one engine, gone when it stops. Its lock
+    makes each admission one step: fold, decide, reserve."""
+
+    def __init__(self, clock: Clock, *, lease_ms: int, make_id: Callable[[], str] = new_id) -> None:
+        self.clock = clock
+        self.lease_ms = lease_ms
+        self.make_id = make_id
+        self.governors: dict[str | None, GovernorState] = {}
+        self._lock = threading.Lock()
+
+    def governor(self, tenant: str | None) -> GovernorState:
+        return self.governors.get(tenant) or GovernorState(tenant=tenant)
+
+    def _apply(self, tenant: str | None, event: Event) -> None:
+        self.governors[tenant] = apply_governor_event(
+            self.governor(tenant), event, self.clock.now()
+        )
+
+    def admit(
+        self, tenant: str | None, session: str | None, tokens: int, decide: Decide
+    ) -> tuple[SummarizerVerdict, Reservation | None]:
+        with self._lock:
+            verdict = decide(self.governor(tenant), self.clock.now())
+            if not verdict.allowed:
+                return verdict, None
+            reservation = Reservation(
+                call_id=self.make_id(),
+                tenant=tenant,
+                session=session,
+                tokens=tokens,
+                trial=verdict.trial,
+            )
+            self._apply(tenant, reserved(reservation, self.lease_ms))
+            return verdict, reservation
+
+    def release(
+        self,
+        reservation: Reservation,
+        *,
+        input_tokens: int,
+        output_tokens: int,
+        error_class: str | None,
+        duration_ms: int,
+    ) -> None:
+        event = ended(
+            reservation,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            error_class=error_class,
+            duration_ms=duration_ms,
+        )
+        with self._lock:
+            self._apply(reservation.tenant, event)
