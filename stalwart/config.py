@@ -396,6 +396,19 @@ class ContextEngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     #: checked when the runtime starts its ContextStore
     pipeline: dict[str, Any] = msgspec.field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # a summary's requests are bounded by half_open_timeout_ms: a call still running
+        # must hold its reservation, or the caps would not count it
+        lease = self.summarizer_spend.reservation_lease_ms
+        bound = self.summarizer_breaker.half_open_timeout_ms
+        if lease <= bound:
+            key = "context_engine.summarizer_spend.reservation_lease_ms"
+            raise ConfigError(
+                f"key '{key}': must be > context_engine.summarizer_breaker."
+                f"half_open_timeout_ms ({bound}), found {lease}",
+                key=key,
+            )
+
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole runtime configuration; recorded in ``runtime:started``."""

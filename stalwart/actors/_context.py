@@ -341,6 +341,11 @@ class ContextStoreActor(Supervised):
             )
             self._append(stream or REFUSALS_STREAM, refusal, versioned=stream is not None)
             raise
+        except Exception:
+            # a store error mid-assembly (the tenant's ledger): what the engine changed
+            # in memory was not recorded, so the next call rebuilds the session from the log
+            self._forget(session_id)
+            raise
         try:
             self._append(f"context:{session_id}", result.events)
         except Exception:

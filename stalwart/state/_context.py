@@ -223,14 +223,18 @@ def apply_governor_event(state: GovernorState, event: Event, ts: float) -> Gover
         case ContextSummarizerReleased():
             calls = tuple(c for c in _live(state.calls, ts) if c.call_id != event.call_id)
             spend = _spent(state, ts, event.input_tokens + event.output_tokens)
+            last = state.last_failure_at
             if event.error_class is None:
-                return replace(state, spend=spend, calls=calls, consecutive_failures=0)
+                # a success recorded late (its release was retried) ends no failures
+                # that came after it
+                failures = state.consecutive_failures if last is not None and ts < last else 0
+                return replace(state, spend=spend, calls=calls, consecutive_failures=failures)
             return replace(
                 state,
                 spend=spend,
                 calls=calls,
                 consecutive_failures=state.consecutive_failures + 1,
-                last_failure_at=ts,
+                last_failure_at=ts if last is None else max(last, ts),
             )
         case ContextLedgerOpened():
             return replace(
