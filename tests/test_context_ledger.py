@@ -45,6 +45,7 @@ from stalwart.context import (
     ExtractiveSummarizer,
     MemoryLedger,
     SummaryRequest,
+    ended,
 )
 from stalwart.errors import ConcurrencyError, StoreError
 from stalwart.events import (
@@ -303,7 +304,7 @@ def test_a_memory_ledger_holds_a_running_call_against_the_next() -> None:
     assert held is not None
     refused, none = memory.admit("t", "s2", 600, decide)
     assert (refused.reason, refused.used, none) == ("spend_cap", 600, None)
-    memory.release(held, input_tokens=50, output_tokens=50, error_class=None, duration_ms=3)
+    memory.release(ended(held, input_tokens=50, output_tokens=50, error_class=None, duration_ms=3))
     assert memory.admit("t", "s2", 600, decide)[1] is not None
     assert window_spend(memory.governor("t"), clock.now(), HOUR_S) == 100
     alone = DagEngine(ContextEngineSettings(), summarizer=Gate(), clock=clock)
@@ -853,7 +854,7 @@ def test_alternating_admissions_of_two_ledgers_append_without_conflict_reaching_
         clock.advance(1)
     for n, reservation in enumerate(held):
         ledgers[n % 2].release(
-            reservation, input_tokens=1, output_tokens=0, error_class=None, duration_ms=1
+            ended(reservation, input_tokens=1, output_tokens=0, error_class=None, duration_ms=1)
         )
     recorded = ledger(store)
     assert contiguous(recorded)
@@ -890,11 +891,13 @@ def test_two_workers_racing_on_threads_admit_exactly_one_call_per_round(
                 step.wait(WAIT)  # both have asked: now the call ends
                 if reservation is not None:
                     mine.release(
-                        reservation,
-                        input_tokens=0,
-                        output_tokens=0,
-                        error_class=None,
-                        duration_ms=0,
+                        ended(
+                            reservation,
+                            input_tokens=0,
+                            output_tokens=0,
+                            error_class=None,
+                            duration_ms=0,
+                        )
                     )
         except BaseException as exc:  # reported by the test
             errors.append(exc)

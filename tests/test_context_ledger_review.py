@@ -27,7 +27,7 @@ from stalwart.config import (
     SummarizerBreakerSettings,
     SummarizerSpendSettings,
 )
-from stalwart.context import ContextScopeError, ExtractiveSummarizer
+from stalwart.context import ContextScopeError, ExtractiveSummarizer, ended
 from stalwart.errors import ConfigError, StoreError
 from stalwart.events import (
     ContextBound,
@@ -169,13 +169,15 @@ def test_a_late_failed_release_reopens_the_breaker_early(tmp_path: Path) -> None
 
         _, call = one.admit("t", "s1", 1, decide)  # worker one's call fails at T0 ...
         assert call is not None
-        one.release(call, input_tokens=0, output_tokens=0, error_class="X", duration_ms=1)
+        one.release(ended(call, input_tokens=0, output_tokens=0, error_class="X", duration_ms=1))
         proxy.down = False  # ... and its release is refused, kept for later
         clock.advance(30)
         for session in ("s2", "s3"):  # worker two's calls fail at T0 + 30: open until T0 + 90
             _, other = two.admit("t", session, 1, decide)
             assert other is not None
-            two.release(other, input_tokens=0, output_tokens=0, error_class="X", duration_ms=1)
+            two.release(
+                ended(other, input_tokens=0, output_tokens=0, error_class="X", duration_ms=1)
+            )
         clock.advance(40)  # T0 + 70: the breaker opened at T0 + 30 is still open
         assert two.admit("t", "s4", 1, decide)[0].reason == "breaker_open"
         verdict, trial = one.admit("t", "s5", 1, decide)  # flushes the late release first

@@ -32,11 +32,12 @@ import msgspec
 
 from stalwart._logs import get_logger
 from stalwart.clock import Clock
-from stalwart.context import Decide, Reservation, ended, reserved
+from stalwart.context import Decide, Reservation, reserved
 from stalwart.errors import ConcurrencyError, InvalidStreamError
 from stalwart.events import (
     ContextLedgerOpened,
     ContextSummarizerFailed,
+    ContextSummarizerReleased,
     ContextSummaryCreated,
     RecordedEvent,
 )
@@ -129,24 +130,9 @@ class StoreLedger:
             return verdict, reservation
         raise ConcurrencyError(stream, version, self._store.stream_version(stream))
 
-    def release(
-        self,
-        reservation: Reservation,
-        *,
-        input_tokens: int,
-        output_tokens: int,
-        error_class: str | None,
-        duration_ms: int,
-    ) -> None:
-        event = ended(
-            reservation,
-            input_tokens=input_tokens,
-            output_tokens=output_tokens,
-            error_class=error_class,
-            duration_ms=duration_ms,
-        )
-        stream = ledger_stream(reservation.tenant)
-        self._unreleased.append((stream, NewEvent(event=event, ts=self._clock.now())))
+    def release(self, end: ContextSummarizerReleased) -> None:
+        stream = ledger_stream(end.tenant)
+        self._unreleased.append((stream, NewEvent(event=end, ts=self._clock.now())))
         self._flush()
 
     def _flush(self) -> None:

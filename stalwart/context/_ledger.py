@@ -55,17 +55,9 @@ class SummarizerLedger(Protocol):
         when it was let run (recorded before this returns)."""
         ...
 
-    def release(
-        self,
-        reservation: Reservation,
-        *,
-        input_tokens: int,
-        output_tokens: int,
-        error_class: str | None,
-        duration_ms: int,
-    ) -> None:
-        """Record the end of an admitted call: what it spent, and the class of its
-        failure (None when it answered)."""
+    def release(self, end: ContextSummarizerReleased) -> None:
+        """Record the end of an admitted call (:func:`ended`): what it spent, and the
+        class of its failure (None when it answered)."""
         ...
 
     def governor(self, tenant: str | None) -> GovernorState:
@@ -93,7 +85,7 @@ def ended(
     error_class: str | None,
     duration_ms: int,
 ) -> ContextSummarizerReleased:
-    """The event that records the end of ``reservation``'s call."""
+    """The event that records the end of ``reservation``'s call, for ``release``."""
     return ContextSummarizerReleased(
         call_id=reservation.call_id,
         tenant=reservation.tenant,
@@ -140,21 +132,6 @@ class MemoryLedger:
             self._apply(tenant, reserved(reservation, self.lease_ms))
             return verdict, reservation
 
-    def release(
-        self,
-        reservation: Reservation,
-        *,
-        input_tokens: int,
-        output_tokens: int,
-        error_class: str | None,
-        duration_ms: int,
-    ) -> None:
-        event = ended(
-            reservation,
-            input_tokens=input_tokens,
-            output_tokens=output_tokens,
-            error_class=error_class,
-            duration_ms=duration_ms,
-        )
+    def release(self, end: ContextSummarizerReleased) -> None:
         with self._lock:
-            self._apply(reservation.tenant, event)
+            self._apply(end.tenant, end)

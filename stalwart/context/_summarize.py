@@ -30,7 +30,7 @@ from stalwart.events import (
 from stalwart.state import GovernorState, SummarizerVerdict, decide_summarizer, summary_node
 
 from ._dag import DagSession
-from ._ledger import Reservation, SummarizerLedger
+from ._ledger import Reservation, SummarizerLedger, ended
 from ._render import emergency_body, merged_topics, topics_of
 from ._tokens import clip_to_tokens, estimate_message_tokens
 from ._types import ContextMessage, Summarizer, SummaryRequest
@@ -244,13 +244,14 @@ class Summaries:
             if replied and spent_in <= 0 and spent_out <= 0:  # it answered (maybe too late)
                 spent_in, spent_out = estimated, math.ceil(len(text) / 3)
         finally:
-            self.ledger.release(
+            end = ended(
                 reservation,
                 input_tokens=spent_in,
                 output_tokens=spent_out,
                 error_class=error,
                 duration_ms=elapsed_ms,
             )
+            self.ledger.release(end)
         return text, spent_in, spent_out, error, elapsed_ms
 
     def _answer(self, request: SummaryRequest) -> tuple[str, int, int, str | None]:
