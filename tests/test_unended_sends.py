@@ -266,3 +266,59 @@ def test_an_answer_whose_channel_blocks_the_loop(
 
 def _said(logs: list[Any], event: str) -> list[Any]:
     return [entry for entry in logs if entry["event"] == event]
+
+
+class _ReadLate(FakeClock):
+    """A FakeClock whose reads on one thread (the sender's) wait until the channel has
+    the send (at most ``wait_s``): the sender reading its clock after the send began,
+    as a loaded machine may schedule it."""
+
+    def __init__(self, start: float, entered: threading.Event, wait_s: float) -> None:
+        super().__init__(start=start)
+        self.reader: threading.Thread | None = None
+        self._entered = entered
+        self._wait_s = wait_s
+
+    def now(self) -> float:
+        if threading.current_thread() is self.reader:
+            self._entered.wait(self._wait_s)
+        return super().now()
+
+
+class _TimeMovesAsItSends:
+    """A channel whose send moves the clock when it begins (time passing while the send
+    is under way), then never ends by itself."""
+
+    name = "chat"
+
+    def __init__(self, step_s: float) -> None:
+        self.clock: FakeClock | None = None
+        self.entered = threading.Event()
+        self._step_s = step_s
+
+    async def send(self, message: OutboundMessage) -> Delivery:
+        assert self.clock is not None
+        self.clock.advance(self._step_s)
+        self.entered.set()
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def aclose(self) -> None:
+        return None
+
+
+def test_a_sends_deadline_counts_from_before_the_send_began() -> None:
+    """Defect (actors/_send.py: send_by_clock read ``clock.now()`` after it had handed
+    the send to the loop): when the clock moved while the channel already had the send,
+    the deadline was counted from the later reading, so the send was cut that much
+    late. tests/test_failed_answers.py's passivation test failed that way in CI."""
+    channel = _TimeMovesAsItSends(step_s=TIMEOUT_S / 2)
+    clock = _ReadLate(1_800_000_000.0, channel.entered, wait_s=0.3)
+    channel.clock = clock
+    clock.reader = threading.current_thread()
+    with Scheduler(clock) as scheduler, IoPortal() as portal:
+        sent = send_by_clock(portal, scheduler, clock, channel, _message("one"), TIMEOUT_S)
+        clock.reader = None
+        assert channel.entered.wait(GUARD)
+        clock.advance(TIMEOUT_S / 2)  # TIMEOUT_S after the send was handed over
+        assert sent.result(GUARD) == TIMEOUT

@@ -106,6 +106,9 @@ def send_by_clock(
     deadline = _Deadline()
     outcome: Future[str | None] = Future()
     name = getattr(channel, "name", None)
+    # the deadline counts from before the send begins: read after it, a clock moved
+    # while the send was already with the channel would push the deadline later
+    now = clock.now()
     send = portal.submit(_send_until, deadline, channel, message)  # raises when stopped
 
     def expire(_at: float) -> None:
@@ -119,7 +122,6 @@ def send_by_clock(
             portal.submit(_give_up, send, outcome, name, timeout_s + RESEND_GRACE_S)
 
     # a send that starts after its deadline cuts itself (``_Deadline.arm``)
-    now = clock.now()
     timers = (
         scheduler.schedule(now + timeout_s, expire),
         scheduler.schedule(now + timeout_s + RESEND_GRACE_S, abandon),
