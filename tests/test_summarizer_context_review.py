@@ -45,6 +45,7 @@ from stalwart.providers import ProviderClient
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider, Hang
+from tests._ledger_child import history as long_history
 from tests._runtime_support import agent_settings, delivered, runtime_config
 
 ASK = 10.0
@@ -149,21 +150,6 @@ def test_a_message_can_forge_another_messages_role_header(
 
 
 # -- 2. the spend of a chunked summary that runs out of time ------------------------------
-
-
-def long_history(pairs: int, words: int) -> tuple[ContextMessage, ...]:
-    out = [ContextMessage(message_id="sys", seq=0, role="system", content="Be brief.")]
-    for n in range(pairs):
-        for role in ("user", "assistant"):
-            out.append(
-                ContextMessage(
-                    message_id=f"{role[0]}{n}",
-                    seq=len(out),
-                    role=role,  # type: ignore[arg-type]
-                    content=f"{role} {n}: " + "word " * words,
-                )
-            )
-    return tuple(out)
 
 
 @pytest.mark.timeout(30)

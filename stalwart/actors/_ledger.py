@@ -32,12 +32,13 @@ import msgspec
 
 from stalwart._logs import get_logger
 from stalwart.clock import Clock
-from stalwart.context import Decide, Reservation, reserved
+from stalwart.context import Decide
 from stalwart.errors import ConcurrencyError, InvalidStreamError
 from stalwart.events import (
     ContextLedgerOpened,
     ContextSummarizerFailed,
     ContextSummarizerReleased,
+    ContextSummarizerReserved,
     ContextSummaryCreated,
     RecordedEvent,
 )
@@ -101,7 +102,7 @@ class StoreLedger:
 
     def admit(
         self, tenant: str | None, session: str | None, tokens: int, decide: Decide
-    ) -> tuple[SummarizerVerdict, Reservation | None]:
+    ) -> tuple[SummarizerVerdict, ContextSummarizerReserved | None]:
         self._flush()
         stream = ledger_stream(tenant)
         for _ in range(ADMIT_ATTEMPTS):
@@ -115,14 +116,15 @@ class StoreLedger:
             verdict = decide(state, now)
             if not verdict.allowed:
                 return verdict, None
-            reservation = Reservation(
+            reservation = ContextSummarizerReserved(
                 call_id=self._make_id(),
                 tenant=tenant,
                 session=session,
                 tokens=tokens,
                 trial=verdict.trial,
+                lease_ms=self._lease_ms,
             )
-            event = NewEvent(event=reserved(reservation, self._lease_ms), ts=now)
+            event = NewEvent(event=reservation, ts=now)
             try:
                 self._store.append(stream, [*first, event], expected_version=version)
             except ConcurrencyError:

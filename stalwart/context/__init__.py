@@ -7,7 +7,7 @@ agent can search and expand back to the exact messages; see ``docs/context.md``.
 
 from ._dag import ContextScopeError, DagSession, valid_session_id
 from ._engine import Assembly, DagEngine, ModelProfile
-from ._ledger import Decide, MemoryLedger, Reservation, SummarizerLedger, ended, reserved
+from ._ledger import Decide, MemoryLedger, SummarizerLedger, ended
 from ._recall import Expansion, Inspection, SearchHit
 from ._render import DAG_SYSTEM_CLAUSE, neutralise, render_summary
 from ._repair import SYNTHETIC_RESULT, Provider, repair, validity_violations
@@ -53,7 +53,6 @@ __all__ = [
     "MemoryLedger",
     "ModelProfile",
     "Provider",
-    "Reservation",
     "SearchHit",
     "SessionMessages",
     "Summarizer",
@@ -75,7 +74,6 @@ __all__ = [
     "render_summary",
     "repair",
     "request_budget",
-    "reserved",
     "valid_session_id",
     "validity_violations",
 ]

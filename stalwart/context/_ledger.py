@@ -20,27 +20,15 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-import msgspec
-
 from stalwart.clock import Clock
 from stalwart.events import ContextSummarizerReleased, ContextSummarizerReserved, Event
 from stalwart.ids import new_id
 from stalwart.state import GovernorState, SummarizerVerdict, apply_governor_event
 
-__all__ = ["Decide", "MemoryLedger", "Reservation", "SummarizerLedger", "ended", "reserved"]
+__all__ = ["Decide", "MemoryLedger", "SummarizerLedger", "ended"]
 
 #: the governor's decision on one call: the tenant's governor and the clock's reading
 Decide = Callable[[GovernorState, float], SummarizerVerdict]
-
-
-class Reservation(msgspec.Struct, frozen=True, kw_only=True):
-    """An admitted summarizer call, to be released when it ends."""
-
-    call_id: str
-    tenant: str | None
-    session: str | None = None
-    tokens: int = 0
-    trial: bool = False
 
 
 class SummarizerLedger(Protocol):
@@ -50,9 +38,10 @@ class SummarizerLedger(Protocol):
 
     def admit(
         self, tenant: str | None, session: str | None, tokens: int, decide: Decide
-    ) -> tuple[SummarizerVerdict, Reservation | None]:
+    ) -> tuple[SummarizerVerdict, ContextSummarizerReserved | None]:
         """The verdict on a call that may spend about ``tokens``, and its reservation
-        when it was let run (recorded before this returns)."""
+        (the ``context:summarizer_reserved`` event) when it was let run, recorded before
+        this returns."""
         ...
 
     def release(self, end: ContextSummarizerReleased) -> None:
@@ -65,20 +54,8 @@ class SummarizerLedger(Protocol):
         ...
 
 
-def reserved(reservation: Reservation, lease_ms: int) -> ContextSummarizerReserved:
-    """The event that records ``reservation``, whose lease is ``lease_ms``."""
-    return ContextSummarizerReserved(
-        call_id=reservation.call_id,
-        tenant=reservation.tenant,
-        session=reservation.session,
-        tokens=reservation.tokens,
-        trial=reservation.trial,
-        lease_ms=lease_ms,
-    )
-
-
 def ended(
-    reservation: Reservation,
+    reservation: ContextSummarizerReserved,
     *,
     input_tokens: int,
     output_tokens: int,
@@ -117,19 +94,20 @@ class MemoryLedger:
 
     def admit(
         self, tenant: str | None, session: str | None, tokens: int, decide: Decide
-    ) -> tuple[SummarizerVerdict, Reservation | None]:
+    ) -> tuple[SummarizerVerdict, ContextSummarizerReserved | None]:
         with self._lock:
             verdict = decide(self.governor(tenant), self.clock.now())
             if not verdict.allowed:
                 return verdict, None
-            reservation = Reservation(
+            reservation = ContextSummarizerReserved(
                 call_id=self.make_id(),
                 tenant=tenant,
                 session=session,
                 tokens=tokens,
                 trial=verdict.trial,
+                lease_ms=self.lease_ms,
             )
-            self._apply(tenant, reserved(reservation, self.lease_ms))
+            self._apply(tenant, reservation)
             return verdict, reservation
 
     def release(self, end: ContextSummarizerReleased) -> None:

@@ -24,13 +24,14 @@ from stalwart.errors import SummaryFailedError
 from stalwart.events import (
     ContextDagDegraded,
     ContextSummarizerFailed,
+    ContextSummarizerReserved,
     ContextSummaryCreated,
     Event,
 )
 from stalwart.state import GovernorState, SummarizerVerdict, decide_summarizer, summary_node
 
 from ._dag import DagSession
-from ._ledger import Reservation, SummarizerLedger, ended
+from ._ledger import SummarizerLedger, ended
 from ._render import emergency_body, merged_topics, topics_of
 from ._tokens import clip_to_tokens, estimate_message_tokens
 from ._types import ContextMessage, Summarizer, SummaryRequest
@@ -224,7 +225,7 @@ class Summaries:
         return text, spent_in, spent_out, None
 
     def _governed(
-        self, request: SummaryRequest, reservation: Reservation, estimated: int
+        self, request: SummaryRequest, reservation: ContextSummarizerReserved, estimated: int
     ) -> tuple[str, int, int, str | None, int]:
         """The admitted call: its text, spend, failure class (None when it answered)
         and time taken in ms, released in the ledger whatever happens."""

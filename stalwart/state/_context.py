@@ -334,19 +334,17 @@ def decide_summarizer(
     per_day: int,
     failure_threshold: int,
     reset_timeout_ms: int,
-    in_flight: int = 0,
-    trial_running: bool = False,
 ) -> SummarizerVerdict:
     """May a summarizer call that would spend about ``projected`` tokens run at ``now``?
 
     The breaker is checked first (an open breaker makes no call at all, and a half-open
     one allows a single trial: none while one is running), then each window: a call is
     refused when what the window already spent, plus what the tenant's calls still
-    running may spend (the state's open calls, plus ``in_flight``), plus ``projected``
-    would pass its cap. ``trial_running`` adds a trial the state does not hold."""
+    running may spend (the state's reserved calls whose lease has not ended), plus
+    ``projected`` would pass its cap."""
     live = _live(state.calls, now)
-    in_flight += sum(call.tokens for call in live)
-    trial_running = trial_running or any(call.trial for call in live)
+    running = sum(call.tokens for call in live)
+    trial_running = any(call.trial for call in live)
     trial = False
     if state.consecutive_failures >= failure_threshold and state.last_failure_at is not None:
         reopens = state.last_failure_at + reset_timeout_ms / 1000
@@ -366,7 +364,7 @@ def decide_summarizer(
     ):
         if cap <= 0:
             continue
-        used = window_spend(state, now, seconds) + in_flight
+        used = window_spend(state, now, seconds) + running
         if used + projected > cap:
             return SummarizerVerdict(
                 allowed=False,

@@ -32,6 +32,8 @@ trial, and its lease.
 
 from __future__ import annotations
 
+import msgspec
+
 from stalwart.events import (
     ContextLayerDisabled,
     ContextLayerEnabled,
@@ -138,16 +140,8 @@ def _reserved(state: GovernorState, record: RecordedEvent, knobs: Knobs) -> list
     )
     if not verdict.allowed:
         return []
-    return [
-        ContextSummarizerReserved(
-            call_id=event.call_id,
-            tenant=event.tenant,
-            session=event.session,
-            tokens=event.tokens,
-            trial=verdict.trial,
-            lease_ms=knobs.get_int(f"{_SPEND}.reservation_lease_ms"),
-        )
-    ]
+    lease_ms = knobs.get_int(f"{_SPEND}.reservation_lease_ms")
+    return [msgspec.structs.replace(event, trial=verdict.trial, lease_ms=lease_ms)]
 
 
 def _reserved_why(state: GovernorState, record: RecordedEvent, knobs: Knobs) -> str:
