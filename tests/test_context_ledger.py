@@ -250,6 +250,19 @@ def test_a_release_of_an_unknown_or_expired_call_still_counts_its_spend_and_outc
     assert answered.consecutive_failures == 0  # a success closes the breaker
 
 
+def test_a_release_written_twice_counts_once() -> None:
+    """A release whose append failed ambiguously (written, then reported lost) is
+    appended again: the fold counts its spend and its outcome once."""
+    once = fold((reserve("c1", 900), T0), (release("c1", spent=400, error_class="E"), T0 + 1))
+    twice = apply_governor_event(once, release("c1", spent=400, error_class="E"), T0 + 2)
+    assert window_spend(twice, T0 + 2, HOUR_S) == 400
+    assert (twice.consecutive_failures, twice.last_failure_at) == (1, T0 + 1)
+    # a day later the call's spend has left every window, and its id is forgotten
+    later = apply_governor_event(twice, release("c2", spent=5), T0 + DAY_S + 2)
+    assert later.released == ((T0 + DAY_S + 2, "c2"),)
+    assert window_spend(later, T0 + DAY_S + 2, DAY_S) == 5
+
+
 def test_a_live_trial_reservation_bars_every_other_call() -> None:
     failing = [(release(f"f{n}", error_class="TimeoutError"), T0) for n in range(3)]
     opened = fold(*failing)
@@ -782,6 +795,49 @@ def test_a_release_the_store_refused_is_appended_before_the_next_admission(
     warned = [e for e in logs if e["event"] == "context_ledger.release_not_recorded"]
     assert len(warned) == 1
     assert warned[0]["log_level"] == "warning"
+    ledger_never_over(store, CAP)
+
+
+class LosesOneReleaseAmbiguously(RefusesOneRelease):
+    """A real store that writes the first release to a ledger, then reports it lost as
+    PostgreSQL does when the connection drops during the commit."""
+
+    def append(
+        self,
+        stream: str,
+        events: Sequence[Event | NewEvent],
+        expected_version: int | None = None,
+        **kwargs: Any,
+    ) -> list[RecordedEvent]:
+        written = self._store.append(stream, events, expected_version, **kwargs)
+        released = any(
+            isinstance(e.event if isinstance(e, NewEvent) else e, ContextSummarizerReleased)
+            for e in events
+        )
+        if released and stream.startswith(LEDGER_STREAM) and not self.refused:
+            self.refused.append(stream)
+            raise StoreError("the commit may or may not have been written")
+        return written
+
+
+def test_a_release_retried_after_an_ambiguous_failure_spends_the_cap_once(
+    store: EventStore, clock: FakeClock
+) -> None:
+    proxy = LosesOneReleaseAmbiguously(store)
+    summarizer = Gate((200, 100))  # 300 + one call's projection fit the cap; 600 + it do not
+    with worker(proxy, clock, summarizer, ledger_settings()) as ref:  # type: ignore[arg-type]
+        assert assemble(ref, "a").summaries_made
+        clock.advance(5)
+        second = assemble(ref, "b")
+    recorded = ledger(store)
+    releases = [r.event for r in recorded if isinstance(r.event, ContextSummarizerReleased)]
+    assert [e.call_id for e in releases].count(releases[0].call_id) == 2  # written twice
+    assert summarizer.calls == 2, "the first call's spend counted twice against the cap"
+    assert second.summaries_made
+    state = GovernorState(tenant=TENANT)
+    for record in recorded:
+        state = apply_governor_event(state, record.event, record.ts)
+    assert window_spend(state, clock.now(), HOUR_S) == 600
     ledger_never_over(store, CAP)
 
 

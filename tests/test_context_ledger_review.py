@@ -195,8 +195,8 @@ def test_a_success_recorded_late_ends_no_failure_that_came_after_it() -> None:
     state = apply_governor_event(state, late, T0)  # it answered at T0; recorded after them
     assert state.consecutive_failures == 2
     assert sum(tokens for _, tokens in state.spend) == 10  # what it spent still counts
-    on_time = apply_governor_event(state, late, T0 + 32)
-    assert on_time.consecutive_failures == 0
+    on_time = ContextSummarizerReleased(call_id="a2", tenant="t", input_tokens=10)
+    assert apply_governor_event(state, on_time, T0 + 32).consecutive_failures == 0
 
 
 def test_a_lease_no_longer_than_a_summary_call_is_refused() -> None:

@@ -196,13 +196,16 @@ class GovernorState(msgspec.Struct, frozen=True, kw_only=True):
     """A tenant's summarizer spend within the last day, its breaker counts, and (from its
     ledger) the calls still running.
 
-    ``spend`` is ``(ts, tokens)`` oldest first, pruned to the day before the newest."""
+    ``spend`` is ``(ts, tokens)`` oldest first, pruned to the day before the newest.
+    ``released`` is ``(ts, call_id)`` of the releases of that day: a release written twice
+    (its first append failed ambiguously and was retried) counts once."""
 
     tenant: str | None = None
     spend: tuple[tuple[float, int], ...] = ()
     consecutive_failures: int = 0
     last_failure_at: float | None = None
     calls: tuple[ReservedCall, ...] = ()
+    released: tuple[tuple[float, str], ...] = ()
 
 
 def apply_governor_event(state: GovernorState, event: Event, ts: float) -> GovernorState:
@@ -221,18 +224,29 @@ def apply_governor_event(state: GovernorState, event: Event, ts: float) -> Gover
             )
             return replace(state, calls=(*_live(state.calls, ts), call))
         case ContextSummarizerReleased():
+            if any(call_id == event.call_id for _, call_id in state.released):
+                return state  # the same release written again: counted already
             calls = tuple(c for c in _live(state.calls, ts) if c.call_id != event.call_id)
             spend = _spent(state, ts, event.input_tokens + event.output_tokens)
+            kept = tuple(entry for entry in state.released if entry[0] > ts - DAY_S)
+            released = (*kept, (ts, event.call_id))
             last = state.last_failure_at
             if event.error_class is None:
                 # a success recorded late (its release was retried) ends no failures
                 # that came after it
                 failures = state.consecutive_failures if last is not None and ts < last else 0
-                return replace(state, spend=spend, calls=calls, consecutive_failures=failures)
+                return replace(
+                    state,
+                    spend=spend,
+                    calls=calls,
+                    released=released,
+                    consecutive_failures=failures,
+                )
             return replace(
                 state,
                 spend=spend,
                 calls=calls,
+                released=released,
                 consecutive_failures=state.consecutive_failures + 1,
                 last_failure_at=ts if last is None else max(last, ts),
             )
@@ -284,7 +298,7 @@ class LedgerAggregate:
     by a digest does not say it."""
 
     name = "summarizer_ledger"
-    version = 1
+    version = 2  # 2: released call ids
     state_type = GovernorState
 
     def initial(self, stream: str) -> GovernorState:
