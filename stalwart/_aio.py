@@ -1,5 +1,5 @@
-"""Two anyio patterns the layers share: a cancel scope cut on a Clock, and a long wait
-on a worker thread of its own."""
+"""The anyio patterns the layers share: a cancel scope cut on a Clock, a sleep on a Clock,
+and a long wait on a worker thread of its own."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import anyio.to_thread
 
 from stalwart.clock import Timer
 
-__all__ = ["cut_after", "wait_on_own_thread"]
+__all__ = ["cut_after", "sleep_for", "wait_on_own_thread"]
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -33,6 +33,15 @@ def cut_after(seconds: float, timer: Timer | None) -> Iterator[anyio.CancelScope
             yield scope
         finally:
             disarm()
+
+
+async def sleep_for(seconds: float, timer: Timer | None) -> None:
+    """Sleep ``seconds`` on ``timer``'s clock, or without one on the event loop's."""
+    if timer is None:
+        await anyio.sleep(seconds)
+        return
+    with cut_after(seconds, timer):
+        await anyio.sleep_forever()
 
 
 async def wait_on_own_thread(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:

@@ -80,7 +80,7 @@ for _rules in ALLOWED.values():
     _rules.update(("_logs", "_text"))
 #: the anyio patterns the I/O layers share (``stalwart._aio``), on a Clock's timers
 ALLOWED["_aio"] = {"clock"}
-for _part_name in ("tools", "actors", "testing", "runtime"):
+for _part_name in ("channels", "tools", "actors", "testing", "runtime"):
     ALLOWED[_part_name].add("_aio")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from stalwart.clock import Clock
+from stalwart.clock import Clock, Timer
 from stalwart.config import ChannelSettings
 
 from ._console import ConsoleChannel
@@ -20,14 +20,16 @@ def channel_from_settings(
     settings: ChannelSettings,
     *,
     clock: Clock | None = None,
+    timer: Timer | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> Channel:
     """The channel ``[channels.NAME]`` describes; ConfigError if it cannot be built (a
-    webhook with no url, or whose secret env var is not set)."""
+    webhook with no url, or whose secret env var is not set). A webhook's attempt limits
+    and backoffs run on ``timer`` (on its Clock) when one is given."""
     match settings.kind:
         case "console":
             return ConsoleChannel(name)
         case "memory":
             return MemoryChannel(name)
         case "webhook":
-            return WebhookChannel(name, settings, clock=clock, transport=transport)
+            return WebhookChannel(name, settings, clock=clock, timer=timer, transport=transport)

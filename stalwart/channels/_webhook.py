@@ -1,7 +1,11 @@
 """A channel that POSTs each message as JSON to an HTTP endpoint, with bounded retries.
 
 Every attempt has its own time limit and carries the same ``Idempotency-Key`` header, so a
-receiver that saw an attempt the sender gave up on can drop the duplicate. The secret
+receiver that saw an attempt the sender gave up on can drop the duplicate. With a
+``timer`` (a runtime's channels have one), the attempts' limits and the backoffs between
+them run on its Clock; without one, on the event loop's. httpx's own connect and read
+timeouts (the same length) stay on real time: a network that does not answer is bounded
+whatever the Clock does. The secret
 header's value is read from its env var once and goes into that header only: not into a
 repr, an error, a log line or an event. Errors and reprs never show the url's path or
 query either (a webhook url often holds a token), and httpx's own request log line shows
@@ -16,13 +20,13 @@ import os
 import random
 from urllib.parse import quote, urlsplit
 
-import anyio
 import httpx
 import msgspec
 
+from stalwart._aio import cut_after, sleep_for
 from stalwart._logs import get_logger
 from stalwart.backoff import backoff_delay, parse_retry_after
-from stalwart.clock import Clock, SystemClock
+from stalwart.clock import Clock, SystemClock, Timer
 from stalwart.config import ChannelSettings, webhook_url_problem
 from stalwart.errors import ChannelError, ConfigError
 
@@ -52,6 +56,7 @@ class WebhookChannel:
         settings: ChannelSettings,
         *,
         clock: Clock | None = None,
+        timer: Timer | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -71,6 +76,7 @@ class WebhookChannel:
             self._secret = (settings.secret_header, _secret_value(where, settings.secret_env))
         _HIDDEN_URLS.add(str(httpx.URL(self._url)))
         self._clock = clock or SystemClock()
+        self._timer = timer
         self._rng = rng or random.Random()
         self._timeout = settings.timeout_ms / 1000
         self._http = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(self._timeout))
@@ -128,11 +134,11 @@ class WebhookChannel:
                 status=outcome.status,
                 delay_s=round(delay, 3),
             )
-            await anyio.sleep(delay)
+            await sleep_for(delay, self._timer)
 
     async def _attempt(self, body: bytes, headers: dict[str, str]) -> int | _Failure:
         """The 2xx status, or what went wrong; bounded by the per-attempt timeout."""
-        with anyio.move_on_after(self._timeout):
+        with cut_after(self._timeout, self._timer):
             try:
                 async with self._http.stream(
                     "POST", self._url, content=body, headers=headers

@@ -13,7 +13,7 @@ from typing import TypeVar
 import stalwart
 from stalwart import store as store_module
 from stalwart._logs import get_logger
-from stalwart.actors import IoPortal, LoopWatch, Scheduler
+from stalwart.actors import IoPortal, LoopWatch, Scheduler, clock_timer
 from stalwart.channels import Channel, ConsoleChannel, channel_from_settings
 from stalwart.clock import Clock
 from stalwart.config import Config
@@ -126,11 +126,20 @@ class Foundation:
         built: dict[str, Channel] = {}
         for name, settings in self._config.channels.items():
             if name not in self._extra:
-                built[name] = channel_from_settings(name, settings, clock=self._clock)
+                built[name] = channel_from_settings(
+                    name, settings, clock=self._clock, timer=self._timer
+                )
         if not self._config.channels and DEFAULT_CHANNEL not in self._extra:
             built[DEFAULT_CHANNEL] = ConsoleChannel(DEFAULT_CHANNEL)
         self._built = list(built.values())
         return {**built, **self._extra}
+
+    def _timer(self, seconds: float, expire: Callable[[], object]) -> Callable[[], object]:
+        """The built channels' :data:`~stalwart.clock.Timer`: they are built before the
+        scheduler starts, and send only once it runs."""
+        if self._portal is None or self._scheduler is None:
+            raise RuntimeError("the runtime's scheduler has not started")
+        return clock_timer(self._portal, self._scheduler, self._clock, seconds, expire)
 
     # -- closing (each a step of Runtime.close) ------------------------------------------------
 
