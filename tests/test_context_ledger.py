@@ -53,6 +53,7 @@ from stalwart.events import (
     ContextDagDegraded,
     ContextLedgerOpened,
     ContextSummarizerFailed,
+    ContextSummarizerRefused,
     ContextSummarizerReleased,
     ContextSummarizerReserved,
     ContextSummaryCreated,
@@ -353,7 +354,11 @@ def test_a_tenant_whose_name_cannot_be_a_stream_is_governed_in_its_hashed_ledger
     assert ledger_.admit(tenant, "s1", 600, decide)[1] is not None
     assert ledger_.admit(tenant, "s2", 600, decide)[0].reason == "spend_cap"
     recorded = ledger(store, tenant)
-    assert kinds(recorded) == ["ContextLedgerOpened", "ContextSummarizerReserved"]
+    assert kinds(recorded) == [
+        "ContextLedgerOpened",
+        "ContextSummarizerReserved",
+        "ContextSummarizerRefused",
+    ]
     assert recorded[0].stream.startswith("context-ledger#sha256:")
 
 
@@ -590,13 +595,20 @@ def test_a_log_older_than_the_ledger_keeps_its_open_breaker(
         (refusal,) = degraded(store, "new")
         assert (refusal.reason, refusal.used, refusal.limit) == ("breaker_open", 5, 5)
         assert refusal.until == failed_at + 60
-        assert ledger(store) == []  # a refusal writes nothing to the ledger
+        (opened, refused) = ledger(store)  # the ledger records the refusal too
+        assert isinstance(refused.event, ContextSummarizerRefused)
+        assert (refused.event.reason, refused.event.used, refused.event.until) == (
+            "breaker_open",
+            5,
+            failed_at + 60,
+        )
         clock.advance(60)
         assemble(ref, "trial")
         assert summarizer.calls == 1
     recorded = ledger(store)
     assert kinds(recorded) == [
         "ContextLedgerOpened",
+        "ContextSummarizerRefused",
         "ContextSummarizerReserved",
         "ContextSummarizerReleased",
     ]
@@ -606,7 +618,7 @@ def test_a_log_older_than_the_ledger_keeps_its_open_breaker(
         5,
         failed_at,
     )
-    assert recorded[1].event.trial  # the half-open breaker's one trial
+    assert recorded[2].event.trial  # the half-open breaker's one trial
     assert contiguous(recorded)
 
 
@@ -726,7 +738,11 @@ def test_a_worker_killed_mid_call_holds_the_cap_until_its_lease_ends(tmp_path: P
         records = ledger(store)
     finally:
         store.close()
-    assert kinds(records)[2:] == ["ContextSummarizerReserved", "ContextSummarizerReleased"]
+    assert kinds(records)[2:] == [
+        "ContextSummarizerRefused",  # while the dead worker's call held the cap
+        "ContextSummarizerReserved",
+        "ContextSummarizerReleased",
+    ]
     assert contiguous(records)
 
 
@@ -878,9 +894,83 @@ def test_an_admission_that_loses_the_race_folds_and_decides_again(
     assert seen == [0, 4_000]  # decided again on the fold that holds two's call
     assert (verdict.reason, verdict.used, reservation) == ("spend_cap", 4_000, None)
     recorded = ledger(store)
-    assert kinds(recorded) == ["ContextLedgerOpened", "ContextSummarizerReserved"]
+    assert kinds(recorded) == [
+        "ContextLedgerOpened",
+        "ContextSummarizerReserved",
+        "ContextSummarizerRefused",
+    ]
     assert recorded[1].event.session == "s2"
+    assert (recorded[2].event.session, recorded[2].event.used) == ("s1", 4_000)
     assert contiguous(recorded)
+
+
+def test_a_refusal_is_recorded_once_while_the_ledger_and_the_verdict_stay(
+    store: EventStore, clock: FakeClock
+) -> None:
+    """Every summary of an assembly the cap refuses asks again: the ledger records the
+    refusal once, with the numbers compared, until the ledger or the verdict changes."""
+    one = StoreLedger(store, clock, lease_ms=60_000)
+    two = StoreLedger(store, clock, lease_ms=60_000)
+    held = one.admit(TENANT, "s1", 4_000, capped(4_000))[1]
+    assert held is not None
+    for session, tokens in (("s2", 4_000), ("s2", 2_500), ("s3", 3_000)):
+        verdict, reservation = two.admit(TENANT, session, tokens, capped(tokens))
+        assert (verdict.reason, reservation) == ("spend_cap", None)
+    recorded = ledger(store)
+    assert kinds(recorded) == [
+        "ContextLedgerOpened",
+        "ContextSummarizerReserved",
+        "ContextSummarizerRefused",
+    ]
+    refused = recorded[2].event
+    assert isinstance(refused, ContextSummarizerRefused)
+    assert (refused.session, refused.tokens, refused.reason) == ("s2", 4_000, "spend_cap")
+    assert (refused.knob, refused.used, refused.limit, refused.until) == (
+        PER_HOUR,
+        4_000,
+        6_000,
+        None,
+    )
+    # the other worker's call ends: the ledger changed, and so does the verdict
+    clock.advance(1)
+    one.release(ended(held, input_tokens=3_000, output_tokens=0, error_class=None, duration_ms=5))
+    verdict, _ = two.admit(TENANT, "s4", 4_000, capped(4_000))
+    frees = clock.now() + HOUR_S  # when the spend released just now leaves the hour
+    assert (verdict.reason, verdict.used, verdict.until) == ("spend_cap", 3_000, frees)
+    assert kinds(ledger(store))[3:] == ["ContextSummarizerReleased", "ContextSummarizerRefused"]
+    assert contiguous(ledger(store))
+
+
+def test_a_refusal_that_loses_the_race_folds_and_decides_again(
+    store: EventStore, clock: FakeClock
+) -> None:
+    """Between a worker's fold and its refusal, the call that held the cap is released by
+    another worker: the refusal's append conflicts, and the worker admits its call."""
+    one = StoreLedger(store, clock, lease_ms=60_000)
+    two = StoreLedger(store, clock, lease_ms=60_000)
+    held = one.admit(TENANT, "s1", 4_000, capped(4_000))[1]
+    assert held is not None
+    verdicts: list[SummarizerVerdict] = []
+
+    def decide(state: GovernorState, now: float) -> SummarizerVerdict:
+        verdict = capped(4_000)(state, now)
+        verdicts.append(verdict)
+        if len(verdicts) == 1:  # refused; before it is recorded, the call ends
+            one.release(
+                ended(held, input_tokens=10, output_tokens=0, error_class=None, duration_ms=5)
+            )
+        return verdict
+
+    verdict, reservation = two.admit(TENANT, "s2", 4_000, decide)
+    assert [v.allowed for v in verdicts] == [False, True]
+    assert verdict.allowed
+    assert reservation is not None
+    assert kinds(ledger(store)) == [
+        "ContextLedgerOpened",
+        "ContextSummarizerReserved",
+        "ContextSummarizerReleased",
+        "ContextSummarizerReserved",
+    ]
 
 
 def test_alternating_admissions_of_two_ledgers_append_without_conflict_reaching_callers(

@@ -1,6 +1,6 @@
-"""Replay verification of the summarizer's admissions (``context:summarizer_reserved``):
-each is re-derived from its tenant's ledger as it stood before it, at its time, with the
-config in force."""
+"""Replay verification of the summarizer's admissions (``context:summarizer_reserved``)
+and refusals (``context:summarizer_refused``): each is re-derived from its tenant's
+ledger as it stood before it, at its time, with the config in force."""
 
 from __future__ import annotations
 
@@ -17,7 +17,13 @@ from stalwart.config import (
     SummarizerSpendSettings,
 )
 from stalwart.context import ContextMessage, SummaryRequest
-from stalwart.events import ContextLedgerOpened, ContextSummarizerReserved, RecordedEvent
+from stalwart.events import (
+    ContextDagDegraded,
+    ContextLedgerOpened,
+    ContextSummarizerRefused,
+    ContextSummarizerReserved,
+    RecordedEvent,
+)
 from stalwart.state import SUMMARIZER_LEDGER, VERIFIERS, aggregate_for, fold, verify
 from stalwart.store import EventStore, NewEvent
 
@@ -165,3 +171,71 @@ def test_replay_folds_a_ledger_with_its_governor(store: EventStore, clock: FakeC
     assert state.calls == ()  # every call was released
     assert sum(tokens for _, tokens in state.spend) == 2 * 960
     assert msgspec.json.decode(msgspec.json.encode(state), type=type(state)) == state
+
+
+def refusals(store: EventStore) -> list[RecordedEvent]:
+    return [
+        record
+        for record in store.read_stream(ledger_stream("acme"))
+        if isinstance(record.event, ContextSummarizerRefused)
+    ]
+
+
+def test_every_refusal_a_runtime_recorded_verifies(store: EventStore, clock: FakeClock) -> None:
+    """A cap no summary fits: every call of three sessions' assemblies is refused. The
+    ledger records the refusal once (nothing changed between them), each session its
+    degradation, and the refusal re-derives."""
+    engine = settings(hour=1_000)
+    run(store, clock, engine, sessions=3)
+    (refused,) = refusals(store)
+    event = refused.event
+    assert isinstance(event, ContextSummarizerRefused)
+    assert (event.reason, event.used, event.limit) == ("spend_cap", 0, 1_000)
+    assert event.tokens > 1_000
+    degraded = [
+        r
+        for n in range(3)
+        for r in store.read_stream(f"context:s{n}")
+        if isinstance(r.event, ContextDagDegraded)
+    ]
+    assert len(degraded) == 3
+    report = verify(store.read_all(), VERIFIERS, defaults=defaults(engine))
+    assert report.findings == ()
+    assert report.checked["context:summarizer_refused"] == 1
+
+
+def test_a_refusal_the_policy_in_force_would_not_make_is_a_finding(
+    store: EventStore, clock: FakeClock
+) -> None:
+    """The same log judged under a cap the estimate fits: the refusal does not follow."""
+    run(store, clock, settings(hour=1_000), sessions=1)
+    (refused,) = refusals(store)
+    report = verify(store.read_all(), VERIFIERS, defaults=defaults(settings()))
+    found = [f for f in report.findings if f.tag == "context:summarizer_refused"]
+    assert [(f.kind, f.version) for f in found] == [("mismatch", refused.version)]
+    assert "tokens in the hour" in found[0].message
+
+
+def test_a_refusal_with_other_numbers_than_the_ledger_held_is_a_finding(
+    store: EventStore, clock: FakeClock
+) -> None:
+    """A refusal that says the tenant had spent more than its ledger shows."""
+    engine = settings(hour=30_000)
+    stream = ledger_stream("acme")
+    store.append(stream, [NewEvent(event=ContextLedgerOpened(tenant="acme"), ts=clock.now())])
+    forged = ContextSummarizerRefused(
+        tenant="acme",
+        session="s",
+        tokens=40_000,
+        reason="spend_cap",
+        knob="context_engine.summarizer_spend.max_tokens_per_tenant_per_hour",
+        used=29_000,
+        limit=30_000,
+    )
+    store.append(stream, [NewEvent(event=forged, ts=clock.now())])
+    report = verify(store.read_all(), VERIFIERS, defaults=defaults(engine))
+    assert [(f.kind, f.version) for f in report.findings] == [("mismatch", 2)]
+    honest = msgspec.structs.replace(forged, used=0)
+    store.append(stream, [NewEvent(event=honest, ts=clock.now())])
+    report = verify(store.read_all(), VERIFIERS, defaults=defaults(engine))
+    assert [(f.kind, f.version) for f in report.findings] == [("mismatch", 2)]

@@ -11,6 +11,10 @@ verdict can be re-derived from the log:
    version: when another worker appended first, the append conflicts and the worker
    folds again and decides again.
 
+A refusal is recorded the same way (``context:summarizer_refused``, with the version
+folded expected), once while neither the ledger nor the verdict changes: a worker refused
+for every summary of an assembly writes one refusal, not one per summary.
+
 A call's end, ``context:summarizer_released``, needs no expected version (it only frees
 what its reservation held). When it cannot be appended (the store is down), it is kept
 and appended before the next admission; until then the reservation counts, at most for
@@ -37,6 +41,7 @@ from stalwart.errors import ConcurrencyError, InvalidStreamError
 from stalwart.events import (
     ContextLedgerOpened,
     ContextSummarizerFailed,
+    ContextSummarizerRefused,
     ContextSummarizerReleased,
     ContextSummarizerReserved,
     ContextSummaryCreated,
@@ -92,6 +97,9 @@ class StoreLedger:
         self._folded: dict[str | None, tuple[GovernorState, int]] = {}
         #: releases not appended yet (the store refused them), oldest first
         self._unreleased: list[tuple[str, NewEvent]] = []
+        #: per tenant: the ledger's version after this worker's last refusal, and its rule
+        #: and numbers
+        self._refused: dict[str | None, tuple[int, tuple[object, ...]]] = {}
         #: the governors folded from the ``context:`` streams (older logs), once
         self._legacy: dict[str | None, GovernorState] | None = None
         #: held while the releases are flushed, and while the older logs are folded
@@ -115,21 +123,28 @@ class StoreLedger:
                 state = apply_governor_event(state, opened, now)
             verdict = decide(state, now)
             if not verdict.allowed:
-                return verdict, None
-            reservation = ContextSummarizerReserved(
-                call_id=self._make_id(),
-                tenant=tenant,
-                session=session,
-                tokens=tokens,
-                trial=verdict.trial,
-                lease_ms=self._lease_ms,
-            )
-            event = NewEvent(event=reservation, ts=now)
+                refusal = _refusal(tenant, session, tokens, verdict)
+                if self._refused.get(tenant) == (version, _rule(refusal)):
+                    return verdict, None  # recorded already, on this very ledger
+                recorded: ContextSummarizerRefused | ContextSummarizerReserved = refusal
+            else:
+                recorded = ContextSummarizerReserved(
+                    call_id=self._make_id(),
+                    tenant=tenant,
+                    session=session,
+                    tokens=tokens,
+                    trial=verdict.trial,
+                    lease_ms=self._lease_ms,
+                )
+            event = NewEvent(event=recorded, ts=now)
             try:
                 self._store.append(stream, [*first, event], expected_version=version)
             except ConcurrencyError:
-                continue  # another worker admitted a call first: fold it, decide again
-            return verdict, reservation
+                continue  # another worker appended first: fold it, decide again
+            if isinstance(recorded, ContextSummarizerRefused):
+                self._refused[tenant] = (version + len(first) + 1, _rule(recorded))
+                return verdict, None
+            return verdict, recorded
         raise ConcurrencyError(stream, version, self._store.stream_version(stream))
 
     def release(self, end: ContextSummarizerReleased) -> None:
@@ -182,6 +197,28 @@ class StoreLedger:
             consecutive_failures=legacy.consecutive_failures,
             last_failure_at=legacy.last_failure_at,
         )
+
+
+def _refusal(
+    tenant: str | None, session: str | None, tokens: int, verdict: SummarizerVerdict
+) -> ContextSummarizerRefused:
+    """The refusal ``verdict`` says, as the ledger records it."""
+    return ContextSummarizerRefused(
+        tenant=tenant,
+        session=session,
+        tokens=tokens,
+        reason=verdict.reason or "breaker_open",
+        knob=verdict.knob,
+        used=verdict.used,
+        limit=verdict.limit,
+        until=verdict.until,
+    )
+
+
+def _rule(refusal: ContextSummarizerRefused) -> tuple[object, ...]:
+    """What makes a refusal another one: its rule and numbers (not its session or
+    estimate: on the same ledger, those are the same refusal)."""
+    return (refusal.reason, refusal.knob, refusal.used, refusal.limit, refusal.until)
 
 
 def governor_records(store: EventStore) -> list[RecordedEvent]:

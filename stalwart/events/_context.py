@@ -136,6 +136,25 @@ class ContextSummarizerReserved(Event, frozen=True, tag="context:summarizer_rese
     severity: ClassVar[Severity] = "debug"
 
 
+class ContextSummarizerRefused(Event, frozen=True, tag="context:summarizer_refused"):
+    """A summarizer call the tenant's governor refused, recorded in its ledger with the
+    ledger's version expected (so the refusal was decided on the ledger just before it):
+    the estimate ``tokens``, the rule (``spend_cap`` or ``breaker_open``), its ``knob``,
+    the numbers it compared (``used`` / ``limit``) and ``until`` when it lets calls run
+    again (None when unknown: calls still running hold the cap or the trial). A worker
+    records a refusal once while neither the ledger nor the verdict changes; the sessions
+    it degraded record ``context:dag_degraded``."""
+
+    tenant: str | None = None
+    session: str | None = None
+    tokens: int = 0
+    reason: Literal["spend_cap", "breaker_open"] = "spend_cap"
+    knob: str | None = None
+    used: int = 0
+    limit: int = 0
+    until: float | None = None
+
+
 class ContextSummarizerReleased(Event, frozen=True, tag="context:summarizer_released"):
     """A reserved summarizer call ended: what it spent, and ``error_class`` (the
     exception's class name, or ``trial_timeout``) when it failed, which the breaker

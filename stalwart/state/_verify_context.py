@@ -13,6 +13,8 @@ context:summarizer_         SUMMARIZER_LEDGER       decide_summarizer (context_e
 reserved                    (context-ledger)        summarizer_spend.*, summarizer_breaker.
                                                     failure_threshold, reset_timeout_ms;
                                                     the recorded estimate ``tokens``)
+context:summarizer_refused  SUMMARIZER_LEDGER       the same: a refusal, by its rule and
+                            (context-ledger)        numbers
 ==========================  ======================  ======================================
 
 A layer's failure is an exception raised by code, which replay cannot re-run: which layer
@@ -27,7 +29,8 @@ without raising: what is checked is that the layer was in its trial.
 A summarizer call's admission is re-derived from its tenant's ledger as it stood before
 the reservation: the call's estimate within both rolling caps (with the calls still
 running), the breaker closed or half-open with no trial running, whether it was the
-trial, and its lease.
+trial, and its lease. A refusal is re-derived the same way: the rule that refused, the
+knob, the numbers compared and when the governor lets calls run again.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from stalwart.events import (
     ContextLayerDisabled,
     ContextLayerEnabled,
     ContextLayerHalfOpened,
+    ContextSummarizerRefused,
     ContextSummarizerReserved,
     Event,
     RecordedEvent,
@@ -48,6 +52,7 @@ from ._context import (
     HOUR_S,
     SUMMARIZER_LEDGER,
     GovernorState,
+    SummarizerVerdict,
     decide_summarizer,
     in_flight,
     window_spend,
@@ -126,22 +131,46 @@ _SPEND = "context_engine.summarizer_spend"
 _BREAKER = "context_engine.summarizer_breaker"
 
 
-def _reserved(state: GovernorState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
-    event = record.event
-    assert isinstance(event, ContextSummarizerReserved)
-    verdict = decide_summarizer(
+def _verdict(
+    state: GovernorState, record: RecordedEvent, tokens: int, knobs: Knobs
+) -> SummarizerVerdict:
+    return decide_summarizer(
         state,
         record.ts,
-        projected=event.tokens,
+        projected=tokens,
         per_hour=knobs.get_int(f"{_SPEND}.max_tokens_per_tenant_per_hour"),
         per_day=knobs.get_int(f"{_SPEND}.max_tokens_per_tenant_per_day"),
         failure_threshold=knobs.get_int(f"{_BREAKER}.failure_threshold"),
         reset_timeout_ms=knobs.get_int(f"{_BREAKER}.reset_timeout_ms"),
     )
+
+
+def _reserved(state: GovernorState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    event = record.event
+    assert isinstance(event, ContextSummarizerReserved)
+    verdict = _verdict(state, record, event.tokens, knobs)
     if not verdict.allowed:
         return []
     lease_ms = knobs.get_int(f"{_SPEND}.reservation_lease_ms")
     return [msgspec.structs.replace(event, trial=verdict.trial, lease_ms=lease_ms)]
+
+
+def _refused(state: GovernorState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    event = record.event
+    assert isinstance(event, ContextSummarizerRefused)
+    verdict = _verdict(state, record, event.tokens, knobs)
+    if verdict.allowed:
+        return []
+    return [
+        msgspec.structs.replace(
+            event,
+            reason=verdict.reason or "breaker_open",
+            knob=verdict.knob,
+            used=verdict.used,
+            limit=verdict.limit,
+            until=verdict.until,
+        )
+    ]
 
 
 def _reserved_why(state: GovernorState, record: RecordedEvent, knobs: Knobs) -> str:
@@ -165,6 +194,13 @@ CONTEXT_RULES = (
         "context:summarizer_reserved",
         SUMMARIZER_LEDGER,
         _reserved,
+        "context-ledger",
+        why=_reserved_why,
+    ),
+    Verifier(
+        "context:summarizer_refused",
+        SUMMARIZER_LEDGER,
+        _refused,
         "context-ledger",
         why=_reserved_why,
     ),

@@ -121,6 +121,7 @@ DECISIONS = frozenset(
         *("activation:abandoned", "activation:lease_lost", "lease:expired"),
         "activation:released",
         *("context:dag_degraded", "context:layer_disabled", "context:summarizer_reserved"),
+        "context:summarizer_refused",
     }
 )
 
