@@ -6,8 +6,9 @@ FakeClock handing expiries to an I/O portal)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from functools import partial
+from typing import Any
 
 import pytest
 
@@ -28,15 +29,24 @@ MESSAGE = OutboundMessage(conversation="s1", text="hello", idempotency_key="k-1"
 QUIET = 0.3  # real seconds in which nothing may happen while the clock stands still
 
 
+Logs = list[MutableMapping[str, Any]]
+
+
 @pytest.fixture
-def timer(clock: FakeClock) -> Iterator[tuple[IoPortal, Timer]]:
+def timer(clock: FakeClock) -> Iterator[tuple[IoPortal, Timer, Scheduler]]:
     portal = IoPortal().start()
     scheduler = Scheduler(clock).start()
     try:
-        yield portal, partial(clock_timer, portal, scheduler, clock)
+        yield portal, partial(clock_timer, portal, scheduler, clock), scheduler
     finally:
         scheduler.stop()
         portal.stop()
+
+
+def backing_off(logs: Logs, retries: int = 1) -> bool:
+    """The channel has logged its retry: the backoff is armed in the same loop callback,
+    before the loop runs anything else."""
+    return sum(entry["event"] == "channel.retry_scheduled" for entry in logs) >= retries
 
 
 @pytest.fixture
@@ -52,21 +62,22 @@ def receiver() -> Iterator[Callable[..., Receiver]]:
         each.close()
 
 
-def hook(url: str, on: tuple[IoPortal, Timer], **knobs: object) -> WebhookChannel:
+def hook(url: str, on: tuple[IoPortal, Timer, Scheduler], **knobs: object) -> WebhookChannel:
     settings = ChannelSettings(kind="webhook", url=url, **knobs)  # type: ignore[arg-type]
     return WebhookChannel("hook", settings, timer=on[1])
 
 
 def test_the_backoff_between_attempts_waits_for_the_clock(
     clock: FakeClock,
-    timer: tuple[IoPortal, Timer],
+    timer: tuple[IoPortal, Timer, Scheduler],
     receiver: Callable[..., Receiver],
+    logs: Logs,
 ) -> None:
     got = receiver(Step(429, {"Retry-After": "30"}))
     channel = hook(got.url, timer, retry_cap_ms=60_000)
-    portal = timer[0]
+    portal, _, scheduler = timer
     sent = portal.submit(channel.send, MESSAGE)
-    until(lambda: len(got.requests) == 1)
+    until(lambda: backing_off(logs) and scheduler.pending() == 1)  # the backoff's timer
     time.sleep(QUIET)
     assert len(got.requests) == 1, "the backoff ran on real time, not on the clock"
     clock.advance(29)
@@ -80,14 +91,14 @@ def test_the_backoff_between_attempts_waits_for_the_clock(
 
 def test_an_attempts_time_limit_runs_on_the_clock(
     clock: FakeClock,
-    timer: tuple[IoPortal, Timer],
+    timer: tuple[IoPortal, Timer, Scheduler],
     receiver: Callable[..., Receiver],
 ) -> None:
     got = receiver(Step(hang=True))
     channel = hook(got.url, timer, timeout_ms=60_000, max_attempts=1)
     portal = timer[0]
     sent = portal.submit(channel.send, MESSAGE)
-    until(lambda: len(got.requests) == 1)
+    until(lambda: len(got.requests) == 1)  # its limit was armed before it was sent
     time.sleep(QUIET)
     assert not sent.done()
     clock.advance(60)
@@ -102,14 +113,15 @@ def test_a_runtimes_webhook_retries_on_the_runtimes_clock(
     clock: FakeClock,
     fake: FakeProvider,
     receiver: Callable[..., Receiver],
+    logs: Logs,
 ) -> None:
     got = receiver(Step(503, {"Retry-After": "20"}))
     fake.add(Answer(text="hi back"))
     channels = {"hook": {"kind": "webhook", "url": got.url, "retry_cap_ms": 25_000}}
     with Runtime(config(fake.base_url, channels=channels), store=store, clock=clock) as rt:
         rt.session("s1", channel="hook").send("hi")
-        until(lambda: len(got.requests) == 1)
-        time.sleep(QUIET)
+        until(lambda: backing_off(logs))
+        time.sleep(QUIET)  # also lets the loop finish arming the backoff it just logged
         assert len(got.requests) == 1, "the runtime's webhook backed off on real time"
         clock.advance(20)  # inside the send's own deadline (announce_timeout_ms, 30 s)
         until(lambda: len(got.requests) == 2)
