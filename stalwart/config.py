@@ -427,6 +427,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     def __post_init__(self) -> None:
         for name, channel in self.channels.items():
             _check_channel(f"channels.{name}", channel)
+        for name in self.providers:
+            if not name or ":" in name:  # a model is named 'provider:model'
+                raise ConfigError(
+                    f"key 'providers.{name}': a provider's name cannot be empty or hold a "
+                    "':' (models are named 'provider:model')",
+                    key=f"providers.{name}",
+                )
         for name, agent in self.agents.items():
             where = f"agents.{name}"
             if agent.provider not in self.providers:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -23,9 +24,11 @@ import click
 
 from stalwart.actors import RunReport
 from stalwart.channels import Delivery, OutboundMessage
+from stalwart.clock import SystemClock
 from stalwart.config import Config, parse_config
 from stalwart.errors import ChannelError, StalwartError
 from stalwart.events import (
+    ProviderCallFailed,
     RecordedEvent,
     SubagentCompleted,
     SubagentRecoveryDecided,
@@ -41,6 +44,8 @@ from ._demo_narrator import Narrator, scene
 from ._logging import configure_logging
 
 DEFAULT_DIR = "stalwart-demo"
+#: the demo's health window (60 s by default), so that recovery comes within the tour
+HEALTH_WINDOW_MS = 3_000
 
 CONFIG = """
 [providers.main]
@@ -68,7 +73,7 @@ activity_interval_ms = 100
 max_retries = 0
 
 [health]
-window_ms = 3000
+window_ms = {health_window_ms}
 
 [dead_letters]
 announce_timeout_ms = 2000
@@ -188,6 +193,7 @@ def _outage(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator)
         "provider is marked degraded. Billing has no fallback and says so plainly; support "
         "falls back to its second model.",
     )
+    _outlive_the_health_window(rt)
     fake.add(Fail(model="gpt-demo", status=503, times=2))
     rt.session("bob", agent="billing", channel="chat").send("Why was I charged twice?")
     rt.session("carol", agent="support", channel="chat").send("Can I change my address?")
@@ -205,6 +211,20 @@ def _outage(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator)
     _wait(narrator, "provider:recovered", timeout=30)
     _wait(narrator, "announcement:dead_letter_delivered")
     screen.wait_for("dave")
+
+
+def _outlive_the_health_window(rt: Runtime) -> None:
+    """Wait until scene 2's stall has left the health window: otherwise it counts as one
+    of the two agents' failures, and billing's 503 alone degrades the provider."""
+    failed = [
+        record.ts
+        for record in rt.store.read_stream("provider:main")
+        if isinstance(record.event, ProviderCallFailed)
+    ]
+    if failed:
+        wait = max(failed) + HEALTH_WINDOW_MS / 1000 - SystemClock().now()
+        if wait > 0:
+            time.sleep(wait + 0.1)  # real time: the demo's runtime runs on the system clock
 
 
 async def _hang(report: RunReport) -> str:
@@ -375,7 +395,10 @@ def _prepare(directory: Path) -> None:
 
 
 def _config(base_url: str) -> Config:
-    return parse_config(tomllib.loads(CONFIG.format(base_url=base_url)), source="demo")
+    return parse_config(
+        tomllib.loads(CONFIG.format(base_url=base_url, health_window_ms=HEALTH_WINDOW_MS)),
+        source="demo",
+    )
 
 
 def play(directory: Path) -> None:

@@ -95,7 +95,15 @@ async def _turn(
     try:
         reply = await layer.caller(agent).call(stream, request, on_event=printer)
     except ProviderError:
-        await sink.emit(stream, [TurnCompleted(turn_id=turn, outcome="failed")], clock.now())
+        failed = TurnCompleted(turn_id=turn, outcome="failed", steps=1)
+        await sink.emit(stream, [failed], clock.now())
+        raise
+    except BaseException:
+        # Ctrl-C (the call is cancelled) or a bug: the turn still ends in the log, or the
+        # session would show as running for ever with nothing running it
+        stopped = TurnCompleted(turn_id=turn, outcome="interrupted", reason="cancelled", steps=1)
+        with anyio.CancelScope(shield=True):
+            await sink.emit(stream, [stopped], clock.now())
         raise
     await sink.emit(
         stream,
@@ -107,7 +115,7 @@ async def _turn(
                 tool_calls=reply.tool_calls,
                 turn_id=turn,
             ),
-            TurnCompleted(turn_id=turn),
+            TurnCompleted(turn_id=turn, steps=1),
         ],
         clock.now(),
     )

@@ -83,6 +83,19 @@ def classify_status(
     )
 
 
+def unsendable(*, provider: str, model: str) -> ProviderError:
+    """The final error of a request that cannot be sent as built: a header value (the API
+    key's, say) with a line break or a non-ASCII character in it. It names no value."""
+    return ProviderError(
+        f"{provider}/{model}: the request could not be sent as built (check the API key "
+        "and headers for line breaks and non-ASCII characters)",
+        kind="client_error",
+        retryable=False,
+        provider=provider,
+        model=model,
+    )
+
+
 def classify_request(exc: httpx.RequestError, *, provider: str, model: str) -> ProviderError:
     """The typed error for a request that failed without an HTTP answer to classify.
 
@@ -94,14 +107,7 @@ def classify_request(exc: httpx.RequestError, *, provider: str, model: str) -> P
     value it refused, the API key's maybe.
     """
     if isinstance(exc, httpx.LocalProtocolError):
-        return ProviderError(
-            f"{provider}/{model}: the request could not be sent as built "
-            "(LocalProtocolError: check the API key and headers for line breaks)",
-            kind="client_error",
-            retryable=False,
-            provider=provider,
-            model=model,
-        )
+        return unsendable(provider=provider, model=model)
     if isinstance(exc, httpx.DecodingError):
         return stream_error(
             "malformed",

@@ -21,7 +21,7 @@ from stalwart.errors import ProviderError
 from stalwart.events import ToolCall
 
 from ._anthropic import AnthropicWire
-from ._classify import classify_request, classify_status, stream_error
+from ._classify import classify_request, classify_status, stream_error, unsendable
 from ._openai import OpenAIWire
 from ._sse import SseEvent, SseFrameTooLarge, SseParser
 from ._types import (
@@ -100,8 +100,13 @@ class ProviderClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    def _headers(self) -> dict[str, str]:
-        return {"content-type": "application/json", **self._wire.headers(self._api_key)}
+    def _headers(self, model: str) -> dict[str, str]:
+        key = self._api_key
+        if key is not None and not (key.isascii() and key.isprintable()):
+            # httpx would raise UnicodeEncodeError building the request (non-ASCII), or
+            # LocalProtocolError sending it (a line break): final either way
+            raise unsendable(provider=self.name, model=model)
+        return {"content-type": "application/json", **self._wire.headers(key)}
 
     def _misshapen(self, model: str) -> ProviderError:
         """JSON that is not the wire's shape (a null choice, a string where an object
@@ -136,7 +141,7 @@ class ProviderClient:
         body = msgspec.json.encode(self._wire.body(model, request, stream=True))
         try:
             async with self._http.stream(
-                "POST", self._url, content=body, headers=self._headers()
+                "POST", self._url, content=body, headers=self._headers(model)
             ) as response:
                 if response.status_code != 200:
                     raise await self._fail(response, model)
@@ -181,7 +186,7 @@ class ProviderClient:
         """A whole reply without streaming."""
         body = msgspec.json.encode(self._wire.body(model, request, stream=False))
         try:
-            response = await self._http.post(self._url, content=body, headers=self._headers())
+            response = await self._http.post(self._url, content=body, headers=self._headers(model))
         except httpx.RequestError as exc:
             raise classify_request(exc, provider=self.name, model=model) from _cause(exc)
         if response.status_code != 200:
