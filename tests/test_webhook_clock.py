@@ -78,10 +78,10 @@ def test_the_backoff_between_attempts_waits_for_the_clock(
     portal, _, scheduler = timer
     sent = portal.submit(channel.send, MESSAGE)
     until(lambda: backing_off(logs) and scheduler.pending() == 1)  # the backoff's timer
-    time.sleep(QUIET)
+    time.sleep(QUIET)  # real-time: nothing may fire while the clock stands still
     assert len(got.requests) == 1, "the backoff ran on real time, not on the clock"
     clock.advance(29)
-    time.sleep(QUIET)
+    time.sleep(QUIET)  # real-time: 1 s short of the Retry-After, no retry may come
     assert len(got.requests) == 1, "the Retry-After of 30 s was not waited for"
     clock.advance(1)
     delivery: Delivery = sent.result(GUARD)
@@ -99,7 +99,7 @@ def test_an_attempts_time_limit_runs_on_the_clock(
     portal = timer[0]
     sent = portal.submit(channel.send, MESSAGE)
     until(lambda: len(got.requests) == 1)  # its limit was armed before it was sent
-    time.sleep(QUIET)
+    time.sleep(QUIET)  # real-time: nothing may cut it while the clock stands still
     assert not sent.done()
     clock.advance(60)
     with pytest.raises(ChannelError) as failed:
@@ -121,7 +121,7 @@ def test_a_runtimes_webhook_retries_on_the_runtimes_clock(
     with Runtime(config(fake.base_url, channels=channels), store=store, clock=clock) as rt:
         rt.session("s1", channel="hook").send("hi")
         until(lambda: backing_off(logs))
-        time.sleep(QUIET)  # also lets the loop finish arming the backoff it just logged
+        time.sleep(QUIET)  # real-time: the backoff is armed just after its log
         assert len(got.requests) == 1, "the runtime's webhook backed off on real time"
         clock.advance(20)  # inside the send's own deadline (announce_timeout_ms, 30 s)
         until(lambda: len(got.requests) == 2)

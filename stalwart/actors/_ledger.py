@@ -48,7 +48,7 @@ from stalwart.events import (
     RecordedEvent,
 )
 from stalwart.ids import new_id
-from stalwart.state import DAY_S, GovernorState, SummarizerVerdict, apply_governor_event
+from stalwart.state import DAY_S, GovernorState, SummarizerVerdict, apply_governor_event, refusal
 from stalwart.store import EventStore, NewEvent, check_stream
 
 __all__ = ["LEDGER_STREAM", "StoreLedger", "governor_records", "ledger_stream"]
@@ -123,10 +123,10 @@ class StoreLedger:
                 state = apply_governor_event(state, opened, now)
             verdict = decide(state, now)
             if not verdict.allowed:
-                refusal = _refusal(tenant, session, tokens, verdict)
-                if self._refused.get(tenant) == (version, _rule(refusal)):
+                refused = refusal(verdict, tenant=tenant, session=session, tokens=tokens)
+                if self._refused.get(tenant) == (version, _rule(refused)):
                     return verdict, None  # recorded already, on this very ledger
-                recorded: ContextSummarizerRefused | ContextSummarizerReserved = refusal
+                recorded: ContextSummarizerRefused | ContextSummarizerReserved = refused
             else:
                 recorded = ContextSummarizerReserved(
                     call_id=self._make_id(),
@@ -197,22 +197,6 @@ class StoreLedger:
             consecutive_failures=legacy.consecutive_failures,
             last_failure_at=legacy.last_failure_at,
         )
-
-
-def _refusal(
-    tenant: str | None, session: str | None, tokens: int, verdict: SummarizerVerdict
-) -> ContextSummarizerRefused:
-    """The refusal ``verdict`` says, as the ledger records it."""
-    return ContextSummarizerRefused(
-        tenant=tenant,
-        session=session,
-        tokens=tokens,
-        reason=verdict.reason or "breaker_open",
-        knob=verdict.knob,
-        used=verdict.used,
-        limit=verdict.limit,
-        until=verdict.until,
-    )
 
 
 def _rule(refusal: ContextSummarizerRefused) -> tuple[object, ...]:

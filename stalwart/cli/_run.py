@@ -98,10 +98,12 @@ async def _turn(
         failed = TurnCompleted(turn_id=turn, outcome="failed", steps=1)
         await sink.emit(stream, [failed], clock.now())
         raise
-    except BaseException:
+    except BaseException as exc:
         # Ctrl-C (the call is cancelled) or a bug: the turn still ends in the log, or the
         # session would show as running for ever with nothing running it
-        stopped = TurnCompleted(turn_id=turn, outcome="interrupted", reason="cancelled", steps=1)
+        cut = isinstance(exc, KeyboardInterrupt | anyio.get_cancelled_exc_class())
+        reason = "cancelled" if cut else "internal"
+        stopped = TurnCompleted(turn_id=turn, outcome="interrupted", reason=reason, steps=1)
         with anyio.CancelScope(shield=True):
             await sink.emit(stream, [stopped], clock.now())
         raise

@@ -60,6 +60,7 @@ from ._context import (
     apply_governor_event,
     decide_summarizer,
     in_flight,
+    refusal,
     summary_node,
     window_spend,
 )
@@ -374,6 +375,7 @@ __all__ = [
     "next_retry_at",
     "notice_outcome",
     "pause_kind",
+    "refusal",
     "remember_message",
     "restart_backoff_ms",
     "restart_history",

@@ -35,6 +35,7 @@ from stalwart.events import (
     ContextDagDegraded,
     ContextLedgerOpened,
     ContextSummarizerFailed,
+    ContextSummarizerRefused,
     ContextSummarizerReleased,
     ContextSummarizerReserved,
     ContextSummaryCreated,
@@ -389,3 +390,19 @@ def decide_summarizer(
                 until=_window_frees(state, now, seconds),
             )
     return SummarizerVerdict(allowed=True, trial=trial)
+
+
+def refusal(
+    verdict: SummarizerVerdict, *, tenant: str | None, session: str | None, tokens: int
+) -> ContextSummarizerRefused:
+    """The ledger's record of a refusing ``verdict`` for a call estimated at ``tokens``."""
+    return ContextSummarizerRefused(
+        tenant=tenant,
+        session=session,
+        tokens=tokens,
+        reason=verdict.reason or "breaker_open",
+        knob=verdict.knob,
+        used=verdict.used,
+        limit=verdict.limit,
+        until=verdict.until,
+    )

@@ -55,6 +55,7 @@ from ._context import (
     SummarizerVerdict,
     decide_summarizer,
     in_flight,
+    refusal,
     window_spend,
 )
 from ._context_pipeline import (
@@ -161,16 +162,7 @@ def _refused(state: GovernorState, record: RecordedEvent, knobs: Knobs) -> list[
     verdict = _verdict(state, record, event.tokens, knobs)
     if verdict.allowed:
         return []
-    return [
-        msgspec.structs.replace(
-            event,
-            reason=verdict.reason or "breaker_open",
-            knob=verdict.knob,
-            used=verdict.used,
-            limit=verdict.limit,
-            until=verdict.until,
-        )
-    ]
+    return [refusal(verdict, tenant=event.tenant, session=event.session, tokens=event.tokens)]
 
 
 def _reserved_why(state: GovernorState, record: RecordedEvent, knobs: Knobs) -> str:
