@@ -307,6 +307,12 @@ def test_status_of_a_missing_session_is_one_line(store_dir: Path, log: dict[str,
     assert err == f"stalwart: error: no session 'session:nope' in {store_dir}\n"
 
 
+def test_activations_of_a_missing_session_is_one_line(store_dir: Path, log: dict[str, str]) -> None:
+    code, out, err = run("--store", str(store_dir), "activations", "--session", "nope")
+    assert (code, out) == (1, "")
+    assert err == f"stalwart: error: no session 'session:nope' in {store_dir}\n"
+
+
 def test_status_of_an_empty_store(store_dir: Path) -> None:
     store_module.open(store_dir).close()
     code, out, _ = run("--store", str(store_dir), "status")

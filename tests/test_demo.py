@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 
 from stalwart import store as store_module
-from stalwart.events import MessageAppended
+from stalwart.cli._demo import MARKER, _prepare
+from stalwart.cli._demo_narrator import SENTENCES
+from stalwart.events import (
+    ActivationAbandoned,
+    ActivationLeased,
+    AnnouncementDeadLetterDelivered,
+    Event,
+    MessageAppended,
+    event_tag,
+)
 
 
 @pytest.mark.slow
@@ -120,3 +129,42 @@ def test_the_demo_refuses_a_store_it_cannot_own_in_one_line(tmp_path: Path, wher
     assert len(proc.stderr.strip().splitlines()) == 1
     assert proc.stderr.startswith("stalwart: error:")
     assert not (Path.cwd() / "postgresql:").exists()
+
+
+@pytest.mark.parametrize(
+    ("event", "sentence"),
+    [
+        (
+            AnnouncementDeadLetterDelivered(entry_id="e1", attempts=1),
+            "the dead letter was delivered (after 1 earlier attempt)",
+        ),
+        (
+            AnnouncementDeadLetterDelivered(entry_id="e1", attempts=3),
+            "the dead letter was delivered (after 3 earlier attempts)",
+        ),
+        (
+            ActivationAbandoned(activation_id="a1", attempts=1, error_class="internal"),
+            "the wake was given up after 1 attempt",
+        ),
+        (
+            ActivationLeased(activation_id="a2", owner="w", epoch=2, expires_at=1.0),
+            "leased by this worker at lease epoch 2",
+        ),
+    ],
+)
+def test_the_narration_counts_in_english(event: Event, sentence: str) -> None:
+    """A count of one is singular, and a lease's epoch is not called a re-lease (the
+    second message's first lease is at epoch 2 too)."""
+    assert SENTENCES[event_tag(event)](event) == sentence
+
+
+def test_the_demo_uses_an_empty_directory_as_it_is(tmp_path: Path) -> None:
+    """An empty directory (``mktemp -d``) is used, not removed and made again: its mode
+    and identity stay the user's."""
+    directory = tmp_path / "empty"
+    directory.mkdir(mode=0o750)
+    before = directory.stat()
+    _prepare(directory)
+    after = directory.stat()
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+    assert [p.name for p in directory.iterdir()] == [MARKER]

@@ -163,6 +163,7 @@ def test_an_approval_pauses_the_session_and_an_allow_runs_the_stored_input_once(
         with pytest.raises(SessionActionError) as kind:
             rt.submit_tool_result("s1", request.request_id, "x")
         assert kind.value.reason == "wrong_kind"
+        assert str(kind.value).endswith("is an approval request, not a custom tool's call")
         assert store.head() == head  # refused actions append nothing
         rt.confirm("s1", request.request_id, allow=True)
         replies = delivered(rt, chat, 2)

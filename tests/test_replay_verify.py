@@ -122,6 +122,8 @@ def test_until_verifies_up_to_a_position_and_time_travel_still_prints_state(
     ("args", "message"),
     [
         (["--all"], "--all goes with --verify"),
+        (["session:run-a", "--grace-ms", "10"], "--grace-ms goes with --verify"),
+        (["session:run-a", "--verify", "--no-snapshots"], "--no-snapshots does not go with"),
         (["--verify"], "give a STREAM or --all"),
         (["session:run-a", "--all", "--verify"], "STREAM or --all, not both"),
         (["session:nope", "--verify"], "no stream named 'session:nope'"),

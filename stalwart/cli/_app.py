@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from stalwart import __version__
 from stalwart.config import Config
@@ -185,6 +186,10 @@ def replay(
     every decision in STREAM (or --all streams) follows from the state just before it."""
     if every and not verify:
         raise click.UsageError("--all goes with --verify")
+    if not verify and ctx.get_parameter_source("grace_ms") is not ParameterSource.DEFAULT:
+        raise click.UsageError("--grace-ms goes with --verify")
+    if verify and no_snapshots:
+        raise click.UsageError("--no-snapshots does not go with --verify (it folds every event)")
     if (stream is None) != every:
         raise click.UsageError(
             "give a STREAM or --all" if stream is None else "STREAM or --all, not both"

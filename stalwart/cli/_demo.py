@@ -389,8 +389,9 @@ def _prepare(directory: Path) -> None:
                 f"{directory} exists and is not a previous demo's store; pass --store DIR "
                 "naming a new directory"
             )
-        shutil.rmtree(directory)
-    directory.mkdir(parents=True)
+        if found:
+            shutil.rmtree(directory)
+    directory.mkdir(parents=True, exist_ok=True)
     (directory / MARKER).write_text("made by `stalwart demo`, which may replace it\n")
 
 

@@ -15,6 +15,8 @@ import click
 from stalwart.events import RecordedEvent
 from stalwart.store import EventStore
 
+from ._render import counted
+
 Say = Callable[[Any], str]
 
 
@@ -50,7 +52,7 @@ SENTENCES: dict[str, Say] = {
         + (f"provider '{e.provider}' recovered)" if e.reason == "drain" else "its backoff came)")
     ),
     "announcement:dead_letter_delivered": lambda e: (
-        f"the dead letter was delivered (after {e.attempts} earlier attempts)"
+        f"the dead letter was delivered (after {counted(e.attempts, 'earlier attempt')})"
     ),
     "execution:aborted": lambda e: f"the turn was aborted ({e.reason})",
     "subagent:spawned": lambda e: (
@@ -84,9 +86,11 @@ SENTENCES: dict[str, Say] = {
         f"the wake failed ({e.error_class}): requeued, retry {e.streak} in {e.delay_ms} ms"
     ),
     "activation:leased": lambda e: (
-        f"leased again by this worker at epoch {e.epoch}" if e.epoch > 1 else ""
+        f"leased by this worker at lease epoch {e.epoch}" if e.epoch > 1 else ""
     ),
-    "activation:abandoned": lambda e: f"the wake was given up after {e.attempts} attempts",
+    "activation:abandoned": lambda e: (
+        f"the wake was given up after {counted(e.attempts, 'attempt')}"
+    ),
 }
 
 

@@ -19,7 +19,7 @@ from stalwart.state import incidents as fold_incidents
 from stalwart.store import EventStore, read_all_readable
 
 from ._app import _State, cli
-from ._render import fmt_ts, to_json
+from ._render import counted, fmt_ts, to_json
 from ._views import Unreadable
 
 EMPTY = "no provider calls in the log"
@@ -120,24 +120,20 @@ def rows(state: IncidentsState, provider: str | None = None) -> list[dict[str, A
     return found
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
 def _header(state: IncidentsState, shown: list[dict[str, Any]]) -> str:
     calls = sum(r["calls"] for r in shown)
     failed = sum(r["failed"] for r in shown)
     retried = sum(r["retried"] for r in shown)
     timeouts = sum(r["timeouts"] for r in shown)
     models = sum(1 for r in shown if r["model"] is not None)
-    text = f"{_count(calls, 'call')}, {failed} failed"
+    text = f"{counted(calls, 'call')}, {failed} failed"
     if retried:
-        text += f" ({_count(retried, 'failed attempt')} retried)"
-    text += f", {_count(timeouts, 'timeout')} across {_count(models, 'model')}"
+        text += f" ({counted(retried, 'failed attempt')} retried)"
+    text += f", {counted(timeouts, 'timeout')} across {counted(models, 'model')}"
     if state.since is not None:
         text += f" since {fmt_ts(state.since)}"
     if state.unmatched_timeouts:
-        text += f" ({_count(state.unmatched_timeouts, 'timeout')} not matched to a call)"
+        text += f" ({counted(state.unmatched_timeouts, 'timeout')} not matched to a call)"
     return text
 
 

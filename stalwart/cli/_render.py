@@ -85,3 +85,8 @@ def state_lines(state: Any) -> list[str]:
 
 def to_json(value: Any) -> str:
     return _json.encode(value).decode()
+
+
+def counted(n: int, noun: str) -> str:
+    """``1 call``, ``2 calls``: a count with its noun (plural by an ``s``)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -17,6 +17,7 @@ from typing import Any
 
 import click
 
+from stalwart.errors import SessionActionError
 from stalwart.events import (
     ActivationAbandoned,
     ActivationAcked,
@@ -156,6 +157,10 @@ def activations(state: _State, follow: bool, session_id: str | None, as_json: bo
     wanted = None if session_id is None else session_stream(session_id)
     store = state.store()
     try:
+        if wanted is not None and not follow and store.stream_version(wanted) == 0:
+            raise SessionActionError(
+                f"no session {wanted!r} in {store.location}", reason="no_session", session=wanted
+            )
         feed = store.subscribe(1) if follow else store.read_all()
         try:
             for record in feed:

@@ -190,6 +190,10 @@ def _created_then(
     store.append(stream, [NewEvent(event=event, ts=ts)])
 
 
+#: how an error names a pending request's kind
+_KINDS = {"approval": "an approval request", "custom_tool": "a custom tool's call"}
+
+
 def _answer(
     store: EventStore,
     session_id: str,
@@ -215,8 +219,8 @@ def _answer(
             )
         if pending.kind != kind:
             raise SessionActionError(
-                f"request {request_id!r} of session {session.stream!r} is a {pending.kind} "
-                f"request, not a {kind} one",
+                f"request {request_id!r} of session {session.stream!r} is {_KINDS[pending.kind]}"
+                f", not {_KINDS[kind]}",
                 reason="wrong_kind",
                 session=session.stream,
             )
