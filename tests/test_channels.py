@@ -352,6 +352,28 @@ async def test_a_closed_webhook_refuses(receiver: Callable[..., Receiver]) -> No
     assert hook.requests == []
 
 
+async def test_closing_ends_a_send_that_waits_out_a_backoff(
+    receiver: Callable[..., Receiver],
+) -> None:
+    """A send told to come back in a minute fails as ``closed`` as soon as the channel
+    closes, not a minute later (the runtime's close used to be the only way out)."""
+    hook = receiver(Step(status=503, headers={"retry-after": "60"}))
+    channel = webhook(hook.url, retry_cap_ms=120_000, max_attempts=3)
+    errors: list[ChannelError] = []
+
+    async def sending() -> None:
+        errors.append(await failing(channel))
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(sending)
+        with anyio.fail_after(GUARD):
+            while not hook.requests:
+                await anyio.sleep(0.01)
+        await channel.aclose()
+    assert [facts(e)[:2] for e in errors] == [("closed", False)]
+    assert len(hook.requests) == 1
+
+
 async def test_console_writes_prefixed_lines() -> None:
     out = io.StringIO()
     channel = ConsoleChannel("term", stream=out)

@@ -20,6 +20,7 @@ import os
 import random
 from urllib.parse import quote, urlsplit
 
+import anyio
 import httpx
 import msgspec
 
@@ -81,13 +82,19 @@ class WebhookChannel:
         self._timeout = settings.timeout_ms / 1000
         self._http = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(self._timeout))
         self._closed = False
+        self._backoffs: set[anyio.CancelScope] = set()  # the sends waiting to try again
 
     def __repr__(self) -> str:
         header = f", secret_header={self.settings.secret_header!r}" if self._secret else ""
         return f"WebhookChannel({self.name!r}, url={_origin(self._url)!r}{header})"
 
     async def aclose(self) -> None:
+        """Refuse new sends, end the ones waiting out a backoff (each fails as ``closed``
+        at once, not after its wait), and close the connection pool, which ends an
+        attempt in flight the same way. Call it on the event loop the sends run on."""
         self._closed = True
+        for backoff in self._backoffs:
+            backoff.cancel()
         await self._http.aclose()
 
     async def send(self, message: OutboundMessage) -> Delivery:
@@ -134,7 +141,14 @@ class WebhookChannel:
                 status=outcome.status,
                 delay_s=round(delay, 3),
             )
-            await sleep_for(delay, self._timer)
+            with anyio.CancelScope() as backoff:
+                self._backoffs.add(backoff)
+                if self._closed:  # closed during the attempt: no wait
+                    backoff.cancel()
+                try:
+                    await sleep_for(delay, self._timer)
+                finally:
+                    self._backoffs.discard(backoff)
 
     async def _attempt(self, body: bytes, headers: dict[str, str]) -> int | _Failure:
         """The 2xx status, or what went wrong; bounded by the per-attempt timeout."""
