@@ -394,6 +394,28 @@ def test_nothing_done_is_respawned_and_a_second_failure_escalates() -> None:
     assert _decide(_failed_run((FINAL, T0 + 1), attempt=2)).action == "deliver"
 
 
+def test_host_code_the_process_does_not_hold_escalates_instead_of_a_respawn() -> None:
+    """A run of the host's own code is never re-spawned where that code is missing (a
+    model would stand in for it): it escalates. Delivery and attempts come first; a
+    model-driven run, or one from a log that does not say, is re-spawned as before."""
+    hosted = msgspec.structs.replace(_failed_run(), host_work=True)
+    [decided] = decide_recovery(hosted, max_attempts=2, can_respawn=False)
+    assert isinstance(decided, SubagentRecoveryDecided)
+    assert (decided.action, decided.reason) == ("escalate", "work_unavailable")
+    [held] = decide_recovery(hosted, max_attempts=2, can_respawn=True)
+    assert isinstance(held, SubagentRecoveryDecided)
+    assert held.action == "respawn"
+    delivered = msgspec.structs.replace(_failed_run((FINAL, T0 + 1)), host_work=True)
+    [final] = decide_recovery(delivered, max_attempts=2, can_respawn=False)
+    assert isinstance(final, SubagentRecoveryDecided)
+    assert final.action == "deliver"
+    for unsaid in (False, None):
+        model = msgspec.structs.replace(_failed_run(), host_work=unsaid)
+        [again] = decide_recovery(model, max_attempts=2, can_respawn=False)
+        assert isinstance(again, SubagentRecoveryDecided)
+        assert again.action == "respawn"
+
+
 def test_recovery_is_decided_once_and_only_for_failed_runs() -> None:
     state = _failed_run()
     log_state = apply_run(

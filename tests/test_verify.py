@@ -302,6 +302,29 @@ def test_a_split_recovery_is_read_from_the_decision_and_its_subtasks_taken_as_re
     assert not log(respawn).verify().clean  # attempts exhausted: no respawn
 
 
+def test_a_host_work_run_escalates_where_its_code_is_missing_and_only_such_a_run() -> None:
+    """Whether the process held the host's code is not in the log: a ``work_unavailable``
+    escalation is read from the decision, but only a run whose spawn says it ran host
+    code may take it; a model-driven run is respawned."""
+
+    def log(host_work: bool | None, decided: SubagentRecoveryDecided) -> Log:
+        spawn = msgspec.structs.replace(spawned(), host_work=host_work)
+        return (
+            Log()
+            .add(RUN_STREAM, spawn, 0)
+            .add(RUN_STREAM, watchdog(120_000), 120)
+            .add(RUN_STREAM, decided, 120)
+        )
+
+    missing = SubagentRecoveryDecided(action="escalate", reason="work_unavailable")
+    respawn = SubagentRecoveryDecided(action="respawn", reason="no_work")
+    assert log(True, missing).verify().clean
+    assert log(True, respawn).verify().clean  # the process held the code
+    assert not log(False, missing).verify().clean
+    assert not log(None, missing).verify().clean
+    assert log(None, respawn).verify().clean
+
+
 # -- deadlines that passed with no decision -------------------------------------------------
 
 
@@ -338,6 +361,19 @@ def test_a_new_process_drops_the_old_ones_timers_but_owes_the_ghost_sweep() -> N
     # the ghost deadline (120 + 120 s grace) + the sweep interval (60 s) + grace (5 s)
     log.add("session:x", SessionCreated(), 306).add("session:x", SessionCreated(), 307)
     assert kinds(log.verify()) == [("missed", "subagent:ghost_swept", 4)]
+
+
+def test_a_restart_long_after_a_crash_proves_no_miss_of_the_dead_process() -> None:
+    """The first record past a dead process's deadline is the new process's start: the
+    old one may have died before the deadline came, so nothing is missed (the restart
+    drops its timers). A record of the old process past the deadline still proves one."""
+    started = PromptStarted(call_id="c", provider="p", model="m", timeout_ms=10_000)
+    restart = RuntimeStarted(config={}, stalwart_version="x")
+    late = Log().add("session:s", started, 0).add("runtime", restart, 720)
+    assert late.add("session:x", SessionCreated(), 721).verify().clean
+    alive = Log().add("session:s", started, 0).add("session:x", SessionCreated(), 30)
+    alive.add("runtime", restart, 720).add("session:x", SessionCreated(), 721)
+    assert kinds(alive.verify()) == [("missed", "execution:prompt_timeout", 2)]
 
 
 def test_a_call_that_outlived_its_stall_limit_is_a_missed_prompt_timeout() -> None:

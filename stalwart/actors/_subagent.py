@@ -97,6 +97,8 @@ class Spawn(msgspec.Struct, frozen=True, kw_only=True):
     thread: str | None = None
     #: whether the result is announced to the parent (recorded in ``subagent:spawned``)
     announce: bool | None = None
+    #: whether ``work`` is the host's own code, not a model (``subagent:spawned``)
+    host_work: bool | None = None
 
     @property
     def stream(self) -> str:
@@ -279,6 +281,7 @@ class SubAgentActor(Supervised):
             conversation=spawn.conversation,
             thread=spawn.thread,
             announce=spawn.announce,
+            host_work=spawn.host_work,
         )
         self._append(lambda state, now: [event])
 

@@ -148,6 +148,9 @@ Spawner = Callable[[Spawn], object]
 Splitter = Callable[[str, str], Sequence[str]]
 #: the splitter of a run's lineage, given the run's ``(parent, task)``; None for none
 Splitters = Callable[[str, str], Splitter | None]
+#: ``works(parent, task)``: whether this process holds the host code of the lineage a run
+#: of ``parent`` with ``task`` belongs to (so a respawn can run it again)
+Works = Callable[[str, str], bool]
 
 
 class SupervisorActor(Supervised):
@@ -157,7 +160,7 @@ class SupervisorActor(Supervised):
     channels={name: channel}, dead_letters=<DeadLetterActor ref>, spawner=...,
     settings=SubagentSettings(), announce_timeout_ms=30_000, announcer=None,
     default_channel="", listeners=(), supervision=SupervisionSettings(),
-    splitters=None)``.
+    splitters=None, works=None)``.
     ``announcer`` is the parent's announcement system (any
     :class:`~stalwart.channels.Channel`); without one the announce send goes to the run's
     channel too. Tell it :class:`RunEnded` (and :class:`Crashed`); ask :class:`Sweep` or
@@ -181,6 +184,7 @@ class SupervisorActor(Supervised):
         listeners: Sequence[pykka.ActorRef[Any]] = (),
         supervision: SupervisionSettings | None = None,
         splitters: Splitters | None = None,
+        works: Works | None = None,
         on_crash: Callable[[str], object] | None = None,
         runtime: str = "",
         on_run_ended: Callable[[RunEnded], object] | None = None,
@@ -197,6 +201,7 @@ class SupervisorActor(Supervised):
         self._dead_letters = dead_letters
         self._spawner = spawner
         self._splitters = splitters
+        self._works = works
         self._settings = settings or SubagentSettings()
         self._announce_s = announce_timeout_ms / 1000
         self._announce_ms = announce_timeout_ms
@@ -443,7 +448,13 @@ class SupervisorActor(Supervised):
         run = watch.run
         splitter = self._splitter_of(watch)
         max_attempts = self._settings.recovery_max_attempts
-        events = recovery(watch, now, max_attempts=max_attempts, can_split=splitter is not None)
+        events = recovery(
+            watch,
+            now,
+            max_attempts=max_attempts,
+            can_split=splitter is not None,
+            can_respawn=self._can_respawn(watch),
+        )
         match events:
             case [SubagentRecoveryDecided(action="split") as decided] if splitter is not None:
                 if run.stream not in splits:
@@ -454,6 +465,18 @@ class SupervisorActor(Supervised):
                     return [escalate]
                 return [msgspec.structs.replace(decided, subtasks=subtasks)]
         return events
+
+    def _can_respawn(self, watch: RunWatch) -> bool:
+        """False for a run of the host's own code whose code this process does not hold
+        (the process that spawned it is gone); True when nothing can say (no ``works``)."""
+        run = watch.run
+        if not run.host_work or self._works is None:
+            return True
+        try:
+            return self._works(run.parent or "", run.task)
+        except Exception:  # the host's lookup: the code is not known then
+            log.exception("supervisor.works_failed", run=run.stream)
+            return False
 
     def _splitter_of(self, watch: RunWatch) -> Splitter | None:
         if self._splitters is None or watch.run.status not in UNSUCCESSFUL:

@@ -133,7 +133,7 @@ class RunWatchAggregate:
     """RUN plus the notice's channel, conversation and stage."""
 
     name = "supervisor_run_watch"
-    version = 4  # 4: notice_at
+    version = 5  # 4: notice_at; 5: host_work
     state_type = RunWatch
 
     def initial(self, stream: str) -> RunWatch:
@@ -150,12 +150,21 @@ RUN_WATCH = RunWatchAggregate()
 
 
 def recovery(
-    watch: RunWatch, now: float, *, max_attempts: int, can_split: bool = False
+    watch: RunWatch,
+    now: float,
+    *,
+    max_attempts: int,
+    can_split: bool = False,
+    can_respawn: bool = True,
 ) -> list[Event]:
     """:func:`~stalwart.state.decide_recovery` for a run that ended without success."""
     if watch.run.status not in UNSUCCESSFUL:
         return []
-    return list(decide_recovery(watch.run, max_attempts=max_attempts, can_split=can_split))
+    return list(
+        decide_recovery(
+            watch.run, max_attempts=max_attempts, can_split=can_split, can_respawn=can_respawn
+        )
+    )
 
 
 def owed_completion(watch: RunWatch, now: float, *, wait_s: float, channel: str) -> list[Event]:
@@ -227,6 +236,7 @@ def respawn(watch: RunWatch, context: str) -> Spawn:
         channel=watch.channel,
         conversation=watch.conversation,
         thread=watch.thread,
+        announce=watch.announce,
     )
 
 

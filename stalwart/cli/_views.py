@@ -27,9 +27,11 @@ STATUSES = ("new", "idle", "running", "requires_action", "closed", "run")
 
 
 def shown_status(view: SessionView) -> str:
-    """The session's status; ``run`` for a sub-agent run's stream that is no session."""
+    """The session's status; ``run`` for a sub-agent run's stream, whatever the turn a
+    model-driven run keeps inside it says (a swept run's turn is never closed: it is not
+    ``running``); ``replay`` shows the run's own state."""
     status = view.session.status
-    return "run" if view.run and status == "new" else status
+    return "run" if view.run else status
 
 
 # -- time -------------------------------------------------------------------------------------

@@ -31,6 +31,10 @@ class SubagentSpawned(Event, frozen=True, tag="subagent:spawned"):
     #: None in logs written before it and for runs started outside a runtime: a
     #: completion whose announcement never happened is only owed when this is True
     announce: bool | None = None
+    #: whether the run runs the host's own code (``rt.spawn(work=...)``) rather than a
+    #: model; None in logs written before it and for runs started outside a runtime. A
+    #: process that does not hold that code cannot respawn the run (it escalates)
+    host_work: bool | None = None
 
 
 class SubagentProgress(Event, frozen=True, tag="subagent:progress"):

@@ -133,6 +133,7 @@ class PartsLayer:
             dead_letters=self.dead_letters_ref,
             spawner=self._runs.respawn,
             splitters=self._runs.splitter_of,
+            works=self._runs.holds_work,
             settings=config.subagents,
             announce_timeout_ms=config.dead_letters.announce_timeout_ms,
             default_channel=DEFAULT_CHANNEL,

@@ -142,7 +142,7 @@ class RunLayer:
             )
 
     def _start(self, spawn: Spawn, work: Work | None, agent: str, *, announce: bool) -> RunHandle:
-        spawn = msgspec.structs.replace(spawn, announce=announce)
+        spawn = msgspec.structs.replace(spawn, announce=announce, host_work=work is not None)
         run = RunSpec(spawn, work, agent)
         if work is None:
             start = partial(self._start_subsession, spawn.run_id, agent)
@@ -204,7 +204,8 @@ class RunLayer:
 
     def respawn(self, spawn: Spawn) -> object:
         """The supervisor's recovery spawner: the next attempt, with the continuation
-        context in its task, runs the same ``work`` (or is model-driven again)."""
+        context in its task, runs the same ``work`` (or is model-driven again), and is
+        announced as the first attempt chose (``Spawn.announce`` as recorded)."""
         with self._w.lock:
             if not self._w.running():
                 return None
@@ -213,7 +214,17 @@ class RunLayer:
                 if parent == spawn.parent and _of_lineage(spawn.task, task):
                     work, agent = known
             self._works[(spawn.parent, spawn.task)] = (work, agent)
-            return self._start(spawn, work, agent, announce=True)
+            announce = True if spawn.announce is None else spawn.announce
+            return self._start(spawn, work, agent, announce=announce)
+
+    def holds_work(self, parent: str, task: str) -> bool:
+        """Whether this process holds the host code of the lineage a run of ``parent``
+        with ``task`` belongs to (the supervisor's ``works``)."""
+        with self._w.lock:
+            return any(
+                work is not None and known_parent == parent and _of_lineage(task, known_task)
+                for (known_parent, known_task), (work, _) in self._works.items()
+            )
 
     def splitter_of(self, parent: str, task: str) -> Splitter | None:
         """The supervisor's lookup: the splitter of the lineage a run of ``parent`` with

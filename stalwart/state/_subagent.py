@@ -86,6 +86,8 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     result: str = ""
     late_completion: bool = False
     recovery: Recovery | None = None
+    #: ``subagent:spawned``'s ``host_work``: the run ran the host's own code
+    host_work: bool | None = None
 
 
 # -- spawn --------------------------------------------------------------------------------
@@ -163,6 +165,7 @@ def _spawned(state: RunState, event: SubagentSpawned, ts: float) -> RunState:
         attempt=event.attempt,
         started_at=ts,
         tokens_grew_at=ts,
+        host_work=event.host_work,
     )
 
 
@@ -379,7 +382,9 @@ def continuation_context(state: RunState) -> str:
     return f"The last attempt saved {saved}. Continue from where it stopped."
 
 
-def _recovery_action(state: RunState, *, max_attempts: int, can_split: bool) -> Recovery:
+def _recovery_action(
+    state: RunState, *, max_attempts: int, can_split: bool, can_respawn: bool
+) -> Recovery:
     if any(a.final for a in state.artifacts):
         return Recovery(action="deliver", reason="final_artifact")
     if state.result:
@@ -387,23 +392,33 @@ def _recovery_action(state: RunState, *, max_attempts: int, can_split: bool) -> 
     if state.attempt >= max_attempts:
         action: RecoveryAction = "split" if can_split else "escalate"
         return Recovery(action=action, reason="attempts_exhausted")
+    if state.host_work and not can_respawn:
+        # the host's code is not in this process (a restart): a model must not stand in
+        return Recovery(action="escalate", reason="work_unavailable")
     if state.artifacts or state.step:
         context = continuation_context(state)
         return Recovery(action="respawn_continue", reason="partial_work", context=context)
     return Recovery(action="respawn", reason="no_work")
 
 
-def decide_recovery(state: RunState, *, max_attempts: int, can_split: bool = False) -> list[Event]:
+def decide_recovery(
+    state: RunState, *, max_attempts: int, can_split: bool = False, can_respawn: bool = True
+) -> list[Event]:
     """``subagent:recovery_decided`` once for a run that ended without succeeding (seed 002).
 
     Check before re-spawning, resume rather than restart: a final artifact or a result
     (even one returned after a force-fail) is delivered; attempt ``>= max_attempts`` is
     escalated (or split when the caller has a splitter); partial work (artifacts or steps)
-    is re-spawned with continuation context; nothing done is re-spawned as it was.
+    is re-spawned with continuation context; nothing done is re-spawned as it was. A
+    run of the host's own code is escalated (``work_unavailable``) instead of re-spawned
+    when the caller cannot run that code (``can_respawn`` False: a process started after
+    the one that held it).
     """
     if state.status not in _ENDED or state.status == "succeeded" or state.recovery is not None:
         return []
-    chosen = _recovery_action(state, max_attempts=max_attempts, can_split=can_split)
+    chosen = _recovery_action(
+        state, max_attempts=max_attempts, can_split=can_split, can_respawn=can_respawn
+    )
     return [
         SubagentRecoveryDecided(
             action=chosen.action,
@@ -420,7 +435,7 @@ class RunAggregate:
     """The sub-agent run fold, for session streams that hold a ``subagent:spawned``."""
 
     name = "subagent_run"
-    version = 1
+    version = 2  # 2: host_work
     state_type = RunState
 
     def initial(self, stream: str) -> RunState:

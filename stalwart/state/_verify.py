@@ -187,10 +187,10 @@ class Verification:
         self._events += 1
         self._last = record
         ts = record.ts
-        for missed in self._deadlines.before(record):
-            self._missed(missed)
         event = record.event
         kind = type(event)
+        for missed in self._deadlines.before(record, restart=kind is RuntimeStarted):
+            self._missed(missed)
         if kind is RuntimeStarted:
             assert isinstance(event, RuntimeStarted)
             self._knobs = Knobs(event.config, self._defaults)

@@ -55,10 +55,13 @@ class DeadlineWatch:
         self._heap: list[_Armed] = []
         self._suspects: dict[Key, tuple[float, RecordedEvent]] = {}
 
-    def before(self, record: RecordedEvent) -> list[Missed]:
-        """Look at ``record`` before it is folded; the deadlines it proves missed."""
+    def before(self, record: RecordedEvent, *, restart: bool = False) -> list[Missed]:
+        """Look at ``record`` before it is folded; the deadlines it proves missed. A
+        ``restart`` record (a new process's start) proves the suspects earlier records
+        raised, but raises none itself: the timers it finds overdue belonged to a process
+        that may have died before they were due, and the log cannot say when it did."""
         missed = self._confirm(record) if self._suspects else []
-        if self._heap and self._heap[0].at < record.ts:
+        if not restart and self._heap and self._heap[0].at < record.ts:
             self._expire(record)
         return missed
 

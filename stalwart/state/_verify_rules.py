@@ -176,8 +176,11 @@ def _recovery(state: RunState, record: RecordedEvent, knobs: Knobs) -> list[Even
     found = record.event
     assert isinstance(found, SubagentRecoveryDecided)
     split = found.action == "split" or found.reason.startswith("splitter_")
+    # whether the process held the host's code is not in the log: read from the decision
+    # (it counts only for a run the log says ran host code)
+    held = found.reason != "work_unavailable"
     max_attempts = knobs.get_int("subagents.recovery_max_attempts")
-    decided = decide_recovery(state, max_attempts=max_attempts, can_split=split)
+    decided = decide_recovery(state, max_attempts=max_attempts, can_split=split, can_respawn=held)
     # the host's splitter: its subtasks, or its failure turning the split into escalate
     return [_as_split(event, found) for event in decided]
 
