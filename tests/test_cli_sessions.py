@@ -27,10 +27,15 @@ from stalwart.events import (
     DraftStaged,
     LeaseExpired,
     LeaseRenewed,
+    PromptStarted,
     ProviderDegraded,
     SessionCreated,
     SessionRequiresAction,
     SubagentSpawned,
+    ToolCompleted,
+    ToolStarted,
+    TurnCompleted,
+    TurnStarted,
 )
 from stalwart.runtime import interrupt, send_message
 
@@ -240,6 +245,39 @@ def test_status_of_one_session_in_full(store_dir: Path, log: dict[str, str]) -> 
     ]
 
 
+def test_status_of_one_session_names_the_calls_under_way(store_dir: Path, clock: FakeClock) -> None:
+    """An operator looking at a session whose process died mid-turn sees what it was
+    doing: the model call and the tool call started with no outcome (the tool that
+    completed is not listed); once the turn ends, nothing is under way."""
+    with store_module.open(store_dir, clock=clock) as store:  # type: ignore[attr-defined]
+        stream = "session:s9"
+        store.append(stream, [SessionCreated(), TurnStarted(turn_id="t1")])
+        store.append(
+            stream,
+            [
+                ToolStarted(call_id="c1", tool="lookup"),
+                ToolCompleted(call_id="c1", tool="lookup", output="ok"),
+                ToolStarted(call_id="c2", tool="charge"),
+                PromptStarted(call_id="p1", provider="openai", model="gpt-4o", attempt=2),
+            ],
+        )
+        clock.advance(90)
+        store.append("session:other", [SessionCreated()])
+        code, out, _ = run("--store", str(store_dir), "status", "s9")
+        assert code == 0
+        [line] = [line for line in out.splitlines() if line.startswith("under way")]
+        assert line.startswith("under way     tool charge (call c2) since 1m30s ago")
+        assert "; model openai:gpt-4o attempt 2 (call p1) since 1m30s ago" in line
+        data = json.loads(run("--store", str(store_dir), "status", "s9", "--json")[1])
+        assert [(c["kind"], c["name"], c["attempt"]) for c in data["under_way"]] == [
+            ("tool", "charge", None),
+            ("model", "openai:gpt-4o", 2),
+        ]
+        store.append(stream, [TurnCompleted(turn_id="t1", outcome="interrupted")])
+        out = run("--store", str(store_dir), "status", "s9")[1]
+        assert "under way     -" in out.splitlines()
+
+
 def test_status_of_one_session_as_json(store_dir: Path, log: dict[str, str]) -> None:
     code, out, _ = run("--store", str(store_dir), "status", "session:s3", "--json")
     assert code == 0
@@ -254,6 +292,7 @@ def test_status_of_one_session_as_json(store_dir: Path, log: dict[str, str]) -> 
         "messages",
         "updated_at",
         "pending",
+        "under_way",
         "retry",
         "backlog",
         "lease",

@@ -17,6 +17,9 @@ from stalwart.events import (
     Event,
     ExecutionAborted,
     MessageAppended,
+    PromptFailed,
+    PromptStarted,
+    PromptTimeout,
     ProviderDegraded,
     RecordedEvent,
     SessionClosed,
@@ -40,9 +43,10 @@ from stalwart.state import (
     apply_session,
     fold,
     fold_streams,
+    under_way,
 )
 from stalwart.store import EventStore, Snapshot, load_state, snapshot_name
-from tests._log import FoldedLog
+from tests._log import FoldedLog, recorded
 
 
 def records(events: list[Event], stream: str = "session:s") -> list[RecordedEvent]:
@@ -363,3 +367,36 @@ def test_the_dag_fold_keeps_the_summarizers_episode_across_other_degradations() 
     condensed = ContextSummaryCreated(summary_id="c1", depth=1, covers=(), descendant_count=0)
     folded.add(condensed, 5.0)  # a real summary again, at any depth: the episode is over
     assert folded.state.degraded is None
+
+
+def test_calls_under_way_are_those_with_no_outcome_in_the_current_turn() -> None:
+    """Each outcome ends its own call (by call id); a turn's end, a new turn, an
+    interrupt and an abort end them all: a crash's leftovers are not under way."""
+
+    def names(*events: Event) -> list[str]:
+        log = [recorded(e, 1.0 + i, i + 1, "session:s") for i, e in enumerate(events)]
+        return [call.call_id for call in under_way(log)]
+
+    started = [
+        PromptStarted(call_id="p1", provider="a", model="m"),
+        ToolStarted(call_id="t1", tool="x"),
+        PromptStarted(call_id="p2", provider="a", model="m", attempt=2),
+    ]
+    assert names(*started) == ["p1", "t1", "p2"]
+    assert names(*started, PromptFailed(call_id="p1", error_class="e")) == ["t1", "p2"]
+    assert names(
+        *started, PromptTimeout(call_id="p2", limit="stall", knob="k", limit_ms=1, elapsed_ms=1)
+    ) == [
+        "p1",
+        "t1",
+    ]
+    assert names(*started, ToolFailed(call_id="t1", tool="x", error_class="unreconciled")) == [
+        "p1",
+        "p2",
+    ]
+    for ender in (
+        TurnStarted(turn_id="t2"),
+        UserInterrupt(),
+        ExecutionAborted(elapsed_ms=1, limit_ms=1, reason="interrupted"),
+    ):
+        assert names(*started, ender) == []

@@ -180,6 +180,19 @@ def detail_lines(view: dict[str, Any]) -> list[str]:
         else f"pending       {pending['kind']} request {pending['request_id']}  "
         f"tool {pending['tool']}  input {pending['input']}"
     )
+    calls = view["under_way"]
+    lines.append(
+        "under way     "
+        + (
+            "; ".join(
+                f"{call['kind']} {call['name']}"
+                + (f" attempt {call['attempt']}" if call["attempt"] else "")
+                + f" (call {call['call_id']}) since {_when(call['since'], now)}"
+                for call in calls
+            )
+            or "-"
+        )
+    )
     retry = view["retry"]
     if retry["attempt"] is None:
         lines.append(f"retry         nothing queued  last error {_dash(retry['last_error'])}")
@@ -288,7 +301,7 @@ def status(state: _State, session: str | None, as_json: bool) -> None:
                     reason="no_session",
                     session=stream,
                 )
-            folded = fold_session(store, stream, unreadable)
+            folded, calls = fold_session(store, stream, unreadable)
     finally:
         store.close()
     now = now_for(folded)
@@ -298,7 +311,7 @@ def status(state: _State, session: str | None, as_json: bool) -> None:
     else:
         found = folded.find(session_stream(session))
         assert found is not None
-        data = session_detail(folded, found, now)
+        data = session_detail(folded, found, now, calls)
         lines = detail_lines(data)
     if as_json:
         click.echo(to_json(data))

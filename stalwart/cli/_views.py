@@ -18,8 +18,10 @@ from stalwart.state import (
     OrchestratorFolder,
     OrchestratorState,
     SessionView,
+    UnderWay,
     retry_posture,
     session_dead_letters,
+    under_way,
 )
 from stalwart.store import EventStore, read_all_readable, read_readable
 
@@ -115,14 +117,12 @@ def fold_all(
 
 def fold_session(
     store: EventStore, stream: str, unreadable: Unreadable | None = None
-) -> OrchestratorState:
+) -> tuple[OrchestratorState, tuple[UnderWay, ...]]:
     """The projection of one session's stream and the dead-letter stream (the rest of the
     log is not read), passing over records that cannot be read; its ``newest_ts`` is the
-    newest event of the whole log."""
-    records = [
-        *read_readable(store, stream, unreadable=unreadable),
-        *read_readable(store, "deadletter", unreadable=unreadable),
-    ]
+    newest event of the whole log. With it, the session's calls still under way."""
+    own = list(read_readable(store, stream, unreadable=unreadable))
+    records = [*own, *read_readable(store, "deadletter", unreadable=unreadable)]
     folder = OrchestratorFolder()
     for record in sorted(records, key=lambda r: r.position):
         folder.add(record)
@@ -133,7 +133,7 @@ def fold_session(
     )
     if newest is not None and (state.newest_ts is None or newest.ts > state.newest_ts):
         state = msgspec.structs.replace(state, newest_ts=newest.ts)
-    return state
+    return state, under_way(own)
 
 
 # -- views: the --json shapes -----------------------------------------------------------------
@@ -279,8 +279,13 @@ def _ended(claim: Claim, activations: ActivationsState) -> str:
     return "holding" if lease is not None and lease.epoch == claim.epoch else "superseded"
 
 
-def session_detail(state: OrchestratorState, view: SessionView, now: float) -> dict[str, Any]:
-    """``status SESSION --json``: one session in full."""
+def session_detail(
+    state: OrchestratorState,
+    view: SessionView,
+    now: float,
+    calls: tuple[UnderWay, ...] = (),
+) -> dict[str, Any]:
+    """``status SESSION --json``: one session in full (``calls``: those under way)."""
     session, activations = view.session, view.activations
     return {
         "now": now,
@@ -292,6 +297,16 @@ def session_detail(state: OrchestratorState, view: SessionView, now: float) -> d
         "messages": session.messages,
         "updated_at": session.updated_at,
         "pending": _pending(view),
+        "under_way": [
+            {
+                "kind": call.kind,
+                "name": call.name,
+                "call_id": call.call_id,
+                "attempt": call.attempt or None,
+                "since": call.since,
+            }
+            for call in calls
+        ],
         "retry": _retry(activations),
         "backlog": [
             {

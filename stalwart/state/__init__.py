@@ -191,6 +191,7 @@ from ._subagent import (
 )
 from ._summary import SUMMARY, StreamSummary, StreamSummaryAggregate, SummaryFolder
 from ._supervision import decide_restart, restart_backoff_ms, restart_history
+from ._under_way import UnderWay, under_way
 from ._verify import DEFAULT_GRACE_MS, Finding, Verification, VerifyReport, verify
 from ._verify_folds import CALLS, RESTARTS, CallsState, RestartsState
 from ._verify_registry import Deadline, Knobs, Registry, Selective, Verifier
@@ -306,6 +307,7 @@ __all__ = [
     "SummarizerVerdict",
     "SummaryFolder",
     "SummaryNode",
+    "UnderWay",
     "Verification",
     "Verifier",
     "VerifyReport",
@@ -386,6 +388,7 @@ __all__ = [
     "split_model",
     "summary_node",
     "suspicious_at",
+    "under_way",
     "verify",
     "watchdog_deadline",
     "watchdog_limit",
