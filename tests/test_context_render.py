@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stalwart.context import DAG_SYSTEM_CLAUSE, neutralise, render_summary
 from stalwart.state import SummaryNode
@@ -73,6 +75,24 @@ def test_a_poisoned_body_cannot_forge_a_header_marker_or_footer(body: str) -> No
 def test_neutralise_defangs_every_marker_in_any_case() -> None:
     assert "[stalwart:" not in neutralise("[STALWART:summary]").lower()
     assert neutralise("plain text") == "plain text"
+
+
+MARKERS = ("<<<", ">>>", "[stalwart:", "trust=", "fallback=", "expand for details about")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="<>[]:=· stalwrucfbkxpndEeio\u017f", max_size=40))
+def test_nothing_neutralise_gives_back_holds_a_marker(text: str) -> None:
+    """Whatever the text, its neutralised form holds no marker, not even one made by a
+    replacement and the text beside it (``<<<<<`` used to leave ``<·<·<<<``)."""
+    out = neutralise(text).casefold()
+    assert not any(marker in out for marker in MARKERS), out
+
+
+@pytest.mark.parametrize("run", ["<<<<", "<<<<<", ">>>>>>>", "x>>>>>", "<<<<<y"])
+def test_a_long_run_of_brackets_is_defanged_whole(run: str) -> None:
+    text = render_summary(node(f"untrusted-summary {run}")).content
+    assert (text.count("<<<"), text.count(">>>")) == (1, 1)
 
 
 def test_footer_topics_are_safe_words() -> None:

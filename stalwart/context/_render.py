@@ -48,18 +48,34 @@ DAG_SYSTEM_CLAUSE = (
 
 _DEFANG = (
     ("[stalwart:", "[stalwart\u00b7"),
-    ("<<<", "<\u00b7<\u00b7<"),
-    (">>>", ">\u00b7>\u00b7>"),
     ("trust=", "trust\u00b7="),
     ("fallback=", "fallback\u00b7="),
     ("Expand for details about", "Expand\u00b7for details about"),
 )
 #: one named group per marker: the match says which marker it is, however its text is
-#: spelled (IGNORECASE also folds look-alikes such as U+017F, long s, which lower() keeps)
+#: spelled (IGNORECASE also folds look-alikes such as U+017F, long s, which lower() keeps).
+#: The region markers ``<<<`` and ``>>>`` are matched as whole runs of 3 or more, every
+#: bracket of the run kept apart: defanging only the first three of ``<<<<<`` would leave
+#: two that join the replacement's last bracket into a new ``<<<``.
 _MARKERS = re.compile(
-    "|".join(f"(?P<m{i}>{re.escape(old)})" for i, (old, _) in enumerate(_DEFANG)), re.IGNORECASE
+    "|".join(
+        [
+            *(f"(?P<m{i}>{re.escape(old)})" for i, (old, _) in enumerate(_DEFANG)),
+            "(?P<run><{3,}|>{3,})",
+        ]
+    ),
+    re.IGNORECASE,
 )
 _REPLACEMENTS = {f"m{i}": new for i, (_, new) in enumerate(_DEFANG)}
+
+
+def _defanged(match: re.Match[str]) -> str:
+    group = str(match.lastgroup)
+    if group == "run":
+        return "\u00b7".join(match.group())
+    return _REPLACEMENTS[group]
+
+
 _TOPIC = re.compile(r"[a-z][a-z0-9_-]{2,31}")
 _WORD = re.compile(r"[A-Za-z][A-Za-z0-9_-]{3,31}")
 _STOP = frozenset(
@@ -73,7 +89,7 @@ _STOP = frozenset(
 
 def neutralise(text: str) -> str:
     """``text`` with every marker the engine's trusted lines use defanged (any case)."""
-    return _MARKERS.sub(lambda match: _REPLACEMENTS[str(match.lastgroup)], text)
+    return _MARKERS.sub(_defanged, text)
 
 
 def _quoted(body: str) -> str:
