@@ -39,6 +39,7 @@ from stalwart.events import (
 from stalwart.providers import Message, ProviderClient
 from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider, Hang
+from tests._raced import RacedOnce
 
 ASK = 10.0
 
@@ -277,15 +278,27 @@ def test_the_provider_summarizer_cuts_a_message_bigger_than_its_window(
     assert sum(estimate_text_tokens(m["content"]) for m in body["messages"]) + 300 <= 2_000
 
 
-def test_decisions_that_could_not_be_recorded_are_forgotten(start, store: EventStore) -> None:  # type: ignore[no-untyped-def]
-    ref = start()
-    messages = history(30)
-    ask_context(ref, Assemble(session_id="s1", messages=messages[:11], budget=2_500), ASK)
-    # another writer on the stream: the actor's next append conflicts
-    store.append("context:s1", [ContextDagDegraded(reason="tail_over_budget", session="s1")])
-    with pytest.raises(ConcurrencyError):
-        ask_context(ref, Assemble(session_id="s1", messages=messages, budget=2_500), ASK)
-    reply = ask_context(ref, Assemble(session_id="s1", messages=messages, budget=2_500), ASK)
+def test_decisions_that_could_not_be_recorded_are_forgotten(
+    store: EventStore, clock: FakeClock
+) -> None:
+    raced = RacedOnce(
+        store, "context:s1", ContextDagDegraded(reason="tail_over_budget", session="s1")
+    )
+    ref = ContextStoreActor.start(
+        store=raced,  # type: ignore[arg-type]
+        clock=clock,
+        summarizer=ExtractiveSummarizer(),
+        settings=ContextEngineSettings(fresh_tail_turns=2),
+    )
+    try:
+        messages = history(30)
+        ask_context(ref, Assemble(session_id="s1", messages=messages[:11], budget=2_500), ASK)
+        raced.armed = True  # another writer wins the race for the next append
+        with pytest.raises(ConcurrencyError):
+            ask_context(ref, Assemble(session_id="s1", messages=messages, budget=2_500), ASK)
+        reply = ask_context(ref, Assemble(session_id="s1", messages=messages, budget=2_500), ASK)
+    finally:
+        ref.stop()
     recorded = {
         r.event.summary_id
         for r in store.read_stream("context:s1")
@@ -293,6 +306,22 @@ def test_decisions_that_could_not_be_recorded_are_forgotten(start, store: EventS
     }
     assert set(reply.summaries_made) <= recorded
     assert recorded  # the retry made (and recorded) the summaries the failed call lost
+
+
+def test_a_session_another_writer_moved_on_is_rebuilt_not_a_conflict(
+    start, store: EventStore
+) -> None:  # type: ignore[no-untyped-def]
+    """A worker holding a session in memory while another compacted it (the session's
+    lease moved, then came back) folds what that one appended and answers the first time;
+    it used to fail the turn with a conflict and answer only on the retry."""
+    ref = start()
+    messages = history(30)
+    ask_context(ref, Assemble(session_id="s1", messages=messages[:11], budget=2_500), ASK)
+    store.append("context:s1", [ContextDagDegraded(reason="tail_over_budget", session="s1")])
+    reply = ask_context(ref, Assemble(session_id="s1", messages=messages, budget=2_500), ASK)
+    assert reply.summaries_made
+    kinds = [type(r.event).__name__ for r in store.read_stream("context:s1")]
+    assert kinds.count("ContextDagDegraded") == 1  # the other writer's, folded
 
 
 def test_idle_sessions_leave_memory_and_come_back_from_the_log(

@@ -39,6 +39,7 @@ from stalwart.errors import ConcurrencyError
 from stalwart.events import ContextAssembled, ContextDagDegraded, ContextSummaryCreated
 from stalwart.store import EventStore
 from stalwart.testing import conversation
+from tests._raced import RacedOnce
 
 ASK = 20.0
 WAIT = 10.0
@@ -101,7 +102,7 @@ def start(store: EventStore, clock: FakeClock, summarizer: Gated) -> Iterator[An
     def started(**settings: Any) -> pykka.ActorRef[Any]:
         max_sessions = settings.pop("max_sessions", 256)
         ref = ContextStoreActor.start(
-            store=store,
+            store=settings.pop("store", store),
             clock=clock,
             summarizer=summarizer,
             settings=ContextEngineSettings(fresh_tail_turns=2, **settings),
@@ -375,10 +376,12 @@ def test_a_calibration_does_not_hold_up_the_mailbox(store: EventStore, clock: Fa
 def test_a_pipeline_session_whose_write_conflicted_is_rebuilt_from_the_log(
     start: Any, store: EventStore
 ) -> None:
-    ref = start(version="pipeline")
+    raced = RacedOnce(
+        store, "context:p", ContextDagDegraded(reason="tail_over_budget", session="p")
+    )
+    ref = start(version="pipeline", store=raced)
     ask_context(ref, assemble("p", 3), ASK)
-    # another writer on the stream: the actor's next append conflicts
-    store.append("context:p", [ContextDagDegraded(reason="tail_over_budget", session="p")])
+    raced.armed = True  # another writer wins the race for the actor's next append
     with pytest.raises(ConcurrencyError):
         ask_context(ref, assemble("p", 4), ASK)
 

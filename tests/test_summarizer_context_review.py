@@ -46,6 +46,7 @@ from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider, Hang
 from tests._ledger_child import history as long_history
+from tests._raced import RacedOnce
 from tests._runtime_support import agent_settings, delivered, runtime_config
 
 ASK = 10.0
@@ -304,14 +305,17 @@ def test_the_breaker_opens_on_a_failure_the_log_does_not_hold(
         fresh_tail_turns=1, summarizer_breaker=SummarizerBreakerSettings(failure_threshold=2)
     )
     summarizer = Down()
+    raced = RacedOnce(store, "context:s1", ContextAssembled(tokens_in=0, tokens_out=0, budget=0))
     ref = ContextStoreActor.start(
-        store=store, clock=clock, summarizer=summarizer, settings=settings
+        store=raced,  # type: ignore[arg-type]
+        clock=clock,
+        summarizer=summarizer,
+        settings=settings,
     )
     messages = long_history(8, 250)
     try:
         ask_context(ref, Assemble(session_id="s1", messages=messages, budget=3_000), ASK)
-        # another writer on the stream: the actor's next append conflicts
-        store.append("context:s1", [ContextAssembled(tokens_in=0, tokens_out=0, budget=0)])
+        raced.armed = True  # another writer wins the race for the actor's next append
         with pytest.raises(ConcurrencyError):
             ask_context(ref, Assemble(session_id="s1", messages=messages, budget=3_000), ASK)
         ask_context(ref, Assemble(session_id="s1", messages=messages, budget=3_000), ASK)

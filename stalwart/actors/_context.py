@@ -323,6 +323,7 @@ class ContextStoreActor(Supervised):
             return self._pipeline(message)
         session_id = message.session_id
         try:
+            self._catch_up(session_id)
             if valid_session_id(session_id) and session_id not in self._dag.sessions:
                 self._restore(session_id, message.messages)
             result = self._dag.assemble(
@@ -373,6 +374,7 @@ class ContextStoreActor(Supervised):
         if not valid_session_id(session_id):
             raise ContextScopeError("the session id is malformed")
         stream = f"context:{session_id}"
+        self._catch_up(session_id)
         engine = self._pipelines.get(session_id)
         if engine is None:
             engine = PipelineEngine.from_events(
@@ -432,6 +434,16 @@ class ContextStoreActor(Supervised):
             self._forget(idle)
             excess -= 1
 
+    def _catch_up(self, session_id: str) -> None:
+        """Forget a session held in memory whose ``context:`` stream another writer moved
+        on (a worker that served it meanwhile compacted it): it is rebuilt from the log,
+        instead of appending behind that writer's summaries and failing the turn with a
+        conflict. One stream-version read per use of a held session."""
+        held = self._versions.get(session_id)
+        if held is not None and self._store.stream_version(f"context:{session_id}") != held:
+            log.info("context.session_moved_on", session=session_id, held_version=held)
+            self._forget(session_id)
+
     def _forget(self, session_id: str) -> None:
         """Drop what this run holds of a session; its next call rebuilds it from the log."""
         self._dag.sessions.pop(session_id, None)
@@ -450,7 +462,10 @@ class ContextStoreActor(Supervised):
     def _load(self, session_id: str) -> None:
         """Rebuild a session for recall from the log alone (its messages come from its
         ``session:`` stream) when this run has not assembled it yet."""
-        if session_id in self._dag.sessions or not valid_session_id(session_id):
+        if not valid_session_id(session_id):
+            return
+        self._catch_up(session_id)
+        if session_id in self._dag.sessions:
             return
         messages = messages_from_records(self._store.read_stream(f"session:{session_id}"))
         self._restore(session_id, messages)
