@@ -27,7 +27,7 @@ from stalwart.context import (
     SummaryRequest,
     estimate_text_tokens,
 )
-from stalwart.errors import ConcurrencyError, ToolError
+from stalwart.errors import ConcurrencyError, FencedError, ToolError
 from stalwart.events import (
     ContextAssembled,
     ContextBound,
@@ -322,6 +322,28 @@ def test_a_session_another_writer_moved_on_is_rebuilt_not_a_conflict(
     assert reply.summaries_made
     kinds = [type(r.event).__name__ for r in store.read_stream("context:s1")]
     assert kinds.count("ContextDagDegraded") == 1  # the other writer's, folded
+
+
+def test_a_wake_whose_lease_moved_on_appends_nothing_to_the_context_stream(
+    start, store: EventStore
+) -> None:  # type: ignore[no-untyped-def]
+    """The context stream is fenced by the asking wake's lease epoch, as the session's
+    is: each newer lease claims its epoch there with its first append, and a holder the
+    lease left (a frozen worker that wakes up) is refused and writes nothing."""
+    ref = start()
+    messages = history(30)
+    ask_context(ref, Assemble(session_id="s1", messages=messages[:11], budget=2_500, epoch=1), ASK)
+    assert store.lease_epoch("context:s1") == 1
+    ask_context(ref, Assemble(session_id="s1", messages=messages[:20], budget=2_500, epoch=2), ASK)
+    assert store.lease_epoch("context:s1") == 2
+    version = store.stream_version("context:s1")
+    with pytest.raises(FencedError):
+        ask_context(ref, Assemble(session_id="s1", messages=messages, budget=2_500, epoch=1), ASK)
+    assert store.stream_version("context:s1") == version
+    reply = ask_context(
+        ref, Assemble(session_id="s1", messages=messages, budget=2_500, epoch=2), ASK
+    )
+    assert reply.messages
 
 
 def test_idle_sessions_leave_memory_and_come_back_from_the_log(

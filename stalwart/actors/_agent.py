@@ -507,6 +507,7 @@ class AgentActor(Supervised):
                 budget=context_budget(window, base, system, self._profile),
                 tenant=self._folder.session().tenant,
                 profile=self._profile,
+                epoch=None if self._fence is None else self._fence.epoch,
             )
             future = self._portal.submit(
                 call_through_context,

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from stalwart._logs import get_logger
 from stalwart.clock import Clock
 from stalwart.context import ContextScopeError
-from stalwart.errors import CallSealedError, ContextOverflowError, ProviderError
+from stalwart.errors import CallSealedError, ContextOverflowError, FencedError, ProviderError
 from stalwart.events import ToolCall
 from stalwart.providers import CallSeal, ProviderResponse
 from stalwart.tools import Timer, ToolOutcome, ToolRegistry, run_tools
@@ -108,7 +108,10 @@ def model_done(turn_id: str, step: int, future: Future[ProviderResponse]) -> Mod
     if isinstance(exc, ProviderError):
         error = "all_models_failed"
         return ModelDone(turn_id=turn_id, step=step, error=error, error_class=exc.kind)
-    log.error("agent.model_call_broke", turn_id=turn_id, error_type=type(exc).__name__)
+    if isinstance(exc, FencedError):  # the lease moved on: the Agent's next append says so
+        log.warning("agent.model_call_fenced", turn_id=turn_id, stream=exc.stream)
+    else:
+        log.error("agent.model_call_broke", turn_id=turn_id, error_type=type(exc).__name__)
     return ModelDone(turn_id=turn_id, step=step, error="internal", error_class=type(exc).__name__)
 
 

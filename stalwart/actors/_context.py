@@ -69,7 +69,7 @@ from stalwart.events import (
     Event,
 )
 from stalwart.providers import Message
-from stalwart.store import EventStore, NewEvent
+from stalwart.store import EventStore, Fence, NewEvent
 
 from ._lanes import Lanes, Turnstile, answer
 from ._ledger import StoreLedger
@@ -105,6 +105,10 @@ class Assemble(msgspec.Struct, frozen=True, kw_only=True):
     budget: int
     tenant: str | None = None
     profile: ModelProfile = msgspec.field(default_factory=ModelProfile)
+    #: the lease epoch of the wake that asks (None outside a wake): what this assembly
+    #: appends to ``context:<session>`` is fenced by it, so a worker that lost the
+    #: session's lease writes nothing there (FencedError), as in ``session:<session>``
+    epoch: int | None = None
 
 
 class Assembled(msgspec.Struct, frozen=True, kw_only=True):
@@ -340,7 +344,12 @@ class ContextStoreActor(Supervised):
                     reason="fail_closed_rollover", tenant=message.tenant, session=session_id
                 ),
             )
-            self._append(stream or REFUSALS_STREAM, refusal, versioned=stream is not None)
+            self._append(
+                stream or REFUSALS_STREAM,
+                refusal,
+                versioned=stream is not None,
+                epoch=message.epoch if stream is not None else None,
+            )
             raise
         except Exception:
             # a store error mid-assembly (the tenant's ledger): what the engine changed
@@ -348,7 +357,7 @@ class ContextStoreActor(Supervised):
             self._forget(session_id)
             raise
         try:
-            self._append(f"context:{session_id}", result.events)
+            self._append(f"context:{session_id}", result.events, epoch=message.epoch)
         except Exception:
             # what the engine decided is not in the log: forget it, so the next call
             # rebuilds the session from what is (the summarizer calls it made are in
@@ -401,7 +410,7 @@ class ContextStoreActor(Supervised):
             for event in result.events
         ]
         try:
-            self._append(stream, events)
+            self._append(stream, events, epoch=message.epoch)
         except Exception:
             self._forget(session_id)  # as in dag mode: rebuilt from the log next time
             raise
@@ -471,7 +480,12 @@ class ContextStoreActor(Supervised):
         self._restore(session_id, messages)
 
     def _append(
-        self, stream: str, events: Sequence[Event | NewEvent], *, versioned: bool = True
+        self,
+        stream: str,
+        events: Sequence[Event | NewEvent],
+        *,
+        versioned: bool = True,
+        epoch: int | None = None,
     ) -> None:
         if not events:
             return
@@ -479,7 +493,12 @@ class ContextStoreActor(Supervised):
         expected = self._versions.get(session_id) if versioned else None
         if versioned and expected is None:
             expected = self._store.stream_version(stream)
-        recorded = self._store.append(stream, list(events), expected_version=expected)
+        fence = None
+        if epoch is not None:
+            # the first append of a newer lease claims its epoch on the context stream
+            # too; the store checks it atomically, so a holder the lease left is refused
+            fence = Fence(epoch, claim=epoch > self._store.lease_epoch(stream))
+        recorded = self._store.append(stream, list(events), expected_version=expected, fence=fence)
         if versioned and recorded:
             self._versions[session_id] = recorded[-1].version
 
