@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from stalwart.actors import (
     Assemble,
+    Calibrate,
     ContextStoreActor,
     IoPortal,
     ProviderSummarizer,
@@ -25,6 +27,7 @@ from stalwart.context import (
     ExtractiveSummarizer,
     ModelProfile,
     SummaryRequest,
+    TokenEstimator,
     estimate_text_tokens,
 )
 from stalwart.errors import ConcurrencyError, FencedError, ToolError
@@ -346,6 +349,44 @@ def test_a_wake_whose_lease_moved_on_appends_nothing_to_the_context_stream(
     assert reply.messages
 
 
+def test_workers_on_one_store_share_one_calibration_folded_in_log_order(
+    store: EventStore, clock: FakeClock
+) -> None:
+    """Each report of the provider's count is recorded with the calibration stream's
+    version expected; a worker whose report lost the race folds the other's and computes
+    again. Both then count with the factor of every report in log order, and a worker
+    that starts later starts with it."""
+    profile = ModelProfile(provider="openai", model="dense")
+
+    def worker() -> Any:
+        return ContextStoreActor.start(
+            store=store, clock=clock, summarizer=ExtractiveSummarizer(), settings=None
+        )
+
+    a, b = worker(), worker()
+    try:
+        for ref, reported in ((a, 2_000), (b, 3_000), (a, 1_500), (b, 2_500)):
+            report = Calibrate(profile=profile, estimated=1_000, reported=reported)
+            ask_context(ref, report, ASK)
+        nothing = Calibrate(profile=profile, estimated=0, reported=0)
+        later = worker()
+        try:
+            seen = {ask_context(ref, nothing, ASK) for ref in (a, b, later)}
+        finally:
+            later.stop()
+    finally:
+        a.stop()
+        b.stop()
+    reports = [r.event for r in store.read_stream("context-calibration:openai:dense")]
+    assert [r.observations for r in reports] == [1, 2, 3, 4]
+    folded = TokenEstimator("openai", "dense")
+    for report, before in zip(reports, [1.0, *(r.factor for r in reports)], strict=False):
+        # each report's raw estimate undoes the factor in force after every earlier one
+        assert report.estimated == round(1_000 / before)
+        assert folded.calibrate(report.estimated, report.reported) == report.factor
+    assert seen == {reports[-1].factor}
+
+
 def test_idle_sessions_leave_memory_and_come_back_from_the_log(
     store: EventStore, clock: FakeClock
 ) -> None:
@@ -391,3 +432,17 @@ def test_the_governor_is_rebuilt_in_log_order_across_a_tenants_sessions(
     assert not reply.degraded  # an open breaker would have made emergency truncations
     events = [r.event for r in store.read_stream("context:s1")]
     assert not [e for e in events if isinstance(e, ContextDagDegraded)]
+
+
+def test_a_model_name_no_stream_id_can_hold_is_calibrated_in_memory(
+    start, store: EventStore
+) -> None:  # type: ignore[no-untyped-def]
+    ref = start()
+    profile = ModelProfile(provider="openai", model="m" * 1_000)
+    factor = ask_context(ref, Calibrate(profile=profile, estimated=1_000, reported=2_000), ASK)
+    assert factor == 2.0
+    messages = history(12)
+    assert ask_context(
+        ref, Assemble(session_id="s1", messages=messages, budget=2_500, profile=profile), ASK
+    )
+    assert not [s for s in store.streams() if s.stream.startswith("context-calibration")]

@@ -20,8 +20,10 @@ import json
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -38,6 +40,7 @@ from stalwart.events import (
     ActivationAcked,
     ActivationLeased,
     ActivationLeaseLost,
+    AnnouncementDelivered,
     LeaseExpired,
     MessageAppended,
     RecordedEvent,
@@ -156,6 +159,11 @@ def _records(store: EventStore, stream: str) -> list[RecordedEvent]:
 
 def _of(kind: type | tuple[type, ...], records: list[RecordedEvent]) -> list[Any]:
     return [r.event for r in records if isinstance(r.event, kind)]
+
+
+def _delivered(store: EventStore, stream: str = "session:s1") -> bool:
+    """Whether the answer's delivery is recorded (it lands after the user got it)."""
+    return bool(_of(AnnouncementDelivered, _records(store, stream)))
 
 
 def _settled(store: EventStore, stream: str) -> bool:
@@ -315,6 +323,7 @@ def test_a_worker_frozen_mid_tool_wakes_fenced_and_the_effect_happens_once(
         frozen = _by_owner(workers, _holder(store, "session:s1"))
         frozen.signal(signal.SIGSTOP)
         _until(store, lambda: _settled(store, "session:s1") and _said(tmp_path), "no takeover")
+        _until(store, lambda: _delivered(store), "the takeover's answer was never recorded")
         takeover = store.head()
         time.sleep(2.5)  # real-time: the frozen call's hold has passed when it thaws
         frozen.signal(signal.SIGCONT)
@@ -610,45 +619,65 @@ def test_a_database_restart_mid_wake_loses_and_doubles_nothing_and_both_workers_
 
 class HoldingRelay:
     """A TCP relay in front of PostgreSQL that holds back the first request holding
-    ``marker`` (a connection stalled mid-append) until :meth:`release`."""
+    ``marker`` (a connection stalled mid-append) until :meth:`release`. :meth:`close`
+    closes every socket it made, those of a connection accepted as it closes too (a
+    socket left to the garbage collector warns in whichever test runs then)."""
 
     def __init__(self, host: str, port: int, marker: Callable[[bytes], bool]) -> None:
-        import socket
-        import threading
-
         self._target = (host, port)
         self._marker: Callable[[bytes], bool] | None = marker
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self.held = threading.Event()
         self._release = threading.Event()
-        self._socks: list[Any] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._socks: list[socket.socket] = []
+        self._accepting = threading.Thread(target=self._accept, daemon=True)
+        self._accepting.start()
 
     def release(self) -> None:
         self._release.set()
 
     def close(self) -> None:
         self._release.set()
-        for sock in [self._listener, *self._socks]:
+        with self._lock:
+            self._closed = True
+            socks, self._socks = [self._listener, *self._socks], []
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 sock.close()
+        self._accepting.join(GUARD)
+
+    def _keep(self, *socks: socket.socket) -> bool:
+        """Track ``socks`` for :meth:`close`; False (and they are closed) once closed."""
+        with self._lock:
+            if not self._closed:
+                self._socks += socks
+                return True
+        for sock in socks:
+            sock.close()
+        return False
 
     def _accept(self) -> None:
-        import socket
-        import threading
-
         while True:
             try:
                 client, _ = self._listener.accept()
-                server = socket.create_connection(self._target)
             except OSError:
                 return
-            self._socks += [client, server]
+            try:
+                server = socket.create_connection(self._target)
+            except OSError:
+                client.close()
+                continue
+            if not self._keep(client, server):
+                return
             threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
 
-    def _pump(self, source: Any, sink: Any, up: bool) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, up: bool) -> None:
         with contextlib.suppress(OSError):
             while data := source.recv(65536):
                 marker = self._marker
@@ -660,7 +689,6 @@ class HoldingRelay:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_frozen_workers_context_append_in_flight_is_refused_after_the_takeover(
     pg_server: PostgresServer,
     pg_url: str,
@@ -668,15 +696,15 @@ def test_a_frozen_workers_context_append_in_flight_is_refused_after_the_takeover
     workers: list[Worker],
     tmp_path: Path,
 ) -> None:
-    """Defect (actors/_context.py, the ContextActor's append to ``context:<id>``:
-    versioned, never fenced): worker A has leased s1 and started its turn; its context
+    """Worker A has leased s1 and started its turn; its context
     assembly's read of ``context:s1`` stalls on its connection and A is frozen
     (SIGSTOP). Worker B takes the session over after the lease TTL and answers. Then the
     stalled read goes through and A thaws: A's stale wake assembles on what it read (B's
     records included) and its ``context:assembled`` is written after the takeover (only
-    its model call's ``prompt:started`` is fenced), though docs/sessions.md says "The old
-    holder, if it ever runs again, has every append rejected (FencedError)". Expected:
-    nothing of A's stale wake lands after B's lease, only its ``activation:lease_lost``."""
+    its model call's ``prompt:started`` was fenced), though docs/sessions.md says "The
+    old holder, if it ever runs again, has every append rejected (FencedError)". Now the
+    context stream is fenced by the wake's epoch: nothing of A's stale wake lands after
+    B's lease, only its ``activation:lease_lost``."""
     relay = HoldingRelay(
         pg_server.host,
         pg_server.port,
@@ -694,6 +722,7 @@ def test_a_frozen_workers_context_append_in_flight_is_refused_after_the_takeover
             _start(workers, pg_url, fake, tmp_path, 1)
             _until(store, lambda: _said(tmp_path), "worker B never took the session over")
             _until(store, lambda: _settled(store, "session:s1"), "never settled")
+            _until(store, lambda: _delivered(store), "the takeover's answer was never recorded")
             takeover = store.head()
             relay.release()
             frozen.signal(signal.SIGCONT)
@@ -706,6 +735,8 @@ def test_a_frozen_workers_context_append_in_flight_is_refused_after_the_takeover
             late = [(r.stream, r.type) for r in store.read_all(takeover + 1)]
             leases = _of(ActivationLeased, _records(store, "session:s1"))
     finally:
+        for worker in workers:  # before their connections through the relay are cut
+            worker.stop()
         relay.close()
     assert [(x.owner, x.epoch) for x in leases] == [(frozen.owner, 1), (workers[1].owner, 2)]
     assert [text for *_, text in _said(tmp_path)] == [ANSWER]

@@ -60,8 +60,15 @@ from stalwart.context import (
     valid_session_id,
 )
 from stalwart.context.pipeline import PipelineConfig, PipelineEngine
-from stalwart.errors import ConfigError
+from stalwart.errors import (
+    ConcurrencyError,
+    ConfigError,
+    CorruptRecordError,
+    InvalidStreamError,
+    StoreError,
+)
 from stalwart.events import (
+    ContextCalibrated,
     ContextDagDegraded,
     ContextLayerDisabled,
     ContextLayerEnabled,
@@ -69,7 +76,7 @@ from stalwart.events import (
     Event,
 )
 from stalwart.providers import Message
-from stalwart.store import EventStore, Fence, NewEvent
+from stalwart.store import EventStore, Fence, NewEvent, check_stream
 
 from ._lanes import Lanes, Turnstile, answer
 from ._ledger import StoreLedger
@@ -248,6 +255,8 @@ class ContextStoreActor(Supervised):
         self._pipelines: dict[str, PipelineEngine] = {}
         self._pipeline_config = pipeline_config(self._settings)
         self._versions: dict[str, int] = {}
+        #: per (provider, model): the version of its calibration stream folded in
+        self._calibrations: dict[tuple[str, str], int] = {}
 
     @property
     def mode(self) -> str:
@@ -285,10 +294,73 @@ class ContextStoreActor(Supervised):
                 raise TypeError(f"ContextStoreActor does not understand {type(message).__name__}")
 
     def _calibrate(self, message: Calibrate) -> float:
-        with self._turnstile:
-            return self._dag.calibrate(
-                message.profile, message.estimated, message.reported, overhead=message.overhead
+        """One more report of the provider's count: recorded in the model's calibration
+        stream, with its version expected, before the estimator takes it (another
+        worker's report came first: fold it, and compute again). The calibration lane is
+        serial, so nothing else moves the estimator between the two."""
+        profile = message.profile
+        key = (profile.provider, profile.model)
+        stream = calibration_stream(profile)
+        estimator = self._dag.estimator(profile)
+        if stream is None:
+            with self._turnstile:
+                return self._dag.calibrate(
+                    profile, message.estimated, message.reported, overhead=message.overhead
+                )
+        for _ in range(APPEND_TRIES):
+            with self._turnstile:
+                self._calibration_taken(profile)
+                raw = self._dag.raw_estimate(profile, message.estimated, message.overhead)
+                factor, observations = estimator.after(raw, message.reported)
+                if observations == estimator.observations:
+                    return factor  # a report that says nothing
+            report = ContextCalibrated(
+                provider=profile.provider,
+                model=profile.model,
+                estimated=raw,
+                reported=message.reported,
+                factor=factor,
+                observations=observations,
             )
+            try:
+                recorded = self._store.append(
+                    stream, [report], expected_version=self._calibrations[key]
+                )
+            except ConcurrencyError:
+                continue  # another worker's report came first: taken in on the next try
+            except StoreError as exc:  # a hint: the next answered call brings another
+                log.warning("context.calibration_unrecorded", error=type(exc).__name__)
+                return estimator.factor
+            with self._turnstile:
+                estimator.factor, estimator.observations = factor, observations
+                self._calibrations[key] = recorded[-1].version
+            return factor
+        log.warning("context.calibration_contended", stream=stream)
+        return estimator.factor
+
+    def _calibration_taken(self, profile: ModelProfile) -> None:
+        """Set the model's estimator from the newest record of its calibration stream when
+        the stream moved since this run last looked (under the turnstile; one version
+        read): a restarted process counts as the one before it did, and every worker on
+        the store with the fold of every report, whichever worker took it in."""
+        key = (profile.provider, profile.model)
+        stream = calibration_stream(profile)
+        if stream is None:
+            return
+        version = self._store.stream_version(stream)
+        if version == self._calibrations.get(key):
+            return
+        if version:
+            try:
+                newest = next(iter(self._store.read_stream(stream, version)), None)
+            except CorruptRecordError:
+                newest = None
+                log.error("context.calibration_unreadable", stream=stream, version=version)
+            if newest is not None and isinstance(newest.event, ContextCalibrated):
+                estimator = self._dag.estimator(profile)
+                estimator.factor = newest.event.factor
+                estimator.observations = newest.event.observations
+        self._calibrations[key] = version
 
     def _in_lane(self, message: Assemble | SearchContext | InspectContext | ExpandContext) -> Any:
         with self._turnstile:
@@ -326,6 +398,7 @@ class ContextStoreActor(Supervised):
         if self.mode == "pipeline":
             return self._pipeline(message)
         session_id = message.session_id
+        self._calibration_taken(message.profile)
         try:
             self._catch_up(session_id)
             if valid_session_id(session_id) and session_id not in self._dag.sessions:
@@ -384,6 +457,7 @@ class ContextStoreActor(Supervised):
             raise ContextScopeError("the session id is malformed")
         stream = f"context:{session_id}"
         self._catch_up(session_id)
+        self._calibration_taken(message.profile)
         engine = self._pipelines.get(session_id)
         if engine is None:
             engine = PipelineEngine.from_events(
@@ -504,6 +578,21 @@ class ContextStoreActor(Supervised):
 
 
 _BREAKER_EVENTS = (ContextLayerDisabled, ContextLayerHalfOpened, ContextLayerEnabled)
+#: how many times a calibration is computed again after another worker's came first
+APPEND_TRIES = 5
+#: the streams of the models' calibrations: ``context-calibration:<provider>:<model>``
+CALIBRATION_STREAM = "context-calibration"
+
+
+def calibration_stream(profile: ModelProfile) -> str | None:
+    """The stream of ``profile``'s model's token-estimate calibration; None for a model
+    whose name no stream id can hold (its calibration then lives in memory only)."""
+    stream = f"{CALIBRATION_STREAM}:{profile.provider}:{profile.model}"
+    try:
+        check_stream(stream)
+    except InvalidStreamError:
+        return None
+    return stream
 
 
 def pipeline_config(settings: ContextEngineSettings) -> PipelineConfig:

@@ -167,7 +167,13 @@ class DagEngine(Summaries, Recall):
         ``Assembly.tokens`` was ``estimated`` (calibrated with the factor then in force),
         sent with ``overhead`` more tokens (uncalibrated: a system text, tool declarations)."""
         estimator = self.estimator(profile)
-        return estimator.calibrate(round(estimated / estimator.factor) + overhead, reported)
+        return estimator.calibrate(self.raw_estimate(profile, estimated, overhead), reported)
+
+    def raw_estimate(self, profile: ModelProfile, estimated: int, overhead: int = 0) -> int:
+        """What :meth:`calibrate` feeds the estimator for ``Assembly.tokens`` of
+        ``estimated`` (calibrated with the factor now in force) and ``overhead``: the
+        uncalibrated estimate of the whole request."""
+        return round(estimated / self.estimator(profile).factor) + overhead
 
     # -- assembly ---------------------------------------------------------------------
 

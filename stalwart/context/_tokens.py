@@ -170,15 +170,18 @@ class TokenEstimator:
     def calibrate(self, estimated: int, reported: int) -> float:
         """Feed one pair: ``estimated`` the uncalibrated estimate (:meth:`raw`, summed) of
         what was sent, ``reported`` what the provider counted; returns the new factor."""
+        self.factor, self.observations = self.after(estimated, reported)
+        return self.factor
+
+    def after(self, estimated: int, reported: int) -> tuple[float, int]:
+        """The factor and the count of observations one more pair would leave (pure:
+        the estimator is unchanged; a pair with a side not above 0 changes nothing)."""
         if estimated <= 0 or reported <= 0:
-            return self.factor
+            return self.factor, self.observations
         ratio = min(_FACTOR_MAX, max(_FACTOR_MIN, reported / estimated))
         if self.observations == 0:
-            self.factor = ratio
-        else:
-            self.factor += _WEIGHT * (ratio - self.factor)
-        self.observations += 1
-        return self.factor
+            return ratio, 1
+        return self.factor + _WEIGHT * (ratio - self.factor), self.observations + 1
 
     def raw(self, message: Countable) -> int:
         """The uncalibrated estimate under this provider's profile."""

@@ -46,6 +46,7 @@ from ._codec import (
 from ._context import (
     ContextAssembled,
     ContextBound,
+    ContextCalibrated,
     ContextCompacted,
     ContextDagDegraded,
     ContextLayerDisabled,
@@ -138,6 +139,7 @@ __all__ = [
     "Codec",
     "ContextAssembled",
     "ContextBound",
+    "ContextCalibrated",
     "ContextCompacted",
     "ContextDagDegraded",
     "ContextLayerDisabled",

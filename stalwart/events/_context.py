@@ -136,6 +136,21 @@ class ContextSummarizerReserved(Event, frozen=True, tag="context:summarizer_rese
     severity: ClassVar[Severity] = "debug"
 
 
+class ContextCalibrated(Event, frozen=True, tag="context:calibrated"):
+    """The token estimator of ``provider``'s ``model`` took in one more report of the
+    provider's own count: ``estimated`` (uncalibrated) against ``reported``. ``factor``
+    and ``observations`` are the estimator's after it, appended with the stream's
+    version expected, so the newest record is the fold of every report before it: a
+    process that starts reads it and counts as the one before it did."""
+
+    provider: str
+    model: str
+    estimated: int
+    reported: int
+    factor: float
+    observations: int
+
+
 class ContextSummarizerRefused(Event, frozen=True, tag="context:summarizer_refused"):
     """A summarizer call the tenant's governor refused, recorded in its ledger with the
     ledger's version expected (so the refusal was decided on the ledger just before it):
