@@ -3,6 +3,8 @@ on the log, picking events."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -159,3 +161,20 @@ def attempted_on(portal: IoPortal, channel: MemoryChannel, count: int) -> None:
             await channel.wait_for(count, attempted=True)
 
     portal.submit(wait).result(GUARD + 1)
+
+
+def sigkill(proc: subprocess.Popen[str], wait: float = GUARD) -> None:
+    """Kill ``proc`` with SIGKILL and check that it died of it."""
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(wait) == -signal.SIGKILL
+
+
+def reap(proc: subprocess.Popen[str], wait: float = GUARD) -> None:
+    """However a test ended: ``proc`` killed if still running, waited for, its pipes
+    closed (a pipe left open warns in whichever test runs next)."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(wait)
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -73,6 +72,7 @@ from stalwart.state import (
 )
 from stalwart.store import EventStore, NewEvent, PostgresEventStore
 from tests._ledger_child import BUDGET, CAP, LEASE_MS, TENANT, history, ledger_settings
+from tests._runtime_support import reap, sigkill
 
 CHILD = Path(__file__).with_name("_ledger_child.py")
 ROOT = Path(__file__).resolve().parent.parent
@@ -694,15 +694,9 @@ def kill_mid_call(path: Path) -> None:
             if line == "calling":
                 break
             assert line is not None, f"the child ended early: {child.communicate()[1]}"
-        child.send_signal(signal.SIGKILL)
-        assert child.wait(WAIT) == -signal.SIGKILL
+        sigkill(child, WAIT)
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(WAIT)
-        for pipe in (child.stdout, child.stderr):
-            if pipe is not None:
-                pipe.close()
+        reap(child, WAIT)
 
 
 def test_a_worker_killed_mid_call_holds_the_cap_until_its_lease_ends(tmp_path: Path) -> None:

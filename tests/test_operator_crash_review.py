@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import selectors
-import signal
 import subprocess
 import sys
 import time
@@ -53,7 +52,7 @@ from stalwart.runtime import Runtime
 from stalwart.testing import Answer, Fail, FakeProvider, FakeToolCall, Hang, Trickle
 
 from . import _operator_crash_child as child
-from ._runtime_support import advance_until, flush, settled
+from ._runtime_support import advance_until, flush, reap, settled, sigkill
 
 KEY = "sk-operator-crash-SECRET-7f3a9c"
 WAIT = 30.0
@@ -93,15 +92,9 @@ def crash(
         assert "ready" in said, (said, proc.stderr and proc.stderr.read())
         if deltas:
             fake.wait_for(lambda rs: bool(rs) and rs[0].deltas_sent >= deltas, WAIT)
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(WAIT) == -signal.SIGKILL
+        sigkill(proc, WAIT)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(WAIT)
-        for pipe in (proc.stdout, proc.stderr):
-            if pipe is not None:
-                pipe.close()
+        reap(proc, WAIT)
     return str(said["ready"])
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -64,7 +63,7 @@ from stalwart.events import (
 )
 from stalwart.state import RunState
 from stalwart.store import EventStore, NewEvent
-from tests._runtime_support import advance_until
+from tests._runtime_support import advance_until, reap, sigkill
 
 WAIT = 10.0
 T0 = 1_800_000_000.0  # the conftest clock's start
@@ -241,15 +240,9 @@ def test_a_run_left_running_by_a_killed_process_is_swept_once_with_one_notice(
         assert proc.stdout is not None
         line = proc.stdout.readline()  # the child says once its run is in the log
         assert json.loads(line) == {"running": "ghost"}, proc.stderr and proc.stderr.read()
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(WAIT) == -signal.SIGKILL
+        sigkill(proc, WAIT)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(WAIT)
-        for pipe in (proc.stdout, proc.stderr):
-            if pipe is not None:
-                pipe.close()
+        reap(proc, WAIT)
 
     clock = FakeClock(start=T0)
     with (
