@@ -428,7 +428,8 @@ def test_after_a_restart_a_session_grows_past_the_window_by_the_providers_count(
                     # the factor the restarted store counts with (a report of nothing
                     # changes nothing and answers it): the one it had, read from the log
                     nothing = Calibrate(profile=profile, estimated=0, reported=0)
-                    assert ask_context(ref, nothing, ASK) == factor
+                    # (within the share a report must move it by to be recorded)
+                    assert ask_context(ref, nothing, ASK) == pytest.approx(factor, rel=0.02)
                 request = Assemble(
                     session_id="s1",
                     messages=messages[: position + 1],

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from stalwart.actors import (
+    CALIBRATION_WARM_UP,
     Assemble,
     Calibrate,
     ContextStoreActor,
@@ -432,6 +433,33 @@ def test_the_governor_is_rebuilt_in_log_order_across_a_tenants_sessions(
     assert not reply.degraded  # an open breaker would have made emergency truncations
     events = [r.event for r in store.read_stream("context:s1")]
     assert not [e for e in events if isinstance(e, ContextDagDegraded)]
+
+
+def test_a_steady_calibration_is_recorded_only_when_it_moves(start, store: EventStore) -> None:  # type: ignore[no-untyped-def]
+    """The first reports are each recorded; later, one that moves the factor by less than
+    2 % of the recorded one moves it in memory only, and one that moves it more is
+    recorded again (a durable append per answered call would be the cost otherwise)."""
+    ref = start()
+    profile = ModelProfile(provider="openai", model="steady")
+
+    def report(reported: int) -> float:
+        estimated = round(1_000 * factor)  # calibrated as the store counts now
+        return ask_context(
+            ref, Calibrate(profile=profile, estimated=estimated, reported=reported), ASK
+        )
+
+    factor = 1.0
+    for _ in range(CALIBRATION_WARM_UP):
+        factor = report(2_000)
+    stream = "context-calibration:openai:steady"
+    assert store.stream_version(stream) == CALIBRATION_WARM_UP
+    for _ in range(5):
+        factor = report(2_010)  # a steady model: the factor creeps by a fraction of 1 %
+    assert store.stream_version(stream) == CALIBRATION_WARM_UP
+    factor = report(3_000)  # the tokenizer changed: a 10 % move
+    assert store.stream_version(stream) == CALIBRATION_WARM_UP + 1
+    newest = list(store.read_stream(stream))[-1].event
+    assert (newest.factor, newest.observations) == (factor, CALIBRATION_WARM_UP + 6)
 
 
 def test_a_model_name_no_stream_id_can_hold_is_calibrated_in_memory(

@@ -45,6 +45,8 @@ from ._agent_wake import (
 )
 from ._announcer import Announcer, Batch, GetBatches, Track
 from ._context import (
+    CALIBRATION_STREAM,
+    CALIBRATION_WARM_UP,
     REFUSALS_STREAM,
     Assemble,
     Assembled,
@@ -131,6 +133,8 @@ __all__ = [
     "ABANDONED_TEXT",
     "AGENT_VIEW",
     "APPROVAL_TEXT",
+    "CALIBRATION_STREAM",
+    "CALIBRATION_WARM_UP",
     "DEADLETTER_STREAM",
     "DEFAULT_LATENESS_WINDOW",
     "DEGRADED_TEXT",

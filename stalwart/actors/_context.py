@@ -83,6 +83,8 @@ from ._ledger import StoreLedger
 from ._supervised import Supervised
 
 __all__ = [
+    "CALIBRATION_STREAM",
+    "CALIBRATION_WARM_UP",
     "REFUSALS_STREAM",
     "Assemble",
     "Assembled",
@@ -257,6 +259,8 @@ class ContextStoreActor(Supervised):
         self._versions: dict[str, int] = {}
         #: per (provider, model): the version of its calibration stream folded in
         self._calibrations: dict[tuple[str, str], int] = {}
+        #: per (provider, model): the factor its newest calibration record holds
+        self._recorded_factors: dict[tuple[str, str], float] = {}
 
     @property
     def mode(self) -> str:
@@ -294,10 +298,14 @@ class ContextStoreActor(Supervised):
                 raise TypeError(f"ContextStoreActor does not understand {type(message).__name__}")
 
     def _calibrate(self, message: Calibrate) -> float:
-        """One more report of the provider's count: recorded in the model's calibration
-        stream, with its version expected, before the estimator takes it (another
-        worker's report came first: fold it, and compute again). The calibration lane is
-        serial, so nothing else moves the estimator between the two."""
+        """One more report of the provider's count. Each of the first
+        :data:`CALIBRATION_WARM_UP` reports, and one that moves the factor by
+        :data:`CALIBRATION_MOVE` or more from the factor last recorded, is recorded in the
+        model's calibration stream, with its version expected, before the estimator takes
+        it (another worker's report came first: fold it, and compute again); the others
+        move the estimator in memory only (a steady model would otherwise cost a durable
+        append per answered call). The calibration lane is serial, so nothing else moves
+        the estimator between the two."""
         profile = message.profile
         key = (profile.provider, profile.model)
         stream = calibration_stream(profile)
@@ -314,6 +322,14 @@ class ContextStoreActor(Supervised):
                 factor, observations = estimator.after(raw, message.reported)
                 if observations == estimator.observations:
                     return factor  # a report that says nothing
+                recorded_factor = self._recorded_factors.get(key)
+                if (
+                    observations > CALIBRATION_WARM_UP
+                    and recorded_factor is not None
+                    and abs(factor - recorded_factor) < CALIBRATION_MOVE * recorded_factor
+                ):
+                    estimator.factor, estimator.observations = factor, observations
+                    return factor
             report = ContextCalibrated(
                 provider=profile.provider,
                 model=profile.model,
@@ -334,6 +350,7 @@ class ContextStoreActor(Supervised):
             with self._turnstile:
                 estimator.factor, estimator.observations = factor, observations
                 self._calibrations[key] = recorded[-1].version
+                self._recorded_factors[key] = factor
             return factor
         log.warning("context.calibration_contended", stream=stream)
         return estimator.factor
@@ -360,6 +377,7 @@ class ContextStoreActor(Supervised):
                 estimator = self._dag.estimator(profile)
                 estimator.factor = newest.event.factor
                 estimator.observations = newest.event.observations
+                self._recorded_factors[key] = newest.event.factor
         self._calibrations[key] = version
 
     def _in_lane(self, message: Assemble | SearchContext | InspectContext | ExpandContext) -> Any:
@@ -582,6 +600,10 @@ _BREAKER_EVENTS = (ContextLayerDisabled, ContextLayerHalfOpened, ContextLayerEna
 APPEND_TRIES = 5
 #: the streams of the models' calibrations: ``context-calibration:<provider>:<model>``
 CALIBRATION_STREAM = "context-calibration"
+#: every one of a model's first reports is recorded (they move its factor the most)
+CALIBRATION_WARM_UP = 10
+#: later, a report is recorded when it moves the factor by this share of the recorded one
+CALIBRATION_MOVE = 0.02
 
 
 def calibration_stream(profile: ModelProfile) -> str | None:
