@@ -368,7 +368,7 @@ async def test_closing_ends_a_send_that_waits_out_a_backoff(
         tasks.start_soon(sending)
         with anyio.fail_after(GUARD):
             while not hook.requests:
-                await anyio.sleep(0.01)
+                await anyio.sleep(0.01)  # real-time: polls for the first request
         await channel.aclose()
     assert [facts(e)[:2] for e in errors] == [("closed", False)]
     assert len(hook.requests) == 1
