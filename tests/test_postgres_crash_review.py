@@ -55,6 +55,8 @@ from stalwart.store import Due, EventStore, Fence, NewEvent
 from stalwart.testing import Answer, FakeProvider, FakeToolCall, PostgresServer
 
 from . import _postgres_crash_child as child
+from ._postgres import require_postgres
+from ._runtime_support import sigkill
 from .test_durable_crash import check_log
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,8 +103,7 @@ class Worker:
         os.kill(self.process.pid, signum)
 
     def kill(self) -> None:
-        self.process.kill()
-        assert self.process.wait(GUARD) == -signal.SIGKILL
+        sigkill(self.process, GUARD)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -517,8 +518,6 @@ def test_many_sessions_due_at_once_with_a_worker_frozen_holding_some_are_each_an
 @pytest.fixture(scope="module")
 def own_server() -> Iterator[PostgresServer]:
     """A server of this module's own, which a test stops and starts again."""
-    from ._postgres import require_postgres
-
     require_postgres()
     with PostgresServer(fsync=False) as server:
         server.create_database("crash")

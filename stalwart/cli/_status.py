@@ -166,6 +166,12 @@ def _when(at: float | None, now: float) -> str:
     return "-" if at is None else f"{fmt_rel(at, now)} ({fmt_ts(at)})"
 
 
+def _under_way_cell(call: dict[str, Any], now: float) -> str:
+    attempt = f" attempt {call['attempt']}" if call["attempt"] else ""
+    since = _when(call["since"], now)
+    return f"{call['kind']} {call['name']}{attempt} (call {call['call_id']}) since {since}"
+
+
 def detail_lines(view: dict[str, Any]) -> list[str]:
     """One session in full, as text."""
     now = view["now"]
@@ -180,19 +186,8 @@ def detail_lines(view: dict[str, Any]) -> list[str]:
         else f"pending       {pending['kind']} request {pending['request_id']}  "
         f"tool {pending['tool']}  input {pending['input']}"
     )
-    calls = view["under_way"]
-    lines.append(
-        "under way     "
-        + (
-            "; ".join(
-                f"{call['kind']} {call['name']}"
-                + (f" attempt {call['attempt']}" if call["attempt"] else "")
-                + f" (call {call['call_id']}) since {_when(call['since'], now)}"
-                for call in calls
-            )
-            or "-"
-        )
-    )
+    calls = [_under_way_cell(call, now) for call in view["under_way"]]
+    lines.append("under way     " + ("; ".join(calls) or "-"))
     retry = view["retry"]
     if retry["attempt"] is None:
         lines.append(f"retry         nothing queued  last error {_dash(retry['last_error'])}")
