@@ -209,10 +209,8 @@ class RunLayer:
         with self._w.lock:
             if not self._w.running():
                 return None
-            work, agent = None, self._agent_of(spawn.parent)
-            for (parent, task), known in self._works.items():
-                if parent == spawn.parent and _of_lineage(spawn.task, task):
-                    work, agent = known
+            known = self._lineage(spawn.parent, spawn.task)
+            work, agent = known or (None, self._agent_of(spawn.parent))
             self._works[(spawn.parent, spawn.task)] = (work, agent)
             announce = True if spawn.announce is None else spawn.announce
             return self._start(spawn, work, agent, announce=announce)
@@ -221,10 +219,17 @@ class RunLayer:
         """Whether this process holds the host code of the lineage a run of ``parent``
         with ``task`` belongs to (the supervisor's ``works``)."""
         with self._w.lock:
-            return any(
-                work is not None and known_parent == parent and _of_lineage(task, known_task)
-                for (known_parent, known_task), (work, _) in self._works.items()
-            )
+            known = self._lineage(parent, task)
+            return known is not None and known[0] is not None
+
+    def _lineage(self, parent: str, task: str) -> tuple[Work | None, str] | None:
+        """The work and agent of the lineage a run of ``parent`` with ``task`` belongs to
+        (the latest registered), or None when this process never spawned it."""
+        found = None
+        for (known_parent, known_task), known in self._works.items():
+            if known_parent == parent and _of_lineage(task, known_task):
+                found = known
+        return found
 
     def splitter_of(self, parent: str, task: str) -> Splitter | None:
         """The supervisor's lookup: the splitter of the lineage a run of ``parent`` with
