@@ -24,7 +24,7 @@ import pytest
 import structlog.testing
 
 from stalwart import store as store_module
-from stalwart.actors import DEGRADED_TEXT, FAILED_TEXT, MAX_STEPS_TEXT
+from stalwart.actors import ABANDONED_TEXT, DEGRADED_TEXT, FAILED_TEXT, MAX_STEPS_TEXT
 from stalwart.channels import ConsoleChannel, Delivery, MemoryChannel, OutboundMessage
 from stalwart.clock import FakeClock
 from stalwart.config import Config, parse_config
@@ -34,6 +34,7 @@ from stalwart.events import (
     AnnouncementDeadLettered,
     AnnouncementDelivered,
     BreakerOpened,
+    ContextAssembled,
     ProviderCallFailed,
     ProviderDegraded,
     ProviderRecovered,
@@ -44,12 +45,14 @@ from stalwart.events import (
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Answer, Fail, FakeProvider, FakeToolCall, Hang
+from tests._raced import RacedOnce
 from tests._runtime_support import (
     GUARD,
     delivered,
     delivered_by_clock,
     has,
     log_until,
+    of,
     until,
 )
 
@@ -333,6 +336,34 @@ def test_a_call_whose_retries_all_fail_is_one_failure_for_the_health_monitor(
         records = log_until(store, "provider:main", has(ProviderDegraded))
     assert not [r for r in records if isinstance(r.event, BreakerOpened)]
     assert len(fake.requests) == 9
+
+
+class ContextRaced(RacedOnce):
+    """Every append to ``context:s1`` loses the race to another writer: the ContextStore
+    cannot record its assembly, so the model call never starts (not the model's doing)."""
+
+    def append(self, stream: str, events: Any, expected_version: Any = None, **kw: Any) -> Any:
+        self.armed = True
+        return super().append(stream, events, expected_version, **kw)
+
+
+def test_a_turn_the_machinery_broke_does_not_blame_the_models(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """A turn that failed on our side (here the context stream's append conflicting on
+    every attempt: ``internal``) is retried by the wake and, once it gives up, ends with
+    ABANDONED_TEXT. FAILED_TEXT says every configured model failed, which no model did:
+    the provider got no request at all."""
+    raced = ContextRaced(store, "context:s1", ContextAssembled(tokens_in=0, tokens_out=0, budget=0))
+    cfg = config(fake.base_url, activations={"max_attempts": 2, "backoff_base_ms": 1_000})
+    with Runtime(cfg, store=raced, clock=clock, channels={"chat": chat}) as rt:  # type: ignore[arg-type]
+        rt.session("s1", channel="chat").send("hello")
+        [reply] = delivered_by_clock(clock, chat, 1, step_s=0.5)
+    assert (reply.text, reply.kind) == (ABANDONED_TEXT, "failure_notice")
+    assert fake.requests == []
+    turns = of(TurnCompleted, list(store.read_stream("session:s1")))
+    ended = [(t.outcome, t.reason) for t in turns]
+    assert ended == [("failed", "internal"), ("failed", "internal")], ended
 
 
 # -- stopping -------------------------------------------------------------------------------

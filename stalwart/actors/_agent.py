@@ -17,6 +17,9 @@ What ends a turn, besides an answer:
   ``aborted``;
 - every model failing: :data:`FAILED_TEXT` (:data:`OVERFLOW_TEXT` for a context
   overflow), outcome ``failed``;
+- the machinery breaking, not the model (``tools_broke``, ``internal``,
+  ``context_refused``): :data:`ABANDONED_TEXT`, outcome ``failed``; in a wake, the first
+  two are retried first and the user hears only of the last attempt;
 - ``max_steps`` model calls with tool calls still coming: :data:`MAX_STEPS_TEXT`;
 - a degraded provider (``is_degraded(provider)`` before a model call): no call is made,
   :data:`DEGRADED_TEXT` at once, outcome ``deferred``; the user message stays in the log.
@@ -371,11 +374,13 @@ class AgentActor(Supervised):
             self._finish(turn, "failed", "context_overflow", OVERFLOW_TEXT, "failure_notice")
             return
         if message.error == "context_refused":  # fail-closed: never merged, never retried
-            self._finish(turn, "failed", "context_refused", FAILED_TEXT, "failure_notice")
+            self._finish(turn, "failed", "context_refused", ABANDONED_TEXT, "failure_notice")
             return
         if message.error is not None or message.response is None:
+            # only a chain that failed is the model's doing; the rest broke on our side
             reason = message.error or "internal"
-            self._finish(turn, "failed", reason, FAILED_TEXT, "failure_notice")
+            text = FAILED_TEXT if reason == "all_models_failed" else ABANDONED_TEXT
+            self._finish(turn, "failed", reason, text, "failure_notice")
             return
         response = message.response
         calls = self._ledger.distinct_ids(response.tool_calls)
@@ -399,7 +404,7 @@ class AgentActor(Supervised):
         turn.future = None
         ran = len(turn.calls) - len(turn.blocked)
         if message.error is not None or len(message.outcomes) != ran:
-            self._finish(turn, "failed", "tools_broke", FAILED_TEXT, "failure_notice")
+            self._finish(turn, "failed", "tools_broke", ABANDONED_TEXT, "failure_notice")
             return
         outcomes = iter(message.outcomes)
         events: list[Event] = []

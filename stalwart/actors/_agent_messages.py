@@ -39,13 +39,15 @@ __all__ = [
 
 #: The execution timeout fired: the turn was stopped.
 TIMEOUT_TEXT = "Sorry, working on your message took far too long, so I stopped. Please try again."
-#: Every model of the chain failed (or the turn broke in an unexpected way).
+#: Every model of the chain failed.
 FAILED_TEXT = (
     "Sorry, the model did not answer: every configured model failed or timed out. "
     "Please try again in a moment."
 )
-#: The turn broke off (the process or the Agent crashed) and was not finished: in memory,
-#: at once on restart; in a durable session, once the worker gave up retrying it.
+#: The turn broke off and was not finished: the process or the Agent crashed (in memory,
+#: at once on restart; in a durable session, once the worker gave up retrying it), or the
+#: machinery broke rather than the model (a tool run, the context engine refusing or
+#: failing to record, a bug), after the wake's retries.
 ABANDONED_TEXT = (
     "Sorry, something went wrong while I was working on your message and I could not "
     "finish it. Please send it again."
