@@ -16,9 +16,10 @@ import re
 from collections.abc import MutableMapping
 from typing import Any
 
+import httpx
 import structlog
 
-__all__ = ["REDACTED", "get_logger", "redact"]
+__all__ = ["REDACTED", "get_logger", "hide_url", "redact"]
 
 #: a key naming a secret; ``token`` but not ``tokens`` (``input_tokens`` is a count)
 _SECRET_KEYS = re.compile(r"(api[_-]?key|token(?!s)|secret|password|authorization|cookie)", re.I)
@@ -82,3 +83,35 @@ class Logger:
 def get_logger(name: str) -> Logger:
     """The logger of one module of stalwart (pass ``__name__``)."""
     return Logger(name)
+
+
+#: urls httpx's request log line shows otherwise (a webhook's: its path holds a token)
+_HIDDEN_URLS: dict[str, str] = {}
+
+
+def hide_url(url: str, shown: str) -> None:
+    """Show ``url`` as ``shown`` in httpx's ``HTTP Request: POST <url> ...`` lines."""
+    _HIDDEN_URLS[url] = shown
+
+
+def _shown_url(url: httpx.URL) -> object:
+    hidden = _HIDDEN_URLS.get(str(url))
+    if hidden is not None:
+        return hidden
+    return url.copy_with(userinfo=b"") if url.userinfo else url  # user info: a password
+
+
+class _HideUrlSecrets(logging.Filter):
+    """No secret of a url in httpx's request log line: never its user info (a provider's
+    ``base_url`` may carry a password), and a url :func:`hide_url` names as it says."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and any(isinstance(arg, httpx.URL) for arg in args):
+            record.args = tuple(
+                _shown_url(arg) if isinstance(arg, httpx.URL) else arg for arg in args
+            )
+        return True
+
+
+logging.getLogger("httpx").addFilter(_HideUrlSecrets())

@@ -51,6 +51,9 @@ Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_KNOB)]
 #: its framing, the summary so far and the reply (each up to a quarter) must leave room.
 MIN_CONTEXT_WINDOW = 1_024
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=MAX_KNOB)]
+#: The name of an environment variable that holds a secret (never the secret itself: a
+#: config's values are recorded, and a key pasted here would be in the log for good).
+EnvName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 
 
 class StoreSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -60,17 +63,23 @@ class StoreSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     snapshot_every: Annotated[int, msgspec.Meta(ge=0)] = 500
     tail_poll_ms: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 10
 
+    def __repr__(self) -> str:  # a postgresql:// location may carry a password
+        return _repr_hiding(self, "location", keep_path=True)
+
 
 class ProviderSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One LLM endpoint. ``kind`` picks the wire protocol; the key comes from an env var."""
 
     kind: Literal["openai", "anthropic"]
     base_url: str
-    api_key_env: str | None = None
+    api_key_env: EnvName | None = None
     connect_timeout_ms: Positive = 10_000
     max_in_flight: Positive = 64
     breaker_failure_threshold: Positive = 5
     breaker_reset_timeout_ms: Positive = 60_000
+
+    def __repr__(self) -> str:  # user info in the url is a password
+        return _repr_hiding(self, "base_url", keep_path=True)
 
 
 class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -270,18 +279,28 @@ class ChannelSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     kind: Literal["console", "webhook", "memory"]
     url: str | None = None
     secret_header: str | None = None
-    secret_env: str | None = None
+    secret_env: EnvName | None = None
     timeout_ms: Positive = 10_000
     max_attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
     retry_base_ms: Positive = 500
     retry_cap_ms: Positive = 5_000
 
-    def __repr__(self) -> str:
-        # the url's path or query may hold a token: show only where it points
-        values = {f: getattr(self, f) for f in self.__struct_fields__}
-        if values["url"]:
-            values["url"] = _origin(values["url"])
-        return f"ChannelSettings({', '.join(f'{f}={v!r}' for f, v in values.items())})"
+    def __repr__(self) -> str:  # the url's path or query may hold a token
+        return _repr_hiding(self, "url", keep_path=False)
+
+
+def _repr_hiding(settings: msgspec.Struct, field: str, *, keep_path: bool) -> str:
+    """``settings``' repr with the url in ``field`` shown without its secrets (user info,
+    query; the path too unless ``keep_path``)."""
+    values = {f: getattr(settings, f) for f in settings.__struct_fields__}
+    url = values[field]
+    if isinstance(url, str) and "://" in url:
+        try:
+            values[field] = _without_secrets(url, keep_path=keep_path)
+        except ValueError:  # a port that is not one
+            values[field] = "<a url that cannot be read>"
+    shown = ", ".join(f"{f}={v!r}" for f, v in values.items())
+    return f"{type(settings).__name__}({shown})"
 
 
 def _origin(url: str) -> str:
@@ -555,6 +574,12 @@ def _fail(
     if unknown:
         key = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
         raise ConfigError(f"{source}: unknown key {key!r}", key=key) from None
+    if key is not None and key.endswith("_env"):  # the value may be the secret itself
+        raise ConfigError(
+            f"{source}: key {key!r}: must be the name of an environment variable (letters, "
+            "digits and _; not the secret itself, which is not shown here)",
+            key=key,
+        ) from None
     expected = message.split(" - at ", maxsplit=1)[0]
     allowed = _allowed(root, inner)
     if allowed:

@@ -15,7 +15,6 @@ is configured).
 
 from __future__ import annotations
 
-import logging
 import os
 import random
 from urllib.parse import quote, urlsplit
@@ -25,7 +24,7 @@ import httpx
 import msgspec
 
 from stalwart._aio import cut_after, sleep_for
-from stalwart._logs import get_logger
+from stalwart._logs import get_logger, hide_url
 from stalwart.backoff import backoff_delay, parse_retry_after
 from stalwart.clock import Clock, SystemClock, Timer
 from stalwart.config import ChannelSettings, webhook_url_problem
@@ -75,7 +74,7 @@ class WebhookChannel:
         self._secret: tuple[str, str] | None = None
         if settings.secret_header and settings.secret_env:
             self._secret = (settings.secret_header, _secret_value(where, settings.secret_env))
-        _HIDDEN_URLS.add(str(httpx.URL(self._url)))
+        hide_url(str(httpx.URL(self._url)), _origin(self._url))  # in httpx's request log
         self._clock = clock or SystemClock()
         self._timer = timer
         self._rng = rng or random.Random()
@@ -251,27 +250,6 @@ def _header_safe(key: str) -> str:
     if key.isascii() and key.isprintable():
         return key
     return quote(key, safe="")
-
-
-#: the webhook urls of this process, as httpx shows them in its request log line
-_HIDDEN_URLS: set[str] = set()
-
-
-class _HideWebhookUrls(logging.Filter):
-    """Shows a webhook's url as its origin in httpx's ``HTTP Request: POST <url> ...``."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        if isinstance(args, tuple) and any(
-            isinstance(arg, httpx.URL) and str(arg) in _HIDDEN_URLS for arg in args
-        ):
-            record.args = tuple(
-                _origin(str(arg)) if isinstance(arg, httpx.URL) else arg for arg in args
-            )
-        return True
-
-
-logging.getLogger("httpx").addFilter(_HideWebhookUrls())
 
 
 def _origin(url: str) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 import click
 import msgspec
 
+from stalwart._text import escaped
 from stalwart.actors import IoPortal, ProviderSummarizer
 from stalwart.clock import FakeClock
 from stalwart.config import Config, ContextEngineSettings, load_config
@@ -228,7 +229,8 @@ def search_command(state: _State, stream: str, query: str, limit: int, as_json: 
             continue
         where = f"  (in {hit.summary_id}, shown as {hit.in_context_as})" if hit.summary_id else ""
         click.echo(
-            f"{hit.score:>8.3f}  {hit.kind:<7} {hit.id}  #{hit.seq}{where}\n    {hit.snippet}"
+            f"{hit.score:>8.3f}  {hit.kind:<7} {hit.id}  #{hit.seq}{where}\n"
+            f"    {escaped(hit.snippet)}"
         )
 
 

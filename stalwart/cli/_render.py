@@ -40,13 +40,14 @@ def event_line(record: RecordedEvent) -> str:
     """One human line: position, time, stream, type, then the fields that say something."""
     event = record.event
     fields = " ".join(
-        f"{key}={_short(value)}"
+        f"{escaped(key)}={_short(value)}"
         for key, value in event_data(event).items()
         if value not in (None, "", [], {}, ()) and not key.startswith("_raw")
     )
     severity = event.severity
     kind = record.type + (" (unknown type)" if isinstance(event, UnknownEvent) else "")
-    text = f"{record.position:>8}  {fmt_ts(record.ts)}  {record.stream}  {kind}"
+    # a stream id or an unknown type's tag is some writer's text: it stays on its line
+    text = f"{record.position:>8}  {fmt_ts(record.ts)}  {escaped(record.stream)}  {escaped(kind)}"
     if fields:
         text += "  " + fields
     colour = _COLOURS.get(severity)

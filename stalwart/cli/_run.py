@@ -7,6 +7,7 @@ import sys
 import anyio
 import click
 
+from stalwart._text import escaped
 from stalwart.clock import SystemClock
 from stalwart.config import Config, load_config
 from stalwart.errors import ContextOverflowError, ProviderError, StalwartError
@@ -62,7 +63,9 @@ class _Printer:
                 )
                 self.printed = False
         elif isinstance(event, TextDelta):
-            sys.stdout.write(event.text)
+            # the model's text is untrusted: its line breaks stay, no other control
+            # character reaches the terminal (ESC could clear it or set the clipboard)
+            sys.stdout.write("\n".join(escaped(part, tabs=True) for part in event.text.split("\n")))
             sys.stdout.flush()
             self.printed = True
 

@@ -103,8 +103,9 @@ def classify_request(exc: httpx.RequestError, *, provider: str, model: str) -> P
     write, such as a key with a line break in it) is final: no retry can send it, and
     nothing reached the provider. A body that cannot be decoded (a broken gzip stream)
     is a malformed reply, retryable. Everything else is a transport failure. Raise the
-    error for a ``LocalProtocolError`` ``from None``: its message quotes the header
-    value it refused, the API key's maybe.
+    error for any ``ProtocolError`` ``from None``: a local one's message quotes the
+    header value it refused (the API key's, maybe), a remote one's the server's bytes
+    (which a proxy may fill with the request's own headers).
     """
     if isinstance(exc, httpx.LocalProtocolError):
         return unsendable(provider=provider, model=model)

@@ -224,9 +224,10 @@ class ProviderClient:
 
 def _cause(exc: httpx.RequestError) -> BaseException | None:
     """What a request's ProviderError is chained to: the transport error (its traceback
-    helps), except a request httpx refused to send, whose message quotes the header value
-    it refused (the API key's, maybe)."""
-    return None if isinstance(exc, httpx.LocalProtocolError) else exc
+    helps), except a protocol error. A request httpx refused to send quotes the header
+    value it refused (the API key's, maybe); a response it could not parse quotes the
+    server's bytes, which a proxy may have filled with the request's own headers."""
+    return None if isinstance(exc, httpx.ProtocolError) else exc
 
 
 async def _drain(chunks: AsyncIterator[bytes]) -> None:
