@@ -57,11 +57,16 @@ EnvName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 
 
 class StoreSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Where the event log lives and how it is kept."""
+    """Where the event log lives and how it is kept: a fold saves a snapshot once it went
+    ``snapshot_every`` events past its newest one (0: never); a tailing reader looks for
+    another process's appends every ``tail_poll_ms`` (None: the backend's own, 10 ms for
+    LMDB, 50 ms for PostgreSQL). Both apply to a store the runtime or the CLI opens from
+    this config (:func:`stalwart.store.open_configured`), not to a store object the host
+    passes in."""
 
     location: str = ".stalwart"
-    snapshot_every: Annotated[int, msgspec.Meta(ge=0)] = 500
-    tail_poll_ms: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 10
+    snapshot_every: NonNegative = 500
+    tail_poll_ms: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None
 
     def __repr__(self) -> str:  # a postgresql:// location may carry a password
         return _repr_hiding(self, "location", keep_path=True)
@@ -551,6 +556,12 @@ def parse_config(data: Any, *, source: str = "config") -> Config:
             entries = data.get(section)
             if isinstance(entries, dict):
                 for name, entry in entries.items():
+                    if not isinstance(name, str):  # YAML reads `1:` as an int
+                        raise ConfigError(
+                            f"{source}: key '{section}.{name}': a name must be a string, "
+                            f"found {type(name).__name__} {name!r} (quote it)",
+                            key=f"{section}.{name}",
+                        )
                     try:
                         msgspec.convert(entry, kind)
                     except msgspec.ValidationError as exc:

@@ -6,11 +6,14 @@ from pathlib import Path
 
 import lmdb
 import msgspec
+import pytest
 import structlog.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stalwart import store as store_module
+from stalwart.clock import FakeClock
+from stalwart.config import parse_config
 from stalwart.events import (
     ContextDagDegraded,
     ContextSummaryCreated,
@@ -32,6 +35,7 @@ from stalwart.events import (
     UserInterrupt,
     UserToolConfirmation,
 )
+from stalwart.runtime import Runtime
 from stalwart.state import (
     BREAKER,
     CONTEXT_DAG,
@@ -45,7 +49,7 @@ from stalwart.state import (
     fold_streams,
     under_way,
 )
-from stalwart.store import EventStore, Snapshot, load_state, snapshot_name
+from stalwart.store import DEFAULT_SNAPSHOT_EVERY, EventStore, Snapshot, load_state, snapshot_name
 from tests._log import FoldedLog, recorded
 
 
@@ -274,6 +278,33 @@ def test_rebuild_saves_snapshots_every_n_events(lmdb_store: EventStore) -> None:
     assert again.version == 1201
     assert again.status == "running"
     assert [s.version for s in lmdb_store.snapshots("session:s", snapshot_name(SESSION))] == [1200]
+
+
+def test_the_configs_snapshot_every_is_the_stores_and_load_states_default(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """``store.snapshot_every`` in the config reaches the store the runtime (and the CLI)
+    opens from it, and every ``load_state`` that does not say otherwise follows it: the
+    runtime's folds save snapshots at that cadence, 0 never. (It used to be a knob that
+    nothing read: every fold saved at 500 whatever the config said.)"""
+    every = parse_config({"store": {"location": str(tmp_path / "a"), "snapshot_every": 20}})
+    never = parse_config({"store": {"location": str(tmp_path / "b"), "snapshot_every": 0}})
+    for cfg, saved in ((every, [30]), (never, [])):
+        with store_module.open_configured(cfg.store, clock=clock) as store:  # type: ignore[attr-defined]
+            assert store.snapshot_every == cfg.store.snapshot_every
+            _fill(store, 30)
+            load_state(store, "session:s", SESSION)
+            snapshots = store.snapshots("session:s", snapshot_name(SESSION))
+            assert [snap.version for snap in snapshots] == saved
+    with Runtime(every, clock=clock) as rt:
+        assert rt.store.location == str(tmp_path / "a")
+        assert rt.store.snapshot_every == 20
+    with store_module.open(tmp_path / "c") as default:  # type: ignore[attr-defined]
+        assert default.snapshot_every == DEFAULT_SNAPSHOT_EVERY
+    with pytest.raises(ValueError, match="snapshot_every"):
+        store_module.open(tmp_path / "d", snapshot_every=-1)
+    with pytest.raises(ValueError, match="poll_interval"):
+        store_module.open(tmp_path / "e", poll_interval=0)
 
 
 @settings(

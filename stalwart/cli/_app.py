@@ -17,7 +17,7 @@ from stalwart.config import Config
 from stalwart.errors import StalwartError, StoreError
 from stalwart.events import RecordedEvent
 from stalwart.state import aggregate_for
-from stalwart.store import EventStore, load_state
+from stalwart.store import EventStore, load_state, open_configured
 from stalwart.store import open as open_store
 
 from . import _replay
@@ -63,7 +63,7 @@ class _State:
 
     def store_for(self, config: Config, *, create: bool) -> EventStore:
         """--store (or STALWART_STORE) when given, else the config's store location."""
-        return open_store(self.location or config.store.location, create=create)
+        return open_configured(config.store, self.location, create=create)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

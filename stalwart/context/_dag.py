@@ -246,14 +246,28 @@ class DagSession:
     def restore(self, state: ContextDagState) -> None:
         """Rebuild the DAG from its fold (messages must be ingested first).
 
-        ContextScopeError when a summary covers a message this session does not hold."""
+        ContextScopeError when a summary covers a message this session does not hold, or
+        when the fold lacks a summary that the others build on: one this version could not
+        read (a newer stalwart's, an ``UnknownEvent``). Leaves cover the history from its
+        start without a gap, so a leaf that does not begin where the last one ended, or a
+        condensed summary over one the fold never saw, means the messages in between
+        would silently leave the prompt; the session is refused instead, fail closed."""
         self.bound = state.bound
         self.tenant = state.tenant if state.bound else self.tenant
         self.degraded = state.degraded
         self.tail_degraded = state.tail_clipped
         for node in state.summaries.values():
-            if node.depth == 0 and any(m not in self.positions for m in node.covers):
-                raise ContextScopeError("the context stream covers messages of another history")
+            if node.depth == 0:
+                if any(m not in self.positions for m in node.covers):
+                    raise ContextScopeError("the context stream covers messages of another history")
+                gap = self.positions[node.covers[0]] != self.covered
+            else:
+                gap = any(child not in self.nodes for child in node.covers)
+            if gap:
+                raise ContextScopeError(
+                    "the context stream holds a summary this version cannot read "
+                    "(written by a newer stalwart)"
+                )
             self.add_node(node)
         if self.roots != list(state.roots):
             raise ContextScopeError("the context stream's summaries do not fold consistently")

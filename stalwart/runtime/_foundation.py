@@ -11,7 +11,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
 import stalwart
-from stalwart import store as store_module
 from stalwart._logs import get_logger
 from stalwart.actors import IoPortal, LoopWatch, Scheduler, clock_timer
 from stalwart.channels import Channel, ConsoleChannel, channel_from_settings
@@ -19,7 +18,7 @@ from stalwart.clock import Clock
 from stalwart.config import Config
 from stalwart.events import Event, RuntimeStarted, RuntimeStopped
 from stalwart.ids import new_id
-from stalwart.store import EventStore, NewEvent
+from stalwart.store import EventStore, NewEvent, open_configured
 
 from ._handles import DEFAULT_CHANNEL, RUNTIME_STREAM, STOP_TIMEOUT_S
 from ._wiring import Wiring
@@ -119,7 +118,7 @@ class Foundation:
         if given is None:
             given = self._config.store.location
         if isinstance(given, str | os.PathLike):
-            return store_module.open(given, clock=self._clock), True
+            return open_configured(self._config.store, given, clock=self._clock), True
         return given, False
 
     def _build_channels(self) -> dict[str, Channel]:

@@ -8,7 +8,7 @@ import typing
 
 from ._check import Problem, StoreCheck, check_store
 from ._lmdb import LmdbEventStore
-from ._open import open
+from ._open import open, open_configured
 from ._projection import (
     DEFAULT_SNAPSHOT_EVERY,
     load_state,
@@ -55,6 +55,7 @@ __all__ = [
     "check_stream",
     "load_state",
     "open",
+    "open_configured",
     "read_all_readable",
     "read_readable",
     "snapshot_name",

@@ -56,12 +56,14 @@ from ._environment import (
 from ._lmdb_due import SESSION_PREFIX, ClaimDue, DueAppend, SetDue, due_db
 from ._lmdb_tail import log_head, scan_heads
 from ._protocol import (
+    DEFAULT_SNAPSHOT_EVERY,
     Due,
     DueWork,
     Fence,
     NewEvent,
     Snapshot,
     StreamInfo,
+    check_snapshot_every,
     check_snapshot_key,
     check_stream,
     checked_events,
@@ -259,6 +261,7 @@ class LmdbEventStore:
         clock: Clock | None = None,
         poll_interval: float = 0.01,
         read_only: bool = False,
+        snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
     ) -> None:
         path = os.path.abspath(os.fspath(path))
         create = create and not read_only
@@ -267,6 +270,7 @@ class LmdbEventStore:
         if os.path.exists(path) and not os.path.isdir(path):
             raise StoreError(f"{path} is a file; a store is a directory")
         self._path = path
+        self._snapshot_every = check_snapshot_every(snapshot_every)
         self._poll_interval = poll_interval
         # this handle's, even when the environment is shared with an earlier handle
         self._codec = codec
@@ -293,6 +297,10 @@ class LmdbEventStore:
     @property
     def location(self) -> str:
         return self._path
+
+    @property
+    def snapshot_every(self) -> int:
+        return self._snapshot_every
 
     def __repr__(self) -> str:
         return f"LmdbEventStore({self._path!r})"

@@ -43,12 +43,14 @@ from ._postgres_schema import SCHEMA_VERSION, Statements, channel_name, ensure_s
 from ._postgres_tail import Doorbell, deadline_after, remaining
 from ._postgres_writer import AppendJob, ConnectionLostError, Writer, batch_params
 from ._protocol import (
+    DEFAULT_SNAPSHOT_EVERY,
     Due,
     DueWork,
     Fence,
     NewEvent,
     Snapshot,
     StreamInfo,
+    check_snapshot_every,
     check_snapshot_key,
     check_stream,
     checked_events,
@@ -92,8 +94,10 @@ class PostgresEventStore:
         poll_interval: float = 0.05,
         connect_timeout: float = 10.0,
         read_only: bool = False,
+        snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
     ) -> None:
         self._url = PostgresUrl(url)
+        self._snapshot_every = check_snapshot_every(snapshot_every)
         self._read_only = read_only
         self._codec = codec
         self._clock = clock or SystemClock()
@@ -128,6 +132,10 @@ class PostgresEventStore:
     @property
     def location(self) -> str:
         return self._url.location
+
+    @property
+    def snapshot_every(self) -> int:
+        return self._snapshot_every
 
     @property
     def schema_version(self) -> int:

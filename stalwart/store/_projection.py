@@ -12,14 +12,13 @@ from stalwart.errors import CorruptRecordError, StoreError
 from stalwart.events import RecordedEvent
 from stalwart.state import Aggregate
 
-from ._protocol import EventStore, Snapshot
+from ._protocol import DEFAULT_SNAPSHOT_EVERY, EventStore, Snapshot
 
 log = get_logger(__name__)
 
 S = TypeVar("S")
 
-#: Save a snapshot once this many events were folded past the newest one.
-DEFAULT_SNAPSHOT_EVERY = 500
+__all__ = ["DEFAULT_SNAPSHOT_EVERY", "load_state", "snapshot_name"]
 
 
 def snapshot_name(aggregate: Aggregate[S]) -> str:
@@ -94,19 +93,24 @@ def load_state(
     aggregate: Aggregate[S],
     *,
     until_position: int | None = None,
-    snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
+    snapshot_every: int | None = None,
     use_snapshots: bool = True,
     skip_unreadable: bool = False,
 ) -> S:
     """The state of ``stream`` (as of ``until_position`` when given).
 
     Starts from the newest snapshot that decodes (a corrupt one falls back to an older one
-    or to the full fold) and folds the events after it. When ``snapshot_every`` > 0 and
+    or to the full fold) and folds the events after it. When ``snapshot_every`` (unless
+    given, the store's ``snapshot_every`` attribute, see :func:`stalwart.store.open`,
+    else 500) > 0 and
     the fold went that many events past the snapshot, a new snapshot is saved (never for
     a time-travel read with ``until_position``). A record that cannot be read raises
     ``CorruptRecordError``, or with ``skip_unreadable`` is logged (``state.record_unreadable``
     at ERROR) and folded past.
     """
+    if snapshot_every is None:  # the store's cadence (not in the protocol: a third-party
+        # store may not say, and gets the default)
+        snapshot_every = getattr(store, "snapshot_every", DEFAULT_SNAPSHOT_EVERY)
     name = snapshot_name(aggregate)
     decoder = msgspec.msgpack.Decoder(aggregate.state_type)
     state: S = aggregate.initial(stream)

@@ -85,6 +85,17 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     data: bytes
 
 
+#: Save a snapshot once this many events were folded past the newest one.
+DEFAULT_SNAPSHOT_EVERY = 500
+
+
+def check_snapshot_every(value: object) -> int:
+    """``value`` when it is a whole number >= 0 (a store's ``snapshot_every``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"snapshot_every must be a whole number >= 0, got {value!r}")
+    return value
+
+
 @runtime_checkable
 class EventStore(Protocol):
     """A durable, totally ordered, append-only log of events in named streams.
