@@ -63,6 +63,7 @@ from ._protocol import (
     NewEvent,
     Snapshot,
     StreamInfo,
+    check_snapshot,
     check_snapshot_every,
     check_snapshot_key,
     check_stream,
@@ -500,7 +501,7 @@ class LmdbEventStore:
 
     def put_snapshot(self, snapshot: Snapshot) -> None:
         env = self._writable()
-        prefix = check_snapshot_key(snapshot.stream, snapshot.name)
+        prefix = check_snapshot(snapshot)
         value = msgspec.msgpack.encode(
             (snapshot.position, zlib.crc32(snapshot.data), snapshot.data)
         )

@@ -50,6 +50,7 @@ from ._protocol import (
     NewEvent,
     Snapshot,
     StreamInfo,
+    check_snapshot,
     check_snapshot_every,
     check_snapshot_key,
     check_stream,
@@ -282,8 +283,6 @@ class PostgresEventStore:
             [self._codec.schema_of(new.event) for new in news],
             [event_tag(new.event) for new in news],
         )
-        for texts in columns[1:4]:
-            _check_texts(stream, texts)
         return AppendJob(stream, expected, fence, columns, data, news)
 
     # -- the work queue (WorkQueue) -------------------------------------------------------------
@@ -432,7 +431,7 @@ class PostgresEventStore:
 
     def put_snapshot(self, snapshot: Snapshot) -> None:
         self._writable()
-        check_snapshot_key(snapshot.stream, snapshot.name)
+        check_snapshot(snapshot)
         key = (snapshot.stream, snapshot.name)
         row = (*key, snapshot.version, snapshot.position, zlib.crc32(snapshot.data), snapshot.data)
 
@@ -477,19 +476,3 @@ class PostgresEventStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_texts(stream: str, texts: list[Any]) -> None:
-    """Event ids and causation/correlation ids must be text PostgreSQL can store."""
-    for text in texts:
-        if text is None:
-            continue
-        try:
-            ok = isinstance(text, str) and "\x00" not in text and bool(text.encode("utf-8"))
-        except UnicodeEncodeError:
-            ok = False
-        if not ok:
-            raise EventError(
-                f"cannot append to {stream!r}: an event id, causation id or correlation id "
-                "is not storable text (not a string, a NUL character or invalid UTF-8)"
-            )

@@ -8,7 +8,13 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 
-from stalwart.errors import ConcurrencyError, InvalidStreamError, UnknownEventTypeError
+from stalwart.errors import (
+    ConcurrencyError,
+    EventError,
+    InvalidStreamError,
+    StoreError,
+    UnknownEventTypeError,
+)
 from stalwart.events import Codec, Event, RecordedEvent
 
 if TYPE_CHECKING:
@@ -285,6 +291,41 @@ def check_snapshot_key(stream: str, name: str) -> bytes:
     return encoded + b"\x00" + named + b"\x00"
 
 
+#: The largest version, position or epoch a store keeps (PostgreSQL's ``bigint``).
+MAX_COUNT = 2**63 - 1
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
+
+
+def _id_text(value: object) -> bool:
+    """An event id, causation id or correlation id both backends can store (any string,
+    empty included, but no NUL and valid UTF-8), or None."""
+    if value is None:
+        return True
+    if not isinstance(value, str) or "\x00" in value:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
+
+def check_snapshot(snapshot: Snapshot) -> bytes:
+    """A snapshot's key prefix as stored, once its version and position are counts a
+    store keeps (0..2**63-1); else StoreError, before anything is written (an LMDB
+    writer would otherwise fail the appends committed in the same batch with it)."""
+    for what, value in (("version", snapshot.version), ("position", snapshot.position)):
+        if not _count(value):
+            raise StoreError(
+                f"cannot save a snapshot of {snapshot.stream!r}: its {what} must be a whole "
+                f"number in 0..2**63-1, found {value!r}"
+            )
+    return check_snapshot_key(snapshot.stream, snapshot.name)
+
+
 def checked_events(
     store: EventStore,
     codec: Codec,
@@ -302,12 +343,22 @@ def checked_events(
     ConcurrencyError)."""
     if due is not None and expected_version is None:
         raise ValueError("an append with a due time needs expected_version")
+    if fence is not None and not _count(fence.epoch):
+        raise ValueError(f"a fence's epoch must be a whole number in 0..2**63-1: {fence.epoch!r}")
     news = [e if isinstance(e, NewEvent) else NewEvent(event=e) for e in events]
     for new in news:
         if not codec.knows(new.event):
             raise UnknownEventTypeError(
                 f"cannot append {type(new.event).__qualname__}: not an event this version writes"
             )
+        if not (_id_text(new.id) and _id_text(new.causation_id) and _id_text(new.correlation_id)):
+            raise EventError(
+                f"cannot append to {stream!r}: an event id, causation id or correlation id "
+                "is not storable text (not a string, a NUL character or invalid UTF-8)"
+            )
+    if expected_version is not None and not _count(expected_version):
+        # no stream is ever at that version (a number PostgreSQL could not even compare)
+        raise ConcurrencyError(stream, expected_version, store.stream_version(stream))
     if not news:
         if fence is not None:
             raise ValueError("a fenced append needs at least one event")
