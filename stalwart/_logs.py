@@ -115,3 +115,20 @@ class _HideUrlSecrets(logging.Filter):
 
 
 logging.getLogger("httpx").addFilter(_HideUrlSecrets())
+
+
+class _RedactSecretValues(logging.Filter):
+    """httpcore's DEBUG wire trace prints the response headers a server sent; one that
+    echoes the request's ``Authorization`` would put the key in it. Costs nothing unless
+    the host turned that trace on (a logger's filters run only for records it emits)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if _SECRET_VALUES.search(message):
+            record.msg, record.args = _SECRET_VALUES.sub(REDACTED, message), None
+        return True
+
+
+# httpcore logs under these names; a logger's filters do not apply to its children
+for _name in ("httpcore.connection", "httpcore.http11", "httpcore.http2", "httpcore.proxy"):
+    logging.getLogger(_name).addFilter(_RedactSecretValues())
