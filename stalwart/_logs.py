@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import MutableMapping
 from typing import Any
 
 import httpx
 import structlog
 
-__all__ = ["REDACTED", "get_logger", "hide_url", "redact"]
+__all__ = ["REDACTED", "get_logger", "hide_url", "redact", "unhide_url"]
 
 #: a key naming a secret; ``token`` but not ``tokens`` (``input_tokens`` is a count)
 _SECRET_KEYS = re.compile(r"(api[_-]?key|token(?!s)|secret|password|authorization|cookie)", re.I)
@@ -86,18 +87,36 @@ def get_logger(name: str) -> Logger:
 
 
 #: urls httpx's request log line shows otherwise (a webhook's: its path holds a token)
-_HIDDEN_URLS: dict[str, str] = {}
+_HIDDEN_URLS: dict[str, tuple[str, int]] = {}  # url: (shown as, how many hide it)
+_HIDDEN_LOCK = threading.Lock()
 
 
 def hide_url(url: str, shown: str) -> None:
-    """Show ``url`` as ``shown`` in httpx's ``HTTP Request: POST <url> ...`` lines."""
-    _HIDDEN_URLS[url] = shown
+    """Show ``url`` as ``shown`` in httpx's ``HTTP Request: POST <url> ...`` lines, until
+    as many :func:`unhide_url` calls as there were ``hide_url`` ones."""
+    with _HIDDEN_LOCK:
+        _, count = _HIDDEN_URLS.get(url, (shown, 0))
+        _HIDDEN_URLS[url] = (shown, count + 1)
+
+
+def unhide_url(url: str) -> None:
+    """One user of :func:`hide_url`'s ``url`` is done with it (a closed channel): the
+    last one's leaving forgets it, so a process that builds channels keeps no list."""
+    with _HIDDEN_LOCK:
+        entry = _HIDDEN_URLS.get(url)
+        if entry is None:
+            return
+        shown, count = entry
+        if count > 1:
+            _HIDDEN_URLS[url] = (shown, count - 1)
+        else:
+            del _HIDDEN_URLS[url]
 
 
 def _shown_url(url: httpx.URL) -> object:
     hidden = _HIDDEN_URLS.get(str(url))
     if hidden is not None:
-        return hidden
+        return hidden[0]
     return url.copy_with(userinfo=b"") if url.userinfo else url  # user info: a password
 
 

@@ -76,7 +76,8 @@ class FakeClock:
             self._now += seconds
             self._mono += seconds
             now = self._now
-        for listener in list(self._listeners):
+            listeners = list(self._listeners)
+        for listener in listeners:
             listener(now)
         return now
 
@@ -88,7 +89,15 @@ class FakeClock:
 
     def on_advance(self, callback: Callable[[float], None]) -> None:
         """Call ``callback(now)`` after every advance."""
-        self._listeners.append(callback)
+        with self._lock:
+            self._listeners.append(callback)
+
+    def remove_listener(self, callback: Callable[[float], None]) -> None:
+        """Stop calling ``callback`` (one that :meth:`on_advance` registered; else nothing),
+        so that a stopped scheduler is neither called nor kept alive by the clock."""
+        with self._lock:
+            if callback in self._listeners:
+                self._listeners.remove(callback)
 
     def __repr__(self) -> str:
         return f"FakeClock(now={self._now!r})"

@@ -37,7 +37,8 @@ def test_a_worker_folds_only_the_sessions_it_claimed(
         rt.session("new", channel="chat").send("hello")
         [reply] = delivered(rt, chat, 1)
         assert reply.text == "default answer"
-        assert rt.worker().sessions == 1  # not the ten in the log's history
+        # not the ten in the log's history (and, once its wake settled, not even this one)
+        assert rt.worker().sessions <= 1
 
 
 @pytest.fixture

@@ -77,6 +77,7 @@ class _Spawner:
                 task_status.started()
                 async for job in self._receive:
                     group.start_soon(_run, job)
+                    del job  # not kept while waiting for the next (its fn holds the host's)
         finally:  # jobs still queued never started: ``stop`` cancels their futures
             self._send.close()
             self._receive.close()

@@ -57,6 +57,10 @@ MAX_WAIT_S = 1.0
 _COMPACT_MIN = 64  # never compact a heap with fewer dead entries than this
 
 
+def _dropped(at: float) -> None:
+    """A cancelled timer's callback: what it held is let go before its entry leaves."""
+
+
 @runtime_checkable
 class _AdvancingClock(Protocol):
     """A clock that moves by hand and tells listeners (``FakeClock``)."""
@@ -249,11 +253,18 @@ class Scheduler:
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop firing (pending timers are kept) and join the thread within ``timeout``."""
+        """Stop firing (pending timers are kept) and join the thread within ``timeout``.
+        A manual scheduler leaves its clock's listeners: a clock shared by many runtimes
+        (tests) neither calls nor keeps the stopped ones."""
         with self._cond:
             self._running = False
             thread, self._thread = self._thread, None
+            unlisten = self._listening
+            self._listening = False
             self._cond.notify_all()
+        remove = getattr(self._manual, "remove_listener", None)  # FakeClock's
+        if unlisten and remove is not None:
+            remove(self._on_advance)
         if thread is None or thread is threading.current_thread():
             return
         thread.join(timeout)
@@ -278,8 +289,11 @@ class Scheduler:
     # -- internals (callers hold self._cond unless said otherwise) ------------------------
 
     def _retire(self, handle: TimerHandle) -> None:
-        """Mark a pending timer cancelled; its heap entry is dropped lazily."""
+        """Mark a pending timer cancelled; its heap entry is dropped lazily, but not what
+        its callback holds (an Agent's turn timer holds the Agent, which a passivated
+        session must let go of at once)."""
         handle.state = "cancelled"
+        handle._callback = _dropped
         self._live -= 1
         dead = len(self._heap) - self._live
         if dead > _COMPACT_MIN and dead > self._live:

@@ -65,7 +65,7 @@ from stalwart.state import (
     decide_settlement,
     due_at,
 )
-from stalwart.store import Due, DueClaim, EventStore, Fence, NewEvent, WorkQueue
+from stalwart.store import Due, DueClaim, EventStore, Fence, NewEvent, WorkQueue, load_state
 
 from ._restarts import crashed
 from ._scheduler import Scheduler
@@ -178,9 +178,10 @@ class WorkerStatus(msgspec.Struct, frozen=True):
 
 
 class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
-    """What the worker runs (``running``: stream -> epoch), how many sessions it has
-    folded, and the log position it folded to (0 with a work queue: it reads the
-    sessions it claimed, not the log)."""
+    """What the worker runs (``running``: stream -> epoch), how many sessions' folds it
+    holds (with a work queue, only those with something due or running), and the log
+    position it folded to (0 with a work queue: it reads the sessions it claimed, not the
+    log)."""
 
     owner: str
     position: int
@@ -298,11 +299,22 @@ class ActivationWorker(Supervised):
             states[stream] = ACTIVATIONS.apply(state, record)
 
     def _refresh(self, stream: str) -> None:
-        """Fold the records of ``stream`` appended since this worker last folded it."""
-        state = self._states.get(stream) or ACTIVATIONS.initial(stream)
-        for record in self._store.read_stream(stream, state.version + 1):
-            state = ACTIVATIONS.apply(state, record)
+        """Fold the records of ``stream`` appended since this worker last folded it (one
+        it does not hold, from its newest snapshot)."""
+        state = self._states.get(stream)
+        if state is None:
+            state = load_state(self._store, stream, ACTIVATIONS)
+        else:
+            for record in self._store.read_stream(stream, state.version + 1):
+                state = ACTIVATIONS.apply(state, record)
         self._states[stream] = state
+
+    def _let_go(self, stream: str, due: float | None) -> None:
+        """With a work queue, forget the fold of a session with nothing due, no lease and
+        no wake here: the claim that brings it back folds it again (from its snapshot), so
+        a worker that runs for weeks holds no fold per session it ever served."""
+        if due is None and stream not in self._running and stream not in self._uncertain:
+            self._states.pop(stream, None)
 
     def _sync(self, stream: str) -> None:
         if self._queue is not None:
@@ -343,7 +355,9 @@ class ActivationWorker(Supervised):
                 self._refresh(stream)
                 if not self._try_lease(stream, now):
                     state = self._states[stream]
-                    queue.set_due(stream, state.version, due_at(state), self._owner)
+                    due = due_at(state)
+                    queue.set_due(stream, state.version, due, self._owner)
+                    self._let_go(stream, due)
             except StoreError as exc:
                 log.warning("worker.claim_unsettled", stream=stream, error=type(exc).__name__)
                 self._put_off_claim(queue, claim, now)
@@ -395,6 +409,7 @@ class ActivationWorker(Supervised):
                 state = self._states[stream]
                 due = due_at(state)
                 queue.set_due(stream, state.version, due, self._owner)
+                self._let_go(stream, due)
                 if due is not None and (self._tick_at is None or due < self._tick_at):
                     self._arm(due)  # a retry's backoff, not the next poll, says when
         except StoreError as exc:  # its due row still says "look now": a poll will

@@ -24,7 +24,7 @@ import httpx
 import msgspec
 
 from stalwart._aio import cut_after, sleep_for
-from stalwart._logs import get_logger, hide_url
+from stalwart._logs import get_logger, hide_url, unhide_url
 from stalwart.backoff import backoff_delay, parse_retry_after
 from stalwart.clock import Clock, SystemClock, Timer
 from stalwart.config import ChannelSettings, webhook_url_problem
@@ -74,7 +74,8 @@ class WebhookChannel:
         self._secret: tuple[str, str] | None = None
         if settings.secret_header and settings.secret_env:
             self._secret = (settings.secret_header, _secret_value(where, settings.secret_env))
-        hide_url(str(httpx.URL(self._url)), _origin(self._url))  # in httpx's request log
+        self._logged_url = str(httpx.URL(self._url))  # as httpx's request log shows it
+        hide_url(self._logged_url, _origin(self._url))
         self._clock = clock or SystemClock()
         self._timer = timer
         self._rng = rng or random.Random()
@@ -91,10 +92,14 @@ class WebhookChannel:
         """Refuse new sends, end the ones waiting out a backoff (each fails as ``closed``
         at once, not after its wait), and close the connection pool, which ends an
         attempt in flight the same way. Call it on the event loop the sends run on."""
-        self._closed = True
+        first, self._closed = not self._closed, True
         for backoff in self._backoffs:
             backoff.cancel()
-        await self._http.aclose()
+        try:
+            await self._http.aclose()
+        finally:
+            if first:  # once nothing of it can log any more
+                unhide_url(self._logged_url)
 
     async def send(self, message: OutboundMessage) -> Delivery:
         """POST the message until it is accepted (2xx), a failure is final, or the attempts

@@ -194,6 +194,8 @@ class RunLayer:
         with self._w.lock:
             run = self._runs.pop(ended.run_id, None)
             self._tracks.pop(ended.run_id, None)
+            if run is not None and ended.outcome == "succeeded":
+                self._forget(run.spawn.parent, run.spawn.task)
         if run is None:
             return
         if not run.ended.done():
@@ -221,6 +223,21 @@ class RunLayer:
         with self._w.lock:
             known = self._lineage(parent, task)
             return known is not None and known[0] is not None
+
+    def _forget(self, parent: str, task: str) -> None:
+        """A lineage that succeeded is done: its ``work`` and splitter (the host's code,
+        and what they hold) are let go, unless another run of it still runs. A lineage
+        that failed is kept, as the supervisor's recovery may respawn it."""
+
+        def ours(key: tuple[str, str]) -> bool:
+            return key[0] == parent and _of_lineage(task, key[1])
+
+        if any(ours((r.spawn.parent, r.spawn.task)) for r in self._runs.values()):
+            return
+        for key in [key for key in self._works if ours(key)]:
+            del self._works[key]
+        for key in [key for key in self._splitters if ours(key)]:
+            del self._splitters[key]
 
     def _lineage(self, parent: str, task: str) -> tuple[Work | None, str] | None:
         """The work and agent of the lineage a run of ``parent`` with ``task`` belongs to

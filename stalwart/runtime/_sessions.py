@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -31,7 +32,13 @@ from stalwart.actors import (
 from stalwart.channels import Channel, channel_named
 from stalwart.clock import SystemClock
 from stalwart.config import AgentSettings
-from stalwart.errors import ConcurrencyError, ConfigError, SessionActionError, StalwartError
+from stalwart.errors import (
+    ConcurrencyError,
+    ConfigError,
+    CorruptRecordError,
+    SessionActionError,
+    StalwartError,
+)
 from stalwart.events import SessionCreated
 from stalwart.store import NO_STREAM, NewEvent
 from stalwart.tools import Tool, ToolRegistry
@@ -88,8 +95,13 @@ class SessionLayer:
         self._dead_letters = dead_letters
         self._tell_supervisor = tell_supervisor
         self._spawn_tool = spawn_tool
-        self._handles: dict[str, SessionHandle] = {}
-        self._passivated: set[str] = set()  # stopped while idle: started again on demand
+        self._handles: dict[str, SessionHandle] = {}  # the sessions whose Agent is up
+        # passivated (stopped while idle, started again on demand): kept only while the
+        # host holds the handle, so a weeks-long process keeps nothing per session it has
+        # ever served; one the host let go of starts again from its log, as after a restart
+        self._asleep: weakref.WeakValueDictionary[str, SessionHandle] = (
+            weakref.WeakValueDictionary()
+        )
         self._context: ContextLayer | None = None
         self._durable: Durability | None = None
 
@@ -130,7 +142,7 @@ class SessionLayer:
                     return
                 session_id = info.stream.removeprefix("session:")
                 try:
-                    if session_id in self._handles or not left_unsaid(
+                    if self.get(session_id) is not None or not left_unsaid(
                         self._w.store, info.stream, now
                     ):
                         continue
@@ -185,13 +197,15 @@ class SessionLayer:
         """Every session's handle, forgotten (the runtime closes; under its lock)."""
         handles = list(self._handles.values())
         self._handles.clear()
+        self._asleep.clear()
         return handles
 
     def get(self, session_id: str) -> SessionHandle | None:
-        return self._handles.get(session_id)
+        handle = self._handles.get(session_id)
+        return self._asleep.get(session_id) if handle is None else handle
 
     def count(self) -> int:
-        return len(self._handles)
+        return len(self._handles) + len(self._asleep)
 
     # -- Agents --------------------------------------------------------------------------------
 
@@ -205,11 +219,16 @@ class SessionLayer:
     ) -> SessionHandle:
         """See :meth:`Runtime.session` (under the runtime's lock, while it runs)."""
         check_session_id(session_id)
-        running = self._handles.get(session_id)
+        running = self.get(session_id)
         if running is not None:
-            if session_id in self._passivated and not running.ref.is_alive():
+            if session_id in self._asleep and not running.ref.is_alive():
                 self._start_again(session_id, running)  # the same session, woken up
             return running
+        created = self._created(session_id)
+        if created is not None:  # it ran before (a passivated one its host let go of, or
+            # another process's): its recorded agent, channel and address, as a wake's
+            agent, channel = self._recorded(session_id, created.agent, created.channel)
+            conversation, thread = created.conversation, created.thread
         handle = self.start_agent(session_id, agent, channel, conversation, thread)
         self._handles[session_id] = handle
         return handle
@@ -351,7 +370,8 @@ class SessionLayer:
             session_id, handle.agent, handle.channel, handle.conversation, handle.thread
         )
         handle.ref = fresh.ref
-        self._passivated.discard(session_id)
+        self._asleep.pop(session_id, None)
+        self._handles[session_id] = handle
         return handle.ref
 
     def _revive(self, session_id: str) -> pykka.ActorRef[Any] | None:
@@ -360,20 +380,20 @@ class SessionLayer:
         restart's backoff, or one supervision gave up on). An Agent the sweep is still
         stopping is waited for first."""
         with self._w.lock:
-            handle = self._handles.get(session_id)
+            handle = self.get(session_id)
             if not self._w.running() or handle is None:
                 return None
-            if session_id not in self._passivated:
+            if session_id not in self._asleep:
                 return handle.ref if handle.ref.is_alive() else None
             stopping = handle.ref
         stopping.actor_stopped.wait(STOP_TIMEOUT_S)
         with self._w.lock:
-            handle = self._handles.get(session_id)
+            handle = self.get(session_id)
             if not self._w.running() or handle is None:
                 return None
             if handle.ref.is_alive():  # started again meanwhile (a wake)
                 return handle.ref
-            if session_id not in self._passivated:
+            if session_id not in self._asleep:
                 return None
             return self._start_again(session_id, handle)
 
@@ -389,7 +409,7 @@ class SessionLayer:
 
     def agent_crashed(self, session_id: str, reason: str) -> None:
         """A session's Agent died of an exception (its thread): tell the supervisor."""
-        handle = self._handles.get(session_id)
+        handle = self.get(session_id)
         crashed = Crashed(
             actor=f"session:{session_id}",
             reason=reason,
@@ -406,7 +426,7 @@ class SessionLayer:
     def _restart(self, session_id: str) -> None:
         """Start the session's Agent again (it rebuilds from its stream)."""
         with self._w.lock:
-            handle = self._handles.get(session_id)
+            handle = self.get(session_id)
             if not self._w.running() or handle is None or handle.ref.is_alive():
                 return
             self._start_again(session_id, handle)
@@ -418,7 +438,7 @@ class SessionLayer:
         with self._w.lock:
             if not self._w.running():
                 return None
-            handle = self._handles.get(session_id)
+            handle = self.get(session_id)
             if handle is not None and handle.ref.is_alive():
                 return handle.ref
             if not start:
@@ -426,10 +446,11 @@ class SessionLayer:
             try:
                 if handle is not None:  # passivated or crashed: the host's handle stays valid
                     return self._start_again(session_id, handle)
-                session, _ = load_session(self._w.store, session_id)
-                agent, channel = self._recorded(session_id, session.agent, session.channel)
-                conversation, thread = self._address(session_id)
-                return self.session(session_id, agent, channel, conversation, thread).ref
+                agent, channel = "default", DEFAULT_CHANNEL  # session() takes the recorded
+                if self._created(session_id) is None:  # none: what the session's fold says
+                    session, _ = load_session(self._w.store, session_id)
+                    agent, channel = self._recorded(session_id, session.agent, session.channel)
+                return self.session(session_id, agent, channel, None, None).ref
             except ConfigError as exc:
                 log.warning("runtime.wake_without_agent", session=session_id, key=exc.key)
             except SessionActionError:  # an id no session can have: no Agent can run it
@@ -452,26 +473,32 @@ class SessionLayer:
             return agent, DEFAULT_CHANNEL
         return agent, next(key for key, known in self._w.channels.items() if known is found)
 
-    def _address(self, session_id: str) -> tuple[str | None, str | None]:
-        """The conversation and thread the session was created with (None: not recorded,
-        the session id then names its conversation)."""
-        for record in self._w.store.read_stream(f"session:{session_id}", 1, 1):
-            if isinstance(record.event, SessionCreated):
-                return record.event.conversation, record.event.thread
-        return None, None
+    def _created(self, session_id: str) -> SessionCreated | None:
+        """The session's ``session:created`` (None: a new session, none recorded, or one
+        that cannot be read: the Agent's own start then fails, and is reported, as a
+        crash)."""
+        try:
+            for record in self._w.store.read_stream(f"session:{session_id}", 1, 1):
+                if isinstance(record.event, SessionCreated):
+                    return record.event
+        except CorruptRecordError:
+            pass
+        return None
 
     def passivate(self, session_id: str, ref: pykka.ActorRef[Any]) -> bool:
-        """Stop the session's Agent ``ref``, which said it is idle (its handle stays: the
-        next wake, or ``handle.status()``, starts it again). The session is marked
-        passivated before its Agent stops, so a host's ``status()`` in between waits for
-        the stop and starts a new one. False when another Agent runs the session now."""
+        """Stop the session's Agent ``ref``, which said it is idle. Its handle stays valid
+        while the host holds it: the next wake, or ``handle.status()``, starts it again.
+        The session is marked passivated before its Agent stops, so a host's ``status()``
+        in between waits for the stop and starts a new one. False when another Agent
+        runs the session now."""
         with self._w.lock:
-            handle = self._handles.get(session_id)
+            handle = self.get(session_id)
             if handle is None or not ref.is_alive():
                 return True
             if handle.ref is not ref:
                 return False
-            self._passivated.add(session_id)
+            self._handles.pop(session_id, None)
+            self._asleep[session_id] = handle
         log.info("runtime.passivated", session=session_id)
         stop_actors([ref])
         return True
