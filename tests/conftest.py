@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ import structlog.testing
 
 from stalwart import store as store_module
 from stalwart.channels import MemoryChannel
+from stalwart.cli import _logging as cli_logging
 from stalwart.clock import FakeClock
 from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider
@@ -22,8 +24,12 @@ from ._relay import pg_store, relay, relayed_store  # noqa: F401  (a database th
 def _fresh_logging() -> Iterator[None]:
     """A test that configures structlog (the CLI does, run in-process) leaves it as a
     host that configured nothing would have it, for the next test."""
+    root = logging.getLogger()
+    level = root.level
     yield
     structlog.reset_defaults()
+    root.removeHandler(cli_logging._HANDLER)  # the CLI's, run in-process
+    root.setLevel(level)
 
 
 @pytest.fixture

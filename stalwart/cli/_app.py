@@ -264,6 +264,12 @@ _NO_ARGS: type[click.ClickException] = getattr(click.exceptions, "NoArgsIsHelpEr
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``stalwart`` script: usage errors are one line and exit 1 too."""
+    for stream in (sys.stdout, sys.stderr):
+        # a character the terminal's encoding lacks (a Latin-1 or ASCII locale) is shown
+        # escaped, not an encoding error that stops the output (and `run`'s turn)
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
     try:
         code = cli.main(args=argv, prog_name="stalwart", standalone_mode=False)
     except click.exceptions.Exit as exc:

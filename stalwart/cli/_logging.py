@@ -13,23 +13,52 @@ from stalwart._logs import REDACTED, redact
 __all__ = ["REDACTED", "configure_logging", "redact"]
 
 
+class _Stderr(logging.Handler):
+    """Writes to the ``sys.stderr`` of the moment (a test's runner swaps it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:  # a closed stream: logging's own report, never a crash
+            self.handleError(record)
+
+
+#: the one handler the CLI puts on the root logger (configuring again replaces it)
+_HANDLER = _Stderr()
+
+
 def configure_logging(level: str = "warning", *, json: bool | None = None) -> None:
-    """Key-value logs on stderr: coloured console on a terminal, JSON lines otherwise."""
+    """Key-value logs on stderr: coloured console on a terminal, JSON lines otherwise.
+
+    The standard library's loggers (a dependency's: psycopg's pool during a database
+    outage, httpx) go the same way, at the same level: one rendered line each, not raw
+    multi-line text that ``--log-level`` cannot quiet."""
     as_json = not sys.stderr.isatty() if json is None else json
     renderer: Any = (
         structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer()
     )
+    stamped: list[Any] = [
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    number = logging.getLevelNamesMapping()[level.upper()]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            redact,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[level.upper()]
-        ),
+        processors=[structlog.contextvars.merge_contextvars, *stamped, redact, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(number),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+    _HANDLER.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, *stamped],
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                redact,
+                renderer,
+            ],
+        )
+    )
+    root = logging.getLogger()
+    if _HANDLER not in root.handlers:
+        root.addHandler(_HANDLER)
+    root.setLevel(number)

@@ -37,18 +37,22 @@ def events(state: _State, session_id: str, follow: bool, as_json: bool) -> None:
             raise SessionActionError(
                 f"no session {stream!r} in {store.location}", reason="no_session", session=stream
             )
-        for record in store.read_stream(stream):
-            if record.position <= head:
-                _print(render(record))
-        if not follow:
-            return
-        subscription = store.subscribe(head + 1)
-        try:
+        subscription = None
+        try:  # with --follow, Ctrl-C ends it normally, in the history as in the live part
+            for record in store.read_stream(stream):
+                if record.position <= head:
+                    _print(render(record))
+            if not follow:
+                return
+            subscription = store.subscribe(head + 1)
             for record in subscription:
                 if record.stream == stream:
                     _print(render(record))
         except KeyboardInterrupt:
-            subscription.close()
+            if not follow:
+                raise
+            if subscription is not None:
+                subscription.close()
     finally:
         store.close()
 
