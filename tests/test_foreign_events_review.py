@@ -446,6 +446,24 @@ def test_every_fold_ignores_foreign_events_and_snapshots_keep_them(
 # -- 4. an old payload is upcast where the runtime reads it ---------------------------------
 
 
+def _two_turns(store_dir: Path, clock: FakeClock, cfg: Any, first: str) -> list[str]:
+    """Session ``s1`` answered twice (``first``, then ``second``) by a runtime on the
+    store at ``store_dir``, then closed: its messages' ids, oldest first."""
+    with store_module.open(store_dir, clock=clock) as store:  # type: ignore[attr-defined]
+        chat = MemoryChannel("chat")
+        with Runtime(cfg, store=store, clock=clock, channels={"chat": chat}) as rt:
+            session = rt.session("s1", channel="chat")
+            session.send(first)
+            delivered(rt, chat, 1)
+            session.send("second")
+            delivered(rt, chat, 2)
+        return [
+            r.event.message_id
+            for r in store.read_stream("session:s1")
+            if isinstance(r.event, MessageAppended)
+        ]
+
+
 def test_a_schema_1_compaction_is_upcast_into_the_pipeline_engines_prompt(
     store_dir: Path, clock: FakeClock, fake: FakeProvider
 ) -> None:
@@ -454,19 +472,7 @@ def test_a_schema_1_compaction_is_upcast_into_the_pipeline_engines_prompt(
     makes ``covers`` into ``added``), so the next request carries its summary in place of
     the two messages it covers."""
     cfg = runtime_config(fake.base_url, context_engine={"version": "pipeline"})
-    with store_module.open(store_dir, clock=clock) as store:  # type: ignore[attr-defined]
-        chat = MemoryChannel("chat")
-        with Runtime(cfg, store=store, clock=clock, channels={"chat": chat}) as rt:
-            session = rt.session("s1", channel="chat")
-            session.send("hello there")
-            delivered(rt, chat, 1)
-            session.send("second")
-            delivered(rt, chat, 2)
-        ids = [
-            r.event.message_id
-            for r in store.read_stream("session:s1")
-            if isinstance(r.event, MessageAppended)
-        ]
+    ids = _two_turns(store_dir, clock, cfg, "hello there")
     old = Codec(extra_types=[CompactedV1], versions={"context:compacted": 1})
     with store_module.open(store_dir, codec=old) as store:  # type: ignore[attr-defined]
         store.append(
@@ -593,21 +599,8 @@ def _two_turns_then_newer_summaries(
     """Session ``s1`` answered twice; then a newer stalwart summarized it: leaf ``A``
     over the first turn with the new ``fallback`` value (unknown here), leaf ``B`` over the
     second (fits), and, when ``condensed``, ``C`` over both (fits). The message ids."""
-    with store_module.open(store_dir, clock=clock) as store:  # type: ignore[attr-defined]
-        chat = MemoryChannel("chat")
-        with Runtime(
-            runtime_config(fake.base_url), store=store, clock=clock, channels={"chat": chat}
-        ) as rt:
-            session = rt.session("s1", channel="chat")
-            session.send("hello, my order number is 4711")
-            delivered(rt, chat, 1)
-            session.send("second")
-            delivered(rt, chat, 2)
-        ids = [
-            r.event.message_id
-            for r in store.read_stream("session:s1")
-            if isinstance(r.event, MessageAppended)
-        ]
+    first = "hello, my order number is 4711"
+    ids = _two_turns(store_dir, clock, runtime_config(fake.base_url), first)
     summaries = [
         SummaryV2(
             summary_id="A",

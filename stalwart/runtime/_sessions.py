@@ -225,8 +225,21 @@ class SessionLayer:
                 self._start_again(session_id, running)  # the same session, woken up
             return running
         created = self._created(session_id)
-        if created is not None:  # it ran before (a passivated one its host let go of, or
-            # another process's): its recorded agent, channel and address, as a wake's
+        return self._begin(session_id, created, agent, channel, conversation, thread)
+
+    def _begin(
+        self,
+        session_id: str,
+        created: SessionCreated | None,
+        agent: str,
+        channel: str,
+        conversation: str | None,
+        thread: str | None,
+    ) -> SessionHandle:
+        """A handle for a session this runtime holds none for. One that ran before (a
+        passivated one its host let go of, or another process's) runs with what its
+        ``created`` recorded, as a wake's does; a new one with the arguments."""
+        if created is not None:
             agent, channel = self._recorded(session_id, created.agent, created.channel)
             conversation, thread = created.conversation, created.thread
         handle = self.start_agent(session_id, agent, channel, conversation, thread)
@@ -446,11 +459,13 @@ class SessionLayer:
             try:
                 if handle is not None:  # passivated or crashed: the host's handle stays valid
                     return self._start_again(session_id, handle)
-                agent, channel = "default", DEFAULT_CHANNEL  # session() takes the recorded
-                if self._created(session_id) is None:  # none: what the session's fold says
+                check_session_id(session_id)
+                created = self._created(session_id)
+                agent, channel = "default", DEFAULT_CHANNEL  # _begin takes the recorded
+                if created is None:  # none recorded (an old log): what its fold says
                     session, _ = load_session(self._w.store, session_id)
                     agent, channel = self._recorded(session_id, session.agent, session.channel)
-                return self.session(session_id, agent, channel, None, None).ref
+                return self._begin(session_id, created, agent, channel, None, None).ref
             except ConfigError as exc:
                 log.warning("runtime.wake_without_agent", session=session_id, key=exc.key)
             except SessionActionError:  # an id no session can have: no Agent can run it
