@@ -75,18 +75,21 @@ class CuttingRelay:
             self._refusing = False
 
     def close(self) -> None:
-        self._closed = True
+        with self._lock:
+            self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
         self._listener.close()
         self._cut_all()
 
     def _accept(self) -> None:
-        while not self._closed:
+        while True:
             try:
                 client, _ = self._listener.accept()
             except OSError:
                 return
             with self._lock:
-                refusing = self._refusing
+                refusing = self._refusing or self._closed
             if refusing:
                 client.close()
                 continue
@@ -96,8 +99,14 @@ class CuttingRelay:
                 client.close()
                 continue
             pair = (client, server)
-            with self._lock:
-                self._pairs.append(pair)
+            with self._lock:  # a pair made as the relay closes is closed here, not leaked
+                kept = not self._closed
+                if kept:
+                    self._pairs.append(pair)
+            if not kept:
+                client.close()
+                server.close()
+                return
             marked = threading.Event()
             threading.Thread(
                 target=self._pump, args=(client, server, marked, True), daemon=True

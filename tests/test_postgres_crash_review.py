@@ -214,7 +214,7 @@ def _no_secrets(workers: list[Worker], password: str) -> None:
         assert KEY not in text, f"{worker.stderr_path.name} shows the API key"
 
 
-def _stuck(store: EventStore, url: str, streams: list[str], frozen: str) -> str:
+def _stuck(store: EventStore, url: str, streams: list[str], frozen: str, directory: Path) -> str:
     """What the unsettled sessions' logs and due rows say (a failure's message)."""
     from stalwart.store._postgres_connect import PostgresUrl
 
@@ -225,7 +225,8 @@ def _stuck(store: EventStore, url: str, streams: list[str], frozen: str) -> str:
         ).fetchall()
     due = {row[0]: row[1:] for row in rows}
     now = time.time()
-    lines = [f"now {now:.2f}, frozen {frozen}"]
+    said = len(_said(directory))
+    lines = [f"now {now:.2f}, frozen {frozen}, {said} of {len(streams)} answers delivered"]
     for stream in streams:
         if _settled(store, stream):
             continue
@@ -459,7 +460,7 @@ def _policy() -> Any:
 # -- many sessions due at once, one worker frozen holding some -----------------------------------
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 def test_many_sessions_due_at_once_with_a_worker_frozen_holding_some_are_each_answered_once(
     pg_server: PostgresServer,
     pg_url: str,
@@ -491,10 +492,10 @@ def test_many_sessions_due_at_once_with_a_worker_frozen_holding_some_are_each_an
                 store,
                 lambda: all(_settled(store, s) for s in streams) and len(_said(tmp_path)) >= n,
                 "not every session was served",
-                guard=30.0,
+                guard=60.0,  # wide: 30 s was once not enough with the machine loaded
             )
         except AssertionError:
-            raise AssertionError(_stuck(store, pg_url, streams, frozen.owner)) from None
+            raise AssertionError(_stuck(store, pg_url, streams, frozen.owner, tmp_path)) from None
         thawed_at = store.head()
         frozen.signal(signal.SIGCONT)
         time.sleep(2.0)  # real-time: the thawed worker's renewals and Agents run
