@@ -105,6 +105,14 @@ def _stream_chunk(
     return out, _tail_chunk(env, codec, txn, stream, (indexed, end), first, last, out)
 
 
+def _before_hole(out: list[RecordedEvent], first: int) -> _Chunk:
+    """The records of a run read from position ``first`` that come before the first
+    position missing among them (a record deleted by hand), and that hole as the error:
+    a hole is damage, not an end, and never moves the end of a range."""
+    missing = next(n for n, record in enumerate(out, first) if record.position != n)
+    return out[: missing - first], CorruptRecordError(missing, "it is missing from the log")
+
+
 def _known_chunk(
     env: _Environment,
     codec: Codec,
@@ -368,8 +376,10 @@ class LmdbEventStore:
             out: list[RecordedEvent] = []
             if not cursor.set_range(_key(position)):
                 return out, None
-            want = min(READ_BATCH, last - position + 1)  # positions have no gaps
+            want = min(READ_BATCH, last - position + 1)
             error = decode_many(cursor.iternext(keys=False), out, want)
+            if out and out[-1].position != position + len(out) - 1:  # a hole in the log
+                return _before_hole(out, position)
             return out, None if error is None else _at_key(error, cursor.key())
 
         while position <= last:
