@@ -60,14 +60,24 @@ Decision = Callable[[SessionState, ActivationsState], tuple[list[Event], Fence |
 
 
 def load_session(store: EventStore, session_id: str) -> tuple[SessionState, ActivationsState]:
-    """The session and its activations as the log says now (one read of the stream)."""
+    """The session and its activations as the log says now: each from its snapshot, then
+    the events since (a long session is not read from its start on every action)."""
     stream = _stream(session_id)
-    session = SESSION.initial(stream)
-    activations = ACTIVATIONS.initial(stream)
+    session = load_state(store, stream, SESSION)
+    activations = load_state(store, stream, ACTIVATIONS)
+    return _caught_up(store, stream, session, activations)
+
+
+def _caught_up(
+    store: EventStore, stream: str, session: SessionState, activations: ActivationsState
+) -> tuple[SessionState, ActivationsState]:
+    """Both folds carried to the stream's head (one read, from the older of the two)."""
     folder = SESSION.folder(session)
-    for record in store.read_stream(stream):
-        folder.add(record)
-        activations = ACTIVATIONS.apply(activations, record)
+    for record in store.read_stream(stream, min(session.version, activations.version) + 1):
+        if record.version > session.version:
+            folder.add(record)
+        if record.version > activations.version:
+            activations = ACTIVATIONS.apply(activations, record)
     return folder.state(), activations
 
 
@@ -88,8 +98,10 @@ def _stream(session_id: str) -> str:
 def _act(store: EventStore, session_id: str, decide: Decision, ts: float | None) -> list[Event]:
     """Decide on the current state and append, again on a race; the events appended."""
     stream = _stream(session_id)
-    for _ in range(ATTEMPTS):
-        session, activations = load_session(store, session_id)
+    session, activations = load_session(store, session_id)
+    for attempt in range(ATTEMPTS):
+        if attempt:  # raced: fold on from where the last attempt's state stood
+            session, activations = _caught_up(store, stream, session, activations)
         events, fence = decide(session, activations)
         if not events:
             return []
