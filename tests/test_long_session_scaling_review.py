@@ -46,8 +46,7 @@ from stalwart.events import (
     TurnCompleted,
     TurnStarted,
 )
-from stalwart.runtime import Runtime, interrupt, schedule_wake, send_message
-from stalwart.state import ActivationPolicy
+from stalwart.runtime import Runtime, interrupt, policy_of, schedule_wake, send_message
 from stalwart.store import EventStore, NewEvent
 from stalwart.testing import Answer, FakeProvider
 from tests._runtime_support import GUARD, delivered, runtime_config
@@ -323,19 +322,6 @@ def test_a_wake_after_passivation_does_not_read_the_whole_session(
 # -- the session functions: wake_at, interrupt, confirm, tool results -----------------------
 
 
-def _policy() -> ActivationPolicy:
-    settings = ActivationSettings()
-    return ActivationPolicy(
-        lease_ttl_ms=settings.lease_ttl_ms,
-        renew_every_ms=settings.renew_every_ms,
-        backoff_base_ms=settings.backoff_base_ms,
-        backoff_cap_ms=settings.backoff_cap_ms,
-        max_attempts=settings.max_attempts,
-        max_pending_wakes=settings.max_pending_wakes,
-        max_wake_horizon_ms=settings.max_wake_horizon_ms,
-    )
-
-
 def _session_action_reads(path: Path, count: int, clock: FakeClock) -> tuple[int, int, int]:
     """Records of the session read by a second ``schedule_wake`` and then an
     ``interrupt`` on a session of ``count`` tau-bench messages; and its events."""
@@ -343,7 +329,7 @@ def _session_action_reads(path: Path, count: int, clock: FakeClock) -> tuple[int
     try:
         events = write_history(log, count, clock.now() - 10_000_000)
         counted = CountingStore(log)
-        now, policy = clock.now(), _policy()
+        now, policy = clock.now(), policy_of(ActivationSettings())
         # the first call may fold it all (and save a snapshot); the next ones need not
         schedule_wake(counted, SESSION, now + 600, now=now, policy=policy, text="check in")
         counted.taken()
