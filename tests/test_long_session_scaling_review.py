@@ -3,7 +3,7 @@
 A session that lives for months holds tens of thousands of events. What one turn costs
 must not grow with that history (apart from the prompt itself, which the context engine
 keeps inside the window). Each test builds one session from real data, the tau-bench
-airline trajectories (``/work/shared/data/tau-bench``, MIT: 200 GPT-4o customer-service
+airline trajectories (``tests/data/tau-bench``, MIT: 200 GPT-4o customer-service
 runs concatenated into one ~5,300-message session, as their README describes), at a
 size n and at 8n, on a real LMDB store in a temporary directory, drives the real parts
 (a Runtime with the loopback fake provider and a fake clock, or the public session
@@ -21,6 +21,7 @@ the figures measured, the cause and the fix. One is a known defect still open (s
 from __future__ import annotations
 
 import json
+import lzma
 import statistics
 import threading
 import time
@@ -51,7 +52,8 @@ from stalwart.store import EventStore, NewEvent
 from stalwart.testing import Answer, FakeProvider
 from tests._runtime_support import GUARD, delivered, runtime_config
 
-TAU = Path(__file__).resolve().parents[2] / "shared" / "data" / "tau-bench" / "gpt-4o-airline.json"
+#: the trajectories, compressed, in the repository (tests/data/tau-bench/README.md)
+TAU = Path(__file__).resolve().parent / "data" / "tau-bench" / "gpt-4o-airline.json.xz"
 #: history sizes compared, in tau-bench messages (n and 8n)
 SMALL, LARGE = 600, 4_800
 #: the session every test builds
@@ -62,8 +64,6 @@ START = 1_800_000_000.0
 IDLE_MS = 60_000
 #: live turns measured per history size
 TURNS = 8
-
-pytestmark = pytest.mark.skipif(not TAU.is_file(), reason="tau-bench trajectories not found")
 
 
 # -- the data ------------------------------------------------------------------------------
@@ -77,7 +77,7 @@ def tau_items() -> list[tuple[int, dict[str, Any]]]:
     The first run's system prompt is left out; later runs' instructions become the
     user's words."""
     if not _ITEMS:
-        runs = json.loads(TAU.read_text())
+        runs = json.loads(lzma.decompress(TAU.read_bytes()))
         runs.sort(key=lambda run: (run.get("task_id", 0), run.get("trial", 0)))
         for number, run in enumerate(runs):
             for item in run.get("traj", ()):
