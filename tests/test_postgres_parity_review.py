@@ -28,7 +28,7 @@ from stalwart.config import parse_config
 from stalwart.errors import CorruptRecordError
 from stalwart.events import AnnouncementDelivered, MessageAppended
 from stalwart.runtime import SPAWN_TOOL, Runtime
-from stalwart.store import EventStore, NewEvent
+from stalwart.store import EventStore
 from stalwart.store._postgres_connect import PostgresUrl
 from stalwart.testing import Answer, Fail, FakeProvider, FakeToolCall, PostgresServer
 from tests._postgres import install_old_schema, installed_schema
@@ -41,6 +41,7 @@ from tests._runtime_support import (
     log_until,
     settled,
 )
+from tests.golden.make_verify_golden import copy_record
 from tests.test_store_index_lag import damage
 
 _schemas = itertools.count(1)
@@ -61,14 +62,7 @@ def _copy(source: EventStore, target: EventStore) -> None:
     """Every record of ``source`` into the empty ``target``: same positions, versions,
     ids and times."""
     for record in source.read_all():
-        new = NewEvent(
-            event=record.event,
-            ts=record.ts,
-            id=record.id,
-            causation_id=record.causation_id,
-            correlation_id=record.correlation_id,
-        )
-        [written] = target.append(record.stream, [new])
+        written = copy_record(target, record)
         assert (written.position, written.version) == (record.position, record.version)
 
 

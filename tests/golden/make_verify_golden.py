@@ -39,6 +39,7 @@ from stalwart.events import (
     PromptStarted,
     ProviderCallFailed,
     ProviderCallSucceeded,
+    RecordedEvent,
     RuntimeStarted,
     RuntimeStopped,
     SessionCreated,
@@ -211,20 +212,27 @@ def _write_log(name: str, *, doctored: bool) -> None:
     (HERE / name).write_bytes(msgspec.msgpack.encode(encoded))
 
 
+def copy_record(store: EventStore, record: RecordedEvent) -> RecordedEvent:
+    """Append ``record`` to ``store`` as it was (event, time, ids); the record written.
+    Into an empty store, in order, positions and versions come out the same."""
+    new = NewEvent(
+        event=record.event,
+        ts=record.ts,
+        id=record.id,
+        causation_id=record.causation_id,
+        correlation_id=record.correlation_id,
+    )
+    [written] = store.append(record.stream, [new])
+    return written
+
+
 def load(name: str, where: str | Path) -> EventStore:
     """A new LMDB store at ``where`` holding the golden log ``name`` (same positions)."""
     raw: list[bytes] = msgspec.msgpack.decode((HERE / name).read_bytes())
     store = store_module.open(where)
     for data in raw:
         record = DEFAULT_CODEC.decode(data)
-        new = NewEvent(
-            event=record.event,
-            ts=record.ts,
-            id=record.id,
-            causation_id=record.causation_id,
-            correlation_id=record.correlation_id,
-        )
-        [written] = store.append(record.stream, [new])
+        written = copy_record(store, record)
         assert written.position == record.position, "load into an empty store"
     return store
 
