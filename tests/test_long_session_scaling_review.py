@@ -14,8 +14,7 @@ Reads are counted at the storage boundary: the store handed to stalwart is wrapp
 ``read_stream`` / ``read_all`` yields, per stream. Nothing of stalwart is replaced.
 
 Tests marked ``# Was:`` failed on the code reviewed; each docstring says what grew,
-the figures measured, the cause and the fix. One is a known defect still open (strict
-``xfail``: it fails the suite the day it passes, so the mark is taken off).
+the figures measured, the cause and the fix.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from typing import Any
 import pytest
 
 from stalwart import store as store_module
+from stalwart.actors import Assemble, ContextStoreActor, ask_context
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
 from stalwart.config import ActivationSettings
@@ -280,35 +280,25 @@ def test_a_live_turn_reads_a_bounded_number_of_records_however_long_the_session(
     assert per_turn_large <= 3 * per_turn_small + 50, (small.turn_reads, large.turn_reads)
 
 
-# Open: a wake after passivation reads the whole session stream despite its snapshot
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: the Agent's wake ledger, context messages and calls fold are not "
-    "snapshotted, so Agent.started re-reads the stream from version 1",
-)
+# Was: a wake after passivation read the whole session stream despite its snapshot
 def test_a_wake_after_passivation_does_not_read_the_whole_session(
     driven: dict[int, Driven],
 ) -> None:
     """A chat session's Agent is passivated whenever the user goes quiet for
     ``passivate_after_ms`` (5 min), so in a months-long session nearly every message
-    starts a new Agent. Its start should cost what the snapshot leaves to fold; instead
-    it reads every record of the session again. Measured (session records read by one
-    such wake): ~890-event history (600 tau messages) 1,000 records; ~7,100-event history
-    (4,800 messages) 7,200 records: linear in the history, so a session's total cost is
-    quadratic in its length.
+    starts a new Agent. Its start should cost what the snapshot leaves to fold. It read
+    every record of the session again: 1,250 records with a 903-event history (600 tau
+    messages), 8,140 with 7,785 events (4,800 messages), linear in the history, so a
+    session's total cost was quadratic in its length.
 
-    Cause: ``AgentActor.started`` (stalwart/actors/_agent.py:269-273) loads its view
-    with ``load_state(..., AGENT_VIEW)``, which starts from the newest snapshot (it
-    reads ~20 records), and then reads the stream again from version 1 to that version
-    (``read_stream(self._stream, 1, self._folder.version)``) to fold the three folds the
-    snapshot does not hold: the ``WakeLedger``, the context engine's ``SessionMessages``
-    and the prompt calls' ``CALLS``.
+    Cause: ``AgentActor.started`` loaded its view with ``load_state(..., AGENT_VIEW)``
+    from the newest snapshot, then read the stream again from version 1 to fold the
+    three folds the snapshot did not hold: the ``WakeLedger``, the context engine's
+    ``SessionMessages`` and the prompt calls' ``CALLS``.
 
-    Fix: make those part of what is snapshotted (one Aggregate whose state is the
-    AgentView plus the ledger's state, the context messages and the calls state), or
-    give each its own snapshotted Aggregate and ``load_state`` it; the ``CALLS`` and
-    ledger folds are small and bounded, and the context messages can be derived from
-    the snapshot's messages plus their seq/turn/ts."""
+    Fix: ``AgentView`` (fold version 2) holds all of it, the ledger as a frozen
+    ``LedgerState`` and the conversation as the stored ``ContextMessage``s the context
+    engine takes, so one snapshot restores the Agent. Now 237 and 242 records."""
     small, large = driven[SMALL], driven[LARGE]
     assert large.events >= 7 * small.events
     # the worker folds up to snapshot_every (500) records since its own snapshot
@@ -444,3 +434,70 @@ def test_an_assembly_costs_the_same_at_8x_the_history_and_the_dag_stays_shallow(
     )
     dag = engine.sessions[SESSION]
     assert len(dag.roots) <= 16, len(dag.roots)
+
+
+# -- the ContextStore, past max_sessions ------------------------------------------------------
+
+
+def _rebuild_reads(path: Path, count: int) -> tuple[int, int, int]:
+    """A ContextStore holding one session at a time (``max_sessions`` 1, as a host
+    rotating through more sessions than its 256 does) assembles the tau session before
+    each of its ``count`` messages' user turns, as the Agent would; then another session
+    pushes it out twice, with one more turn between. Returns the ``context:`` records of
+    the session, and the records each rebuild read (the first, and the next)."""
+    clock = FakeClock(START)
+    log = store_module.open(path, clock=clock)
+    counted = CountingStore(log)
+    messages = tau_context_messages(count + 1)
+    ref = ContextStoreActor.start(
+        store=counted, clock=clock, summarizer=ExtractiveSummarizer(), max_sessions=1
+    )
+    other = (ContextMessage(message_id="o", seq=0, role="user", content="hello"),)
+
+    def assemble(session_id: str, given: tuple[ContextMessage, ...]) -> None:
+        clock.advance(max(0.0, given[-1].ts - clock.now()))
+        ask_context(ref, Assemble(session_id=session_id, messages=given, budget=32_000), 30.0)
+
+    try:
+        for index in range(1, count + 1):
+            if messages[index - 1].role == "user":
+                assemble(SESSION, tuple(messages[:index]))
+        reads = []
+        for given in (messages[:count], messages[: count + 1]):
+            assemble("other", other)  # the tau session is pushed out of memory
+            counted.taken()
+            assemble(SESSION, tuple(given))  # and rebuilt from the log
+            reads.append(counted.taken()[f"context:{SESSION}"])
+        return log.stream_version(f"context:{SESSION}"), reads[0], reads[1]
+    finally:
+        ref.stop()
+        log.close()
+
+
+# Was: a session the ContextStore had let go of was rebuilt from its whole context stream
+def test_a_context_session_rebuilt_after_eviction_reads_what_its_snapshot_leaves(
+    tmp_path: Path,
+) -> None:
+    """A ContextStore keeps its 256 most recently used sessions; a host that serves
+    more rebuilds a session whenever it comes back. The rebuild read the whole
+    ``context:`` stream, one ``context:assembled`` per model call ever made (measured on
+    the review: 38 ms at 600 messages, 285 ms at 4,800), on every turn of such a host:
+    1,553 records at 4,800 messages.
+
+    Cause: ``ContextStoreActor._restore`` read every record and folded ``CONTEXT_DAG``
+    from nothing; the pipeline engine did the same with its fold, and recall (search,
+    expand) folded the messages from the whole ``session:`` stream.
+
+    Fix: all three go through ``load_state``, from the fold's snapshot (the messages
+    from the Agent's ``agent_view`` snapshot). The first rebuild of a stream with no
+    snapshot still reads it all and saves one; the next reads what came after it: 1
+    record at 4,800 messages (at 600, 159: the stream is shorter than the snapshot
+    cadence, so it has no snapshot yet)."""
+    small = _rebuild_reads(tmp_path / "small", SMALL)
+    large = _rebuild_reads(tmp_path / "large", LARGE)
+    assert large[0] >= 5 * small[0], (small, large)  # the context stream grew with the history
+    assert large[1] >= large[0] - 10  # no snapshot yet: read whole, and one saved
+    # the next rebuild: what came after the snapshot (under snapshot_every, 500, before
+    # the first is saved), however long the history
+    assert small[2] <= 500, (small, large)
+    assert large[2] <= 10, (small, large)

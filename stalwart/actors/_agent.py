@@ -47,7 +47,7 @@ import pykka
 from stalwart._logs import get_logger
 from stalwart.channels import Channel, MessageKind, OutboundMessage
 from stalwart.clock import Clock
-from stalwart.context import ModelProfile, SessionMessages
+from stalwart.context import ModelProfile
 from stalwart.errors import ConcurrencyError, FencedError, StoreClosedError, StoreError
 from stalwart.events import (
     ActivationRequeued,
@@ -70,7 +70,6 @@ from stalwart.events import (
 from stalwart.ids import new_id
 from stalwart.providers import CallSeal, ModelCaller, ProviderRequest, ProviderResponse
 from stalwart.state import (
-    CALLS,
     ActivationPolicy,
     WakeResult,
     decide_message,
@@ -158,11 +157,10 @@ def left_unsaid(store: EventStore, stream: str, now: float) -> bool:
     gave up on that nobody told the user about. Its Agent, once started, says it. Only
     sessions a runtime created (``session:created`` first) count: a sub-agent run's own
     announcements are its internals."""
-    ledger = WakeLedger(stream)
-    for record in store.read_stream(stream):
-        if record.version == 1 and not isinstance(record.event, SessionCreated):
-            return False
-        ledger.add(record)
+    first = next(iter(store.read_stream(stream, 1, 1)), None)
+    if first is None or not isinstance(first.event, SessionCreated):
+        return False
+    ledger = load_state(store, stream, AGENT_VIEW).ledger  # from the Agent's snapshot
     lease = ledger.activations.lease
     if lease is not None and lease.expires_at > now:
         return False
@@ -251,10 +249,6 @@ class AgentActor(Supervised):
         # the context engine (a ContextStore behind a gate): every model call goes through it
         self._context = context
         self._profile = profile or ModelProfile()
-        self._context_log = SessionMessages()
-        self._ledger = WakeLedger(self._stream)
-        #: the model calls of the running turn still open in the log (the caller's records)
-        self._calls = CALLS.folder(CALLS.initial(self._stream))
         self._wake: Wake | None = None
         self._fence: Fence | None = None
         self._store_closed = False
@@ -263,14 +257,17 @@ class AgentActor(Supervised):
         self._resend_at: float | None = None
         self._own_notices: set[str] = set()  # appended by this Agent, not sent yet
 
+    @property
+    def _ledger(self) -> WakeLedger:
+        """The wake's bookkeeping, folded with the view."""
+        return self._folder.ledger
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     def started(self) -> None:
+        # one snapshot holds the view, the ledger, the stored messages and the open calls:
+        # a start folds only what came after it
         self._folder = AGENT_VIEW.folder(load_state(self._store, self._stream, AGENT_VIEW))
-        for record in self._store.read_stream(self._stream, 1, self._folder.version):
-            self._ledger.add(record)
-            self._context_log.add(record)
-            self._calls.add(record)
         if self._folder.version == 0:
             created = SessionCreated(agent=self._agent_name, channel=self._channel_name)
             with contextlib.suppress(ConcurrencyError):  # a first message created it
@@ -508,7 +505,7 @@ class AgentActor(Supervised):
             window = self._settings.context_window
             assemble = Assemble(
                 session_id=self._stream.removeprefix("session:"),
-                messages=tuple(self._context_log.messages),
+                messages=tuple(self._folder.context.messages),
                 budget=context_budget(window, base, system, self._profile),
                 tenant=self._folder.session().tenant,
                 profile=self._profile,
@@ -629,7 +626,7 @@ class AgentActor(Supervised):
         (the pure decision): when the Clock passed it together with the turn's (one jump
         of a FakeClock, a process frozen past both), the call's cut was on its way to the
         loop as the turn ended; it is recorded here, before the turn's end."""
-        passed = (decide_prompt_timeout(w, now) for w in self._calls.state().open.values())
+        passed = (decide_prompt_timeout(w, now) for w in self._folder.calls.state().open.values())
         return [timeout for timeout in passed if timeout is not None]
 
     def _idempotency_key(self, call: ToolCall) -> str:
@@ -982,9 +979,6 @@ class AgentActor(Supervised):
     def _refresh(self) -> None:
         for record in self._store.read_stream(self._stream, self._folder.version + 1):
             self._folder.add(record)
-            self._ledger.add(record)
-            self._context_log.add(record)
-            self._calls.add(record)
 
     def _current(self, turn_id: str, step: int, what: str) -> LiveTurn | None:
         turn = self._turn

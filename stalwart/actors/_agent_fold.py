@@ -1,16 +1,20 @@
 """What the Agent folds from its session stream, and its pure decisions.
 
-:class:`AgentView` is the session fold (:data:`~stalwart.state.SESSION`) plus the two
-things the loop needs from the log: the conversation as neutral chat messages (what the
-next request sends) and the tool retry breaker's counts. The execution timeout is a pure
-comparison of the turn's start, the time and the limit, so replay re-derives every
-``execution:aborted``.
+:class:`AgentView` is the session fold (:data:`~stalwart.state.SESSION`) plus what the
+loop needs from the log: the conversation (the stored messages the context engine takes,
+and from them the neutral chat messages a request sends), the tool retry breaker's
+counts, the wake's :class:`~stalwart.actors._agent_wake.WakeLedger` and the open model
+calls (:data:`~stalwart.state.CALLS`). It is one fold so that one snapshot holds all of
+it: an Agent started on a long session folds only what came after the snapshot. The
+execution timeout is a pure comparison of the turn's start, the time and the limit, so
+replay re-derives every ``execution:aborted``.
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from stalwart.context import ContextMessage, SessionMessages
 from stalwart.events import (
     ExecutionAborted,
     MessageAppended,
@@ -20,13 +24,17 @@ from stalwart.events import (
 )
 from stalwart.providers import Message
 from stalwart.state import (  # the execution timeout's pure decision lives in state
+    CALLS,
     SESSION,
+    CallsState,
     SessionFolder,
     SessionState,
     decide_execution_timeout,
     execution_deadline,
 )
 from stalwart.tools import ToolBreakerState, apply_tool_breaker
+
+from ._agent_wake import LedgerState, WakeLedger
 
 __all__ = [
     "AGENT_VIEW",
@@ -45,34 +53,47 @@ UNANSWERED_TOOL_TEXT = "The call did not finish: the turn it belonged to was sto
 
 
 class AgentView(msgspec.Struct, frozen=True, kw_only=True):
-    """One session as its Agent sees it. ``turn_started_at`` is the running turn's start."""
+    """One session as its Agent sees it. ``messages`` are the stored messages (the context
+    engine's :class:`~stalwart.context.ContextMessage`); ``turn_started_at`` is the
+    running turn's start; ``ledger`` the wake's bookkeeping; ``calls`` the model calls
+    still open."""
 
     session: SessionState
-    messages: tuple[Message, ...] = ()
+    messages: tuple[ContextMessage, ...] = ()
     tools: ToolBreakerState = msgspec.field(default_factory=ToolBreakerState)
     turn_started_at: float | None = None
+    ledger: LedgerState
+    calls: CallsState = msgspec.field(default_factory=CallsState)
 
 
-def message_of(event: MessageAppended) -> Message:
-    """The chat message a ``message:appended`` records."""
+def message_of(stored: MessageAppended | ContextMessage) -> Message:
+    """The chat message a ``message:appended`` (or the stored message it made) records."""
     return Message(
-        role=event.role,
-        content=event.content,
-        tool_calls=event.tool_calls,
-        tool_call_id=event.tool_call_id,
+        role=stored.role,
+        content=stored.content,
+        tool_calls=stored.tool_calls,
+        tool_call_id=stored.tool_call_id,
     )
 
 
 class AgentViewFolder:
-    """The fold as an accumulator (the session part is the fast :class:`SessionFolder`)."""
+    """The fold as an accumulator (the session part is the fast :class:`SessionFolder`).
+    ``ledger``, ``context`` (the stored messages) and ``calls`` are its parts, folded
+    with it; the Agent reads them in place."""
 
-    __slots__ = ("_messages", "_session", "_started_at", "_tools", "version")
+    __slots__ = (
+        *("_messages", "_session", "_started_at", "_tools"),
+        *("calls", "context", "ledger", "version"),
+    )
 
     def __init__(self, view: AgentView) -> None:
         self._session = SessionFolder(view.session)
-        self._messages = list(view.messages)
+        self.context = SessionMessages(view.messages)
+        self._messages = [message_of(stored) for stored in view.messages]
         self._tools = view.tools
         self._started_at = view.turn_started_at
+        self.ledger = WakeLedger(view.session.stream, view.ledger)
+        self.calls = CALLS.folder(view.calls)
         self.version = view.session.version
 
     def add(self, record: RecordedEvent) -> None:
@@ -81,11 +102,14 @@ class AgentViewFolder:
         event = record.event
         if isinstance(event, MessageAppended):
             self._messages.append(message_of(event))
+            self.context.add(record)
         elif isinstance(event, TurnStarted):
             self._started_at = record.ts
         elif isinstance(event, ExecutionAborted):
             self._started_at = None
         self._tools = apply_tool_breaker(self._tools, record)
+        self.ledger.add(record)
+        self.calls.add(record)
 
     @property
     def messages(self) -> tuple[Message, ...]:
@@ -103,21 +127,25 @@ class AgentViewFolder:
         session = self._session.state()
         return AgentView(
             session=session,
-            messages=tuple(self._messages),
+            messages=tuple(self.context.messages),
             tools=self._tools,
             turn_started_at=self._started_at if session.current_turn is not None else None,
+            ledger=self.ledger.state(),
+            calls=self.calls.state(),
         )
 
 
 class AgentViewAggregate:
-    """The Agent's fold as an :class:`~stalwart.state.Aggregate` (for ``load_state``)."""
+    """The Agent's fold as an :class:`~stalwart.state.Aggregate` (for ``load_state``).
+    Version 2 added the ledger, the calls and the stored messages' ids, turns and times
+    (a version 1 snapshot is not used: the first start folds the whole stream again)."""
 
     name = "agent_view"
-    version = 1
+    version = 2
     state_type = AgentView
 
     def initial(self, stream: str) -> AgentView:
-        return AgentView(session=SESSION.initial(stream))
+        return AgentView(session=SESSION.initial(stream), ledger=LedgerState.initial(stream))
 
     def apply(self, state: AgentView, record: RecordedEvent) -> AgentView:
         folder = AgentViewFolder(state)

@@ -59,6 +59,7 @@ __all__ = [
     "NO_HUMAN_TEXT",
     "UNRECONCILED_TEXT",
     "WAKE_PREFIX",
+    "LedgerState",
     "Resolution",
     "WakeLedger",
     "drafts_note",
@@ -107,6 +108,29 @@ class Unsent(msgspec.Struct, frozen=True):
     sent_at: float
 
 
+class LedgerState(msgspec.Struct, frozen=True, kw_only=True):
+    """A :class:`WakeLedger` at rest: the same fields, frozen (the Agent's snapshot)."""
+
+    activations: ActivationsState
+    drafts: DraftsState
+    message_ids: frozenset[str] = frozenset()
+    recent: tuple[SeenMessage, ...] = ()
+    last_calls: tuple[ToolCall, ...] = ()
+    call_ids: frozenset[str] = frozenset()
+    interrupted: frozenset[str] = frozenset()
+    results: frozenset[str] = frozenset()
+    started: frozenset[str] = frozenset()
+    requests: dict[str, SessionRequiresAction] = msgspec.field(default_factory=dict)
+    resolutions: dict[str, Resolution] = msgspec.field(default_factory=dict)
+    unsent: dict[str, Unsent] = msgspec.field(default_factory=dict)
+    announced: bool = False
+    abandoned: float | None = None
+
+    @classmethod
+    def initial(cls, stream: str) -> LedgerState:
+        return cls(activations=ACTIVATIONS.initial(stream), drafts=DRAFTS.initial(stream))
+
+
 class WakeLedger:
     """The wake's bookkeeping, folded record by record beside the Agent's view."""
 
@@ -127,25 +151,50 @@ class WakeLedger:
         "unsent",
     )
 
-    def __init__(self, stream: str) -> None:
-        self.activations: ActivationsState = ACTIVATIONS.initial(stream)
-        self.drafts: DraftsState = DRAFTS.initial(stream)
-        self.message_ids: set[str] = set()
+    def __init__(self, stream: str, state: LedgerState | None = None) -> None:
+        """An empty ledger, or one that goes on from ``state`` (see :meth:`state`)."""
+        if state is None:
+            state = LedgerState.initial(stream)
+        self.activations: ActivationsState = state.activations
+        self.drafts: DraftsState = state.drafts
+        self.message_ids: set[str] = set(state.message_ids)
         #: the newest user messages given to the session (``remember_message``)
-        self.recent: tuple[SeenMessage, ...] = ()
-        self.last_calls: tuple[ToolCall, ...] = ()
-        self.call_ids: set[str] = set()  # every call id of the session's assistant messages
-        self.interrupted: set[str] = set()  # the last calls an interrupt closed unanswered
-        self.results: set[str] = set()
-        self.started: set[str] = set()
-        self.requests: dict[str, SessionRequiresAction] = {}  # request id -> the request
-        self.resolutions: dict[str, Resolution] = {}  # call id -> the answer
+        self.recent: tuple[SeenMessage, ...] = state.recent
+        self.last_calls: tuple[ToolCall, ...] = state.last_calls
+        #: every call id of the session's assistant messages
+        self.call_ids: set[str] = set(state.call_ids)
+        #: the last calls an interrupt closed unanswered
+        self.interrupted: set[str] = set(state.interrupted)
+        self.results: set[str] = set(state.results)
+        self.started: set[str] = set(state.started)
+        #: request id -> the request
+        self.requests: dict[str, SessionRequiresAction] = dict(state.requests)
+        self.resolutions: dict[str, Resolution] = dict(state.resolutions)  # call id -> answer
         #: announcement id -> the announcement and its times, until its send ends
-        self.unsent: dict[str, Unsent] = {}
-        self.announced = False  # an announcement was queued since the latest lease
+        self.unsent: dict[str, Unsent] = dict(state.unsent)
+        self.announced = state.announced  # an announcement was queued since the latest lease
         #: when an activation was given up on with nothing announced since its lease
         #: (None once a notice or the turn's close for it is in the log)
-        self.abandoned: float | None = None
+        self.abandoned: float | None = state.abandoned
+
+    def state(self) -> LedgerState:
+        """The ledger as a frozen value (what the Agent's snapshot keeps)."""
+        return LedgerState(
+            activations=self.activations,
+            drafts=self.drafts,
+            message_ids=frozenset(self.message_ids),
+            recent=self.recent,
+            last_calls=self.last_calls,
+            call_ids=frozenset(self.call_ids),
+            interrupted=frozenset(self.interrupted),
+            results=frozenset(self.results),
+            started=frozenset(self.started),
+            requests=dict(self.requests),
+            resolutions=dict(self.resolutions),
+            unsent=dict(self.unsent),
+            announced=self.announced,
+            abandoned=self.abandoned,
+        )
 
     def add(self, record: RecordedEvent) -> None:
         self.activations = ACTIVATIONS.apply(self.activations, record)

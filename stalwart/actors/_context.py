@@ -56,7 +56,6 @@ from stalwart.context import (
     ModelProfile,
     Summarizer,
     SummaryRequest,
-    messages_from_records,
     valid_session_id,
 )
 from stalwart.context.pipeline import PipelineConfig, PipelineEngine
@@ -76,8 +75,10 @@ from stalwart.events import (
     Event,
 )
 from stalwart.providers import Message
-from stalwart.store import EventStore, Fence, NewEvent, check_stream
+from stalwart.state import CONTEXT_DAG, CONTEXT_PIPELINE
+from stalwart.store import EventStore, Fence, NewEvent, check_stream, load_state
 
+from ._agent_fold import AGENT_VIEW
 from ._lanes import Lanes, Turnstile, answer
 from ._ledger import StoreLedger
 from ._supervised import Supervised
@@ -478,15 +479,18 @@ class ContextStoreActor(Supervised):
         self._calibration_taken(message.profile)
         engine = self._pipelines.get(session_id)
         if engine is None:
-            engine = PipelineEngine.from_events(
-                self._store.read_stream(stream),
+            # from the fold's snapshot; its version is what the fold read (the stream's
+            # version read after it could count a record another writer appended since)
+            state = load_state(self._store, stream, CONTEXT_PIPELINE)
+            engine = PipelineEngine(
                 self._pipeline_config,
                 summarizer=self._summarizer,
                 clock=self._clock,
                 session=session_id,
+                state=state,
             )
             self._pipelines[session_id] = engine
-            self._versions[session_id] = self._store.stream_version(stream)
+            self._versions[session_id] = state.version
         result = engine.assemble(
             message.messages,
             message.budget,
@@ -554,22 +558,24 @@ class ContextStoreActor(Supervised):
     # -- the log ------------------------------------------------------------------------
 
     def _restore(self, session_id: str, messages: Sequence[ContextMessage]) -> None:
-        stream = f"context:{session_id}"
-        records = list(self._store.read_stream(stream))
-        self._versions[session_id] = records[-1].version if records else 0
-        if records:
-            self._dag.restore(session_id, records, messages)
+        """Rebuild a session's DAG from its ``context:`` stream: from the fold's newest
+        snapshot and the records after it, not one record per model call ever made."""
+        state = load_state(self._store, f"context:{session_id}", CONTEXT_DAG)
+        self._versions[session_id] = state.version  # what the fold read: appends expect it
+        if state.version:
+            self._dag.restore_state(session_id, state, messages)
 
     def _load(self, session_id: str) -> None:
-        """Rebuild a session for recall from the log alone (its messages come from its
-        ``session:`` stream) when this run has not assembled it yet."""
+        """Rebuild a session for recall from the log alone (its messages are the Agent's
+        fold of its ``session:`` stream, from that fold's snapshot) when this run has not
+        assembled it yet."""
         if not valid_session_id(session_id):
             return
         self._catch_up(session_id)
         if session_id in self._dag.sessions:
             return
-        messages = messages_from_records(self._store.read_stream(f"session:{session_id}"))
-        self._restore(session_id, messages)
+        view = load_state(self._store, f"session:{session_id}", AGENT_VIEW)
+        self._restore(session_id, view.messages)
 
     def _append(
         self,

@@ -42,7 +42,7 @@ from stalwart.events import (
     RecordedEvent,
 )
 from stalwart.ids import new_id
-from stalwart.state import CONTEXT_DAG, fold
+from stalwart.state import CONTEXT_DAG, ContextDagState, fold
 
 from ._dag import ContextScopeError, DagSession, valid_session_id
 from ._ledger import MemoryLedger, SummarizerLedger
@@ -144,12 +144,20 @@ class DagEngine(Summaries, Recall):
         messages: Sequence[ContextMessage],
     ) -> DagSession:
         """Rebuild a session from its ``context:<session>`` records and its messages."""
-        stream = f"context:{session_id}"
+        return self.restore_state(
+            session_id, fold(CONTEXT_DAG, f"context:{session_id}", records), messages
+        )
+
+    def restore_state(
+        self, session_id: str, state: ContextDagState, messages: Sequence[ContextMessage]
+    ) -> DagSession:
+        """Rebuild a session from its DAG fold (``load_state(..., CONTEXT_DAG)``, which
+        starts from a snapshot) and its messages."""
         session = DagSession(session_id, None, estimate_message_tokens)
         if not valid_session_id(session_id):
             raise ContextScopeError("the session id is malformed")
         session.ingest(messages)
-        session.restore(fold(CONTEXT_DAG, stream, records))
+        session.restore(state)
         self.sessions[session_id] = session
         return session
 

@@ -201,13 +201,14 @@ def _arguments(value: Any) -> str:
 class SessionMessages:
     """A session's stored messages as the engines take them, folded record by record from
     its ``session:<id>`` stream (``message:appended`` events, in order; ``seq`` numbers
-    them, ``turn`` counts user messages); other records are skipped."""
+    them, ``turn`` counts user messages); other records are skipped. Given the messages
+    folded so far (a snapshot's), it goes on from them."""
 
     __slots__ = ("messages", "turn")
 
-    def __init__(self) -> None:
-        self.messages: list[ContextMessage] = []
-        self.turn = 0
+    def __init__(self, messages: Iterable[ContextMessage] = ()) -> None:
+        self.messages: list[ContextMessage] = list(messages)
+        self.turn = self.messages[-1].turn if self.messages else 0
 
     def add(self, record: RecordedEvent) -> None:
         event = record.event
