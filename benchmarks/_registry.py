@@ -41,6 +41,7 @@ MODULES: tuple[str, ...] = (
     "benchmarks.context",
     "benchmarks.context_pipeline",
     "benchmarks.context_store",
+    "benchmarks.long_session",
     "benchmarks.verify",
 )
 

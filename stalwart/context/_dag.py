@@ -82,7 +82,7 @@ class DagSession:
         self._leaf_starts: list[int] = []
         self._leaf_ids: list[str] = []
         self._rendered: dict[str, tuple[ContextMessage, int]] = {}
-        self.index = Bm25Index()
+        self._index: Bm25Index | None = None  # built when first searched (see index)
         self.tail_degraded = False
         self.degraded: str | None = None
         self.system: tuple[int, ContextMessage] | None = None
@@ -139,7 +139,24 @@ class DagSession:
         if message.role == "system" and self.pinned == position:
             self.pinned += 1
             self.covered = max(self.covered, self.pinned)
-        self.index.add(f"m:{message.message_id}", searchable_text(message))
+        if self._index is not None:
+            self._index.add(f"m:{message.message_id}", searchable_text(message))
+
+    @property
+    def index(self) -> Bm25Index:
+        """The session's full-text index (its messages and summaries), built when first
+        searched (a recall search, a relevance-first assembly) and kept up to date from
+        then on: a session rebuilt from the log does not index its whole history for
+        assemblies that never search it. BM25 does not depend on the order documents
+        are added in, so building it late ranks as building it as they came."""
+        if self._index is None:
+            index = Bm25Index()
+            for message in self.messages:
+                index.add(f"m:{message.message_id}", searchable_text(message))
+            for node in self.nodes.values():
+                index.add(f"s:{node.summary_id}", node.body)
+            self._index = index
+        return self._index
 
     # -- sizes and ranges ---------------------------------------------------------------
 
@@ -217,7 +234,8 @@ class DagSession:
             index = min(i for i, root in enumerate(self.roots) if root in covered)
             self.roots = [root for root in self.roots if root not in covered]
             self.roots.insert(index, node.summary_id)
-        self.index.add(f"s:{node.summary_id}", node.body)
+        if self._index is not None:
+            self._index.add(f"s:{node.summary_id}", node.body)
 
     def condensable(self, fanout: int) -> list[str] | None:
         """The oldest ``fanout`` consecutive roots of one depth, if there are that many."""
