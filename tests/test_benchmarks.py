@@ -95,3 +95,21 @@ def test_quick_pipeline_benchmark_shows_what_the_cache_fence_saves(tmp_path: Pat
             > ratios[f"synthetic_{budget}_no_fence_cached_share"]
         )
         assert result["figures"][f"synthetic_{budget}_violations"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_quick_long_session_benchmark_starts_from_the_snapshot(tmp_path: Path) -> None:
+    done = quick("long_session", tmp_path, timeout=100)
+    assert done.returncode == 0, done.stderr
+    [result] = [json.loads(line) for line in done.stdout.splitlines()]
+    figures, ratios = result["figures"], result["ratios"]
+    assert figures["n8_messages"] == 8 * figures["n_messages"]
+    for label in ("n", "n8"):
+        assert figures[f"{label}_agent_start_ms"] > 0
+        assert figures[f"{label}_snapshot_bytes"] > 0
+        assert ratios[f"{label}_agent_start_vs_snapshot_decode"] > 0
+    # wide margins: the start reads one snapshot, the peer every record (5-6x here)
+    assert ratios["n8_agent_start_vs_full_fold"] > 1.5
+    assert ratios["n8_context_rebuild_vs_indexed_rebuild"] > 1.5
+    assert list(tmp_path.iterdir()) == []
