@@ -901,6 +901,10 @@ class AgentActor(Supervised):
             for announcement_id, unsent in list(self._ledger.unsent.items()):
                 if announcement_id in self._unsent or now - unsent.queued_at > RESEND_WITHIN_S:
                     continue
+                if unsent.queued.channel != self._channel_name:
+                    # not this Agent's to say (a sub-agent run's answer to its private
+                    # channel, in a run stream opened as a session): never to this channel
+                    continue
                 if announcement_id in self._own_notices:  # just queued here: send it now
                     self._own_notices.discard(announcement_id)
                     self._send("", announcement_id, unsent.queued.text, unsent.queued.kind)

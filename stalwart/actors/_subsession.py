@@ -7,7 +7,10 @@ stream until the turn completes. Each growth of the turn's ``prompt:activity`` t
 reported as progress (the total over the turn's model calls, the step being how many
 calls were made), and the run's result is the turn's final answer. A turn that ends any
 other way fails the run (:class:`SubsessionFailed`: its class, never a text, is what the
-run records). The Agent is stopped when the work ends or is cancelled.
+run records). The run ends once the Agent has also recorded the outcome of what the turn
+announced (its answer or notice, on the run's private channel): the Agent is stopped
+when the work ends or is cancelled, and stopped earlier it would leave that announcement
+queued in the log for ever, which an Agent started on the stream later would send again.
 """
 
 from __future__ import annotations
@@ -22,16 +25,33 @@ import anyio.to_thread
 import pykka
 
 from stalwart._aio import wait_on_own_thread
-from stalwart.events import MessageAppended, PromptActivity, TurnCompleted, TurnStarted
+from stalwart._logs import get_logger
+from stalwart.clock import SystemClock
+from stalwart.events import (
+    AnnouncementDelivered,
+    AnnouncementQueued,
+    AnnouncementSendFailed,
+    MessageAppended,
+    PromptActivity,
+    TurnCompleted,
+    TurnStarted,
+)
 from stalwart.store import EventStore
 
 from ._agent_messages import UserMessage
 from ._subagent import RunReport, Work
 
-__all__ = ["WAIT_SLICE_S", "SubsessionFailed", "subsession_work"]
+__all__ = ["SETTLE_S", "WAIT_SLICE_S", "SubsessionFailed", "subsession_work"]
+
+log = get_logger(__name__)
 
 #: How long one wait on the log lasts before the follower checks it was cancelled.
 WAIT_SLICE_S = 0.5
+#: How long, in real time, a run whose turn ended waits for its Agent to record the
+#: outcome of what the turn announced (a send to the run's private MemoryChannel ends at
+#: once; the send's own timeout runs on the Clock, which a fake one may never move).
+SETTLE_S = 5.0
+_REAL_TIME = SystemClock()
 
 
 class SubsessionFailed(RuntimeError):
@@ -51,6 +71,8 @@ class _Follower:
         self.answer = ""
         self.tokens: dict[str, int] = {}
         self.ended: str | None = None
+        #: announcements queued with no outcome recorded yet
+        self.unsent: set[str] = set()
 
     def add(self, event: object) -> None:
         match event:
@@ -62,6 +84,10 @@ class _Follower:
                 self.answer = event.content
             case TurnCompleted(turn_id=turn_id, outcome=outcome) if turn_id == self.turn:
                 self.ended = outcome
+            case AnnouncementQueued(announcement_id=announcement_id):
+                self.unsent.add(announcement_id)
+            case AnnouncementDelivered() | AnnouncementSendFailed():
+                self.unsent.discard(event.announcement_id)
             case _:
                 pass
 
@@ -70,6 +96,7 @@ def _follow(store: EventStore, stream: str, report: RunReport, stop: threading.E
     """Block until the turn completes (a worker thread): its answer, or raise."""
     follower = _Follower()
     reported = 0
+    settle_by: float | None = None  # the turn ended: its announcements' outcomes, until
     while not stop.is_set():
         head = store.head()
         for record in store.read_stream(stream, follower.version + 1):
@@ -79,10 +106,15 @@ def _follow(store: EventStore, stream: str, report: RunReport, stop: threading.E
         if total > reported:
             reported = total
             report.progress(total, len(follower.tokens))
-        if follower.ended == "answered":
-            return follower.answer
         if follower.ended is not None:
-            raise SubsessionFailed(follower.ended)
+            now = _REAL_TIME.monotonic()
+            settle_by = now + SETTLE_S if settle_by is None else settle_by
+            if not follower.unsent or now >= settle_by:
+                if follower.unsent:
+                    log.warning("subsession.announcement_unsettled", stream=stream)
+                if follower.ended == "answered":
+                    return follower.answer
+                raise SubsessionFailed(follower.ended)
         store.wait_for(head + 1, WAIT_SLICE_S)
     return ""
 
