@@ -47,6 +47,7 @@ from stalwart.events import (
     UserToolConfirmation,
 )
 from stalwart.store import NewEvent, load_state, snapshot_name
+from tests._log import recorded
 
 STREAM = "session:s"
 IDS = st.sampled_from(["a", "b", "c"])
@@ -137,20 +138,7 @@ AGENT_EVENTS = st.one_of(
 
 
 def records(events: list[Event]) -> list[RecordedEvent]:
-    return [
-        RecordedEvent(
-            position=i,
-            stream=STREAM,
-            version=i,
-            ts=100.0 + i,
-            id=f"e{i}",
-            causation_id=None,
-            correlation_id=None,
-            schema=1,
-            event=event,
-        )
-        for i, event in enumerate(events, start=1)
-    ]
+    return [recorded(event, 100.0 + i, i, STREAM) for i, event in enumerate(events, start=1)]
 
 
 def folded(recs: list[RecordedEvent], start: AgentView | None = None) -> AgentViewFolder:

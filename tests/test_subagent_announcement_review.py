@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,17 +68,9 @@ def _config(base_url: str) -> Config:
 
 
 @pytest.fixture
-def store_path(tmp_path: Path) -> Path:
-    return tmp_path / "store"
-
-
-@pytest.fixture
-def log(store_path: Path, clock: FakeClock) -> Iterator[EventStore]:
-    opened = store_module.open(store_path, clock=clock)
-    try:
-        yield opened
-    finally:
-        opened.close()
+def log(lmdb_store: EventStore) -> EventStore:
+    """The store at ``store_dir``, on the fake clock (conftest's)."""
+    return lmdb_store
 
 
 def _until(check: Callable[[], Any], what: str) -> Any:
@@ -153,8 +145,8 @@ def _script(fake: FakeProvider, count: int) -> None:
     fake.add(*(Answer(text=f"answer {n}") for n in range(count)))
 
 
-def _cli(store_path: Path, *args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(cli, ["--store", str(store_path), *args], catch_exceptions=False)
+def _cli(store_dir: Path, *args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, ["--store", str(store_dir), *args], catch_exceptions=False)
     return result.exit_code, result.stdout
 
 
@@ -285,7 +277,7 @@ def test_the_parent_hears_each_result_exactly_once_even_after_a_restart(
 
 
 def test_the_operator_tools_neither_show_nor_flag_the_runs_private_announcement(
-    store_path: Path, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+    store_dir: Path, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
 ) -> None:
     """``stalwart status`` shows no dead letter and nothing pending for the run or its
     parent, ``stalwart incidents`` no failure, ``stalwart replay --verify --all`` a clean
@@ -293,14 +285,14 @@ def test_the_operator_tools_neither_show_nor_flag_the_runs_private_announcement(
     (nor is the defect above visible there: only ``tail`` and ``session events`` show
     the queued answer with no outcome)."""
     _script(fake, RUNS)
-    with store_module.open(store_path, clock=clock) as log:  # type: ignore[attr-defined]
+    with store_module.open(store_dir, clock=clock) as log:  # type: ignore[attr-defined]
         channels: dict[str, Any] = {"chat": chat}
         with Runtime(_config(fake.base_url), store=log, clock=clock, channels=channels) as rt:
             rt.session("p1", channel="chat")
             runs = _finished_runs(rt, RUNS, announce=True)
             clock.advance(0.5)
             delivered(rt, chat, 1)
-    code, out = _cli(store_path, "status", "--json")
+    code, out = _cli(store_dir, "status", "--json")
     assert code == 0
     overview = json.loads(out)
     assert overview["dead_letters"]["announcements"] == []
@@ -309,17 +301,17 @@ def test_the_operator_tools_neither_show_nor_flag_the_runs_private_announcement(
         assert rows[f"session:{run}"]["status"] == "run"
         assert rows[f"session:{run}"]["pending"] is None
     for session in (runs[0], "p1"):
-        code, out = _cli(store_path, "status", session, "--json")
+        code, out = _cli(store_dir, "status", session, "--json")
         assert code == 0
         detail = json.loads(out)
         assert detail["pending"] is None
         assert detail["under_way"] == []
         assert detail["dead_letters"]["announcements"] == []
-    code, out = _cli(store_path, "incidents", "--json")
+    code, out = _cli(store_dir, "incidents", "--json")
     assert code == 0
     rows = [json.loads(line) for line in out.splitlines() if line.strip()]
     assert sum(row["calls"] for row in rows) == RUNS  # the runs' model calls, all fine
     assert sum(row["failed"] + row["timeouts"] for row in rows) == 0
-    code, out = _cli(store_path, "replay", "--verify", "--all")
+    code, out = _cli(store_dir, "replay", "--verify", "--all")
     assert code == 0, out
     assert "clean" in out
