@@ -219,7 +219,7 @@ def test_an_agent_never_resends_an_announcement_queued_for_another_channel(
     queued = AnnouncementQueued(announcement_id="a1", channel="subagent:r1", text="private")
     log.append("session:s1", [NewEvent(event=queued, ts=clock.now())])
     clock.advance(60.0)  # past any send still under way (timeout 30 s + grace 5 s)
-    assert left_unsaid(log, "session:s1", clock.now())  # the start-up sweep starts it
+    assert not left_unsaid(log, "session:s1", clock.now())  # no start-up resend for it
     with Runtime(_config(fake.base_url), store=log, clock=clock, channels={"chat": chat}) as rt:
         handle = rt.session("s1", channel="chat")
         handle.status()  # started: its start-up resend, if any, is under way

@@ -155,8 +155,9 @@ def left_unsaid(store: EventStore, stream: str, now: float) -> bool:
     announcement whose send never ended (a close or a crash cut it short; or its sender
     is still at it, which the Agent tells apart by its age), or an activation the worker
     gave up on that nobody told the user about. Its Agent, once started, says it. Only
-    sessions a runtime created (``session:created`` first) count: a sub-agent run's own
-    announcements are its internals."""
+    sessions a runtime created (``session:created`` first) count, and only announcements
+    queued for the channel it records: a sub-agent run's own announcements are its
+    internals."""
     first = next(iter(store.read_stream(stream, 1, 1)), None)
     if first is None or not isinstance(first.event, SessionCreated):
         return False
@@ -166,7 +167,12 @@ def left_unsaid(store: EventStore, stream: str, now: float) -> bool:
         return False
     if ledger.abandoned is not None and now - ledger.abandoned <= RESEND_WITHIN_S:
         return True
-    return any(now - unsent.queued_at <= RESEND_WITHIN_S for unsent in ledger.unsent.values())
+    channel = first.event.channel  # the Agent's: it says only what was queued for it
+    return any(
+        now - unsent.queued_at <= RESEND_WITHIN_S
+        and (channel is None or unsent.queued.channel == channel)
+        for unsent in ledger.unsent.values()
+    )
 
 
 #: What an announcement is (``announcement:queued``): the answer, or a static text.
