@@ -60,6 +60,41 @@ def test_location_and_repr_hide_the_password(pg_server: PostgresServer, pg_url: 
         assert pg_server.password not in store.location
 
 
+@pytest.mark.parametrize(
+    ("schema", "says"),
+    [
+        ("pg_x", "cannot start with pg_"),
+        ("a%00b", "NUL"),
+        ("", "1 to 50 bytes"),
+        ("s" * 51, "1 to 50 bytes"),
+    ],
+)
+def test_a_schema_name_postgresql_refuses_is_a_plain_error(
+    pg_server: PostgresServer, schema: str, says: str
+) -> None:
+    """Checked before connecting, in words: the server's own refusal of such a name was
+    only its class (``ReservedName (42939)``, ``DataError``). On the command line, one
+    line on stderr and exit 1."""
+    url = pg_server.url("stalwart_test") + f"?schema={schema}"
+    with pytest.raises(StoreError, match=says):
+        store_module.open(url)
+    done = CliRunner().invoke(cli, ["--store", url, "db", "init"])
+    assert done.exit_code == 1
+    assert says in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert pg_server.password not in done.stderr
+
+
+def test_a_schema_name_that_only_looks_reserved_is_a_schema_like_any_other(
+    pg_server: PostgresServer,
+) -> None:
+    for schema in ("pgx-Ünï code", "PG_Mine"):  # quoted: taken as it is
+        url = pg_server.url("stalwart_test") + f"?schema={schema}"
+        with store_module.open(url) as store:  # type: ignore[attr-defined]
+            store.append("session:s", [_msg(1)], expected_version=0)
+            assert [r.version for r in store.read_stream("session:s")] == [1]
+
+
 def _assert_clean(error: BaseException, password: str) -> None:
     text = str(error)
     assert password not in text

@@ -57,8 +57,7 @@ class PostgresUrl:
                 schema = value
             else:
                 kept.append((key, value))
-        if not schema or len(schema.encode()) > 50:
-            raise StoreError("the store's schema name must have 1 to 50 bytes")
+        _check_schema(schema)
         self.schema = schema
         self.password = unquote(password) if password else None
         #: the URL sets libpq's connect_timeout itself (then it is not overridden)
@@ -78,6 +77,18 @@ class PostgresUrl:
         for secret in self.secrets:
             text = text.replace(secret, "***")
         return text
+
+
+def _check_schema(schema: str) -> None:
+    """A schema name PostgreSQL takes (it is quoted, so any other character is fine), or a
+    StoreError saying why not, before any connection: otherwise the server's error class
+    (``ReservedName``, ``DataError``) would be all the user sees."""
+    if not schema or len(schema.encode()) > 50:
+        raise StoreError("the store's schema name must have 1 to 50 bytes")
+    if "\x00" in schema:
+        raise StoreError("the store's schema name cannot hold a NUL character")
+    if schema.startswith("pg_"):  # as the server checks it: case-sensitive
+        raise StoreError("the store's schema name cannot start with pg_ (PostgreSQL's own)")
 
 
 def _host(host: str) -> str:
