@@ -360,6 +360,38 @@ class EventStoreContract:
         assert found[0].data == b"40"
         assert list(store.snapshots("session:a", "other")) == []
 
+    def test_a_snapshot_of_a_newer_fold_version_removes_the_older_versions(
+        self, store: EventStore
+    ) -> None:
+        """A fold whose version changed (``f@v2``) never reads ``f@v1`` again: saving it
+        deletes the stream's older versions of that fold, and nothing else (another
+        fold, another stream, a newer version, a name that only looks versioned)."""
+
+        def put(stream: str, name: str, version: int = 5) -> None:
+            store.put_snapshot(
+                Snapshot(stream=stream, name=name, version=version, position=1, data=b"x")
+            )
+
+        def versions(stream: str, name: str) -> list[int]:
+            return [s.version for s in store.snapshots(stream, name)]
+
+        for name in ("f@v1", "f@v9", "g@v1", "f@v1x", "ff@v1", "f"):
+            put("session:a", name)
+        put("session:b", "f@v1")
+        put("session:a", "f@v10", 7)  # an upgraded process: 10 > 9 and 1, as numbers
+        put("session:a", "f@v9", 8)  # one not upgraded yet keeps its own, and the newer
+        for name, left in [
+            ("f@v1", []),
+            ("f@v9", [8]),
+            ("f@v10", [7]),
+            ("g@v1", [5]),
+            ("f@v1x", [5]),
+            ("ff@v1", [5]),
+            ("f", [5]),
+        ]:
+            assert versions("session:a", name) == left, name
+        assert versions("session:b", "f@v1") == [5]
+
     def test_a_snapshot_name_that_cannot_be_stored_is_refused(self, store: EventStore) -> None:
         """The longest stream id and snapshot name fit one key; a longer name, a NUL or an
         empty name is a typed error on save (LMDB's 511-byte key limit raised from its

@@ -43,7 +43,7 @@ from stalwart.events import Codec, RecordedEvent
 
 from ._inbox import Inbox
 from ._lmdb_tail import Entry, LogTail, log_head, read_heads
-from ._protocol import Fence, NewEvent, unencodable, unix_ts
+from ._protocol import Fence, NewEvent, fold_prefix, superseded_by, unencodable, unix_ts
 from ._rwlock import SharedExclusiveLock
 
 log = get_logger(__name__)
@@ -152,15 +152,29 @@ class _PutSnapshot(_Job):
     def run(self, env: _Environment, txn: Any, batch: _Batch) -> None:
         prefix = self.prefix
         txn.put(prefix + _key(self.version), self.value, db=env.snapshot_db)
-        cursor = txn.cursor(db=env.snapshot_db)
-        keys = []
-        if cursor.set_range(prefix):
-            for key in cursor.iternext(values=False):
-                if not bytes(key).startswith(prefix):
-                    break
-                keys.append(bytes(key))
+        keys = _keys_from(txn.cursor(db=env.snapshot_db), prefix)
         for key in keys[:-SNAPSHOTS_KEPT]:
             txn.delete(key, db=env.snapshot_db)
+        # the same fold's older versions: nothing that saves this one reads them
+        stream, name = prefix[:-1].split(b"\x00", 1)
+        fold = fold_prefix(name.decode())
+        if fold is None:
+            return
+        for key in _keys_from(txn.cursor(db=env.snapshot_db), stream + b"\x00" + fold.encode()):
+            other = key[len(stream) + 1 :].split(b"\x00", 1)[0].decode()
+            if superseded_by(name.decode(), other):
+                txn.delete(key, db=env.snapshot_db)
+
+
+def _keys_from(cursor: Any, prefix: bytes) -> list[bytes]:
+    """The keys that begin with ``prefix``, in order."""
+    keys = []
+    if cursor.set_range(prefix):
+        for key in cursor.iternext(values=False):
+            if not bytes(key).startswith(prefix):
+                break
+            keys.append(bytes(key))
+    return keys
 
 
 _T = TypeVar("_T")

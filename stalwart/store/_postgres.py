@@ -55,6 +55,8 @@ from ._protocol import (
     check_snapshot_key,
     check_stream,
     checked_events,
+    fold_prefix,
+    superseded_by,
     unencodable,
     unix_ts,
 )
@@ -435,10 +437,21 @@ class PostgresEventStore:
         key = (snapshot.stream, snapshot.name)
         row = (*key, snapshot.version, snapshot.position, zlib.crc32(snapshot.data), snapshot.data)
 
+        fold = fold_prefix(snapshot.name)
+
         def save(conn: psycopg.Connection[Any]) -> None:  # an upsert and a prune: safe twice
             with conn.transaction():
                 conn.execute(self._sql.put_snapshot, row)
                 conn.execute(self._sql.prune_snapshots, (*key, *key, SNAPSHOTS_KEPT))
+                if fold is None:
+                    return
+                # the same fold's older versions: nothing that saves this one reads them
+                found = conn.execute(
+                    self._sql.fold_versions, (snapshot.stream, len(fold), fold)
+                ).fetchall()
+                older = [name for (name,) in found if superseded_by(snapshot.name, name)]
+                if older:
+                    conn.execute(self._sql.drop_snapshots, (snapshot.stream, older))
 
         self._db.again("save a snapshot", save)
 

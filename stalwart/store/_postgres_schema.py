@@ -422,6 +422,11 @@ class Statements:
             "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (stream, name, version) "
             "DO UPDATE SET position = EXCLUDED.position, crc = EXCLUDED.crc, data = EXCLUDED.data"
         )
+        # the names of a stream's snapshots of every version of one fold (``f@v%``)
+        self.fold_versions = q(
+            "SELECT DISTINCT name FROM {s}.snapshots WHERE stream = %s AND left(name, %s) = %s"
+        )
+        self.drop_snapshots = q("DELETE FROM {s}.snapshots WHERE stream = %s AND name = ANY(%s)")
         self.prune_snapshots = q(
             "DELETE FROM {s}.snapshots WHERE stream = %s AND name = %s AND version NOT IN "
             "(SELECT version FROM {s}.snapshots WHERE stream = %s AND name = %s "

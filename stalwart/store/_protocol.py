@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -172,7 +173,10 @@ class EventStore(Protocol):
         ...
 
     def put_snapshot(self, snapshot: Snapshot) -> None:
-        """Save a fold's state (keeping the newest few per stream and fold)."""
+        """Save a fold's state (keeping the newest few per stream and fold). A name of the
+        form ``fold@vN`` (:func:`~stalwart.store.snapshot_name`) also removes the
+        stream's snapshots of the same fold at older versions (``fold@vM``, M < N), which
+        no code that saves ``fold@vN`` reads (:func:`superseded_by`)."""
         ...
 
     def snapshots(self, stream: str, name: str) -> Iterator[Snapshot]:
@@ -311,6 +315,29 @@ def _id_text(value: object) -> bool:
     except UnicodeEncodeError:  # a lone surrogate
         return False
     return True
+
+
+_FOLD_VERSION = re.compile(r"(.+@v)([0-9]{1,18})")
+
+
+def superseded_by(name: str, other: str) -> bool:
+    """Whether a snapshot named ``other`` is of the same fold as ``name`` at an older
+    version (``f@v1`` by ``f@v2``): a store saving ``name`` deletes those. A name not of
+    the form ``fold@vN`` supersedes nothing."""
+    mine, theirs = _FOLD_VERSION.fullmatch(name), _FOLD_VERSION.fullmatch(other)
+    return (
+        mine is not None
+        and theirs is not None
+        and mine[1] == theirs[1]
+        and int(theirs[2]) < int(mine[2])
+    )
+
+
+def fold_prefix(name: str) -> str | None:
+    """What the names of every version of ``name``'s fold begin with (``f@v`` for
+    ``f@v2``), or None for a name not of the form ``fold@vN``."""
+    found = _FOLD_VERSION.fullmatch(name)
+    return None if found is None else found[1]
 
 
 def check_snapshot(snapshot: Snapshot) -> bytes:
