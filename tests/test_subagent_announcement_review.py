@@ -205,15 +205,16 @@ def test_an_agent_started_on_a_finished_run_does_not_tell_the_user_its_private_a
     assert (leaked, resent) == ([], [])
 
 
-# Was: an Agent resent an announcement queued for another channel on its own channel
-def test_an_agent_never_resends_an_announcement_queued_for_another_channel(
+# Was: an Agent resent a run's private answer (queued for subagent:<run>) on its own channel
+def test_an_agent_never_resends_another_runs_private_answer(
     log: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
 ) -> None:
     """Logs written before the run waited for its answer's outcome keep run streams with
-    a private answer queued for ever, and a session's log may hold an announcement for a
-    channel that is not its Agent's. The start-up resend (a new runtime on the log) and
-    the Agent's own resend must not send it on the Agent's channel: it was never the
-    Agent's to say there."""
+    a private answer queued for ever (``subagent:<run>``). The start-up resend (a new
+    runtime on the log) and the Agent's own resend must not send it on the Agent's
+    channel: it was never the Agent's to say there. (Any other announcement is the
+    session's news, whatever name its channel was recorded under:
+    ``tests/test_snapshot_start_review.py``.)"""
     with Runtime(_config(fake.base_url), store=log, clock=clock, channels={"chat": chat}) as rt:
         rt.session("s1", channel="chat").status()  # session:created, on "chat"
     queued = AnnouncementQueued(announcement_id="a1", channel="subagent:r1", text="private")

@@ -70,6 +70,7 @@ from stalwart.events import (
 from stalwart.ids import new_id
 from stalwart.providers import CallSeal, ModelCaller, ProviderRequest, ProviderResponse
 from stalwart.state import (
+    SUBSESSION_CHANNEL_PREFIX,
     ActivationPolicy,
     WakeResult,
     decide_message,
@@ -137,7 +138,7 @@ from ._send import RESEND_GRACE_S, clock_timer, send_by_clock
 from ._supervised import Supervised
 from ._worker import Abandoned, LeaseLost, Wake, WakeEnded
 
-__all__ = ["AgentActor", "left_unsaid"]
+__all__ = ["AgentActor", "left_unsaid", "yours_to_say"]
 
 log = get_logger(__name__)
 
@@ -156,8 +157,8 @@ def left_unsaid(store: EventStore, stream: str, now: float) -> bool:
     is still at it, which the Agent tells apart by its age), or an activation the worker
     gave up on that nobody told the user about. Its Agent, once started, says it. Only
     sessions a runtime created (``session:created`` first) count, and only announcements
-    queued for the channel it records: a sub-agent run's own announcements are its
-    internals."""
+    the Agent would send (:func:`yours_to_say`): a sub-agent run's own announcements are
+    its internals."""
     first = next(iter(store.read_stream(stream, 1, 1)), None)
     if first is None or not isinstance(first.event, SessionCreated):
         return False
@@ -167,12 +168,21 @@ def left_unsaid(store: EventStore, stream: str, now: float) -> bool:
         return False
     if ledger.abandoned is not None and now - ledger.abandoned <= RESEND_WITHIN_S:
         return True
-    channel = first.event.channel  # the Agent's: it says only what was queued for it
+    channel = first.event.channel
     return any(
-        now - unsent.queued_at <= RESEND_WITHIN_S
-        and (channel is None or unsent.queued.channel == channel)
+        now - unsent.queued_at <= RESEND_WITHIN_S and yours_to_say(unsent.queued, channel)
         for unsent in ledger.unsent.values()
     )
+
+
+def yours_to_say(queued: AnnouncementQueued, *channels: str | None) -> bool:
+    """Whether an Agent whose channel goes by ``channels`` (its key in the runtime, the
+    channel's own name, the one its session recorded) may send ``queued`` again: every
+    announcement but another sub-agent run's answer to that run's private channel
+    (``subagent:<run id>``), found in a run's stream opened as a session. A name that
+    differs otherwise (a log that recorded the channel's own name, a channel renamed or
+    gone from the config) is still the session's news for its user."""
+    return queued.channel in channels or not queued.channel.startswith(SUBSESSION_CHANNEL_PREFIX)
 
 
 #: What an announcement is (``announcement:queued``): the answer, or a static text.
@@ -907,10 +917,8 @@ class AgentActor(Supervised):
             for announcement_id, unsent in list(self._ledger.unsent.items()):
                 if announcement_id in self._unsent or now - unsent.queued_at > RESEND_WITHIN_S:
                     continue
-                if unsent.queued.channel != self._channel_name:
-                    # not this Agent's to say (a sub-agent run's answer to its private
-                    # channel, in a run stream opened as a session): never to this channel
-                    continue
+                if not yours_to_say(unsent.queued, self._channel_name, self._channel.name):
+                    continue  # another run's private answer: never to this channel
                 if announcement_id in self._own_notices:  # just queued here: send it now
                     self._own_notices.discard(announcement_id)
                     self._send("", announcement_id, unsent.queued.text, unsent.queued.kind)

@@ -83,7 +83,11 @@ def _check_schema(schema: str) -> None:
     """A schema name PostgreSQL takes (it is quoted, so any other character is fine), or a
     StoreError saying why not, before any connection: otherwise the server's error class
     (``ReservedName``, ``DataError``) would be all the user sees."""
-    if not schema or len(schema.encode()) > 50:
+    try:
+        size = len(schema.encode())
+    except UnicodeEncodeError:  # undecodable bytes in argv or the environment
+        raise StoreError("the store's schema name must be valid UTF-8") from None
+    if not schema or size > 50:
         raise StoreError("the store's schema name must have 1 to 50 bytes")
     if "\x00" in schema:
         raise StoreError("the store's schema name cannot hold a NUL character")
