@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import lzma
 import os
 import random
 import statistics
@@ -128,6 +129,8 @@ def tau_path() -> Path | None:
         os.environ.get("STALWART_TAU_BENCH", ""),
         root / "benchmarks" / "data" / "tau-bench" / "gpt-4o-airline.json",
         root.parent / "shared" / "data" / "tau-bench" / "gpt-4o-airline.json",
+        # the copy the tests read (MIT, compressed; tests/data/tau-bench/README.md)
+        root / "tests" / "data" / "tau-bench" / "gpt-4o-airline.json.xz",
     ]
     for candidate in candidates:
         if candidate and Path(candidate).is_file():
@@ -139,7 +142,8 @@ def tau_session(
     path: Path, facts: int = 20, seed: int = 6
 ) -> tuple[list[ContextMessage], dict[str, str]]:
     """One long session from the trajectories, with ``facts`` planted in user messages."""
-    runs = json.loads(path.read_text())
+    raw = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
+    runs = json.loads(raw)
     runs.sort(key=lambda run: (run.get("task_id", 0), run.get("trial", 0)))
     items: list[dict[str, Any]] = []
     for number, run in enumerate(runs):
