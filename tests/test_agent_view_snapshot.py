@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from stalwart import store as store_module
 from stalwart.actors import AGENT_VIEW, AgentView, AgentViewFolder
+from stalwart.actors._agent_fold import message_of
 from stalwart.clock import FakeClock
 from stalwart.context import messages_from_records
 from stalwart.events import (
@@ -167,7 +168,14 @@ def test_a_snapshot_then_the_rest_folds_to_what_the_whole_stream_does(
     resumed = folded(recs[cut:], through_a_snapshot(folded(recs[:cut]).state()))
     assert resumed.state() == whole.state()
     # what the Agent reads in place: the request's messages and the engine's messages
-    assert resumed.messages == whole.messages
+    appended = [r.event for r in recs if isinstance(r.event, MessageAppended)]
+    assert resumed.messages == whole.messages == tuple(map(message_of, appended))
+    peeked = folded(recs[:cut])
+    early = peeked.messages  # asked before the rest: kept up to date from then on
+    assert early == whole.messages[: len(early)]
+    for record in recs[cut:]:
+        peeked.add(record)
+    assert peeked.messages == whole.messages
     assert resumed.context.messages == messages_from_records(recs)
     assert resumed.context.turn == whole.context.turn
     # the ledger's own answers

@@ -89,7 +89,9 @@ class AgentViewFolder:
     def __init__(self, view: AgentView) -> None:
         self._session = SessionFolder(view.session)
         self.context = SessionMessages(view.messages)
-        self._messages = [message_of(stored) for stored in view.messages]
+        #: the chat messages a request sends, made when first asked (an Agent behind the
+        #: context engine sends what it assembles, and never asks)
+        self._messages: list[Message] | None = None
         self._tools = view.tools
         self._started_at = view.turn_started_at
         self.ledger = WakeLedger(view.session.stream, view.ledger)
@@ -101,8 +103,9 @@ class AgentViewFolder:
         self.version = record.version
         event = record.event
         if isinstance(event, MessageAppended):
-            self._messages.append(message_of(event))
             self.context.add(record)
+            if self._messages is not None:
+                self._messages.append(message_of(event))
         elif isinstance(event, TurnStarted):
             self._started_at = record.ts
         elif isinstance(event, ExecutionAborted):
@@ -113,6 +116,8 @@ class AgentViewFolder:
 
     @property
     def messages(self) -> tuple[Message, ...]:
+        if self._messages is None:
+            self._messages = [message_of(stored) for stored in self.context.messages]
         return tuple(self._messages)
 
     @property
