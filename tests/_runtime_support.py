@@ -95,12 +95,14 @@ def of(kind: Kind, records: list[RecordedEvent]) -> list[Any]:
     return [r.event for r in records if isinstance(r.event, kind)]
 
 
-def until(check: Callable[[], Any], timeout: float = GUARD) -> Any:
+def until(check: Callable[[], Any], timeout: float = GUARD, *, what: str | None = None) -> Any:
     """Poll ``check()`` until it gives something true, and give it; fail after
-    ``timeout`` real seconds (for state another thread changes with no event to wait on)."""
+    ``timeout`` real seconds (for state another thread changes with no event to wait on),
+    naming ``what`` never happened when given."""
     give_up = time.monotonic() + timeout
+    failure = "the awaited outcome never came" if what is None else f"never happened: {what}"
     while not (found := check()):
-        assert time.monotonic() < give_up, "the awaited outcome never came"
+        assert time.monotonic() < give_up, failure
         time.sleep(0.01)  # real-time: the outcome is handled on other threads
     return found
 

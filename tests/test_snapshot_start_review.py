@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -59,7 +58,15 @@ from stalwart.events import (
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore, NewEvent, Snapshot, load_state, snapshot_name
 from stalwart.testing import Answer, FakeProvider, FakeToolCall, Hang
-from tests._runtime_support import delivered, has, in_flight_s, log_until, of, runtime_config
+from tests._runtime_support import (
+    delivered,
+    has,
+    in_flight_s,
+    log_until,
+    of,
+    runtime_config,
+    until,
+)
 
 #: the longest a wait on other threads may take before the test fails (real seconds)
 GUARD = 30.0
@@ -67,11 +74,7 @@ ASK = 10.0
 
 
 def _until(check: Callable[[], Any], what: str, timeout: float = GUARD) -> Any:
-    give_up = time.monotonic() + timeout
-    while not (found := check()):
-        assert time.monotonic() < give_up, f"never happened: {what}"
-        time.sleep(0.01)  # real time: other threads do the work
-    return found
+    return until(check, timeout, what=what)
 
 
 def _sweep_ended() -> bool:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,7 @@ from stalwart.runtime import Runtime
 from stalwart.state import SUBSESSION_CHANNEL_PREFIX
 from stalwart.store import EventStore, NewEvent, load_state
 from stalwart.testing import Answer, FakeProvider
-from tests._runtime_support import agent_settings, delivered
+from tests._runtime_support import agent_settings, delivered, until
 
 #: The longest a wait on other threads may take before the test fails (real seconds).
 GUARD = 30.0
@@ -75,11 +74,7 @@ def log(lmdb_store: EventStore) -> EventStore:
 
 def _until(check: Callable[[], Any], what: str) -> Any:
     """Poll ``check()`` (state other threads change) until it is true; fail after GUARD."""
-    give_up = time.monotonic() + GUARD
-    while not (found := check()):
-        assert time.monotonic() < give_up, f"never happened: {what}"
-        time.sleep(0.01)
-    return found
+    return until(check, GUARD, what=what)
 
 
 def _agent_on(stream: str) -> bool:
