@@ -14,6 +14,7 @@ from stalwart.events import (
     DEFAULT_CODEC,
     EVENT_TYPES,
     Codec,
+    ContextCompacted,
     Event,
     RecordedEvent,
     RuntimeStarted,
@@ -219,6 +220,80 @@ def test_a_newer_schema_that_no_longer_fits_is_unknown_not_corrupt() -> None:
     batch: list[RecordedEvent] = []
     assert older.decode_batch([stored], batch) is None
     assert batch == [record]
+
+
+class _Counting(Codec):
+    """The default vocabulary, counting the batches that went record by record."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.record_by_record = 0
+
+    def decode_many(self, values: Any, out: list[RecordedEvent], limit: int) -> Any:
+        self.record_by_record += 1
+        return super().decode_many(values, out, limit)
+
+
+def _compaction(added: tuple[str, ...]) -> ContextCompacted:
+    return ContextCompacted(
+        summary_id="s",
+        turn=1,
+        added=added,
+        through_seq=1,
+        tokens=1,
+        budget=2,
+        threshold=0.5,
+    )
+
+
+def _stored_compaction_v1(covers: list[str], **extra: Any) -> bytes:
+    """A ``context:compacted`` record as schema 1 wrote it (``covers``, not ``added``)."""
+    payload = {
+        "type": "context:compacted",
+        "summary_id": "s",
+        "turn": 1,
+        "covers": covers,
+        "through_seq": 1,
+        "tokens": 1,
+        "budget": 2,
+        "threshold": 0.5,
+        **extra,
+    }
+    return msgspec.msgpack.encode([3, "context:x", 3, 1.0, "id", None, None, 1, payload])
+
+
+def test_a_batch_at_current_schemas_is_decoded_in_one_pass() -> None:
+    """The regression behind a replay that fell from 0.39 to 0.27 of a bare decode: once
+    one type of the vocabulary moved to schema 2, every batch went record by record."""
+    codec = _Counting()
+    records = [_record(SessionClosed(reason="r"), position=1), _record(_compaction(("m",)), 2)]
+    stored = [codec.encode(r) for r in records]
+    out: list[RecordedEvent] = []
+    assert codec.decode_batch(stored, out) is None
+    assert out == records
+    assert codec.record_by_record == 0
+
+
+def test_a_batch_reads_every_record_as_decode_does() -> None:
+    """Old schemas are upcast inside a batch, even a schema 1 payload the current class
+    would also take (it carries a field named like the new one: the upcaster decides)."""
+    stored = [
+        DEFAULT_CODEC.encode(_record(SessionClosed(reason="r"))),
+        _stored_compaction_v1(["m1", "m2"]),
+        _stored_compaction_v1(["m3"], added=["decoy"]),
+        DEFAULT_CODEC.encode(_record(_compaction(("m4",)))),
+        msgspec.msgpack.encode([5, "s", 5, 1.0, "id", None, None, 1, {"type": "x:new", "a": 1}]),
+    ]
+    one_by_one = [DEFAULT_CODEC.decode(value) for value in stored]
+    for start in range(len(stored)):  # every run of them as one batch
+        for end in range(start + 1, len(stored) + 1):
+            batch: list[RecordedEvent] = []
+            assert DEFAULT_CODEC.decode_batch(stored[start:end], batch) is None
+            many: list[RecordedEvent] = []
+            assert DEFAULT_CODEC.decode_many(stored[start:end], many, end - start) is None
+            assert batch == many == one_by_one[start:end]
+    assert [r.event.added for r in one_by_one[1:4]] == [("m1", "m2"), ("m3",), ("m4",)]  # type: ignore[attr-defined]
+    assert isinstance(one_by_one[4].event, UnknownEvent)
 
 
 def test_a_newer_schema_that_still_fits_decodes() -> None:

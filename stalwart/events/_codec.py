@@ -110,6 +110,7 @@ class _RawRecord(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 
 _SCHEMA = attrgetter("schema")
+_EVENT = attrgetter("event")
 _V1 = frozenset({1})
 
 
@@ -151,7 +152,9 @@ class Codec:
         self._versions = {tag: cls.schema_version for tag, cls in types.items()}
         self._versions.update(versions or {})
         self._by_class = {types[tag]: v for tag, v in self._versions.items() if tag in types}
-        self._all_v1 = all(v == 1 for v in self._versions.values())
+        #: the classes whose current schema is not 1: a record of one written with schema
+        #: 1 needs its upcaster, though the fast decoder may take it
+        self._not_v1 = frozenset(cls for cls, v in self._by_class.items() if v != 1)
         self._upcasters = {**UPCASTERS, **(upcasters or {})}
         self._encoder = msgspec.msgpack.Encoder()
         self._checkers: dict[type[Event], msgspec.msgpack.Decoder[Any]] = {}
@@ -223,8 +226,7 @@ class Codec:
                 record = fast.decode(data)
             except msgspec.DecodeError:
                 return self._decode_slow(data, position)
-            schema = record.schema
-            if (schema == 1 and self._all_v1) or schema == self._by_class.get(type(record.event)):
+            if record.schema == self._by_class.get(type(record.event)):
                 return record
         return self._decode_slow(data, position)
 
@@ -233,26 +235,28 @@ class Codec:
     ) -> CorruptRecordError | None:
         """Decode up to ``limit`` values into ``out``; stop at the first corrupt one.
 
-        The hot loop of every read: one msgspec call per record in the common case. A
-        corrupt record ends the loop and is returned (not raised) so the caller can hand
-        over every good record before it first; its position is unknown here (-1).
+        One msgspec call per record in the common case (a record written with its type's
+        current schema). A corrupt record ends the loop and is returned (not raised) so the
+        caller can hand over every good record before it first; its position is unknown
+        here (-1).
         """
-        fast = self._fast.decode if self._fast is not None and self._all_v1 else None
+        fast = self._fast.decode if self._fast is not None else None
+        current = self._by_class.get
         append = out.append
         for count, value in enumerate(values, 1):
-            record: RecordedEvent | None = None
-            if fast is not None:
-                try:
-                    record = fast(value)
-                except msgspec.DecodeError:
-                    record = None
-                if record is not None and record.schema != 1:
-                    record = None
-            if record is None:
-                try:
-                    record = self.decode(value)
-                except CorruptRecordError as exc:
-                    return exc
+            try:
+                if fast is None:
+                    record = self._decode_slow(value, -1)
+                else:
+                    try:
+                        record = fast(value)
+                    except msgspec.DecodeError:
+                        record = self._decode_slow(value, -1)
+                    else:
+                        if record.schema != current(type(record.event)):
+                            record = self._decode_slow(value, -1)
+            except CorruptRecordError as exc:
+                return exc
             append(record)
             if count >= limit:
                 break
@@ -264,21 +268,31 @@ class Codec:
         """Decode every value into ``out``; stop at the first corrupt one.
 
         Like :meth:`decode_many`, but on a sequence already read, so the common case is
-        one C-level pass (``map`` over the decoder). Any record the fast decoder cannot
-        take (an unknown tag, an older schema, a corrupt one) sends the batch through
-        :meth:`decode_many`; the index of a corrupt record is ``len(out)`` on return.
+        one C-level pass (``map`` over the decoder) and a C-level check that every record
+        has its type's current schema. A batch the fast decoder cannot take whole (an
+        unknown tag, an older schema, a corrupt record) goes through :meth:`decode_many`;
+        the index of a corrupt record is ``len(out)`` on return.
         """
         fast = self._fast
-        if fast is not None and self._all_v1:
+        if fast is not None:
             try:
                 records = list(map(fast.decode, values))
             except msgspec.DecodeError:
                 pass
             else:
-                if set(map(_SCHEMA, records)) <= _V1:
+                if self._all_current(records):
                     out.extend(records)
                     return None
         return self.decode_many(values, out, len(values))
+
+    def _all_current(self, records: list[RecordedEvent]) -> bool:
+        """Whether every record was written with its type's current schema (so the fast
+        decoder's reading is the right one)."""
+        if set(map(_SCHEMA, records)) <= _V1:
+            not_v1 = self._not_v1
+            return not not_v1 or not_v1.isdisjoint(map(type, map(_EVENT, records)))
+        current = self._by_class.get
+        return all(record.schema == current(type(record.event)) for record in records)
 
     def _decode_slow(self, data: bytes | memoryview, position: int) -> RecordedEvent:
         try:
