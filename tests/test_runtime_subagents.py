@@ -21,8 +21,10 @@ from stalwart.clock import FakeClock
 from stalwart.config import Config, parse_config
 from stalwart.errors import SpawnRefusedError
 from stalwart.events import (
+    AnnouncementDeadLettered,
     AnnouncementDelivered,
     AnnouncementQueued,
+    AnnouncementSendFailed,
     SubagentCompleted,
     SubagentProgress,
     SubagentSpawned,
@@ -214,6 +216,31 @@ def test_a_model_driven_sub_agent_answers_the_parents_model_through_the_tool(
     assert of(SubagentProgress, records)[-1].tokens > 0  # the sub-session's prompt activity
     [completed] = of(SubagentCompleted, records)
     assert (completed.outcome, completed.result) == ("succeeded", "The report says 42.")
+
+
+class _FailingSink(MemoryChannel):
+    """A run's private channel whose one send fails (a MemoryChannel never does alone)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.fail_next(kind="server_error")
+
+
+def test_a_runs_private_answer_that_fails_to_send_is_not_dead_lettered(
+    rt: Runtime, store: EventStore, fake: FakeProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run's answer reaches its parent as the run's result, not through the private
+    channel: a failed private send is recorded, but gives the dead-letter queue no entry
+    for a channel no operator configured (and no retry could reach)."""
+    monkeypatch.setattr("stalwart.runtime._runs.MemoryChannel", _FailingSink)
+    fake.add(Answer(text="found it"))
+    handle = rt.spawn("p1", "look it up", task_class="research", announce=False)
+    result = handle.result(GUARD)
+    assert (result.outcome, result.result) == ("succeeded", "found it")
+    records = list(store.read_stream(f"session:{handle.run_id}"))
+    [failed] = of(AnnouncementSendFailed, records)
+    assert failed.error_class == "server_error"
+    assert of(AnnouncementDeadLettered, list(store.read_all())) == []
 
 
 def test_a_refused_tool_spawn_is_a_clear_tool_error_for_the_model(

@@ -258,7 +258,7 @@ class SessionLayer:
         target: Channel | None = None,
     ) -> SessionHandle:
         """The session's Agent; an unsupervised one (a run's) has no durable worker, no
-        context engine, no own tools and no restarts."""
+        context engine, no own tools, no restarts and no dead-letter queue."""
         settings = self._w.config.agent(agent)
         target = target or self._target(channel)
         durable = self._durable if supervised else None
@@ -284,7 +284,9 @@ class SessionLayer:
             thread=thread,
             settings=self._loop_settings(settings),
             is_degraded=self._health_view.is_degraded,
-            dead_letters=self._dead_letters,
+            # a run's answer reaches its parent as the run's result: a failed private send
+            # has nothing for the queue to retry, on a channel no operator configured
+            dead_letters=self._dead_letters if supervised else None,
             agent_name=agent,
             on_crash=partial(self.agent_crashed, session_id) if supervised else None,
             policy=durable.policy if durable is not None else None,
