@@ -1,4 +1,4 @@
-"""What the benchmarks ran on, and where they keep their scratch files.
+"""What the benchmarks ran on, where they keep their scratch files, and their logs.
 
 Scratch stores go on a real disk: fsync on tmpfs costs nothing and would flatter every
 durable figure. The directory is ``$STALWART_BENCH_DIR`` when set, else the system temp
@@ -7,14 +7,19 @@ directory unless that is a RAM filesystem, else the current directory.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import platform
 import sqlite3
+import sys
 import tempfile
+from collections.abc import Iterator
 from importlib import metadata
 from typing import Any
 
 import lmdb
+import structlog
 
 _RAM_FILESYSTEMS = {"tmpfs", "ramfs"}
 
@@ -86,3 +91,29 @@ def machine(*, quick: bool) -> dict[str, Any]:
         "scratch_fs": f"{fstype} on {device} (mounted at {point or '?'})",
         "quick": quick,
     }
+
+
+def quiet_structlog(level: int = logging.ERROR) -> None:
+    """structlog set to print only ``level`` and above, on stderr (a line per event would
+    cost CPU in the measurement, and stdout carries ``--json``'s lines)."""
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+
+
+@contextlib.contextmanager
+def quiet_logs(level: int = logging.ERROR) -> Iterator[None]:
+    """:func:`quiet_structlog` for a block, then structlog as it was: unconfigured again if
+    it was, so that stalwart's lines go back to ``logging`` (restoring the default
+    configuration would mark structlog configured, and every later benchmark's INFO
+    lines would land on stdout)."""
+    configured, saved = structlog.is_configured(), structlog.get_config()
+    quiet_structlog(level)
+    try:
+        yield
+    finally:
+        if configured:
+            structlog.configure(**saved)
+        else:
+            structlog.reset_defaults()

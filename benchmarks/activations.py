@@ -13,15 +13,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
-
-import structlog
 
 from stalwart import store as store_module
 from stalwart.actors import ActivationWorker, Scheduler, Wake, WakeEnded
@@ -34,17 +30,8 @@ from stalwart.state import ACTIVATIONS, fold
 from stalwart.store import EventStore, Fence, NewEvent
 from stalwart.testing import Answer, FakeProvider
 
-from ._machine import scratch
+from ._machine import quiet_logs, scratch
 from ._registry import Result, benchmark
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    try:
-        yield
-    finally:
-        structlog.reset_defaults()
 
 
 def _ready(store: EventStore, sessions: int, per_session: int) -> None:
@@ -146,7 +133,7 @@ def _end_to_end(sessions: int, messages: int) -> float:
 def run(quick: bool) -> Result:
     result = Result("activations")
     sessions, per_session = (16, 4) if quick else (200, 10)
-    with _quiet(), scratch() as directory:
+    with quiet_logs(logging.WARNING), scratch() as directory:
         store = store_module.open(os.path.join(directory, "store"))
         try:
             ours = _trivial_wakes(store, sessions, per_session)
@@ -160,7 +147,7 @@ def run(quick: bool) -> Result:
     result.figures["append_limit_wakes_per_s"] = wakes / limit
     result.ratios["vs_append_limit"] = limit / ours
     e2e_sessions, e2e_messages = (4, 3) if quick else (32, 10)
-    with _quiet():
+    with quiet_logs(logging.WARNING):
         seconds = _end_to_end(e2e_sessions, e2e_messages)
     result.figures["end_to_end_messages_per_s"] = e2e_sessions * e2e_messages / seconds
     result.figures["end_to_end_sessions"] = e2e_sessions

@@ -22,21 +22,18 @@ tenth (a full re-read per call would grow with the session; incremental stays ~1
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import lzma
 import os
 import random
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import structlog
-
+from benchmarks._machine import quiet_logs
 from benchmarks._registry import Result, benchmark
 from stalwart.clock import FakeClock
 from stalwart.context import (
@@ -125,7 +122,7 @@ def _fields(message: ContextMessage) -> dict[str, Any]:
 def tau_path() -> Path | None:
     """Where the tau-bench trajectories are, if anywhere."""
     root = Path(__file__).resolve().parent.parent
-    candidates = [
+    candidates: list[str | Path] = [
         os.environ.get("STALWART_TAU_BENCH", ""),
         root / "benchmarks" / "data" / "tau-bench" / "gpt-4o-airline.json",
         root.parent / "shared" / "data" / "tau-bench" / "gpt-4o-airline.json",
@@ -257,24 +254,9 @@ def measure(
         result.goal(f"{name}_growth_vs_linear", "<=", 1.0)
 
 
-@contextlib.contextmanager
-def _quiet_logs() -> Iterator[None]:
-    """Only errors, on stderr: the engine's WARN lines (a tail over 8k, a spend cap) are
-    the behaviour measured, and on stdout they would break ``--json``."""
-    saved = structlog.get_config()
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
-    try:
-        yield
-    finally:
-        structlog.configure(**saved)
-
-
 @benchmark("context")
 def run(quick: bool) -> Result:
-    with _quiet_logs():
+    with quiet_logs():
         return _run(quick)
 
 

@@ -38,8 +38,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from benchmarks._machine import quiet_logs
 from benchmarks._registry import Result, benchmark
-from benchmarks.context import _quiet_logs, synthetic, tau_path, tau_session
+from benchmarks.context import synthetic, tau_path, tau_session
 from stalwart.clock import FakeClock
 from stalwart.context import ContextMessage, ExtractiveSummarizer, ModelProfile, TokenEstimator
 from stalwart.context._simulate import simulate
@@ -148,7 +149,7 @@ def measure(result: Result, label: str, messages: list[ContextMessage]) -> None:
 
 @benchmark("context_pipeline")
 def run(quick: bool) -> Result:
-    with _quiet_logs():
+    with quiet_logs():
         result = Result("context_pipeline")
         messages, _ = synthetic(600 if quick else 10_000)
         result.figures["synthetic_messages"] = len(messages)

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import msgspec
 
-from benchmarks._machine import scratch
+from benchmarks._machine import quiet_logs, scratch
 from benchmarks._registry import Result, benchmark
-from benchmarks.context import _quiet_logs, synthetic, tau_path, tau_session
+from benchmarks.context import synthetic, tau_path, tau_session
 from stalwart import store as stores
 from stalwart.actors import (
     AGENT_VIEW,
@@ -149,7 +149,7 @@ def _context_rebuild(
 
 @benchmark("long_session")
 def run(quick: bool) -> Result:
-    with _quiet_logs():
+    with quiet_logs():
         return _run(quick)
 
 

@@ -15,6 +15,7 @@ import itertools
 import multiprocessing
 import os
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -211,7 +212,7 @@ def run(quick: bool) -> Result:
         theirs_db = "bench_eventsourcing"
         server.create_database(theirs_db)
         raw_url = server.create_database("bench_raw")
-        cases = {
+        cases: dict[str, Callable[[str], float]] = {
             "pg_n1": lambda url: _ours_threads(url, 1, seconds),
             "pg_n8": lambda url: _ours_threads(url, APPENDERS, seconds),
             "es_n8": lambda url: _eventsourcing_rate(server, theirs_db, APPENDERS, seconds),

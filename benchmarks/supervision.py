@@ -23,10 +23,8 @@ timeouts put the deadlines a few seconds after the last spawn, spread over a few
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import resource
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -35,7 +33,6 @@ from typing import Any
 
 import anyio
 import pykka
-import structlog
 
 from stalwart import store as store_module
 from stalwart.actors import (
@@ -61,7 +58,7 @@ from stalwart.events import (
 )
 from stalwart.store import EventStore
 
-from ._machine import scratch
+from ._machine import quiet_logs, scratch
 from ._registry import Result, benchmark
 from ._workload import message, percentile
 
@@ -188,21 +185,6 @@ class _Rig:
             batch = refs[start : start + BARRIER_BATCH]
             for future in [ref.ask(GetRun(), block=False) for ref in batch]:
                 future.get(timeout=WAIT)
-
-
-@contextlib.contextmanager
-def _quiet_logs() -> Iterator[None]:
-    """Only errors, on stderr: a log line per run would cost CPU in the measurement and,
-    on stdout, would break ``--json``. The previous configuration is restored."""
-    saved = structlog.get_config()
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
-    try:
-        yield
-    finally:
-        structlog.configure(**saved)
 
 
 @contextlib.contextmanager
@@ -396,7 +378,7 @@ def run(quick: bool) -> Result:
     rounds = (
         [(QUICK, ""), (QUICK_BURST, "burst_")] if quick else [(FULL, ""), (FULL_BURST, "burst_")]
     )
-    with _quiet_logs():
+    with quiet_logs():
         for plan, prefix in rounds:
             with scratch() as directory:
                 _round(result.figures, directory, plan, prefix)

@@ -25,15 +25,12 @@ figures.
 from __future__ import annotations
 
 import contextlib
-import logging
 import multiprocessing
 import os
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-
-import structlog
 
 from stalwart import store as store_module
 from stalwart.actors import ActivationWorker, Scheduler, Wake, WakeEnded
@@ -44,17 +41,13 @@ from stalwart.runtime import policy_of
 from stalwart.store import EventStore, Fence, NewEvent
 from stalwart.testing import PlainStore, PostgresServer, postgres_bindir
 
-from ._machine import scratch, scratch_root
+from ._machine import quiet_logs, quiet_structlog, scratch, scratch_root
 from ._registry import Result, benchmark, ratio
 
 WORKERS = (1, 2, 4)
 #: The CPU a wake holds in the ``cpu`` cases.
 CPU_MS = 4.0
 _CONTEXT = multiprocessing.get_context("spawn")
-
-
-def _quiet() -> None:
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
 
 
 def _burn(ms: float) -> None:
@@ -68,7 +61,7 @@ def _child(
     location: str, owner: str, fold_all: bool, cpu_ms: float, ready: Any, go: Any, stop: Any
 ) -> None:
     """One worker process: lease and ack until told to stop."""
-    _quiet()
+    quiet_structlog()
     opened = store_module.open(location)
     store: EventStore = PlainStore(opened) if fold_all else opened
     clock = SystemClock()
@@ -202,27 +195,23 @@ def run(quick: bool) -> Result:
     figures, ratios = result.figures, result.ratios
     figures["sessions"] = sessions
     figures["wakes"] = sessions * per_session
-    _quiet()
-    try:
-        with PostgresServer(directory=scratch_root()) as server, scratch() as directory:
-            url = server.create_database("bench_workers")
-            for attempt in range(rounds):  # interleaved: a noisy moment hits every case
-                for n in WORKERS:
-                    for name in ("pg", "lmdb"):
-                        where = f"{attempt}_{n}"
-                        location = f"{url}?schema=w{where}"
-                        if name == "lmdb":
-                            location = os.path.join(directory, f"l{where}")
-                        rate, leasing = _run(location, n, sessions, per_session)
-                        _best(figures, f"{name}_{n}_workers_wakes_per_s", rate)
-                        _best(figures, f"{name}_{n}_workers_that_leased", leasing)
-                        rate, _ = _run(location + "c", n, sessions, per_session, cpu_ms=CPU_MS)
-                        _best(figures, f"{name}_{n}_workers_cpu_wakes_per_s", rate)
-                        if attempt == 0:
-                            rate, _ = _run(location + "x", n, sessions, per_session, fold_all=True)
-                            figures[f"{name}_{n}_workers_fold_all_wakes_per_s"] = rate
-    finally:
-        structlog.reset_defaults()
+    with quiet_logs(), PostgresServer(directory=scratch_root()) as server, scratch() as directory:
+        url = server.create_database("bench_workers")
+        for attempt in range(rounds):  # interleaved: a noisy moment hits every case
+            for n in WORKERS:
+                for name in ("pg", "lmdb"):
+                    where = f"{attempt}_{n}"
+                    location = f"{url}?schema=w{where}"
+                    if name == "lmdb":
+                        location = os.path.join(directory, f"l{where}")
+                    rate, leasing = _run(location, n, sessions, per_session)
+                    _best(figures, f"{name}_{n}_workers_wakes_per_s", rate)
+                    _best(figures, f"{name}_{n}_workers_that_leased", leasing)
+                    rate, _ = _run(location + "c", n, sessions, per_session, cpu_ms=CPU_MS)
+                    _best(figures, f"{name}_{n}_workers_cpu_wakes_per_s", rate)
+                    if attempt == 0:
+                        rate, _ = _run(location + "x", n, sessions, per_session, fold_all=True)
+                        figures[f"{name}_{n}_workers_fold_all_wakes_per_s"] = rate
     for store in ("pg", "lmdb"):
         one = figures[f"{store}_1_workers_wakes_per_s"]
         cpu_one = figures[f"{store}_1_workers_cpu_wakes_per_s"]

@@ -9,14 +9,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import structlog
+
+from benchmarks._machine import quiet_logs
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def quick(name: str, scratch: Path, *, timeout: float) -> subprocess.CompletedProcess[str]:
-    """``python -m benchmarks NAME --quick --json`` with its scratch stores in ``scratch``."""
+def quick(*names: str, scratch: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks NAME... --quick --json`` with scratch stores in ``scratch``."""
     return subprocess.run(
-        [sys.executable, "-m", "benchmarks", name, "--quick", "--json"],
+        [sys.executable, "-m", "benchmarks", *names, "--quick", "--json"],
         cwd=ROOT,
         env={**os.environ, "STALWART_BENCH_DIR": str(scratch)},
         capture_output=True,
@@ -29,7 +32,7 @@ def quick(name: str, scratch: Path, *, timeout: float) -> subprocess.CompletedPr
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_quick_append_benchmark_prints_one_json_result_per_line(tmp_path: Path) -> None:
-    done = quick("append", tmp_path, timeout=50)
+    done = quick("append", scratch=tmp_path, timeout=50)
     assert done.returncode == 0, done.stderr
     results = [json.loads(line) for line in done.stdout.splitlines()]
     assert [r["name"] for r in results] == ["append"]
@@ -68,7 +71,7 @@ def test_unknown_benchmark_names_the_known_ones() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_quick_context_store_benchmark_runs_sessions_side_by_side(tmp_path: Path) -> None:
-    done = quick("context_store_sessions", tmp_path, timeout=100)
+    done = quick("context_store_sessions", scratch=tmp_path, timeout=100)
     assert done.returncode == 0, done.stderr
     [result] = [json.loads(line) for line in done.stdout.splitlines()]
     figures = result["figures"]
@@ -83,7 +86,7 @@ def test_quick_context_store_benchmark_runs_sessions_side_by_side(tmp_path: Path
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_quick_pipeline_benchmark_shows_what_the_cache_fence_saves(tmp_path: Path) -> None:
-    done = quick("context_pipeline", tmp_path, timeout=100)
+    done = quick("context_pipeline", scratch=tmp_path, timeout=100)
     assert done.returncode == 0, done.stderr
     [result] = [json.loads(line) for line in done.stdout.splitlines()]
     ratios = result["ratios"]
@@ -100,7 +103,7 @@ def test_quick_pipeline_benchmark_shows_what_the_cache_fence_saves(tmp_path: Pat
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_quick_long_session_benchmark_starts_from_the_snapshot(tmp_path: Path) -> None:
-    done = quick("long_session", tmp_path, timeout=100)
+    done = quick("long_session", scratch=tmp_path, timeout=100)
     assert done.returncode == 0, done.stderr
     [result] = [json.loads(line) for line in done.stdout.splitlines()]
     figures, ratios = result["figures"], result["ratios"]
@@ -113,3 +116,29 @@ def test_quick_long_session_benchmark_starts_from_the_snapshot(tmp_path: Path) -
     assert ratios["n8_agent_start_vs_full_fold"] > 1.5
     assert ratios["n8_context_rebuild_vs_indexed_rebuild"] > 1.5
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_json_output_stays_one_result_per_line_after_a_benchmark_quiets_the_logs(
+    tmp_path: Path,
+) -> None:
+    """A benchmark that quieted the logs for its run once restored structlog's defaults,
+    which marks it configured: every later benchmark's INFO lines (the ContextStore's
+    start) went to stdout, between the JSON lines."""
+    done = quick("long_session", "context_store_sessions", scratch=tmp_path, timeout=100)
+    assert done.returncode == 0, done.stderr
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r["name"] for r in results] == ["long_session", "context_store_sessions"]
+
+
+def test_quiet_logs_leaves_structlog_unconfigured_when_it_was() -> None:
+    configured, saved = structlog.is_configured(), structlog.get_config()
+    structlog.reset_defaults()
+    try:
+        with quiet_logs():
+            assert structlog.is_configured()
+        assert not structlog.is_configured()
+    finally:
+        if configured:
+            structlog.configure(**saved)
