@@ -42,6 +42,7 @@ MODULES: tuple[str, ...] = (
     "benchmarks.context_pipeline",
     "benchmarks.context_store",
     "benchmarks.long_session",
+    "benchmarks.ledger",
     "benchmarks.verify",
 )
 

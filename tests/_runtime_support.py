@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -180,3 +182,35 @@ def reap(proc: subprocess.Popen[str], wait: float = GUARD) -> None:
     for pipe in (proc.stdout, proc.stderr):
         if pipe is not None:
             pipe.close()
+
+
+class CountingStore:
+    """Passes every call to the store it wraps; counts the records each ``read_stream``
+    (per stream) and ``read_all`` (as ``"*"``) yields. A test double of what the store's
+    callers read, not of stalwart."""
+
+    def __init__(self, inner: EventStore) -> None:
+        self._inner = inner
+        self._lock = threading.Lock()
+        self.records: Counter[str] = Counter()
+
+    def read_stream(self, stream: str, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        for record in self._inner.read_stream(stream, *args, **kwargs):
+            with self._lock:
+                self.records[stream] += 1
+            yield record
+
+    def read_all(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        for record in self._inner.read_all(*args, **kwargs):
+            with self._lock:
+                self.records["*"] += 1
+            yield record
+
+    def taken(self) -> Counter[str]:
+        """The counts since the last call, and start again."""
+        with self._lock:
+            taken, self.records = self.records, Counter()
+        return taken
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)

@@ -142,3 +142,21 @@ def test_quiet_logs_leaves_structlog_unconfigured_when_it_was() -> None:
     finally:
         if configured:
             structlog.configure(**saved)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_quick_ledger_benchmark_folds_at_a_cost_per_event_that_does_not_grow(
+    tmp_path: Path,
+) -> None:
+    done = quick("ledger", scratch=tmp_path, timeout=100)
+    assert done.returncode == 0, done.stderr
+    [result] = [json.loads(line) for line in done.stdout.splitlines()]
+    figures, ratios = result["figures"], result["ratios"]
+    assert figures["store_ledger_events"] == 16_001
+    assert figures["first_worker_ms"] > 0
+    assert figures["next_worker_ms"] > 0
+    # wide margins: 14x and 0.95 here (the pure fold's cost grows with the day's calls)
+    assert ratios["folder_vs_pure_2000"] > 2.0
+    assert ratios["folder_growth_8000_vs_500"] < 4.0
+    assert list(tmp_path.iterdir()) == []

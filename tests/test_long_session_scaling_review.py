@@ -23,10 +23,7 @@ import itertools
 import json
 import lzma
 import statistics
-import threading
 import time
-from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +48,7 @@ from stalwart.events import (
 from stalwart.runtime import Runtime, interrupt, policy_of, schedule_wake, send_message
 from stalwart.store import EventStore, NewEvent
 from stalwart.testing import Answer, FakeProvider
-from tests._runtime_support import GUARD, delivered, runtime_config
+from tests._runtime_support import GUARD, CountingStore, delivered, runtime_config
 
 #: the trajectories, compressed, in the repository (tests/data/tau-bench/README.md)
 TAU = Path(__file__).resolve().parent / "data" / "tau-bench" / "gpt-4o-airline.json.xz"
@@ -155,38 +152,6 @@ def tau_context_messages(count: int) -> list[ContextMessage]:
 
 
 # -- the storage boundary, counted ---------------------------------------------------------
-
-
-class CountingStore:
-    """Passes every call to the store it wraps; counts the records each ``read_stream``
-    (per stream) and ``read_all`` (as ``"*"``) yields. A test double of what the store's
-    callers read, not of stalwart."""
-
-    def __init__(self, inner: EventStore) -> None:
-        self._inner = inner
-        self._lock = threading.Lock()
-        self.records: Counter[str] = Counter()
-
-    def read_stream(self, stream: str, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        for record in self._inner.read_stream(stream, *args, **kwargs):
-            with self._lock:
-                self.records[stream] += 1
-            yield record
-
-    def read_all(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        for record in self._inner.read_all(*args, **kwargs):
-            with self._lock:
-                self.records["*"] += 1
-            yield record
-
-    def taken(self) -> Counter[str]:
-        """The counts since the last call, and start again."""
-        with self._lock:
-            taken, self.records = self.records, Counter()
-        return taken
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 def acked_after(store: EventStore, version: int) -> int:

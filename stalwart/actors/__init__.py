@@ -82,7 +82,7 @@ from ._health import (
     PollHealth,
     ProviderHealthActor,
 )
-from ._ledger import LEDGER_STREAM, StoreLedger, ledger_stream
+from ._ledger import LEDGER_STREAM, TENANT_LEDGER, StoreLedger, TenantLedger, ledger_stream
 from ._loop_watch import LoopWatch
 from ._portal import IoPortal
 from ._restarts import (
@@ -157,6 +157,7 @@ __all__ = [
     "RUN_WATCH",
     "SWEPT_SENTENCE",
     "TASK_EXCERPT_CHARS",
+    "TENANT_LEDGER",
     "TIMED_OUT_SENTENCE",
     "TIMEOUT_TEXT",
     "UNANSWERED_TOOL_TEXT",
@@ -227,6 +228,7 @@ __all__ = [
     "SupervisorActor",
     "Sweep",
     "SweepReport",
+    "TenantLedger",
     "TimerHandle",
     "TimerState",
     "ToolsDone",

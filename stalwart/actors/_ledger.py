@@ -48,10 +48,25 @@ from stalwart.events import (
     RecordedEvent,
 )
 from stalwart.ids import new_id
-from stalwart.state import DAY_S, GovernorState, SummarizerVerdict, apply_governor_event, refusal
-from stalwart.store import EventStore, NewEvent, check_stream
+from stalwart.state import (
+    DAY_S,
+    SUMMARIZER_LEDGER,
+    GovernorFolder,
+    GovernorState,
+    SummarizerVerdict,
+    apply_governor_event,
+    refusal,
+)
+from stalwart.store import EventStore, NewEvent, check_stream, load_state
 
-__all__ = ["LEDGER_STREAM", "StoreLedger", "governor_records", "ledger_stream"]
+__all__ = [
+    "LEDGER_STREAM",
+    "TENANT_LEDGER",
+    "StoreLedger",
+    "TenantLedger",
+    "governor_records",
+    "ledger_stream",
+]
 
 log = get_logger(__name__)
 
@@ -76,6 +91,54 @@ def ledger_stream(tenant: str | None) -> str:
     return stream
 
 
+class TenantLedger(msgspec.Struct, frozen=True, kw_only=True):
+    """A ledger stream's governor and the version it was folded to (what an admission
+    expects: the version must be the fold's own, never read beside it)."""
+
+    governor: GovernorState
+    version: int = 0
+
+
+class _TenantLedgerFolder:
+    __slots__ = ("governor", "version")
+
+    def __init__(self, state: TenantLedger) -> None:
+        self.governor = SUMMARIZER_LEDGER.folder(state.governor)
+        self.version = state.version
+
+    def add(self, record: RecordedEvent) -> None:
+        self.governor.add(record)
+        self.version = record.version
+
+    def state(self) -> TenantLedger:
+        return TenantLedger(governor=self.governor.state(), version=self.version)
+
+
+class TenantLedgerAggregate:
+    """:data:`~stalwart.state.SUMMARIZER_LEDGER` with its version, for ``load_state``: a
+    worker's first admission for a tenant starts from the ledger's snapshot (saved every
+    ``snapshot_every`` events folded past the last one), not from its first event."""
+
+    name = "tenant_ledger"
+    #: follows the governor's fold (a change of it changes this snapshot's content)
+    version = SUMMARIZER_LEDGER.version
+    state_type = TenantLedger
+
+    def initial(self, stream: str) -> TenantLedger:
+        return TenantLedger(governor=SUMMARIZER_LEDGER.initial(stream))
+
+    def apply(self, state: TenantLedger, record: RecordedEvent) -> TenantLedger:
+        folder = self.folder(state)
+        folder.add(record)
+        return folder.state()
+
+    def folder(self, state: TenantLedger) -> _TenantLedgerFolder:
+        return _TenantLedgerFolder(state)
+
+
+TENANT_LEDGER = TenantLedgerAggregate()
+
+
 class StoreLedger:
     """A :class:`~stalwart.context.SummarizerLedger` over an event store (see the module).
     Lanes admit side by side: the store's expected version orders their admissions as it
@@ -93,8 +156,10 @@ class StoreLedger:
         self._clock = clock
         self._lease_ms = lease_ms
         self._make_id = make_id
-        #: per tenant: its governor as folded, and the ledger's version it folded
-        self._folded: dict[str | None, tuple[GovernorState, int]] = {}
+        #: per tenant: its governor's fold, and the ledger's version it folded
+        self._folded: dict[str | None, tuple[GovernorFolder, int]] = {}
+        #: per tenant: held while its ledger is folded (lanes admit side by side)
+        self._folding: dict[str | None, threading.Lock] = {}
         #: releases not appended yet (the store refused them), oldest first
         self._unreleased: list[tuple[str, NewEvent]] = []
         #: per tenant: the ledger's version after this worker's last refusal, and its rule
@@ -171,25 +236,35 @@ class StoreLedger:
                 self._unreleased.pop(0)
 
     def _fold(self, tenant: str | None) -> tuple[GovernorState, int]:
-        """The tenant's governor with what its ledger gained since the last fold."""
-        state, version = self._folded.get(tenant) or (GovernorState(tenant=tenant), 0)
-        for record in self._store.read_stream(ledger_stream(tenant), version + 1):
-            state = apply_governor_event(state, record.event, record.ts)
-            version = record.version
-        known = self._folded.get(tenant)
-        if known is None or known[1] < version:  # another lane may have folded further
-            self._folded[tenant] = (state, version)
-        return state, version
+        """The tenant's governor with what its ledger gained since the last fold (the
+        first fold starts from the ledger's snapshot)."""
+        stream = ledger_stream(tenant)
+        with self._lock:
+            folding = self._folding.setdefault(tenant, threading.Lock())
+        with folding:
+            known = self._folded.get(tenant)
+            if known is None:
+                start = load_state(self._store, stream, TENANT_LEDGER)
+                governor = start.governor if start.version else GovernorState(tenant=tenant)
+                known = (GovernorFolder(governor), start.version)
+            folder, version = known
+            for record in self._store.read_stream(stream, version + 1):
+                folder.add_event(record.event, record.ts)
+                version = record.version
+            self._folded[tenant] = (folder, version)
+            return folder.state(), version
 
     def _opening(self, tenant: str | None, now: float) -> ContextLedgerOpened:
         with self._lock:
             if self._legacy is None:
-                folded: dict[str | None, GovernorState] = {}
+                folded: dict[str | None, GovernorFolder] = {}
                 for record in governor_records(self._store):
                     owner = getattr(record.event, "tenant", None)
-                    before = folded.get(owner) or GovernorState(tenant=owner)
-                    folded[owner] = apply_governor_event(before, record.event, record.ts)
-                self._legacy = folded
+                    folder = folded.get(owner)
+                    if folder is None:
+                        folder = folded[owner] = GovernorFolder(GovernorState(tenant=owner))
+                    folder.add_event(record.event, record.ts)
+                self._legacy = {owner: folder.state() for owner, folder in folded.items()}
             legacy = self._legacy.get(tenant) or GovernorState(tenant=tenant)
         return ContextLedgerOpened(
             tenant=tenant,

@@ -25,7 +25,9 @@ Emergency truncations (``fallback``) are neither spend nor a breaker outcome.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections import Counter
+from itertools import pairwise
+from typing import Generic, Literal, TypeVar
 
 import msgspec
 
@@ -47,6 +49,8 @@ from ._aggregate import ApplyFolder
 
 HOUR_S = 3_600.0
 DAY_S = 86_400.0
+
+_V = TypeVar("_V")
 
 
 class SummaryNode(msgspec.Struct, frozen=True, kw_only=True):
@@ -293,6 +297,150 @@ def apply_governor(state: GovernorState, record: RecordedEvent) -> GovernorState
     return apply_governor_event(state, record.event, record.ts)
 
 
+class _DayWindow(Generic[_V]):
+    """``(ts, value)`` entries in the order they came, less those a cutoff dropped: what
+    filtering the state's tuple at each event leaves (``_spent``), in amortised constant
+    time per event while the entries come in time order (they do, but for clocks that
+    disagree across workers; then each cut filters them all, as the pure fold does)."""
+
+    __slots__ = ("_entries", "_head", "_ordered")
+
+    def __init__(self, entries: tuple[tuple[float, _V], ...]) -> None:
+        self._entries: list[tuple[float, _V]] = list(entries)
+        self._head = 0
+        self._ordered = _in_time_order(self._entries)
+
+    def cut(self, cutoff: float) -> list[tuple[float, _V]]:
+        """Drop the entries at or before ``cutoff``; return them."""
+        entries, head = self._entries, self._head
+        if not self._ordered:
+            kept = [entry for entry in entries[head:] if entry[0] > cutoff]
+            dropped = [entry for entry in entries[head:] if entry[0] <= cutoff]
+            self._entries, self._head, self._ordered = kept, 0, _in_time_order(kept)
+            return dropped
+        end = len(entries)
+        start = head
+        while head < end and entries[head][0] <= cutoff:
+            head += 1
+        dropped = entries[start:head]
+        if head > 1024 and head * 2 > end:  # let the dropped ones go
+            self._entries, head = entries[head:], 0
+        self._head = head
+        return dropped
+
+    def add(self, entry: tuple[float, _V]) -> None:
+        entries = self._entries
+        if self._ordered and len(entries) > self._head and entry[0] < entries[-1][0]:
+            self._ordered = False
+        entries.append(entry)
+
+    def entries(self) -> tuple[tuple[float, _V], ...]:
+        return tuple(self._entries[self._head :])
+
+
+def _in_time_order(entries: list[tuple[float, _V]]) -> bool:
+    return all(a[0] <= b[0] for a, b in pairwise(entries))
+
+
+class GovernorFolder:
+    """The governor's fold as an accumulator, equal to :func:`apply_governor_event` event
+    by event. The pure fold copies the day's spend and releases at every event, which
+    makes a ledger's fold quadratic in the calls of a day (at 8,000 calls a day, 0.6 ms
+    an event: half a minute for three days); this one keeps them in lists and drops the
+    old ones from the front."""
+
+    __slots__ = (
+        *("_calls", "_failed_at", "_failures", "_released", "_released_ids"),
+        *("_spend", "_state", "tenant"),
+    )
+
+    def __init__(self, state: GovernorState) -> None:
+        self.tenant = state.tenant
+        self._spend: _DayWindow[int] = _DayWindow(state.spend)
+        self._released: _DayWindow[str] = _DayWindow(state.released)
+        self._released_ids = Counter(call_id for _, call_id in state.released)
+        self._calls = list(state.calls)
+        self._failures = state.consecutive_failures
+        self._failed_at = state.last_failure_at
+        self._state: GovernorState | None = state
+
+    def add(self, record: RecordedEvent) -> None:
+        self.add_event(record.event, record.ts)
+
+    def add_event(self, event: Event, ts: float) -> None:
+        """What :func:`apply_governor_event` does with ``event`` at ``ts``."""
+        if getattr(event, "tenant", None) != self.tenant:
+            return
+        if isinstance(event, ContextSummarizerReserved):
+            calls = [call for call in self._calls if call.expires > ts]
+            expires = ts + event.lease_ms / 1000
+            calls.append(
+                ReservedCall(
+                    call_id=event.call_id, tokens=event.tokens, trial=event.trial, expires=expires
+                )
+            )
+            self._calls = calls
+        elif isinstance(event, ContextSummarizerReleased):
+            if self._released_ids[event.call_id]:
+                return  # the same release written again: counted already
+            self._calls = [c for c in self._calls if c.expires > ts and c.call_id != event.call_id]
+            self._spent(ts, event.input_tokens + event.output_tokens)
+            for _, call_id in self._released.cut(ts - DAY_S):
+                self._released_ids[call_id] -= 1
+            self._released.add((ts, event.call_id))
+            self._released_ids[event.call_id] += 1
+            last = self._failed_at
+            if event.error_class is None:
+                if not (last is not None and ts < last):
+                    self._failures = 0
+            else:
+                self._failures += 1
+                self._failed_at = ts if last is None else max(last, ts)
+        elif isinstance(event, ContextLedgerOpened):
+            self._spend = _DayWindow(event.spend)
+            self._failures = event.consecutive_failures
+            self._failed_at = event.last_failure_at
+        elif isinstance(event, ContextSummaryCreated) and not event.fallback:
+            self._spent(ts, event.input_tokens + event.output_tokens)
+            self._failures = 0
+        elif isinstance(event, ContextSummarizerFailed):
+            self._spent(ts, event.input_tokens + event.output_tokens)
+            self._failures += 1
+            self._failed_at = ts
+        else:
+            return
+        self._state = None
+
+    def _spent(self, ts: float, tokens: int) -> None:
+        self._spend.cut(ts - DAY_S)
+        if tokens:
+            self._spend.add((ts, tokens))
+
+    def state(self) -> GovernorState:
+        if self._state is None:
+            self._state = GovernorState(
+                tenant=self.tenant,
+                spend=self._spend.entries(),
+                consecutive_failures=self._failures,
+                last_failure_at=self._failed_at,
+                calls=tuple(self._calls),
+                released=self._released.entries(),
+            )
+        return self._state
+
+
+class _LedgerFolder(GovernorFolder):
+    """The ledger stream's fold: the tenant is the one its first event names."""
+
+    __slots__ = ()
+
+    def add(self, record: RecordedEvent) -> None:
+        if record.version == 1:
+            self.tenant = getattr(record.event, "tenant", None)
+            self._state = None
+        self.add_event(record.event, record.ts)
+
+
 class LedgerAggregate:
     """The governor's fold of one tenant's ledger stream (``context-ledger...``). The
     tenant is the one its first event (``context:ledger_opened``) names: a stream named
@@ -310,8 +458,8 @@ class LedgerAggregate:
             state = msgspec.structs.replace(state, tenant=getattr(record.event, "tenant", None))
         return apply_governor_event(state, record.event, record.ts)
 
-    def folder(self, state: GovernorState) -> ApplyFolder[GovernorState]:
-        return ApplyFolder(self.apply, state)
+    def folder(self, state: GovernorState) -> GovernorFolder:
+        return _LedgerFolder(state)
 
 
 SUMMARIZER_LEDGER = LedgerAggregate()
