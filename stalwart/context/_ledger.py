@@ -23,7 +23,7 @@ from typing import Protocol
 from stalwart.clock import Clock
 from stalwart.events import ContextSummarizerReleased, ContextSummarizerReserved, Event
 from stalwart.ids import new_id
-from stalwart.state import GovernorState, SummarizerVerdict, apply_governor_event
+from stalwart.state import GovernorFolder, GovernorState, SummarizerVerdict
 
 __all__ = ["Decide", "MemoryLedger", "SummarizerLedger", "ended"]
 
@@ -81,16 +81,19 @@ class MemoryLedger:
         self.clock = clock
         self.lease_ms = lease_ms
         self.make_id = make_id
-        self.governors: dict[str | None, GovernorState] = {}
+        #: per tenant: its governor's fold (linear in the events, see GovernorFolder)
+        self.governors: dict[str | None, GovernorFolder] = {}
         self._lock = threading.Lock()
 
     def governor(self, tenant: str | None) -> GovernorState:
-        return self.governors.get(tenant) or GovernorState(tenant=tenant)
+        folder = self.governors.get(tenant)
+        return GovernorState(tenant=tenant) if folder is None else folder.state()
 
     def _apply(self, tenant: str | None, event: Event) -> None:
-        self.governors[tenant] = apply_governor_event(
-            self.governor(tenant), event, self.clock.now()
-        )
+        folder = self.governors.get(tenant)
+        if folder is None:
+            folder = self.governors[tenant] = GovernorFolder(GovernorState(tenant=tenant))
+        folder.add_event(event, self.clock.now())
 
     def admit(
         self, tenant: str | None, session: str | None, tokens: int, decide: Decide
