@@ -218,6 +218,8 @@ class _Environment:
         self._stalled_at = 0  # the record indexing last stopped at, warned about once
         #: what this process's readers may take for the records after the mark
         self.tail: LogTail | None = None
+        #: held while the tail is published or copied (the writer adds to it in place)
+        self._tail_lock = threading.Lock()
         self._batch: _Batch | None = None
         self._inbox: Inbox[_Job] = Inbox()
         self._writer: threading.Thread | None = None
@@ -535,13 +537,45 @@ class _Environment:
         else:
             done.known.extend(done.entries)
             self._known = done.known
-        known, tail = self._known, self.tail
-        if known is None:
-            self.tail = None
-        elif tail is not None and tail.indexed == done.indexed and tail.head == done.start:
-            tail.add(done.entries, done.position)
-        else:
-            self.tail = LogTail(done.indexed, done.position, known)
+        known = self._known
+        with self._tail_lock:
+            tail = self.tail
+            if known is None:
+                self.tail = None
+            elif tail is not None and tail.indexed == done.indexed and tail.head == done.start:
+                tail.add(done.entries, done.position)
+            else:
+                self.tail = LogTail(done.indexed, done.position, known)
+
+    def tail_for(self, txn: Any, indexed: int, end: int) -> LogTail | None:
+        """A tail of the log after the mark ``indexed`` that reaches ``end``, as ``txn``
+        sees the log: the published one, else one read from the log's heads (only those
+        past the published one's end when it has the same mark) and published for this
+        process's next reads. Without it, a process whose writer did not make the last
+        commit (a read-only handle, or after another process appended) scanned the whole
+        tail at every read. None when a record there cannot be read (the read scans, and
+        says where)."""
+        with self._tail_lock:
+            base = self.tail
+            if base is not None and base.indexed == indexed and base.head >= end:
+                return base
+            head = log_head(txn.cursor(db=self.log))
+            extend = base is not None and base.indexed == indexed and base.head <= head
+            start = base.head if extend and base is not None else indexed
+            tail = base.copy() if extend and base is not None else LogTail(indexed, indexed, ())
+        if head < end or head - indexed >= 4 * INDEX_LAG:
+            return None  # records missing at the end (the scan names them), or indexing
+            # stalled at a damaged record (a tail too long to keep)
+        more, trouble = read_heads(txn.cursor(db=self.log), start, head)
+        if trouble is not None:
+            return None
+        tail.add(more, head)
+        with self._tail_lock:
+            current = self.tail
+            newer = current is None or (current.indexed, current.head) < (indexed, head)
+            if current is base and newer:
+                self.tail = tail
+        return tail
 
     def append_in(self, txn: Any, request: _Append, batch: _Batch) -> None:
         """Check one append request, and stage its writes in the batch."""

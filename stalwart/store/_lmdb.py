@@ -99,7 +99,9 @@ def _stream_chunk(
         return out, None
     last = min(last, version, first + READ_BATCH - len(out) - 1)  # a chunk at a time
     tail = env.tail
-    if tail is not None and tail.indexed == indexed and tail.head >= end:
+    if tail is None or tail.indexed != indexed or tail.head < end:
+        tail = env.tail_for(txn, indexed, end)
+    if tail is not None:
         positions = tail.positions(prefix[:-1], first, last)
         return out, _known_chunk(env, codec, txn, positions, last - first + 1, out)
     return out, _tail_chunk(env, codec, txn, stream, (indexed, end), first, last, out)

@@ -55,7 +55,7 @@ def scan_heads(cursor: Any, after: int, upto: int) -> Iterator[Scanned]:
             expected = position + 1
             try:
                 head = HEAD(value)
-            except msgspec.DecodeError as exc:
+            except (msgspec.DecodeError, RecursionError) as exc:
                 yield position, value, f"cannot decode the record: {exc}"
                 continue
             if head.position != position:
@@ -79,10 +79,10 @@ def read_heads(cursor: Any, after: int, upto: int) -> tuple[list[Entry], tuple[i
 
 class LogTail:
     """Every record after the index mark ``indexed``, up to ``head``, by stream: what
-    one commit of this process's writer left. Readers share it with the writer, which
-    only ever adds to it (under the GIL, each list append is whole) and then moves
-    ``head``; a reader trusts it for a transaction that saw the same mark and no record
-    past ``head``."""
+    one commit of this process's writer left, or what a reader of this process read of
+    the log's tail (see ``_Environment.tail_for``). The writer only ever adds to it
+    (under the GIL, each list append is whole) and then moves ``head``; a reader trusts
+    it for a transaction that saw the same mark and no record past ``head``."""
 
     __slots__ = ("head", "indexed", "streams")
 
@@ -101,6 +101,13 @@ class LogTail:
             else:
                 found.append((version, position))
         self.head = head
+
+    def copy(self) -> LogTail:
+        """Another tail holding the same records (for a reader to extend)."""
+        copied = LogTail(self.indexed, self.indexed, ())
+        copied.streams = {key: list(found) for key, found in self.streams.items()}
+        copied.head = self.head
+        return copied
 
     def positions(self, key: bytes, first: int, last: int) -> list[int]:
         """The positions of the stream's versions ``first``..``last`` after the mark."""
