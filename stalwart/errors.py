@@ -23,6 +23,7 @@ expected, what was found and where; they never contain secrets or payload conten
     ├── StoreError               the durable log
     │   ├── StoreNotFoundError      no store at the location (and create=False)
     │   ├── StoreClosedError        the store was closed
+    │   ├── StoreUnavailableError   the store could not be reached (try again later)
     │   ├── StoreReadOnlyError      a write through a handle opened read-only
     │   ├── ConcurrencyError        expected_version did not match the stream
     │   ├── FencedError             the append's lease epoch is not the stream's (a lost lease)
@@ -198,6 +199,12 @@ class StoreNotFoundError(StoreError):
 
 class StoreClosedError(StoreError):
     """The store handle was closed."""
+
+
+class StoreUnavailableError(StoreError):
+    """The store could not be reached: no connection could be had, or the connection
+    broke. A read may succeed when tried again later; what an append did is said by the
+    error that names it."""
 
 
 class StoreReadOnlyError(StoreError):

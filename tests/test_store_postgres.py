@@ -21,6 +21,7 @@ from stalwart.events import MessageAppended, SessionCreated, UnknownEvent
 from stalwart.store import EventStore, NewEvent, PostgresEventStore, Snapshot
 from stalwart.testing import PostgresServer
 
+from ._relay import CuttingRelay
 from .store_contract import EventStoreContract
 
 
@@ -367,3 +368,26 @@ def test_a_malformed_url_is_one_line_without_the_url(url: str) -> None:
     assert result.exit_code == 1
     assert "Traceback" not in result.output
     assert "s3cret" not in result.output
+
+
+def test_a_subscription_waits_out_a_database_it_cannot_reach(
+    pg_url: str, relay: CuttingRelay, relayed_store: PostgresEventStore
+) -> None:
+    """docs/scaling.md: tailing loses nothing across a failover. While its store cannot be
+    reached, a subscription returns nothing and raises nothing (it raised the first
+    StoreError, which ended ``tail --follow`` with exit 1 when the cut came at a read);
+    once the store is back it carries on from where it was, every event once."""
+    with store_module.open(pg_url) as log:  # type: ignore[attr-defined]
+        log.append("session:a", [_msg(n) for n in range(3)])
+        feed = relayed_store.subscribe(1)
+        assert [r.version for r in feed.poll(30.0)] == [1, 2, 3]
+        relay.cut_now()
+        log.append("session:a", [_msg(n) for n in range(3, 7)])
+        for _ in range(3):
+            assert feed.poll(0.3) == []
+        relay.restore()
+        got: list[int] = []
+        give_up = time.monotonic() + 30.0
+        while len(got) < 4 and time.monotonic() < give_up:
+            got += [r.version for r in feed.poll(1.0)]
+    assert got == [4, 5, 6, 7]

@@ -15,7 +15,12 @@ from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsp
 import psycopg
 import psycopg_pool
 
-from stalwart.errors import StoreClosedError, StoreError, StoreNotFoundError
+from stalwart.errors import (
+    StoreClosedError,
+    StoreError,
+    StoreNotFoundError,
+    StoreUnavailableError,
+)
 
 from ._postgres_writer import NotSentError
 
@@ -222,7 +227,7 @@ class Connections:
                     f"the store at {where} could not {doing}: {type(exc).__name__} "
                     f"({exc.sqlstate}); nothing was written"
                 ) from exc
-            raise StoreError(
+            raise StoreUnavailableError(
                 f"lost the connection to the store at {where} while trying to {doing} "
                 f"({type(exc).__name__})"
             ) from exc

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from stalwart.errors import StoreClosedError, StoreError
+from stalwart.errors import StoreClosedError, StoreError, StoreUnavailableError
 
 from ._protocol import Fence, NewEvent
 
@@ -29,7 +29,7 @@ class ConnectionLostError(StoreError):
     """The connection broke during a batch: it may or may not have been committed."""
 
 
-class NotSentError(StoreError):
+class NotSentError(StoreUnavailableError):
     """No connection could be had (or the store closed): nothing of the batch was sent,
     so sending its appends one by one would only wait out the same timeout again."""
 

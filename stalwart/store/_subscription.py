@@ -1,4 +1,9 @@
-"""A live feed over any EventStore: read what is there, wait for more, never skip."""
+"""A live feed over any EventStore: read what is there, wait for more, never skip.
+
+A store that cannot be reached for a while (a database restart, a failover: the store
+raises :class:`~stalwart.errors.StoreUnavailableError`) is waited out: the feed logs it
+once, keeps looking at the store's pace, and carries on from the next position it had
+not returned, so nothing is skipped or repeated across the outage."""
 
 from __future__ import annotations
 
@@ -6,11 +11,14 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from stalwart.errors import CorruptRecordError
+from stalwart._logs import get_logger
+from stalwart.errors import CorruptRecordError, StoreUnavailableError
 from stalwart.events import RecordedEvent
 
 if TYPE_CHECKING:
     from ._protocol import EventStore
+
+log = get_logger(__name__)
 
 _WAIT_SLICE = 0.25
 
@@ -28,6 +36,7 @@ class Subscription:
         self._batch = batch
         self._closed = threading.Event()
         self._failed: CorruptRecordError | None = None  # raised once the good ones are out
+        self._unreachable = False  # the store could not be reached at the last look
 
     @property
     def position(self) -> int:
@@ -50,8 +59,16 @@ class Subscription:
         remaining = timeout
         while not self.closed:
             wait = _WAIT_SLICE if remaining is None else min(_WAIT_SLICE, remaining)
-            if self._store.wait_for(self._next, wait) >= self._next:
-                return self._read()
+            try:
+                arrived = self._store.wait_for(self._next, wait) >= self._next
+            except StoreUnavailableError as exc:
+                self._lost(exc)
+                self._closed.wait(wait)  # it may refuse at once: look again at this pace
+                arrived = False
+            if arrived:
+                events = self._read()
+                if events:
+                    return events
             if remaining is not None:
                 remaining -= wait
                 if remaining <= 0:
@@ -71,9 +88,20 @@ class Subscription:
             if not events:
                 raise
             self._failed = exc
+        except StoreUnavailableError as exc:
+            self._lost(exc)  # the events read before it are returned; the rest next time
+        else:
+            if self._unreachable:
+                self._unreachable = False
+                log.info("subscription.store_reachable", position=self._next)
         if events:
             self._next = events[-1].position + 1
         return events
+
+    def _lost(self, exc: StoreUnavailableError) -> None:
+        if not self._unreachable:  # once per outage
+            self._unreachable = True
+            log.warning("subscription.store_unreachable", position=self._next, error=str(exc))
 
     def __iter__(self) -> Iterator[RecordedEvent]:
         while not self.closed:
