@@ -37,22 +37,10 @@ from stalwart.events import (
 )
 from stalwart.store import EventStore
 from stalwart.testing import PostgresServer
+from tests._old_events import CompactedV1
 from tests._relay import schema_of
 
 # -- what other versions (and plugins) wrote -----------------------------------------------
-
-
-class CompactedV1(Event, frozen=True, tag="context:compacted"):
-    """``context:compacted`` as schema 1 wrote it (``covers``)."""
-
-    summary_id: str
-    turn: int
-    covers: tuple[str, ...]
-    through_seq: int
-    tokens: int
-    budget: int
-    threshold: float
-    body: str = ""
 
 
 class CompactedV1Decoy(Event, frozen=True, tag="context:compacted"):

@@ -39,6 +39,7 @@ from stalwart.events import (
     UnknownEvent,
 )
 from stalwart.store import _lmdb_tail
+from tests._old_events import CompactedV1
 
 SESSIONS = 64
 
@@ -47,18 +48,6 @@ class ReviewPluginNote(Event, frozen=True, tag="fastpath-review:note"):
     """A plugin's event: known only to a codec built with ``extra_types``."""
 
     text: str
-
-
-class CompactedV1(Event, frozen=True, tag="context:compacted"):
-    """``context:compacted`` as schema 1 wrote it (``covers``, before it became ``added``)."""
-
-    summary_id: str
-    turn: int
-    covers: tuple[str, ...]
-    through_seq: int
-    tokens: int
-    budget: int
-    threshold: float
 
 
 class CountingCodec(Codec):

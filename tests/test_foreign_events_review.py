@@ -73,6 +73,7 @@ from stalwart.state import (
 from stalwart.store import EventStore, load_state
 from stalwart.store._postgres_connect import PostgresUrl
 from stalwart.testing import Answer, FakeProvider
+from tests._old_events import CompactedV1
 from tests._runtime_support import GUARD, delivered, has, log_until, runtime_config
 
 # -- what other versions wrote ----------------------------------------------------------
@@ -123,19 +124,6 @@ class SummaryV2(Event, frozen=True, tag="context:summary_created"):
     output_tokens: int = 0
     tenant: str | None = None
     schema_version = 2
-
-
-class CompactedV1(Event, frozen=True, tag="context:compacted"):
-    """``context:compacted`` as schema 1 wrote it: ``covers`` named every id covered."""
-
-    summary_id: str
-    turn: int
-    covers: tuple[str, ...]
-    through_seq: int
-    tokens: int
-    budget: int
-    threshold: float
-    body: str = ""
 
 
 NEWER = Codec(extra_types=[Mystery, TurnStartedV9, RuntimeStoppedV4])
