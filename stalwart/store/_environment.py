@@ -495,7 +495,8 @@ class _Environment:
             known = [entry for entry in known if entry[2] > indexed]
         if head - indexed >= INDEX_LAG:
             return None
-        more, trouble = read_heads(txn.cursor(db=self.log), seen, head)
+        last = {key: version for key, version, _ in known}
+        more, trouble = read_heads(txn.cursor(db=self.log), seen, head, last)
         return None if trouble is not None else known + more
 
     def _index_log(self, txn: Any, batch: _Batch) -> int:
@@ -566,7 +567,8 @@ class _Environment:
         if head < end or head - indexed >= 4 * INDEX_LAG:
             return None  # records missing at the end (the scan names them), or indexing
             # stalled at a damaged record (a tail too long to keep)
-        more, trouble = read_heads(txn.cursor(db=self.log), start, head)
+        last = tail.last_versions() if extend else None
+        more, trouble = read_heads(txn.cursor(db=self.log), start, head, last)
         if trouble is not None:
             return None
         tail.add(more, head)

@@ -83,7 +83,7 @@ def _stream_chunk(
     """Up to READ_BATCH records of one stream, versions ``first``..``last``, in order:
     those the index reaches, then those in the log after its mark (fewer than INDEX_LAG
     records, unless indexing stalled at a damaged one)."""
-    out, error = _indexed_chunk(env, codec, txn, prefix, first, last)
+    out, error = _indexed_chunk(env, codec, txn, (stream, prefix), first, last)
     if error is not None or len(out) >= READ_BATCH:
         return out, error
     if out:
@@ -103,7 +103,7 @@ def _stream_chunk(
         tail = env.tail_for(txn, indexed, end)
     if tail is not None:
         positions = tail.positions(prefix[:-1], first, last)
-        return out, _known_chunk(env, codec, txn, positions, last - first + 1, out)
+        return out, _known_chunk(env, codec, txn, (stream, first, last, end), positions, out)
     return out, _tail_chunk(env, codec, txn, stream, (indexed, end), first, last, out)
 
 
@@ -119,23 +119,57 @@ def _known_chunk(
     env: _Environment,
     codec: Codec,
     txn: Any,
+    span: tuple[str, int, int, int],
     positions: list[int],
-    count: int,
     out: list[RecordedEvent],
 ) -> CorruptRecordError | None:
-    """Add to ``out`` the records at ``positions`` (``count`` of them were due), which
-    the writer of this process knows are the stream's after the index mark."""
+    """Add to ``out`` the records at ``positions``, which the tail of this process says
+    are the stream's versions ``first``..``last`` after the index mark (``span``: the
+    stream, those two, and the stream's last position)."""
+    stream, first, last, end = span
     keys = [_key(position) for position in positions]
     values = _log_values(env, txn, keys)
     before = len(out)
     error = codec.decode_batch(values, out)
     if error is not None:
         return _at_key(error, keys[len(out) - before])
+    if (misplaced := _misplaced(out, before, stream, first)) is not None:
+        return misplaced
     if len(values) < len(keys):
         return CorruptRecordError(positions[len(values)], "missing from the log")
-    if len(positions) < count:
-        return CorruptRecordError(-1, f"{count - len(positions)} records are missing from the log")
+    if len(positions) < last - first + 1:
+        due = first + len(positions)
+        return CorruptRecordError(end, f"version {due} of {stream!r} is missing from the log")
     return None
+
+
+def _misplaced(
+    out: list[RecordedEvent], start: int, stream: str, first: int
+) -> CorruptRecordError | None:
+    """Where the records ``out[start:]``, read as ``stream``'s versions from ``first`` on,
+    are not those versions (a damaged head, or an index or tail that lost track of one):
+    that record and its successors are taken off ``out``, and it is the error. The check
+    of the run's two ends is enough for a run read by position; a record in between is
+    checked when the ends do not match."""
+    count = len(out) - start
+    if count == 0:
+        return None
+    head, tail = out[start], out[-1]
+    if head.stream == stream == tail.stream and (head.version, tail.version) == (
+        first,
+        first + count - 1,
+    ):
+        return None
+    for index in range(start, len(out)):
+        record, due = out[index], first + index - start
+        if record.stream != stream or record.version != due:
+            del out[index:]
+            return CorruptRecordError(
+                record.position,
+                f"found as version {due} of {stream!r}, it holds version {record.version}"
+                f" of {record.stream!r}",
+            )
+    return None  # pragma: no cover - the ends differ, so one record does
 
 
 def _tail_chunk(
@@ -183,7 +217,7 @@ def _tail_chunk(
 
 
 def _indexed_chunk(
-    env: _Environment, codec: Codec, txn: Any, prefix: bytes, first: int, last: int
+    env: _Environment, codec: Codec, txn: Any, key: tuple[str, bytes], first: int, last: int
 ) -> _Chunk:
     """Up to READ_BATCH records of one stream, versions ``first``..``last``, that the
     index reaches.
@@ -193,6 +227,7 @@ def _indexed_chunk(
     runs), one log cursor walks them; otherwise one ``getmulti`` fetches them by position.
     Either way the values are decoded as one batch.
     """
+    stream, prefix = key
     index = txn.cursor(db=env.index)
     out: list[RecordedEvent] = []
     if not index.set_range(prefix + _key(first)):
@@ -217,6 +252,8 @@ def _indexed_chunk(
         keys = list(islice(index.iternext(keys=False), count))
         values = _log_values(env, txn, keys)
     error = codec.decode_batch(values, out)
+    if (misplaced := _misplaced(out, 0, stream, low)) is not None:
+        return out, misplaced
     if error is None and len(values) < count:
         error = CorruptRecordError(-1, "indexed but missing from the log")
     if error is not None:  # the record at len(out) is corrupt or missing

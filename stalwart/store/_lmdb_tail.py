@@ -66,14 +66,29 @@ def scan_heads(cursor: Any, after: int, upto: int) -> Iterator[Scanned]:
         yield expected, None, "missing from the log"
 
 
-def read_heads(cursor: Any, after: int, upto: int) -> tuple[list[Entry], tuple[int, str] | None]:
+def read_heads(
+    cursor: Any, after: int, upto: int, last: dict[bytes, int] | None = None
+) -> tuple[list[Entry], tuple[int, str] | None]:
     """The entries of the log's records ``after`` < position <= ``upto``, in order, as far
-    as they can be read; and, if one cannot, its position and what is wrong with it."""
+    as they can be read; and, if one cannot, its position and what is wrong with it.
+
+    A record whose head gives its stream a version that does not follow the stream's
+    last one (in ``last``, each stream's version before ``after``, where known, or read
+    here) cannot be read either: a stream's versions have no gaps and no repeats, so its
+    head is damaged (it names another stream or version), or the record before it is.
+    Taken as read, it would move every version a tail or the index finds after it."""
     entries: list[Entry] = []
+    versions = {} if last is None else dict(last)
     for position, _, head in scan_heads(cursor, after, upto):
         if isinstance(head, str):
             return entries, (position, head)
-        entries.append((head.stream.encode("utf-8"), head.version, position))
+        key = head.stream.encode("utf-8")
+        before = versions.get(key)
+        if before is not None and head.version != before + 1:
+            reason = f"it holds version {head.version} of {head.stream!r}, {before + 1} was due"
+            return entries, (position, reason)
+        versions[key] = head.version
+        entries.append((key, head.version, position))
     return entries, None
 
 
@@ -108,6 +123,10 @@ class LogTail:
         copied.streams = {key: list(found) for key, found in self.streams.items()}
         copied.head = self.head
         return copied
+
+    def last_versions(self) -> dict[bytes, int]:
+        """Each stream's last version in the tail."""
+        return {key: found[-1][0] for key, found in self.streams.items() if found}
 
     def positions(self, key: bytes, first: int, last: int) -> list[int]:
         """The positions of the stream's versions ``first``..``last`` after the mark."""
