@@ -248,9 +248,16 @@ class StoreLedger:
                 governor = start.governor if start.version else GovernorState(tenant=tenant)
                 known = (GovernorFolder(governor), start.version)
             folder, version = known
-            for record in self._store.read_stream(stream, version + 1):
-                folder.add_event(record.event, record.ts)
-                version = record.version
+            try:
+                for record in self._store.read_stream(stream, version + 1):
+                    folder.add_event(record.event, record.ts)
+                    version = record.version
+            except BaseException:
+                # the folder took in part of the read (a store that went away between two
+                # batches): folded again from the version it holds, those records would
+                # count twice, so the next fold starts again from the snapshot
+                self._folded.pop(tenant, None)
+                raise
             self._folded[tenant] = (folder, version)
             return folder.state(), version
 

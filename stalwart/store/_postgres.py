@@ -40,8 +40,8 @@ from stalwart.state import due_hint
 from ._postgres_connect import Connections, PostgresUrl, connect, lost
 from ._postgres_due import DueStatements, claim_due, set_due
 from ._postgres_schema import SCHEMA_VERSION, Statements, channel_name, ensure_schema
-from ._postgres_tail import Doorbell, deadline_after, remaining
-from ._postgres_writer import AppendJob, ConnectionLostError, Writer, batch_params
+from ._postgres_tail import Doorbell
+from ._postgres_writer import AppendJob, ConnectionLostError, NotSentError, Writer, batch_params
 from ._protocol import (
     DEFAULT_SNAPSHOT_EVERY,
     Due,
@@ -60,7 +60,7 @@ from ._protocol import (
     unencodable,
     unix_ts,
 )
-from ._subscription import Subscription
+from ._subscription import Subscription, deadline_after, remaining
 
 log = get_logger(__name__)
 
@@ -69,6 +69,8 @@ SNAPSHOTS_KEPT = 3
 #: The ``application_name`` of the listener connections (to find them in pg_stat_activity).
 LISTENER_NAME = "stalwart-listener"
 _LAST = (1 << 63) - 1
+#: the shortest wait for a pooled connection within a bounded wait
+_MIN_WAIT_S = 0.05
 SESSION_PREFIX = "session:"
 
 
@@ -123,6 +125,7 @@ class PostgresEventStore:
         #: schema), or None when the schema was already current.
         self.migrated_from = migrated
         self._db = Connections(self._url, pool_size=pool_size, timeout=connect_timeout)
+        self._seen_head = 0  # the newest head this handle has read
         self._bell = Doorbell(
             self._listener_connection,
             channel_name(self._url.schema),
@@ -381,16 +384,35 @@ class PostgresEventStore:
             raise error  # after every good record before it
 
     def head(self) -> int:
-        [(position,)] = self._db.fetch("read the head", self._sql.head)
-        return int(position)
+        return self._head()
+
+    def _head(self, wait: float | None = None) -> int:
+        """The head, waiting at most ``wait`` seconds for a pooled connection."""
+        [(position,)] = self._db.fetch("read the head", self._sql.head, wait=wait)
+        head = int(position)
+        self._seen_head = max(self._seen_head, head)
+        return head
+
+    def _head_within(self, deadline: float | None) -> int:
+        """The head, with the wait for a connection bounded by ``deadline``: when every
+        pooled connection is busy past it, the last head this handle read (a wait that
+        found nothing new); when the pool's last attempt to connect failed, the store is
+        unavailable."""
+        wait = remaining(deadline, self._db.timeout)
+        try:
+            return self._head(None if deadline is None else max(wait or 0.0, _MIN_WAIT_S))
+        except NotSentError:
+            if deadline is None or self._db.connect_failure is not None:
+                raise
+            return self._seen_head
 
     def wait_for(self, position: int, timeout: float | None) -> int:
         self._live()
+        deadline = deadline_after(timeout)
         seen = self._bell.count
-        head = self.head()
+        head = self._head_within(deadline)
         if head >= position or timeout == 0:
             return head
-        deadline = deadline_after(timeout)
         self._bell.start(ready_within=min(1.0, timeout) if timeout is not None else 1.0)
         while head < position:
             wait = remaining(deadline, self._bell.next_wait())
@@ -399,7 +421,7 @@ class PostgresEventStore:
             self._bell.wait(seen, wait)
             self._live()
             seen = self._bell.count
-            head = self.head()
+            head = self._head_within(deadline)
         return head
 
     def subscribe(self, from_position: int = 1) -> Subscription:

@@ -130,6 +130,8 @@ def _reason(exc: BaseException) -> str:
         return "the database does not exist: create it first (createdb)"
     if "does not exist" in text and "role" in text:
         return "the user does not exist on the server"
+    if "not permitted to log in" in text:
+        return "the user may not log in (the role has NOLOGIN)"
     if "timeout expired" in text or "timed out" in text:
         return "the connection timed out"
     if "connection refused" in text or "could not connect" in text or "no such file" in text:
@@ -137,6 +139,18 @@ def _reason(exc: BaseException) -> str:
     if "could not translate host name" in text or "name or service not known" in text:
         return "the host name does not resolve"
     return f"the connection failed ({type(exc).__name__})"
+
+
+#: the reasons of a refused connection that waiting does not mend: the server answers,
+#: and says no to these credentials or this database
+_REFUSED = ("authentication", "the server asks", "the database does", "the user ")
+
+
+def refused(exc: BaseException) -> str | None:
+    """The static reason when the server itself refused a connection (credentials, role,
+    database), else None (it could not be reached: that may pass)."""
+    reason = _reason(exc)
+    return reason if reason.startswith(_REFUSED) else None
 
 
 def connect_error(exc: BaseException, url: PostgresUrl) -> StoreError:
@@ -193,9 +207,12 @@ class Connections:
     def __init__(self, url: PostgresUrl, *, pool_size: int, timeout: float) -> None:
         self._location = url.location
         self._timeout = timeout
+        #: why the pool's last attempt to connect failed (None once one succeeds)
+        self.connect_failure: BaseException | None = None
         self._pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] = (
             psycopg_pool.ConnectionPool(
                 url.conninfo,
+                connection_class=self._recording_class(),
                 kwargs={"autocommit": True, **_timeout(url, timeout)},
                 min_size=1,
                 max_size=pool_size,
@@ -207,18 +224,49 @@ class Connections:
         )
         self._pool.open(wait=False)
 
+    def _recording_class(self) -> type[psycopg.Connection[Any]]:
+        """A connection class whose ``connect`` tells this handle how it went, so that a
+        wait for a pooled connection can say why there was none."""
+        handle = self
+
+        class Recorded(psycopg.Connection[Any]):
+            @classmethod
+            def connect(cls, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    conn = super().connect(*args, **kwargs)
+                except BaseException as exc:
+                    handle.connect_failure = exc
+                    raise
+                handle.connect_failure = None
+                return conn
+
+        return Recorded
+
+    @property
+    def timeout(self) -> float:
+        """How long a pooled connection is waited for, unless a call says less."""
+        return self._timeout
+
     @contextmanager
-    def connection(self, doing: str) -> Iterator[psycopg.Connection[Any]]:
-        """A pooled connection; a failure becomes a StoreError naming what was being done."""
+    def connection(
+        self, doing: str, wait: float | None = None
+    ) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection, waited for ``wait`` seconds (default: the handle's
+        timeout); a failure becomes a StoreError naming what was being done."""
         where = self._location
+        within = self._timeout if wait is None else min(wait, self._timeout)
         try:
-            with self._pool.connection() as conn:
+            with self._pool.connection(timeout=within) as conn:
                 yield conn
         except psycopg_pool.PoolClosed as exc:
             raise StoreClosedError(f"the store at {where} is closed") from exc
         except psycopg_pool.PoolTimeout as exc:
+            failure = self.connect_failure
+            reason = None if failure is None else refused(failure)
+            if reason is not None:  # the server answers, and refuses: waiting won't mend it
+                raise StoreError(f"cannot connect to the store at {where}: {reason}") from exc
             raise NotSentError(
-                f"no connection to the store at {where} within {self._timeout:g} s "
+                f"no connection to the store at {where} within {within:g} s "
                 f"to {doing}: is the server up?"
             ) from exc
         except psycopg.OperationalError as exc:
@@ -236,7 +284,9 @@ class Connections:
                 f"the store at {where} could not {doing}: {type(exc).__name__} ({exc.sqlstate})"
             ) from exc
 
-    def fetch(self, doing: str, query: Any, params: Sequence[Any] = ()) -> list[Any]:
+    def fetch(
+        self, doing: str, query: Any, params: Sequence[Any] = (), wait: float | None = None
+    ) -> list[Any]:
         """Run a read; a connection the server closed is replaced and the read run again."""
 
         def read(conn: psycopg.Connection[Any]) -> list[Any]:
@@ -244,14 +294,16 @@ class Connections:
                 cursor.execute(query, params)
                 return cursor.fetchall()
 
-        return self.again(doing, read)
+        return self.again(doing, read, wait)
 
-    def again(self, doing: str, work: Callable[[psycopg.Connection[Any]], T]) -> T:
+    def again(
+        self, doing: str, work: Callable[[psycopg.Connection[Any]], T], wait: float | None = None
+    ) -> T:
         """``work(connection)``; when the server had closed that connection, once more on
         a new one. Only for work that may safely run twice (a read, an upsert)."""
         for attempt in (1, 2):
             try:
-                with self.connection(doing) as conn:
+                with self.connection(doing, wait) as conn:
                     return work(conn)
             except StoreError as exc:
                 if attempt == 2 or not lost(exc):

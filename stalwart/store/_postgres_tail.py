@@ -22,7 +22,6 @@ import psycopg
 from psycopg import sql
 
 from stalwart._logs import get_logger
-from stalwart.clock import SystemClock
 
 log = get_logger(__name__)
 
@@ -31,7 +30,6 @@ _RETRY_MAX = 2.0
 #: How long a reader waits between its own looks at the head while the listener is up
 #: (the listener's polling and notifications wake it sooner).
 _SAFETY_WAIT = 1.0
-_REAL_TIME = SystemClock()
 
 
 class Doorbell:
@@ -119,17 +117,3 @@ class Doorbell:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=self.poll_interval * 5 + 1)
-
-
-def remaining(deadline: float | None, step: float) -> float | None:
-    """How long the next wait may be (None when the deadline has passed)."""
-    if deadline is None:
-        return step
-    left = deadline - _REAL_TIME.monotonic()
-    if left <= 0:
-        return None
-    return min(step, left)
-
-
-def deadline_after(timeout: float | None) -> float | None:
-    return None if timeout is None else _REAL_TIME.monotonic() + timeout

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from stalwart._logs import get_logger
+from stalwart.clock import SystemClock
 from stalwart.errors import CorruptRecordError, StoreUnavailableError
 from stalwart.events import RecordedEvent
 
@@ -21,6 +22,23 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 _WAIT_SLICE = 0.25
+#: a feed's waits are on the network's time, not the runtime's Clock
+_REAL_TIME = SystemClock()
+
+
+def deadline_after(timeout: float | None) -> float | None:
+    """When a wait of ``timeout`` seconds from now ends, on the real monotonic clock."""
+    return None if timeout is None else _REAL_TIME.monotonic() + timeout
+
+
+def remaining(deadline: float | None, step: float) -> float | None:
+    """How long the next wait may be (None when the deadline has passed)."""
+    if deadline is None:
+        return step
+    left = deadline - _REAL_TIME.monotonic()
+    if left <= 0:
+        return None
+    return min(step, left)
 
 
 class Subscription:
@@ -53,26 +71,22 @@ class Subscription:
         A record that cannot be read raises :class:`CorruptRecordError`, after every good
         record before it has been returned (by this call, then the next one raises).
         """
-        events = self._read()
-        if events or self.closed:
-            return events
-        remaining = timeout
-        while not self.closed:
-            wait = _WAIT_SLICE if remaining is None else min(_WAIT_SLICE, remaining)
+        if self._failed is not None:
+            return self._read()  # raises it
+        deadline = deadline_after(timeout)  # the store's own waits count too
+        wait: float | None = 0.0  # first a look at what is there already
+        while not self.closed and wait is not None:
             try:
                 arrived = self._store.wait_for(self._next, wait) >= self._next
             except StoreUnavailableError as exc:
                 self._lost(exc)
                 self._closed.wait(wait)  # it may refuse at once: look again at this pace
                 arrived = False
-            if arrived:
-                events = self._read()
-                if events:
-                    return events
-            if remaining is not None:
-                remaining -= wait
-                if remaining <= 0:
-                    break
+            else:
+                self._reached()  # it answered, though there may be nothing new
+            if arrived and (events := self._read()):
+                return events
+            wait = remaining(deadline, _WAIT_SLICE)
         return []
 
     def _read(self) -> list[RecordedEvent]:
@@ -91,12 +105,15 @@ class Subscription:
         except StoreUnavailableError as exc:
             self._lost(exc)  # the events read before it are returned; the rest next time
         else:
-            if self._unreachable:
-                self._unreachable = False
-                log.info("subscription.store_reachable", position=self._next)
+            self._reached()
         if events:
             self._next = events[-1].position + 1
         return events
+
+    def _reached(self) -> None:
+        if self._unreachable:  # the outage is over, events or not
+            self._unreachable = False
+            log.info("subscription.store_reachable", position=self._next)
 
     def _lost(self, exc: StoreUnavailableError) -> None:
         if not self._unreachable:  # once per outage
