@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 from typing import Any
 
@@ -131,10 +131,10 @@ def _known_chunk(
     values = _log_values(env, txn, keys)
     before = len(out)
     error = codec.decode_batch(values, out)
+    if (misplaced := _misplaced(out, before, stream, first, positions.__getitem__)) is not None:
+        return misplaced
     if error is not None:
         return _at_key(error, keys[len(out) - before])
-    if (misplaced := _misplaced(out, before, stream, first)) is not None:
-        return misplaced
     if len(values) < len(keys):
         return CorruptRecordError(positions[len(values)], "missing from the log")
     if len(positions) < last - first + 1:
@@ -144,13 +144,15 @@ def _known_chunk(
 
 
 def _misplaced(
-    out: list[RecordedEvent], start: int, stream: str, first: int
+    out: list[RecordedEvent], start: int, stream: str, first: int, stored: Callable[[int], int]
 ) -> CorruptRecordError | None:
     """Where the records ``out[start:]``, read as ``stream``'s versions from ``first`` on,
     are not those versions (a damaged head, or an index or tail that lost track of one):
-    that record and its successors are taken off ``out``, and it is the error. The check
-    of the run's two ends is enough for a run read by position; a record in between is
-    checked when the ends do not match."""
+    that record and its successors are taken off ``out``, and it is the error, named by
+    the position it is stored at (``stored(i)``, of the i-th record read). Only the two
+    ends are checked, unless they do not match: a lost or shifted entry moves the end, but
+    a record damaged in place between two good ends is not caught here (the log's walk,
+    ``stalwart db check``, does)."""
     count = len(out) - start
     if count == 0:
         return None
@@ -165,7 +167,7 @@ def _misplaced(
         if record.stream != stream or record.version != due:
             del out[index:]
             return CorruptRecordError(
-                record.position,
+                stored(index - start),
                 f"found as version {due} of {stream!r}, it holds version {record.version}"
                 f" of {record.stream!r}",
             )
@@ -252,7 +254,12 @@ def _indexed_chunk(
         keys = list(islice(index.iternext(keys=False), count))
         values = _log_values(env, txn, keys)
     error = codec.decode_batch(values, out)
-    if (misplaced := _misplaced(out, 0, stream, low)) is not None:
+    read_at = keys
+
+    def stored(i: int) -> int:
+        return start + i if read_at is None else int.from_bytes(read_at[i], "big")
+
+    if (misplaced := _misplaced(out, 0, stream, first, stored)) is not None:
         return out, misplaced
     if error is None and len(values) < count:
         error = CorruptRecordError(-1, "indexed but missing from the log")

@@ -7,6 +7,7 @@ parameter. The library's own message is not passed on, only its class of failure
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -22,7 +23,7 @@ from stalwart.errors import (
     StoreUnavailableError,
 )
 
-from ._postgres_writer import NotSentError
+from ._postgres_writer import NotSentError, RefusedError
 
 T = TypeVar("T")
 
@@ -120,18 +121,24 @@ def _query_secrets(query: list[tuple[str, str]]) -> list[str]:
 
 
 def _reason(exc: BaseException) -> str:
-    """A static sentence for a connection failure's class."""
-    text = str(exc).lower()
-    if "password authentication failed" in text or "authentication" in text:
+    """A static sentence for a connection failure's class.
+
+    libpq's message names hosts, socket paths, users and databases in double quotes;
+    they are blanked before the server's phrases are looked for, so that a host or a
+    socket directory called ``authentication-db`` says nothing about the failure."""
+    text = re.sub(r'"[^"]*"', '""', str(exc).lower())
+    if "authentication failed" in text:
         return "authentication failed: check the user name and password"
     if "no password supplied" in text:
         return "the server asks for a password and none was given"
-    if "does not exist" in text and "database" in text:
+    if 'database "" does not exist' in text:
         return "the database does not exist: create it first (createdb)"
-    if "does not exist" in text and "role" in text:
+    if 'role "" does not exist' in text:
         return "the user does not exist on the server"
-    if "not permitted to log in" in text:
+    if "is not permitted to log in" in text:
         return "the user may not log in (the role has NOLOGIN)"
+    if "pg_hba.conf" in text:
+        return "the server's pg_hba.conf does not let this client in"
     if "timeout expired" in text or "timed out" in text:
         return "the connection timed out"
     if "connection refused" in text or "could not connect" in text or "no such file" in text:
@@ -142,13 +149,19 @@ def _reason(exc: BaseException) -> str:
 
 
 #: the reasons of a refused connection that waiting does not mend: the server answers,
-#: and says no to these credentials or this database
-_REFUSED = ("authentication", "the server asks", "the database does", "the user ")
+#: and says no to these credentials, this role, this database or this client
+_REFUSED = (
+    "authentication",
+    "the server asks",
+    "the database does",
+    "the user ",
+    "the server's pg_hba",
+)
 
 
 def refused(exc: BaseException) -> str | None:
     """The static reason when the server itself refused a connection (credentials, role,
-    database), else None (it could not be reached: that may pass)."""
+    database, pg_hba.conf), else None (it could not be reached: that may pass)."""
     reason = _reason(exc)
     return reason if reason.startswith(_REFUSED) else None
 
@@ -264,7 +277,7 @@ class Connections:
             failure = self.connect_failure
             reason = None if failure is None else refused(failure)
             if reason is not None:  # the server answers, and refuses: waiting won't mend it
-                raise StoreError(f"cannot connect to the store at {where}: {reason}") from exc
+                raise RefusedError(f"cannot connect to the store at {where}: {reason}") from exc
             raise NotSentError(
                 f"no connection to the store at {where} within {within:g} s "
                 f"to {doing}: is the server up?"

@@ -34,6 +34,11 @@ class NotSentError(StoreUnavailableError):
     so sending its appends one by one would only wait out the same timeout again."""
 
 
+class RefusedError(StoreError):
+    """The server answered and refused the connection (credentials, role, database,
+    pg_hba.conf): nothing of the batch was sent, and waiting will not mend it."""
+
+
 class AppendJob:
     """One append waiting for the writer; the caller waits on ``lock``."""
 
@@ -171,7 +176,7 @@ class Writer:
     def _send(self, batch: list[AppendJob]) -> None:
         try:
             results = self._run(batch)
-        except (ConnectionLostError, NotSentError) as exc:
+        except (ConnectionLostError, NotSentError, RefusedError) as exc:
             for job in batch:
                 job.error = exc
         except BaseException as exc:
