@@ -42,6 +42,7 @@ from stalwart.events import (
     ActivationLeaseLost,
     AnnouncementDelivered,
     LeaseExpired,
+    LeaseRenewed,
     MessageAppended,
     RecordedEvent,
     SessionRequiresAction,
@@ -443,6 +444,18 @@ def test_a_lease_whose_worker_died_before_the_wake_started_expires_and_runs_once
     assert [text for *_, text in _said(tmp_path)] == [ANSWER]
 
 
+def _renewed_settled(store: EventStore, record: RecordedEvent) -> bool:
+    """Whether ``record`` renews a lease whose wake had already settled at that epoch (a
+    renewal timer that fired after the ack: the fold ignores it, nothing is held)."""
+    event = record.event
+    if not isinstance(event, LeaseRenewed):
+        return False
+    before = [r for r in store.read_stream(record.stream) if r.position < record.position]
+    history = fold(ACTIVATIONS, record.stream, before).history
+    settled = {"acked", "blocked", "requeued", "abandoned"}
+    return any(claim.epoch == event.epoch and claim.ended in settled for claim in history)
+
+
 def _policy() -> Any:
     from stalwart.state import ActivationPolicy
 
@@ -471,7 +484,14 @@ def test_many_sessions_due_at_once_with_a_worker_frozen_holding_some_are_each_an
     """30 sessions due at once, two workers; one is frozen (SIGSTOP) while it holds claims
     and leases. The other serves every session (its claims and, after the TTL, its leases
     too); thawed, the frozen one writes nothing under a stale epoch (only its
-    ``lease_lost``s), and each message is answered once."""
+    ``lease_lost``s), and each message is answered with one idempotency key.
+
+    Two things the freeze can catch in flight, both by design: a renewal timer that fires
+    after its wake already acked (a ``lease:renewed`` at the settled epoch, which the fold
+    ignores: no lease is held), and an answer whose send the freeze held past the resend
+    wait (35 s), so the other worker resent it: the user's channel then gets it twice
+    with the same key (docs/resilience.md: delivery is at least once; a channel that
+    honours the key shows it once)."""
     fake.set_default(Answer(text=ANSWER, first_delay_ms=300))
     n = 30
     with store_module.open(pg_url) as store:
@@ -501,12 +521,12 @@ def test_many_sessions_due_at_once_with_a_worker_frozen_holding_some_are_each_an
         time.sleep(2.0)  # real-time: the thawed worker's renewals and Agents run
         # the session streams (what the context engine appends beside them: see the
         # report's suspicions, not asserted here as it is hit only by chance)
-        after = Counter(
-            r.type for r in store.read_all(thawed_at + 1) if r.stream.startswith("session:")
-        )
+        late = [r for r in store.read_all(thawed_at + 1) if r.stream.startswith("session:")]
+        after = Counter(r.type for r in late if not _renewed_settled(store, r))
         check_log(store, sent)
     assert set(after) <= {"activation:lease_lost", "announcement:delivered"}, after
-    conversations = Counter(conversation for _, conversation, _, _ in _said(tmp_path))
+    keys = {(conversation, key) for _, conversation, key, _ in _said(tmp_path)}
+    conversations = Counter(conversation for conversation, _ in keys)
     assert len(conversations) == n, conversations
     assert set(conversations.values()) == {1}, conversations
     assert all(w.alive() for w in workers)

@@ -29,6 +29,7 @@ from stalwart.actors import (
     WorkerReport,
     left_unsaid,
 )
+from stalwart.actors._send import RESEND_GRACE_S
 from stalwart.channels import Channel, channel_named
 from stalwart.clock import SystemClock
 from stalwart.config import AgentSettings
@@ -67,6 +68,9 @@ log = get_logger(__name__)
 #: real time: how often a closing runtime looks again at the sends still in flight
 CLOSE_POLL_S = 0.02
 _REAL_TIME = SystemClock()
+#: How often (real seconds) a durable runtime looks again for sessions whose reply a
+#: stopped or hung worker of the same log left unsent (``_resend_cut_short``).
+RESEND_SWEEP_S = 10.0
 
 
 class SessionLayer:
@@ -132,30 +136,73 @@ class SessionLayer:
         (:func:`~stalwart.actors.left_unsaid`): the Agent says it as it starts (a send
         young enough to be still under way elsewhere once its sender's timeout is past).
         Without this, a session with no work due would never start again, and its user
-        would never hear. Runs once, beside the worker."""
-        now = self._w.clock.now()
+        would never hear.
+
+        Runs beside the worker: once over every recent session as it starts (what the
+        last runtime left; this thread, ``stalwart-resend``, then ends), and then, in
+        ``stalwart-resend-watch``, every :data:`RESEND_SWEEP_S` over the sessions whose
+        log moved since it last looked and has been quiet for a send's timeout and
+        grace: a worker of the same log that stopped or hung mid-send (frozen,
+        partitioned, killed and not restarted) leaves a settled session nobody would
+        start again."""
+        looked = self._sweep_logged({}, None)
+        if looked is not None and self._w.running():
+            watch = partial(self._watch_cut_short, looked)
+            threading.Thread(target=watch, name="stalwart-resend-watch", daemon=True).start()
+
+    def _watch_cut_short(self, looked: dict[str, float]) -> None:
+        """The passes after the first, every :data:`RESEND_SWEEP_S`, while the runtime runs."""
+        quiet_s = self._w.config.dead_letters.announce_timeout_ms / 1000 + RESEND_GRACE_S
+        pause = threading.Event()
+        while not pause.wait(RESEND_SWEEP_S) and self._w.running():
+            found = self._sweep_logged(looked, quiet_s)
+            if found is None:
+                return  # the runtime closed under the pass
+            looked = found
+
+    def _sweep_logged(
+        self, looked: dict[str, float], quiet_s: float | None
+    ) -> dict[str, float] | None:
+        """A pass, its failure logged (what it looked at; ``looked`` again after a
+        failure, None once the runtime has closed)."""
         try:
-            for info in self._w.store.streams():
-                if not info.stream.startswith("session:") or now - info.last_ts > RESEND_WITHIN_S:
-                    continue
-                if not self._w.running():
-                    return
-                session_id = info.stream.removeprefix("session:")
-                try:
-                    if self.get(session_id) is not None or not left_unsaid(
-                        self._w.store, info.stream, now
-                    ):
-                        continue
-                    log.info("runtime.resend_cut_short", session=session_id)
-                    self.agent_for_wake(session_id, True)
-                except StalwartError as exc:  # a damaged stream: the others still go
-                    log.warning(
-                        "runtime.resend_failed", session=session_id, error_class=type(exc).__name__
-                    )
+            return self._sweep(looked, quiet_s)
         except StalwartError as exc:  # a closed store, an unreadable streams index
+            if not self._w.running():
+                return None
             log.warning("runtime.resend_sweep_failed", error_class=type(exc).__name__)
         except Exception:  # a bug: logged (a background thread has nobody to raise to)
             log.exception("runtime.resend_sweep_failed")
+        return looked
+
+    def _sweep(self, looked: dict[str, float], quiet_s: float | None) -> dict[str, float]:
+        """One pass; ``quiet_s`` None looks at every session of the last hour, else only
+        at those whose log moved since ``looked`` and has been quiet that long. What it
+        looked at, for the next pass."""
+        now = self._w.clock.now()
+        seen: dict[str, float] = {}
+        for info in self._w.store.streams():
+            stream, last_ts = info.stream, info.last_ts
+            if not stream.startswith("session:") or now - last_ts > RESEND_WITHIN_S:
+                continue
+            if quiet_s is not None and (looked.get(stream) == last_ts or now - last_ts < quiet_s):
+                if stream in looked:
+                    seen[stream] = looked[stream]
+                continue
+            if not self._w.running():
+                break
+            seen[stream] = last_ts
+            session_id = stream.removeprefix("session:")
+            try:
+                if self.get(session_id) is not None or not left_unsaid(self._w.store, stream, now):
+                    continue
+                log.info("runtime.resend_cut_short", session=session_id)
+                self.agent_for_wake(session_id, True)
+            except StalwartError as exc:  # a damaged stream: the others still go
+                log.warning(
+                    "runtime.resend_failed", session=session_id, error_class=type(exc).__name__
+                )
+        return seen
 
     def let_sends_end(self, handles: list[SessionHandle]) -> None:
         """Give the Agents' sends in flight up to ``dead_letters.close_grace_ms`` to end,
