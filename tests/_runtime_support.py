@@ -3,6 +3,8 @@ on the log, picking events."""
 
 from __future__ import annotations
 
+import json
+import select
 import signal
 import subprocess
 import threading
@@ -214,3 +216,46 @@ class CountingStore:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+class LineProcess:
+    """A child Python process that says ``ready``, then takes one JSON line of work at a
+    time on stdin and answers each with one line on stdout; ``what`` names it in
+    failures, ``wait`` bounds each answer and its exit."""
+
+    def __init__(self, argv: list[str], cwd: Any, what: str, wait: float = GUARD) -> None:
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=cwd
+        )
+        self._what = what
+        self._wait = wait
+        assert self.line() == "ready"
+
+    def line(self) -> str:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], self._wait)
+        assert ready, f"{self._what} said nothing"
+        line = self.proc.stdout.readline()
+        assert line, f"{self._what} ended: {self.proc.wait(self._wait)}"
+        return line.strip()
+
+    def send(self, command: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self) -> Any:
+        return json.loads(self.line())
+
+    def close(self) -> None:
+        """End its input and wait for a clean exit (killed if it does not come)."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            assert self.proc.wait(self._wait) == 0
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(self._wait)
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()

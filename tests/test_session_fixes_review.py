@@ -16,7 +16,6 @@ import itertools
 import json
 import os
 import random
-import select
 import shutil
 import signal
 import socket
@@ -42,7 +41,7 @@ from stalwart.store._lmdb_tail import Entry, read_heads
 from stalwart.store._postgres_connect import refused
 from stalwart.testing import PostgresServer
 from tests._relay import CuttingRelay, schema_of
-from tests._runtime_support import until
+from tests._runtime_support import LineProcess, until
 
 Logs = list[MutableMapping[str, Any]]
 
@@ -178,48 +177,13 @@ CHILD = textwrap.dedent(
 )
 
 
-class Child:
+class Child(LineProcess):
     """A Python process with the store open (``mode``: "append" or "read"), doing what it
     is told one JSON line at a time and answering with one."""
 
     def __init__(self, store_dir: Path, mode: str, seed: int, map_size: int) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(store_dir), mode, str(map_size), str(seed)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-        )
-        assert self.line() == "ready"
-
-    def line(self) -> str:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], WAIT)
-        assert ready, "the child process said nothing"
-        line = self.proc.stdout.readline()
-        assert line, f"the child process ended: {self.proc.wait(WAIT)}"
-        return line.strip()
-
-    def send(self, command: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-
-    def answer(self) -> dict[str, Any]:
-        answer: dict[str, Any] = json.loads(self.line())
-        return answer
-
-    def close(self) -> None:
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()
-        try:
-            assert self.proc.wait(WAIT) == 0
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(WAIT)
-            if self.proc.stdout is not None:
-                self.proc.stdout.close()
+        argv = [sys.executable, "-c", CHILD, str(store_dir), mode, str(map_size), str(seed)]
+        super().__init__(argv, ROOT, "the child process", WAIT)
 
 
 @pytest.fixture

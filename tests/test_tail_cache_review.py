@@ -20,10 +20,8 @@ versions where the per-read scan raised CorruptRecordError.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import random
-import select
 import subprocess
 import sys
 import textwrap
@@ -40,7 +38,7 @@ from stalwart.store import LmdbEventStore, _environment, _lmdb_tail
 from stalwart.store._environment import INDEX_LAG, READ_BATCH, _Environment
 from stalwart.store._lmdb import _LAST_VERSION, _stream_chunk
 from stalwart.store._lmdb_tail import LogTail, log_head, read_heads
-from tests._runtime_support import until
+from tests._runtime_support import LineProcess, until
 
 ROOT = Path(__file__).resolve().parents[1]
 WAIT = 60.0  # seconds a child process or a thread may take before the test fails
@@ -153,47 +151,19 @@ APPENDER = textwrap.dedent(
 )
 
 
-class Appender:
+class Appender(LineProcess):
     """A Python process with the store open for writing, appending what it is told."""
 
     def __init__(self, store_dir: Path, map_size: int = 64 << 20, size: int = 1) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", APPENDER, str(store_dir), str(map_size), str(size)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-        )
-        assert self._line() == "ready"
-
-    def _line(self) -> str:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], WAIT)
-        assert ready, "the appender process said nothing"
-        line = self.proc.stdout.readline()
-        assert line, f"the appender process ended: {self.proc.wait(WAIT)}"
-        return line.strip()
+        argv = [sys.executable, "-c", APPENDER, str(store_dir), str(map_size), str(size)]
+        super().__init__(argv, ROOT, "the appender process", WAIT)
 
     def append(self, *batches: tuple[str, int]) -> tuple[int, int]:
         """Append ``count`` events to each ``stream`` in turn (one append each); the
         store's head and index mark after them."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(batches) + "\n")
-        self.proc.stdin.flush()
-        head, indexed = json.loads(self._line())
+        self.send(batches)
+        head, indexed = self.answer()
         return int(head), int(indexed)
-
-    def close(self) -> None:
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()
-        try:
-            assert self.proc.wait(WAIT) == 0
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(WAIT)
-            if self.proc.stdout is not None:
-                self.proc.stdout.close()
 
 
 @pytest.fixture

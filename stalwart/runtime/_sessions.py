@@ -17,6 +17,7 @@ import pykka
 
 from stalwart._logs import get_logger
 from stalwart.actors import (
+    RESEND_GRACE_S,
     RESEND_WITHIN_S,
     AgentActor,
     AgentLoopSettings,
@@ -29,7 +30,6 @@ from stalwart.actors import (
     WorkerReport,
     left_unsaid,
 )
-from stalwart.actors._send import RESEND_GRACE_S
 from stalwart.channels import Channel, channel_named
 from stalwart.clock import SystemClock
 from stalwart.config import AgentSettings
