@@ -100,6 +100,9 @@ class SessionLayer:
         self._tell_supervisor = tell_supervisor
         self._spawn_tool = spawn_tool
         self._handles: dict[str, SessionHandle] = {}  # the sessions whose Agent is up
+        self._resend_stop = threading.Event()  # set as the runtime closes
+        self._resend_lock = threading.Lock()
+        self._resend_watch: threading.Thread | None = None
         # passivated (stopped while idle, started again on demand): kept only while the
         # host holds the handle, so a weeks-long process keeps nothing per session it has
         # ever served; one the host let go of starts again from its log, as after a restart
@@ -146,15 +149,21 @@ class SessionLayer:
         partitioned, killed and not restarted) leaves a settled session nobody would
         start again."""
         looked = self._sweep_logged({}, None)
-        if looked is not None and self._w.running():
+        if looked is None:
+            return
+        with self._resend_lock:
+            if self._resend_stop.is_set() or not self._w.running():
+                return
             watch = partial(self._watch_cut_short, looked)
-            threading.Thread(target=watch, name="stalwart-resend-watch", daemon=True).start()
+            self._resend_watch = threading.Thread(
+                target=watch, name="stalwart-resend-watch", daemon=True
+            )
+            self._resend_watch.start()
 
     def _watch_cut_short(self, looked: dict[str, float]) -> None:
         """The passes after the first, every :data:`RESEND_SWEEP_S`, while the runtime runs."""
         quiet_s = self._w.config.dead_letters.announce_timeout_ms / 1000 + RESEND_GRACE_S
-        pause = threading.Event()
-        while not pause.wait(RESEND_SWEEP_S) and self._w.running():
+        while not self._resend_stop.wait(RESEND_SWEEP_S) and self._w.running():
             found = self._sweep_logged(looked, quiet_s)
             if found is None:
                 return  # the runtime closed under the pass
@@ -230,7 +239,13 @@ class SessionLayer:
             log.warning("runtime.sends_cut_short", sessions=len(waiting), grace_s=grace_s)
 
     def pause_worker(self) -> None:
-        """No new leases (the process stops); the running wakes keep theirs."""
+        """No new leases (the process stops); the running wakes keep theirs. The watch
+        for replies left unsent ends."""
+        with self._resend_lock:
+            self._resend_stop.set()
+            watch = self._resend_watch
+        if watch is not None and watch is not threading.current_thread():
+            watch.join(timeout=STOP_TIMEOUT_S)
         if self._durable is not None:
             self._durable.closing()
 
