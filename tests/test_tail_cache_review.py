@@ -12,10 +12,11 @@ one its transaction cannot see, and that a published tail always matches the log
 Every event's ``message_id`` is ``"<stream>|<version>"``, whoever appended it, so any read
 can be checked on its own.
 
-Tests marked ``# DEFECT:`` fail on the code reviewed: a damaged record whose head still
-decodes but names another stream is taken as read into a reader-built tail (and, before the
-tail cache already, into the index), and the reads that trust it skip, repeat or borrow
-versions where the per-read scan raised CorruptRecordError.
+Tests marked ``# Was: DEFECT`` failed on the code reviewed and pass since the fix: a damaged
+record whose head still decodes but names another stream was taken as read into a
+reader-built tail (and, before the tail cache already, into the index), and the reads that
+trust it skipped, repeated or borrowed versions where the per-read scan raised
+CorruptRecordError.
 """
 
 from __future__ import annotations
