@@ -259,3 +259,51 @@ class LineProcess:
                 self.proc.wait(self._wait)
             if self.proc.stdout is not None:
                 self.proc.stdout.close()
+
+
+class CollectedProcess:
+    """A subprocess whose stdout and stderr lines are collected by threads (``out``,
+    ``err``); ``wait`` bounds a wait for what it prints, ``stop`` sends SIGINT."""
+
+    def __init__(self, argv: list[str], cwd: Any = None, wait: float = GUARD) -> None:
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd
+        )
+        self._wait = wait
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [
+            threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
+            threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(pipe: Any, into: list[str]) -> None:
+        for line in iter(pipe.readline, ""):
+            into.append(line)
+
+    def wait(self, check: Callable[[], bool], what: str) -> None:
+        def done() -> bool:
+            assert self.proc.poll() is None, f"exited while waiting for {what}: {self.err}"
+            return check()
+
+        until(done, self._wait, what=what)
+
+    def stop(self, within: float | None = None) -> int:
+        """SIGINT, then its exit code (killed if it does not end ``within`` seconds)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            code = self.proc.wait(timeout=self._wait if within is None else within)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        for reader in self._readers:
+            reader.join(10)
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        return code

@@ -14,9 +14,7 @@ import contextlib
 import itertools
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -65,7 +63,7 @@ from stalwart.store import (
 from stalwart.store._postgres_writer import ConnectionLostError, NotSentError
 from stalwart.testing import PostgresServer
 from tests._relay import CuttingRelay, reachable, schema_of
-from tests._runtime_support import CountingStore, until
+from tests._runtime_support import CollectedProcess, CountingStore, until
 
 Logs = list[MutableMapping[str, Any]]
 
@@ -502,55 +500,17 @@ def test_an_lmdb_subscription_is_unaffected(lmdb_store: EventStore, logs: Logs) 
 # -- tail --follow --json: a real subprocess through the relay --------------------------------
 
 
-class Follower:
+class Follower(CollectedProcess):
     """A ``stalwart`` subprocess whose stdout and stderr lines are collected by threads."""
 
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stalwart", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self._readers = [
-            threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
-            threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True),
-        ]
-        for reader in self._readers:
-            reader.start()
-
-    @staticmethod
-    def _read(pipe: Any, into: list[str]) -> None:
-        for line in iter(pipe.readline, ""):
-            into.append(line)
+        super().__init__([sys.executable, "-m", "stalwart", *args], wait=45.0)
 
     def logged(self, name: str) -> bool:
         return any(name in line for line in list(self.err))
 
-    def wait(self, check: Callable[[], bool], what: str) -> None:
-        def done() -> bool:
-            assert self.proc.poll() is None, f"exited while waiting for {what}: {self.err}"
-            return check()
-
-        until(done, 45.0, what=what)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-        try:
-            code = self.proc.wait(timeout=30)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-        for reader in self._readers:
-            reader.join(10)
-        for pipe in (self.proc.stdout, self.proc.stderr):
-            if pipe is not None:
-                pipe.close()
-        return code
+    def stop(self, within: float | None = 30) -> int:
+        return super().stop(within)
 
 
 def test_tail_follow_json_waits_out_an_outage_longer_than_its_connect_timeout(

@@ -17,7 +17,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -41,7 +40,7 @@ from stalwart.store._lmdb_tail import Entry, read_heads
 from stalwart.store._postgres_connect import refused
 from stalwart.testing import PostgresServer
 from tests._relay import CuttingRelay, schema_of
-from tests._runtime_support import LineProcess, until
+from tests._runtime_support import CollectedProcess, LineProcess, until
 
 Logs = list[MutableMapping[str, Any]]
 
@@ -899,56 +898,15 @@ def test_a_busy_healthy_pool_is_neither_unreachable_nor_an_error_even_after_an_o
 STALWART = (sys.executable, "-m", "stalwart")
 
 
-class Follower:
+class Follower(CollectedProcess):
     """``stalwart --store URL tail --follow --json``, its output lines collected."""
 
     def __init__(self, url: str) -> None:
-        self.proc = subprocess.Popen(
-            [*STALWART, "--store", url, "--log-level", "info", "tail", "--follow", "--json"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-        )
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self._readers = [
-            threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
-            threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True),
-        ]
-        for reader in self._readers:
-            reader.start()
-
-    @staticmethod
-    def _read(pipe: Any, into: list[str]) -> None:
-        for line in iter(pipe.readline, ""):
-            into.append(line)
+        argv = [*STALWART, "--store", url, "--log-level", "info", "tail", "--follow", "--json"]
+        super().__init__(argv, ROOT, WAIT)
 
     def positions(self) -> list[int]:
         return [json.loads(line)["position"] for line in list(self.out)]
-
-    def wait(self, check: Callable[[], bool], what: str) -> None:
-        def done() -> bool:
-            assert self.proc.poll() is None, f"exited while waiting for {what}: {self.err}"
-            return check()
-
-        until(done, WAIT, what=what)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-        try:
-            code = self.proc.wait(timeout=WAIT)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-        for reader in self._readers:
-            reader.join(10)
-        for pipe in (self.proc.stdout, self.proc.stderr):
-            if pipe is not None:
-                pipe.close()
-        return code
 
 
 def test_tail_follow_follows_then_ends_with_the_reason_when_the_login_is_refused(
