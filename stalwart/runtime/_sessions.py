@@ -26,6 +26,7 @@ from stalwart.actors import (
     HealthView,
     LeaseLost,
     SendsPending,
+    TimerHandle,
     WakeFailed,
     WorkerReport,
     left_unsaid,
@@ -68,9 +69,12 @@ log = get_logger(__name__)
 #: real time: how often a closing runtime looks again at the sends still in flight
 CLOSE_POLL_S = 0.02
 _REAL_TIME = SystemClock()
-#: How often (real seconds) a durable runtime looks again for sessions whose reply a
-#: stopped or hung worker of the same log left unsent (``_resend_cut_short``).
+#: How often (seconds on the runtime's Clock) a durable runtime looks again for sessions
+#: whose reply a stopped or hung worker of the same log left unsent (``_resend_cut_short``).
 RESEND_SWEEP_S = 10.0
+#: real time: how often the watch makes sure its runtime still runs when no pass is due
+#: (a runtime closes through ``pause_worker``, which wakes it at once; this is a backstop)
+_WATCH_BACKSTOP_S = 60.0
 
 
 class SessionLayer:
@@ -101,8 +105,10 @@ class SessionLayer:
         self._spawn_tool = spawn_tool
         self._handles: dict[str, SessionHandle] = {}  # the sessions whose Agent is up
         self._resend_stop = threading.Event()  # set as the runtime closes
+        self._resend_due = threading.Event()  # set by the watch's timer, and as it closes
         self._resend_lock = threading.Lock()
         self._resend_watch: threading.Thread | None = None
+        self._resend_timer: TimerHandle | None = None
         # passivated (stopped while idle, started again on demand): kept only while the
         # host holds the handle, so a weeks-long process keeps nothing per session it has
         # ever served; one the host let go of starts again from its log, as after a restart
@@ -143,11 +149,12 @@ class SessionLayer:
 
         Runs beside the worker: once over every recent session as it starts (what the
         last runtime left; this thread, ``stalwart-resend``, then ends), and then, in
-        ``stalwart-resend-watch``, every :data:`RESEND_SWEEP_S` over the sessions whose
-        log moved since it last looked and has been quiet for a send's timeout and
-        grace: a worker of the same log that stopped or hung mid-send (frozen,
-        partitioned, killed and not restarted) leaves a settled session nobody would
-        start again."""
+        ``stalwart-resend-watch``, every :data:`RESEND_SWEEP_S` on the runtime's Clock
+        (a scheduler timer: a test moves it with ``FakeClock.advance``) over the
+        sessions whose log moved since it last looked and has been quiet for a send's
+        timeout and grace: a worker of the same log that stopped or hung mid-send
+        (frozen, partitioned, killed and not restarted) leaves a settled session nobody
+        would start again."""
         looked = self._sweep_logged({}, None)
         if looked is None:
             return
@@ -159,15 +166,36 @@ class SessionLayer:
                 target=watch, name="stalwart-resend-watch", daemon=True
             )
             self._resend_watch.start()
+            self._arm_watch()
+
+    def _arm_watch(self) -> None:
+        """The watch's next pass, :data:`RESEND_SWEEP_S` from now (under the lock)."""
+        if not self._resend_stop.is_set():
+            at = self._w.clock.now() + RESEND_SWEEP_S
+            self._resend_timer = self._w.scheduler.schedule(at, self._watch_due)
+
+    def _watch_due(self, _fired_at: float) -> None:
+        self._resend_due.set()  # the scheduler's thread (or the test's advance) only wakes it
 
     def _watch_cut_short(self, looked: dict[str, float]) -> None:
-        """The passes after the first, every :data:`RESEND_SWEEP_S`, while the runtime runs."""
+        """The passes after the first, each when the timer :meth:`_arm_watch` set fires,
+        while the runtime runs."""
         quiet_s = self._w.config.dead_letters.announce_timeout_ms / 1000 + RESEND_GRACE_S
-        while not self._resend_stop.wait(RESEND_SWEEP_S) and self._w.running():
+        while True:
+            if not self._resend_due.wait(_WATCH_BACKSTOP_S):
+                if self._w.running():
+                    continue
+                return
+            self._resend_due.clear()
+            if self._resend_stop.is_set() or not self._w.running():
+                return
             found = self._sweep_logged(looked, quiet_s)
             if found is None:
                 return  # the runtime closed under the pass
             looked = found
+            with self._resend_lock:
+                self._arm_watch()
+            log.debug("runtime.resend_watch_passed", sessions=len(looked))  # and the next armed
 
     def _sweep_logged(
         self, looked: dict[str, float], quiet_s: float | None
@@ -243,7 +271,10 @@ class SessionLayer:
         for replies left unsent ends."""
         with self._resend_lock:
             self._resend_stop.set()
-            watch = self._resend_watch
+            self._resend_due.set()
+            watch, timer = self._resend_watch, self._resend_timer
+        if timer is not None:
+            timer.cancel()
         if watch is not None and watch is not threading.current_thread():
             watch.join(timeout=STOP_TIMEOUT_S)
         if self._durable is not None:
