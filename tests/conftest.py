@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -85,3 +88,25 @@ def fake() -> Iterator[FakeProvider]:
 @pytest.fixture
 def chat() -> MemoryChannel:
     return MemoryChannel("chat")
+
+
+# -- one ``stalwart demo``, for the tests that read what it printed and logged ----------------
+
+
+@pytest.fixture(scope="session")
+def demo_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``stalwart demo`` run once in a real subprocess (it plays its scenes in real time,
+    about 18 s) into a fresh directory: what it printed, and the directory holding its
+    log. The tests that read them only read."""
+    directory = tmp_path_factory.mktemp("demo") / "demo-log"
+    proc = subprocess.run(
+        [sys.executable, "-m", "stalwart", "--store", str(directory), "demo"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    return proc, directory

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,16 +22,10 @@ from stalwart.events import (
 
 
 @pytest.mark.slow
-def test_the_demo_plays_every_scene_and_leaves_an_inspectable_log(tmp_path: Path) -> None:
-    directory = tmp_path / "demo-log"
-    proc = subprocess.run(
-        [sys.executable, "-m", "stalwart", "--store", str(directory), "demo"],
-        capture_output=True,
-        text=True,
-        timeout=110,
-        check=False,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+def test_the_demo_plays_every_scene_and_leaves_an_inspectable_log(
+    demo_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    proc, directory = demo_run
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     out = proc.stdout

@@ -161,7 +161,9 @@ def test_run_records_the_model_calls_of_its_turn(tmp_path: Path, fake: FakeProvi
 
 
 @pytest.mark.slow
-def test_the_demos_outage_degrades_the_provider_on_two_agents_503s(tmp_path: Path) -> None:
+def test_the_demos_outage_degrades_the_provider_on_two_agents_503s(
+    demo_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
     """Scene 3 of ``stalwart demo`` says "Two agents get 503s within the health window
     (3 s here ...): the provider is marked degraded", but its own narration shows one 503
     (billing) and then "DEGRADED (rule: agents; 2 failures within 3 s)": the second
@@ -170,14 +172,7 @@ def test_the_demos_outage_degrades_the_provider_on_two_agents_503s(tmp_path: Pat
     newcomer checking the story with the suggested ``tail --type 'provider:*'`` sees the
     log contradict it. Every agent the degradation names should have had its 503 by
     then (or the scene should say what really tripped it)."""
-    directory = tmp_path / "demo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "stalwart", "--store", str(directory), "demo"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc, directory = demo_run
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Two agents get 503s within the health window" in proc.stdout
     failed_503: set[str] = set()
