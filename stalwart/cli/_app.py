@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -29,6 +31,23 @@ DEFAULT_STORE = "./.stalwart"
 
 #: the highest global position a store can hold (an unsigned 64-bit integer)
 LAST_POSITION = 2**64 - 1
+
+
+class Seconds(click.FloatRange):
+    """A finite number of seconds, ``min`` or more and at most ``max`` (by default the
+    longest a thread can wait): click's ``FloatRange`` lets NaN through (every comparison
+    with it is false), and an option that reaches ``Event.wait`` must be a real wait."""
+
+    name = "seconds"
+
+    def __init__(self, min: float, max: float = threading.TIMEOUT_MAX) -> None:
+        super().__init__(min=min, max=max)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        seconds = super().convert(value, param, ctx)
+        if not math.isfinite(seconds):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        return seconds
 
 
 class _Group(click.Group):

@@ -60,9 +60,14 @@ def parse_since(text: str, newest: float | None) -> float | None:
 
 
 def _newest_ts(store: EventStore, unreadable: Unreadable) -> float | None:
-    head = store.head()
-    last = next(read_all_readable(store, head, head, unreadable=unreadable), None) if head else None
-    return None if last is None else last.ts
+    """The newest time of a readable record (None for none): a pass over the whole log,
+    since log order is not time order across writers (two workers' clocks differ), and
+    the record at the head may be one that cannot be read."""
+    newest: float | None = None
+    for record in read_all_readable(store, unreadable=unreadable):
+        if newest is None or record.ts > newest:
+            newest = record.ts
+    return newest
 
 
 def _row(model: ModelIncidents, provider: ProviderIncidents | None) -> dict[str, Any]:
@@ -179,8 +184,11 @@ def incidents(state: _State, since: str | None, provider: str | None, as_json: b
     store = state.store()
     unreadable = Unreadable()  # records passed over: said after the table
     try:
-        newest = _newest_ts(store, unreadable)
-        start = None if since is None else parse_since(since, newest)
+        empty = store.head() == 0
+        start = None
+        if since is not None:  # a duration counts back from the newest time in the log
+            relative = _DURATION.fullmatch(since.strip()) is not None
+            start = parse_since(since, _newest_ts(store, unreadable) if relative else None)
         folded = fold_incidents(read_all_readable(store, unreadable=unreadable), since=start)
     finally:
         store.close()
@@ -190,7 +198,7 @@ def incidents(state: _State, since: str | None, provider: str | None, as_json: b
             click.echo(to_json(row))
     elif not shown:
         unfiltered = since is None and provider is None
-        click.echo(EMPTY if unfiltered or newest is None else NO_MATCH)
+        click.echo(EMPTY if unfiltered or empty else NO_MATCH)
     else:
         for text in table(folded, shown):
             click.echo(text)

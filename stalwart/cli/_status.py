@@ -305,7 +305,13 @@ def status(state: _State, session: str | None, as_json: bool) -> None:
         lines = overview_lines(data)
     else:
         found = folded.find(session_stream(session))
-        assert found is not None
+        if found is None:  # every record of the stream was passed over: nothing to show
+            unreadable.check()
+            raise SessionActionError(
+                f"no session {session_stream(session)!r} could be read in {store.location}",
+                reason="no_session",
+                session=session_stream(session),
+            )
         data = session_detail(folded, found, now, calls)
         lines = detail_lines(data)
     if as_json:

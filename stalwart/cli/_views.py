@@ -120,7 +120,9 @@ def fold_session(
 ) -> tuple[OrchestratorState, tuple[UnderWay, ...]]:
     """The projection of one session's stream and the dead-letter stream (the rest of the
     log is not read), passing over records that cannot be read; its ``newest_ts`` is the
-    newest event of the whole log. With it, the session's calls still under way."""
+    later of theirs and the log's last record's (when that one can be read: another
+    stream's damage is not this view's to report). With it, the session's calls still
+    under way."""
     own = list(read_readable(store, stream, unreadable=unreadable))
     records = [*own, *read_readable(store, "deadletter", unreadable=unreadable)]
     folder = OrchestratorFolder()
@@ -128,8 +130,9 @@ def fold_session(
         folder.add(record)
     state = folder.state()
     head = store.head()
+    elsewhere = Unreadable()  # the head is read for its time only
     newest = (
-        next(read_all_readable(store, head, head, unreadable=unreadable), None) if head else None
+        next(read_all_readable(store, head, head, unreadable=elsewhere), None) if head else None
     )
     if newest is not None and (state.newest_ts is None or newest.ts > state.newest_ts):
         state = msgspec.structs.replace(state, newest_ts=newest.ts)
@@ -204,11 +207,17 @@ def session_row(view: SessionView, now: float) -> dict[str, Any]:
     }
 
 
-def _dead_letters(state: OrchestratorState, stream: str | None = None) -> dict[str, Any]:
+def _dead_letters(
+    state: OrchestratorState, stream: str | None = None, total: int | None = None
+) -> dict[str, Any]:
+    """The dead letters of the whole log, or of ``stream`` (whose abandoned activations,
+    ``total`` of them, are more than the newest kept when past ``ABANDONED_KEPT``)."""
     if stream is None:
         abandoned, entries = state.abandoned, state.deadletter.entries
+        total = state.abandoned_total
     else:
         abandoned, entries = session_dead_letters(state, stream)
+        total = len(abandoned) if total is None else max(total, len(abandoned))
     return {
         "announcements": [
             {
@@ -235,7 +244,7 @@ def _dead_letters(state: OrchestratorState, stream: str | None = None) -> dict[s
             }
             for a in abandoned
         ],
-        "activations_total": state.abandoned_total if stream is None else len(abandoned),
+        "activations_total": total,
     }
 
 
@@ -339,7 +348,7 @@ def session_detail(
             "abandoned": activations.abandoned,
             "lease_expired": activations.expired,
         },
-        "dead_letters": _dead_letters(state, view.stream),
+        "dead_letters": _dead_letters(state, view.stream, activations.abandoned),
         "drafts": [
             {
                 "path": d.path,

@@ -33,7 +33,7 @@ from stalwart.events import (
 )
 from stalwart.state import OrchestratorFolder
 
-from ._app import _State, cli
+from ._app import Seconds, _State, cli
 from ._render import fmt_ts, to_json
 from ._status import overview_lines
 from ._views import Unreadable, fold_all, now_for, overview, session_stream
@@ -179,18 +179,32 @@ def activations(state: _State, follow: bool, session_id: str | None, as_json: bo
         store.close()
 
 
-def frame(folder: OrchestratorFolder, location: str, rows: int | None) -> list[str]:
-    """One frame of ``watch``: a header and the ``status`` overview."""
+def frame(
+    folder: OrchestratorFolder, location: str, rows: int | None, height: int | None = None
+) -> list[str]:
+    """One frame of ``watch``: a header and the ``status`` overview, with at most ``rows``
+    sessions (all when None). With a ``height`` (a terminal redrawn in place), at most
+    that many lines: ``rows`` None then shows the sessions that leave room for the rest
+    of the frame (at least three), and a frame still too tall (many providers) loses its
+    bottom lines rather than scroll the terminal on every redraw."""
     state = folder.state()
     now = now_for(state)
-    header = f"stalwart watch  {location}  {fmt_ts(now)}  position {state.position}"
-    return [header, "", *overview_lines(overview(state, now), rows, DEAD_LETTERS_SHOWN)]
+    view = overview(state, now)
+    head = [f"stalwart watch  {location}  {fmt_ts(now)}  position {state.position}", ""]
+    lines = head + overview_lines(view, rows, DEAD_LETTERS_SHOWN)
+    if height is None or len(lines) <= height:
+        return lines
+    if rows is None:
+        sessions = len(view["sessions"])
+        fits = sessions - (len(lines) - height) - 1  # the line "... and N more" comes in
+        lines = head + overview_lines(view, max(min(3, sessions), fits), DEAD_LETTERS_SHOWN)
+    return lines[:height]
 
 
 @cli.command()
 @click.option(
     "--interval",
-    type=click.FloatRange(min=0.1),
+    type=Seconds(min=0.1, max=86_400.0),
     default=1.0,
     show_default=True,
     metavar="SECONDS",
@@ -215,8 +229,7 @@ def watch(state: _State, interval: float, once: bool, rows: int | None) -> None:
     try:
         folder = fold_all(store, unreadable=unreadable)
         while True:
-            shown = rows if rows is not None or not live else _fit()
-            lines = frame(folder, store.location, shown)
+            lines = frame(folder, store.location, rows, _height() if live else None)
             if live:  # overwrite in place, line by line: no flicker of a cleared screen
                 click.echo(_HOME + "".join(f"{line}{_CLEAR_LINE}\n" for line in lines), nl=False)
                 click.echo(_CLEAR_BELOW, nl=False)
@@ -233,6 +246,6 @@ def watch(state: _State, interval: float, once: bool, rows: int | None) -> None:
     unreadable.check()
 
 
-def _fit() -> int:
-    """Session rows that fit the terminal below the header, the counts and the rest."""
-    return max(3, shutil.get_terminal_size().lines - 14 - 2 * DEAD_LETTERS_SHOWN)
+def _height() -> int:
+    """The lines a frame may take: the terminal's, less the one the cursor ends on."""
+    return max(1, shutil.get_terminal_size().lines - 1)

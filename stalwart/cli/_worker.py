@@ -22,7 +22,7 @@ from stalwart.errors import StoreNotFoundError
 from stalwart.runtime import Runtime, send_message
 from stalwart.store import open as open_store
 
-from ._app import DEFAULT_STORE, _State, cli, session
+from ._app import DEFAULT_STORE, Seconds, _State, cli, session
 
 
 @cli.command()
@@ -36,7 +36,7 @@ from ._app import DEFAULT_STORE, _State, cli, session
 @click.option(
     "--for",
     "seconds",
-    type=click.FloatRange(min=0),
+    type=Seconds(min=0),
     default=None,
     help="Stop after this many seconds (default: run until SIGTERM or Ctrl-C).",
 )

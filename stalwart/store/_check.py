@@ -72,7 +72,7 @@ def check_store(
                 position=indexed + 1,
             )
         )
-    walked = _walk(store, head, report, progress)
+    walked, unread = _walk(store, head, report, progress)
     report.records = sum(len(stream.positions) for stream in walked.values())
     rows, damaged = _rows(store)
     report.streams = len(rows) + len(damaged)
@@ -91,12 +91,34 @@ def check_store(
                     stream=name,
                 )
             )
+        elif row.version > stream.last_version and row.last_position <= head:
+            # not an append the walk raced: the log should have held its last record
+            what = f"its row says version {row.version}, the log has {stream.last_version}"
+            _row_ahead(report, unread, name, row, what)
         _read_back(store, name, stream, report)
     for name, row in rows.items():
         if name not in walked and row.last_position <= head:
             what = f"streams() has it at version {row.version}, the log does not"
-            report.problems.append(Problem(what=what, stream=name))
+            _row_ahead(report, unread, name, row, what)
     return report
+
+
+def _row_ahead(
+    report: StoreCheck, unread: dict[int, int], name: str, row: StreamInfo, what: str
+) -> None:
+    """A stream's row names a last record (``row.last_position``, within the walk) the
+    log did not give it: the record there that cannot be read is that one (that problem
+    then names the stream), or else ``what`` is a problem of its own."""
+    index = unread.get(row.last_position)
+    if index is not None and report.problems[index].stream is None:
+        problem = report.problems[index]
+        report.problems[index] = Problem(
+            what=f"{problem.what}; by the stream's row it held version {row.version}",
+            position=problem.position,
+            stream=name,
+        )
+        return
+    report.problems.append(Problem(what=what, stream=name))
 
 
 def _rows(store: EventStore) -> tuple[dict[str, StreamInfo], dict[str, StoreError]]:
@@ -115,9 +137,10 @@ def _walk(
     head: int,
     report: StoreCheck,
     progress: Callable[[int], object] | None,
-) -> dict[str, _Walked]:
+) -> tuple[dict[str, _Walked], dict[int, int]]:
     """Every record up to ``head``, by stream; gaps, unreadable records and versions out
-    of order are problems (the walk goes on past each)."""
+    of order are problems (the walk goes on past each). With it, the positions it could
+    not read (the first of a gap), each with the index of its problem."""
     streams: dict[str, _Walked] = {}
     unread: dict[int, int] = {}  # position of a record that cannot be read -> its problem
     expected = 1
@@ -146,7 +169,7 @@ def _walk(
             unread[at] = len(report.problems)
             report.problems.append(Problem(what=f"cannot be read: {exc.reason}", position=at))
             expected = max(at, expected) + 1
-    return streams
+    return streams, unread
 
 
 def _version_gap(
@@ -184,7 +207,14 @@ def _read_back(store: EventStore, name: str, walked: _Walked, report: StoreCheck
         for record in store.read_stream(name, 1, walked.last_version):
             read.append(record.position)
     except CorruptRecordError as exc:
-        if not any(p.position == exc.position for p in report.problems):
+        # said already: that place, or a place of this stream's the read ran into before
+        # it (PostgreSQL names the record after a hole in a stream, LMDB the hole)
+        after = read[-1] if read else 0
+        if not any(
+            p.position == exc.position
+            or (p.stream == name and p.position is not None and after < p.position < exc.position)
+            for p in report.problems
+        ):
             report.problems.append(
                 Problem(what=f"cannot be read: {exc.reason}", position=exc.position, stream=name)
             )
