@@ -53,6 +53,9 @@ from stalwart.events import (
 )
 from stalwart.state import ACTIVATIONS, BREAKER, DEADLETTER, HEALTH, retry_posture
 from stalwart.store import NewEvent, load_state
+from stalwart.testing import PostgresServer
+from tests._relay import CuttingRelay, schema_of
+from tests._runtime_support import CollectedProcess
 from tests.test_cli_db_check import run
 from tests.test_cli_read_review import (
     T0,
@@ -568,3 +571,54 @@ def test_a_watch_frame_costs_what_was_appended_not_the_whole_log(
     assert any(line.startswith("session:new ") for line in shown)
     typical = sorted(costs)[len(costs) // 2]
     assert typical < first / 10, f"a frame took {typical:.4f} s; the first fold {first:.4f} s"
+
+
+# -- watch across a database outage -------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_watch_on_postgres_waits_out_an_outage_and_goes_on_where_it_was(
+    pg_server: PostgresServer, pg_url: str, relay: CuttingRelay
+) -> None:
+    """Was (noticed by the review, not a test then): a PostgreSQL outage longer than the
+    connection timeout ended ``watch`` with "no connection ... within 10 s" and exit 1,
+    while ``tail --follow`` waits it out. Now a frame during the outage is the last one
+    read, its header says since when the store has not answered, and once it answers the
+    view goes on from where it was: what was appended meanwhile is counted once. (A
+    read waits for a connection up to the handle's timeout, 10 s, so the first such
+    frame comes 10-20 s into the outage.)"""
+    with store_module.open(pg_url) as log:  # type: ignore[attr-defined]
+        log.append("session:s1", [SessionCreated(title="one")])
+        url = pg_server.url("stalwart_test").replace(f":{pg_server.port}/", f":{relay.port}/")
+        watch = CollectedProcess(
+            [
+                *_STALWART,
+                "--store",
+                f"{url}?schema={schema_of(pg_url)}&connect_timeout=1",
+                "watch",
+                "--interval",
+                "0.2",
+            ],
+            wait=60.0,
+        )
+        try:
+            watch.wait(lambda: any("position 1" in line for line in watch.out), "a frame")
+            relay.cut_now()
+            log.append("session:s2", [SessionCreated(title="two")])
+            watch.wait(
+                lambda: any("STORE UNREACHABLE since" in line for line in watch.out),
+                "a frame that says the store does not answer",
+            )
+            relay.restore()
+            watch.wait(
+                lambda: any("position 2" in line for line in watch.out[-40:]),
+                "a frame after the outage with what was appended during it",
+            )
+            code = watch.stop()
+        finally:
+            watch.stop()
+    assert code == 0, watch.err
+    last = "".join(watch.out).rsplit("stalwart watch  ", 1)[1]
+    assert "UNREACHABLE" not in last
+    assert "2 sessions" in last, last

@@ -17,7 +17,8 @@ from typing import Any
 
 import click
 
-from stalwart.errors import SessionActionError
+from stalwart.clock import SystemClock
+from stalwart.errors import SessionActionError, StoreUnavailableError
 from stalwart.events import (
     ActivationAbandoned,
     ActivationAcked,
@@ -180,17 +181,25 @@ def activations(state: _State, follow: bool, session_id: str | None, as_json: bo
 
 
 def frame(
-    folder: OrchestratorFolder, location: str, rows: int | None, height: int | None = None
+    folder: OrchestratorFolder,
+    location: str,
+    rows: int | None,
+    height: int | None = None,
+    lost_at: float | None = None,
 ) -> list[str]:
     """One frame of ``watch``: a header and the ``status`` overview, with at most ``rows``
     sessions (all when None). With a ``height`` (a terminal redrawn in place), at most
     that many lines: ``rows`` None then shows the sessions that leave room for the rest
     of the frame (at least three), and a frame still too tall (many providers) loses its
-    bottom lines rather than scroll the terminal on every redraw."""
+    bottom lines rather than scroll the terminal on every redraw. ``lost_at``: the
+    store has not answered since then (the frame is what was read before)."""
     state = folder.state()
     now = now_for(state)
     view = overview(state, now)
-    head = [f"stalwart watch  {location}  {fmt_ts(now)}  position {state.position}", ""]
+    header = f"stalwart watch  {location}  {fmt_ts(now)}  position {state.position}"
+    if lost_at is not None:
+        header += f"  STORE UNREACHABLE since {fmt_ts(lost_at)}: retrying"
+    head = [header, ""]
     lines = head + overview_lines(view, rows, DEAD_LETTERS_SHOWN)
     if height is None or len(lines) <= height:
         return lines
@@ -226,10 +235,12 @@ def watch(state: _State, interval: float, once: bool, rows: int | None) -> None:
     live = sys.stdout.isatty() and not once
     stop = threading.Event()
     unreadable = Unreadable()  # records passed over: said once the view stops
+    lost_at: float | None = None  # the store stopped answering then (an outage)
     try:
         folder = fold_all(store, unreadable=unreadable)
         while True:
-            lines = frame(folder, store.location, rows, _height() if live else None)
+            height = _height() if live else None
+            lines = frame(folder, store.location, rows, height, lost_at)
             if live:  # overwrite in place, line by line: no flicker of a cleared screen
                 click.echo(_HOME + "".join(f"{line}{_CLEAR_LINE}\n" for line in lines), nl=False)
                 click.echo(_CLEAR_BELOW, nl=False)
@@ -238,12 +249,19 @@ def watch(state: _State, interval: float, once: bool, rows: int | None) -> None:
             sys.stdout.flush()
             if once or stop.wait(interval):
                 break
-            fold_all(store, folder, unreadable)
+            try:  # the records read before a failure are folded: the next read goes on
+                fold_all(store, folder, unreadable)
+                lost_at = None
+            except StoreUnavailableError:  # an outage is waited out, as tail --follow does
+                lost_at = lost_at if lost_at is not None else _REAL_TIME.now()
     except KeyboardInterrupt:
         pass
     finally:
         store.close()
     unreadable.check()
+
+
+_REAL_TIME = SystemClock()  # when an outage began, shown as it is waited out
 
 
 def _height() -> int:
