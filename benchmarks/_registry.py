@@ -44,6 +44,7 @@ MODULES: tuple[str, ...] = (
     "benchmarks.long_session",
     "benchmarks.ledger",
     "benchmarks.verify",
+    "benchmarks.watch",
 )
 
 Op = Literal[">=", "<="]

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from stalwart import store as store_module
-from stalwart.cli._views import Unreadable, fold_all
+from stalwart.cli._views import Unreadable, fold_all, overview
 from stalwart.cli._watch import frame
 from stalwart.events import (
     ActivationAbandoned,
@@ -48,10 +48,18 @@ from stalwart.events import (
     ProviderCallFailed,
     ProviderCallSucceeded,
     ProviderDegraded,
+    RecordedEvent,
     SessionCreated,
     SessionRequiresAction,
 )
-from stalwart.state import ACTIVATIONS, BREAKER, DEADLETTER, HEALTH, retry_posture
+from stalwart.state import (
+    ACTIVATIONS,
+    BREAKER,
+    DEADLETTER,
+    HEALTH,
+    OrchestratorFolder,
+    retry_posture,
+)
 from stalwart.store import NewEvent, load_state
 from stalwart.testing import PostgresServer
 from tests._relay import CuttingRelay, schema_of
@@ -571,6 +579,37 @@ def test_a_watch_frame_costs_what_was_appended_not_the_whole_log(
     assert any(line.startswith("session:new ") for line in shown)
     typical = sorted(costs)[len(costs) // 2]
     assert typical < first / 10, f"a frame took {typical:.4f} s; the first fold {first:.4f} s"
+
+
+def test_a_frame_makes_rows_only_for_the_sessions_it_shows_and_still_counts_them_all() -> None:
+    """Noticed by the review: on 20,000 sessions a frame took ~100 ms with ``--rows 20``
+    and ~190 ms to fit a terminal: every frame rebuilt every session's view and row. Now
+    the folder keeps the views no event changed and a frame makes rows only for the
+    sessions it can show (2.4-2.8 ms there); the counts still cover every session."""
+    folder = OrchestratorFolder()
+    for k in range(50):
+        created = RecordedEvent(
+            position=k + 1,
+            stream=f"session:s{k:02d}",
+            version=1,
+            ts=T1 + k,
+            id=f"e{k}",
+            causation_id=None,
+            correlation_id=None,
+            schema=1,
+            event=SessionCreated(title="t", agent="a"),
+        )
+        folder.add(created)
+    fitted = frame(folder, "here", None, height=20)
+    assert len(fitted) <= 20
+    table = [line for line in fitted if line.startswith("session:s")]
+    assert any(line.startswith("50 sessions") for line in fitted), fitted
+    assert f"... and {50 - len(table)} more" in fitted, fitted
+    assert [line.split()[0] for line in table] == [f"session:s{k:02d}" for k in range(len(table))]
+    five = frame(folder, "here", 5)
+    assert "... and 45 more" in five
+    assert overview(folder.state(), T1, limit=5)["counts"] == overview(folder.state(), T1)["counts"]
+    assert len(overview(folder.state(), T1, limit=5)["sessions"]) == 5
 
 
 # -- watch across a database outage -------------------------------------------------------------

@@ -203,6 +203,26 @@ def test_folding_in_pieces_equals_folding_all(records: list[RecordedEvent]) -> N
         assert resumed.state() == whole, split
 
 
+def test_state_asked_between_adds_equals_the_fold_and_reuses_what_did_not_change(
+    records: list[RecordedEvent],
+) -> None:
+    """A live view asks a folder for its state between adds (``watch``, every second):
+    each answer equals folding the records so far afresh, and the sessions no event
+    touched since the last answer are the same objects (nothing rebuilt for them)."""
+    folder = OrchestratorFolder()
+    before = folder.state()
+    for count, record in enumerate(records, start=1):
+        folder.add(record)
+        state = folder.state()
+        assert state == _fold(records[:count]), count
+        assert folder.state().sessions is state.sessions  # no add between: kept whole
+        previous = {view.stream: view for view in before.sessions}
+        for view in state.sessions:
+            if view.stream != record.stream and view.stream in previous:
+                assert view is previous[view.stream], (count, view.stream)
+        before = state
+
+
 def test_apply_is_the_folder_event_by_event(records: list[RecordedEvent]) -> None:
     state = OrchestratorState()
     for record in records:

@@ -91,16 +91,15 @@ def _row_cells(row: dict[str, Any], now: float) -> tuple[str, ...]:
 def sessions_lines(view: dict[str, Any], limit: int | None = None) -> list[str]:
     """The counts line and the sessions table of an overview."""
     now, rows = view["now"], view["sessions"]
+    total = sum(view["counts"].values())  # every session (``rows`` may be the first few)
     counts = ", ".join(f"{n} {status}" for status, n in view["counts"].items() if n)
-    lines = [
-        f"{len(rows)} session{'' if len(rows) == 1 else 's'}" + (f": {counts}" if counts else "")
-    ]
+    lines = [f"{total} session{'' if total == 1 else 's'}" + (f": {counts}" if counts else "")]
     if not rows:
         return lines
     shown = rows if limit is None else rows[:limit]
     lines += table(OVERVIEW_COLUMNS, [_row_cells(r, now) for r in shown])
-    if len(shown) < len(rows):
-        lines.append(f"... and {len(rows) - len(shown)} more")
+    if len(shown) < total:
+        lines.append(f"... and {total - len(shown)} more")
     return lines
 
 

@@ -262,17 +262,19 @@ def _providers(state: OrchestratorState) -> list[dict[str, Any]]:
     ]
 
 
-def overview(state: OrchestratorState, now: float) -> dict[str, Any]:
-    """``status --json`` without a session: one object."""
+def overview(state: OrchestratorState, now: float, limit: int | None = None) -> dict[str, Any]:
+    """``status --json`` without a session: one object. With a ``limit``, the rows of the
+    first ``limit`` sessions only (a view that shows no more; ``counts`` counts them all)."""
     counts = dict.fromkeys(STATUSES, 0)
     for view in state.sessions:
         shown = shown_status(view)
         counts[shown] = counts.get(shown, 0) + 1
+    listed = state.sessions if limit is None else state.sessions[:limit]
     return {
         "now": now,
         "position": state.position,
         "counts": counts,
-        "sessions": [session_row(view, now) for view in state.sessions],
+        "sessions": [session_row(view, now) for view in listed],
         "dead_letters": _dead_letters(state),
         "providers": _providers(state),
     }

@@ -195,7 +195,8 @@ def frame(
     store has not answered since then (the frame is what was read before)."""
     state = folder.state()
     now = now_for(state)
-    view = overview(state, now)
+    # no more rows are made than a frame can show (a store may hold 20,000 sessions)
+    view = overview(state, now, rows if rows is not None or height is None else height)
     header = f"stalwart watch  {location}  {fmt_ts(now)}  position {state.position}"
     if lost_at is not None:
         header += f"  STORE UNREACHABLE since {fmt_ts(lost_at)}: retrying"
@@ -204,8 +205,9 @@ def frame(
     if height is None or len(lines) <= height:
         return lines
     if rows is None:
-        sessions = len(view["sessions"])
-        fits = sessions - (len(lines) - height) - 1  # the line "... and N more" comes in
+        listed, sessions = len(view["sessions"]), sum(view["counts"].values())
+        more = 1 if listed == sessions else 0  # the line "... and N more" comes in
+        fits = listed - (len(lines) - height) - more
         lines = head + overview_lines(view, max(min(3, sessions), fits), DEAD_LETTERS_SHOWN)
     return lines[:height]
 

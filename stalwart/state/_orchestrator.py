@@ -135,7 +135,7 @@ def session_dead_letters(
 
 
 class _Session:
-    __slots__ = ("activations", "drafts", "folder", "run")
+    __slots__ = ("activations", "drafts", "folder", "run", "view")
 
     def __init__(
         self, session: SessionState, activations: ActivationsState, drafts: DraftsState
@@ -144,6 +144,7 @@ class _Session:
         self.activations = activations
         self.drafts = drafts
         self.run = False
+        self.view: SessionView | None = None  # the last one frozen, until an event comes
 
 
 class OrchestratorFolder:
@@ -161,6 +162,10 @@ class OrchestratorFolder:
             held = _Session(v.session, v.activations, v.drafts or DRAFTS.initial(v.stream))
             held.run = v.run
             self._sessions[v.stream] = held
+        # what state() gave last, kept until a session changes (a live view asks for the
+        # state every second: a frame then costs what changed, not every session again)
+        self._order: list[str] | None = None  # the sessions' streams, sorted
+        self._views: tuple[SessionView, ...] | None = None
         self._deadletter = start.deadletter
         self._abandoned = list(start.abandoned)
         self._abandoned_total = start.abandoned_total
@@ -195,6 +200,9 @@ class OrchestratorFolder:
                 SESSION.initial(stream), ACTIVATIONS.initial(stream), DRAFTS.initial(stream)
             )
             self._sessions[stream] = held
+            self._order = None
+        held.view = None
+        self._views = None
         event = record.event
         if isinstance(event, SubagentSpawned):
             held.run = True
@@ -229,16 +237,13 @@ class OrchestratorFolder:
         self._abandoned_total += 1
 
     def state(self) -> OrchestratorState:
-        sessions = tuple(
-            SessionView(
-                stream=stream,
-                session=held.folder.state(),
-                activations=held.activations,
-                drafts=held.drafts,
-                run=held.run,
+        sessions = self._views
+        if sessions is None:
+            if self._order is None:
+                self._order = sorted(self._sessions)
+            sessions = self._views = tuple(
+                self._view(stream, self._sessions[stream]) for stream in self._order
             )
-            for stream, held in sorted(self._sessions.items())
-        )
         providers = tuple(
             ProviderView(provider=name, health=self._health[name], breaker=self._breakers[name])
             for name in sorted(self._health)
@@ -252,6 +257,19 @@ class OrchestratorFolder:
             abandoned_total=self._abandoned_total,
             providers=providers,
         )
+
+    @staticmethod
+    def _view(stream: str, held: _Session) -> SessionView:
+        view = held.view
+        if view is None:
+            view = held.view = SessionView(
+                stream=stream,
+                session=held.folder.state(),
+                activations=held.activations,
+                drafts=held.drafts,
+                run=held.run,
+            )
+        return view
 
 
 def apply_orchestrator(state: OrchestratorState, record: RecordedEvent) -> OrchestratorState:
