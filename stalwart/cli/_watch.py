@@ -189,10 +189,11 @@ def frame(
 ) -> list[str]:
     """One frame of ``watch``: a header and the ``status`` overview, with at most ``rows``
     sessions (all when None). With a ``height`` (a terminal redrawn in place), at most
-    that many lines: ``rows`` None then shows the sessions that leave room for the rest
-    of the frame (at least three), and a frame still too tall (many providers) loses its
-    bottom lines rather than scroll the terminal on every redraw. ``lost_at``: the
-    store has not answered since then (the frame is what was read before)."""
+    that many lines: at most the sessions that leave room for the rest of the frame (at
+    least three, ``rows`` or fewer), and a frame still too tall (a tiny terminal, many
+    providers) loses its bottom lines rather than scroll the terminal on every redraw.
+    ``lost_at``: the store has not answered since then (the frame is what was read
+    before)."""
     state = folder.state()
     now = now_for(state)
     # no more rows are made than a frame can show (a store may hold 20,000 sessions)
@@ -204,11 +205,10 @@ def frame(
     lines = head + overview_lines(view, rows, DEAD_LETTERS_SHOWN)
     if height is None or len(lines) <= height:
         return lines
-    if rows is None:
-        listed, sessions = len(view["sessions"]), sum(view["counts"].values())
-        more = 1 if listed == sessions else 0  # the line "... and N more" comes in
-        fits = listed - (len(lines) - height) - more
-        lines = head + overview_lines(view, max(min(3, sessions), fits), DEAD_LETTERS_SHOWN)
+    listed, sessions = len(view["sessions"]), sum(view["counts"].values())
+    more = 1 if listed == sessions else 0  # the line "... and N more" comes in
+    fits = listed - (len(lines) - height) - more
+    lines = head + overview_lines(view, max(min(3, sessions), fits), DEAD_LETTERS_SHOWN)
     return lines[:height]
 
 

@@ -46,6 +46,11 @@ class StoreCheck(msgspec.Struct, kw_only=True):
         return not self.problems
 
 
+#: at most this many records missing at the log's end are reported one by one
+_NAMED_MAX = 100
+_MISSING = "cannot be read: it is missing from the log"  # as a store says of a hole
+
+
 class _Walked(msgspec.Struct, kw_only=True):
     """A stream as the log's walk saw it: its records' positions, in order."""
 
@@ -75,6 +80,9 @@ def check_store(
     walked, unread = _walk(store, head, report, progress)
     report.records = sum(len(stream.positions) for stream in walked.values())
     rows, damaged = _rows(store)
+    # the head again: an append racing the check moves it; records lost at the log's end
+    # do not (LMDB's head is its last record: their rows are then past it)
+    settled = store.head() == head
     report.streams = len(rows) + len(damaged)
     for name, error in damaged.items():
         report.problems.append(Problem(what=str(error), stream=name))
@@ -91,34 +99,46 @@ def check_store(
                     stream=name,
                 )
             )
-        elif row.version > stream.last_version and row.last_position <= head:
+        elif row.version > stream.last_version and (row.last_position <= head or settled):
             # not an append the walk raced: the log should have held its last record
             what = f"its row says version {row.version}, the log has {stream.last_version}"
-            _row_ahead(report, unread, name, row, what)
+            _row_ahead(report, unread, name, row, _past(what, row, head))
         _read_back(store, name, stream, report)
     for name, row in rows.items():
-        if name not in walked and row.last_position <= head:
+        if name not in walked and (row.last_position <= head or settled):
             what = f"streams() has it at version {row.version}, the log does not"
-            _row_ahead(report, unread, name, row, what)
+            _row_ahead(report, unread, name, row, _past(what, row, head))
     return report
+
+
+def _past(what: str, row: StreamInfo, head: int) -> str:
+    if row.last_position <= head:
+        return what
+    return f"{what}: its last record, at {row.last_position}, is past the log's end ({head})"
 
 
 def _row_ahead(
     report: StoreCheck, unread: dict[int, int], name: str, row: StreamInfo, what: str
 ) -> None:
-    """A stream's row names a last record (``row.last_position``, within the walk) the
-    log did not give it: the record there that cannot be read is that one (that problem
-    then names the stream), or else ``what`` is a problem of its own."""
-    index = unread.get(row.last_position)
-    if index is not None and report.problems[index].stream is None:
-        problem = report.problems[index]
-        report.problems[index] = Problem(
-            what=f"{problem.what}; by the stream's row it held version {row.version}",
-            position=problem.position,
-            stream=name,
-        )
-        return
-    report.problems.append(Problem(what=what, stream=name))
+    """A stream's row names a last record (``row.last_position``) the log did not give
+    it: the record there that cannot be read is that one (that problem then names the
+    stream), or else ``what`` is a problem of its own, at that position."""
+    held = f"by the stream's row it held version {row.version}"
+    if not _name(report, unread, row.last_position, name, held):
+        report.problems.append(Problem(what=what, position=row.last_position, stream=name))
+
+
+def _name(report: StoreCheck, unread: dict[int, int], at: int, stream: str, held: str) -> bool:
+    """Name ``stream`` in the problem of the record at ``at`` that cannot be read (one
+    that names no stream yet), saying what it ``held``; False when there is none."""
+    index = unread.get(at)
+    if index is None or report.problems[index].stream is not None:
+        return False
+    problem = report.problems[index]
+    report.problems[index] = Problem(
+        what=f"{problem.what}; {held}", position=problem.position, stream=stream
+    )
+    return True
 
 
 def _rows(store: EventStore) -> tuple[dict[str, StreamInfo], dict[str, StoreError]]:
@@ -169,6 +189,15 @@ def _walk(
             unread[at] = len(report.problems)
             report.problems.append(Problem(what=f"cannot be read: {exc.reason}", position=at))
             expected = max(at, expected) + 1
+    if expected <= head:  # the log ends before its head (PostgreSQL keeps the head apart)
+        for at in range(expected, min(head, expected + _NAMED_MAX - 1) + 1):
+            unread[at] = len(report.problems)
+            report.problems.append(Problem(what=_MISSING, position=at))
+        if head >= expected + _NAMED_MAX:
+            at = expected + _NAMED_MAX
+            unread[at] = len(report.problems)
+            what = f"positions {at}..{head} are missing: the log ends before its head"
+            report.problems.append(Problem(what=what, position=at))
     return streams, unread
 
 
@@ -180,16 +209,12 @@ def _version_gap(
     stream, position, version = record.stream, record.position, record.version
     due = walked.last_version + 1
     after = walked.positions[-1] if walked.positions else 0
-    between = [at for at in unread if after < at < position]
+    between = sorted(at for at in unread if after < at < position)
     if version > due and between:
-        index = unread[between[0]]
-        problem = report.problems[index]
-        if problem.stream is None:
-            report.problems[index] = Problem(
-                what=f"{problem.what}; by the stream's versions it held version {due}",
-                position=problem.position,
-                stream=stream,
-            )
+        exact = len(between) == version - due  # one place per missing version, in order
+        for offset, at in enumerate(between):
+            held = f"version {due + offset}" if exact else f"one of versions {due}..{version - 1}"
+            _name(report, unread, at, stream, f"by the stream's versions it held {held}")
         return
     report.problems.append(
         Problem(
