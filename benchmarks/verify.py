@@ -57,6 +57,7 @@ from stalwart.state import (
     window_started,
     window_touched,
 )
+from stalwart.testing import recorded
 
 from ._registry import Result, benchmark, ratio
 
@@ -95,17 +96,7 @@ def _run(name: str, start: float, hangs: bool) -> Iterator[Timed]:
 
 
 def _record(stream: str, version: int, ts: float, event: Event) -> RecordedEvent:
-    return RecordedEvent(
-        position=version,
-        stream=stream,
-        version=version,
-        ts=ts,
-        id="0" * 32,
-        causation_id=None,
-        correlation_id=None,
-        schema=1,
-        event=event,
-    )
+    return recorded(event, stream=stream, version=version, ts=ts)
 
 
 def _call(stream: str, call: str, at: float, *, stalls: bool) -> Iterator[Timed]:
@@ -194,19 +185,7 @@ def generate(count: int) -> list[RecordedEvent]:
     out: list[RecordedEvent] = []
     for ts, _, stream, event in merged:
         version = versions[stream] = versions.get(stream, 0) + 1
-        out.append(
-            RecordedEvent(
-                position=len(out) + 1,
-                stream=stream,
-                version=version,
-                ts=ts,
-                id=f"{len(out):032x}",
-                causation_id=None,
-                correlation_id=None,
-                schema=1,
-                event=event,
-            )
-        )
+        out.append(recorded(event, stream=stream, version=version, ts=ts, position=len(out) + 1))
     return out
 
 

@@ -22,25 +22,16 @@ import time
 
 from benchmarks._registry import Result, benchmark, ratio
 from stalwart.cli._watch import frame
-from stalwart.events import MessageAppended, RecordedEvent, SessionCreated
+from stalwart.events import Event, MessageAppended, RecordedEvent, SessionCreated
 from stalwart.state import OrchestratorFolder
+from stalwart.testing import recorded
 
 T0 = 1_800_000_000.0
 HEIGHT = 29  # a 30-line terminal, less the line the cursor ends on
 
 
-def _record(position: int, stream: str, version: int, event: object) -> RecordedEvent:
-    return RecordedEvent(
-        position=position,
-        stream=stream,
-        version=version,
-        ts=T0 + position,
-        id=f"{position:032x}",
-        causation_id=None,
-        correlation_id=None,
-        schema=1,
-        event=event,  # type: ignore[arg-type]
-    )
+def _record(position: int, stream: str, version: int, event: Event) -> RecordedEvent:
+    return recorded(event, stream=stream, version=version, ts=T0 + position, position=position)
 
 
 def _log(sessions: int) -> list[RecordedEvent]:

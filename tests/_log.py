@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Generic, TypeVar
 
+from stalwart import testing
 from stalwart.events import Event, RecordedEvent
 from stalwart.state import Aggregate
 
@@ -12,17 +13,7 @@ S = TypeVar("S")
 
 def recorded(event: Event, ts: float, version: int, stream: str) -> RecordedEvent:
     """``event`` as the log would hold it at ``version`` (position = version)."""
-    return RecordedEvent(
-        position=version,
-        stream=stream,
-        version=version,
-        ts=ts,
-        id=f"e{version}",
-        causation_id=None,
-        correlation_id=None,
-        schema=1,
-        event=event,
-    )
+    return testing.recorded(event, stream=stream, version=version, ts=ts)
 
 
 class FoldedLog(Generic[S]):

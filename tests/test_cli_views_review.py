@@ -48,7 +48,6 @@ from stalwart.events import (
     ProviderCallFailed,
     ProviderCallSucceeded,
     ProviderDegraded,
-    RecordedEvent,
     SessionCreated,
     SessionRequiresAction,
 )
@@ -61,7 +60,7 @@ from stalwart.state import (
     retry_posture,
 )
 from stalwart.store import NewEvent, load_state
-from stalwart.testing import PostgresServer
+from stalwart.testing import PostgresServer, recorded
 from tests._relay import CuttingRelay, schema_of
 from tests._runtime_support import CollectedProcess
 from tests.test_cli_db_check import run
@@ -588,18 +587,10 @@ def test_a_frame_makes_rows_only_for_the_sessions_it_shows_and_still_counts_them
     sessions it can show (2.4-2.8 ms there); the counts still cover every session."""
     folder = OrchestratorFolder()
     for k in range(50):
-        created = RecordedEvent(
-            position=k + 1,
-            stream=f"session:s{k:02d}",
-            version=1,
-            ts=T1 + k,
-            id=f"e{k}",
-            causation_id=None,
-            correlation_id=None,
-            schema=1,
-            event=SessionCreated(title="t", agent="a"),
+        created = SessionCreated(title="t", agent="a")
+        folder.add(
+            recorded(created, stream=f"session:s{k:02d}", version=1, ts=T1 + k, position=k + 1)
         )
-        folder.add(created)
     fitted = frame(folder, "here", None, height=20)
     assert len(fitted) <= 20
     table = [line for line in fitted if line.startswith("session:s")]

@@ -43,7 +43,7 @@ from stalwart.runtime import Runtime
 from stalwart.runtime._sessions import RESEND_SWEEP_S
 from stalwart.state import OrchestratorFolder, OrchestratorState, apply_orchestrator
 from stalwart.store import EventStore
-from stalwart.testing import FakeProvider
+from stalwart.testing import FakeProvider, recorded
 from tests._runtime_support import runtime_config, until
 from tests.test_cli_read_review import stalwart
 from tests.test_postgres_parity_review import _delete_position
@@ -56,17 +56,7 @@ GUARD = 20.0  # real seconds: the longest a wait on other threads may take
 
 
 def _record(position: int, stream: str, version: int, event: Event) -> RecordedEvent:
-    return RecordedEvent(
-        position=position,
-        stream=stream,
-        version=version,
-        ts=T1 + position,
-        id=f"e{position}",
-        causation_id=None,
-        correlation_id=None,
-        schema=1,
-        event=event,
-    )
+    return recorded(event, stream=stream, version=version, ts=T1 + position, position=position)
 
 
 def _busy_folder(sessions: int, providers: int = 3, dead: int = 2) -> OrchestratorFolder:

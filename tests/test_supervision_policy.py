@@ -17,6 +17,7 @@ from stalwart.errors import ConfigError
 from stalwart.events import RecordedEvent, RuntimeStopped, SupervisorGaveUp, SupervisorRestarted
 from stalwart.state import decide_restart, restart_backoff_ms, restart_history
 from stalwart.store import EventStore
+from stalwart.testing import recorded
 from tests._runtime_support import of
 
 T0 = 1_700_000_000.0
@@ -82,17 +83,7 @@ def test_a_calm_period_resets_the_backoff_and_the_cap_holds() -> None:
 
 
 def _record(event: SupervisorRestarted | RuntimeStopped, ts: float, n: int) -> RecordedEvent:
-    return RecordedEvent(
-        position=n,
-        stream="runtime",
-        version=n,
-        ts=ts,
-        id=f"e{n}",
-        causation_id=None,
-        correlation_id=None,
-        schema=1,
-        event=event,
-    )
+    return recorded(event, stream="runtime", version=n, ts=ts)
 
 
 def test_the_history_comes_from_the_log() -> None:

@@ -6,12 +6,14 @@ timeouts, retries and fallbacks can be tested end to end without a network or a 
 ``PostgresServer`` starts a throwaway PostgreSQL cluster (initdb + pg_ctl in a temp dir)
 for testing against the PostgreSQL store; ``PlainStore`` hides a store's optional work
 queue, as a third-party EventStore would not have one. ``conversation`` is a session's
-stored messages, long enough for the context engine to summarize.
+stored messages, long enough for the context engine to summarize; ``recorded`` an event
+as a log would hold it, for folds tested without a store.
 """
 
 from ._conversation import conversation
 from ._plain import PlainStore
 from ._postgres import PostgresServer, postgres_bindir
+from ._records import recorded
 from ._script import (
     Answer,
     Cut,
@@ -55,4 +57,5 @@ __all__ = [
     "load_script",
     "parse_script",
     "postgres_bindir",
+    "recorded",
 ]
