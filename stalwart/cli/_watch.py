@@ -197,7 +197,7 @@ def frame(
     state = folder.state()
     now = now_for(state)
     # no more rows are made than a frame can show (a store may hold 20,000 sessions)
-    view = overview(state, now, rows if rows is not None or height is None else height)
+    view = overview(state, now, min((n for n in (rows, height) if n is not None), default=None))
     header = f"stalwart watch  {location}  {fmt_ts(now)}  position {state.position}"
     if lost_at is not None:
         header += f"  STORE UNREACHABLE since {fmt_ts(lost_at)}: retrying"

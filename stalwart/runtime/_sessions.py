@@ -182,13 +182,12 @@ class SessionLayer:
         while the runtime runs."""
         quiet_s = self._w.config.dead_letters.announce_timeout_ms / 1000 + RESEND_GRACE_S
         while True:
-            if not self._resend_due.wait(_WATCH_BACKSTOP_S):
-                if self._w.running():
-                    continue
-                return
-            self._resend_due.clear()
+            due = self._resend_due.wait(_WATCH_BACKSTOP_S)
             if self._resend_stop.is_set() or not self._w.running():
                 return
+            if not due:
+                continue
+            self._resend_due.clear()
             found = self._sweep_logged(looked, quiet_s)
             if found is None:
                 return  # the runtime closed under the pass
