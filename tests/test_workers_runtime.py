@@ -4,12 +4,23 @@ whole log and still runs every wake, delayed ones included."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
-from stalwart.events import ActivationAcked, ActivationLeased, ActivationReady, RecordedEvent
-from stalwart.runtime import Runtime
+from stalwart.errors import StoreUnavailableError
+from stalwart.events import (
+    ActivationAbandoned,
+    ActivationAcked,
+    ActivationLeased,
+    ActivationReady,
+    ActivationRequeued,
+    LeaseExpired,
+    RecordedEvent,
+)
+from stalwart.runtime import Runtime, send_message
 from stalwart.store import NO_STREAM, Due, EventStore, Fence, NewEvent, WorkQueue
 from stalwart.testing import FakeProvider, PlainStore
 from tests._runtime_support import delivered, has, log_until, of
@@ -88,3 +99,49 @@ def test_claim_knobs_out_of_range_are_config_errors_naming_them(
 
     with pytest.raises(ConfigError, match=key):
         config(fake.base_url, activations={key: value})
+
+
+class _Blipping(PlainStore):
+    """A third-party store whose database blips once: the first read of a session's
+    first record (what starting its Agent for a wake reads) cannot reach it."""
+
+    def __init__(self, store: EventStore) -> None:
+        super().__init__(store)
+        self.blipped = 0
+        inner_read = store.read_stream
+
+        def read_stream(
+            stream: str, from_version: int = 1, to_version: int | None = None
+        ) -> Iterator[RecordedEvent]:
+            if not self.blipped and (from_version, to_version) == (1, 1):
+                self.blipped += 1
+                raise StoreUnavailableError("no connection to the store: is the server up?")
+            return inner_read(stream, from_version, to_version)
+
+        self.read_stream = read_stream
+
+
+def test_a_wake_whose_agent_could_not_start_while_the_store_blipped_runs_once_it_is_back(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """Starting a session's Agent for a wake reads the store; when it cannot be reached
+    (StoreUnavailableError: nothing was handed over), the worker keeps its lease and runs
+    the wake at its next poll. It used to count a failed wake (``wake_refused``): with
+    ``max_attempts`` = 1 the user's message was abandoned though nothing ran, because
+    the database was away for a moment (seen on PostgreSQL while its pool reconnected
+    after an outage)."""
+    blipping = _Blipping(store)
+    settings = config(fake.base_url, activations={"max_attempts": 1})
+    with Runtime(settings, store=blipping, clock=clock, channels={"chat": chat}) as rt:
+        rt.worker()  # started, and polled once
+        send_message(blipping, "s1", "hello", channel="chat", ts=clock.now())
+        clock.advance(1.0)  # the next poll leases it; starting its Agent fails
+        log_until(store, "session:s1", has(ActivationLeased))
+        rt.worker()  # that poll is over
+        assert blipping.blipped == 1
+        clock.advance(1.0)  # the next poll runs the wake it leased
+        [reply] = delivered(rt, chat, 1)
+        records = log_until(store, "session:s1", has(ActivationAcked))
+    assert reply.text == "default answer"
+    assert of((ActivationRequeued, ActivationAbandoned, LeaseExpired), records) == []
+    assert [lease.epoch for lease in of(ActivationLeased, records)] == [1]

@@ -45,7 +45,7 @@ import pykka
 
 from stalwart._logs import get_logger
 from stalwart.clock import Clock
-from stalwart.errors import ConcurrencyError, FencedError, StoreError
+from stalwart.errors import ConcurrencyError, FencedError, StoreError, StoreUnavailableError
 from stalwart.events import (
     ActivationAbandoned,
     ActivationLeased,
@@ -231,7 +231,9 @@ class ActivationWorker(Supervised):
         self._states: dict[str, ActivationsState] = {}
         self._running: dict[str, int] = {}  # stream -> the epoch this worker holds
         self._failing: dict[str, _Unsettled] = {}  # failed wakes whose settling failed
-        self._uncertain: set[str] = set()  # lease appends that may or may not be written
+        #: leases whose wake does not run: their append may or may not have been written,
+        #: or their Agent could not start (the store was away); each poll looks again
+        self._uncertain: set[str] = set()
         self._unchecked: set[str] = set()  # uncertain ones whose stream could not be read
         #: unsettled claims: how often in a row, at which version of the stream
         self._put_off: dict[str, tuple[int, int]] = {}
@@ -466,10 +468,11 @@ class ActivationWorker(Supervised):
         return False
 
     def _recover(self, stream: str, state: ActivationsState, now: float) -> bool:
-        """After a lease append that may or may not have been written, with ``state``
-        folded since: when the log holds this worker's live lease, run its wake (and
-        renew at once: the lease was taken a while ago) rather than let it expire and
-        count as a failure. True when it did."""
+        """After a lease append that may or may not have been written, or a wake whose
+        Agent could not start while the store was away, with ``state`` folded since: when
+        the log holds this worker's live lease, run its wake (and renew at once: the lease
+        was taken a while ago) rather than let it expire and count as a failure. True
+        when it did."""
         self._uncertain.discard(stream)
         lease = state.lease
         if lease is None or lease.owner != self._owner or lease.expires_at <= now:
@@ -499,6 +502,11 @@ class ActivationWorker(Supervised):
         error: str | None = None
         try:
             taken = self._wake(wake)
+        except StoreUnavailableError as exc:  # the store is away: nothing was handed over
+            log.warning("worker.wake_deferred", stream=stream, error=type(exc).__name__)
+            self._ended(WakeEnded(stream, leased.epoch))
+            self._uncertain.add(stream)  # the next poll that reads the log runs it again
+            return
         except StoreError as exc:  # starting its Agent read or wrote the store, and failed
             taken, error = False, type(exc).__name__
         if taken is None:  # the process is stopping: the lease is kept for Release
