@@ -122,14 +122,18 @@ def _shown_url(url: httpx.URL) -> object:
 
 class _HideUrlSecrets(logging.Filter):
     """No secret of a url in httpx's request log line: never its user info (a provider's
-    ``base_url`` may carry a password), and a url :func:`hide_url` names as it says."""
+    ``base_url`` may carry a password), and a url :func:`hide_url` names as it says. The
+    server's reason phrase is its own text (one may echo the request's secret header, or
+    hold terminal escapes): the line shows the standard phrase of its status instead."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
         if isinstance(args, tuple) and any(isinstance(arg, httpx.URL) for arg in args):
-            record.args = tuple(
-                _shown_url(arg) if isinstance(arg, httpx.URL) else arg for arg in args
-            )
+            shown = [_shown_url(arg) if isinstance(arg, httpx.URL) else arg for arg in args]
+            # 'HTTP Request: %s %s "%s %d %s"': method, url, version, status, reason
+            if len(shown) == 5 and isinstance(shown[3], int) and isinstance(shown[4], str):
+                shown[4] = httpx.codes.get_reason_phrase(shown[3])
+            record.args = tuple(shown)
         return True
 
 

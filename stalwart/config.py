@@ -64,7 +64,7 @@ class StoreSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     this config (:func:`stalwart.store.open_configured`), not to a store object the host
     passes in."""
 
-    location: str = ".stalwart"
+    location: Annotated[str, msgspec.Meta(min_length=1)] = ".stalwart"
     snapshot_every: NonNegative = 500
     tail_poll_ms: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None
 
@@ -302,7 +302,7 @@ def _repr_hiding(settings: msgspec.Struct, field: str, *, keep_path: bool) -> st
     if isinstance(url, str) and "://" in url:
         try:
             values[field] = _without_secrets(url, keep_path=keep_path)
-        except ValueError:  # a port that is not one
+        except ValueError:  # not a url at all (an unbalanced '[')
             values[field] = "<a url that cannot be read>"
     shown = ", ".join(f"{f}={v!r}" for f, v in values.items())
     return f"{type(settings).__name__}({shown})"
@@ -317,8 +317,9 @@ def _origin(url: str) -> str:
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
-def webhook_url_problem(url: str) -> str | None:
-    """What makes ``url`` unusable for a webhook, or None; never echoes the url."""
+def url_problem(url: str) -> str | None:
+    """What makes ``url`` unusable for HTTP (a webhook, a provider), or None; never
+    echoes the url."""
     if not url.startswith(("http://", "https://")):
         return "must start with http:// or https://"
     try:
@@ -343,7 +344,7 @@ def _check_channel(where: str, channel: ChannelSettings) -> None:
     if channel.kind == "webhook":
         if channel.url is None:
             fail("url", "a webhook channel needs a url")
-        problem = webhook_url_problem(channel.url)
+        problem = url_problem(channel.url)
         if problem is not None:
             fail("url", problem)
     else:
@@ -354,7 +355,8 @@ def _check_channel(where: str, channel: ChannelSettings) -> None:
         missing = "secret_env" if channel.secret_env is None else "secret_header"
         fail(missing, "secret_header and secret_env go together: set both or neither")
     if channel.secret_header is not None and not _HEADER_NAME.fullmatch(channel.secret_header):
-        fail("secret_header", f"not a valid HTTP header name: {channel.secret_header!r}")
+        # never the value: a whole header line pasted here holds the secret itself
+        fail("secret_header", "not a valid HTTP header name (letters, digits and -; no ':')")
     _ordered(where, "retry_base_ms", channel.retry_base_ms, "retry_cap_ms", channel.retry_cap_ms)
 
 
@@ -451,13 +453,17 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     def __post_init__(self) -> None:
         for name, channel in self.channels.items():
             _check_channel(f"channels.{name}", channel)
-        for name in self.providers:
+        for name, provider in self.providers.items():
             if not name or ":" in name:  # a model is named 'provider:model'
                 raise ConfigError(
                     f"key 'providers.{name}': a provider's name cannot be empty or hold a "
                     "':' (models are named 'provider:model')",
                     key=f"providers.{name}",
                 )
+            problem = url_problem(provider.base_url)  # never echoes it: user info is a password
+            if problem is not None:
+                key = f"providers.{name}.base_url"
+                raise ConfigError(f"key '{key}': {problem}", key=key)
         for name, agent in self.agents.items():
             where = f"agents.{name}"
             if agent.provider not in self.providers:
@@ -505,28 +511,58 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 def _without_secrets(url: str, *, keep_path: bool) -> str:
     parts = urlsplit(url)
     host = parts.hostname or ""
-    origin = f"{parts.scheme}://{host}" + (f":{parts.port}" if parts.port else "")
+    try:
+        port = parts.port
+    except ValueError:  # a port that is not one (a store location is not checked as a URL)
+        return "<a url that cannot be read>"
+    origin = f"{parts.scheme}://{host}" + (f":{port}" if port else "")
     if not keep_path:
         return f"{origin}/..." if parts.path.strip("/") else origin
     return origin + parts.path
 
 
-#: Config keys an agent's own patch may never touch (seed 001: the engine decides which
-#: recall tools the agent has, so switching it would change its own tool exposure).
-OPERATOR_ONLY_KEYS = ("context_engine.version",)
+#: Config keys an agent's own patch may never touch (``*``: any name). Seed 001: the
+#: engine decides which recall tools the agent has, so switching it would change its own
+#: tool exposure; ``subagents`` gives it the spawn tool likewise. The providers (where its
+#: API key goes), the store (the log) and the channels (where users' text goes, with their
+#: secrets) are the operator's too.
+OPERATOR_ONLY_KEYS = (
+    "context_engine.version",
+    "agents.*.subagents",
+    "providers",
+    "store",
+    "channels",
+)
 
 
 def apply_agent_patch(config: Config, patch: dict[str, Any]) -> Config:
     """``config`` with an agent's patch merged in (nested dicts merge, other values
     replace), or ConfigError naming the key when the patch touches an operator-only key
-    (``context_engine.version``) or makes an invalid config. Pure: the caller logs."""
+    (:data:`OPERATOR_ONLY_KEYS`), replaces a section holding one, or makes an invalid
+    config. Pure: the caller logs."""
     for key in OPERATOR_ONLY_KEYS:
-        section, _, leaf = key.partition(".")
-        value = patch.get(section)
-        if section in patch and (not isinstance(value, dict) or leaf in value):
-            raise ConfigError(f"key {key!r} is operator-only: an agent may not change it", key=key)
+        touched = _touched(patch, key.split("."), [])
+        if touched is not None:
+            raise ConfigError(
+                f"key {touched!r} is operator-only: an agent may not change it", key=touched
+            )
     merged = _merge(msgspec.to_builtins(config), patch)  # not to_record: it drops secrets
     return parse_config(merged, source="agent config patch")
+
+
+def _touched(patch: Any, path: list[str], at: list[str]) -> str | None:
+    """The operator-only key ``path`` (below ``at``) that ``patch`` sets, or replaces with
+    a section holding it, or None."""
+    if not path:
+        return ".".join(at)
+    if not isinstance(patch, dict):  # replaces the whole section, the key with it
+        return ".".join([*at, *path])
+    head, rest = path[0], path[1:]
+    for name in patch if head == "*" else [head] if head in patch else []:
+        touched = _touched(patch[name], rest, [*at, str(name)])
+        if touched is not None:
+            return touched
+    return None
 
 
 def _merge(base: Any, patch: Any) -> Any:
@@ -645,13 +681,48 @@ def read_document(path: str | os.PathLike[str], what: str = "config") -> Any:
         raise ConfigError(f"cannot read {what} {name}: {exc.strerror}") from None
     try:
         if name.endswith((".yaml", ".yml")):
-            return yaml.safe_load(raw)
+            return yaml.load(raw, Loader=_UniqueKeys)  # a SafeLoader: no arbitrary objects
         if name.endswith(".json"):
-            return json.loads(raw)
-        return tomllib.loads(raw.decode("utf-8"))
+            return json.loads(raw, object_pairs_hook=_unique_pairs)
+        # utf-8-sig: a byte-order mark (PowerShell's "UTF8") is no statement
+        return tomllib.loads(raw.decode("utf-8-sig"))
+    except RecursionError:
+        raise ConfigError(f"{name} is not valid TOML/YAML/JSON: nested too deeply") from None
     except (tomllib.TOMLDecodeError, yaml.YAMLError, ValueError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"{name} is not valid TOML/YAML/JSON: {first}") from None
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping, as TOML does (the
+    plain loader keeps the last one silently: two ``agents.triage`` entries, one lost)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                again = key in seen
+            except TypeError:  # unhashable: the base loader says so
+                break
+            if again:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"found duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing a key given twice (``json`` keeps the last one silently)."""
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise ValueError(f"found duplicate key {key!r}")
+        found[key] = value
+    return found
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:

@@ -27,7 +27,7 @@ from stalwart._aio import cut_after, sleep_for
 from stalwart._logs import get_logger, hide_url, unhide_url
 from stalwart.backoff import backoff_delay, parse_retry_after
 from stalwart.clock import Clock, SystemClock, Timer
-from stalwart.config import ChannelSettings, webhook_url_problem
+from stalwart.config import ChannelSettings, url_problem
 from stalwart.errors import ChannelError, ConfigError
 
 from ._types import Delivery, OutboundMessage, closed_error
@@ -62,9 +62,7 @@ class WebhookChannel:
     ) -> None:
         where = f"channels.{name}"
         problem = (
-            "a webhook channel needs a url"
-            if settings.url is None
-            else webhook_url_problem(settings.url)
+            "a webhook channel needs a url" if settings.url is None else url_problem(settings.url)
         )
         if problem is not None or settings.url is None:
             raise ConfigError(f"key '{where}.url': {problem}", key=f"{where}.url")
@@ -132,6 +130,8 @@ class WebhookChannel:
                 if self._closed:
                     raise closed_error(self.name) from None
                 raise
+            if self._closed and not isinstance(outcome, int):  # its pool closed under it
+                raise closed_error(self.name)
             if isinstance(outcome, int):
                 return Delivery(channel=self.name, attempts=attempt, status=outcome)
             delay = self._retry_delay(outcome, attempt)
@@ -210,7 +210,7 @@ def _status_failure(status: int, retry_after: float | None) -> _Failure:
         kind, retryable = "rate_limited", True
     elif status == 408:
         kind, retryable = "timeout", True
-    elif status >= 500:
+    elif 500 <= status < 600:
         kind, retryable = "server_error", True
     else:
         kind, retryable = "rejected", False
