@@ -143,10 +143,12 @@ class AgentViewFolder:
 class AgentViewAggregate:
     """The Agent's fold as an :class:`~stalwart.state.Aggregate` (for ``load_state``).
     Version 2 added the ledger, the calls and the stored messages' ids, turns and times
-    (a version 1 snapshot is not used: the first start folds the whole stream again)."""
+    (a version 1 snapshot is not used: the first start folds the whole stream again).
+    Version 3 keeps a call surfaced as ``unreconciled`` among the ledger's started calls
+    until its result is in the conversation (so a step resumed twice never runs it)."""
 
     name = "agent_view"
-    version = 2
+    version = 3
     state_type = AgentView
 
     def initial(self, stream: str) -> AgentView:

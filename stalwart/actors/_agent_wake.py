@@ -212,8 +212,14 @@ class WakeLedger:
                     self.interrupted.clear()
                 elif event.role == "tool" and event.tool_call_id is not None:
                     self.results.add(event.tool_call_id)
+                    self.started.discard(event.tool_call_id)
             case ToolStarted():
                 self.started.add(event.call_id)
+            case ToolFailed(error_class="unreconciled"):
+                # surfaced, but its result is not in the conversation until the step's
+                # results are: a step resumed again (its turn ended first) must surface it
+                # again, never run it
+                pass
             case ToolCompleted() | ToolFailed():
                 self.started.discard(event.call_id)
             case SessionRequiresAction():

@@ -29,7 +29,7 @@ class Tool:
 
     ``arguments`` is the msgspec Struct built from the signature that validates a call's
     arguments; ``extra_keywords`` says the callable takes ``**kwargs``, which receive the
-    arguments the signature does not name.
+    arguments the signature does not name, each converted to ``extra_type`` (its hint).
     """
 
     name: str
@@ -41,6 +41,7 @@ class Tool:
     needs_confirmation: bool
     arguments: type[msgspec.Struct]
     extra_keywords: bool
+    extra_type: Any = Any
     custom: bool = False
     #: ``reconcile(idempotency_key, arguments) -> output | None``: after a crash cut a call
     #: short, whether its effect happened (its output), or None (it did not: run it).
@@ -211,7 +212,7 @@ def build_tool(
 ) -> Tool:
     """A :class:`Tool` for ``fn``, checked (see :meth:`ToolRegistry.register`)."""
     tool_name = name if name is not None else getattr(fn, "__name__", type(fn).__name__)
-    if not isinstance(tool_name, str) or not NAME_PATTERN.match(tool_name):
+    if not isinstance(tool_name, str) or not NAME_PATTERN.fullmatch(tool_name):
         raise ToolRegistrationError(
             f"tool name {tool_name!r} is not allowed: use 1 to 64 letters, digits, '_' or '-'",
             field="name",
@@ -225,11 +226,11 @@ def build_tool(
         )
     signature = signature_of(fn, tool_name)
     if parameters is None:
-        schema = schema_of(signature.arguments, tool_name)
+        schema = schema_of(signature, tool_name)
     else:
         schema = check_explicit(parameters, tool_name)
         try:
-            schema_of(signature.arguments, tool_name)
+            schema_of(signature, tool_name)
         except ToolRegistrationError:  # types msgspec cannot check: check names only
             signature = signature_of(fn, tool_name, loose=True)
     return Tool(
@@ -242,6 +243,7 @@ def build_tool(
         needs_confirmation=needs_confirmation,
         arguments=signature.arguments,
         extra_keywords=signature.extra_keywords,
+        extra_type=signature.extra_type,
     )
 
 

@@ -57,17 +57,45 @@ def parse_arguments(tool: Tool, text: str) -> dict[str, Any] | str:
     except msgspec.ValidationError as exc:
         return str(exc)
     kwargs = {name: getattr(parsed, name) for name in tool.arguments.__struct_fields__}
-    if tool.extra_keywords:
-        kwargs.update((key, item) for key, item in value.items() if key not in kwargs)
+    if not tool.extra_keywords:
+        return kwargs
+    for key, item in value.items():  # the ones **kwargs takes, converted to its hint
+        if key not in kwargs:
+            try:
+                kwargs[key] = msgspec.convert(item, tool.extra_type)
+            except msgspec.ValidationError as exc:
+                return _at(str(exc), key)
     return kwargs
 
 
+def _at(message: str, key: str) -> str:
+    """msgspec's ``message`` about one argument's value, with the path it is at."""
+    head, marker, path = message.rpartition(" - at `$")  # msgspec puts the path last
+    if marker:  # somewhere inside the value
+        return f"{head}{marker}.{key}{path}"
+    return f"{message} - at `$.{key}`"
+
+
 def result_text(result: Any) -> str:
-    """A tool's result as text: a str as it is (made valid Unicode: the lone surrogates of
-    a file name that is not UTF-8 could not be recorded), anything else as JSON."""
+    """A tool's result as text: a str as it is, anything else as JSON; made valid Unicode
+    (the lone surrogates of a file name that is not UTF-8 could not be recorded)."""
     if isinstance(result, str):
         return scrub_surrogates(result)
-    return msgspec.json.encode(result).decode()
+    try:
+        return msgspec.json.encode(result).decode()
+    except UnicodeEncodeError:  # a str somewhere inside: scrub them all, then encode
+        return msgspec.json.encode(_scrubbed(msgspec.to_builtins(result))).decode()
+
+
+def _scrubbed(value: Any) -> Any:
+    """``value`` (builtins only) with every str in it, dict keys too, made valid Unicode."""
+    if isinstance(value, str):
+        return scrub_surrogates(value)
+    if isinstance(value, dict):
+        return {_scrubbed(key): _scrubbed(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_scrubbed(item) for item in value]
+    return value
 
 
 async def _invoke(
@@ -152,7 +180,9 @@ async def run_tool(
                 # a cancellation of the tool's own making (an inner task it cancelled and
                 # awaited) escaped it: that call failed, nobody cancelled the caller
                 return outcome("error", error_text(tool.name, "cancelled", "surface"), "cancelled")
-    except (Exception, SystemExit) as exc:  # an argparse error or sys.exit() in a tool too
+    except BaseException as exc:  # sys.exit(), gevent's Timeout: whatever the tool raised
+        if _not_the_tools(exc):
+            raise
         error_class, action = classify_tool_error(exc)
         text = error_text(tool.name, error_class, action)
         if isinstance(exc, ToolError):
@@ -166,6 +196,17 @@ async def run_tool(
         text = error_text(tool.name, "unencodable_result", "surface")
         return outcome("error", text, "unencodable_result")
     return outcome("ok", text)
+
+
+def _not_the_tools(exc: BaseException) -> bool:
+    """Whether ``exc`` ends more than the call: the event loop's cancellation (the
+    caller's deadline; a tool's own was made an outcome above), an interrupt, or the
+    closing of this coroutine (``GeneratorExit``: nothing may be awaited after it), alone
+    or in a group."""
+    kinds = (anyio.get_cancelled_exc_class(), KeyboardInterrupt, GeneratorExit)
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.subgroup(kinds) is not None
+    return isinstance(exc, kinds)
 
 
 async def run_tools(

@@ -29,6 +29,8 @@ class Signature(msgspec.Struct, frozen=True):
 
     arguments: type[msgspec.Struct]
     extra_keywords: bool
+    #: the type of each argument ``**kwargs`` takes: its hint (``Any`` without one)
+    extra_type: Any = Any
 
 
 def signature_of(fn: Callable[..., Any], name: str, *, loose: bool = False) -> Signature:
@@ -44,11 +46,11 @@ def signature_of(fn: Callable[..., Any], name: str, *, loose: bool = False) -> S
         ) from exc
     hints = {} if loose else _hints(fn, name)
     fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
-    extra = False
+    extra: Any = None  # the **kwargs hint, if there is such a parameter
     for parameter in signature.parameters.values():
         kind = parameter.kind
         if kind is inspect.Parameter.VAR_KEYWORD:
-            extra = True
+            extra = hints.get(parameter.name, Any)
             continue
         if kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL):
             raise ToolRegistrationError(
@@ -63,9 +65,11 @@ def signature_of(fn: Callable[..., Any], name: str, *, loose: bool = False) -> S
         else:
             fields.append((parameter.name, hint, _default(parameter.default)))
     arguments = msgspec.defstruct(
-        f"{name}_arguments", fields, kw_only=True, forbid_unknown_fields=not extra
+        f"{name}_arguments", fields, kw_only=True, forbid_unknown_fields=extra is None
     )
-    return Signature(arguments=arguments, extra_keywords=extra)
+    if extra is None:
+        return Signature(arguments=arguments, extra_keywords=False)
+    return Signature(arguments=arguments, extra_keywords=True, extra_type=extra)
 
 
 def _hints(fn: Callable[..., Any], name: str) -> dict[str, Any]:
@@ -90,10 +94,13 @@ def _default(value: Any) -> Any:
     return value
 
 
-def schema_of(arguments: type[msgspec.Struct], name: str) -> dict[str, Any]:
-    """The self-contained JSON schema of an arguments Struct (``type: object`` at the top)."""
+def schema_of(signature: Signature, name: str) -> dict[str, Any]:
+    """The self-contained JSON schema of a signature's arguments (``type: object`` at the
+    top); a typed ``**kwargs`` gives its type as ``additionalProperties``."""
     try:
-        raw = msgspec.json.schema(arguments)
+        (top, extra), defs = msgspec.json.schema_components(
+            (signature.arguments, signature.extra_type), ref_template=_DEFS + "{name}"
+        )
     except (TypeError, ValueError) as exc:
         raise ToolRegistrationError(
             f"tool {name!r}: a parameter's type has no JSON schema ({exc});"
@@ -101,7 +108,9 @@ def schema_of(arguments: type[msgspec.Struct], name: str) -> dict[str, Any]:
             field="parameters",
             tool=name,
         ) from exc
-    return inline_defs(raw)
+    if signature.extra_keywords and signature.extra_type is not Any:
+        top = {**top, "additionalProperties": extra}
+    return inline_defs({**top, "$defs": defs} if defs else top)
 
 
 def inline_defs(schema: dict[str, Any]) -> dict[str, Any]:
