@@ -22,7 +22,7 @@ from stalwart.events import MessageAppended, SessionCreated, UnknownEvent
 from stalwart.store import EventStore, NewEvent, PostgresEventStore, Snapshot
 from stalwart.testing import PostgresServer
 
-from ._relay import CuttingRelay
+from ._relay import CuttingRelay, schema_of
 from .store_contract import EventStoreContract
 
 
@@ -421,3 +421,28 @@ def test_the_store_is_back_soon_after_the_database_is_whatever_the_outage_lasted
             assert time.monotonic() - back < 30.0, "the store never came back"
     waited = time.monotonic() - back
     assert waited < 4.0, f"the store was back {waited:.1f} s after the database"
+
+
+@pytest.mark.timeout(60)
+def test_a_read_waiting_through_an_outage_gets_a_connection_once_the_database_is_back(
+    pg_server: PostgresServer, pg_url: str, relay: CuttingRelay
+) -> None:
+    """A read that waits for a connection (a worker's only thread) while the database is
+    away longer than the pool's tries at one (``RECONNECT_S``) gets one within about a
+    second of the database's return. Once the pool gave up, it used to try again only
+    for a *new* request: the one waiting sat out its whole wait (10 s here), and a
+    worker's lease renewal landed long after the lease had expired."""
+    url = pg_server.url("stalwart_test").replace(f":{pg_server.port}/", f":{relay.port}/")
+    with PostgresEventStore(f"{url}?schema={schema_of(pg_url)}", connect_timeout=10.0) as db:
+        db.head()
+        relay.cut_now()
+        answered: list[int] = []
+        reader = threading.Thread(target=lambda: answered.append(db.head()), daemon=True)
+        reader.start()  # finds its connection broken, then waits for another
+        time.sleep(4.0)  # real-time: away for longer than the pool's 2 s of tries
+        relay.restore()
+        back = time.monotonic()
+        reader.join(30.0)
+        waited = time.monotonic() - back
+    assert answered, "the waiting read never got a connection"
+    assert waited < 4.0, f"the waiting read got a connection {waited:.1f} s after the database"

@@ -213,10 +213,19 @@ def lost(exc: StoreError) -> bool:
 
 #: how long the pool keeps trying to replace a connection that broke, with its backoff
 #: (1 s, then 2 s, 4 s... between tries), before it forgets that slot; the next request
-#: that finds no connection opens one at once. psycopg_pool's default, 5 minutes, let the
-#: backoff outgrow an outage: after 20 s without the database, the store stayed out of
-#: reach 9 s longer than the database did.
+#: that finds no connection opens one at once, and one already waiting has the pool try
+#: again at once (:func:`_try_again_if_waited_for`). psycopg_pool's default, 5 minutes,
+#: let the backoff outgrow an outage: after 20 s without the database, the store stayed
+#: out of reach 9 s longer than the database did.
 RECONNECT_S = 2.0
+
+
+def _try_again_if_waited_for(pool: psycopg_pool.ConnectionPool[Any]) -> None:
+    """psycopg_pool gave up replacing a connection (after :data:`RECONNECT_S`): while a
+    request waits for one, start another round of tries at once (``check`` grows the
+    pool), or it would wait out its whole timeout though the server may be back."""
+    if pool.get_stats().get("requests_waiting", 0):
+        pool.check()
 
 
 class Connections:
@@ -241,6 +250,7 @@ class Connections:
                 num_workers=1,
                 timeout=timeout,
                 reconnect_timeout=RECONNECT_S,
+                reconnect_failed=_try_again_if_waited_for,
                 name="stalwart-pg",
             )
         )
