@@ -662,7 +662,7 @@ def test_wrong_content_type(http: httpx.Client, api: str) -> None:
     [
         ("openai", "server_error", "stream_error", True),
         ("anthropic", "overloaded_error", "overloaded", True),
-        ("anthropic", "invalid_request_error", "stream_error", False),
+        ("anthropic", "invalid_request_error", "bad_request", False),
     ],
 )
 def test_error_event_inside_the_stream(

@@ -6,10 +6,10 @@ from typing import Any
 
 import msgspec
 
-from stalwart.errors import ProviderError
 from stalwart.events import ToolCall
 
-from ._classify import stream_error
+from ._classify import STREAM_ERRORS, classify_stream_error, stream_error
+from ._shape import label, number, text
 from ._sse import SseEvent
 from ._types import (
     Done,
@@ -24,7 +24,9 @@ from ._types import (
 
 API_VERSION = "2023-06-01"
 _json_decode = msgspec.json.decode
-_RETRYABLE_STREAM_ERRORS = {"overloaded_error", "api_error", "rate_limit_error", "timeout_error"}
+#: an ``overloaded_error`` event is ``overloaded`` (as a 529 is); ``api_error`` and
+#: ``timeout_error`` are ``stream_error``, retryable
+_STREAM_ERRORS = (("overloaded", "overloaded", True), *STREAM_ERRORS)
 
 
 def _image(url: str) -> dict[str, Any]:
@@ -95,7 +97,7 @@ def prompt_tokens(usage: dict[str, Any]) -> int:
     """The whole prompt's tokens: Anthropic counts the cached part apart (read from the
     cache, or written to it) from ``input_tokens``; OpenAI's ``prompt_tokens`` includes it."""
     return sum(
-        int(usage.get(field) or 0)
+        number(usage.get(field))
         for field in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
     )
 
@@ -139,29 +141,29 @@ class AnthropicWire:
 
     def response(self, data: dict[str, Any]) -> tuple[str, str, tuple[ToolCall, ...], str, Usage]:
         """(text, thinking, tool calls, stop reason, usage) of a non-streamed reply."""
-        text, thinking, calls = [], [], []
+        texts, thinking, calls = [], [], []
         for block in data.get("content") or ():
             kind = block.get("type")
             if kind == "text":
-                text.append(block.get("text", ""))
+                texts.append(text(block.get("text")))
             elif kind == "thinking":
-                thinking.append(block.get("thinking", ""))
+                thinking.append(text(block.get("thinking")))
             elif kind == "tool_use":
                 arguments = msgspec.json.encode(block.get("input") or {}).decode()
                 calls.append(
                     ToolCall(
-                        id=block.get("id", ""), name=block.get("name", ""), arguments=arguments
+                        id=text(block.get("id")), name=text(block.get("name")), arguments=arguments
                     )
                 )
         usage = data.get("usage") or {}
         return (
-            "".join(text),
+            "".join(texts),
             "".join(thinking),
             tuple(calls),
-            data.get("stop_reason") or "end_turn",
+            text(data.get("stop_reason")) or "end_turn",
             Usage(
                 input_tokens=prompt_tokens(usage),
-                output_tokens=usage.get("output_tokens", 0),
+                output_tokens=number(usage.get("output_tokens")),
             ),
         )
 
@@ -202,14 +204,16 @@ class AnthropicStream:
             usage = (data.get("message") or {}).get("usage") or {}
             return [Usage(input_tokens=prompt_tokens(usage))]
         if kind == "message_delta":
-            self._finish = (data.get("delta") or {}).get("stop_reason") or self._finish
+            self._finish = text((data.get("delta") or {}).get("stop_reason")) or self._finish
             usage = data.get("usage") or {}
-            return [Usage(output_tokens=usage.get("output_tokens") or 0)] if usage else []
+            return [Usage(output_tokens=number(usage.get("output_tokens")))] if usage else []
         if kind == "message_stop":
             self.done = True
             return [Done(self._finish)]
         if kind == "error":
-            raise self._error(data.get("error") or {})
+            raise classify_stream_error(
+                data.get("error"), provider=self.provider, model=self.model, classes=_STREAM_ERRORS
+            )
         return []
 
     def _start(self, data: dict[str, Any]) -> list[StreamEvent]:
@@ -217,33 +221,26 @@ class AnthropicStream:
         if block.get("type") == "tool_use":
             index = len(self._tool_index)
             self._tool_index[data.get("index", 0)] = index
-            return [ToolCallDelta(index=index, id=block.get("id"), name=block.get("name"))]
-        if block.get("type") == "text" and block.get("text"):
-            return [TextDelta(block["text"])]
+            name = label(block.get("name"))
+            return [ToolCallDelta(index=index, id=label(block.get("id")), name=name)]
+        if block.get("type") == "text":
+            started = text(block.get("text"))
+            return [TextDelta(started)] if started else []
         return []
 
     def _delta(self, data: dict[str, Any]) -> list[StreamEvent]:
+        """The delta's events; one that carries nothing (an empty text) yields none, so it
+        is not taken for activity."""
         delta = data.get("delta") or {}
         kind = delta.get("type")
         if kind == "text_delta":
-            return [TextDelta(delta.get("text", ""))]
+            piece = text(delta.get("text"))
+            return [TextDelta(piece)] if piece else []
         if kind == "thinking_delta":
-            return [ThinkingDelta(delta.get("thinking", ""))]
+            piece = text(delta.get("thinking"))
+            return [ThinkingDelta(piece)] if piece else []
         if kind == "input_json_delta":
+            piece = text(delta.get("partial_json"))
             index = self._tool_index.get(data.get("index", 0), 0)
-            return [ToolCallDelta(index=index, arguments=delta.get("partial_json", ""))]
+            return [ToolCallDelta(index=index, arguments=piece)] if piece else []
         return []
-
-    def _error(self, error: dict[str, Any]) -> ProviderError:
-        kind = error.get("type")
-        retryable = kind in _RETRYABLE_STREAM_ERRORS
-        name = {"overloaded_error": "overloaded", "rate_limit_error": "rate_limited"}.get(
-            str(kind), "stream_error"
-        )
-        return ProviderError(
-            f"{self.provider}/{self.model}: the stream reported an error ({name})",
-            kind=name,
-            retryable=retryable,
-            provider=self.provider,
-            model=self.model,
-        )

@@ -6,6 +6,8 @@ Bodies are read only to tell a context overflow or a content-policy refusal from
 
 from __future__ import annotations
 
+import re
+
 import httpx
 
 from stalwart.backoff import parse_retry_after
@@ -35,7 +37,12 @@ _OVERFLOW_MARKERS = (
     b"prompt is too long",
     b"context window",
     b"too many tokens",
+    b"exceed context limit",  # Anthropic: "input length and `max_tokens` exceed context limit"
+    b"exceeds the available context size",  # llama.cpp server
+    b"exceed_context_size_error",  # llama.cpp server's error type
 )
+#: Gemini: "The input token count (1048577) exceeds the maximum number of tokens allowed"
+_OVERFLOW_WORDS = re.compile(rb"input token count\b.{0,64}?\bexceeds the maximum")
 _POLICY_MARKERS = (b"content_policy", b"content_filter", b"safety", b"moderation")
 
 
@@ -58,9 +65,7 @@ def classify_status(
         if kind is None:
             retryable = status >= 500
             kind = "server_error" if retryable else "client_error"
-    if not retryable and (
-        kind == "context_overflow" or any(m in lowered for m in _OVERFLOW_MARKERS)
-    ):
+    if not retryable and (kind == "context_overflow" or _overflows(lowered)):
         return ContextOverflowError(
             f"{provider}/{model}: the prompt does not fit the model's context window "
             f"(HTTP {status})",
@@ -81,6 +86,11 @@ def classify_status(
         provider=provider,
         model=model,
     )
+
+
+def _overflows(lowered: bytes) -> bool:
+    """Whether an error body (lower-cased) says the prompt does not fit the context."""
+    return any(m in lowered for m in _OVERFLOW_MARKERS) or bool(_OVERFLOW_WORDS.search(lowered))
 
 
 def unsendable(*, provider: str, model: str) -> ProviderError:
@@ -154,6 +164,43 @@ def stream_error(kind: str, detail: str, *, provider: str, model: str) -> Provid
         f"{provider}/{model}: {detail}",
         kind=kind,
         retryable=True,
+        provider=provider,
+        model=model,
+    )
+
+
+#: the class an error reported inside a stream takes, by the words of its ``type`` or
+#: ``code`` (the first that matches): the classes of the HTTP statuses those errors are
+#: documented with. Any other error is ``stream_error``, retryable.
+STREAM_ERRORS: tuple[tuple[str, str, bool], ...] = (
+    ("rate_limit", "rate_limited", True),
+    ("invalid_request", "bad_request", False),
+    ("authentication", "auth", False),
+    ("permission", "forbidden", False),
+    ("not_found", "not_found", False),
+    ("billing", "client_error", False),
+)
+
+
+def classify_stream_error(
+    error: object,
+    *,
+    provider: str,
+    model: str,
+    classes: tuple[tuple[str, str, bool], ...] = STREAM_ERRORS,
+) -> ProviderError:
+    """The typed error for an error the provider reported inside the stream
+    (``{"error": {"type": ..., "code": ...}}``), told apart by its ``type`` and ``code``
+    only: its message never reaches the error."""
+    words = ""
+    if isinstance(error, dict):
+        words = " ".join(v for v in (error.get("type"), error.get("code")) if isinstance(v, str))
+    words = words.lower()
+    kind, retryable = next(((k, r) for m, k, r in classes if m in words), ("stream_error", True))
+    return ProviderError(
+        f"{provider}/{model}: the stream reported an error ({kind})",
+        kind=kind,
+        retryable=retryable,
         provider=provider,
         model=model,
     )

@@ -8,6 +8,7 @@ or logs). Transport errors, error statuses and broken streams all become Provide
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
@@ -23,7 +24,7 @@ from stalwart.events import ToolCall
 from ._anthropic import AnthropicWire
 from ._classify import classify_request, classify_status, stream_error, unsendable
 from ._openai import OpenAIWire
-from ._sse import SseEvent, SseFrameTooLarge, SseParser
+from ._sse import MAX_FRAME_BYTES, SseEvent, SseFrameTooLarge, SseParser
 from ._types import (
     Done,
     ProviderRequest,
@@ -38,6 +39,10 @@ from ._types import (
 _ERROR_BODY_LIMIT = 64 * 1024
 _DRAIN_LIMIT = 64 * 1024
 _DRAIN_SECONDS = 0.05
+#: a whole (non-streamed) reply is refused past this many bytes, as a streamed frame is
+_REPLY_LIMIT = MAX_FRAME_BYTES
+#: a bare media type (``type/subtype``), the only part of a Content-Type an error shows
+_MEDIA_TYPE = re.compile(r"[a-z0-9][a-z0-9!#$&^_.+-]{0,63}/[a-z0-9][a-z0-9!#$&^_.+-]{0,63}")
 
 
 class _Decoder(Protocol):
@@ -60,7 +65,8 @@ WIRES: dict[str, _Wire] = {"openai": OpenAIWire(), "anthropic": AnthropicWire()}
 
 
 #: what reading a frame of valid JSON but the wrong shape raises (``.get`` on a string, a
-#: missing key, a number that is not one): the wires read dicts as the APIs document them
+#: missing key, a number that is not one, a value of the wrong type: ``_shape.WrongShape``
+#: is a TypeError): the wires read dicts as the APIs document them
 _SHAPE_ERRORS = (AttributeError, TypeError, KeyError, IndexError, ValueError)
 
 
@@ -149,7 +155,7 @@ class ProviderClient:
                 if "text/event-stream" not in content_type:
                     raise stream_error(
                         "malformed",
-                        f"expected an event stream, got {content_type or 'nothing'}",
+                        f"expected an event stream, got {_media_type(content_type)}",
                         provider=self.name,
                         model=model,
                     )
@@ -183,23 +189,37 @@ class ProviderClient:
         )
 
     async def complete(self, model: str, request: ProviderRequest) -> ProviderResponse:
-        """A whole reply without streaming."""
+        """A whole reply without streaming; one larger than ``MAX_FRAME_BYTES`` is refused
+        as malformed instead of buffered without bound."""
         body = msgspec.json.encode(self._wire.body(model, request, stream=False))
         try:
-            response = await self._http.post(self._url, content=body, headers=self._headers(model))
+            async with self._http.stream(
+                "POST", self._url, content=body, headers=self._headers(model)
+            ) as response:
+                if response.status_code != 200:
+                    raise await self._fail(response, model)
+                content = await self._whole(response, model)
         except httpx.RequestError as exc:
             raise classify_request(exc, provider=self.name, model=model) from _cause(exc)
-        if response.status_code != 200:
-            raise classify_status(
-                response.status_code,
-                response.content,
-                response.headers.get("retry-after"),
-                provider=self.name,
-                model=model,
-                now=self._clock.now(),
-            )
+        return self._reply(model, content)
+
+    async def _whole(self, response: httpx.Response, model: str) -> bytes:
+        """The reply's body, read up to ``_REPLY_LIMIT`` bytes and refused past it."""
+        content = bytearray()
+        async for chunk in response.aiter_bytes():
+            content += chunk
+            if len(content) > _REPLY_LIMIT:
+                raise stream_error(
+                    "malformed",
+                    f"the reply is larger than {_REPLY_LIMIT} bytes",
+                    provider=self.name,
+                    model=model,
+                )
+        return bytes(content)
+
+    def _reply(self, model: str, content: bytes) -> ProviderResponse:
         try:
-            data = msgspec.json.decode(response.content)
+            data = msgspec.json.decode(content)
         except msgspec.DecodeError:
             data = None
         if not isinstance(data, dict):
@@ -220,6 +240,16 @@ class ProviderClient:
             input_tokens=usage.input_tokens,
             output_tokens=usage.output_tokens,
         )
+
+
+def _media_type(content_type: str) -> str:
+    """What an error may say of a reply's Content-Type: its bare media type when that is
+    a plain ``type/subtype`` token; the header's full text (a proxy may reflect the
+    request's headers into it) never."""
+    if not content_type:
+        return "nothing"
+    bare = content_type.partition(";")[0].strip().lower()
+    return bare if _MEDIA_TYPE.fullmatch(bare) else "another content type"
 
 
 def _cause(exc: httpx.RequestError) -> BaseException | None:

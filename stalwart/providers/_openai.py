@@ -9,7 +9,8 @@ import msgspec
 from stalwart.errors import ProviderError
 from stalwart.events import ToolCall
 
-from ._classify import stream_error
+from ._classify import classify_stream_error, stream_error
+from ._shape import label, number, text
 from ._sse import SseEvent
 from ._types import (
     Done,
@@ -88,21 +89,21 @@ class OpenAIWire:
         message = choice.get("message") or {}
         calls = tuple(
             ToolCall(
-                id=c.get("id", ""),
-                name=(c.get("function") or {}).get("name", ""),
-                arguments=(c.get("function") or {}).get("arguments") or "{}",
+                id=text(c.get("id")),
+                name=text((c.get("function") or {}).get("name")),
+                arguments=text((c.get("function") or {}).get("arguments")) or "{}",
             )
             for c in message.get("tool_calls") or ()
         )
         usage = data.get("usage") or {}
         return (
-            message.get("content") or "",
-            message.get("reasoning_content") or message.get("reasoning") or "",
+            text(message.get("content")),
+            text(message.get("reasoning_content") or message.get("reasoning")),
             calls,
-            choice.get("finish_reason") or "stop",
+            text(choice.get("finish_reason")) or "stop",
             Usage(
-                input_tokens=usage.get("prompt_tokens", 0),
-                output_tokens=usage.get("completion_tokens", 0),
+                input_tokens=number(usage.get("prompt_tokens")),
+                output_tokens=number(usage.get("completion_tokens")),
             ),
         )
 
@@ -115,10 +116,10 @@ class OpenAIStream:
         self.model = model
         self.done = False
         self._finish = "stop"
-        # tool calls sent without ``index`` (some compatible servers send each call
-        # whole): a slot per call id
-        self._slots: dict[str, int] = {}
-        self._last_slot = -1
+        # a wire index streams one tool call at a time: the slot it streams now (None:
+        # calls sent without ``index``), and each slot's call id ("" until one is sent)
+        self._open: dict[int | None, int] = {}
+        self._ids: list[str] = []
 
     def feed(self, frame: SseEvent) -> list[StreamEvent]:
         if frame.data == "[DONE]":
@@ -131,7 +132,7 @@ class OpenAIStream:
         if not isinstance(chunk, dict):
             raise self._malformed()
         if "error" in chunk:
-            raise self._error(chunk["error"])
+            raise classify_stream_error(chunk["error"], provider=self.provider, model=self.model)
         out: list[StreamEvent] = []
         for choice in chunk.get("choices") or ():
             self._choice(choice, out)
@@ -139,55 +140,55 @@ class OpenAIStream:
         if usage:
             out.append(
                 Usage(
-                    input_tokens=usage.get("prompt_tokens") or 0,
-                    output_tokens=usage.get("completion_tokens") or 0,
+                    input_tokens=number(usage.get("prompt_tokens")),
+                    output_tokens=number(usage.get("completion_tokens")),
                 )
             )
         return out
 
     def _choice(self, choice: dict[str, Any], out: list[StreamEvent]) -> None:
         delta = choice.get("delta") or {}
-        thinking = delta.get("reasoning_content") or delta.get("reasoning")
+        thinking = text(delta.get("reasoning_content") or delta.get("reasoning"))
         if thinking:
             out.append(ThinkingDelta(thinking))
-        if delta.get("content"):
-            out.append(TextDelta(delta["content"]))
+        content = text(delta.get("content"))
+        if content:
+            out.append(TextDelta(content))
         for call in delta.get("tool_calls") or ():
             function = call.get("function") or {}
+            call_id = label(call.get("id"))
+            index = call.get("index")
             out.append(
                 ToolCallDelta(
-                    index=self._slot(call),
-                    id=call.get("id"),
-                    name=function.get("name"),
-                    arguments=function.get("arguments") or "",
+                    index=self._slot(None if index is None else number(index), call_id),
+                    id=call_id,
+                    name=label(function.get("name")),
+                    arguments=text(function.get("arguments")),
                 )
             )
-        if choice.get("finish_reason"):
-            self._finish = choice["finish_reason"]
+        finish = text(choice.get("finish_reason"))
+        if finish:
+            self._finish = finish
 
-    def _slot(self, call: dict[str, Any]) -> int:
-        """The call's accumulator slot: its ``index``; without one, a slot per call id
-        (in the order the ids came), and a delta without an id continues the last."""
-        index = call.get("index")
-        if index is not None:
-            self._last_slot = int(index)
-        elif call.get("id"):
-            self._last_slot = self._slots.setdefault(call["id"], len(self._slots))
-        return max(self._last_slot, 0)
+    def _slot(self, index: int | None, call_id: str | None) -> int:
+        """The call's accumulator slot, in the order the calls came. A wire index streams
+        one call at a time: a delta with a new id opens a new slot even on an index already
+        taken (Ollama and LiteLLM send every parallel call as index 0); one without an id,
+        or with the same id, continues it. Calls sent whole without ``index`` are told
+        apart by their ids the same way."""
+        slot = self._open.get(index)
+        if slot is None or (call_id and self._ids[slot] not in ("", call_id)):
+            slot = len(self._ids)
+            self._ids.append("")
+            self._open[index] = slot
+        if call_id:
+            self._ids[slot] = call_id
+        return slot
 
     def _malformed(self) -> ProviderError:
         return stream_error(
             "malformed",
             "an event-stream frame is not valid JSON",
-            provider=self.provider,
-            model=self.model,
-        )
-
-    def _error(self, error: Any) -> ProviderError:
-        del error  # the provider's words stay out of errors and events
-        return stream_error(
-            "stream_error",
-            "the stream reported an error",
             provider=self.provider,
             model=self.model,
         )
