@@ -67,6 +67,7 @@ from stalwart.state import (
     decide_expiry,
     decide_retries,
     expiry_at,
+    hold_ms,
     next_retry_at,
 )
 from stalwart.store import EventStore, NewEvent, load_state, read_readable
@@ -228,8 +229,11 @@ class DeadLetterActor(Supervised):
         stream: str = DEADLETTER_STREAM,
         on_crash: Callable[[str], object] | None = None,
         any_degraded: Callable[[], bool] | None = None,
+        runtime: str | None = None,
     ) -> None:
         super().__init__()
+        #: the runtime instance this queue sends for (recorded with each retry)
+        self._runtime = runtime
         self._on_crash = on_crash
         self._store = store
         self._clock = clock
@@ -360,7 +364,18 @@ class DeadLetterActor(Supervised):
     def _drain(self, provider: str) -> None:
         now = self._clock.now()
         self._expire(now)
-        sent = self._retry(now, lambda: decide_drain(self._state, provider, busy=self._in_flight))
+        hold = hold_ms(self._settings.announce_timeout_ms)
+        sent = self._retry(
+            now,
+            lambda: decide_drain(
+                self._state,
+                provider,
+                busy=self._in_flight,
+                now=now,
+                hold_ms=hold,
+                runtime=self._runtime,
+            ),
+        )
         log.info("deadletter.draining", provider=provider, entries=sent)
         self._arm()
 
@@ -384,6 +399,8 @@ class DeadLetterActor(Supervised):
                 base_ms=settings.retry_base_ms,
                 cap_ms=settings.retry_cap_ms,
                 busy=self._in_flight,
+                hold_ms=hold_ms(settings.announce_timeout_ms),
+                runtime=self._runtime,
             ),
         )
         self._arm()
@@ -507,6 +524,8 @@ class DeadLetterActor(Supervised):
             max_retries=settings.max_retries,
             base_ms=settings.retry_base_ms,
             cap_ms=settings.retry_cap_ms,
+            hold_ms=hold_ms(settings.announce_timeout_ms),
+            runtime=self._runtime,
         )
         if retry is not None and self._held():
             # no retry is spent while held; look again now and then in case a recovery's

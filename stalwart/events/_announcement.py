@@ -67,12 +67,15 @@ class AnnouncementDeadLetterRetried(Event, frozen=True, tag="announcement:dead_l
     """The dead-letter queue sends entry ``entry_id`` again, its ``attempt``-th retry:
     because its backoff came (``backoff``) or because ``provider`` recovered (``drain``:
     every entry at once, whatever its backoff). Appended before the send; the send's
-    outcome follows as ``announcement:send_failed`` or ``..._delivered``."""
+    outcome follows as ``announcement:send_failed`` or ``..._delivered``. ``runtime``:
+    the runtime instance whose queue sends it (a queue of another runtime on the same
+    store leaves the entry alone while the send may still be under way)."""
 
     entry_id: str
     attempt: int
     reason: Literal["backoff", "drain"] = "backoff"
     provider: str | None = None
+    runtime: str | None = None
 
 
 class AnnouncementDeadLetterDelivered(Event, frozen=True, tag="announcement:dead_letter_delivered"):

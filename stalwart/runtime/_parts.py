@@ -45,6 +45,11 @@ __all__ = ["PartsLayer"]
 log = get_logger(__name__)
 
 
+#: how long a runtime's start waits for a provider's health actor to fold its stream
+#: before it starts the dead-letter queue regardless
+HEALTH_START_S = 30.0
+
+
 class PartsLayer:
     """Starts, asks, stops and restarts the runtime's infrastructure actors.
 
@@ -69,15 +74,21 @@ class PartsLayer:
         self.announcer_ref = LiveRef(lambda: self._announcer, "announcer", hold=True)
 
     def start(self, runs: RunLayer) -> None:
-        """The dead-letter queue, the supervisor and the announcer (over ``runs``), then
-        one health actor per provider."""
+        """One health actor per provider, each started (it folded its stream and
+        published what it says: the dead-letter queue's first tick must see a provider
+        the log says is degraded), then the dead-letter queue, the supervisor and the
+        announcer (over ``runs``)."""
         self._runs = runs
         self._restarts = self._make_restarts()
-        self._dead_letters = self._start_dead_letters()
-        self._supervisor = self._start_supervisor()
-        self._announcer = self._start_announcer()
         for provider in self._w.config.providers:
             self._health[provider] = self._start_health(provider)
+        for ref in self._health.values():  # answered once its start is over
+            with contextlib.suppress(pykka.ActorDeadError, pykka.Timeout):  # crashed: restarts
+                ref.ask(GetHealth(), timeout=HEALTH_START_S)
+        self._dead_letters = self._start_dead_letters()
+        self.dead_letters_ref.flush()  # a recovery a health actor told it meanwhile
+        self._supervisor = self._start_supervisor()
+        self._announcer = self._start_announcer()
 
     def _make_restarts(self) -> Restarts:
         return Restarts(
@@ -106,6 +117,7 @@ class PartsLayer:
             settings=self._w.config.dead_letters,
             on_crash=partial(self.crashed, "deadletter", self._restart_dead_letters),
             any_degraded=self._health_view.any_degraded,
+            runtime=self._w.instance or None,
         )
 
     def _start_health(self, provider: str) -> pykka.ActorRef[Any]:

@@ -88,6 +88,7 @@ from ._deadletter import (
     decide_expiry,
     decide_retries,
     expiry_at,
+    hold_ms,
     next_retry_at,
     retry_at,
 )
@@ -368,6 +369,7 @@ __all__ = [
     "fold_streams",
     "ghost_deadline",
     "health_deadline",
+    "hold_ms",
     "in_flight",
     "incidents",
     "latency_bucket",

@@ -11,6 +11,12 @@ reason ``backoff`` or ``drain``); its outcome follows in the same stream:
 ``announcement:dead_letter_delivered`` (the entry goes). Backoff is exponential and
 deterministic (no jitter), so replay agrees: retry ``n + 1`` is due
 ``min(retry_cap_ms, retry_base_ms x 2**n)`` after the last attempt (or the enqueue).
+
+A recorded retry holds its entry until its outcome, or for ``hold_ms`` (the send's own
+limit and :data:`SEND_GRACE_MS`: its sender died), against every runtime but the one
+that recorded it (its queue knows its own sends; a decider given no ``runtime`` holds
+nothing): a queue of another runtime on the same store then neither retries nor drains
+it meanwhile, so the user gets one send per attempt.
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ class DeadLetterEntry(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     conversation: str = ""
     thread: str | None = None
     kind: str = "reply"
+    #: when the retry under way was recorded (None: no send under way), and by which runtime
+    sending_since: float | None = None
+    sending_runtime: str | None = None
 
 
 class DeadLetterState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -65,9 +74,28 @@ def _failed(state: DeadLetterState, event: AnnouncementSendFailed, ts: float) ->
             event.entry_id is None and entry.announcement_id == event.announcement_id
         ):
             tried = msgspec.structs.replace(
-                entry, attempts=entry.attempts + 1, last_attempt_at=ts, last_error=event.error_class
+                entry,
+                attempts=entry.attempts + 1,
+                last_attempt_at=ts,
+                last_error=event.error_class,
+                sending_since=None,
+                sending_runtime=None,
             )
             entries = (*state.entries[:index], tried, *state.entries[index + 1 :])
+            return msgspec.structs.replace(state, entries=entries)
+    return state
+
+
+def _sending(
+    state: DeadLetterState, event: AnnouncementDeadLetterRetried, ts: float
+) -> DeadLetterState:
+    """The entry's retry is under way since ``ts``."""
+    for index, entry in enumerate(state.entries):
+        if entry.entry_id == event.entry_id:
+            sending = msgspec.structs.replace(
+                entry, sending_since=ts, sending_runtime=event.runtime
+            )
+            entries = (*state.entries[:index], sending, *state.entries[index + 1 :])
             return msgspec.structs.replace(state, entries=entries)
     return state
 
@@ -96,6 +124,8 @@ def apply_deadletter(state: DeadLetterState, record: RecordedEvent) -> DeadLette
                 kind=event.kind,
             )
             return replace(state, entries=(*state.entries, entry))
+        case AnnouncementDeadLetterRetried():
+            return _sending(state, event, record.ts)
         case AnnouncementSendFailed():
             return _failed(state, event, record.ts)
         case AnnouncementDeadLetterDelivered():
@@ -112,10 +142,42 @@ def apply_deadletter(state: DeadLetterState, record: RecordedEvent) -> DeadLette
             return state
 
 
-def retry_at(entry: DeadLetterEntry, *, base_ms: int, cap_ms: int) -> float:
-    """When the entry's next retry is due: ``min(cap, base x 2**attempts)`` after the last."""
+#: how long past a send's own limit (``announce_timeout_ms``) a recorded retry with no
+#: outcome still holds its entry; after that its sender is taken as dead
+SEND_GRACE_MS = 5_000
+
+
+def hold_ms(announce_timeout_ms: int) -> int:
+    """How long a recorded retry holds its entry (see the module docstring)."""
+    return announce_timeout_ms + SEND_GRACE_MS
+
+
+def retry_at(
+    entry: DeadLetterEntry,
+    *,
+    base_ms: int,
+    cap_ms: int,
+    hold_ms: int = 0,
+    runtime: str | None = None,
+) -> float:
+    """When the entry's next retry is due: ``min(cap, base x 2**attempts)`` after the last,
+    and not while a retry another runtime recorded less than ``hold_ms`` before may be
+    under way."""
     since = entry.enqueued_at if entry.last_attempt_at is None else entry.last_attempt_at
-    return since + min(cap_ms, base_ms << min(entry.attempts, 62)) / 1000
+    due = since + min(cap_ms, base_ms << min(entry.attempts, 62)) / 1000
+    held = _held_until(entry, hold_ms, runtime)
+    return due if held is None else max(due, held)
+
+
+def _held_until(entry: DeadLetterEntry, hold_ms: int, runtime: str | None) -> float | None:
+    """Until when a recorded retry holds the entry against ``runtime`` (None: it does not:
+    no retry under way, no hold asked for, ``runtime``'s own, which it knows of, or no
+    ``runtime`` named, a queue that takes itself for the stream's only writer)."""
+    if runtime is None or not hold_ms or entry.sending_since is None:
+        return None
+    if entry.sending_runtime == runtime:
+        return None
+    return entry.sending_since + hold_ms / 1000
 
 
 def _retryable(state: DeadLetterState, max_retries: int) -> Iterator[DeadLetterEntry]:
@@ -130,22 +192,35 @@ def decide_retries(
     base_ms: int,
     cap_ms: int,
     busy: Collection[str] = (),
+    hold_ms: int = 0,
+    runtime: str | None = None,
 ) -> list[AnnouncementDeadLetterRetried]:
-    """A ``backoff`` retry of each entry (not ``busy``: its send is in flight) whose retry
-    is due at ``now``, in enqueue order."""
+    """A ``backoff`` retry by ``runtime`` of each entry (not ``busy``: its send is in
+    flight here, nor held by another runtime's retry under way) whose retry is due at
+    ``now``, in enqueue order."""
     return [
-        AnnouncementDeadLetterRetried(entry_id=e.entry_id, attempt=e.attempts + 1)
+        AnnouncementDeadLetterRetried(entry_id=e.entry_id, attempt=e.attempts + 1, runtime=runtime)
         for e in _retryable(state, max_retries)
-        if e.entry_id not in busy and now >= retry_at(e, base_ms=base_ms, cap_ms=cap_ms)
+        if e.entry_id not in busy
+        and now >= retry_at(e, base_ms=base_ms, cap_ms=cap_ms, hold_ms=hold_ms, runtime=runtime)
     ]
 
 
 def next_retry_at(
-    state: DeadLetterState, *, max_retries: int, base_ms: int, cap_ms: int
+    state: DeadLetterState,
+    *,
+    max_retries: int,
+    base_ms: int,
+    cap_ms: int,
+    hold_ms: int = 0,
+    runtime: str | None = None,
 ) -> float | None:
-    """The earliest moment a retry falls due, or None when none is left to retry."""
+    """The earliest moment a retry by ``runtime`` falls due, or None when none is left."""
     return min(
-        (retry_at(e, base_ms=base_ms, cap_ms=cap_ms) for e in _retryable(state, max_retries)),
+        (
+            retry_at(e, base_ms=base_ms, cap_ms=cap_ms, hold_ms=hold_ms, runtime=runtime)
+            for e in _retryable(state, max_retries)
+        ),
         default=None,
     )
 
@@ -193,16 +268,27 @@ def decide_expiry(
 
 
 def decide_drain(
-    state: DeadLetterState, provider: str, *, busy: Collection[str] = ()
+    state: DeadLetterState,
+    provider: str,
+    *,
+    busy: Collection[str] = (),
+    now: float = 0.0,
+    hold_ms: int = 0,
+    runtime: str | None = None,
 ) -> list[AnnouncementDeadLetterRetried]:
-    """What ``provider:recovered`` sends at once: a ``drain`` retry of every entry not
-    ``busy``, in enqueue order, whatever its backoff."""
+    """What ``provider:recovered`` sends at once: a ``drain`` retry by ``runtime`` of
+    every entry not ``busy`` nor held at ``now`` by another runtime's retry under way, in
+    enqueue order, whatever its backoff."""
     return [
         AnnouncementDeadLetterRetried(
-            entry_id=e.entry_id, attempt=e.attempts + 1, reason="drain", provider=provider
+            entry_id=e.entry_id,
+            attempt=e.attempts + 1,
+            reason="drain",
+            provider=provider,
+            runtime=runtime,
         )
         for e in state.entries
-        if e.entry_id not in busy
+        if e.entry_id not in busy and now >= (_held_until(e, hold_ms, runtime) or now)
     ]
 
 
@@ -210,7 +296,7 @@ class DeadLetterAggregate:
     """The dead-letter fold for the ``deadletter`` stream."""
 
     name = "deadletter"
-    version = 1
+    version = 2  # 2: an entry's retry under way (sending_since)
     state_type = DeadLetterState
 
     def initial(self, stream: str) -> DeadLetterState:

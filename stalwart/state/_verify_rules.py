@@ -82,6 +82,7 @@ from ._deadletter import (
     decide_expiry,
     decide_retries,
     expiry_at,
+    hold_ms,
     retry_at,
 )
 from ._execution import decide_execution_timeout, execution_deadline
@@ -381,8 +382,13 @@ def _letter_retry(state: DeadLetterState, record: RecordedEvent, knobs: Knobs) -
     fold does not read: the provider is taken as recorded)."""
     found = record.event
     assert isinstance(found, AnnouncementDeadLetterRetried)
+    hold = hold_ms(knobs.get_int("dead_letters.announce_timeout_ms"))
+    runtime = found.runtime
     if found.reason == "drain":
-        return list(decide_drain(state, found.provider or ""))
+        drained = decide_drain(
+            state, found.provider or "", now=record.ts, hold_ms=hold, runtime=runtime
+        )
+        return list(drained)
     return list(
         decide_retries(
             state,
@@ -390,6 +396,8 @@ def _letter_retry(state: DeadLetterState, record: RecordedEvent, knobs: Knobs) -
             max_retries=knobs.get_int("dead_letters.max_retries"),
             base_ms=knobs.get_int("dead_letters.retry_base_ms"),
             cap_ms=knobs.get_int("dead_letters.retry_cap_ms"),
+            hold_ms=hold,
+            runtime=runtime,
         )
     )
 
@@ -403,10 +411,18 @@ def _letter_retry_why(state: DeadLetterState, record: RecordedEvent, knobs: Knob
     if found.attempt != entry.attempts + 1:
         return f"the entry had {entry.attempts} attempts, this is not attempt {found.attempt}"
     max_retries = knobs.get_int("dead_letters.max_retries")
-    if entry.attempts >= max_retries:
+    if found.reason == "backoff" and entry.attempts >= max_retries:
         return f"its {entry.attempts} attempts already spent dead_letters.max_retries"
+    hold = hold_ms(knobs.get_int("dead_letters.announce_timeout_ms"))
+    other = found.runtime is not None and entry.sending_runtime != found.runtime
+    if other and entry.sending_since is not None and record.ts < entry.sending_since + hold / 1000:
+        return (
+            f"another runtime's retry recorded at {moment(entry.sending_since)} may still "
+            f"have been under way (no outcome, less than {hold} ms before)"
+        )
     base = knobs.get_int("dead_letters.retry_base_ms")
-    due = retry_at(entry, base_ms=base, cap_ms=knobs.get_int("dead_letters.retry_cap_ms"))
+    cap = knobs.get_int("dead_letters.retry_cap_ms")
+    due = retry_at(entry, base_ms=base, cap_ms=cap, hold_ms=hold, runtime=found.runtime)
     early = round((due - record.ts) * 1000)
     return f"retry {found.attempt} is due at {moment(due)}; it went {early} ms early"
 
