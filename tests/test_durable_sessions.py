@@ -156,7 +156,9 @@ def test_an_approval_pauses_the_session_and_an_allow_runs_the_stored_input_once(
         assert (request.kind, request.tool, request.call_id) == ("approval", "refund", "c1")
         assert request.arguments == '{"order":7,"amount":12.5}'
         assert runs == []
-        head = store.head()
+        # the session's stream, not the log's head: the context engine's calibration may be
+        # appended to its own stream meanwhile
+        head = store.stream_version("session:s1")
         with pytest.raises(SessionActionError) as wrong:
             rt.confirm("s1", "not-the-id", allow=True)
         assert wrong.value.reason == "not_pending"
@@ -164,7 +166,7 @@ def test_an_approval_pauses_the_session_and_an_allow_runs_the_stored_input_once(
             rt.submit_tool_result("s1", request.request_id, "x")
         assert kind.value.reason == "wrong_kind"
         assert str(kind.value).endswith("is an approval request, not a custom tool's call")
-        assert store.head() == head  # refused actions append nothing
+        assert store.stream_version("session:s1") == head  # refused actions append nothing
         rt.confirm("s1", request.request_id, allow=True)
         replies = delivered(rt, chat, 2)
         assert replies[-1].text == "Refund done."

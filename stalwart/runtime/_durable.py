@@ -45,7 +45,7 @@ from stalwart.ids import new_id
 from stalwart.state import ActivationPolicy
 from stalwart.store import EventStore
 
-from ._handles import STOP_TIMEOUT_S
+from ._handles import STOP_TIMEOUT_S, ask
 
 __all__ = ["Durability", "policy_of"]
 
@@ -167,7 +167,7 @@ class Durability:
         return self._rng.randint(0, limit) if limit else 0
 
     def report(self, timeout: float) -> WorkerReport:
-        report = self.worker.ask(WorkerStatus(), timeout=timeout)
+        report = ask(self.worker, WorkerStatus(), timeout, "activation worker")
         assert isinstance(report, WorkerReport)
         return report
 

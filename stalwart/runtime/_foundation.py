@@ -142,6 +142,12 @@ class Foundation:
 
     # -- closing (each a step of Runtime.close) ------------------------------------------------
 
+    def on_loop_thread(self) -> bool:
+        """Whether the caller runs on the portal's loop (an async tool, a channel's send):
+        a close there cannot wait for that loop, nor stop it."""
+        portal = self._portal
+        return portal is not None and portal.thread_ident == threading.get_ident()
+
     def on_loop(self, fn: Callable[[], Awaitable[T]] | None) -> T | None:
         """Run ``fn()`` on the portal's loop (where its clients live), within the stop bound."""
         if fn is None or self._portal is None or not self._portal.running:

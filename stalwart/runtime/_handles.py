@@ -30,6 +30,7 @@ __all__ = [
     "RunHandle",
     "RunSpec",
     "SessionHandle",
+    "ask",
 ]
 
 #: The stream ``runtime:started`` / ``runtime:stopped`` go to.
@@ -38,6 +39,15 @@ RUNTIME_STREAM = "runtime"
 STOP_TIMEOUT_S = 5.0
 #: The channel every runtime has when the config names none.
 DEFAULT_CHANNEL = "console"
+
+
+def ask(ref: pykka.ActorRef[Any], message: object, timeout: float, part: str) -> Any:
+    """``ref.ask(message)`` for a host's call: TimeoutError (naming ``part`` and the
+    timeout) when no answer came within ``timeout`` seconds, never pykka's own Timeout."""
+    try:
+        return ref.ask(message, timeout=timeout)
+    except pykka.Timeout:
+        raise TimeoutError(f"the {part} did not answer within {timeout:g} s") from None
 
 
 #: How many tells a holding :class:`LiveRef` keeps while its part is down.
@@ -144,7 +154,13 @@ class SessionHandle:
         starts) records it as an ``activation:ready`` before returning: a crash after
         ``send`` returns never loses it. Otherwise the agent is told it.
 
-        RuntimeError once the session's agent has stopped (the runtime was closed)."""
+        TypeError, before anything is recorded, for a ``text`` or ``message_id`` that is
+        not a string; RuntimeError once the session's agent has stopped (the runtime was
+        closed)."""
+        if not isinstance(text, str):
+            raise TypeError(f"a message's text is a str, not {type(text).__name__}")
+        if message_id is not None and not isinstance(message_id, str):
+            raise TypeError(f"a message_id is a str or None, not {type(message_id).__name__}")
         if self._post is not None:
             self._post(text, message_id)
             return
@@ -162,7 +178,7 @@ class SessionHandle:
         report is folded from the log (``queued`` counts the pending activations, ``step``
         is 0). RuntimeError once the runtime was closed."""
         try:
-            report = self.ref.ask(AgentStatus(), timeout=timeout)
+            report = ask(self.ref, AgentStatus(), timeout, f"session {self.session_id!r}")
         except pykka.ActorDeadError:
             report = self._without_agent(timeout)
         assert isinstance(report, AgentReport)
@@ -172,7 +188,7 @@ class SessionHandle:
         ref = self._revive() if self._revive is not None else None
         if ref is not None:
             with contextlib.suppress(pykka.ActorDeadError):
-                report = ref.ask(AgentStatus(), timeout=timeout)
+                report = ask(ref, AgentStatus(), timeout, f"session {self.session_id!r}")
                 assert isinstance(report, AgentReport)
                 return report
         folded = self._folded() if self._folded is not None else None
@@ -227,7 +243,7 @@ class RunHandle:
         ref = self._actor()
         if ref is not None:
             with contextlib.suppress(pykka.ActorDeadError):
-                state = ref.ask(GetRun(), timeout=timeout)
+                state = ask(ref, GetRun(), timeout, f"run {self.run_id!r}")
                 assert isinstance(state, RunState)
                 return state
         return load_state(self._store, self.stream, RUN, use_snapshots=False)

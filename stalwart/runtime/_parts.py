@@ -36,7 +36,7 @@ from stalwart.actors import (
 from stalwart.actors._restarts import Restarts
 from stalwart.state import DeadLetterState
 
-from ._handles import DEFAULT_CHANNEL, LiveRef
+from ._handles import DEFAULT_CHANNEL, LiveRef, ask
 from ._runs import RunLayer
 from ._wiring import Wiring, stop_actors
 
@@ -274,7 +274,7 @@ class PartsLayer:
         with self._w.lock:
             supervisor = self._supervisor
         assert supervisor is not None
-        runs = supervisor.ask(GetRuns(), timeout=timeout)
+        runs = ask(supervisor, GetRuns(), timeout, "supervisor")
         assert isinstance(runs, dict)
         return runs
 
@@ -282,7 +282,7 @@ class PartsLayer:
         with self._w.lock:
             announcer = self._announcer
         assert announcer is not None
-        batches = announcer.ask(GetBatches(), timeout=timeout)
+        batches = ask(announcer, GetBatches(), timeout, "announcer")
         assert isinstance(batches, dict)
         return batches
 
@@ -291,7 +291,7 @@ class PartsLayer:
             actors = dict(self._health)
         reports: dict[str, HealthReport] = {}
         for provider, ref in actors.items():
-            report = ref.ask(GetHealth(), timeout=timeout)
+            report = ask(ref, GetHealth(), timeout, f"health actor of {provider!r}")
             assert isinstance(report, HealthReport)
             reports[provider] = report
         return reports
@@ -300,7 +300,7 @@ class PartsLayer:
         with self._w.lock:
             dead_letters = self._dead_letters
         assert dead_letters is not None
-        state = dead_letters.ask(QueueState(), timeout=timeout)
+        state = ask(dead_letters, QueueState(), timeout, "dead-letter queue")
         assert isinstance(state, DeadLetterState)
         return state
 

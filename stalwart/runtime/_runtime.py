@@ -38,8 +38,9 @@ from stalwart.store import EventStore
 from stalwart.tools import Tool, ToolRegistry, build_tool
 
 from ._context import ContextLayer
+from ._control import check_session_id
 from ._foundation import Foundation
-from ._handles import DEFAULT_CHANNEL, STOP_TIMEOUT_S, RunHandle, SessionHandle
+from ._handles import DEFAULT_CHANNEL, STOP_TIMEOUT_S, RunHandle, RunSpec, SessionHandle
 from ._layer import ProviderLayer
 from ._parts import PartsLayer
 from ._runs import RunLayer, Splitter, stop_runs
@@ -51,6 +52,9 @@ from ._workspace import Committer
 __all__ = ["Runtime"]
 
 log = get_logger(__name__)
+
+#: How long a second ``close()`` waits for the first to end (each of its steps is bounded).
+CLOSE_WAIT_S = 12 * STOP_TIMEOUT_S
 
 F = TypeVar("F", bound=Callable[..., Any])
 L = TypeVar("L")
@@ -85,6 +89,7 @@ class Runtime:
         self._base = Foundation(config, self.clock, store, channels or {})
         self._lock = threading.RLock()
         self._state: Literal["new", "running", "closed"] = "new"
+        self._closing: _Closing | None = None  # the close under way or done
         # built on start (see _start_layers)
         self._layer: ProviderLayer | None = None
         self._parts: PartsLayer | None = None
@@ -176,13 +181,29 @@ class Runtime:
         )
 
     def close(self, reason: str = "shutdown") -> None:
-        """Stop everything and record ``runtime:stopped``; a second call does nothing."""
+        """Stop everything and record ``runtime:stopped``.
+
+        Called on the runtime's own I/O loop (an async tool, a channel's send), it
+        returns at once and the close goes on on a thread of its own, since the loop
+        cannot wait for itself. A second call returns once the first has ended (at once
+        on the thread that closes, or on the loop)."""
         with self._lock:
-            if self._state == "closed":
-                return
-            self._state = "closed"
-            sessions = self._sessions.take() if self._sessions is not None else []
-            runs = self._runs.take() if self._runs is not None else []
+            earlier = self._closing
+            if earlier is None:
+                sessions = self._sessions.take() if self._sessions is not None else []
+                runs = self._runs.take() if self._runs is not None else []
+                self._state = "closed"
+                self._closing = closing = _Closing(partial(self._close, reason, sessions, runs))
+        if earlier is not None:
+            if not earlier.runs_here() and not self._base.on_loop_thread():
+                earlier.done.wait(CLOSE_WAIT_S)
+            return
+        if self._base.on_loop_thread():
+            threading.Thread(target=closing.run, name="stalwart-close").start()
+        else:
+            closing.run()
+
+    def _close(self, reason: str, sessions: list[SessionHandle], runs: list[RunSpec]) -> None:
         parts, base = self._parts, self._base
         steps: list[tuple[str, Callable[[], object]]] = [
             (
@@ -265,7 +286,8 @@ class Runtime:
         with self._lock:
             sessions = self._started(self._sessions)
             channel = channel or DEFAULT_CHANNEL
-            return sessions.session(session_id or new_id(), agent, channel, conversation, thread)
+            chosen = new_id() if session_id is None else session_id
+            return sessions.session(chosen, agent, channel, conversation, thread)
 
     # -- durable sessions ----------------------------------------------------------------------
 
@@ -323,8 +345,10 @@ class Runtime:
         ``recovery_max_attempts`` times, the supervisor calls it on its own thread (keep it
         cheap: no I/O) and spawns each subtask as a model-driven first attempt (same
         parent, timeout, channel; no splitter of its own); one that raises or returns
-        nothing escalates.
+        nothing escalates. SessionActionError (``invalid_session``) for a
+        ``parent_session`` no session can have, before anything is appended.
         """
+        check_session_id(parent_session)
         with self._lock:
             runs = self._started(self._runs)
             agent, channel, conversation, thread = runs.defaults(
@@ -395,3 +419,22 @@ class Runtime:
     def __repr__(self) -> str:
         sessions = self._sessions.count() if self._sessions is not None else 0
         return f"Runtime({self._state}, sessions={sessions})"
+
+
+class _Closing:
+    """A runtime's one close: its steps, the thread running them, and when they ended."""
+
+    def __init__(self, steps: Callable[[], None]) -> None:
+        self._steps = steps
+        self._ident: int | None = None
+        self.done = threading.Event()
+
+    def runs_here(self) -> bool:
+        return self._ident == threading.get_ident()
+
+    def run(self) -> None:
+        self._ident = threading.get_ident()
+        try:
+            self._steps()
+        finally:
+            self.done.set()
