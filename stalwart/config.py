@@ -39,6 +39,7 @@ __all__ = [
     "SupervisionSettings",
     "apply_agent_patch",
     "load_config",
+    "looks_like_secret",
     "parse_config",
     "read_document",
 ]
@@ -54,6 +55,15 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0, le=MAX_KNOB)]
 #: The name of an environment variable that holds a secret (never the secret itself: a
 #: config's values are recorded, and a key pasted here would be in the log for good).
 EnvName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+#: What a secret pasted where an environment variable's name belongs looks like (it passes
+#: :data:`EnvName`'s pattern): a vendor's token prefix (Stripe, GitHub, AWS access keys,
+#: Google API keys, Hugging Face), or a random-looking run of 32+ letters and digits
+#: mixing upper case, lower case and digits, which no variable's name has.
+_SECRET_SHAPED = re.compile(
+    r"^(?:(?:sk|rk|pk)_(?:live|test)_|gh[pousr]_|github_pat_|AIza|hf_[A-Za-z]{20})"
+    r"|(?:AKIA|ASIA)[0-9A-Z]{16}"
+    r"|(?=[A-Za-z0-9]*[a-z])(?=[A-Za-z0-9]*[A-Z])(?=[A-Za-z0-9]*[0-9])[A-Za-z0-9]{32,}"
+)
 
 
 class StoreSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -335,6 +345,22 @@ def url_problem(url: str) -> str | None:
     return None
 
 
+def looks_like_secret(name: str) -> bool:
+    """Whether ``name``, given as an environment variable's name, looks like a secret."""
+    return _SECRET_SHAPED.search(name) is not None
+
+
+def _check_env_name(key: str, name: str | None) -> None:
+    """ConfigError when ``name`` looks like a secret rather than a variable's name; the
+    message never shows it (a config is recorded, and so would the secret be)."""
+    if name is not None and looks_like_secret(name):
+        raise ConfigError(
+            f"key '{key}': this looks like a secret itself, not the name of an environment "
+            "variable: put the secret in a variable and name that variable here",
+            key=key,
+        )
+
+
 def _check_channel(where: str, channel: ChannelSettings) -> None:
     """What msgspec cannot say about one channel; never echoes the url (it may hold a token)."""
 
@@ -357,6 +383,7 @@ def _check_channel(where: str, channel: ChannelSettings) -> None:
     if channel.secret_header is not None and not _HEADER_NAME.fullmatch(channel.secret_header):
         # never the value: a whole header line pasted here holds the secret itself
         fail("secret_header", "not a valid HTTP header name (letters, digits and -; no ':')")
+    _check_env_name(f"{where}.secret_env", channel.secret_env)
     _ordered(where, "retry_base_ms", channel.retry_base_ms, "retry_cap_ms", channel.retry_cap_ms)
 
 
@@ -464,6 +491,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             if problem is not None:
                 key = f"providers.{name}.base_url"
                 raise ConfigError(f"key '{key}': {problem}", key=key)
+            _check_env_name(f"providers.{name}.api_key_env", provider.api_key_env)
         for name, agent in self.agents.items():
             where = f"agents.{name}"
             if agent.provider not in self.providers:

@@ -394,6 +394,60 @@ def test_a_header_line_pasted_into_secret_header_is_not_echoed() -> None:
     assert HOOK_SECRET not in str(refused.value), str(refused.value)
 
 
+# token-shaped strings built at run time, so no scanner takes this file for a leak
+PASTED_KEYS = [
+    "sk_" + "live_" + "4eC39HqLyjWDarjtT1zdp7dc",
+    "gh" + "p_" + "16C7e42F292c6912E7710c838347Ae178B4a",
+    "github_" + "pat_" + "11ABCDEFG0abcdefghijkl_mnopqrstuvwxyz0123456789",
+    "AK" + "IA" + "IOSFODNN7EXAMPLE",
+    "AI" + "za" + "SyDdI0hCZtE6vySjMm_WEfqq7JPUXmfXvhk",
+    "Q3vT9kLm2Xp7Rb8Nw4Yz6Hc1Jd5Fg0Aa",  # a bare random token, 32 characters
+]
+
+
+@pytest.mark.parametrize("pasted", PASTED_KEYS)
+def test_a_key_pasted_where_its_variables_name_belongs_is_refused_without_echoing_it(
+    pasted: str,
+) -> None:
+    # Was: DEFECT: api_key_env and secret_env took any identifier-shaped string, so a key
+    # pasted there was recorded in runtime:started's config, and the "not set" warning
+    # (provider.api_key_missing env=...) logged it.
+    provider = {"kind": "openai", "base_url": "https://api.example/v1", "api_key_env": pasted}
+    with pytest.raises(ConfigError) as refused:
+        parse_config({"providers": {"main": provider}})
+    assert refused.value.key == "providers.main.api_key_env"
+    assert pasted not in str(refused.value), str(refused.value)
+    channel = {
+        "kind": "webhook",
+        "url": "https://hooks.example/in",
+        "secret_header": "X-Hook-Token",
+        "secret_env": pasted,
+    }
+    with pytest.raises(ConfigError) as refused:
+        parse_config({"channels": {"ops": channel}})
+    assert refused.value.key == "channels.ops.secret_env"
+    assert pasted not in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "OPENAI_API_KEY",
+        "ANTHROPIC_API_KEY",
+        "openai_key",
+        "AZURE_OPENAI_API_KEY_EASTUS2",
+        "MyCompanyOpenAIKeyProd2024",
+        "STALWART_WEBHOOK_SECRET_FOR_THE_SUPPORT_CHANNEL_2",
+        "GH_TOKEN",
+        "SK_LIVE_KEY",
+    ],
+)
+def test_an_ordinary_variables_name_is_taken(name: str) -> None:
+    provider = {"kind": "openai", "base_url": "https://api.example/v1", "api_key_env": name}
+    config = parse_config({"providers": {"main": provider}})
+    assert config.providers["main"].api_key_env == name
+
+
 def test_an_agent_patch_cannot_send_the_providers_key_to_another_host() -> None:
     # Was: DEFECT: apply_agent_patch (config.py:516-525) guards only context_engine.version; an
     # agent's patch may repoint providers.*.base_url (its API key then goes to that host),

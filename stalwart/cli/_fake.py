@@ -9,6 +9,7 @@ from types import FrameType
 
 import click
 
+from stalwart.config import looks_like_secret
 from stalwart.errors import ConfigError
 from stalwart.testing import FakeProvider, RecordedRequest, Script, load_script
 
@@ -48,6 +49,8 @@ def fake_provider(host: str, port: int, script_path: str | None, api_key_env: st
     script = load_script(script_path) if script_path else Script()
     api_key = None
     if api_key_env:
+        if looks_like_secret(api_key_env):  # never echoed: it would be on the screen
+            raise ConfigError("--api-key-env: give the name of a variable, not the key itself")
         api_key = os.environ.get(api_key_env)
         if not api_key:
             raise ConfigError(f"--api-key-env: the environment variable {api_key_env} is not set")
