@@ -7,6 +7,7 @@ wait by the same rules. Nothing here reads the clock: ``now`` is passed in.
 from __future__ import annotations
 
 import random
+import re
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 
@@ -58,19 +59,22 @@ def retry_delay(
     return max(ceiling * jitter, retry_after_s or 0.0)
 
 
+#: ``Retry-After``'s delta-seconds (RFC 9110: digits; a fraction is taken too)
+_DELTA_SECONDS = re.compile(r"[0-9]{1,15}(?:\.[0-9]{1,9})?")
+
+
 def parse_retry_after(value: str | None, now: float) -> float | None:
     """Seconds to wait from a ``Retry-After`` header: delta-seconds or an HTTP date.
 
     None when the header is missing or unreadable; never negative (a date in the past
-    means "now").
+    means "now"). Delta-seconds are digits, with a fraction some servers add: ``inf``,
+    ``1e400``, ``nan`` or ``1_0`` (which Python's ``float`` reads) are unreadable.
     """
     if not value:
         return None
     text = value.strip()
-    try:
-        return max(0.0, float(text))
-    except ValueError:
-        pass
+    if _DELTA_SECONDS.fullmatch(text):
+        return float(text)
     try:
         when = parsedate_to_datetime(text)
     except (TypeError, ValueError, IndexError):

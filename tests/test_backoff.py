@@ -15,7 +15,19 @@ NOW = 1_800_000_000.0
 
 @pytest.mark.parametrize(
     ("value", "seconds"),
-    [("7", 7.0), (" 0.5 ", 0.5), ("-3", 0.0), ("soon", None), ("", None), (None, None)],
+    [
+        ("7", 7.0),
+        (" 0.5 ", 0.5),
+        ("-3", None),  # delta-seconds are digits
+        ("soon", None),
+        ("", None),
+        (None, None),
+        ("1e400", None),  # float() reads it as inf
+        ("inf", None),
+        ("nan", None),
+        ("1_0", None),  # float() reads it as 10
+        ("0", 0.0),
+    ],
 )
 def test_retry_after_in_seconds(value: str | None, seconds: float | None) -> None:
     assert parse_retry_after(value, NOW) == seconds
