@@ -84,6 +84,7 @@ class DagSession:
         self._rendered: dict[str, tuple[ContextMessage, int]] = {}
         self._index: Bm25Index | None = None  # built when first searched (see index)
         self.tail_degraded = False
+        self.system_clipped = False  # the system prompt is cut to fit (logged once)
         self.degraded: str | None = None
         self.system: tuple[int, ContextMessage] | None = None
 

@@ -2,7 +2,9 @@
 
 Each :meth:`DagEngine.assemble` call, before a provider call:
 
-1. stores the session's new messages (verbatim, idempotent by id);
+1. stores the session's new messages (verbatim, idempotent by id), and cuts the pinned
+   system prompt (marked) when it would leave the newest turn less than it needs, up to
+   half the budget;
 2. keeps the fresh tail (the last ``fresh_tail_turns`` user turns) verbatim; when the
    tail alone does not fit, it shrinks to fewer whole turns, then clips the largest
    messages, and records ``context:dag_degraded`` (``tail_over_budget``);
@@ -49,7 +51,7 @@ from ._ledger import MemoryLedger, SummarizerLedger
 from ._recall import Recall
 from ._render import DAG_SYSTEM_CLAUSE
 from ._repair import repair
-from ._select import clip_tail, select_history
+from ._select import clip_tail, cut_message, select_history
 from ._summarize import Summaries, TurnLog
 from ._tokens import TokenEstimator, estimate_message_tokens
 from ._types import ContextMessage, Summarizer
@@ -239,7 +241,7 @@ class DagEngine(Summaries, Recall):
         profile: ModelProfile,
         turn: TurnLog,
     ) -> Assembly:
-        system = self._system(session)
+        system = self._fitted_system(session, raw_budget, turn)
         system_tokens = estimate_message_tokens(system)
         room = raw_budget - system_tokens
         tail = self._tail(session, room, turn)
@@ -332,17 +334,34 @@ class DagEngine(Summaries, Recall):
         cached = session.system
         if cached is not None and cached[0] == session.pinned:
             return cached[1]
-        parts = [message.content for message in session.messages[: session.pinned]]
-        first = session.messages[0] if session.pinned else None
-        system = ContextMessage(
-            message_id=first.message_id if first else "system:dag",
-            seq=first.seq if first else 0,
-            role="system",
-            content="\n\n".join([*[part for part in parts if part], DAG_SYSTEM_CLAUSE]),
-            ts=first.ts if first else 0.0,
-        )
+        system = _with_clause(_pinned(session))
         session.system = (session.pinned, system)
         return system
+
+    def _fitted_system(self, session: DagSession, raw_budget: int, turn: TurnLog) -> ContextMessage:
+        """The system prompt, cut when it would leave the newest turn less than it needs
+        (up to half the budget): the pinned text is cut to fit with a marker (ctx_expand
+        of its first message returns it whole), and the dag-mode clause kept after it."""
+        system = self._system(session)
+        tokens = estimate_message_tokens(system)
+        newest = session.range_tokens(session.tail_start(1), len(session.messages))
+        limit = raw_budget - min(newest, raw_budget // 2)
+        if tokens <= limit:
+            session.system_clipped = False
+            return system
+        if not session.system_clipped:  # once an episode, like the tail's
+            session.system_clipped = True
+            log.warning(
+                "context_system_over_budget",
+                session=session.session_id,
+                system_tokens=tokens,
+                limit=limit,
+                error_kind="resource",
+            )
+        turn.layers["system_clip"] = None
+        pinned = _pinned(session)
+        clause = tokens - estimate_message_tokens(pinned)
+        return _with_clause(cut_message(pinned, limit - clause) or pinned)
 
     def _tail(self, session: DagSession, room: int, turn: TurnLog) -> int:
         """The fresh tail's start; shrunk to fewer whole turns (recorded) when it alone
@@ -378,3 +397,22 @@ class DagEngine(Summaries, Recall):
             )
         turn.layers["tail_degrade"] = None
         return start
+
+
+def _pinned(session: DagSession) -> ContextMessage:
+    """The session's leading system messages as one message (empty when there are none)."""
+    parts = [message.content for message in session.messages[: session.pinned]]
+    first = session.messages[0] if session.pinned else None
+    return ContextMessage(
+        message_id=first.message_id if first else "system:dag",
+        seq=first.seq if first else 0,
+        role="system",
+        content="\n\n".join(part for part in parts if part),
+        ts=first.ts if first else 0.0,
+    )
+
+
+def _with_clause(pinned: ContextMessage) -> ContextMessage:
+    """``pinned`` with the dag-mode clause after it."""
+    content = "\n\n".join(part for part in (pinned.content, DAG_SYSTEM_CLAUSE) if part)
+    return msgspec.structs.replace(pinned, content=content)

@@ -64,8 +64,9 @@ class Expansion(msgspec.Struct, frozen=True, kw_only=True):
     The first message's content starts at character ``offset``; when the grant ran out,
     ``next_after`` / ``next_offset`` say where a further call continues. A message larger
     than the grant comes in pieces of its text (its content, then each tool call as
-    ``[tool call <name> id=<id>] <arguments>``), each within the grant; ``offset`` counts
-    characters of that text."""
+    ``[tool call <name> id=<id>] <arguments>``, each thinking block as
+    ``[thinking signature=<signature>] <text>`` and each image as ``[image <n>] <data>``),
+    each within the grant; ``offset`` counts characters of that text."""
 
     target: str
     messages: tuple[ContextMessage, ...]
@@ -202,12 +203,12 @@ def _expand(
                 next_after=message.message_id,
             )
         # one message larger than the grant comes in pieces of its text (the content,
-        # then each tool call's arguments), each within the grant
+        # then its tool calls, thinking and images), each within the grant
         flat = _flat(message)
-        bare = msgspec.structs.replace(message, content="", tool_calls=())
+        bare = _bare(message, "")
         room = max(1, grant - estimate_message_tokens(bare))
         size = max(1, chars_within(flat[skip:], room))
-        piece = msgspec.structs.replace(bare, content=flat[skip : skip + size])
+        piece = _bare(message, flat[skip : skip + size])
         later = skip + size < len(flat)
         following = session.messages[position + 1].message_id if position + 1 < end else None
         return Expansion(
@@ -222,16 +223,28 @@ def _expand(
 
 
 def _flat(message: ContextMessage) -> str:
-    """The message's text as pieces page through it: its content, then its tool calls."""
-    calls = "".join(
+    """The message's text as pieces page through it: its content, then its tool calls,
+    its thinking blocks and its images."""
+    parts = [message.content]
+    parts += [
         f"\n[tool call {call.name} id={call.id}] {call.arguments}" for call in message.tool_calls
-    )
-    return message.content + calls
+    ]
+    for block in message.thinking:
+        kind = "redacted thinking" if block.redacted else "thinking"
+        signed = f" signature={block.signature}" if block.signature else ""
+        parts.append(f"\n[{kind}{signed}] {block.text}")
+    parts += [f"\n[image {n}] {image}" for n, image in enumerate(message.images, 1)]
+    return "".join(parts)
+
+
+def _bare(message: ContextMessage, text: str) -> ContextMessage:
+    """The message with ``text`` (a piece of its :func:`_flat` text) for all it says."""
+    return msgspec.structs.replace(message, content=text, tool_calls=(), thinking=(), images=())
 
 
 def _rest(message: ContextMessage, skip: int) -> ContextMessage:
     """The message from character ``skip`` of its :func:`_flat` text on."""
-    return msgspec.structs.replace(message, content=_flat(message)[skip:], tool_calls=())
+    return _bare(message, _flat(message)[skip:])
 
 
 def _text(message: ContextMessage) -> str:

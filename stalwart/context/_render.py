@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 
 from stalwart.state import SummaryNode
 
+from ._tokens import clip_to_tokens, estimate_text_tokens
 from ._types import ContextMessage
 
 __all__ = [
@@ -177,25 +178,27 @@ def merged_topics(groups: Iterable[tuple[str, ...]], limit: int = 6) -> tuple[st
 
 
 def _line(message: ContextMessage, width: int) -> str:
+    """One message as a line of its start, cut to ``width`` tokens."""
     text = " ".join(message.content.split())
-    if len(text) > width:
-        text = text[: width - 3] + "..."
+    text = clip_to_tokens(text[: width * 4], width, "...")  # a token is under 4 characters
     calls = ", ".join(call.name for call in message.tool_calls)
     suffix = f" [calls: {calls}]" if calls else ""
     return f"#{message.seq} {message.role}: {text}{suffix}"
 
 
-def emergency_body(messages: Sequence[ContextMessage], max_chars: int) -> str:
+def emergency_body(messages: Sequence[ContextMessage], max_tokens: int) -> str:
     """The deterministic, bounded truncation that stands in for a summary when the
-    summarizer may not run: the start of each message, one line each, until ``max_chars``."""
-    width = max(40, min(200, max_chars // max(1, len(messages))))
-    lines: list[str] = []
-    used = 0
+    summarizer may not run: the start of each message, one line each, while the whole
+    costs at most ``max_tokens`` (the engine's estimate, so CJK is bounded as ASCII is)."""
+    width = max(12, min(64, max_tokens // max(1, len(messages))))
+    body = ""
     for index, message in enumerate(messages):
-        line = _line(message, width)
-        if used + len(line) + 1 > max_chars:
-            lines.append(f"... {len(messages) - index} more messages not shown")
-            break
-        lines.append(line)
-        used += len(line) + 1
-    return "\n".join(lines)
+        grown = "\n".join(part for part in (body, _line(message, width)) if part)
+        later = len(messages) - index - 1
+        # room is kept for saying how many are not shown, should the next line not fit
+        shown = f"{grown}\n... {later} more messages not shown" if later else grown
+        if estimate_text_tokens(shown) > max_tokens:
+            more = f"... {later + 1} more messages not shown"
+            return f"{body}\n{more}" if body else more
+        body = grown
+    return body

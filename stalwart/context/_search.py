@@ -9,7 +9,10 @@ its length, a query in the postings of its terms.
 
 Scoring is Okapi BM25 (k1 = 1.2, b = 0.75) with the non-negative IDF
 ``ln(1 + (N - n + 0.5) / (n + 0.5))``. Terms are lower-cased runs of letters and digits
-(any script); identifiers such as ``order_id-4411`` also index their whole form.
+(any script); identifiers such as ``order_id-4411`` also index their whole form. Chinese,
+Japanese and Korean text has no spaces between words, so a run of its characters is
+indexed as each character and each pair of neighbours, as full-text engines do (Lucene's
+CJK bigrams): ``退款`` then finds the sentence it is written in.
 """
 
 from __future__ import annotations
@@ -21,6 +24,15 @@ from collections.abc import Iterable
 __all__ = ["Bm25Index", "terms"]
 
 _WORD = re.compile(r"\w+", re.UNICODE)
+#: Han (with its extensions, compatibility forms and marks such as 々), kana (not its
+#: punctuation, such as ・) and Hangul syllables
+_CJK = (
+    "\u3005-\u3007\u3041-\u309f\u30a1-\u30fa\u30fc-\u30ff\u3400-\u4dbf\u4e00-\u9fff"
+    "\uac00-\ud7a3\uf900-\ufaff\uff66-\uff9f\U00020000-\U0003134f"
+)
+_HAS_CJK = re.compile(f"[{_CJK}]")
+#: a run of CJK characters (group 1), or a run of the other letters and digits
+_RUNS = re.compile(f"([{_CJK}]+)|[^\\W{_CJK}]+", re.UNICODE)
 # alphanumeric runs joined by single separators: unambiguous, so matching stays linear
 _COMPOUND = re.compile(r"[^\W_]+(?:[-_.:/][^\W_]+)+", re.UNICODE)
 _EDGES = "\"'()[]{}<>,;!?`*"
@@ -30,14 +42,32 @@ B = 0.75
 
 
 def terms(text: str) -> list[str]:
-    """The index terms of a text: its words, and its compound identifiers whole."""
+    """The index terms of a text: its words (CJK as characters and pairs), and its
+    compound identifiers whole."""
     lowered = text.lower()
-    found = _WORD.findall(lowered)
+    if lowered.isascii() or not _HAS_CJK.search(lowered):
+        found = _WORD.findall(lowered)
+    else:
+        found = _split(lowered)
     for chunk in lowered.split():
         if len(chunk) <= _COMPOUND_MAX and not chunk.isalnum():
             stripped = chunk.strip(_EDGES).rstrip(".:")
             if _COMPOUND.fullmatch(stripped):
                 found.append(stripped)
+    return found
+
+
+def _split(lowered: str) -> list[str]:
+    """The words of a text with CJK in it: each CJK run as its characters and the pairs
+    of neighbours, the runs of other letters and digits as they are."""
+    found: list[str] = []
+    for match in _RUNS.finditer(lowered):
+        run = match[0]
+        if match[1] is None:
+            found.append(run)
+        else:
+            found += run
+            found += [run[i : i + 2] for i in range(len(run) - 1)]
     return found
 
 

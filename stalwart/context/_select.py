@@ -18,7 +18,7 @@ from ._dag import DagSession, Unit
 from ._tokens import estimate_message_tokens
 from ._types import ContextMessage
 
-__all__ = ["clip_tail", "select_history"]
+__all__ = ["clip_tail", "cut_message", "select_history"]
 
 
 def select_history(
@@ -127,7 +127,7 @@ def clip_tail(messages: Sequence[ContextMessage], room: int) -> tuple[list[Conte
         if index in clipped:
             break
         clipped.add(index)
-        cut = _cut(out[index], sizes[index] - over)
+        cut = cut_message(out[index], sizes[index] - over)
         if cut is not None:
             out[index] = cut
             sizes[index] = estimate_message_tokens(cut)
@@ -142,21 +142,31 @@ def clip_tail(messages: Sequence[ContextMessage], room: int) -> tuple[list[Conte
     return out, len(clipped) + dropped
 
 
-def _cut(message: ContextMessage, target: int) -> ContextMessage | None:
+def cut_message(message: ContextMessage, target: int) -> ContextMessage | None:
     """``message`` cut to about ``target`` tokens with a marker, or None if it cannot
-    get smaller."""
+    get smaller. Its text (the content and each tool call's arguments) is capped at one
+    length, so the longest parts shrink first; its images go."""
     content = message.content
+    calls = message.tool_calls
+    texts = [content, *(call.arguments for call in calls)]
     marker = (
         "\n[stalwart: {cut} more characters and {images} images of this message are not "
         f"shown to fit the context budget; ctx_expand id={message.message_id} returns it whole]"
     )
-    keep = len(content)
+    keep = max(map(len, texts))
     for _ in range(32):
         keep = min(keep, max(40, keep - max(1, keep // 4)))
-        text = content[:keep] + marker.format(cut=len(content) - keep, images=len(message.images))
-        candidate = msgspec.structs.replace(message, content=text, images=())
+        cut = sum(max(0, len(text) - keep) for text in texts)
+        text = content[:keep] + marker.format(cut=cut, images=len(message.images))
+        shorter = tuple(
+            msgspec.structs.replace(call, arguments=call.arguments[:keep])
+            if len(call.arguments) > keep
+            else call
+            for call in calls
+        )
+        candidate = msgspec.structs.replace(message, content=text, tool_calls=shorter, images=())
         if estimate_message_tokens(candidate) <= target or keep == 40:
             break
-    if keep >= len(content) and not message.images:
+    if not cut and not message.images:
         return None
     return candidate

@@ -5,7 +5,8 @@ breaker or a spent cap means an emergency truncation (deterministic, no LLM call
 ``fallback=emergency-truncation``) and one ``context:dag_degraded`` per episode; a call
 that raises (or, as the half-open trial, overruns ``half_open_timeout_ms``) is recorded as
 ``context:summarizer_failed`` and the turn goes on without that summary: never an inline
-retry.
+retry. A blank answer is such a failure too (``empty_summary``): a leaf of nothing would
+hide the messages it covers.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from ._types import ContextMessage, Summarizer, SummaryRequest
 __all__ = ["SUMMARY_INSTRUCTIONS", "Summaries", "TurnLog"]
 
 log = get_logger(__name__)
+
+#: The failure class of a summarizer that answered with nothing (blank text).
+EMPTY_SUMMARY = "empty_summary"
 
 SUMMARY_INSTRUCTIONS = (
     "Summarize these messages for the assistant's own later recall: facts, decisions, "
@@ -218,7 +222,7 @@ class Summaries:
                 )
         if reservation is None:
             self._degrade(session, verdict, self.clock.now(), turn)
-            return emergency_body(messages, limit * 3), 0, 0, "emergency-truncation"
+            return emergency_body(messages, limit), 0, 0, "emergency-truncation"
         if error is not None:
             self._failed(session, turn, tenant, error, elapsed_ms, spent_in, spent_out)
             return None
@@ -241,7 +245,7 @@ class Summaries:
                 error = "trial_timeout"
             if error is None:  # a summarizer that ignores its limit is cut
                 text = clip_to_tokens(text, request.max_tokens)
-            replied = error is None or error == "trial_timeout"
+            replied = error in (None, "trial_timeout", EMPTY_SUMMARY)
             if replied and spent_in <= 0 and spent_out <= 0:  # it answered (maybe too late)
                 spent_in, spent_out = estimated, math.ceil(len(text) / 3)
         finally:
@@ -257,7 +261,8 @@ class Summaries:
 
     def _answer(self, request: SummaryRequest) -> tuple[str, int, int, str | None]:
         """The summarizer's text and spend, or the class of its failure (last) and what
-        that charges: the parts it had answered, else nothing (it never answered)."""
+        that charges: the parts it had answered, else nothing (it never answered). A
+        blank answer is a failure (``empty_summary``) that charges what it spent."""
         try:
             text, spent_in, spent_out = self.summarizer(request)
             if not isinstance(text, str):
@@ -266,6 +271,8 @@ class Summaries:
             return "", exc.input_tokens, exc.output_tokens, exc.error_class
         except Exception as exc:
             return "", 0, 0, type(exc).__name__
+        if not text.strip():  # a leaf of nothing would hide what it covers: a failure
+            return "", spent_in, spent_out, EMPTY_SUMMARY
         return text, spent_in, spent_out, None
 
     def _failed(
@@ -278,7 +285,8 @@ class Summaries:
         spent_in: int,
         spent_out: int,
     ) -> None:
-        """A call that raised, or a trial that answered too late (whose spend counts)."""
+        """A call that raised, answered with nothing, or (a trial) answered too late;
+        what an answer spent counts."""
         failure = ContextSummarizerFailed(
             tenant=tenant,
             error_class=error,
