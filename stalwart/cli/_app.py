@@ -15,6 +15,7 @@ import click
 from click.core import ParameterSource
 
 from stalwart import __version__
+from stalwart._text import escaped
 from stalwart.config import Config
 from stalwart.errors import StalwartError, StoreError
 from stalwart.events import RecordedEvent
@@ -259,12 +260,13 @@ def streams(state: _State, as_json: bool) -> None:
     if not infos:
         click.echo("no streams yet")
         return
-    width = max(len(info.stream) for info in infos)
+    # a stream id may hold any character: shown escaped, one row a stream
+    names = [escaped(info.stream) for info in infos]
+    width = max(len(name) for name in names)
     click.echo(f"{'STREAM':<{width}}  {'VERSION':>7}  {'LAST POS':>8}  LAST EVENT")
-    for info in infos:
+    for name, info in zip(names, infos, strict=True):
         click.echo(
-            f"{info.stream:<{width}}  {info.version:>7}  {info.last_position:>8}  "
-            f"{fmt_ts(info.last_ts)}"
+            f"{name:<{width}}  {info.version:>7}  {info.last_position:>8}  {fmt_ts(info.last_ts)}"
         )
 
 

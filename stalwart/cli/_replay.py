@@ -15,6 +15,7 @@ from typing import Any
 import click
 import msgspec
 
+from stalwart._text import escaped
 from stalwart.config import AgentSettings, Config, ProviderSettings
 from stalwart.context.pipeline import PipelineConfig
 from stalwart.errors import CorruptRecordError, StoreError
@@ -241,19 +242,20 @@ def render(report: Report, what: str, as_json: bool) -> list[str]:
     checked = sum(report.checked.values())
     last = f", up to position {report.last_position}" if report.last_position else ""
     lines = [
-        f"verify {what}: {report.events} events{last}, {checked} decisions re-derived",
+        f"verify {escaped(what)}: {report.events} events{last}, {checked} decisions re-derived",
         f"  re-derived: {_counts(report.checked)}",
     ]
     if report.unchecked:
         lines.append(f"  no verifier (not checked): {_counts(report.unchecked)}")
     for finding in report.findings:
-        where = f"{finding.stream} v{finding.version}" if finding.version else finding.stream
+        stream = escaped(finding.stream)  # any character: one line a finding
+        where = f"{stream} v{finding.version}" if finding.version else stream
         lines.append("")
         lines.append(
             f"{_LABEL[finding.kind]}  position {finding.position}  {where or '-'}  "
             f"{finding.tag or '-'}  {fmt_ts(finding.ts) if finding.ts else ''}".rstrip()
         )
-        lines.append(f"  {finding.message}")
+        lines.append(f"  {escaped(finding.message)}")
         if finding.kind == "mismatch":
             shown = to_json(finding.expected[0]) if finding.expected else "nothing"
             lines.append(f"  expected: {shown}")

@@ -224,6 +224,11 @@ class _Environment:
         self._inbox: Inbox[_Job] = Inbox()
         self._writer: threading.Thread | None = None
         self.closed = False
+        #: the last handle let go and the close is under way (set under ``_ENVS_LOCK``):
+        #: a handle opened meanwhile waits for ``gone`` instead of sharing it
+        self.closing = False
+        #: closed and out of the registry: a new environment of the path may open
+        self.gone = threading.Event()
         self._open()
 
     def _open(self) -> None:
@@ -588,7 +593,11 @@ class _Environment:
         else:
             cached = self._rows.get(key)
             if cached is None:
-                cached = stream_row(txn.get(key, db=self.stream_db), key)
+                try:
+                    cached = stream_row(txn.get(key, db=self.stream_db), key)
+                except StoreError as exc:  # a damaged row fails this stream alone
+                    request.error = exc
+                    return
             version, epoch = cached
         if request.expected is not None and request.expected != version:
             request.error = ConcurrencyError(request.stream, request.expected, version)

@@ -75,6 +75,9 @@ log = get_logger(__name__)
 
 
 _LAST_VERSION = (1 << 64) - 2  # so that the key of the version after it still fits
+#: How long opening a store waits for this process's last handle of it to finish closing
+#: (its writer ends the batch it is in, which may wait on another process's write lock).
+CLOSING_WAIT_S = 60.0
 
 
 def _stream_chunk(
@@ -331,21 +334,35 @@ class LmdbEventStore:
         self._codec = codec
         self._clock = clock or SystemClock()
         self._read_only = read_only
-        with _ENVS_LOCK:
-            shared = _ENVS.get(path)
-            try:
-                if shared is None or shared.closed:
-                    if not read_only:
-                        _make_directory(path)
-                    shared = _Environment(
-                        path, map_size=map_size, codec=codec, clock=self._clock, read_only=read_only
-                    )
-                    _ENVS[path] = shared
-                elif shared.read_only and not read_only:
-                    shared.make_writable()
-            except lmdb.Error as exc:
-                raise StoreError(f"cannot open the store at {path}: {exc}") from exc
-            shared.refs += 1
+        # one environment per directory however it is spelled (a symlink, a relative path):
+        # LMDB refuses a second one of the same file in a process
+        self._key = key = os.path.realpath(path)
+        while True:
+            with _ENVS_LOCK:
+                shared = _ENVS.get(key)
+                if shared is None or not shared.closing:
+                    try:
+                        if shared is None or shared.closed:
+                            if not read_only:
+                                _make_directory(path)
+                            shared = _Environment(
+                                path,
+                                map_size=map_size,
+                                codec=codec,
+                                clock=self._clock,
+                                read_only=read_only,
+                            )
+                            _ENVS[key] = shared
+                        elif shared.read_only and not read_only:
+                            shared.make_writable()
+                    except lmdb.Error as exc:
+                        raise StoreError(f"cannot open the store at {path}: {exc}") from exc
+                    shared.refs += 1
+                    break
+            # its last handle is closing it (its writer may wait on another process's
+            # write lock): a second environment of the file could not open meanwhile
+            if not shared.gone.wait(CLOSING_WAIT_S):
+                raise StoreError(f"cannot open the store at {path}: it is still closing")
         self._env = shared
         self._closed = False
 
@@ -605,13 +622,20 @@ class LmdbEventStore:
         if self._closed:
             return
         self._closed = True
+        env = self._env
         with _ENVS_LOCK:
-            self._env.refs -= 1
-            last = self._env.refs <= 0
-            if last and _ENVS.get(self._path) is self._env:
-                del _ENVS[self._path]
-        if last:
-            self._env.close()
+            env.refs -= 1
+            last = env.refs <= 0
+            env.closing = last
+        if not last:
+            return
+        try:
+            env.close()
+        finally:
+            with _ENVS_LOCK:
+                if _ENVS.get(self._key) is env:
+                    del _ENVS[self._key]
+            env.gone.set()
 
     def __enter__(self) -> LmdbEventStore:
         return self

@@ -19,6 +19,7 @@ from typing import Any
 import lmdb
 import msgspec
 
+from stalwart._logs import get_logger
 from stalwart.events import RecordedEvent
 from stalwart.state import due_hint
 
@@ -26,6 +27,8 @@ from ._environment import _Append, _Environment, _Job
 from ._protocol import Due, DueClaim, DueWork
 
 SESSION_PREFIX = b"session:"
+
+log = get_logger(__name__)
 
 _Row = tuple[float, int, str | None, float]
 _ENCODE = msgspec.msgpack.Encoder().encode
@@ -112,7 +115,7 @@ class ClaimDue(_Job):
         due: list[tuple[float, bytes, _Row]] = []
         later: float | None = None
         for key, value in txn.cursor(db=db):
-            row = _DECODE(value)
+            row = _decoded(key, value)
             at, _, holder, until = row
             if at > now:
                 later = at if later is None else min(later, at)
@@ -145,7 +148,23 @@ class SetDue(_Job):
 
 def _get(txn: Any, db: Any, key: bytes) -> _Row | None:
     raw = txn.get(key, db=db)
-    return None if raw is None else _DECODE(raw)
+    return None if raw is None else _decoded(key, raw)
+
+
+#: What a due row that cannot be read counts as: due now, held by nobody, written by no
+#: version (so the next write-back replaces it). The rows are derived from the log, and
+#: the worker that claims the session folds it and writes the row again.
+_DAMAGED: _Row = (0.0, 0, None, 0.0)
+
+
+def _decoded(key: bytes, raw: bytes) -> _Row:
+    """The row, or :data:`_DAMAGED` for one that cannot be read (one damaged row must
+    not stop the claims, and the appends, of every other session)."""
+    try:
+        return _DECODE(raw)
+    except msgspec.DecodeError:
+        log.warning("store.due_row_unreadable", stream=bytes(key).decode(errors="replace"))
+        return _DAMAGED
 
 
 def _put(
