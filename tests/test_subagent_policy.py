@@ -394,6 +394,14 @@ def test_nothing_done_is_respawned_and_a_second_failure_escalates() -> None:
     assert _decide(_failed_run((FINAL, T0 + 1), attempt=2)).action == "deliver"
 
 
+def test_a_splits_subtask_escalates_when_exhausted_even_with_a_splitter() -> None:
+    """A subtask's lineage (``split_from``) is never split again: a splitter that gives
+    back its own task would split for ever."""
+    again = msgspec.structs.replace(_failed_run((ART, T0 + 1), attempt=2), split_from="r0")
+    decided = _decide(again, can_split=True)
+    assert (decided.action, decided.reason) == ("escalate", "attempts_exhausted")
+
+
 def test_host_code_the_process_does_not_hold_escalates_instead_of_a_respawn() -> None:
     """A run of the host's own code is never re-spawned where that code is missing (a
     model would stand in for it): it escalates. Delivery and attempts come first; a

@@ -59,8 +59,15 @@ class GetBatches(msgspec.Struct, frozen=True):
     """Ask for the batches not sent yet: ``{parent: Batch}``."""
 
 
+#: Where a completion goes: (channel, conversation, thread).
+Route = tuple[str, str, str | None]
+
+
 class Batch(msgspec.Struct, frozen=True, kw_only=True):
-    """The completions waiting for one parent, and when they go."""
+    """The completions waiting for one parent, and when they go. ``channel``,
+    ``conversation`` and ``thread`` are the first run's; ``routes`` holds each run's
+    (aligned with ``runs``): runs that asked for other addresses are sent apart, one
+    message per address, at the batch's time."""
 
     channel: str
     conversation: str
@@ -68,6 +75,26 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
     thread: str | None = None
     first_at: float
     due_at: float
+    routes: tuple[Route, ...] = ()
+
+    def by_route(self) -> list[Batch]:
+        """One batch per address, in the order of their first runs."""
+        routes = self.routes or ((self.channel, self.conversation, self.thread),) * len(self.runs)
+        grouped: dict[Route, list[tuple[str, str]]] = {}
+        for route, run in zip(routes, self.runs, strict=True):
+            grouped.setdefault(route, []).append(run)
+        return [
+            Batch(
+                channel=channel,
+                conversation=conversation,
+                thread=thread,
+                runs=tuple(runs),
+                first_at=self.first_at,
+                due_at=self.due_at,
+                routes=((channel, conversation, thread),) * len(runs),
+            )
+            for (channel, conversation, thread), runs in grouped.items()
+        ]
 
 
 class _Due(msgspec.Struct, frozen=True):
@@ -165,14 +192,18 @@ class Announcer(Supervised):
         known = self._batches.get(track.parent)
         first = known.first_at if known is not None else now
         runs = (*(known.runs if known is not None else ()), (ended.run_id, ended.result))
+        route = (track.channel, track.conversation, track.thread)
+        routes = (*(known.routes if known is not None else ()), route)
+        head = known if known is not None else track
         due = min(now + self._debounce, first + self._max_wait)
         self._batches[track.parent] = Batch(
-            channel=track.channel,
-            conversation=track.conversation,
-            thread=track.thread,
+            channel=head.channel,
+            conversation=head.conversation,
+            thread=head.thread,
             runs=runs,
             first_at=first,
             due_at=due,
+            routes=routes,
         )
         key = ("announcer", self.actor_urn, track.parent)
         self._scheduler.schedule(due, partial(self._fire, track.parent), key=key)
@@ -182,6 +213,11 @@ class Announcer(Supervised):
         if batch is None or at < batch.due_at:
             return  # sent already, or re-armed later by a newer completion
         del self._batches[parent]
+        for part in batch.by_route():
+            self._send(parent, part)
+
+    def _send(self, parent: str, batch: Batch) -> None:
+        """Send one address's part of a parent's batch."""
         announcement_id = new_id()
         text = batch_text(batch.runs)
         queued = AnnouncementQueued(

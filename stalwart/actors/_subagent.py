@@ -30,6 +30,7 @@ recovery protocol decides that); it re-arms the watchdog of a run still running.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any, Literal
@@ -38,9 +39,10 @@ import msgspec
 import pykka
 
 from stalwart._logs import get_logger
+from stalwart._text import scrub_surrogates
 from stalwart.clock import Clock
 from stalwart.config import SubagentSettings
-from stalwart.errors import ConcurrencyError
+from stalwart.errors import ConcurrencyError, EventError
 from stalwart.events import (
     Event,
     SubagentArtifact,
@@ -99,6 +101,8 @@ class Spawn(msgspec.Struct, frozen=True, kw_only=True):
     announce: bool | None = None
     #: whether ``work`` is the host's own code, not a model (``subagent:spawned``)
     host_work: bool | None = None
+    #: the run whose ``split`` made this lineage (``subagent:spawned``)
+    split_from: str | None = None
 
     @property
     def stream(self) -> str:
@@ -141,7 +145,12 @@ class _WatchdogDue(msgspec.Struct, frozen=True):
 
 class RunReport:
     """What the work is given to report with; each call is told to the actor (cheap,
-    thread-safe, never blocks) and appended there."""
+    thread-safe, never blocks) and appended there.
+
+    A value the log could not record raises :class:`TypeError` here, in the work's own
+    thread, unless its meaning is plain: an integral float counts as its int, an
+    :class:`os.PathLike` path as its text (a path that is not UTF-8 is recorded with
+    U+FFFD for its undecodable bytes)."""
 
     __slots__ = ("_tell",)
 
@@ -149,22 +158,51 @@ class RunReport:
         self._tell = tell
 
     def progress(self, tokens: int, step: int = 0) -> None:
-        self._tell(_Progress(tokens, step))
+        self._tell(_Progress(_count("tokens", tokens), _count("step", step)))
 
-    def artifact(self, path: str, sha256: str, final: bool = False) -> None:
-        self._tell(_Artifact(path, sha256, final))
+    def artifact(self, path: str | os.PathLike[str], sha256: str, final: bool = False) -> None:
+        if not isinstance(sha256, str):
+            raise TypeError(f"artifact sha256 must be str, found {type(sha256).__name__}")
+        if not isinstance(final, bool):
+            raise TypeError(f"artifact final must be bool, found {type(final).__name__}")
+        self._tell(_Artifact(_path_text(path), scrub_surrogates(sha256), final))
+
+
+def _count(name: str, value: object) -> int:
+    """``value`` as the int a report records (an integral float is its int); TypeError
+    for anything else (a bool, a fraction, text)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, found {type(value).__name__} {value!r}")
+    return value
+
+
+def _path_text(path: object) -> str:
+    """``path`` (text or :class:`os.PathLike`) as text the log can store; TypeError for
+    anything else (bytes included)."""
+    text = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if not isinstance(text, str):
+        raise TypeError(f"artifact path must be str or a path, found {type(path).__name__}")
+    return scrub_surrogates(text)
 
 
 Work = Callable[[RunReport], Awaitable[str]]
 
 
-def _work_done(future: Future[str]) -> _WorkDone | None:
+def _work_done(future: Future[str], run: str) -> _WorkDone | None:
+    """The work's end as the actor records it: a result that is not text fails the run
+    (logged by its type, never its value); a lone surrogate in one becomes U+FFFD."""
     if future.cancelled():
         return None  # cancelled on purpose: the run was force-failed
     exc = future.exception()
     if exc is not None:
         return _WorkDone(None, type(exc).__name__)
-    return _WorkDone(future.result())
+    result: object = future.result()
+    if not isinstance(result, str):
+        log.warning("subagent.result_not_text", run=run, result_type=type(result).__name__)
+        return _WorkDone(None, "TypeError")
+    return _WorkDone(scrub_surrogates(result))
 
 
 # -- the actor ----------------------------------------------------------------------------
@@ -282,6 +320,7 @@ class SubAgentActor(Supervised):
             thread=spawn.thread,
             announce=spawn.announce,
             host_work=spawn.host_work,
+            split_from=spawn.split_from,
         )
         self._append(lambda state, now: [event])
 
@@ -291,18 +330,23 @@ class SubAgentActor(Supervised):
         if self._state.status != "running":
             log.info("subagent.report_dropped", run=self._stream, status=self._state.status)
             return
-        self._append(lambda state, now: [event] if state.status == "running" else [])
+        try:
+            self._append(lambda state, now: [event] if state.status == "running" else [])
+        except EventError as exc:  # one report the log refuses never ends the run's actor
+            log.warning(
+                "subagent.report_unrecorded",
+                run=self._stream,
+                report=type(event).__name__,
+                error=type(exc).__name__,
+            )
 
     def _completed(self, done: _WorkDone) -> None:
         self._catch_up()
         before = self._state.status
         if before not in ("running", "timed_out", "swept") or self._state.late_completion:
             return
-        outcome: Literal["succeeded", "failed"] = (
-            "succeeded" if done.result is not None else "failed"
-        )
-        event = SubagentCompleted(outcome=outcome, result=done.result or "")
-        self._append(lambda state, now: [event])
+        event = self._record_completion(done)
+        outcome = event.outcome
         if before != "running":  # the late result: recorded, never delivered twice
             log.warning("subagent.late_completion", run=self._stream, outcome=outcome)
             return
@@ -314,6 +358,23 @@ class SubAgentActor(Supervised):
             )
         else:
             self._tell_parent(self._failure("failed"))
+
+    def _record_completion(self, done: _WorkDone) -> SubagentCompleted:
+        """Append the work's end; a success the log refuses is recorded as a failure, so
+        the run still ends at once."""
+        if done.result is not None:
+            event = SubagentCompleted(outcome="succeeded", result=done.result)
+            try:
+                self._append(lambda state, now: [event])
+            except EventError as exc:
+                log.warning(
+                    "subagent.result_unrecorded", run=self._stream, error=type(exc).__name__
+                )
+            else:
+                return event
+        event = SubagentCompleted(outcome="failed", result="")
+        self._append(lambda state, now: [event])
+        return event
 
     def _watchdog(self) -> None:
         per_step = self._settings.per_step_timeout_ms
@@ -395,7 +456,7 @@ class SubAgentActor(Supervised):
 
     def _finished(self, future: Future[str]) -> None:
         """Done-callback (the portal's thread): the work's end becomes a message."""
-        done = _work_done(future)
+        done = _work_done(future, self._stream)
         if done is not None:
             self._tell(done)
 

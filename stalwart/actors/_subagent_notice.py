@@ -18,6 +18,7 @@ __all__ = [
     "SWEPT_SENTENCE",
     "TASK_EXCERPT_CHARS",
     "TIMED_OUT_SENTENCE",
+    "UNRECORDED_TASK",
     "NoticeSent",
     "failure_notice",
 ]
@@ -30,6 +31,8 @@ FAILED_SENTENCE = "The sub-agent task did not complete successfully."
 SWEPT_SENTENCE = "The sub-agent task stopped responding and was ended."
 #: The notice: task excerpt, fixed sentence, runtime.
 NOTICE_TEMPLATE = 'Sub-agent task "{task}": {sentence} (ran {runtime})'
+#: What a notice quotes for the task of a run whose spawn the log never recorded.
+UNRECORDED_TASK = "(not recorded)"
 #: How much of the task a notice quotes.
 TASK_EXCERPT_CHARS = 60
 

@@ -85,7 +85,7 @@ from ._restarts import Crashed, RestartNoticeSent, Restarts, crashed, tell_later
 from ._scheduler import Scheduler
 from ._send import RESEND_GRACE_S, send_by_clock
 from ._subagent import RunEnded, RunOutcome, Spawn
-from ._subagent_notice import NoticeSent, Path, failure_notice, sent
+from ._subagent_notice import UNRECORDED_TASK, NoticeSent, Path, failure_notice, sent
 from ._supervised import Supervised
 from ._supervisor_fold import (
     RUN_WATCH,
@@ -371,14 +371,30 @@ class SupervisorActor(Supervised):
         return None
 
     def _given_up(self, stream: str, gave_up: SupervisorGaveUp) -> None:
-        """Supervision gave up on the run's actor: end the run as failed, settle it."""
+        """Supervision gave up on the run's actor: end the run as failed, settle it. A run
+        given up before its spawn was recorded (the log refused it) is only handed to
+        ``on_run_ended``, as failed: there is no run in the log to write to or settle."""
         if self._catch_up(stream) is None:
+            self._ended_unrecorded(stream, gave_up)
             return
         given_up = SubagentGivenUp(restarts=gave_up.restarts, reason=gave_up.reason)
         if self._decide(stream, lambda watch, now: [given_up] if _running(watch) else []):
             log.error("supervisor.run_given_up", run=stream, restarts=gave_up.restarts)
         self._settle(stream)
         self._ended_here(stream)
+
+    def _ended_unrecorded(self, stream: str, gave_up: SupervisorGaveUp) -> None:
+        """Hand a run whose spawn is not in the log to ``on_run_ended`` as failed, with the
+        static notice (its task is not recorded, so the notice cannot quote it)."""
+        log.error("supervisor.unrecorded_run_given_up", run=stream, restarts=gave_up.restarts)
+        if self._on_run_ended is None:
+            return
+        notice = failure_notice(UNRECORDED_TASK, "failed", 0)
+        ended = RunEnded(run_id=stream.removeprefix("session:"), outcome="failed", notice=notice)
+        try:
+            self._on_run_ended(ended)
+        except Exception:  # the host's callback: logged, never ours to raise
+            log.exception("supervisor.on_run_ended_failed", run=stream)
 
     def _ended_here(self, stream: str) -> None:
         """Hand a run this supervisor ended to ``on_run_ended`` (its actor never will)."""
@@ -480,6 +496,8 @@ class SupervisorActor(Supervised):
 
     def _splitter_of(self, watch: RunWatch) -> Splitter | None:
         if self._splitters is None or watch.run.status not in UNSUCCESSFUL:
+            return None
+        if watch.run.split_from is not None:  # a split's subtask is not split again
             return None
         try:
             return self._splitters(watch.run.parent or "", watch.run.task)

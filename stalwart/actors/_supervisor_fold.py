@@ -237,13 +237,23 @@ def respawn(watch: RunWatch, context: str) -> Spawn:
         conversation=watch.conversation,
         thread=watch.thread,
         announce=watch.announce,
+        split_from=run.split_from,
     )
 
 
 def split_spawns(watch: RunWatch, subtasks: tuple[str, ...]) -> list[Spawn]:
-    """One first attempt per subtask of a ``split``: same parent, same limit, same channel."""
+    """One first attempt per subtask of a ``split``: same parent, same limit, same channel.
+    Each is announced, whatever the split run asked: its handle has ended already (timed
+    out or failed), so the announcement is the only way its result reaches anyone."""
     base = respawn(watch, "")
     return [
-        msgspec.structs.replace(base, run_id=new_id(), task=subtask, attempt=1)
+        msgspec.structs.replace(
+            base,
+            run_id=new_id(),
+            task=subtask,
+            attempt=1,
+            announce=True,
+            split_from=watch.run.stream.removeprefix("session:"),
+        )
         for subtask in subtasks
     ]

@@ -35,6 +35,10 @@ class SubagentSpawned(Event, frozen=True, tag="subagent:spawned"):
     #: model; None in logs written before it and for runs started outside a runtime. A
     #: process that does not hold that code cannot respawn the run (it escalates)
     host_work: bool | None = None
+    #: the run whose recovery ``split`` made this run's lineage (a subtask, or a later
+    #: attempt of one): such a lineage is never split again. None otherwise, and in logs
+    #: written before it
+    split_from: str | None = None
 
 
 class SubagentProgress(Event, frozen=True, tag="subagent:progress"):

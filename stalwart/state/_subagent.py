@@ -88,6 +88,8 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     recovery: Recovery | None = None
     #: ``subagent:spawned``'s ``host_work``: the run ran the host's own code
     host_work: bool | None = None
+    #: ``subagent:spawned``'s ``split_from``: the lineage is a split's subtask
+    split_from: str | None = None
 
 
 # -- spawn --------------------------------------------------------------------------------
@@ -105,9 +107,10 @@ def spawn_timeout(
     """A spawn's mandatory timeout and the knob that bound it (seed 002, layer 1).
 
     A known task class gets its ``class_timeouts_ms`` entry; a custom timeout (``task_class``
-    ``"custom"`` or None) needs ``1 <= custom_timeout_ms <= custom_max_ms`` and a stated
-    reason; a spawn naming neither gets ``default_ms`` (``max_run_timeout_ms``). Anything
-    else raises :class:`SpawnRefusedError`: no spawn goes without a timeout.
+    ``"custom"`` or None) needs an int (not a float, not a bool) with ``1 <=
+    custom_timeout_ms <= custom_max_ms`` and a stated reason; a spawn naming neither gets
+    ``default_ms`` (``max_run_timeout_ms``). Anything else raises
+    :class:`SpawnRefusedError`: no spawn goes without a timeout.
     """
     if task_class is not None and task_class != "custom":
         if task_class not in class_timeouts_ms:
@@ -128,6 +131,12 @@ def spawn_timeout(
                 "a custom spawn needs custom_timeout_ms", field="custom_timeout_ms"
             )
         return default_ms, "max_run_timeout_ms"
+    if isinstance(custom_timeout_ms, bool) or not isinstance(custom_timeout_ms, int):
+        raise SpawnRefusedError(  # a float or a bool would pass the range check below
+            "custom_timeout_ms must be an integer number of milliseconds, found "
+            f"{type(custom_timeout_ms).__name__} {custom_timeout_ms!r}",
+            field="custom_timeout_ms",
+        )
     if not 1 <= custom_timeout_ms <= custom_max_ms:
         raise SpawnRefusedError(
             f"custom_timeout_ms must be between 1 and {custom_max_ms} (custom_max_ms), "
@@ -166,6 +175,7 @@ def _spawned(state: RunState, event: SubagentSpawned, ts: float) -> RunState:
         started_at=ts,
         tokens_grew_at=ts,
         host_work=event.host_work,
+        split_from=event.split_from,
     )
 
 
@@ -390,7 +400,10 @@ def _recovery_action(
     if state.result:
         return Recovery(action="deliver", reason="completed_result")
     if state.attempt >= max_attempts:
-        action: RecoveryAction = "split" if can_split else "escalate"
+        # a split's subtask is not split again: a splitter that gives back its own task
+        # would split for ever
+        split = can_split and state.split_from is None
+        action: RecoveryAction = "split" if split else "escalate"
         return Recovery(action=action, reason="attempts_exhausted")
     if state.host_work and not can_respawn:
         # the host's code is not in this process (a restart): a model must not stand in
@@ -408,7 +421,8 @@ def decide_recovery(
 
     Check before re-spawning, resume rather than restart: a final artifact or a result
     (even one returned after a force-fail) is delivered; attempt ``>= max_attempts`` is
-    escalated (or split when the caller has a splitter); partial work (artifacts or steps)
+    escalated (or split when the caller has a splitter, unless the run is a split's
+    subtask: ``split_from``); partial work (artifacts or steps)
     is re-spawned with continuation context; nothing done is re-spawned as it was. A
     run of the host's own code is escalated (``work_unavailable``) instead of re-spawned
     when the caller cannot run that code (``can_respawn`` False: a process started after
