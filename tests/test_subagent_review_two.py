@@ -157,6 +157,29 @@ def test_a_result_the_store_cannot_record_still_ends_the_run_at_once(
     assert not of(SubagentWatchdogTimeout, list(store.read_stream(handle.stream)))
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("reason", "because \udce9"),
+        ("reason", 42),
+        ("conversation", "room-\ud800"),
+        ("conversation", 7),
+    ],
+)
+def test_a_spawn_whose_reason_or_conversation_cannot_be_recorded_is_refused(
+    rt: Runtime, store: EventStore, field: str, value: Any
+) -> None:
+    # Was: DEFECT: rt.spawn checked only the task: a reason or conversation the log cannot
+    # store started a run whose actor could not record its spawn (it failed once given up).
+    options: dict[str, Any] = {"custom_timeout_ms": 60_000, "reason": "a long import"}
+    options[field] = value
+    head = store.head()
+    with pytest.raises(SpawnRefusedError) as refused:
+        rt.spawn("p1", "import the ledger", **options)
+    assert refused.value.field == field
+    assert store.head() == head
+
+
 # -- completion announcements ---------------------------------------------------------------
 
 

@@ -115,6 +115,12 @@ class RunLayer:
             raise SpawnRefusedError(
                 "spawn refused: the task must be text that is valid UTF-8", field="task"
             )
+        for field in ("reason", "conversation", "thread"):  # recorded in subagent:spawned
+            value = getattr(spawn, field)
+            if value is not None and (not isinstance(value, str) or not _storable(value)):
+                raise SpawnRefusedError(
+                    f"spawn refused: {field} must be text that is valid UTF-8", field=field
+                )
         if spawn.max_steps is not None and (
             isinstance(spawn.max_steps, bool)
             or not isinstance(spawn.max_steps, int)
