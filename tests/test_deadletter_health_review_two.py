@@ -197,31 +197,51 @@ def test_two_queues_on_one_store_send_a_due_entry_once(
 # -- 3. verify cannot tell a drain that no recovery asked for --------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: verify takes a drain's provider as recorded (docs/replay.md); checking it "
-    "needs a fold across the deadletter and provider:<name> streams",
-)
+@pytest.mark.parametrize("scope", [None, "deadletter"], ids=["whole-log", "one-stream"])
 def test_verify_rejects_a_drain_no_recovery_asked_for(
-    lmdb_store: EventStore, clock: FakeClock
+    lmdb_store: EventStore, clock: FakeClock, scope: str | None
 ) -> None:
     """A ``drain`` retry is the consequence of a ``provider:recovered`` (seed 000). A log
     whose entry is sent at once "because main recovered" while ``main`` never even
     degraded holds a decision nothing in the log supports."""
-    # DEFECT: _verify_rules._letter_retry re-runs decide_drain with the recorded provider
-    # and never looks for its provider:recovered; verify should flag a drain with no
-    # recovery of that provider just before it (the log has both streams).
+    # Was: DEFECT: _verify_rules._letter_retry re-runs decide_drain with the recorded
+    # provider and never looks for its provider:recovered; verify should flag a drain with
+    # no recovery of that provider just before it (the log has both streams).
     _append(lmdb_store, "deadletter", clock, _queued("e1"))
     clock.advance(1)  # far from the 30 s backoff
+    _append(lmdb_store, "provider:other", clock, ProviderRecovered(provider="other"))
     retried = AnnouncementDeadLetterRetried(
         entry_id="e1", attempt=1, reason="drain", provider="main"
     )
     _append(lmdb_store, "deadletter", clock, retried)
     _append(lmdb_store, "deadletter", clock, AnnouncementDeadLetterDelivered("e1", attempts=1))
 
-    report = verify_store(lmdb_store, None)
+    report = verify_store(lmdb_store, scope)
     assert report.checked.get("announcement:dead_letter_retried") == 1
-    assert not report.clean, "a drain with no provider:recovered anywhere passed verify"
+    # (the whole log's check also finds the hand-made recovery unsupported: not ours here)
+    findings = [f for f in report.findings if f.stream == "deadletter"]
+    assert findings, "a drain with no provider:recovered anywhere passed verify"
+    [finding] = findings
+    assert "'main', which never recovered before it" in finding.message
+
+
+@pytest.mark.parametrize("scope", [None, "deadletter"], ids=["whole-log", "one-stream"])
+def test_verify_accepts_a_drain_after_its_providers_recovery(
+    lmdb_store: EventStore, clock: FakeClock, scope: str | None
+) -> None:
+    _append(lmdb_store, "deadletter", clock, _queued("e1"))
+    clock.advance(1)
+    _append(lmdb_store, "provider:main", clock, ProviderRecovered(provider="main"))
+    retried = AnnouncementDeadLetterRetried(
+        entry_id="e1", attempt=1, reason="drain", provider="main"
+    )
+    _append(lmdb_store, "deadletter", clock, retried)
+    _append(lmdb_store, "deadletter", clock, AnnouncementDeadLetterDelivered("e1", attempts=1))
+
+    report = verify_store(lmdb_store, scope)
+    assert report.checked.get("announcement:dead_letter_retried") == 1
+    # (the whole log's check also finds the hand-made recovery unsupported: not ours here)
+    assert [f for f in report.findings if f.stream == "deadletter"] == []
 
 
 # -- claim checks ------------------------------------------------------------------------------

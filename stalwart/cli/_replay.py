@@ -21,6 +21,7 @@ from stalwart.context.pipeline import PipelineConfig
 from stalwart.errors import CorruptRecordError, StoreError
 from stalwart.events import (
     Event,
+    ProviderRecovered,
     RecordedEvent,
     RuntimeStarted,
     RuntimeStopped,
@@ -177,6 +178,23 @@ def _runtime(store: EventStore, stream: str, until: int | None) -> Iterator[Item
             yield item
 
 
+def _recoveries(store: EventStore, until: int | None) -> Iterator[Item]:
+    """Every provider's ``provider:recovered``, in log order (a dead-letter drain follows
+    one: verifying the ``deadletter`` stream checks that it did)."""
+    providers = [s.stream for s in store.streams() if s.stream.startswith("provider:")]
+    yield from heapq.merge(
+        *(
+            (
+                item
+                for item in _stream(store, name, until)
+                if isinstance(item, RecordedEvent) and isinstance(item.event, ProviderRecovered)
+            )
+            for name in providers
+        ),
+        key=lambda item: item.position,
+    )
+
+
 def read_for_verify(store: EventStore, stream: str | None, until: int | None) -> Iterator[Item]:
     """Every record (``stream`` None), or ``stream``'s merged with the ``runtime`` stream's
     starts and stops (the config in force, the processes' lives) and its actor's restarts,
@@ -185,10 +203,11 @@ def read_for_verify(store: EventStore, stream: str | None, until: int | None) ->
         return _all(store, until)
     if stream == "runtime":
         return _stream(store, stream, until)
+    beside = [_runtime(store, stream, until)]
+    if stream == "deadletter":
+        beside.append(_recoveries(store, until))
     merged: Iterator[Item] = heapq.merge(
-        _stream(store, stream, until),
-        _runtime(store, stream, until),
-        key=lambda item: item.position,
+        _stream(store, stream, until), *beside, key=lambda item: item.position
     )
     return merged
 

@@ -35,6 +35,7 @@ import msgspec
 from stalwart.errors import StalwartError
 from stalwart.events import (
     Event,
+    ProviderRecovered,
     RecordedEvent,
     RuntimeStarted,
     SupervisorRestarted,
@@ -145,7 +146,8 @@ class Verification:
     ``verify`` says which streams are checked (default: every one); events of the other
     streams still move time and carry the config (feed the ``runtime`` stream's
     ``runtime:started`` / ``runtime:stopped`` when verifying one stream, and the
-    ``supervisor:restarted`` of its actor).
+    ``supervisor:restarted`` of its actor; for the ``deadletter`` stream, the providers'
+    ``provider:recovered``, which its drains follow).
     """
 
     def __init__(
@@ -158,7 +160,9 @@ class Verification:
     ) -> None:
         self._registry = registry
         self._defaults = defaults
-        self._knobs = Knobs(None, defaults)
+        #: the providers with a ``provider:recovered`` so far (see :class:`Knobs`)
+        self._recovered: set[str] = set()
+        self._knobs = Knobs(None, defaults, self._recovered)
         self._grace_ms = grace_ms
         self._verify = verify or (lambda stream: True)
         self._by_tag: dict[str, list[Verifier[Any]]] = {}
@@ -193,8 +197,11 @@ class Verification:
             self._missed(missed)
         if kind is RuntimeStarted:
             assert isinstance(event, RuntimeStarted)
-            self._knobs = Knobs(event.config, self._defaults)
+            self._knobs = Knobs(event.config, self._defaults, self._recovered)
             self._restarted(ts)
+        elif kind is ProviderRecovered:
+            assert isinstance(event, ProviderRecovered)
+            self._recovered.add(event.provider)
         elif kind is SupervisorRestarted:
             assert isinstance(event, SupervisorRestarted)
             self._deadlines.actor_restarted(event.actor)

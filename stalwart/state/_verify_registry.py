@@ -53,6 +53,7 @@ types, so a fold that few events move costs nothing on the others.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Generic, TypeVar
@@ -66,13 +67,24 @@ S = TypeVar("S")
 
 
 class Knobs:
-    """The config in force: the recorded config (a ``Config.to_record()``) over defaults."""
+    """The config in force: the recorded config (a ``Config.to_record()``) over defaults.
 
-    __slots__ = ("_found", "_layers")
+    ``recovered`` is what the log said of other streams so far that a decision may rest
+    on: the providers with a ``provider:recovered`` before the record being checked
+    (a drain of the dead-letter queue follows one). The verification keeps it up to date;
+    None when it is not fed those streams (nothing is checked against it then)."""
 
-    def __init__(self, recorded: Mapping[str, Any] | None, defaults: Mapping[str, Any]) -> None:
+    __slots__ = ("_found", "_layers", "recovered")
+
+    def __init__(
+        self,
+        recorded: Mapping[str, Any] | None,
+        defaults: Mapping[str, Any],
+        recovered: AbstractSet[str] | None = None,
+    ) -> None:
         self._layers = (recorded or {}, defaults)
         self._found: dict[str | tuple[str, ...], Any] = {}
+        self.recovered = recovered
 
     def get(self, path: str | tuple[str, ...]) -> Any:
         """The value at ``path`` (``"subagents.per_step_timeout_ms"``, or its parts when a

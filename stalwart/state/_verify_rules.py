@@ -378,13 +378,17 @@ def _expiry_due(state: DeadLetterState, knobs: Knobs) -> float | None:
 
 def _letter_retry(state: DeadLetterState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
     """A ``backoff`` retry must be due and allowed; a ``drain`` retry may go at once,
-    whatever its backoff (the recovery that drains is in ``provider:<name>``, which this
-    fold does not read: the provider is taken as recorded)."""
+    whatever its backoff, once its provider has recovered: the log must hold a
+    ``provider:recovered`` of it before the drain (in ``provider:<name>``, which the
+    verification tracks for this: ``knobs.recovered``)."""
     found = record.event
     assert isinstance(found, AnnouncementDeadLetterRetried)
     hold = hold_ms(knobs.get_int("dead_letters.announce_timeout_ms"))
     runtime = found.runtime
     if found.reason == "drain":
+        recovered = knobs.recovered
+        if recovered is not None and found.provider not in recovered:
+            return []  # no recovery asked for it
         drained = decide_drain(
             state, found.provider or "", now=record.ts, hold_ms=hold, runtime=runtime
         )
@@ -410,6 +414,9 @@ def _letter_retry_why(state: DeadLetterState, record: RecordedEvent, knobs: Knob
         return f"entry {found.entry_id!r} is not in the queue"
     if found.attempt != entry.attempts + 1:
         return f"the entry had {entry.attempts} attempts, this is not attempt {found.attempt}"
+    recovered = knobs.recovered
+    if found.reason == "drain" and recovered is not None and found.provider not in recovered:
+        return f"a drain for provider {found.provider!r}, which never recovered before it"
     max_retries = knobs.get_int("dead_letters.max_retries")
     if found.reason == "backoff" and entry.attempts >= max_retries:
         return f"its {entry.attempts} attempts already spent dead_letters.max_retries"
