@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import pty
+import subprocess
+import sys
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -195,6 +199,64 @@ def test_search_and_expand_a_stored_session(tmp_path: Path) -> None:
     unknown = CliRunner().invoke(cli, ["--store", str(location), "context", "expand", "s9", "nope"])
     assert unknown.exit_code == 1
     assert unknown.output == "stalwart: error: no summary or message with that id in this session\n"
+
+
+def test_expand_escapes_control_characters_on_a_terminal_only(tmp_path: Path) -> None:
+    """A stored message (a model's or a tool's text) may hold an OSC sequence that would
+    set the operator's terminal title: on a terminal it is shown escaped, piped it is
+    written byte for byte."""
+    clock = FakeClock()
+    location = tmp_path / "store"
+    store = store_module.open(location, clock=clock)
+    title = "\x1b]0;owned\x07"
+    messages = [
+        ContextMessage(
+            message_id=f"m{i}",
+            seq=i,
+            role="user" if i % 2 == 0 else "assistant",
+            content=(f"KIWI-77 {title}\tcol\nnext line " if i == 6 else "") + "z " * 150,
+        )
+        for i in range(80)
+    ]
+    store.append(
+        "session:s9",
+        [
+            MessageAppended(message_id=m.message_id, role=m.role, content=m.content)
+            for m in messages
+        ],
+    )
+    engine = DagEngine(summarizer=ExtractiveSummarizer(), clock=clock)
+    store.append("context:s9", list(engine.assemble("s9", messages, 3_000).events))
+    store.close()
+    found = CliRunner().invoke(
+        cli, ["--store", str(location), "context", "search", "context:s9", "KIWI-77", "--json"]
+    )
+    summary = json.loads(found.stdout.splitlines()[0])["summary_id"]
+    command = [sys.executable, "-m", "stalwart", "--store", str(location), "context", "expand"]
+    piped = subprocess.run(
+        [*command, "s9", summary], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert messages[6].content in piped.stdout  # byte for byte
+    main, side = pty.openpty()
+    try:
+        proc = subprocess.Popen([*command, "s9", summary], stdout=side, stderr=subprocess.DEVNULL)
+        os.close(side)
+        shown = b""
+        while True:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # the terminal's other side closed
+                break
+            if not chunk:
+                break
+            shown += chunk
+        assert proc.wait(timeout=30) == 0
+    finally:
+        os.close(main)
+    text = shown.decode()
+    assert "\x1b" not in text
+    assert "KIWI-77 \\u001b]0;owned\\u0007\tcol" in text.replace("\r\n", "\n")
+    assert "\nnext line" in text.replace("\r\n", "\n")
 
 
 def test_simulate_can_summarize_with_a_real_model(tmp_path: Path, fake: FakeProvider) -> None:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -254,6 +255,9 @@ def expand_command(state: _State, stream: str, summary_id: str, as_json: bool) -
         pass  # a message id: expand shows it
     after: str | None = None
     offset = 0
+    # byte for byte when piped; on a terminal the stored text (a model's, a tool's: not
+    # ours to trust) keeps its line breaks and tabs, any other control character escaped
+    shown = _for_terminal if sys.stdout.isatty() else str
     while True:
         try:
             part = engine.expand(session_id, summary_id, tenant=tenant, after=after, offset=offset)
@@ -266,12 +270,16 @@ def expand_command(state: _State, stream: str, summary_id: str, as_json: bool) -
                 data["content_offset"] = part.offset if index == 0 else 0
                 click.echo(to_json(data))
             elif continued:
-                click.echo(message.content, nl=False, color=True)  # byte for byte, piped too
+                click.echo(shown(message.content), nl=False, color=True)
             else:
-                click.echo(f"\n--- #{message.seq} {message.role} {message.message_id}")
-                click.echo(message.content, nl=False, color=True)
+                click.echo(f"\n--- #{message.seq} {message.role} {escaped(message.message_id)}")
+                click.echo(shown(message.content), nl=False, color=True)
         if part.next_after is None:
             break
         after, offset = part.next_after, part.next_offset
     if not as_json:
         click.echo()
+
+
+def _for_terminal(text: str) -> str:
+    return "\n".join(escaped(line, tabs=True) for line in text.split("\n"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import click
 import msgspec
 
+from stalwart._text import escaped
 from stalwart.store import check_store
 from stalwart.store import open as open_store
 
@@ -80,11 +81,11 @@ def check(ctx: click.Context, as_json: bool) -> None:
                 part
                 for part in (
                     f"position {problem.position}" if problem.position is not None else "",
-                    problem.stream or "",
+                    escaped(problem.stream or ""),  # a damaged stream's id may hold anything
                 )
                 if part
             )
-            click.echo(f"  problem  {where}: {problem.what}")
+            click.echo(f"  problem  {where}: {escaped(problem.what)}")
         count = len(report.problems)
         click.echo("consistent" if report.ok else f"{count} problem{'s' * (count != 1)}")
     ctx.exit(0 if report.ok else 1)

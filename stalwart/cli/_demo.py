@@ -379,7 +379,16 @@ MARKER = "stalwart-demo"
 def _prepare(directory: Path) -> None:
     """A fresh store directory, marked as the demo's: a previous demo's (marked) is
     replaced, an empty one used, anything else refused (a real store looks like a
-    demo's but for the mark)."""
+    demo's but for the mark). One that cannot be made (under a file, on a read-only
+    mount, a dangling link) is a StalwartError naming the directory."""
+    try:
+        _make_fresh(directory)
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise StalwartError(f"cannot make the demo's store at {directory}: {why}") from None
+
+
+def _make_fresh(directory: Path) -> None:
     if directory.exists() and not directory.is_dir():
         raise StalwartError(f"{directory} is not a directory; pass --store DIR")
     if directory.exists():
@@ -403,8 +412,7 @@ def _config(base_url: str) -> Config:
 
 
 def play(directory: Path) -> None:
-    """Run every scene against a fresh store in ``directory``."""
-    _prepare(directory)
+    """Run every scene against a fresh store in ``directory`` (made by :func:`_prepare`)."""
     screen = Screen()
     with FakeProvider() as fake:
         fake.set_default(Answer(text="I am here to help."))
@@ -429,6 +437,7 @@ def demo(state: _State) -> None:
     if "://" in location:
         raise StalwartError("the demo writes a directory of its own; pass --store DIR")
     directory = Path(location)
+    _prepare(directory)  # before the banner: a directory it cannot make is one error line
     click.secho("stalwart demo: the failure layers, live, with no key and no network", bold=True)
     click.echo(f"The event log goes to {directory}/.")
     play(directory)

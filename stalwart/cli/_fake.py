@@ -9,6 +9,7 @@ from types import FrameType
 
 import click
 
+from stalwart._text import escaped
 from stalwart.config import looks_like_secret
 from stalwart.errors import ConfigError
 from stalwart.testing import FakeProvider, RecordedRequest, Script, load_script
@@ -18,8 +19,9 @@ from ._app import cli
 
 def _describe(request: RecordedRequest) -> str:
     mode = "stream" if request.stream else "whole"
+    model = escaped(request.model or "-")  # what the client sent: any character
     return (
-        f"#{request.index} {request.api} {request.model or '-'} ({mode}): {request.action}"
+        f"#{request.index} {escaped(request.api)} {model} ({mode}): {request.action}"
         f" -> {request.outcome}, HTTP {request.status}, {request.deltas_sent} deltas"
     )
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+from functools import partial
+from types import FrameType
 
 import anyio
 import click
@@ -51,11 +55,14 @@ class _Printer:
 
     def __init__(self) -> None:
         self.printed = False
+        #: the reader of stdout went away (``stalwart run ... | head``): nothing more is
+        #: printed, and the turn goes on (its answer is still recorded)
+        self.gone = False
 
     def __call__(self, event: StreamEvent | PromptStarted) -> None:
         if isinstance(event, PromptStarted):
             if self.printed:
-                sys.stdout.write("\n")
+                self.write("\n")
                 click.secho(
                     f"[stalwart: that answer broke off; trying again with {event.model}]",
                     err=True,
@@ -65,9 +72,19 @@ class _Printer:
         elif isinstance(event, TextDelta):
             # the model's text is untrusted: its line breaks stay, no other control
             # character reaches the terminal (ESC could clear it or set the clipboard)
-            sys.stdout.write("\n".join(escaped(part, tabs=True) for part in event.text.split("\n")))
-            sys.stdout.flush()
+            self.write("\n".join(escaped(part, tabs=True) for part in event.text.split("\n")))
             self.printed = True
+
+    def write(self, text: str) -> None:
+        if self.gone:
+            return
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            self.gone = True
+            # what Python would flush at exit goes nowhere, quietly
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115
 
 
 async def _turn(
@@ -161,15 +178,32 @@ def run(state: _State, config_path: str, agent: str, session: str | None, prompt
     store = state.store_for(config, create=True)
     session = session or new_id()
     printer = _Printer()
+    terminated: list[int] = []
+    previous = signal.signal(signal.SIGTERM, partial(_as_interrupt, terminated))
     try:
         anyio.run(_main, config, store, agent, session, prompt, printer)
     except ContextOverflowError:
         raise StalwartError(TOO_LONG) from None
     except ProviderError:
         raise StalwartError(FAILED) from None
+    except KeyboardInterrupt:
+        if terminated:  # the turn was closed as cancelled, as for Ctrl-C
+            sys.exit(128 + signal.SIGTERM)
+        raise
     finally:
+        signal.signal(signal.SIGTERM, previous)
         store.close()
         if printer.printed:  # an answer that broke off still ends its line
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+            printer.write("\n")
     click.echo(f"session {session}", err=True)
+
+
+def _as_interrupt(terminated: list[int], signum: int, frame: FrameType | None) -> None:
+    """SIGTERM (``timeout``, a supervisor) stops ``run`` as Ctrl-C does: the turn in
+    flight is cancelled and closed in the log, not cut off with it open."""
+    terminated.append(signum)
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):  # asyncio's, while the loop runs: it cancels the main task
+        handler(signal.SIGINT, frame)
+    else:
+        raise KeyboardInterrupt

@@ -17,6 +17,7 @@ from typing import Any
 
 import click
 
+from stalwart._text import escaped
 from stalwart.clock import SystemClock
 from stalwart.errors import SessionActionError, StoreUnavailableError
 from stalwart.events import (
@@ -144,7 +145,8 @@ def lifecycle_line(row: dict[str, Any]) -> str:
     for key, value in row["detail"].items():
         shown = fmt_ts(value) if key.endswith("_at") and isinstance(value, float) else value
         parts.append(f"{key}={shown}")
-    return "  ".join(str(p) for p in parts)
+    # ids and values come from the log (a stream id, a dedupe key may hold anything)
+    return "  ".join(escaped(str(p)) for p in parts)
 
 
 @cli.command()
