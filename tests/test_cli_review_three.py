@@ -103,6 +103,7 @@ def test_run_stopped_with_sigterm_does_not_leave_its_session_running(
             proc.kill()
             proc.wait()
     assert "Traceback" not in err, err
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err)
     code, out, err = stalwart("--store", str(tmp_path / "store"), "status", "--json")
     assert code == 0, err
     statuses = {row["session"]: row["status"] for row in json.loads(out)["sessions"]}
