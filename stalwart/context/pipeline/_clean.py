@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
 
 import msgspec
 
@@ -88,21 +89,56 @@ def guard_surrogates(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
 
 
 _NAMES = r"think|thinking|reasoning|thought"
-_PAIR = re.compile(rf"<({_NAMES})\b[^>]*>.*?</\1\s*>", re.IGNORECASE | re.DOTALL)
-_LEADING_CLOSE = re.compile(rf"\A.*?</(?:{_NAMES})\s*>", re.IGNORECASE | re.DOTALL)
-_UNCLOSED = re.compile(rf"<(?:{_NAMES})\b[^>]*>.*\Z", re.IGNORECASE | re.DOTALL)
+# Tags are found at every ``<`` (overlapping, as a regex that tries each position would),
+# each try bounded (no tag's attributes run past 256 characters), so finding them all is
+# one pass over the text however many tags are left open.
+_OPEN_AT = re.compile(rf"(?=(<({_NAMES})\b[^>]{{0,256}}>))", re.IGNORECASE)
+_CLOSE_AT = re.compile(rf"(?=(</({_NAMES})\s{{0,256}}>))", re.IGNORECASE)
+_CLOSE = re.compile(rf"</(?:{_NAMES})\s{{0,256}}>", re.IGNORECASE)
+_OPEN = re.compile(rf"<(?:{_NAMES})\b[^>]{{0,256}}>", re.IGNORECASE)
+
+
+def _without_pairs(text: str) -> str:
+    """``text`` without its opening-to-closing tag pairs: from each opening (left to
+    right, past the pairs already cut) to the first closing tag of its name after it."""
+    closes: dict[str, list[tuple[int, int]]] = {}
+    for found in _CLOSE_AT.finditer(text):
+        closes.setdefault(found[2].lower(), []).append((found.start(), found.end(1)))
+    if not closes:
+        return text
+    starts = {name: [start for start, _ in spans] for name, spans in closes.items()}
+    parts: list[str] = []
+    done = 0
+    for found in _OPEN_AT.finditer(text):
+        if found.start() < done:
+            continue  # inside a pair already cut
+        name = found[2].lower()
+        spans = closes.get(name)
+        if spans is None:
+            continue
+        at = bisect_left(starts[name], found.end(1))
+        if at == len(spans):
+            continue  # never closed: the last step cuts from the first such opening
+        parts.append(text[done : found.start()])
+        done = spans[at][1]
+    parts.append(text[done:])
+    return "".join(parts)
 
 
 def strip_tags(text: str) -> str:
     """Visible text without inline reasoning: ``<think>...</think>`` pairs (also
     ``thinking``, ``reasoning``, ``thought``; any case), a close tag with no opening
     (everything before it was reasoning), and an opening tag never closed (everything
-    after it is)."""
+    after it is). Linear in the text (a message of unclosed tags used to take minutes)."""
     if "<" not in text:
         return text
-    stripped = _PAIR.sub("", text)
-    stripped = _LEADING_CLOSE.sub("", stripped)
-    stripped = _UNCLOSED.sub("", stripped)
+    stripped = _without_pairs(text)
+    close = _CLOSE.search(stripped)
+    if close is not None:
+        stripped = stripped[close.end() :]
+    opening = _OPEN.search(stripped)
+    if opening is not None:
+        stripped = stripped[: opening.start()]
     return text if stripped == text else stripped.strip()
 
 

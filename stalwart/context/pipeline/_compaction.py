@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from stalwart.context._repair import OPENING
+from stalwart.context._repair import OPENING, repair
 from stalwart.context._tokens import CUT_SUMMARY
 from stalwart.context._types import ContextMessage, SummaryRequest
 from stalwart.events import ContextCompacted
@@ -101,12 +101,15 @@ EMERGENCY_TEXT = (
 
 
 def _tokens(messages: tuple[ContextMessage, ...], run: Run) -> int:
-    """What ``messages`` cost, with what layer 10 and the final repair will add."""
-    return (
-        run.estimator.messages(messages)
-        + objective_tokens(messages, run)
-        + _opening_tokens(messages, run)
-    )
+    """What ``messages`` cost as sent: with what layer 10 adds and the final repair makes
+    of them (an opening, a placeholder result for each call left unanswered: a turn
+    stopped by an interrupt leaves its calls so)."""
+    return run.estimator.messages(_sent(messages)) + objective_tokens(messages, run)
+
+
+def _sent(messages: tuple[ContextMessage, ...]) -> tuple[ContextMessage, ...]:
+    """``messages`` as the final repair will send them (see :func:`repair`)."""
+    return tuple(repair(messages)[0])
 
 
 def _groups(body: tuple[ContextMessage, ...]) -> list[Group]:
@@ -133,11 +136,6 @@ def _opening_cost(run: Run) -> int:
     """The marked opening the final repair adds when the first message after the system
     messages is not the user's (Anthropic wants a user turn first)."""
     return run.estimator.message(ContextMessage(message_id="", seq=0, role="user", content=OPENING))
-
-
-def _opening_tokens(messages: tuple[ContextMessage, ...], run: Run) -> int:
-    first = messages[_preamble(messages) :][:1]
-    return _opening_cost(run) if first and first[0].role != "user" else 0
 
 
 def summary_tokens(run: Run) -> int:
@@ -197,8 +195,9 @@ def _plan(
     def too_big() -> bool:
         if anchors + tail >= len(groups):
             return True  # nothing left in the middle
-        head = estimate(_flat(groups[:anchors])) if anchors else opening
-        return fixed + head + estimate(_flat(groups[-tail:])) >= limit
+        # as the final repair sends them (placeholders for calls left unanswered)
+        head = estimate(_sent(_flat(groups[:anchors]))) if anchors else opening
+        return fixed + head + estimate(_sent(_flat(groups[-tail:]))) >= limit
 
     while tail > 1 and too_big():
         tail -= 1

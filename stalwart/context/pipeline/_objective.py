@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from stalwart._text import scrub_surrogates
 from stalwart.context._types import ContextMessage
 
 from ._run import Outcome, Run
@@ -27,7 +28,8 @@ def _restated(objective: ContextMessage, anchor: ContextMessage) -> ContextMessa
         role="user",
         content=(
             f"{MARKER}objective] The original objective of this session, restated because "
-            f"earlier turns were summarized or dropped:\n{objective.content}"
+            # the message as given: written after the surrogate guard ran
+            f"earlier turns were summarized or dropped:\n{scrub_surrogates(objective.content)}"
         ),
         turn=anchor.turn,
     )

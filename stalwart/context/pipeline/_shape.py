@@ -9,6 +9,7 @@ from stalwart.context._types import ContextMessage
 from ._config import ObservationTier, PipelineConfig
 from ._run import Outcome, Run
 from ._transcript import answered_by, chars, latest_turn, remove
+from ._wrap import safe_label
 
 __all__ = ["MASK_PREFIX", "evict_dead_content", "mask_observations", "window_history"]
 
@@ -69,7 +70,9 @@ def tier_of(config: PipelineConfig, tool: str | None) -> ObservationTier:
 
 
 def mask_text(tool: str | None, content: str) -> str:
-    return f"{MASK_PREFIX} tool={tool or 'unknown'} chars={len(content)}]"
+    """The mask of a result: the tool's name (a model wrote it: reduced to a safe label,
+    so it cannot close the marker or start a line) and the size the result had."""
+    return f"{MASK_PREFIX} tool={safe_label(tool) if tool else 'unknown'} chars={len(content)}]"
 
 
 def mask_observations(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
@@ -99,7 +102,9 @@ def mask_observations(messages: tuple[ContextMessage, ...], run: Run) -> Outcome
         if tier == "ephemeral" and age >= config.ephemeral_keep_window:
             gone.append(message.message_id)
         elif tier == "standard" and age >= config.observation_keep_window:
+            # by age and tier alone: the layers run over the stored messages, which are never
+            # masked, so a result that starts like a mask is a tool's text (maybe forged)
             masked = mask_text(tool, message.content)
-            if len(masked) < len(message.content) and not message.content.startswith(MASK_PREFIX):
+            if len(masked) < len(message.content):
                 out[index] = msgspec.structs.replace(message, content=masked)
     return Outcome(remove(out, message_ids=gone) if gone else tuple(out))

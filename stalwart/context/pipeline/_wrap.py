@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 
+from stalwart._text import scrub_surrogates
 from stalwart.context._render import neutralise
 
 __all__ = ["MARKER", "safe_label", "wrap_untrusted"]
@@ -34,6 +35,8 @@ def wrap_untrusted(text: str, *, kind: str, label: str = "") -> str:
     a path) names the fence, reduced to ``[A-Za-z0-9._/:@+-]`` (anything else becomes
     ``_``)."""
     fence = f"untrusted-{kind}" + (f" {safe_label(label)}" if label else "")
-    lines = neutralise(text).splitlines() or [""]
+    # written after the surrogate guard ran: a lone half (a file read with
+    # surrogateescape, a summarizer's text) would stop the request's encoding
+    lines = neutralise(scrub_surrogates(text)).splitlines() or [""]
     body = "\n".join(f"| {line}" for line in lines)
     return f"<<<{fence}\n{body}\n{fence}>>>"
