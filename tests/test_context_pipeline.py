@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import msgspec
@@ -613,6 +614,26 @@ def test_a_compaction_is_applied_again_on_later_runs() -> None:
 
 
 # -- 9. rehydration --------------------------------------------------------------------
+
+
+def test_a_file_read_again_is_cleaned_of_lone_surrogates() -> None:
+    """Text read with surrogateescape is cleaned (layer 3 ran already); a file the reader
+    says is missing (None) is left out."""
+    messages = _long().all
+    compacted = compact(messages, make_run(messages, budget=3_000)).messages
+    kept = set(ids(compacted))
+    gone = [m for m in messages if m.tool_calls and m.message_id not in kept]
+    newest_gone = msgspec.json.decode(gone[-1].tool_calls[0].arguments)["path"]
+
+    def reader(path: str) -> str | None:
+        return "Be brief \udce9." if path == "AGENTS.md" else None
+
+    run = dataclasses.replace(make_run(messages), reader=reader)
+    out = rehydrate(compacted, run).messages
+    [reread] = [m for m in out if m.message_id == "pipeline-rehydration"]
+    assert "--- AGENTS.md ---\nBe brief \ufffd." in reread.content
+    assert newest_gone not in reread.content
+    reread.content.encode()  # sendable
 
 
 def test_rehydration_rereads_the_instructions_and_referenced_files() -> None:

@@ -58,7 +58,7 @@ from stalwart.context import (
     SummaryRequest,
     valid_session_id,
 )
-from stalwart.context.pipeline import PipelineConfig, PipelineEngine
+from stalwart.context.pipeline import FileReader, PipelineConfig, PipelineEngine
 from stalwart.errors import (
     ConcurrencyError,
     ConfigError,
@@ -232,8 +232,11 @@ class ContextStoreActor(Supervised):
         settings: ContextEngineSettings | None = None,
         on_crash: Callable[[str], object] | None = None,
         max_sessions: int = 256,
+        file_reader: FileReader | None = None,
     ) -> None:
         super().__init__()
+        #: the pipeline engine's reader for layer 9 (None: it re-reads nothing)
+        self._file_reader = file_reader
         self._max_sessions = max(1, max_sessions)
         self._recent: OrderedDict[str, None] = OrderedDict()
         self._store = store
@@ -485,6 +488,7 @@ class ContextStoreActor(Supervised):
             engine = PipelineEngine(
                 self._pipeline_config,
                 summarizer=self._summarizer,
+                reader=self._file_reader,
                 clock=self._clock,
                 session=session_id,
                 state=state,

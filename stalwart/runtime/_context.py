@@ -30,6 +30,7 @@ from stalwart.actors import (
 from stalwart.clock import Clock, Timer
 from stalwart.config import Config
 from stalwart.context import ModelProfile
+from stalwart.context.pipeline import FileReader
 from stalwart.store import EventStore
 from stalwart.tools import Tool
 
@@ -72,7 +73,9 @@ class ContextLayer:
         *,
         timer: Timer,
         on_crash: Callable[[Callable[[], None], str], object],
+        file_reader: FileReader | None = None,
     ) -> None:
+        self._file_reader = file_reader
         self._config = config
         self._store = store
         self._clock = clock
@@ -104,6 +107,7 @@ class ContextLayer:
             summarizer=summarizer,
             settings=settings,
             on_crash=lambda reason: self._on_crash(self.start, reason),
+            file_reader=self._file_reader,
         )
 
     def stop(self) -> None:

@@ -31,6 +31,7 @@ from stalwart.actors import (
 from stalwart.channels import Channel
 from stalwart.clock import Clock, SystemClock
 from stalwart.config import Config
+from stalwart.context.pipeline import FileReader
 from stalwart.events import TaskClass
 from stalwart.ids import new_id
 from stalwart.state import DeadLetterState
@@ -67,7 +68,10 @@ class Runtime:
     created if missing, and closed on ``close()``), or None for ``config.store.location``.
     ``clock`` defaults to the system clock. ``channels`` adds channels by name to those
     the config builds (a ``console`` channel when the config names none); ``tools`` is the
-    registry the agents offer their models (a new one when None).
+    registry the agents offer their models (a new one when None). ``file_reader`` (with
+    ``context_engine.version = "pipeline"``) is how layer 9 reads the agent's instructions
+    file and the files its summarized tool calls named: see
+    :func:`stalwart.context.pipeline.directory_reader` (None: nothing is read again).
     """
 
     def __init__(
@@ -79,8 +83,10 @@ class Runtime:
         channels: Mapping[str, Channel] | None = None,
         tools: ToolRegistry | None = None,
         committer: Committer | None = None,
+        file_reader: FileReader | None = None,
     ) -> None:
         self.config = config
+        self._file_reader = file_reader
         self._committer = committer
         self.clock = clock or SystemClock()
         self.tools = tools if tools is not None else ToolRegistry()
@@ -171,6 +177,7 @@ class Runtime:
                 on_crash=lambda start, reason: parts.crashed(
                     "context", partial(parts.restart, "context", start), reason
                 ),
+                file_reader=self._file_reader,
             )
             self._context.start()
         sessions.start(

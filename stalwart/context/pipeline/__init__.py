@@ -58,6 +58,7 @@ and fits the budget whenever the newest turn does. See ``docs/context-pipeline.m
 
 from ._config import LAYERS, ObservationTier, PipelineConfig
 from ._engine import PipelineEngine, PipelineResult, is_replay
+from ._reader import directory_reader
 from ._run import FileReader
 from ._wrap import safe_label, wrap_untrusted
 
@@ -68,6 +69,7 @@ __all__ = [
     "PipelineConfig",
     "PipelineEngine",
     "PipelineResult",
+    "directory_reader",
     "is_replay",
     "safe_label",
     "wrap_untrusted",

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import msgspec
 
+from stalwart._text import scrub_surrogates
 from stalwart.context._repair import repair
 from stalwart.context._types import ContextMessage
 
@@ -53,7 +54,7 @@ def referenced_paths(original: tuple[ContextMessage, ...], kept: set[str], limit
 
 
 def _section(path: str, text: str, limit: int, *, trusted: bool) -> str:
-    clipped = text[:limit]
+    clipped = scrub_surrogates(text[:limit])  # written after the surrogate guard ran
     note = f" (first {limit} of {len(text)} characters)" if len(text) > limit else ""
     if trusted:  # the operator's own instructions file, named in the config
         return f"--- {path}{note} ---\n{clipped}"
@@ -96,7 +97,7 @@ def rehydrate(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
     for path, trusted in _files(messages, run):
         if room < MIN_ROOM:
             break
-        text = run.reader(path)
+        text = run.reader(path)  # one that raises fails the layer (its breaker counts it)
         section = None if text is None else _fitted(path, text, room, run, trusted=trusted)
         if section is not None:
             sections.append(section)
