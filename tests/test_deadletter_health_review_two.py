@@ -197,6 +197,27 @@ def test_two_queues_on_one_store_send_a_due_entry_once(
 # -- 3. verify cannot tell a drain that no recovery asked for --------------------------------
 
 
+def _drained(store: EventStore, clock: FakeClock, recovered: str) -> None:
+    """An entry queued, ``recovered`` recovering, then a drain "because main recovered"
+    (far from the 30 s backoff) that delivers it."""
+    _append(store, "deadletter", clock, _queued("e1"))
+    clock.advance(1)
+    _append(store, f"provider:{recovered}", clock, ProviderRecovered(provider=recovered))
+    retried = AnnouncementDeadLetterRetried(
+        entry_id="e1", attempt=1, reason="drain", provider="main"
+    )
+    _append(store, "deadletter", clock, retried)
+    _append(store, "deadletter", clock, AnnouncementDeadLetterDelivered("e1", attempts=1))
+
+
+def _queue_findings(store: EventStore, scope: str | None) -> list[Any]:
+    report = verify_store(store, scope)
+    assert report.checked.get("announcement:dead_letter_retried") == 1
+    # the queue's stream only: the whole log's check also finds the hand-made recovery
+    # unsupported (no outage before it), which is not what these tests are about
+    return [f for f in report.findings if f.stream == "deadletter"]
+
+
 @pytest.mark.parametrize("scope", [None, "deadletter"], ids=["whole-log", "one-stream"])
 def test_verify_rejects_a_drain_no_recovery_asked_for(
     lmdb_store: EventStore, clock: FakeClock, scope: str | None
@@ -207,21 +228,8 @@ def test_verify_rejects_a_drain_no_recovery_asked_for(
     # Was: DEFECT: _verify_rules._letter_retry re-runs decide_drain with the recorded
     # provider and never looks for its provider:recovered; verify should flag a drain with
     # no recovery of that provider just before it (the log has both streams).
-    _append(lmdb_store, "deadletter", clock, _queued("e1"))
-    clock.advance(1)  # far from the 30 s backoff
-    _append(lmdb_store, "provider:other", clock, ProviderRecovered(provider="other"))
-    retried = AnnouncementDeadLetterRetried(
-        entry_id="e1", attempt=1, reason="drain", provider="main"
-    )
-    _append(lmdb_store, "deadletter", clock, retried)
-    _append(lmdb_store, "deadletter", clock, AnnouncementDeadLetterDelivered("e1", attempts=1))
-
-    report = verify_store(lmdb_store, scope)
-    assert report.checked.get("announcement:dead_letter_retried") == 1
-    # (the whole log's check also finds the hand-made recovery unsupported: not ours here)
-    findings = [f for f in report.findings if f.stream == "deadletter"]
-    assert findings, "a drain with no provider:recovered anywhere passed verify"
-    [finding] = findings
+    _drained(lmdb_store, clock, recovered="other")
+    [finding] = _queue_findings(lmdb_store, scope)
     assert "'main', which never recovered before it" in finding.message
 
 
@@ -229,19 +237,8 @@ def test_verify_rejects_a_drain_no_recovery_asked_for(
 def test_verify_accepts_a_drain_after_its_providers_recovery(
     lmdb_store: EventStore, clock: FakeClock, scope: str | None
 ) -> None:
-    _append(lmdb_store, "deadletter", clock, _queued("e1"))
-    clock.advance(1)
-    _append(lmdb_store, "provider:main", clock, ProviderRecovered(provider="main"))
-    retried = AnnouncementDeadLetterRetried(
-        entry_id="e1", attempt=1, reason="drain", provider="main"
-    )
-    _append(lmdb_store, "deadletter", clock, retried)
-    _append(lmdb_store, "deadletter", clock, AnnouncementDeadLetterDelivered("e1", attempts=1))
-
-    report = verify_store(lmdb_store, scope)
-    assert report.checked.get("announcement:dead_letter_retried") == 1
-    # (the whole log's check also finds the hand-made recovery unsupported: not ours here)
-    assert [f for f in report.findings if f.stream == "deadletter"] == []
+    _drained(lmdb_store, clock, recovered="main")
+    assert _queue_findings(lmdb_store, scope) == []
 
 
 # -- claim checks ------------------------------------------------------------------------------
