@@ -24,6 +24,7 @@ import lmdb
 from stalwart import store as store_module
 from stalwart.events import ActivationReady, MessageAppended, SessionCreated
 from stalwart.testing import FakeProvider, Trickle
+from tests.test_newcomer_review import _config, _records
 
 #: an OSC sequence (set the terminal's title): click strips CSI colours when piped, not this
 OSC = "\x1b]0;PWNED\x07"
@@ -44,31 +45,6 @@ def stalwart(*args: str, timeout: float = 30) -> tuple[int, str, str]:
 def _raw_controls(text: str) -> set[str]:
     """The terminal-driving characters in ``text`` (ESC, BEL, CR) written as they are."""
     return set(text) & {"\x1b", "\x07", "\r"}
-
-
-def _config(tmp_path: Path, fake: FakeProvider) -> Path:
-    path = tmp_path / "stalwart.toml"
-    path.write_text(
-        f"""
-[store]
-location = "{tmp_path / "store"}"
-
-[providers.local]
-kind = "openai"
-base_url = "{fake.base_url}"
-
-[agents.default]
-provider = "local"
-model = "any-model"
-max_retries = 0
-"""
-    )
-    return path
-
-
-def _records(store_dir: Path) -> list[store_module.RecordedEvent]:
-    with store_module.open(store_dir, create=False) as log:  # type: ignore[attr-defined]
-        return list(log.read_all())
 
 
 # -- stalwart run ------------------------------------------------------------------------------

@@ -154,16 +154,17 @@ def test_simulate_refuses_an_agent_without_a_config(tmp_path: Path) -> None:
     assert "--agent names an agent of --config" in result.stderr
 
 
-def test_search_and_expand_a_stored_session(tmp_path: Path) -> None:
+def _stored_session(location: Path, sixth: str) -> list[ContextMessage]:
+    """Session ``s9`` of 80 long messages (the seventh, ``m6``, opening with ``sixth``)
+    stored with a DAG assembly of it at a 3,000-token budget: summaries over most."""
     clock = FakeClock()
-    location = tmp_path / "store"
     store = store_module.open(location, clock=clock)
     messages = [
         ContextMessage(
             message_id=f"m{i}",
             seq=i,
             role="user" if i % 2 == 0 else "assistant",
-            content=("Secret is KIWI-77. " if i == 6 else "") + f"message {i} " + "z " * 150,
+            content=(sixth if i == 6 else "") + f"message {i} " + "z " * 150,
         )
         for i in range(80)
     ]
@@ -178,6 +179,12 @@ def test_search_and_expand_a_stored_session(tmp_path: Path) -> None:
     result = engine.assemble("s9", messages, 3_000, tenant="acme")
     store.append("context:s9", list(result.events))
     store.close()
+    return messages
+
+
+def test_search_and_expand_a_stored_session(tmp_path: Path) -> None:
+    location = tmp_path / "store"
+    messages = _stored_session(location, "Secret is KIWI-77. ")
     found = CliRunner().invoke(
         cli, ["--store", str(location), "context", "search", "context:s9", "KIWI-77", "--json"]
     )
@@ -205,29 +212,9 @@ def test_expand_escapes_control_characters_on_a_terminal_only(tmp_path: Path) ->
     """A stored message (a model's or a tool's text) may hold an OSC sequence that would
     set the operator's terminal title: on a terminal it is shown escaped, piped it is
     written byte for byte."""
-    clock = FakeClock()
     location = tmp_path / "store"
-    store = store_module.open(location, clock=clock)
     title = "\x1b]0;owned\x07"
-    messages = [
-        ContextMessage(
-            message_id=f"m{i}",
-            seq=i,
-            role="user" if i % 2 == 0 else "assistant",
-            content=(f"KIWI-77 {title}\tcol\nnext line " if i == 6 else "") + "z " * 150,
-        )
-        for i in range(80)
-    ]
-    store.append(
-        "session:s9",
-        [
-            MessageAppended(message_id=m.message_id, role=m.role, content=m.content)
-            for m in messages
-        ],
-    )
-    engine = DagEngine(summarizer=ExtractiveSummarizer(), clock=clock)
-    store.append("context:s9", list(engine.assemble("s9", messages, 3_000).events))
-    store.close()
+    messages = _stored_session(location, f"KIWI-77 {title}\tcol\nnext line ")
     found = CliRunner().invoke(
         cli, ["--store", str(location), "context", "search", "context:s9", "KIWI-77", "--json"]
     )

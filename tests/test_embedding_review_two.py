@@ -289,28 +289,45 @@ def test_two_runtimes_on_one_directory_in_one_process_both_answer(
     assert sorted(types) == ["runtime:started"] * 2 + ["runtime:stopped"] * 2
 
 
-def test_close_from_a_sync_tool_returns_at_once_and_is_recorded(
-    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
-) -> None:
+def _closed_from_a_tool(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel, *, sync: bool
+) -> tuple[float, int | None]:
+    """A runtime whose model calls a ``shut_down`` tool (sync or async) that calls
+    ``rt.close()``: how long that close took, and the I/O loop's thread id."""
     fake.add(Answer(tool_calls=[FakeToolCall(name="shut_down", arguments="{}")]))
     rt = Runtime(runtime_config(fake.base_url), store=store, clock=clock, channels={"chat": chat})
     rt.start()
+    loop_thread = rt.portal.thread_ident
     took: list[float] = []
 
-    @rt.tool
-    def shut_down() -> str:
-        """Stop the bot."""
+    def close_timed() -> str:
         began = time.monotonic()
         rt.close()
         took.append(time.monotonic() - began)
         return "stopping"
 
+    def shut_down() -> str:
+        """Stop the bot."""
+        return close_timed()
+
+    async def shut_down_async() -> str:
+        """Stop the bot."""
+        return close_timed()
+
+    rt.tool(shut_down if sync else shut_down_async, name="shut_down")
     try:
         rt.session("s1", channel="chat").send("please stop")
         until(lambda: took, 25, what="the tool's close() returned")
     finally:
         rt.close()
-    assert took[0] < 3.0
+    return took[0], loop_thread
+
+
+def test_close_from_a_sync_tool_returns_at_once_and_is_recorded(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    took, _ = _closed_from_a_tool(store, clock, fake, chat, sync=True)
+    assert took < 3.0
     assert [r.type for r in store.read_stream("runtime")][-1] == "runtime:stopped"
 
 
@@ -321,25 +338,7 @@ def test_close_from_an_async_tool_stops_the_io_loop_and_returns_promptly(
     # on that loop for itself (10 s: 15 s from a send), then anyio refuses portal.stop()
     # from the loop thread, so the loop thread is never stopped. Detect the loop thread and
     # finish the close on a thread of its own (or raise RuntimeError saying so).
-    fake.add(Answer(tool_calls=[FakeToolCall(name="shut_down", arguments="{}")]))
-    rt = Runtime(runtime_config(fake.base_url), store=store, clock=clock, channels={"chat": chat})
-    rt.start()
-    loop_thread = rt.portal.thread_ident
-    took: list[float] = []
-
-    @rt.tool
-    async def shut_down() -> str:
-        """Stop the bot."""
-        began = time.monotonic()
-        rt.close()
-        took.append(time.monotonic() - began)
-        return "stopping"
-
-    try:
-        rt.session("s1", channel="chat").send("please stop")
-        until(lambda: took, 25, what="the tool's close() returned")
-    finally:
-        rt.close()
+    took, loop_thread = _closed_from_a_tool(store, clock, fake, chat, sync=False)
 
     def loop_alive() -> bool:
         return any(t.ident == loop_thread and t.is_alive() for t in threading.enumerate())
@@ -347,7 +346,7 @@ def test_close_from_an_async_tool_stops_the_io_loop_and_returns_promptly(
     with contextlib.suppress(AssertionError):
         until(lambda: not loop_alive(), 2.0)
     assert not loop_alive(), "the I/O loop's thread still runs after close()"
-    assert took[0] < 3.0, f"close() on the I/O loop took {took[0]:.1f} s"
+    assert took < 3.0, f"close() on the I/O loop took {took:.1f} s"
     assert [r.type for r in store.read_stream("runtime")][-1] == "runtime:stopped"
 
 

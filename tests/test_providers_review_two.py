@@ -174,8 +174,7 @@ def repeating(head: bytes, piece: bytes, every: float, seconds: float = 4.0) -> 
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             conn.sendall(piece)
-            # real-time: the server's pacing is what the stall budget is measured against
-            time.sleep(every)
+            time.sleep(every)  # real-time: the stall budget is measured against this pacing
 
     return handle
 
@@ -560,8 +559,7 @@ async def test_a_whole_reply_that_never_ends_is_refused_not_buffered(
         piece = b"%x\r\n" % len(block) + block + b"\r\n"
         for _ in range(48):  # 48 MiB: three times the streamed path's bound
             conn.sendall(piece)
-        # real-time: then hold the body open (a gateway that never finishes)
-        time.sleep(3)
+        time.sleep(3)  # real-time: then hold the body open (a gateway that never ends)
 
     server = raw([pour])
     cfg = config(server.base_url, stream=False, prompt_timeout_ms=1500, max_retries=0)

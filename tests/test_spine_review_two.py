@@ -8,8 +8,6 @@ each says what is wrong, where, and what the fix should be.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -17,30 +15,21 @@ import lmdb
 
 from stalwart import store as store_module
 from stalwart.errors import StalwartError
-from stalwart.events import ActivationReady, MessageAppended, RecordedEvent
+from stalwart.events import ActivationReady, RecordedEvent
 from stalwart.store import LmdbEventStore
-from tests.test_spine_review import _wait_until, _write_lock_held_by_another_process
+from tests.test_spine_review import (
+    _msg,
+    _stalwart,
+    _wait_until,
+    _write_lock_held_by_another_process,
+)
 
 WAIT = 20.0  # seconds a step may take before the test fails rather than hangs
 NOW = 1_800_000_000.0
 
 
-def _msg(n: int | str) -> MessageAppended:
-    return MessageAppended(message_id=str(n), role="user", content="x")
-
-
 def _ready(n: int | str) -> ActivationReady:
     return ActivationReady(activation_id=f"a{n}", kind="message", message_id=str(n), text="hi")
-
-
-def _stalwart(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "stalwart", *args],
-        capture_output=True,
-        text=True,
-        timeout=WAIT,
-        check=False,
-    )
 
 
 def _damage(store_dir: Path, db_name: bytes, key: bytes, value: bytes = b"\xc1") -> None:
