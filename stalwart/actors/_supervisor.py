@@ -387,29 +387,23 @@ class SupervisorActor(Supervised):
         """Hand a run whose spawn is not in the log to ``on_run_ended`` as failed, with the
         static notice (its task is not recorded, so the notice cannot quote it)."""
         log.error("supervisor.unrecorded_run_given_up", run=stream, restarts=gave_up.restarts)
-        if self._on_run_ended is None:
-            return
-        notice = failure_notice(UNRECORDED_TASK, "failed", 0)
-        ended = RunEnded(run_id=stream.removeprefix("session:"), outcome="failed", notice=notice)
-        try:
-            self._on_run_ended(ended)
-        except Exception:  # the host's callback: logged, never ours to raise
-            log.exception("supervisor.on_run_ended_failed", run=stream)
+        self._tell_ended(stream, "failed", failure_notice(UNRECORDED_TASK, "failed", 0))
 
     def _ended_here(self, stream: str) -> None:
         """Hand a run this supervisor ended to ``on_run_ended`` (its actor never will)."""
         watch = self._runs.get(stream)
-        if self._on_run_ended is None or watch is None:
+        if watch is None or watch.run.status not in UNSUCCESSFUL:
             return
-        status = watch.run.status
-        if status not in UNSUCCESSFUL:
+        self._tell_ended(stream, cast(RunOutcome, watch.run.status), watch.notice_text)
+
+    def _tell_ended(self, stream: str, outcome: RunOutcome, notice: str) -> None:
+        """``on_run_ended`` (the host's callback: a failure is logged, never ours to raise)."""
+        if self._on_run_ended is None:
             return
-        outcome = cast(RunOutcome, status)
-        run_id = stream.removeprefix("session:")
-        ended = RunEnded(run_id=run_id, outcome=outcome, notice=watch.notice_text)
+        ended = RunEnded(run_id=stream.removeprefix("session:"), outcome=outcome, notice=notice)
         try:
             self._on_run_ended(ended)
-        except Exception:  # the host's callback: logged, never ours to raise
+        except Exception:
             log.exception("supervisor.on_run_ended_failed", run=stream)
 
     # -- fold, decide, append, then act ------------------------------------------------------

@@ -111,15 +111,11 @@ class RunLayer:
         stored, no valid timeout, a step budget that is not a positive number (its
         watchdog limit would be 0 ms or less: the run would be force-failed the moment it
         starts) or an unknown channel."""
-        if not isinstance(spawn.task, str) or not _storable(spawn.task):
-            raise SpawnRefusedError(
-                "spawn refused: the task must be text that is valid UTF-8", field="task"
-            )
-        for field in ("reason", "conversation", "thread"):  # recorded in subagent:spawned
+        for field in ("task", "reason", "conversation", "thread"):  # in subagent:spawned
             value = getattr(spawn, field)
             if value is not None and (not isinstance(value, str) or not _storable(value)):
                 raise SpawnRefusedError(
-                    f"spawn refused: {field} must be text that is valid UTF-8", field=field
+                    f"spawn refused: the {field} must be text that is valid UTF-8", field=field
                 )
         if spawn.max_steps is not None and (
             isinstance(spawn.max_steps, bool)
