@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import structlog
 import structlog.testing
+from hypothesis import settings
 
 from stalwart import store as store_module
 from stalwart.channels import MemoryChannel
@@ -21,6 +22,12 @@ from stalwart.testing import Answer, FakeProvider
 
 from ._postgres import pg_server, pg_url  # noqa: F401  (one PostgreSQL cluster per session)
 from ._relay import pg_store, relay, relayed_store  # noqa: F401  (a database that goes away)
+
+# A property that fails prints the blob that replays its example
+# (``@reproduce_failure``): a failure seen once in a CI log can be rerun, though the
+# example database is not kept between runs.
+settings.register_profile("stalwart", print_blob=True)
+settings.load_profile("stalwart")
 
 
 @pytest.fixture(autouse=True)
