@@ -220,7 +220,7 @@ class SupervisorActor(Supervised):
             settings=supervision or SupervisionSettings(),
             send_timeout_s=self._announce_s,
             default_channel=default_channel,
-            tell=self._tell,
+            tell=self._tell_on,
             key=self.actor_urn,
             runtime=runtime,
             end_run=self._given_up,
@@ -252,7 +252,19 @@ class SupervisorActor(Supervised):
 
     def on_failure(self, *exc_info: object) -> None:
         self._scheduler.cancel(self._timer_key)
+        self._hand_over(self.take_inbox())
         crashed(self._on_crash, exc_info)
+
+    def _hand_over(self, told: list[Any]) -> None:
+        """What was told to this supervisor and never handled, for its successor (through
+        ``retell``): pykka would drop it, and a :class:`Crashed` lost here would leave its
+        actor down for good, with nothing in the log. Sweeps and timers are not handed
+        over: the successor sweeps as it starts."""
+        kept = [message for message in told if isinstance(message, _HANDED_OVER)]
+        if kept:
+            log.warning("supervisor.mail_handed_over", count=len(kept))
+        for message in kept:
+            self._tell_on(message)
 
     # -- messages ----------------------------------------------------------------------------
 
@@ -598,7 +610,7 @@ class SupervisorActor(Supervised):
         send_id = new_id()
         self._sending.setdefault(announcement_id, set()).add(send_id)
         done = partial(sent, stream, announcement_id, path, send_id)
-        future.add_done_callback(lambda f: self._tell(told(done(f))))
+        future.add_done_callback(lambda f: self._tell_on(told(done(f))))
 
     def _ended_send(self, outcome: NoticeSent) -> bool:
         """Forget the send ``outcome`` ended (told again, it is forgotten once); whether
@@ -725,6 +737,20 @@ class SupervisorActor(Supervised):
     def _tell(self, message: object) -> None:
         with contextlib.suppress(pykka.ActorDeadError):  # stopped meanwhile
             self.actor_ref.tell(message)
+
+    def _tell_on(self, message: object) -> None:
+        """Tell ``message`` to whichever supervisor runs (``retell``: this one, or its
+        successor once it died); while none does (the restart's backoff), again in
+        :data:`~stalwart.actors._restarts.DECISION_RETRY_S`. Never raises (a send's
+        done-callback, a dying supervisor's hand-over)."""
+        try:
+            self._retell(message)
+        except pykka.ActorDeadError:
+            tell_later(self._scheduler, self._clock, self._retell, message)
+
+
+#: what a dying supervisor hands to its successor (each is safe to tell again)
+_HANDED_OVER = (Crashed, RunEnded, NoticeSent, _CompletionSent, RestartNoticeSent)
 
 
 def _running(watch: RunWatch) -> bool:

@@ -45,7 +45,7 @@ from stalwart.ids import new_id
 from stalwart.state import ActivationPolicy
 from stalwart.store import EventStore
 
-from ._handles import STOP_TIMEOUT_S, ask
+from ._handles import STOP_TIMEOUT_S, ask_part
 
 __all__ = ["Durability", "policy_of"]
 
@@ -167,7 +167,9 @@ class Durability:
         return self._rng.randint(0, limit) if limit else 0
 
     def report(self, timeout: float) -> WorkerReport:
-        report = ask(self.worker, WorkerStatus(), timeout, "activation worker")
+        """What the worker holds; one restarting is asked once it runs again (TimeoutError
+        when it does not within ``timeout``, as when it does not answer)."""
+        report = ask_part(lambda: self.worker, WorkerStatus(), timeout, "activation worker")
         assert isinstance(report, WorkerReport)
         return report
 
@@ -272,7 +274,7 @@ class Durability:
         limit = self.settings.passivate_after_ms / 1000
         try:
             running = self.report(timeout=STOP_TIMEOUT_S).running
-        except (pykka.ActorDeadError, pykka.Timeout) as exc:  # the worker is restarting
+        except TimeoutError as exc:  # the worker is restarting, or does not answer
             log.warning("durable.sweep_skipped", error=type(exc).__name__)
             return
         asked: list[tuple[str, float, pykka.ActorRef[Any], pykka.Future[Any]]] = []

@@ -19,6 +19,7 @@ from stalwart.actors import (
     UserMessage,
     Work,
 )
+from stalwart.clock import SystemClock
 from stalwart.state import RUN, RunState
 from stalwart.store import EventStore, load_state
 
@@ -31,6 +32,7 @@ __all__ = [
     "RunSpec",
     "SessionHandle",
     "ask",
+    "ask_part",
 ]
 
 #: The stream ``runtime:started`` / ``runtime:stopped`` go to.
@@ -48,6 +50,39 @@ def ask(ref: pykka.ActorRef[Any], message: object, timeout: float, part: str) ->
         return ref.ask(message, timeout=timeout)
     except pykka.Timeout:
         raise TimeoutError(f"the {part} did not answer within {timeout:g} s") from None
+
+
+#: How often :func:`ask_part` looks again for a part that is down (real seconds).
+PART_POLL_S = 0.01
+#: a wait's real time (a fake clock cannot bound a thread's wait)
+_WAITS = SystemClock()
+
+
+def ask_part(
+    current: Callable[[], pykka.ActorRef[Any] | None], message: object, timeout: float, part: str
+) -> Any:
+    """:func:`ask` for a host's call to a part the runtime restarts (``current()`` is
+    its actor now, None before it starts): while the part is down (between a crash and
+    its restart, which the supervision backoff puts at most a second away) it is asked
+    again once it runs, within ``timeout`` in all. A part still down then (given up on)
+    is a TimeoutError naming it, as a part that did not answer: pykka's ActorDeadError
+    never reaches the host."""
+    deadline = _WAITS.monotonic() + timeout
+    waits = threading.Event()  # never set: a wait that nothing cuts short
+    while True:
+        ref = current()
+        left = deadline - _WAITS.monotonic()
+        if ref is not None and ref.is_alive():
+            try:
+                return ask(ref, message, max(left, 0.0), part)
+            except pykka.ActorDeadError:  # it died while asked: its successor answers
+                left = deadline - _WAITS.monotonic()
+        if left <= 0:
+            raise TimeoutError(
+                f"the {part} did not answer within {timeout:g} s: it is down "
+                "(restarting after a crash, or given up on)"
+            )
+        waits.wait(min(PART_POLL_S, left))
 
 
 #: How many tells a holding :class:`LiveRef` keeps while its part is down.

@@ -36,7 +36,7 @@ from stalwart.actors import (
 from stalwart.actors._restarts import Restarts
 from stalwart.state import DeadLetterState
 
-from ._handles import DEFAULT_CHANNEL, LiveRef, ask
+from ._handles import DEFAULT_CHANNEL, LiveRef, ask_part
 from ._runs import RunLayer
 from ._wiring import Wiring, stop_actors
 
@@ -69,7 +69,8 @@ class PartsLayer:
         self._supervisor: pykka.ActorRef[Any] | None = None
         self._announcer: pykka.ActorRef[Any] | None = None
         self.dead_letters_ref = LiveRef(lambda: self._dead_letters, "deadletter", hold=True)
-        self.supervisor_ref = LiveRef(lambda: self._supervisor, "supervisor")
+        # held: a crash told while the supervisor restarts is decided once it runs again
+        self.supervisor_ref = LiveRef(lambda: self._supervisor, "supervisor", hold=True)
         # held: a run that ends while the announcer restarts is told it once it runs again
         self.announcer_ref = LiveRef(lambda: self._announcer, "announcer", hold=True)
 
@@ -88,6 +89,7 @@ class PartsLayer:
         self._dead_letters = self._start_dead_letters()
         self.dead_letters_ref.flush()  # a recovery a health actor told it meanwhile
         self._supervisor = self._start_supervisor()
+        self.supervisor_ref.flush()
         self._announcer = self._start_announcer()
 
     def _make_restarts(self) -> Restarts:
@@ -230,10 +232,15 @@ class PartsLayer:
         self.restart(f"health:{provider}", start)
 
     def _restart_supervisor(self) -> None:
-        """Start the supervisor again (it sweeps what the log says at once)."""
+        """Start the supervisor again (it sweeps what the log says at once), then tell it
+        what was told to the one that died and what came while it was down (a crashed
+        actor's :class:`Crashed` above all: nothing else would restart that actor)."""
 
         def start() -> None:
             self._supervisor = self._start_supervisor()
+            held = self.supervisor_ref.flush()
+            if held:
+                log.info("runtime.supervisor_held", delivered=held)
 
         self.restart("supervisor", start)
 
@@ -257,10 +264,10 @@ class PartsLayer:
         self.restart("announcer", start)
 
     def tell_supervisor(self, message: object) -> None:
-        supervisor = self._supervisor
-        if supervisor is not None:
-            with contextlib.suppress(pykka.ActorDeadError):
-                supervisor.tell(message)
+        """Tell the supervisor ``message``; while it is down (its restart's backoff) the
+        message is held and told to the restarted one."""
+        with contextlib.suppress(pykka.ActorDeadError):  # given up on, and the hold full
+            self.supervisor_ref.tell(message)
 
     def _on_health_changed(self, changed: HealthChanged) -> None:
         """A health listener (the health actor's thread): a recovery drains the queue
@@ -270,37 +277,36 @@ class PartsLayer:
 
     # -- what the runtime asks of them (see Runtime), and stopping -----------------------------
 
+    # (each asks the part running now, and one that is restarting once it runs again:
+    # TimeoutError, never pykka's ActorDeadError, when it does not within the timeout)
+
     def runs(self, timeout: float) -> dict[str, RunWatch]:
-        with self._w.lock:
-            supervisor = self._supervisor
-        assert supervisor is not None
-        runs = ask(supervisor, GetRuns(), timeout, "supervisor")
+        runs = ask_part(lambda: self._supervisor, GetRuns(), timeout, "supervisor")
         assert isinstance(runs, dict)
         return runs
 
     def announcements(self, timeout: float) -> dict[str, Batch]:
-        with self._w.lock:
-            announcer = self._announcer
-        assert announcer is not None
-        batches = ask(announcer, GetBatches(), timeout, "announcer")
+        batches = ask_part(lambda: self._announcer, GetBatches(), timeout, "announcer")
         assert isinstance(batches, dict)
         return batches
 
     def health(self, timeout: float) -> dict[str, HealthReport]:
         with self._w.lock:
-            actors = dict(self._health)
+            providers = list(self._health)
         reports: dict[str, HealthReport] = {}
-        for provider, ref in actors.items():
-            report = ask(ref, GetHealth(), timeout, f"health actor of {provider!r}")
+        for provider in providers:
+            report = ask_part(
+                partial(self._health.get, provider),
+                GetHealth(),
+                timeout,
+                f"health actor of {provider!r}",
+            )
             assert isinstance(report, HealthReport)
             reports[provider] = report
         return reports
 
     def dead_letters(self, timeout: float) -> DeadLetterState:
-        with self._w.lock:
-            dead_letters = self._dead_letters
-        assert dead_letters is not None
-        state = ask(dead_letters, QueueState(), timeout, "dead-letter queue")
+        state = ask_part(lambda: self._dead_letters, QueueState(), timeout, "dead-letter queue")
         assert isinstance(state, DeadLetterState)
         return state
 
