@@ -41,7 +41,15 @@ from ._postgres_connect import Connections, PostgresUrl, connect, lost
 from ._postgres_due import DueStatements, claim_due, set_due
 from ._postgres_schema import SCHEMA_VERSION, Statements, channel_name, ensure_schema
 from ._postgres_tail import Doorbell
-from ._postgres_writer import AppendJob, ConnectionLostError, NotSentError, Writer, batch_params
+from ._postgres_writer import (
+    AppendJob,
+    ConnectionLostError,
+    NotSentError,
+    Outcome,
+    RefusedError,
+    Writer,
+    batch_params,
+)
 from ._protocol import (
     DEFAULT_SNAPSHOT_EVERY,
     Due,
@@ -163,10 +171,8 @@ class PostgresEventStore:
     def _listener_connection(self) -> psycopg.Connection[Any]:
         return connect(self._url, timeout=self._timeout, application_name=LISTENER_NAME)
 
-    def _append_batch(
-        self, jobs: list[AppendJob], *, again: bool = True
-    ) -> list[tuple[str, int, int, int]]:
-        """Send a batch of appends (the writer thread's call); one result row per append.
+    def _append_batch(self, jobs: list[AppendJob], *, again: bool = True) -> list[Outcome]:
+        """Send a batch of appends (the writer thread's call); one outcome per append.
 
         When the connection breaks (a server restart, a failover, a killed session), the
         batch may or may not have committed. Its old session is ended first (waiting for
@@ -194,7 +200,7 @@ class PostgresEventStore:
             except StoreError as again_exc:
                 raise unsure from again_exc
 
-    def _recover(self, jobs: list[AppendJob], pid: int | None) -> list[tuple[str, int, int, int]]:
+    def _recover(self, jobs: list[AppendJob], pid: int | None) -> list[Outcome]:
         self._db.check()  # drop every pooled connection the server closed
         found: list[tuple[str, int, int, int] | None] = []
         with self._db.connection("check a lost append") as conn:
@@ -219,8 +225,24 @@ class PostgresEventStore:
             resent=found.count(None),
         )
         resend = [job for job, result in zip(jobs, found, strict=True) if result is None]
-        sent = iter(self._append_batch(resend, again=False) if resend else [])
+        sent = iter(self._resend(resend))
         return [result if result is not None else next(sent) for result in found]
+
+    def _resend(self, jobs: list[AppendJob]) -> list[Outcome]:
+        """Send once more the appends of a lost batch that are not in the log: each one's
+        own outcome, as a first send gives it (one the server refuses fails alone, not the
+        appends beside it, which it used to fail as "may or may not have been written").
+        What stops the resend as a whole (the connection lost again, none to be had, the
+        store closed) fails these appends, and not those the log showed written."""
+        if not jobs:
+            return []
+        try:
+            return self._append_batch(jobs, again=False)
+        except StoreError as exc:
+            whole = (ConnectionLostError, NotSentError, RefusedError, StoreClosedError)
+            if len(jobs) == 1 or isinstance(exc, whole):
+                return [exc] * len(jobs)
+        return [outcome for job in jobs for outcome in self._resend([job])]
 
     # -- writing -------------------------------------------------------------------------------
 

@@ -39,7 +39,14 @@ class PostgresUrl:
     ``schema=`` in the query names the store's schema (default ``stalwart``) and is ours,
     not libpq's, so it is taken out of what psycopg sees. The rest of the URL reaches
     libpq as written: several hosts (``host1:5432,host2:5432``, libpq's failover form),
-    and query values percent-encoded as libpq decodes them (``%20`` is a space).
+    and query values percent-encoded as libpq decodes them (``%20`` is a space, ``+`` a
+    plus). Except its secrets: the store connects to :attr:`dsn`, the URL without the
+    password (nor ``password``, ``sslpassword`` or ``passfile`` in the query), and passes
+    them beside it as keywords (:attr:`secret_params`), so that no libpq error quoting a
+    piece of the URL it could not parse (``invalid percent-encoded token: "..."``) holds
+    one, nor does the exception a StoreError is raised from. The user info ends at the
+    URL's last ``@``, as :attr:`location` shows it (libpq's own parser ends it at the
+    first, so an ``@`` in a password made it take the password's tail for the host).
     """
 
     def __init__(self, url: str) -> None:
@@ -55,24 +62,41 @@ class PostgresUrl:
         userinfo, _, hostlist = parts.netloc.rpartition("@")
         hosts = [_host(host) for host in hostlist.split(",")] if hostlist else [""]
         user, _, password = userinfo.partition(":")
-        query = parse_qsl(parts.query, keep_blank_values=True)
+        # a "+" is a plus to libpq (parse_qsl would make it a space)
+        query = parse_qsl(parts.query.replace("+", "%2B"), keep_blank_values=True)
         schema = DEFAULT_SCHEMA
+        self.password = unquote(password) if password else None
+        secret: dict[str, Any] = {} if self.password is None else {"password": self.password}
         kept: list[tuple[str, str]] = []
         for key, value in query:
             if key == "schema":
                 schema = value
+            elif key in _SECRET_PARAMS:
+                secret[key] = value  # a later one wins, as in libpq
             else:
                 kept.append((key, value))
         _check_schema(schema)
         self.schema = schema
-        self.password = unquote(password) if password else None
         #: the URL sets libpq's connect_timeout itself (then it is not overridden)
         self.own_connect_timeout = any(key == "connect_timeout" for key, _ in kept)
-        self.conninfo = urlunsplit(parts._replace(query=urlencode(kept, quote_via=quote)))
+        named = quote(unquote(user), safe="")
+        #: what the store connects to: the URL without ``schema=`` and without its secrets
+        self.dsn = urlunsplit(
+            parts._replace(
+                netloc=f"{named}@{hostlist}" if user else hostlist,
+                query=urlencode(kept, quote_via=quote),
+            )
+        )
+        #: the URL's secrets, passed to libpq beside :attr:`dsn` as keywords
+        self.secret_params = secret
+        #: the whole URL as libpq reads it, secrets in it, for a tool that connects by
+        #: hand (the store itself connects to :attr:`dsn` with :attr:`secret_params`)
+        libpq = [(key, value) for key, value in query if key != "schema"]
+        self.conninfo = urlunsplit(parts._replace(query=urlencode(libpq, quote_via=quote)))
         shown = [(k, v) for k, v in query if k not in _SECRET_PARAMS]
         netloc = ",".join(hosts)
         if user:
-            netloc = f"{quote(unquote(user), safe='')}@{netloc}"
+            netloc = f"{named}@{netloc}"
         self.location = urlunsplit(
             (parts.scheme, netloc, parts.path, urlencode(shown, quote_via=quote), "")
         )
@@ -176,7 +200,9 @@ def connect_error(exc: BaseException, url: PostgresUrl) -> StoreError:
 def connect(url: PostgresUrl, *, timeout: float, **kwargs: Any) -> psycopg.Connection[Any]:
     """One autocommit connection, or a clear StoreError."""
     try:
-        return psycopg.connect(url.conninfo, autocommit=True, **_timeout(url, timeout), **kwargs)
+        return psycopg.connect(
+            url.dsn, autocommit=True, **url.secret_params, **_timeout(url, timeout), **kwargs
+        )
     except psycopg.Error as exc:
         raise connect_error(exc, url) from exc
 
@@ -193,10 +219,20 @@ def _timeout(url: PostgresUrl, timeout: float) -> dict[str, Any]:
 #: statement timeout, a lock timeout, a serialization failure) leave the session alive
 #: and the transaction rolled back.
 _GONE = ("57P01", "57P02", "57P03")
+#: the severities of a server error that ends the session (PostgreSQL closes it after
+#: sending one): ``idle_session_timeout`` (57P05), ``idle_in_transaction_session_timeout``
+#: and any other reason, whatever its SQLSTATE
+_ENDS_SESSION = ("FATAL", "PANIC")
 
 
-def gone(exc: psycopg.OperationalError) -> bool:
-    """Whether an operational error means the connection itself is gone."""
+def gone(exc: psycopg.Error) -> bool:
+    """Whether an error means the connection itself is gone: the server ended the session
+    (a FATAL error, whatever its SQLSTATE), or an operational error of a connection."""
+    diag = exc.diag
+    if (diag.severity_nonlocalized or diag.severity) in _ENDS_SESSION:
+        return True
+    if not isinstance(exc, psycopg.OperationalError):
+        return False  # a client-side error has no SQLSTATE either: not a lost connection
     state = exc.sqlstate
     return state is None or state.startswith("08") or state in _GONE
 
@@ -205,7 +241,7 @@ def lost(exc: StoreError) -> bool:
     """Whether a StoreError is a connection that broke or that the server closed."""
     cause = exc.__cause__
     return (
-        isinstance(cause, psycopg.OperationalError)
+        isinstance(cause, psycopg.Error)
         and not isinstance(cause, psycopg_pool.PoolTimeout | psycopg_pool.PoolClosed)
         and gone(cause)
     )
@@ -241,9 +277,9 @@ class Connections:
         self.connect_failure: BaseException | None = None
         self._pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] = (
             psycopg_pool.ConnectionPool(
-                url.conninfo,
+                url.dsn,
                 connection_class=self._recording_class(),
-                kwargs={"autocommit": True, **_timeout(url, timeout)},
+                kwargs={"autocommit": True, **url.secret_params, **_timeout(url, timeout)},
                 min_size=1,
                 max_size=pool_size,
                 open=False,
@@ -301,17 +337,17 @@ class Connections:
                 f"no connection to the store at {where} within {within:g} s "
                 f"to {doing}: is the server up?"
             ) from exc
-        except psycopg.OperationalError as exc:
-            if not gone(exc):  # the server refused the statement: nothing was written
+        except psycopg.Error as exc:
+            if gone(exc):
+                raise StoreUnavailableError(
+                    f"lost the connection to the store at {where} while trying to {doing} "
+                    f"({type(exc).__name__})"
+                ) from exc
+            if isinstance(exc, psycopg.OperationalError):  # refused; nothing was written
                 raise StoreError(
                     f"the store at {where} could not {doing}: {type(exc).__name__} "
                     f"({exc.sqlstate}); nothing was written"
                 ) from exc
-            raise StoreUnavailableError(
-                f"lost the connection to the store at {where} while trying to {doing} "
-                f"({type(exc).__name__})"
-            ) from exc
-        except psycopg.Error as exc:
             raise StoreError(
                 f"the store at {where} could not {doing}: {type(exc).__name__} ({exc.sqlstate})"
             ) from exc

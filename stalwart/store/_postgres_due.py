@@ -12,6 +12,12 @@ writing: that one is picked up at the next poll). A worker's write-back of what 
 fold found is conditional on the row's version, in the same statement, so it never
 overwrites the mark of an append it has not folded.
 
+A row whose time is not a number (``NaN``: a ``set_due`` or ``Due`` given one, a row
+edited by hand) is due now and held by nobody, as LMDB reads a row it cannot decode;
+the claim rewrites it to 0 and the worker's fold writes it again. PostgreSQL sorts
+``NaN`` above every number, so such a row was never due, its session never claimed
+again, and ``next_at`` came back ``nan``.
+
 Claims and write-backs commit with ``synchronous_commit = off``: they are hints, so one
 lost in a crash costs a worker a fold at most (the rows fall back to an earlier, never a
 later, due time), and a worker does not wait for a WAL flush to hand out work. Appends,
@@ -35,14 +41,16 @@ class DueStatements:
 
         # each write of hints turns off waiting for its own WAL flush, in the statement
         hint = "(SELECT set_config('synchronous_commit', 'off', true)) AS hint"
+        # a NaN due_at or held_until is a damaged row: due now, held by nobody (docstring)
         self.claim = q(
-            "WITH c AS (SELECT stream FROM {s}.due WHERE due_at <= %s AND "
-            "(held_by IS NULL OR held_by = %s OR held_until <= %s) "
-            "ORDER BY due_at LIMIT %s FOR UPDATE SKIP LOCKED) "
-            f"UPDATE {{s}}.due d SET held_by = %s, held_until = %s FROM c, {hint} "
-            "WHERE d.stream = c.stream RETURNING d.stream, d.due_at, d.version"
+            "WITH c AS (SELECT stream FROM {s}.due WHERE (due_at <= %s OR due_at = 'NaN') "
+            "AND (held_by IS NULL OR held_by = %s OR held_until <= %s "
+            "OR held_until = 'NaN') ORDER BY due_at LIMIT %s FOR UPDATE SKIP LOCKED) "
+            f"UPDATE {{s}}.due d SET held_by = %s, held_until = %s, "
+            "due_at = CASE WHEN d.due_at = 'NaN' THEN 0 ELSE d.due_at END "
+            f"FROM c, {hint} WHERE d.stream = c.stream RETURNING d.stream, d.due_at, d.version"
         )
-        self.next_at = q("SELECT min(due_at) FROM {s}.due WHERE due_at > %s")
+        self.next_at = q("SELECT min(due_at) FROM {s}.due WHERE due_at > %s AND due_at <> 'NaN'")
         self.set = q(
             "INSERT INTO {s}.due AS d (stream, due_at, version) "
             f"SELECT %s, %s::float8, %s::int8 FROM {hint} "

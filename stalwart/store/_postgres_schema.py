@@ -309,11 +309,14 @@ def installed_version(conn: psycopg.Connection[Any], schema: str) -> int | None:
     return int(found[0]) if found else 0
 
 
-def migrate(conn: psycopg.Connection[Any], schema: str, location: str) -> int:
-    """Create or upgrade the store's schema in one transaction; return the version before.
+def migrate(conn: psycopg.Connection[Any], schema: str, location: str) -> int | None:
+    """Create or upgrade the store's schema in one transaction; return the version before
+    (0: created it), or None when it was current by the time the lock was had.
 
     Concurrent openers (several workers starting at once) queue on an advisory lock, so
-    each migration runs once. A database at a newer version than this code is refused.
+    each migration runs once; those that waited find it done, and say so (they said
+    "upgraded from version 2 to 2"). A database at a newer version than this code is
+    refused.
     """
     ident = sql.Identifier(schema)
     with conn.transaction():
@@ -335,14 +338,15 @@ def migrate(conn: psycopg.Connection[Any], schema: str, location: str) -> int:
                 sql.SQL("INSERT INTO {}.schema_version (version) VALUES (%s)").format(ident),
                 (version + 1,),
             )
-    if before < SCHEMA_VERSION:
-        log.info(
-            "store.schema_migrated",
-            location=location,
-            schema=schema,
-            from_version=before,
-            to_version=SCHEMA_VERSION,
-        )
+    if before == SCHEMA_VERSION:
+        return None  # another opener made it current while this one waited for the lock
+    log.info(
+        "store.schema_migrated",
+        location=location,
+        schema=schema,
+        from_version=before,
+        to_version=SCHEMA_VERSION,
+    )
     return before
 
 

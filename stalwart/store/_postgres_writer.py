@@ -6,8 +6,9 @@ store handle takes every append queued while the previous batch was committing a
 sends them in one ``append_batch`` call: one round trip, one transaction, one flush
 for all of them, each append still succeeding or failing on its own. A batch that the
 server refuses as a whole (a value it cannot take) is retried one append at a time, so
-one bad append fails alone; a batch whose connection was lost is not retried (it may
-have committed) and every append in it fails with that error.
+one bad append fails alone; a batch whose connection was lost is recovered by the store
+(``PostgresEventStore._recover``), which tells each append's outcome on its own, or
+fails every append in it with that error when it cannot tell.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from stalwart.errors import StoreClosedError, StoreError, StoreUnavailableError
 from ._protocol import Fence, NewEvent
 
 MAX_BATCH_EVENTS = 4096
+#: what ``append_batch`` returns for one append: outcome, first position, old version, epoch
+Result = tuple[str, int, int, int]
+#: one append's outcome as a batch's sender tells it: its result, or its own error
+Outcome = Result | StoreError
 _STOP = object()
 
 
@@ -79,7 +84,7 @@ class AppendJob:
         #: the work queue's row: 0 untouched, 1 set to ``due``, 2 lowered to ``due``
         self.due_kind = 0
         self.due: float | None = None
-        self.result: tuple[str, int, int, int] | None = None
+        self.result: Result | None = None
         self.error: BaseException | None = None
         self.lock = threading.Lock()
         self.lock.acquire()
@@ -114,14 +119,14 @@ def batch_params(jobs: list[AppendJob]) -> tuple[list[Any], ...]:
 class Writer:
     """The one thread of a store handle that sends its appends, batched."""
 
-    def __init__(self, run: Callable[[list[AppendJob]], list[tuple[str, int, int, int]]]) -> None:
+    def __init__(self, run: Callable[[list[AppendJob]], list[Outcome]]) -> None:
         self._run = run
         self._queue: queue.SimpleQueue[AppendJob | object] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._closed = False
 
-    def submit(self, job: AppendJob) -> tuple[str, int, int, int]:
+    def submit(self, job: AppendJob) -> Result:
         if self._thread is None:
             self._start()
         if self._closed:
@@ -188,7 +193,10 @@ class Writer:
                 return
         else:
             for job, result in zip(batch, results, strict=True):
-                job.result = result
+                if isinstance(result, StoreError):
+                    job.error = result
+                else:
+                    job.result = result
         for job in batch:
             job.lock.release()
 
