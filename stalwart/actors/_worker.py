@@ -37,6 +37,7 @@ decides again for that session (with a work queue, for that one alone).
 from __future__ import annotations
 
 import contextlib
+import heapq
 from collections.abc import Callable
 from typing import Any
 
@@ -235,8 +236,11 @@ class ActivationWorker(Supervised):
         #: or their Agent could not start (the store was away); each poll looks again
         self._uncertain: set[str] = set()
         self._unchecked: set[str] = set()  # uncertain ones whose stream could not be read
-        #: unsettled claims: how often in a row, at which version of the stream
-        self._put_off: dict[str, tuple[int, int]] = {}
+        #: unsettled claims: how often in a row, at which version of the stream, until when
+        self._put_off: dict[str, tuple[int, int, float]] = {}
+        #: (when to look, stream): a fold kept, or a claim put off, for a due time that
+        #: another worker's claim may serve instead (see :meth:`_forget_stale`)
+        self._kept: list[tuple[float, str]] = []
         self._tick_at: float | None = None  # when the armed tick fires
         self._closing = False  # Closing came: no more leases
 
@@ -314,9 +318,40 @@ class ActivationWorker(Supervised):
     def _let_go(self, stream: str, due: float | None) -> None:
         """With a work queue, forget the fold of a session with nothing due, no lease and
         no wake here: the claim that brings it back folds it again (from its snapshot), so
-        a worker that runs for weeks holds no fold per session it ever served."""
-        if due is None and stream not in self._running and stream not in self._uncertain:
+        a worker that runs for weeks holds no fold per session it ever served. One with
+        work due later is kept for the claim at that time, which may be another worker's:
+        :meth:`_forget_stale` forgets it then."""
+        if stream in self._running or stream in self._uncertain:
+            return
+        if due is None:
             self._states.pop(stream, None)
+        else:
+            self._look_later(stream, due)
+
+    def _look_later(self, stream: str, at: float) -> None:
+        """With a work queue, have :meth:`_forget_stale` look at the stream's fold after
+        ``at`` (a wake of it ended, or its lease was lost, or it has work due then)."""
+        if self._queue is not None:
+            heapq.heappush(self._kept, (at, stream))
+
+    def _forget_stale(self, now: float) -> None:
+        """Forget the folds kept, and the claims put off, whose due time passed a claim's
+        hold and a poll ago with no claim of this worker since: another worker claimed
+        the session and ran its work (its next wake needs no claim), so nothing would
+        ever bring them back here, and what was appended since is not in them."""
+        grace = self._claim_hold_s + self._poll_ms / 1000
+        kept = self._kept
+        while kept and kept[0][0] + grace <= now:
+            _, stream = heapq.heappop(kept)
+            if stream in self._running or stream in self._uncertain:
+                continue
+            state = self._states.get(stream)
+            due = due_at(state) if state is not None else None
+            if state is not None and (due is None or due + grace <= now):
+                del self._states[stream]
+            put_off = self._put_off.get(stream)
+            if put_off is not None and put_off[2] + grace <= now:
+                del self._put_off[stream]
 
     def _sync(self, stream: str) -> None:
         if self._queue is not None:
@@ -376,6 +411,7 @@ class ActivationWorker(Supervised):
             else:
                 self._unchecked.discard(stream)
         self._unchecked &= self._uncertain  # one settled meanwhile is forgotten
+        self._forget_stale(now)
         if len(work.claimed) >= self._claim_batch:
             self._tell(Nudge())
         self._arm(work.next_at)
@@ -386,11 +422,12 @@ class ActivationWorker(Supervised):
         time in a row, up to :data:`PUT_OFF_MAX_S`: the claims hand out the other due
         sessions meanwhile instead of this one again at once. The write-back is that of a
         fold of the claimed row's version, so an append since (new work) still wins."""
-        tries, version = self._put_off.get(claim.stream, (0, claim.version))
+        tries, version, _ = self._put_off.get(claim.stream, (0, claim.version, now))
         if version != claim.version:  # appended to since (new work): a fresh start
             tries = 0
-        self._put_off[claim.stream] = (tries + 1, claim.version)
         delay = min(self._poll_ms / 1000 * 2 ** min(tries, 16), PUT_OFF_MAX_S)
+        self._put_off[claim.stream] = (tries + 1, claim.version, now + delay)
+        self._look_later(claim.stream, now + delay)
         try:
             queue.set_due(claim.stream, claim.version, now + delay, self._owner)
         except StoreError:  # the store is away: the claim's hold runs out instead
@@ -582,6 +619,7 @@ class ActivationWorker(Supervised):
         """The lease was taken over: stop the wake, record that this holder noticed."""
         self._running.pop(stream, None)
         self._scheduler.cancel(("worker:renew", self._owner, stream))
+        self._look_later(stream, self._clock.now())  # its fold is another holder's now
         log.warning("worker.lease_lost", stream=stream, epoch=epoch, current=current)
         self._lost(LeaseLost(stream, epoch))
         lost = ActivationLeaseLost(
@@ -682,6 +720,7 @@ class ActivationWorker(Supervised):
         if self._running.get(message.stream) == message.epoch:
             del self._running[message.stream]
             self._scheduler.cancel(("worker:renew", self._owner, message.stream))
+            self._look_later(message.stream, self._clock.now())
 
     def _tell(self, message: object) -> None:
         with contextlib.suppress(pykka.ActorDeadError):

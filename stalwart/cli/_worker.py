@@ -24,6 +24,9 @@ from stalwart.store import open as open_store
 
 from ._app import DEFAULT_STORE, Seconds, _State, cli, session
 
+#: How long the banner waits for the worker to say its owner name.
+NAME_WAIT_S = 2.0
+
 
 @cli.command()
 @click.option(
@@ -51,15 +54,26 @@ def worker(state: _State, config_path: Path, seconds: float | None) -> None:
     }
     try:
         with Runtime(config, store=store) as rt:
-            owner = rt.worker().owner
-            click.echo(f"worker {owner} on {store.location}", err=True)
+            name = _name(rt)
+            click.echo(f"{name} on {store.location}", err=True)
             stop.wait(seconds)
-            click.echo(f"worker {owner} stopping", err=True)
+            click.echo(f"{name} stopping", err=True)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         store.close()
     sys.stdout.flush()
+
+
+def _name(rt: Runtime) -> str:
+    """How the banner names the worker: by its owner (what its leases record), unless
+    it is too busy to say within :data:`NAME_WAIT_S`, as when its first claim starts a
+    wake for each of up to ``claim_batch`` (1,000) due sessions before it reads another
+    message; it runs all the same."""
+    try:
+        return f"worker {rt.worker(timeout=NAME_WAIT_S).owner}"
+    except TimeoutError:
+        return "worker"
 
 
 @session.command("send")

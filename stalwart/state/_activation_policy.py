@@ -91,7 +91,11 @@ def next_due(state: ActivationsState, now: float) -> Activation | None:
 
 
 def _covers(state: ActivationsState, head: Activation) -> tuple[str, ...]:
-    """The user messages queued right behind ``head`` that the same wake answers."""
+    """The user messages queued right behind ``head`` that the same wake answers, and a
+    resume among them: a wake continues the paused step whatever its kind (a message
+    sent while the session waited for the answer is queued before the resume), so the
+    resume's work is that wake's too, and run again on its own it would only call the
+    model once more for a second, unasked reply."""
     if head.kind != "message":
         return ()
     covers: list[str] = []
@@ -102,7 +106,7 @@ def _covers(state: ActivationsState, head: Activation) -> tuple[str, ...]:
             continue
         if not started or activation.kind == "wake":
             continue
-        if activation.kind != "message" or activation.streak:
+        if activation.kind not in ("message", "resume") or activation.streak:
             break
         covers.append(activation.activation_id)
     return tuple(covers)
