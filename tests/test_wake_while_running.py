@@ -1,0 +1,79 @@
+"""A wake handed to an Agent whose turn still runs under an older lease.
+
+The worker that leased the running turn died and was restarted under a new owner: the
+old lease stopped being renewed, expired, and the new worker took the session over at a
+new epoch, handing its wake to the same Agent, still busy with the old turn's model
+call. Real parts: a runtime on a real LMDB store, the loopback fake provider, the
+clock driven by the test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pykka
+import pytest
+
+from stalwart.actors import ActivationWorker
+from stalwart.channels import MemoryChannel
+from stalwart.clock import FakeClock
+from stalwart.events import ActivationAcked, ActivationLeased, TurnCompleted
+from stalwart.runtime import Runtime
+from stalwart.store import EventStore
+from stalwart.testing import Answer, FakeProvider, Hang
+from tests._runtime_support import GUARD, delivered, has, log_until, of, runtime_config, until
+from tests.test_supervision_review_two import armed, clean, decided
+
+#: a long model call: no prompt timeout fires while the test moves the clock
+LONG_MS = 600_000
+
+
+@pytest.fixture
+def rt(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> Iterator[Runtime]:
+    config = runtime_config(
+        fake.base_url,
+        prompt_timeout_ms=LONG_MS,
+        activations={"lease_ttl_ms": 2_000, "renew_every_ms": 500},
+    )
+    with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
+        yield rt
+
+
+def _worker() -> pykka.ActorRef[Any]:
+    [ref] = pykka.ActorRegistry.get_by_class(ActivationWorker)
+    return ref
+
+
+# Was: DEFECT: a takeover's wake reaching an Agent still in the old turn was dropped for good
+def test_a_takeover_wake_for_a_busy_agent_runs_instead_of_being_dropped(
+    rt: Runtime, store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """The Agent logged ``agent.wake_while_running`` and dropped the new wake; the new
+    worker renewed a lease nobody ran, for ever, and the user never heard back. The old
+    turn's lease is gone (its appends are fenced out), so the Agent stops it and runs
+    the new wake."""
+    fake.add(Hang(), Answer(text="late answer"))
+    first_owner = rt.worker().owner
+    rt.session("s1", channel="chat").send("long job")
+    fake.wait_for(lambda requests: len(requests) == 1, GUARD)
+    _worker().tell(object())  # the worker crashes: its lease is no longer renewed
+    [restarted] = decided(store, 1)
+    assert restarted.actor == "activations"
+    armed(rt)
+    clock.advance(0.11)  # the restart's backoff: a worker under a new owner
+    until(lambda: rt.worker().owner != first_owner)
+    for _ in range(8):  # the old lease expires; the new worker takes the session over
+        clock.advance(0.5)
+    records = log_until(store, "session:s1", has(ActivationLeased, 2))
+    assert [e.epoch for e in of(ActivationLeased, records)] == [1, 2]
+    assert fake.wait_finished(0, GUARD).outcome == "client_closed"  # the old call stopped
+    [reply] = delivered(rt, chat, 1)
+    assert reply.text == "late answer"
+    records = log_until(store, "session:s1", has(ActivationAcked))
+    [acked] = of(ActivationAcked, records)
+    assert acked.epoch == 2
+    ended = of(TurnCompleted, records)
+    assert [t.outcome for t in ended] == ["interrupted", "answered"]
+    clean(store)
