@@ -1,10 +1,11 @@
-"""A wake handed to an Agent whose turn still runs under an older lease.
+"""Wakes after a failure the worker noticed: one handed to an Agent whose turn still runs
+under an older lease, and one requeued because its Agent died.
 
-The worker that leased the running turn died and was restarted under a new owner: the
-old lease stopped being renewed, expired, and the new worker took the session over at a
-new epoch, handing its wake to the same Agent, still busy with the old turn's model
-call. Real parts: a runtime on a real LMDB store, the loopback fake provider, the
-clock driven by the test."""
+In the first, the worker that leased the running turn died and was restarted under a
+new owner: the old lease stopped being renewed, expired, and the new worker took the
+session over at a new epoch, handing its wake to the same Agent, still busy with the
+old turn's model call. Real parts: a runtime on a real LMDB store, the loopback fake
+provider, the clock driven by the test."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from stalwart.actors import ActivationWorker
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
-from stalwart.events import ActivationAcked, ActivationLeased, TurnCompleted
+from stalwart.events import ActivationAcked, ActivationLeased, ActivationRequeued, TurnCompleted
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider, Hang
@@ -76,4 +77,27 @@ def test_a_takeover_wake_for_a_busy_agent_runs_instead_of_being_dropped(
     assert acked.epoch == 2
     ended = of(TurnCompleted, records)
     assert [t.outcome for t in ended] == ["interrupted", "answered"]
+    clean(store)
+
+
+# Was: DEFECT: the worker's own retries (an Agent that died) took no jitter: jitter_ms unused
+def test_a_wake_whose_agent_died_is_requeued_with_the_configured_jitter(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    """``activations.jitter_ms`` reached the Agent's own requeues only: the failures the
+    worker settles itself (an Agent that died mid-wake) were requeued with none, so the
+    wakes of many Agents killed together all came back at one instant. The jitter is
+    recorded in the requeue, and ``replay --verify`` re-derives it."""
+    config = runtime_config(fake.base_url, activations={"jitter_ms": 1_000_000})
+    fake.add(Hang())
+    with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
+        session = rt.session("s1", channel="chat")
+        session.send("hello")
+        fake.wait_for(lambda requests: len(requests) == 1, GUARD)
+        session.ref.tell(object())  # the Agent dies of an exception mid-wake
+        records = log_until(store, "session:s1", has(ActivationRequeued))
+    [requeued] = of(ActivationRequeued, records)
+    assert requeued.error_class == "agent_crashed"
+    assert 0 < requeued.jitter_ms <= 1_000_000  # 0 with a chance of one in a million
+    assert requeued.run_at == pytest.approx(clock.now() + 2.0 + requeued.jitter_ms / 1000)
     clean(store)

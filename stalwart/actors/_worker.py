@@ -195,6 +195,9 @@ class ActivationWorker(Supervised):
     wake=..., lost=...)``. ``wake(Wake)`` hands a wake to the session's Agent (starting
     it if needed) and returns False when it cannot (a failed wake), None when the process
     is stopping (the lease is kept for :class:`Release`); ``lost(LeaseLost)`` tells it to stop.
+    ``jitter_ms()`` is added to the backoff of a failure the worker settles itself (an
+    Agent that died, a wake no Agent took), as the Agent adds it to its own, so the
+    wakes of many Agents killed together do not all come back at one instant.
     Ask it :class:`WorkerStatus` (with a timeout) for what it runs."""
 
     def __init__(
@@ -209,7 +212,7 @@ class ActivationWorker(Supervised):
         lost: Callable[[LeaseLost], object],
         abandoned: Callable[[Abandoned], object] | None = None,
         poll_ms: int = 1_000,
-        jitter_ms: int = 0,
+        jitter_ms: Callable[[], int] | None = None,
         claim_batch: int = CLAIM_BATCH,
         claim_hold_ms: int = CLAIM_HOLD_MS,
         on_crash: Callable[[str], object] | None = None,
@@ -224,6 +227,7 @@ class ActivationWorker(Supervised):
         self._lost = lost
         self._abandoned = abandoned
         self._poll_ms = poll_ms
+        self._jitter_ms = jitter_ms
         self._claim_batch = max(1, claim_batch)
         self._claim_hold_s = claim_hold_ms / 1000
         self._on_crash = on_crash
@@ -660,8 +664,9 @@ class ActivationWorker(Supervised):
                 return
             now = self._clock.now()
             result = WakeResult(status="failed", error_class=message.error_class, retryable=True)
+            jitter = self._jitter_ms() if self._jitter_ms is not None else 0
             settlement = decide_settlement(
-                state, lease.activation_id, epoch, result, now, self._policy
+                state, lease.activation_id, epoch, result, now, self._policy, jitter_ms=jitter
             )
             self._store.append(stream, [NewEvent(event=settlement, ts=now)], fence=Fence(epoch))
         except FencedError:  # taken over meanwhile: the new holder decides

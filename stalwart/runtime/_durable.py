@@ -136,6 +136,7 @@ class Durability:
             lost=self._lost,
             abandoned=self._abandoned,
             poll_ms=settings.poll_ms,
+            jitter_ms=self.jitter_ms,
             claim_batch=settings.claim_batch,
             claim_hold_ms=settings.claim_hold_ms,
             on_crash=self._crashed if self._on_crash is not None else None,
