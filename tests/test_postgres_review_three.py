@@ -56,8 +56,8 @@ def _until(done: Callable[[], bool], what: str) -> None:
 # -- 1. a work-queue row whose time is not a number ----------------------------------------
 
 # Where: stalwart/store/_postgres_due.py claimed rows `WHERE due_at <= now`, and
-# PostgreSQL sorts NaN above every number: a due row whose time is NaN (set_due or Due
-# given one, as both stores accept; a row edited by hand) was never due again, so its
+# PostgreSQL sorts NaN above every number: a due row whose time is NaN (a row edited by
+# hand, or written before both stores refused such a time) was never due again, so its
 # session was never claimed by any worker, and `next_at` came back `nan`. LMDB reads such
 # a row as due now, unheld (and a row it cannot decode the same way). Fix: the claim
 # takes a NaN due time as due now and a NaN hold as over, and rewrites the time to 0;
@@ -72,8 +72,9 @@ def test_a_due_row_whose_time_is_not_a_number_is_claimed_as_due_now(pg_url: str)
         store.set_due("session:held", 1, 0.0, "w0")
         [held] = store.claim_due("dead-worker", 1_000.0, 10, 1e6).claimed  # for a long time
         assert held.stream == "session:held"
-        assert store.set_due("session:nan", 1, float("nan"), "w0")  # as the API takes it
+        store.set_due("session:nan", 1, 1_200.0, "w0")
         store.set_due("session:later", 1, 2_000.0, "w0")
+        _sql(pg_url, "UPDATE {s}.due SET due_at = 'NaN' WHERE stream = 'session:nan'")
         _sql(  # its hold damaged by hand: it ends at no time at all
             pg_url,
             "UPDATE {s}.due SET held_until = 'NaN' WHERE stream = 'session:held'",
@@ -93,7 +94,8 @@ def test_a_due_row_whose_time_is_not_a_number_is_claimed_as_due_now(pg_url: str)
 def test_a_nan_due_row_alone_gives_no_nan_next_time(pg_url: str) -> None:
     with PostgresEventStore(pg_url) as store:
         store.append("session:a", [SessionCreated()])
-        store.set_due("session:a", 1, float("nan"), "w0")
+        store.set_due("session:a", 1, 1_000.0, "w0")
+        _sql(pg_url, "UPDATE {s}.due SET due_at = 'NaN' WHERE stream = 'session:a'")
         store.claim_due("w1", 1_000.0, 10, 60.0)  # held by w1 now
         work = store.claim_due("w2", 1_000.0, 10, 5.0)
         assert work.claimed == []

@@ -132,6 +132,49 @@ def test_a_claim_names_the_version_that_wrote_its_row_so_a_worker_can_put_it_off
     assert again.version == 3
 
 
+NOT_TIMES = [float("nan"), float("inf"), -float("inf"), "10", True]
+
+
+# Was: DEFECT: NaN and inf due times were taken (a NaN row was never claimed on PostgreSQL)
+@pytest.mark.parametrize("at", NOT_TIMES, ids=repr)
+def test_a_due_time_that_is_not_finite_is_refused_before_anything_is_written(
+    queue: WorkQueue, at: object
+) -> None:
+    """``set_due`` and ``Due`` took ``nan`` and ``inf``: PostgreSQL sorts NaN above every
+    time, so that session was never claimed again, and LMDB below every time. Both stores
+    now refuse them (None says "no work"), and write nothing."""
+    queue.append("session:a", [_at(_ready(1, wake_at=T0 + 100), T0)])
+    with pytest.raises(ValueError, match="due time"):
+        queue.set_due("session:a", 1, at, "w")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="due time"):
+        queue.append("session:a", [_at(_ready(2, wake_at=T0 + 100), T0)], 1, due=Due(at))  # type: ignore[arg-type]
+    assert queue.stream_version("session:a") == 1  # type: ignore[attr-defined]
+    work = queue.claim_due("w", T0, 10, 5.0)
+    assert (work.claimed, work.next_at) == ([], T0 + 100)
+
+
+# Was: DEFECT: a claim held for inf seconds held the session for ever; limit -1 differed
+@pytest.mark.parametrize(
+    ("now", "limit", "hold_s"),
+    [
+        (float("nan"), 10, 5.0),
+        (T0, -1, 5.0),
+        (T0, 1.5, 5.0),
+        (T0, 10, float("inf")),
+        (T0, 10, -1.0),
+    ],
+)
+def test_a_claim_that_is_not_finite_or_counted_is_refused(
+    queue: WorkQueue, now: float, limit: int, hold_s: float
+) -> None:
+    """``claim_due`` with ``hold_s=inf`` held a session for ever on both stores, and a
+    negative ``limit`` was an error on PostgreSQL and no claim on LMDB. Both refuse them."""
+    queue.append("session:a", [_at(_ready(1), T0)])
+    with pytest.raises(ValueError, match="claim"):
+        queue.claim_due("w1", now, limit, hold_s)
+    assert _claimed(queue, "w2", T0 + 1) == ["session:a"]  # nobody holds it
+
+
 def test_concurrent_claims_are_disjoint(queue: WorkQueue) -> None:
     streams = [f"session:s{i:02d}" for i in range(40)]
     for i, stream in enumerate(streams):

@@ -63,6 +63,8 @@ from ._protocol import (
     NewEvent,
     Snapshot,
     StreamInfo,
+    check_claim,
+    check_due_time,
     check_snapshot,
     check_snapshot_every,
     check_snapshot_key,
@@ -416,11 +418,13 @@ class LmdbEventStore:
 
     def claim_due(self, owner: str, now: float, limit: int, hold_s: float) -> DueWork:
         env = self._writable()
+        check_claim(now, limit, hold_s)
         work: DueWork = env.submit(ClaimDue(due_db(env), owner, now, limit, hold_s))
         return work
 
     def set_due(self, stream: str, version: int, at: float | None, owner: str) -> bool:
         env = self._writable()
+        at = check_due_time(at)
         done: bool = env.submit(SetDue(due_db(env), check_stream(stream), version, at, owner))
         return done
 

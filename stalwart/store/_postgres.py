@@ -58,6 +58,8 @@ from ._protocol import (
     NewEvent,
     Snapshot,
     StreamInfo,
+    check_claim,
+    check_due_time,
     check_snapshot,
     check_snapshot_every,
     check_snapshot_key,
@@ -316,11 +318,13 @@ class PostgresEventStore:
 
     def claim_due(self, owner: str, now: float, limit: int, hold_s: float) -> DueWork:
         self._writable()
+        check_claim(now, limit, hold_s)
         return claim_due(self._db, self._due_sql, owner, now, limit, hold_s)
 
     def set_due(self, stream: str, version: int, at: float | None, owner: str) -> bool:
         self._writable()
         check_stream(stream)
+        at = check_due_time(at)
         return set_due(self._db, self._due_sql, stream, version, at, owner)
 
     # -- reading -------------------------------------------------------------------------------

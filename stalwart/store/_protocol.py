@@ -340,6 +340,36 @@ def fold_prefix(name: str) -> str | None:
     return None if found is None else found[1]
 
 
+def check_due_time(at: object) -> float | None:
+    """A work-queue due time as both stores keep it: None (no work) or a finite number of
+    unix seconds; else ValueError, before anything is written. ``nan`` sorted above every
+    time on PostgreSQL (the session was never claimed again) and below every time on
+    LMDB, and ``inf`` is "never", which None already says."""
+    if at is None:
+        return None
+    if isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at):
+        raise ValueError(f"a due time must be finite unix seconds or None, got {at!r}")
+    return float(at)
+
+
+def check_claim(now: object, limit: object, hold_s: object) -> None:
+    """A claim both stores read the same way: ``now`` finite unix seconds, ``limit`` a
+    count and ``hold_s`` finite seconds, not negative; else ValueError (``hold_s`` of
+    ``inf`` held a session for ever, and a negative ``limit`` was an error on PostgreSQL
+    and no claim on LMDB)."""
+    if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
+        raise ValueError(f"a claim's now must be finite unix seconds, got {now!r}")
+    if not _count(limit):
+        raise ValueError(f"a claim's limit must be a whole number >= 0, got {limit!r}")
+    if (
+        isinstance(hold_s, bool)
+        or not isinstance(hold_s, int | float)
+        or not math.isfinite(hold_s)
+        or hold_s < 0
+    ):
+        raise ValueError(f"a claim's hold must be finite seconds >= 0, got {hold_s!r}")
+
+
 def check_snapshot(snapshot: Snapshot) -> bytes:
     """A snapshot's key prefix as stored, once its version and position are counts a
     store keeps (0..2**63-1); else StoreError, before anything is written (an LMDB
@@ -370,6 +400,8 @@ def checked_events(
     ConcurrencyError)."""
     if due is not None and expected_version is None:
         raise ValueError("an append with a due time needs expected_version")
+    if isinstance(due, Due):
+        check_due_time(due.at)
     if fence is not None and not _count(fence.epoch):
         raise ValueError(f"a fence's epoch must be a whole number in 0..2**63-1: {fence.epoch!r}")
     news = [e if isinstance(e, NewEvent) else NewEvent(event=e) for e in events]
