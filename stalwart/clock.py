@@ -7,6 +7,7 @@ so a ten-minute deadline is tested in microseconds.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -69,7 +70,10 @@ class FakeClock:
             return self._mono
 
     def advance(self, seconds: float) -> float:
-        """Move time forward by ``seconds`` (never backwards) and return the new now."""
+        """Move time forward by ``seconds`` (never backwards, and a finite amount: a
+        ``nan`` made every later ``now()`` nan) and return the new now."""
+        if not math.isfinite(seconds):
+            raise ValueError(f"a clock advances by a finite number of seconds: advance({seconds})")
         if seconds < 0:
             raise ValueError(f"a clock cannot go backwards: advance({seconds})")
         with self._lock:

@@ -17,6 +17,17 @@ def test_fake_clock_moves_only_when_told() -> None:
         clock.advance(-1)
 
 
+# Was: DEFECT: advance(nan) made every later now() nan (and every schedule then raised)
+@pytest.mark.parametrize("seconds", [float("nan"), float("inf")])
+def test_fake_clock_refuses_an_advance_that_is_not_finite(seconds: float) -> None:
+    clock = FakeClock(start=100.0)
+    with pytest.raises(ValueError, match="finite"):
+        clock.advance(seconds)
+    with pytest.raises(ValueError, match="finite"):
+        clock.set(seconds)
+    assert clock.now() == 100.0
+
+
 def test_fake_clock_tells_listeners() -> None:
     clock = FakeClock(start=0.0)
     seen: list[float] = []
