@@ -1,5 +1,5 @@
 """``python -m stalwart``: the same as the ``stalwart`` command."""
 
-from stalwart.cli import main
+from stalwart._entry import main
 
 main()

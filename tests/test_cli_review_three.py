@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tomllib
 import urllib.request
 from pathlib import Path
 
@@ -229,3 +230,45 @@ def test_fake_provider_escapes_the_model_name_a_client_sent(tmp_path: Path) -> N
     printed = line + rest
     assert not _raw_controls(printed), repr(printed)
     assert "forged" in line, repr(line)  # the whole request stays on its one line
+
+
+#: a child in which the import of the CLI is cut by a Ctrl-C, as one pressed in the half
+#: second the command spends importing the runtime (the finder raises what Python's
+#: SIGINT handler raises, at a point a real Ctrl-C cannot be aimed at)
+_CTRL_C_WHILE_IMPORTING = """
+import sys
+
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == "stalwart.cli":
+            raise KeyboardInterrupt
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+sys.argv = ["stalwart", "streams"]
+from stalwart._entry import main
+main()
+"""
+
+
+# Was: DEFECT: a Ctrl-C in the command's first half second printed a KeyboardInterrupt traceback
+def test_a_ctrl_c_while_the_command_starts_is_exit_130_without_a_traceback() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_WHILE_IMPORTING],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert (proc.returncode, proc.stderr) == (130, "")
+
+
+def test_the_installed_command_enters_through_the_light_entry_point() -> None:
+    """The console script and ``python -m stalwart`` load the CLI inside the entry point
+    (where the Ctrl-C above is caught), not while the script imports."""
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["stalwart"] == "stalwart._entry:main"
+    assert (
+        "stalwart._entry import main"
+        in (Path(__file__).parent.parent / "stalwart" / "__main__.py").read_text()
+    )

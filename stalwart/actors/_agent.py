@@ -766,16 +766,14 @@ class AgentActor(Supervised):
         user messages that are not in the conversation yet, then resume the step a pause
         or a crash left unanswered, or call the model."""
         if self._turn is not None:
-            running = self._wake
-            if running is None or wake.epoch <= running.epoch:  # one lease at a time
+            held = self._wake
+            if held is None or wake.epoch <= held.epoch:  # one lease at a time
                 log.error("agent.wake_while_running", stream=self._stream)
                 return
             # a takeover (the worker that leased the running turn died, its lease ran
             # out, and a new worker leased the session): the old turn's appends are
             # fenced out now, so it stops, and the new wake runs
-            log.warning(
-                "agent.wake_took_over", stream=self._stream, old=running.epoch, new=wake.epoch
-            )
+            log.warning("agent.wake_took_over", stream=self._stream, old=held.epoch, new=wake.epoch)
             self._drop_wake(notify=False)
         self._refresh()
         self._wake = wake
