@@ -68,7 +68,8 @@ def parse_retry_after(value: str | None, now: float) -> float | None:
 
     None when the header is missing or unreadable; never negative (a date in the past
     means "now"). Delta-seconds are digits, with a fraction some servers add: ``inf``,
-    ``1e400``, ``nan`` or ``1_0`` (which Python's ``float`` reads) are unreadable.
+    ``1e400``, ``nan`` or ``1_0`` (which Python's ``float`` reads) are unreadable, and so
+    is a date no calendar holds (a year of twenty digits).
     """
     if not value:
         return None
@@ -77,8 +78,10 @@ def parse_retry_after(value: str | None, now: float) -> float | None:
         return float(text)
     try:
         when = parsedate_to_datetime(text)
-    except (TypeError, ValueError, IndexError):
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        seconds = when.timestamp() - datetime.fromtimestamp(now, tz=UTC).timestamp()
+    except (TypeError, ValueError, IndexError, OverflowError):
+        # OverflowError: a year of twenty digits, which the date parser turns into a C long
         return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, when.timestamp() - datetime.fromtimestamp(now, tz=UTC).timestamp())
+    return max(0.0, seconds)

@@ -9,7 +9,7 @@ import msgspec
 from stalwart.events import ToolCall
 
 from ._classify import STREAM_ERRORS, classify_stream_error, stream_error
-from ._shape import label, number, text
+from ._shape import JSON_ERRORS, WrongShape, label, number, text
 from ._sse import SseEvent
 from ._types import (
     Done,
@@ -26,7 +26,7 @@ API_VERSION = "2023-06-01"
 _json_decode = msgspec.json.decode
 #: an ``overloaded_error`` event is ``overloaded`` (as a 529 is); ``api_error`` and
 #: ``timeout_error`` are ``stream_error``, retryable
-_STREAM_ERRORS = (("overloaded", "overloaded", True), *STREAM_ERRORS)
+ERRORS = (("overloaded", "overloaded", True), *STREAM_ERRORS)
 
 
 def _image(url: str) -> dict[str, Any]:
@@ -39,7 +39,7 @@ def _image(url: str) -> dict[str, Any]:
 def _arguments(text: str) -> Any:
     try:
         return _json_decode(text or "{}")
-    except msgspec.DecodeError:
+    except JSON_ERRORS:
         return {"_raw": text}
 
 
@@ -106,6 +106,7 @@ class AnthropicWire:
     """Builds requests and reads replies of ``POST {base_url}/v1/messages``."""
 
     api = "anthropic"
+    errors = ERRORS  #: how an error reported in a reply is classed
 
     def url(self, base_url: str) -> str:
         base = base_url.rstrip("/")
@@ -181,7 +182,7 @@ class AnthropicStream:
     def feed(self, frame: SseEvent) -> list[StreamEvent]:
         try:
             data = _json_decode(frame.data)
-        except msgspec.DecodeError:
+        except JSON_ERRORS:
             raise stream_error(
                 "malformed",
                 "an event-stream frame is not valid JSON",
@@ -212,7 +213,7 @@ class AnthropicStream:
             return [Done(self._finish)]
         if kind == "error":
             raise classify_stream_error(
-                data.get("error"), provider=self.provider, model=self.model, classes=_STREAM_ERRORS
+                data.get("error"), provider=self.provider, model=self.model, classes=ERRORS
             )
         return []
 
@@ -241,6 +242,10 @@ class AnthropicStream:
             return [ThinkingDelta(piece)] if piece else []
         if kind == "input_json_delta":
             piece = text(delta.get("partial_json"))
-            index = self._tool_index.get(data.get("index", 0), 0)
-            return [ToolCallDelta(index=index, arguments=piece)] if piece else []
+            if not piece:
+                return []
+            index = self._tool_index.get(data.get("index", 0))
+            if index is None:  # not the arguments of any call: a nameless call, if kept
+                raise WrongShape("expected a tool_use block to stream arguments to, found none")
+            return [ToolCallDelta(index=index, arguments=piece)]
         return []

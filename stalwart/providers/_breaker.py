@@ -44,7 +44,8 @@ class Breaker:
             self.state = apply_breaker(self.state, record)
 
     def due(self, now: float) -> list[Event]:
-        """Decisions due at ``now`` (open -> half_open after the reset timeout)."""
+        """Decisions due at ``now``: open -> half_open after the reset timeout, and what
+        an outcome just folded calls for (opened, closed)."""
         return self._decide(now)
 
     def admit(self) -> bool:
@@ -63,11 +64,15 @@ class Breaker:
         )
 
     def settled(self, probe: bool, now: float) -> list[Event]:
-        """A call ended (its outcome already folded): the decisions that follow."""
+        """A call ended (its outcome already folded): free its slot, and the decisions
+        that follow. For a caller that does both in one step; ``ModelCaller`` takes
+        :meth:`due` when it folds an outcome and frees the slot once its attempt is over."""
         self.release(probe)
         return self._decide(now)
 
     def release(self, probe: bool) -> None:
-        """Free the probe slot of a call that ended without an outcome (it was cancelled)."""
+        """Free the probe slot, once the call that took it has ended (outcome or none).
+        Exactly once per admitted call: a second release would free the slot of the
+        next probe while it is in flight, and let a third caller probe beside it."""
         if probe:
             self._probe_in_flight = False

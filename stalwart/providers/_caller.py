@@ -368,7 +368,9 @@ class ModelCaller:
             return response
         finally:
             live.disarm()
-            breaker.release(probe)  # a cancelled call must not hold the probe slot for ever
+            # here only, once the attempt is over (a cancelled one included): the slot is
+            # not freed while this attempt can still free it again under the next probe
+            breaker.release(probe)
 
     async def _run(
         self, stream: str, live: _Live, request: ProviderRequest, on_event: OnEvent | None
@@ -479,26 +481,32 @@ class ModelCaller:
                 probe=probe,
             )
             log.info("provider.call_failed", provider=provider, model=model, kind=error.kind)
-        # two streams, appended together: the store's group commit makes them one fsync
-        sealed: CallSealedError | None = None
+        # two streams, appended together: the store's group commit makes them one fsync.
+        # Either append's error is raised as itself, the session's first (the turn ended:
+        # CallSealedError; its lease moved on: FencedError), never in an ExceptionGroup
+        errors: list[Exception] = []
         async with anyio.create_task_group() as group:
-            group.start_soon(self._provider_outcome, breaker, probe, outcome, now)
+            group.start_soon(self._provider_outcome, breaker, outcome, now, errors)
             try:
                 await self._emit(stream, session_event, now)
-            except CallSealedError as exc:  # the turn ended: the provider's part still counts
-                sealed = exc
-        if sealed is not None:
-            raise sealed
+            except Exception as exc:  # the provider's part still counts
+                errors.insert(0, exc)
+        if errors:
+            raise errors[0]
 
     async def _provider_outcome(
-        self, breaker: Breaker, probe: bool, outcome: Event, now: float
+        self, breaker: Breaker, outcome: Event, now: float, errors: list[Exception]
     ) -> None:
         # what the provider did is a fact of the provider's, whatever became of the turn:
         # recorded (and folded into the breaker) even when the call is cancelled or sealed
         with anyio.CancelScope(shield=True):
-            async with breaker.lock:
-                await self._provider_events(breaker, [outcome])
-                await self._provider_events(breaker, breaker.settled(probe, now))
+            try:
+                async with breaker.lock:
+                    await self._provider_events(breaker, [outcome])
+                    # the decisions only: the slot is freed when the attempt is over
+                    await self._provider_events(breaker, breaker.due(now))
+            except Exception as exc:
+                errors.append(exc)
 
     async def _provider_events(self, breaker: Breaker, events: list[Event]) -> None:
         if events:

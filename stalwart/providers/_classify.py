@@ -171,7 +171,8 @@ def stream_error(kind: str, detail: str, *, provider: str, model: str) -> Provid
 
 #: the class an error reported inside a stream takes, by the words of its ``type`` or
 #: ``code`` (the first that matches): the classes of the HTTP statuses those errors are
-#: documented with. Any other error is ``stream_error``, retryable.
+#: documented with. Any other error is ``stream_error``, retryable (unless its ``code`` is
+#: an HTTP status: see :func:`classify_stream_error`).
 STREAM_ERRORS: tuple[tuple[str, str, bool], ...] = (
     ("rate_limit", "rate_limited", True),
     ("invalid_request", "bad_request", False),
@@ -182,6 +183,19 @@ STREAM_ERRORS: tuple[tuple[str, str, bool], ...] = (
 )
 
 
+def _status_class(code: object) -> tuple[str, bool] | None:
+    """The class of an HTTP status given as an error's numeric ``code`` (OpenRouter, vLLM
+    and LiteLLM report ``{"code": 429}``); None for anything else. A 413 is left out: a
+    context overflow is only ever told by its own error type."""
+    if not isinstance(code, int) or isinstance(code, bool):
+        return None
+    if code in _RETRYABLE_STATUS:
+        return _RETRYABLE_STATUS[code], True
+    if code in _FINAL_STATUS and code != 413:
+        return _FINAL_STATUS[code], False
+    return None
+
+
 def classify_stream_error(
     error: object,
     *,
@@ -189,16 +203,22 @@ def classify_stream_error(
     model: str,
     classes: tuple[tuple[str, str, bool], ...] = STREAM_ERRORS,
 ) -> ProviderError:
-    """The typed error for an error the provider reported inside the stream
-    (``{"error": {"type": ..., "code": ...}}``), told apart by its ``type`` and ``code``
-    only: its message never reaches the error."""
+    """The typed error for an error the provider reported in its reply rather than with
+    an HTTP status: inside the stream, or as the body of a whole reply that came with a
+    200 (OpenRouter does, when the model behind it fails). ``{"error": {"type": ...,
+    "code": ...}}`` is told apart by the words of its ``type`` and ``code``, then by a
+    ``code`` that is an HTTP status; any other is ``stream_error``, retryable. Its message
+    never reaches the error."""
     words = ""
+    by_status = None
     if isinstance(error, dict):
         words = " ".join(v for v in (error.get("type"), error.get("code")) if isinstance(v, str))
+        by_status = _status_class(error.get("code"))
     words = words.lower()
-    kind, retryable = next(((k, r) for m, k, r in classes if m in words), ("stream_error", True))
+    found = next(((k, r) for m, k, r in classes if m in words), by_status)
+    kind, retryable = found or ("stream_error", True)
     return ProviderError(
-        f"{provider}/{model}: the stream reported an error ({kind})",
+        f"{provider}/{model}: the reply reported an error ({kind})",
         kind=kind,
         retryable=retryable,
         provider=provider,

@@ -22,8 +22,15 @@ from stalwart.errors import ProviderError
 from stalwart.events import ToolCall
 
 from ._anthropic import AnthropicWire
-from ._classify import classify_request, classify_status, stream_error, unsendable
+from ._classify import (
+    classify_request,
+    classify_status,
+    classify_stream_error,
+    stream_error,
+    unsendable,
+)
 from ._openai import OpenAIWire
+from ._shape import JSON_ERRORS
 from ._sse import MAX_FRAME_BYTES, SseEvent, SseFrameTooLarge, SseParser
 from ._types import (
     Done,
@@ -53,6 +60,7 @@ class _Decoder(Protocol):
 
 class _Wire(Protocol):
     api: str
+    errors: tuple[tuple[str, str, bool], ...]
 
     def url(self, base_url: str) -> str: ...
     def headers(self, api_key: str | None) -> dict[str, str]: ...
@@ -220,11 +228,16 @@ class ProviderClient:
     def _reply(self, model: str, content: bytes) -> ProviderResponse:
         try:
             data = msgspec.json.decode(content)
-        except msgspec.DecodeError:
+        except JSON_ERRORS:
             data = None
         if not isinstance(data, dict):
             raise stream_error(
                 "malformed", "the reply is not a JSON object", provider=self.name, model=model
+            )
+        error = data.get("error")
+        if error:  # a 200 whose body is an error (OpenRouter's, when the model behind it fails)
+            raise classify_stream_error(
+                error, provider=self.name, model=model, classes=self._wire.errors
             )
         try:
             text, thinking, calls, finish, usage = self._wire.response(data)

@@ -9,8 +9,8 @@ import msgspec
 from stalwart.errors import ProviderError
 from stalwart.events import ToolCall
 
-from ._classify import classify_stream_error, stream_error
-from ._shape import label, number, text
+from ._classify import STREAM_ERRORS, classify_stream_error, stream_error
+from ._shape import JSON_ERRORS, WrongShape, label, number, text
 from ._sse import SseEvent
 from ._types import (
     Done,
@@ -48,6 +48,7 @@ class OpenAIWire:
     """Builds requests and reads replies of ``POST {base_url}/chat/completions``."""
 
     api = "openai"
+    errors = STREAM_ERRORS  #: how an error reported in a reply is classed
 
     def url(self, base_url: str) -> str:
         return base_url.rstrip("/") + "/chat/completions"
@@ -85,7 +86,10 @@ class OpenAIWire:
 
     def response(self, data: dict[str, Any]) -> tuple[str, str, tuple[ToolCall, ...], str, Usage]:
         """(text, thinking, tool calls, finish reason, usage) of a non-streamed reply."""
-        choice = (data.get("choices") or [{}])[0]
+        choices = data.get("choices")
+        if not choices:  # no answer at all, not an empty one
+            raise WrongShape("expected a reply with a choice, found none")
+        choice = choices[0]
         message = choice.get("message") or {}
         calls = tuple(
             ToolCall(
@@ -127,12 +131,13 @@ class OpenAIStream:
             return [Done(self._finish)]
         try:
             chunk = _json_decode(frame.data)
-        except msgspec.DecodeError:
+        except JSON_ERRORS:
             raise self._malformed() from None
         if not isinstance(chunk, dict):
             raise self._malformed()
-        if "error" in chunk:
-            raise classify_stream_error(chunk["error"], provider=self.provider, model=self.model)
+        error = chunk.get("error")
+        if error:  # some servers send ``"error": null`` in every chunk (Foundry Local)
+            raise classify_stream_error(error, provider=self.provider, model=self.model)
         out: list[StreamEvent] = []
         for choice in chunk.get("choices") or ():
             self._choice(choice, out)

@@ -8,6 +8,13 @@ is one ``isinstance``: they run once per delta.
 
 from __future__ import annotations
 
+import msgspec
+
+#: what decoding a reply's JSON raises: ``DecodeError`` for text that is not JSON, and
+#: ``RecursionError`` for arrays or objects nested past msgspec's depth limit (about a
+#: thousand levels: valid JSON, but no API's shape, and not a dependency error to let out)
+JSON_ERRORS = (msgspec.DecodeError, RecursionError)
+
 
 class WrongShape(TypeError):
     """A value of a reply is not of the type its API documents (one of the client's shape
@@ -30,10 +37,15 @@ def label(value: object) -> str | None:
     raise WrongShape(f"expected a string or null, found {type(value).__name__}")
 
 
+#: the largest count a reply may give: JSON's integers have no bound, an event's do (the
+#: log's encoding stops at 2**64 - 1), and a token count past this one is no real count
+MAX_NUMBER = 2**53 - 1
+
+
 def number(value: object) -> int:
-    """A whole number >= 0 (a token count, an index); absent reads as 0."""
+    """A whole number in [0, MAX_NUMBER] (a token count, an index); absent reads as 0."""
     if value is None:
         return 0
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_NUMBER:
         return value
-    raise WrongShape(f"expected a whole number >= 0, found {type(value).__name__}")
+    raise WrongShape(f"expected a whole number in [0, 2**53), found {type(value).__name__}")

@@ -6,7 +6,11 @@ order mark at the very start of the stream is dropped.
 
 Each byte is scanned once, however finely a long line is split across chunks, and a
 frame larger than ``max_frame_bytes`` is refused (:class:`SseFrameTooLarge`) instead of
-growing without bound.
+growing without bound. A frame's data lines are gathered as the bytes they came in and
+decoded once, when the frame ends, so what a frame holds in memory is what the bound
+counts (a frame of many short lines held a string per line: about twenty times its size).
+Decoding them together reads as decoding each line (a line end is never part of a UTF-8
+sequence), which is how the rules read them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import msgspec
 _BOM = b"\xef\xbb\xbf"
 _LINE_END = re.compile(rb"\r\n?|\n")
 _CR = 0x0D
+_LF = 0x0A
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 """Default bound on one frame: its unfinished line plus the data lines gathered so far."""
@@ -44,8 +49,7 @@ class SseParser:
         self._buffer = bytearray()  # the unfinished line
         self._scanned = 0  # how much of it is known to hold no line end
         self._event = ""
-        self._data: list[str] = []
-        self._data_bytes = 0
+        self._data = bytearray()  # the frame's data lines so far, each ending in LF
         self._pending_cr = False  # the last chunk ended in CR: a LF opening the next is its pair
         self._began = False  # past the stream's first bytes (and its BOM, if any)
 
@@ -69,34 +73,55 @@ class SseParser:
             end = match.end()
             if end == len(buffer) and buffer[end - 1] == _CR:
                 self._pending_cr = True
-            event = self._line(buffer[start : match.start()].decode("utf-8", errors="replace"))
+            event = self._line(buffer, start, match.start())
             if event is not None:
                 events.append(event)
             start = position = end
         del buffer[:start]
         self._scanned = len(buffer)
-        if self._data_bytes + len(buffer) > self._max_frame_bytes:
+        if len(self._data) + len(buffer) > self._max_frame_bytes:
             raise SseFrameTooLarge(self._max_frame_bytes)
         return events
 
-    def _line(self, line: str) -> SseEvent | None:
-        if not line:
-            if not self._data:
-                self._event = ""
-                return None
-            event = SseEvent(event=self._event or "message", data="\n".join(self._data))
-            self._event, self._data, self._data_bytes = "", [], 0
-            return event
-        if line.startswith(":"):
+    def _line(self, buffer: bytearray, start: int, stop: int) -> SseEvent | None:
+        """The line ``buffer[start:stop]``: the event it completes, if any."""
+        if start == stop:
+            return self._dispatch()
+        if buffer.startswith(b"data:", start, stop):  # nearly every line: read it first
+            self._add_data(buffer, start + 5, stop)
             return None
-        field, _, value = line.partition(":")
-        value = value.removeprefix(" ")
-        if field == "data":
-            self._data.append(value)
-            self._data_bytes += len(value) + 1
-        elif field == "event":
-            self._event = value
+        colon = buffer.find(b":", start, stop)
+        if colon == start:
+            return None  # a comment
+        if colon < 0:  # a field without a value
+            colon = stop
+        field = buffer[start:colon]
+        if field == b"data":
+            self._add_data(buffer, colon + 1, stop)
+        elif field == b"event":
+            start = colon + 2 if buffer.startswith(b" ", colon + 1, stop) else colon + 1
+            self._event = buffer[start:stop].decode("utf-8", errors="replace")
         return None
+
+    def _add_data(self, buffer: bytearray, start: int, stop: int) -> None:
+        """A data line whose value (after one optional space) starts at ``start``."""
+        if buffer.startswith(b" ", start, stop):
+            start += 1
+        self._data += buffer[start:stop]
+        self._data.append(_LF)
+
+    def _dispatch(self) -> SseEvent | None:
+        """A blank line: the frame gathered so far, if it has data."""
+        data = self._data
+        if not data:
+            self._event = ""
+            return None
+        event = SseEvent(
+            event=self._event or "message", data=data[:-1].decode("utf-8", errors="replace")
+        )
+        self._event = ""
+        self._data = bytearray()
+        return event
 
     @property
     def pending(self) -> bool:
