@@ -148,3 +148,26 @@ def test_the_restated_objective_brings_back_a_lone_surrogate_the_guard_removed()
     assert "surrogate_guard" in result.layers_fired
     assert "pipeline-objective" in ids(result.messages)
     assert lone_surrogates(result.messages) == []
+
+
+# Was: DEFECT: tool-call arguments nested too deeply failed two layers at every assembly
+def test_tool_call_arguments_nested_too_deeply_fail_no_layer() -> None:
+    """The model wrote arguments nested past the JSON decoder's depth (``[`` x 5,000):
+    dead-content eviction and rehydration let its ``RecursionError`` out, so both layers
+    failed at every assembly of the session (and counted toward the layer breaker). Such
+    arguments are now read as text that is not JSON, as the tools read them."""
+    deep = "[" * 5_000
+    t = Transcript(system="You are an agent.")
+    for i in range(6):
+        t.user(f"question {i} " * 50)
+        t.assistant("", tool_calls=[{"id": f"c{i}", "name": "read", "arguments": deep}])
+        t.add("tool", "result " * 200, tool_call_id=f"c{i}", name="read")
+        t.assistant("answer " * 30)
+    engine = PipelineEngine(
+        PipelineConfig(eviction_min_age=0, history_turns=2),
+        summarizer=lambda request: ("summary", 1, 1),
+        clock=FakeClock(),
+        reader=lambda path: "contents",
+    )
+    result = engine.assemble(t.all, 800, provider="openai")
+    assert result.layers_failed == ()

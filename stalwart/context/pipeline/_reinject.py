@@ -28,7 +28,7 @@ MIN_ROOM = 64
 def _paths(arguments: str) -> Iterator[str]:
     try:
         decoded = msgspec.json.decode(arguments or "{}")
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # not JSON, or nested too deeply
         return
     if isinstance(decoded, dict):
         for key in PATH_KEYS:

@@ -33,10 +33,11 @@ def window_history(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
 
 def _call_key(name: str, arguments: str) -> tuple[str, str]:
     """The identity of a call: its tool and its arguments as canonical JSON (key order
-    and spacing ignored); arguments that are not JSON compare as stripped text."""
+    and spacing ignored); arguments that are not JSON (or nested too deeply to read)
+    compare as stripped text."""
     try:
         canonical = msgspec.json.encode(msgspec.json.decode(arguments or "{}"), order="sorted")
-    except (msgspec.DecodeError, TypeError):
+    except (msgspec.DecodeError, TypeError, RecursionError):
         return name, arguments.strip()
     return name, canonical.decode()
 
