@@ -25,6 +25,7 @@ import msgspec
 
 from stalwart._aio import cut_after, sleep_for
 from stalwart._logs import get_logger, hide_url, unhide_url
+from stalwart._text import scrub_surrogates
 from stalwart.backoff import backoff_delay, parse_retry_after
 from stalwart.clock import Clock, SystemClock, Timer
 from stalwart.config import ChannelSettings, url_problem
@@ -104,19 +105,19 @@ class WebhookChannel:
         run out; a retryable failure waits a full-jitter backoff (at least Retry-After)."""
         if self._closed:
             raise closed_error(self.name)
+        # JSON is UTF-8: a lone surrogate (text cut mid-pair) is sent as U+FFFD
+        key = scrub_surrogates(message.idempotency_key)
+        thread = None if message.thread is None else scrub_surrogates(message.thread)
         body = msgspec.json.encode(
             {
-                "conversation": message.conversation,
-                "thread": message.thread,
-                "text": message.text,
+                "conversation": scrub_surrogates(message.conversation),
+                "thread": thread,
+                "text": scrub_surrogates(message.text),
                 "kind": message.kind,
-                "idempotency_key": message.idempotency_key,
+                "idempotency_key": key,
             }
         )
-        headers = {
-            "content-type": "application/json",
-            "idempotency-key": _header_safe(message.idempotency_key),
-        }
+        headers = {"content-type": "application/json", "idempotency-key": _header_safe(key)}
         if self._secret is not None:
             headers[self._secret[0]] = self._secret[1]
         attempt = 0
@@ -250,9 +251,9 @@ def _secret_value(where: str, variable: str) -> str:
 
 
 def _header_safe(key: str) -> str:
-    """An idempotency key as a header value: as it is when it can be one, else
-    percent-encoded (the body carries it as it is)."""
-    if key.isascii() and key.isprintable():
+    """An idempotency key as a header value: as it is when it can be one (printable
+    ASCII, no space at either end), else percent-encoded (the body carries it as it is)."""
+    if key.isascii() and key.isprintable() and key.strip(" ") == key:
         return key
     return quote(key, safe="")
 
