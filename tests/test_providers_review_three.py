@@ -415,7 +415,7 @@ class HoldingSink(StoreSink):
 async def until(predicate: Callable[[], bool]) -> None:
     with anyio.fail_after(GUARD):
         while not predicate():
-            await anyio.sleep(0.005)
+            await anyio.sleep(0.005)  # real-time: polling what another task does
 
 
 async def test_half_open_admits_one_probe_while_the_last_one_is_still_settling(

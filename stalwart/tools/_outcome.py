@@ -76,6 +76,16 @@ def timeout_text(tool: str, timeout_ms: int) -> str:
     )
 
 
+def unreconciled_text(tool: str) -> str:
+    """For a call a crash cut short whose ``reconcile`` check could not tell (it raised,
+    or did not finish within the tool's limit) whether the effect happened."""
+    return (
+        f"The call to tool '{tool}' was interrupted by a restart and may or may not have "
+        "taken effect; checking whether it did failed, so it was not run again. Check its "
+        "effect before repeating it."
+    )
+
+
 def invalid_arguments_text(tool: str, reason: str) -> str:
     return (
         f"The arguments for tool '{tool}' are invalid: {reason}. "

@@ -14,6 +14,7 @@ import contextvars
 import functools
 import inspect
 import math
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -27,7 +28,7 @@ from stalwart.clock import Clock, SystemClock, Timer
 from stalwart.errors import ToolError
 from stalwart.events import ToolCall
 
-from ._breaker import action_for, classify_tool_error
+from ._breaker import Action, action_for, classify_tool_error
 from ._context import CallContext, bind, unbind
 from ._outcome import (
     Status,
@@ -36,6 +37,7 @@ from ._outcome import (
     invalid_arguments_text,
     timeout_text,
     unknown_tool_text,
+    unreconciled_text,
 )
 from ._registry import Tool, ToolRegistry
 
@@ -98,6 +100,25 @@ def _scrubbed(value: Any) -> Any:
     return value
 
 
+class _RaisedOnThread(Exception):
+    """A ``KeyboardInterrupt`` or ``GeneratorExit`` a sync tool (or a reconcile check)
+    raised on its worker thread: the tool's own (Python delivers Ctrl-C to the main
+    thread only, and no coroutine is being closed there), carried as an ordinary
+    exception so that it ends the call, not the event loop."""
+
+    def __init__(self, raised: BaseException) -> None:
+        super().__init__(type(raised).__name__)
+        self.raised = raised
+
+
+def _on_thread(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` on a worker thread (see :class:`_RaisedOnThread`)."""
+    try:
+        return fn(*args, **kwargs)
+    except (KeyboardInterrupt, GeneratorExit) as exc:
+        raise _RaisedOnThread(exc) from exc
+
+
 async def _invoke(
     fn: Callable[..., Any],
     is_async: bool,
@@ -110,7 +131,7 @@ async def _invoke(
         if is_async:
             return await fn(**kwargs)
         # the worker thread runs in a copy of this context: current_call() works there too
-        run = functools.partial(contextvars.copy_context().run, fn, **kwargs)
+        run = functools.partial(contextvars.copy_context().run, _on_thread, fn, **kwargs)
         result = await anyio.to_thread.run_sync(run, abandon_on_cancel=True, limiter=limiter)
         if inspect.isawaitable(result):  # a sync callable (a decorator) handing back a coroutine
             result = await result  # inside the call's context: current_call() works there
@@ -134,7 +155,8 @@ async def run_tool(
     ``limiter`` bounds the worker threads of sync tools (anyio's default one otherwise);
     ``clock`` measures ``elapsed_ms``; ``context`` is what :func:`current_call` returns
     inside the tool. ``reconcile``: the call was cut short by a crash; ask the tool's
-    ``reconcile`` check first, and run the call only when it says the effect is absent.
+    ``reconcile`` check first, and run the call only when it says the effect is absent
+    (a check that raises or runs out of time ends the call as ``unreconciled``).
     ``timer`` keeps the tool's time limit on the caller's Clock (see :data:`Timer`);
     without one, the event loop's clock does.
     """
@@ -161,49 +183,82 @@ async def run_tool(
     if isinstance(kwargs, str):
         text = invalid_arguments_text(tool.name, kwargs)
         return outcome("invalid_arguments", text, "invalid_arguments")
+    found = None  # what a reconcile check found: the effect happened, this is its output
+    # until the check answers, a failure is the check's: whether the effect happened is
+    # unknown, so the call is surfaced as unreconciled, never offered for a blind retry
+    check = tool.reconcile if reconcile else None
+    checking = check is not None
+
+    def unreconciled(status: Status = "error") -> ToolOutcome:
+        return outcome(status, unreconciled_text(tool.name), "unreconciled")
+
     try:
         with cut_after(tool.timeout_ms / 1000, timer) as scope:
             try:
-                if reconcile and tool.reconcile is not None:
+                if check is not None:
                     key = (context.idempotency_key if context is not None else None) or call.id
-                    check = functools.partial(tool.reconcile, key, kwargs)
-                    # a check that hangs is abandoned at the tool's limit, like the tool
-                    found = await anyio.to_thread.run_sync(
-                        check, abandon_on_cancel=True, limiter=limiter
-                    )
-                    if found is not None:
-                        return msgspec.structs.replace(outcome("ok", str(found)), reconciled=True)
-                result = await _invoke(tool.fn, tool.is_async, kwargs, limiter, context)
+                    found = await _check(check, key, kwargs, limiter)
+                    checking = False
+                if found is None:
+                    result = await _invoke(tool.fn, tool.is_async, kwargs, limiter, context)
             except anyio.get_cancelled_exc_class():
                 if scope.cancel_called or anyio.current_effective_deadline() == -math.inf:
                     raise  # the call's own limit, or the caller's cancellation
                 # a cancellation of the tool's own making (an inner task it cancelled and
                 # awaited) escaped it: that call failed, nobody cancelled the caller
+                if checking:
+                    return unreconciled()
                 return outcome("error", error_text(tool.name, "cancelled", "surface"), "cancelled")
     except BaseException as exc:  # sys.exit(), gevent's Timeout: whatever the tool raised
         if _not_the_tools(exc):
             raise
-        error_class, action = classify_tool_error(exc)
-        text = error_text(tool.name, error_class, action)
-        if isinstance(exc, ToolError):
-            text = scrub_surrogates(f"The tool '{tool.name}' failed: {exc}")
+        if checking:
+            return unreconciled()
+        text, error_class, action = _failure(tool.name, exc)
         return msgspec.structs.replace(outcome("error", text, error_class), action=action)
     if scope.cancelled_caught:
+        if checking:  # the check ran out of the tool's time
+            return unreconciled("timeout")
         return outcome("timeout", timeout_text(tool.name, tool.timeout_ms), "timeout")
-    try:
-        text = result_text(result)
+    try:  # a reconciled call's output is made text like a result (surrogates scrubbed)
+        text = result_text(result if found is None else found)
     except (TypeError, ValueError, OverflowError, RecursionError):  # a cycle, too deep
         text = error_text(tool.name, "unencodable_result", "surface")
         return outcome("error", text, "unencodable_result")
-    return outcome("ok", text)
+    return msgspec.structs.replace(outcome("ok", text), reconciled=found is not None)
+
+
+def _failure(tool: str, exc: BaseException) -> tuple[str, str, Action]:
+    """What the model reads for an exception a tool raised, its error class and action."""
+    if isinstance(exc, _RaisedOnThread):
+        exc = exc.raised
+    error_class, action = classify_tool_error(exc)
+    if isinstance(exc, ToolError):  # its message is written for the model
+        return scrub_surrogates(f"The tool '{tool}' failed: {exc}"), error_class, action
+    return error_text(tool, error_class, action), error_class, action
+
+
+async def _check(
+    reconcile: Callable[[str, dict[str, Any]], Any],
+    key: str,
+    kwargs: dict[str, Any],
+    limiter: anyio.CapacityLimiter | None,
+) -> Any:
+    """What a tool's ``reconcile`` check found for the call ``key`` (None: no effect).
+    A check that hangs is abandoned at the tool's limit, like the tool."""
+    check = functools.partial(_on_thread, reconcile, key, kwargs)
+    return await anyio.to_thread.run_sync(check, abandon_on_cancel=True, limiter=limiter)
 
 
 def _not_the_tools(exc: BaseException) -> bool:
     """Whether ``exc`` ends more than the call: the event loop's cancellation (the
-    caller's deadline; a tool's own was made an outcome above), an interrupt, or the
-    closing of this coroutine (``GeneratorExit``: nothing may be awaited after it), alone
-    or in a group."""
-    kinds = (anyio.get_cancelled_exc_class(), KeyboardInterrupt, GeneratorExit)
+    caller's deadline; a tool's own was made an outcome above), an interrupt (Ctrl-C:
+    only ever raised on the main thread; elsewhere a ``KeyboardInterrupt`` is the
+    tool's own), or the closing of this coroutine (``GeneratorExit``: nothing may be
+    awaited after it), alone or in a group."""
+    kinds: tuple[type[BaseException], ...] = (anyio.get_cancelled_exc_class(), GeneratorExit)
+    if threading.current_thread() is threading.main_thread():
+        kinds = (*kinds, KeyboardInterrupt)
     if isinstance(exc, BaseExceptionGroup):
         return exc.subgroup(kinds) is not None
     return isinstance(exc, kinds)

@@ -64,9 +64,17 @@ def signature_of(fn: Callable[..., Any], name: str, *, loose: bool = False) -> S
             fields.append((parameter.name, hint))
         else:
             fields.append((parameter.name, hint, _default(parameter.default)))
-    arguments = msgspec.defstruct(
-        f"{name}_arguments", fields, kw_only=True, forbid_unknown_fields=extra is None
-    )
+    try:
+        arguments = msgspec.defstruct(
+            f"{name}_arguments", fields, kw_only=True, forbid_unknown_fields=extra is None
+        )
+    except (TypeError, ValueError, RuntimeError) as exc:  # '__x', '__dict__', '__slots__'
+        raise ToolRegistrationError(
+            f"tool {name!r}: a parameter name cannot be used for an argument ({exc});"
+            " names such as '__x', '__dict__' or '__slots__' are not allowed: rename it",
+            field="signature",
+            tool=name,
+        ) from exc
     if extra is None:
         return Signature(arguments=arguments, extra_keywords=False)
     return Signature(arguments=arguments, extra_keywords=True, extra_type=extra)
