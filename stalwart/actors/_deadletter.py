@@ -23,7 +23,10 @@ decides, appends, then acts:
   before them at that same ``ts``, so replay re-derives them;
 * a send starts only after what led to it is in the log, and runs on the
   :class:`~stalwart.actors.IoPortal`, bounded by ``announce_timeout_ms``; its outcome
-  comes back as a :class:`RetrySent` message. At most one send per entry is in flight.
+  comes back as a :class:`RetrySent` message; the outcomes that came back together are
+  appended in one batch before any other message is handled, then the queue is looked
+  at once (a drain's cost grows with the backlog, not its square). At most one send
+  per entry is in flight.
 
 Restarts resume the queue: ``on_start`` folds the stream, expires what is due, starts the
 retries that are due and arms the next deadline. A send in flight when the process died
@@ -49,7 +52,7 @@ from stalwart._logs import get_logger
 from stalwart.channels import Channel, MessageKind, OutboundMessage, channel_named, message_kind
 from stalwart.clock import Clock
 from stalwart.config import DeadLetterSettings
-from stalwart.errors import ConcurrencyError, CorruptRecordError
+from stalwart.errors import ConcurrencyError, CorruptRecordError, StalwartError
 from stalwart.events import (
     AnnouncementDeadLetterDelivered,
     AnnouncementDeadLettered,
@@ -60,9 +63,7 @@ from stalwart.events import (
 from stalwart.ids import new_id
 from stalwart.state import (
     DEADLETTER,
-    DeadLetterEntry,
     DeadLetterState,
-    apply_deadletter,
     decide_drain,
     decide_expiry,
     decide_retries,
@@ -169,6 +170,10 @@ class Drain(msgspec.Struct, frozen=True):
     provider: str
 
 
+class _Outcomes(msgspec.Struct, frozen=True):
+    """Append the outcomes of the sends that ended, then look at the queue."""
+
+
 class QueueState(msgspec.Struct, frozen=True):
     """Ask for the current :class:`~stalwart.state.DeadLetterState`."""
 
@@ -186,6 +191,17 @@ class _InFlight:
 
 
 # -- the send, on the portal's loop -------------------------------------------------------
+
+
+def _outcome_event(message: RetrySent, sending: _InFlight) -> Event:
+    """What the log records of one send's outcome."""
+    if message.ok:
+        return AnnouncementDeadLetterDelivered(entry_id=message.entry_id, attempts=sending.attempt)
+    return AnnouncementSendFailed(
+        announcement_id=sending.announcement_id,
+        error_class=message.error_class or "unknown",
+        entry_id=message.entry_id,
+    )
 
 
 def _outcome(entry_id: str, future: Future[str | None]) -> RetrySent:
@@ -244,6 +260,9 @@ class DeadLetterActor(Supervised):
         self._stream = stream
         self._any_degraded = any_degraded
         self._state: DeadLetterState = DEADLETTER.initial(stream)
+        self._folder = DEADLETTER.folder(self._state)
+        #: the outcomes of sends that ended, not yet appended (see :meth:`_record_outcomes`)
+        self._outcomes: list[tuple[RetrySent, _InFlight]] = []
         self._in_flight: dict[str, _InFlight] = {}
         self._timer_key = ("deadletter", self.actor_urn)
 
@@ -251,15 +270,19 @@ class DeadLetterActor(Supervised):
 
     def started(self) -> None:
         try:
-            self._state = load_state(self._store, self._stream, DEADLETTER)
+            self._refold(load_state(self._store, self._stream, DEADLETTER))
         except CorruptRecordError:  # fold it all again, past the records it cannot read
-            self._state = DEADLETTER.initial(self._stream)
+            self._refold(DEADLETTER.initial(self._stream))
             self._catch_up()
         state = self._state
         log.info("deadletter.started", entries=len(state.entries), version=state.version)
         self._tick(self._clock.now())
 
     def on_stop(self) -> None:
+        try:  # a stop asked for records what already came back, so it is not sent again
+            self._record_outcomes()
+        except StalwartError as exc:  # the store went first: sent again at the next start
+            log.warning("deadletter.outcomes_unrecorded", error_class=type(exc).__name__)
         self._release()
 
     def on_failure(
@@ -283,7 +306,11 @@ class DeadLetterActor(Supervised):
     # -- messages ----------------------------------------------------------------------------
 
     def on_receive(self, message: Any) -> Any:
+        if not isinstance(message, RetrySent):
+            self._record_outcomes()  # every other message sees the queue they leave
         match message:
+            case _Outcomes():
+                self._tick(self._clock.now())
             case Enqueue():
                 return self._enqueue(message)
             case RetryDue():
@@ -336,30 +363,31 @@ class DeadLetterActor(Supervised):
         return event.entry_id
 
     def _sent(self, message: RetrySent) -> None:
+        """A send ended: its outcome waits to be appended with the others that came back
+        meanwhile (a drain's sends end together), then the queue is looked at once."""
         sending = self._in_flight.pop(message.entry_id, None)
         if sending is None:  # a stray RetrySent, not from a send of this actor
             return
-        event: Event
-        if message.ok:
-            event = AnnouncementDeadLetterDelivered(
-                entry_id=message.entry_id, attempts=sending.attempt
-            )
-        else:
-            event = AnnouncementSendFailed(
-                announcement_id=sending.announcement_id,
-                error_class=message.error_class or "unknown",
+        if not self._outcomes:
+            self.actor_ref.tell(_Outcomes())  # behind the outcomes already in the mailbox
+        self._outcomes.append((message, sending))
+
+    def _record_outcomes(self) -> None:
+        """Append the outcomes of the sends that ended, in one batch (the observations,
+        even for an entry expired meanwhile)."""
+        if not self._outcomes:
+            return
+        events = [_outcome_event(message, sending) for message, sending in self._outcomes]
+        self._append(events, self._clock.now())
+        for message, sending in self._outcomes:
+            log.info(
+                "deadletter.sent",
                 entry_id=message.entry_id,
+                ok=message.ok,
+                error_class=message.error_class,
+                attempt=sending.attempt,
             )
-        now = self._clock.now()
-        self._append([event], now)  # the observation, even for an entry expired meanwhile
-        log.info(
-            "deadletter.sent",
-            entry_id=message.entry_id,
-            ok=message.ok,
-            error_class=message.error_class,
-            attempt=sending.attempt,
-        )
-        self._tick(now)
+        self._outcomes.clear()
 
     def _drain(self, provider: str) -> None:
         now = self._clock.now()
@@ -464,7 +492,8 @@ class DeadLetterActor(Supervised):
             expected_version=self._state.version,
         )
         for record in records:
-            self._state = apply_deadletter(self._state, record)
+            self._folder.add(record)
+        self._state = self._folder.state()
 
     def _catch_up(self) -> None:
         """Fold what other writers appended to the stream since this actor last looked,
@@ -473,7 +502,8 @@ class DeadLetterActor(Supervised):
         for record in read_readable(
             self._store, self._stream, self._state.version + 1, unreadable=self._skip
         ):
-            self._state = apply_deadletter(self._state, record)
+            self._folder.add(record)
+            self._state = self._folder.state()
 
     def _skip(self, version: int, exc: CorruptRecordError) -> None:
         log.error(
@@ -482,7 +512,12 @@ class DeadLetterActor(Supervised):
             version=version,
             position=exc.position,
         )
-        self._state = msgspec.structs.replace(self._state, version=version)
+        self._refold(msgspec.structs.replace(self._folder.state(), version=version))
+
+    def _refold(self, state: DeadLetterState) -> None:
+        """Go on folding from ``state``."""
+        self._folder = DEADLETTER.folder(state)
+        self._state = state
 
     def _held(self) -> bool:
         return self._any_degraded is not None and self._any_degraded()
@@ -491,7 +526,9 @@ class DeadLetterActor(Supervised):
         """Start one send of the entry on the portal, unless one is in flight already."""
         if entry_id in self._in_flight:
             return
-        entry = self._entry(entry_id)
+        entry = self._folder.entry(entry_id)
+        if entry is None:
+            raise KeyError(entry_id)
         message = OutboundMessage(
             conversation=entry.conversation,
             text=entry.text,
@@ -550,9 +587,3 @@ class DeadLetterActor(Supervised):
         """Scheduler callback (its thread, or inside ``FakeClock.advance``)."""
         with contextlib.suppress(pykka.ActorDeadError):  # stopped meanwhile
             self.actor_ref.tell(RetryDue(at))
-
-    def _entry(self, entry_id: str) -> DeadLetterEntry:
-        for entry in self._state.entries:
-            if entry.entry_id == entry_id:
-                return entry
-        raise KeyError(entry_id)

@@ -27,6 +27,8 @@ NO_MATCH = "no provider calls match the filters"
 _DURATION = re.compile(r"(\d+)([smhd])")
 _TIMESTAMP = re.compile(r"\d+(\.\d+)?")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+#: digits of a --since count past which it is longer ago than any log (unix 0)
+_LONGEST_COUNT = 19
 _COLUMNS = (
     "PROVIDER",
     "MODEL",
@@ -48,7 +50,7 @@ def parse_since(text: str, newest: float | None) -> float | None:
     value = text.strip()
     duration = _DURATION.fullmatch(value)
     if duration is not None:
-        seconds = int(duration.group(1)) * _UNIT_SECONDS[duration.group(2)]
+        seconds = _seconds(duration.group(1), duration.group(2))
         # a span longer than the log's whole past starts at its beginning (unix 0)
         return None if newest is None else max(0.0, newest - min(seconds, max(newest, 0.0)))
     if _TIMESTAMP.fullmatch(value):
@@ -57,6 +59,15 @@ def parse_since(text: str, newest: float | None) -> float | None:
         f"--since: expected a duration (30m, 2h, 1d) or a unix timestamp, got {text!r}",
         key="--since",
     )
+
+
+def _seconds(digits: str, unit: str) -> int:
+    """How many seconds ``digits`` ``unit`` is. A count of more digits than Python reads
+    as a number (4,300) reaches back further than any log, as one of 19 digits already
+    does: it is taken as that."""
+    digits = digits.lstrip("0") or "0"
+    count = int(digits) if len(digits) < _LONGEST_COUNT else 10**_LONGEST_COUNT
+    return count * _UNIT_SECONDS[unit]
 
 
 def _newest_ts(store: EventStore, unreadable: Unreadable) -> float | None:

@@ -36,8 +36,6 @@ from stalwart.events import (
     RecordedEvent,
 )
 
-from ._aggregate import ApplyFolder
-
 
 class DeadLetterEntry(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     entry_id: str
@@ -67,13 +65,58 @@ class DeadLetterState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     expired: int = 0
 
 
-def _failed(state: DeadLetterState, event: AnnouncementSendFailed, ts: float) -> DeadLetterState:
-    """One more attempt on the entry named (by ``entry_id``, else the announcement's)."""
-    for index, entry in enumerate(state.entries):
-        if (event.entry_id is not None and entry.entry_id == event.entry_id) or (
-            event.entry_id is None and entry.announcement_id == event.announcement_id
-        ):
-            tried = msgspec.structs.replace(
+class DeadLetterFolder:
+    """The dead-letter fold as a mutable accumulator: the entries by id (in enqueue
+    order), so that each event costs one lookup, not a pass over the queue (a drain of a
+    backlog folds one retry, then one outcome, per entry)."""
+
+    __slots__ = ("_delivered", "_entries", "_expired", "_frozen", "_stream", "_version")
+
+    def __init__(self, state: DeadLetterState) -> None:
+        self._stream = state.stream
+        self._version = state.version
+        self._entries = {e.entry_id: e for e in state.entries}
+        self._delivered = state.delivered
+        self._expired = state.expired
+        self._frozen: DeadLetterState | None = state
+
+    def entry(self, entry_id: str) -> DeadLetterEntry | None:
+        """The queued entry ``entry_id`` (None: not in the queue)."""
+        return self._entries.get(entry_id)
+
+    def add(self, record: RecordedEvent) -> None:
+        self._frozen = None
+        self._version = record.version
+        event = record.event
+        match event:
+            case AnnouncementDeadLettered():
+                self._entries[event.entry_id] = _queued(event, record.ts)
+            case AnnouncementDeadLetterRetried():
+                self._sending(event, record.ts)
+            case AnnouncementSendFailed():
+                self._failed(event, record.ts)
+            case AnnouncementDeadLetterDelivered():
+                if self._entries.pop(event.entry_id, None) is not None:
+                    self._delivered += 1
+            case AnnouncementDeadLetterExpired():
+                if self._entries.pop(event.entry_id, None) is not None:
+                    self._expired += 1
+            case _:
+                pass
+
+    def _sending(self, event: AnnouncementDeadLetterRetried, ts: float) -> None:
+        """The entry's retry is under way since ``ts``."""
+        entry = self._entries.get(event.entry_id)
+        if entry is not None:
+            self._entries[event.entry_id] = msgspec.structs.replace(
+                entry, sending_since=ts, sending_runtime=event.runtime
+            )
+
+    def _failed(self, event: AnnouncementSendFailed, ts: float) -> None:
+        """One more attempt on the entry named (by ``entry_id``, else the announcement's)."""
+        entry = self._named(event)
+        if entry is not None:
+            self._entries[entry.entry_id] = msgspec.structs.replace(
                 entry,
                 attempts=entry.attempts + 1,
                 last_attempt_at=ts,
@@ -81,65 +124,46 @@ def _failed(state: DeadLetterState, event: AnnouncementSendFailed, ts: float) ->
                 sending_since=None,
                 sending_runtime=None,
             )
-            entries = (*state.entries[:index], tried, *state.entries[index + 1 :])
-            return msgspec.structs.replace(state, entries=entries)
-    return state
 
+    def _named(self, event: AnnouncementSendFailed) -> DeadLetterEntry | None:
+        if event.entry_id is not None:
+            return self._entries.get(event.entry_id)
+        # a record of before entry ids: the first entry of the announcement
+        found = (e for e in self._entries.values() if e.announcement_id == event.announcement_id)
+        return next(found, None)
 
-def _sending(
-    state: DeadLetterState, event: AnnouncementDeadLetterRetried, ts: float
-) -> DeadLetterState:
-    """The entry's retry is under way since ``ts``."""
-    for index, entry in enumerate(state.entries):
-        if entry.entry_id == event.entry_id:
-            sending = msgspec.structs.replace(
-                entry, sending_since=ts, sending_runtime=event.runtime
+    def state(self) -> DeadLetterState:
+        if self._frozen is None:
+            self._frozen = DeadLetterState(
+                stream=self._stream,
+                version=self._version,
+                entries=tuple(self._entries.values()),
+                delivered=self._delivered,
+                expired=self._expired,
             )
-            entries = (*state.entries[:index], sending, *state.entries[index + 1 :])
-            return msgspec.structs.replace(state, entries=entries)
-    return state
+        return self._frozen
 
 
-def _without(state: DeadLetterState, entry_id: str) -> tuple[DeadLetterEntry, ...] | None:
-    kept = tuple(e for e in state.entries if e.entry_id != entry_id)
-    return None if len(kept) == len(state.entries) else kept
+def _queued(event: AnnouncementDeadLettered, ts: float) -> DeadLetterEntry:
+    return DeadLetterEntry(
+        entry_id=event.entry_id,
+        announcement_id=event.announcement_id,
+        channel=event.channel,
+        text=event.text,
+        reason=event.reason,
+        enqueued_at=ts,
+        conversation=event.conversation,
+        thread=event.thread,
+        kind=event.kind,
+    )
 
 
 def apply_deadletter(state: DeadLetterState, record: RecordedEvent) -> DeadLetterState:
-    """The queue after one more event of the ``deadletter`` stream."""
-    state = msgspec.structs.replace(state, version=record.version)
-    event = record.event
-    replace = msgspec.structs.replace
-    match event:
-        case AnnouncementDeadLettered():
-            entry = DeadLetterEntry(
-                entry_id=event.entry_id,
-                announcement_id=event.announcement_id,
-                channel=event.channel,
-                text=event.text,
-                reason=event.reason,
-                enqueued_at=record.ts,
-                conversation=event.conversation,
-                thread=event.thread,
-                kind=event.kind,
-            )
-            return replace(state, entries=(*state.entries, entry))
-        case AnnouncementDeadLetterRetried():
-            return _sending(state, event, record.ts)
-        case AnnouncementSendFailed():
-            return _failed(state, event, record.ts)
-        case AnnouncementDeadLetterDelivered():
-            kept = _without(state, event.entry_id)
-            if kept is None:
-                return state
-            return replace(state, entries=kept, delivered=state.delivered + 1)
-        case AnnouncementDeadLetterExpired():
-            kept = _without(state, event.entry_id)
-            if kept is None:
-                return state
-            return replace(state, entries=kept, expired=state.expired + 1)
-        case _:
-            return state
+    """The queue after one more event of the ``deadletter`` stream (pure; a folder is
+    faster for many)."""
+    folder = DeadLetterFolder(state)
+    folder.add(record)
+    return folder.state()
 
 
 #: how long past a send's own limit (``announce_timeout_ms``) a recorded retry with no
@@ -305,8 +329,8 @@ class DeadLetterAggregate:
     def apply(self, state: DeadLetterState, record: RecordedEvent) -> DeadLetterState:
         return apply_deadletter(state, record)
 
-    def folder(self, state: DeadLetterState) -> ApplyFolder[DeadLetterState]:
-        return ApplyFolder(apply_deadletter, state)
+    def folder(self, state: DeadLetterState) -> DeadLetterFolder:
+        return DeadLetterFolder(state)
 
 
 DEADLETTER = DeadLetterAggregate()
