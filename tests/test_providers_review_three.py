@@ -526,3 +526,22 @@ def test_a_stream_that_stalls_mid_answer_is_cut_at_the_default_budget_and_retrie
         clock.advance(1)  # past the retry's backoff (a few ms, on the Clock)
         assert [m.text for m in delivered(rt, chat, 1)] == ["the whole answer"]
     assert fake.wait_finished(0).outcome == "client_closed"
+
+
+async def test_a_whole_reply_whose_strings_are_not_utf8_is_malformed(
+    raw: Any, store: EventStore
+) -> None:
+    # Was: DEFECT: msgspec raises UnicodeDecodeError (not DecodeError) for a JSON body
+    # whose strings hold bytes that are not UTF-8: it left the call raw, no outcome
+    bad = http(
+        b'{"choices": [{"message": {"content": "\xed\xa0\x80"}}]}', content_type=b"application/json"
+    )
+    good = http(
+        json.dumps({"choices": [{"message": {"content": "fine"}}]}).encode(),
+        content_type=b"application/json",
+    )
+    server = raw([bad, good])
+    outcome = await call(config(server.base_url, stream=False), store)
+    assert isinstance(outcome, ProviderResponse), repr(outcome)
+    assert outcome.text == "fine"
+    assert failed_classes(store) == ["malformed"]

@@ -267,12 +267,13 @@ def render(report: Report, what: str, as_json: bool) -> list[str]:
     if report.unchecked:
         lines.append(f"  no verifier (not checked): {_counts(report.unchecked)}")
     for finding in report.findings:
-        stream = escaped(finding.stream)  # any character: one line a finding
+        # a stream id, or an unknown event's tag, may hold any character: one line a finding
+        stream = escaped(finding.stream)
         where = f"{stream} v{finding.version}" if finding.version else stream
         lines.append("")
         lines.append(
             f"{_LABEL[finding.kind]}  position {finding.position}  {where or '-'}  "
-            f"{finding.tag or '-'}  {fmt_ts(finding.ts) if finding.ts else ''}".rstrip()
+            f"{escaped(finding.tag) or '-'}  {fmt_ts(finding.ts) if finding.ts else ''}".rstrip()
         )
         lines.append(f"  {escaped(finding.message)}")
         if finding.kind == "mismatch":

@@ -109,9 +109,10 @@ class _RawRecord(msgspec.Struct, frozen=True, array_like=True, gc=False):
     event: msgspec.Raw
 
 
-#: what decoding bytes raises when they are not a record: msgspec's error, or (for
-#: data nested deeper than the interpreter's recursion limit) RecursionError
-_UNREADABLE = (msgspec.DecodeError, RecursionError)
+#: what decoding bytes raises when they are not a record: msgspec's error, RecursionError
+#: (for data nested deeper than the interpreter's recursion limit), or UnicodeDecodeError
+#: (a string whose bytes are not UTF-8: msgspec raises Python's own error for it)
+_UNREADABLE = (msgspec.DecodeError, RecursionError, UnicodeDecodeError)
 #: a place kept in a batch for a record the fast pass could not take (decoded again)
 _REFUSED = RecordedEvent(
     position=-1,
@@ -124,6 +125,7 @@ _REFUSED = RecordedEvent(
     schema=0,
     event=UnknownEvent(tag="", schema=0, raw=b""),
 )
+_JSON = msgspec.json.Encoder()
 _SCHEMA = attrgetter("schema")
 _EVENT = attrgetter("event")
 _V1 = frozenset({1})
@@ -422,24 +424,46 @@ def event_data(event: Event) -> dict[str, Any]:
     ``_schema`` and ``_raw_b64`` so nothing about it is hidden.
     """
     if isinstance(event, UnknownEvent):
-        data: dict[str, Any] = {}
-        try:
-            decoded = msgspec.msgpack.decode(event.raw)
-            if isinstance(decoded, dict):
-                data = msgspec.to_builtins(
-                    {k: v for k, v in _plain(decoded).items() if k != "type"},
-                    enc_hook=repr,
-                    builtin_types=(),
-                )
-        except (*_UNREADABLE, TypeError):
-            data = {}
+        data = _readable(event.raw)
         data["_unknown"] = True
         data["_schema"] = event.schema
         data["_raw_b64"] = base64.b64encode(event.raw).decode("ascii")
         return data
-    built: dict[str, Any] = msgspec.to_builtins(event)
+    # an ``Any`` field may hold what JSON has no form for: a msgpack extension value (as
+    # text), a map keyed by an array or nil (its keys as text)
+    built: dict[str, Any] = msgspec.to_builtins(event, enc_hook=_shown)
     built.pop("type", None)
+    try:
+        _JSON.encode(built)
+    except TypeError:
+        plain: dict[str, Any] = _plain(built)
+        return plain
     return built
+
+
+def _readable(payload: bytes) -> dict[str, Any]:
+    """What can be read of an event's msgpack map as JSON-ready builtins, without its tag
+    (every key as text, a value JSON has no form for as text; nothing when the bytes are
+    not a map)."""
+    try:
+        decoded = msgspec.msgpack.decode(payload)
+        if not isinstance(decoded, dict):
+            return {}
+        data: dict[str, Any] = msgspec.to_builtins(
+            {k: v for k, v in _plain(decoded).items() if k != "type"},
+            enc_hook=_shown,
+            builtin_types=(),
+        )
+    except (*_UNREADABLE, TypeError):
+        return {}
+    return data
+
+
+def _shown(value: Any) -> str:
+    """A decoded value JSON has no form for (a msgpack extension value) as text."""
+    if isinstance(value, msgspec.msgpack.Ext):
+        return f"msgpack ext {value.code}: {base64.b64encode(value.data).decode('ascii')}"
+    return repr(value)
 
 
 def _plain(value: Any) -> Any:
@@ -458,7 +482,7 @@ def _key_text(key: Any) -> str:
     if isinstance(key, str):
         return key
     try:
-        return msgspec.json.encode(_plain(key), enc_hook=repr).decode()
+        return msgspec.json.encode(_plain(key), enc_hook=_shown).decode()
     except (TypeError, ValueError):
         return repr(key)
 

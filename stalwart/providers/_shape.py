@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import msgspec
 
-#: what decoding a reply's JSON raises: ``DecodeError`` for text that is not JSON, and
+#: what decoding a reply's JSON raises: ``DecodeError`` for text that is not JSON,
 #: ``RecursionError`` for arrays or objects nested past msgspec's depth limit (about a
-#: thousand levels: valid JSON, but no API's shape, and not a dependency error to let out)
-JSON_ERRORS = (msgspec.DecodeError, RecursionError)
+#: thousand levels: valid JSON, but no API's shape, and not a dependency error to let out),
+#: and ``UnicodeDecodeError`` for a body whose strings are not UTF-8 (msgspec's own)
+JSON_ERRORS = (msgspec.DecodeError, RecursionError, UnicodeDecodeError)
 
 
 class WrongShape(TypeError):

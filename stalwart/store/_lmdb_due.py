@@ -162,7 +162,7 @@ def _decoded(key: bytes, raw: bytes) -> _Row:
     not stop the claims, and the appends, of every other session)."""
     try:
         return _DECODE(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):  # damaged bytes
         log.warning("store.due_row_unreadable", stream=bytes(key).decode(errors="replace"))
         return _DAMAGED
 

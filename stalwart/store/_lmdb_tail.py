@@ -55,7 +55,7 @@ def scan_heads(cursor: Any, after: int, upto: int) -> Iterator[Scanned]:
             expected = position + 1
             try:
                 head = HEAD(value)
-            except (msgspec.DecodeError, RecursionError) as exc:
+            except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
                 yield position, value, f"cannot decode the record: {exc}"
                 continue
             if head.position != position:

@@ -121,7 +121,7 @@ def load_state(
                 continue
             try:
                 state = decoder.decode(snapshot.data)
-            except (msgspec.DecodeError, RecursionError) as exc:
+            except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
                 log.warning(
                     "state.snapshot_unusable",
                     stream=stream,
