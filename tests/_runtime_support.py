@@ -19,9 +19,10 @@ from stalwart.actors import RESEND_GRACE_S, IoPortal
 from stalwart.channels import MemoryChannel, OutboundMessage
 from stalwart.clock import FakeClock
 from stalwart.config import Config, parse_config
-from stalwart.events import RecordedEvent
-from stalwart.runtime import Runtime, load_session
+from stalwart.events import ActivationRequeued, RecordedEvent
+from stalwart.runtime import Runtime, SessionHandle, load_session
 from stalwart.store import EventStore
+from stalwart.testing import FakeProvider, Hang
 
 #: The longest any wait in these tests takes before it fails.
 GUARD = 10.0
@@ -97,6 +98,19 @@ def has(kind: Kind, count: int = 1) -> Callable[[list[RecordedEvent]], bool]:
 
 def of(kind: Kind, records: list[RecordedEvent]) -> list[Any]:
     return [r.event for r in records if isinstance(r.event, kind)]
+
+
+def crashed_mid_wake(
+    rt: Runtime, fake: FakeProvider, store: EventStore, **send: Any
+) -> tuple[SessionHandle, list[RecordedEvent]]:
+    """Session ``s1`` (on ``chat``) whose Agent dies of an exception while its wake's model
+    call hangs: its handle, and its records once the worker requeued the wake."""
+    fake.add(Hang())
+    session = rt.session("s1", channel="chat")
+    session.send("hello", **send)
+    fake.wait_for(lambda requests: len(requests) == 1, GUARD)
+    session.ref.tell(object())  # the Agent dies of an exception mid-wake
+    return session, log_until(store, "session:s1", has(ActivationRequeued))
 
 
 def until(check: Callable[[], Any], timeout: float = GUARD, *, what: str | None = None) -> Any:

@@ -17,11 +17,13 @@ from stalwart import store as store_module
 from stalwart.channels import MemoryChannel
 from stalwart.cli import _logging as cli_logging
 from stalwart.clock import FakeClock
+from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider
 
 from ._postgres import pg_server, pg_url  # noqa: F401  (one PostgreSQL cluster per session)
 from ._relay import pg_store, relay, relayed_store  # noqa: F401  (a database that goes away)
+from ._runtime_support import runtime_config
 
 # A property that fails prints the blob that replays its example
 # (``@reproduce_failure``): a failure seen once in a CI log can be rerun, though the
@@ -117,3 +119,14 @@ def demo_run(
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     return proc, directory
+
+
+@pytest.fixture
+def rt(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> Iterator[Runtime]:
+    """A runtime on the fake provider (``runtime_config``'s defaults) with the ``chat``
+    channel; a test module that needs another defines its own ``rt``."""
+    config = runtime_config(fake.base_url)
+    with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
+        yield rt

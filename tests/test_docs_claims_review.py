@@ -59,17 +59,7 @@ from stalwart.tools import (
     fold_tool_breaker,
     run_tools,
 )
-from tests._runtime_support import GUARD, has, log_until, of, runtime_config, until
-
-
-@pytest.fixture
-def rt(
-    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
-) -> Iterator[Runtime]:
-    config = runtime_config(fake.base_url)
-    with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
-        yield rt
-
+from tests._runtime_support import GUARD, has, log_until, of, until
 
 # -- docs/tools.md ----------------------------------------------------------------------------
 

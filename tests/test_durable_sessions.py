@@ -47,6 +47,7 @@ from stalwart.tools import current_call
 from tests._runtime_support import (
     GUARD,
     agent_settings,
+    crashed_mid_wake,
     delivered,
     has,
     log_until,
@@ -497,12 +498,7 @@ def test_a_session_of_an_agent_the_config_lacks_runs_as_default_and_says_so(
 def test_an_agent_that_crashes_mid_wake_is_retried_with_backoff(
     rt: Runtime, store: EventStore, fake: FakeProvider, clock: FakeClock, chat: MemoryChannel
 ) -> None:
-    fake.add(Hang())
-    session = rt.session("s1", channel="chat")
-    session.send("hello", message_id="m1")
-    fake.wait_for(lambda requests: len(requests) == 1, GUARD)
-    session.ref.tell(object())  # the Agent dies of an exception mid-wake
-    records = log_until(store, "session:s1", has(ActivationRequeued))
+    _, records = crashed_mid_wake(rt, fake, store, message_id="m1")
     [requeued] = of(ActivationRequeued, records)
     assert (requeued.streak, requeued.delay_ms, requeued.error_class) == (1, 2000, "agent_crashed")
     assert requeued.run_at == clock.now() + 2.0

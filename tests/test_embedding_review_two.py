@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -32,15 +32,6 @@ from stalwart.testing import Answer, FakeProvider, FakeToolCall
 from tests._runtime_support import GUARD, delivered, has, log_until, of, runtime_config, until
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture
-def rt(
-    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
-) -> Iterator[Runtime]:
-    config = runtime_config(fake.base_url)
-    with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
-        yield rt
 
 
 def user_texts(store: EventStore, stream: str) -> list[str]:

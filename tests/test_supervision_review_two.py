@@ -35,15 +35,6 @@ from stalwart.testing import FakeProvider
 from tests._runtime_support import GUARD, has, log_until, of, runtime_config, until
 
 
-@pytest.fixture
-def rt(
-    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
-) -> Iterator[Runtime]:
-    config = runtime_config(fake.base_url)
-    with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
-        yield rt
-
-
 def only(kind: type[pykka.Actor]) -> pykka.ActorRef[Any]:
     """The one running actor of ``kind`` (pykka's registry: no runtime internals)."""
     [ref] = pykka.ActorRegistry.get_by_class(kind)

@@ -22,7 +22,16 @@ from stalwart.events import ActivationAcked, ActivationLeased, ActivationRequeue
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider, Hang
-from tests._runtime_support import GUARD, delivered, has, log_until, of, runtime_config, until
+from tests._runtime_support import (
+    GUARD,
+    crashed_mid_wake,
+    delivered,
+    has,
+    log_until,
+    of,
+    runtime_config,
+    until,
+)
 from tests.test_supervision_review_two import armed, clean, decided
 
 #: a long model call: no prompt timeout fires while the test moves the clock
@@ -89,13 +98,8 @@ def test_a_wake_whose_agent_died_is_requeued_with_the_configured_jitter(
     wakes of many Agents killed together all came back at one instant. The jitter is
     recorded in the requeue, and ``replay --verify`` re-derives it."""
     config = runtime_config(fake.base_url, activations={"jitter_ms": 1_000_000})
-    fake.add(Hang())
     with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
-        session = rt.session("s1", channel="chat")
-        session.send("hello")
-        fake.wait_for(lambda requests: len(requests) == 1, GUARD)
-        session.ref.tell(object())  # the Agent dies of an exception mid-wake
-        records = log_until(store, "session:s1", has(ActivationRequeued))
+        _, records = crashed_mid_wake(rt, fake, store)
     [requeued] = of(ActivationRequeued, records)
     assert requeued.error_class == "agent_crashed"
     assert 0 < requeued.jitter_ms <= 1_000_000  # 0 with a chance of one in a million

@@ -19,7 +19,15 @@ from stalwart.events import (
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider, FakeToolCall, Hang
-from tests._runtime_support import GUARD, delivered, has, log_until, of, runtime_config
+from tests._runtime_support import (
+    GUARD,
+    crashed_mid_wake,
+    delivered,
+    has,
+    log_until,
+    of,
+    runtime_config,
+)
 
 
 def test_a_wake_rescheduled_by_its_own_run_with_its_dedupe_key_is_not_lost(
@@ -72,13 +80,8 @@ def test_a_retry_runs_at_its_backoff_time_not_at_the_next_poll(
     30 s and that work of this process is picked up at once: the retry must be leased
     when its backoff has passed."""
     config = runtime_config(fake.base_url, activations={"poll_ms": 10_000})
-    fake.add(Hang())
     with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
-        session = rt.session("s1", channel="chat")
-        session.send("hello")
-        fake.wait_for(lambda requests: len(requests) == 1, GUARD)
-        session.ref.tell(object())  # the Agent dies of an exception mid-wake
-        records = log_until(store, "session:s1", has(ActivationRequeued))
+        _, records = crashed_mid_wake(rt, fake, store)
         [requeued] = of(ActivationRequeued, records)
         assert requeued.run_at == clock.now() + 2.0
         assert rt.worker().running == {}  # the worker is done with the failed wake
