@@ -7,9 +7,13 @@ from __future__ import annotations
 import re
 
 #: characters that would break a line of output (CR rewinds it, ESC starts a terminal
-#: sequence, U+2028 ends a line in some terminals)
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-_CONTROL_BUT_TAB = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+#: sequence, U+2028 ends a line in some terminals), and the bidirectional embedding,
+#: override and isolate controls (U+202A-U+202E, U+2066-U+2069), which reorder what a
+#: line shows: a provider name holding U+202E read backwards in a table ("Trojan
+#: Source"). The marks legitimate right-to-left text uses (U+200E, U+200F) stay.
+_BIDI = "\u202a-\u202e\u2066-\u2069"
+_CONTROL = re.compile(f"[\x00-\x1f\x7f-\x9f\u2028\u2029{_BIDI}]")
+_CONTROL_BUT_TAB = re.compile(f"[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029{_BIDI}]")
 _ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 

@@ -272,3 +272,19 @@ def test_the_installed_command_enters_through_the_light_entry_point() -> None:
         "stalwart._entry import main"
         in (Path(__file__).parent.parent / "stalwart" / "__main__.py").read_text()
     )
+
+
+# Was: DEFECT: bidirectional overrides (U+202E...) in a stream id reordered a line of output
+def test_bidirectional_overrides_in_stream_ids_are_shown_escaped(store_dir: Path) -> None:
+    """A stream id (or provider or model name) holding U+202E RIGHT-TO-LEFT OVERRIDE made
+    the rest of its line read backwards in `streams`, `tail` and the tables ("Trojan
+    Source"): escaping took C0 and C1 controls only. Embedding, override and isolate
+    controls are now escaped too; right-to-left text itself is shown as it is."""
+    stream = "session:\u202eevil\u2066x\u2069 שלום"
+    with store_module.open(store_dir) as log:  # type: ignore[attr-defined]
+        log.append(stream, [SessionCreated(agent="a")])
+    for command in (("streams",), ("tail",)):
+        code, out, err = stalwart("--store", str(store_dir), *command)
+        assert code == 0, err
+        assert not any(c in out for c in "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+        assert "\\u202eevil\\u2066x\\u2069 שלום" in out, repr(out)
