@@ -8,12 +8,14 @@ from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
+import pykka
 import pytest
 import structlog
 import structlog.testing
 from hypothesis import settings
 
 from stalwart import store as store_module
+from stalwart.actors import IoPortal, Scheduler
 from stalwart.channels import MemoryChannel
 from stalwart.cli import _logging as cli_logging
 from stalwart.clock import FakeClock
@@ -23,7 +25,7 @@ from stalwart.testing import Answer, FakeProvider
 
 from ._postgres import pg_server, pg_url  # noqa: F401  (one PostgreSQL cluster per session)
 from ._relay import pg_store, relay, relayed_store  # noqa: F401  (a database that goes away)
-from ._runtime_support import runtime_config
+from ._runtime_support import GUARD, runtime_config
 
 # A property that fails prints the blob that replays its example
 # (``@reproduce_failure``): a failure seen once in a CI log can be rerun, though the
@@ -130,3 +132,28 @@ def rt(
     config = runtime_config(fake.base_url)
     with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
         yield rt
+
+
+@pytest.fixture
+def scheduler(clock: FakeClock) -> Iterator[Scheduler]:
+    """A scheduler on the test's fake clock, stopped at teardown."""
+    with Scheduler(clock) as started:
+        yield started
+
+
+@pytest.fixture
+def portal() -> Iterator[IoPortal]:
+    """An I/O loop for sends and tools, stopped at teardown."""
+    with IoPortal() as running:
+        yield running
+
+
+@pytest.fixture
+def actors() -> Iterator[list[pykka.ActorRef[Any]]]:
+    """Actors a test starts; all stopped at teardown."""
+    refs: list[pykka.ActorRef[Any]] = []
+    try:
+        yield refs
+    finally:
+        for ref in refs:
+            ref.stop(block=True, timeout=GUARD)

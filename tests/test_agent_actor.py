@@ -86,18 +86,6 @@ E = TypeVar("E", bound=Event)
 
 
 @pytest.fixture
-def portal() -> Iterator[IoPortal]:
-    with IoPortal() as running:
-        yield running
-
-
-@pytest.fixture
-def scheduler(clock: FakeClock) -> Iterator[Scheduler]:
-    with Scheduler(clock) as started:
-        yield started
-
-
-@pytest.fixture
 def channel() -> MemoryChannel:
     return MemoryChannel()
 

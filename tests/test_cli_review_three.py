@@ -24,8 +24,8 @@ import lmdb
 
 from stalwart import store as store_module
 from stalwart.events import ActivationReady, MessageAppended, SessionCreated
-from stalwart.testing import FakeProvider, Trickle
-from tests.test_newcomer_review import _config, _records
+from stalwart.testing import FakeProvider
+from tests.test_newcomer_review import _config, _records, session_statuses, signalled_run
 
 #: an OSC sequence (set the terminal's title): click strips CSI colours when piped, not this
 OSC = "\x1b]0;PWNED\x07"
@@ -61,29 +61,10 @@ def test_run_stopped_with_sigterm_does_not_leave_its_session_running(
     # interrupted/cancelled), SIGTERM is not: stalwart/cli/_run.py:155-175 (`run`) installs
     # no SIGTERM handler. Fix: turn SIGTERM into the same cancellation as Ctrl-C (e.g. a
     # handler that raises KeyboardInterrupt, or cancels the anyio task) for the run.
-    fake.add(Trickle(interval_ms=20))  # one delta every 20 ms until the client leaves
-    config = _config(tmp_path, fake)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "stalwart", "run", "--config", str(config), "hi"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.read(1) == "."  # the answer is streaming
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=8)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    returncode, err = signalled_run(tmp_path, fake, signal.SIGTERM, timeout=8)
     assert "Traceback" not in err, err
-    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err)
-    code, out, err = stalwart("--store", str(tmp_path / "store"), "status", "--json")
-    assert code == 0, err
-    statuses = {row["session"]: row["status"] for row in json.loads(out)["sessions"]}
+    assert returncode == 128 + signal.SIGTERM, (returncode, err)
+    statuses = session_statuses(tmp_path / "store")
     assert "running" not in statuses.values(), statuses
 
 

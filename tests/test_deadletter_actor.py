@@ -70,18 +70,6 @@ CHILD = Path(__file__).with_name("_deadletter_child.py")
 
 
 @pytest.fixture
-def scheduler(clock: FakeClock) -> Iterator[Scheduler]:
-    with Scheduler(clock) as scheduler:
-        yield scheduler
-
-
-@pytest.fixture
-def portal() -> Iterator[IoPortal]:
-    with IoPortal() as portal:
-        yield portal
-
-
-@pytest.fixture
 def chat() -> MemoryChannel:
     return MemoryChannel("chat")
 

@@ -9,7 +9,6 @@ the CLI through click's runner; time from the FakeClock. A test marked
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,28 +39,6 @@ BACKLOG = 8_000
 #: what a drain of BACKLOG entries may take, generously (a loaded 2-core machine); the
 #: drain took about 26 s before the fix (quadratic), about 3 s after
 DRAIN_LIMIT_S = 12.0
-
-
-@pytest.fixture
-def scheduler(clock: FakeClock) -> Iterator[Scheduler]:
-    with Scheduler(clock) as scheduler:
-        yield scheduler
-
-
-@pytest.fixture
-def portal() -> Iterator[IoPortal]:
-    with IoPortal() as portal:
-        yield portal
-
-
-@pytest.fixture
-def actors() -> Iterator[list[pykka.ActorRef[Any]]]:
-    refs: list[pykka.ActorRef[Any]] = []
-    try:
-        yield refs
-    finally:
-        for ref in refs:
-            ref.stop(block=True, timeout=GUARD)
 
 
 def _queued(index: int) -> AnnouncementDeadLettered:

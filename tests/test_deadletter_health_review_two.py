@@ -10,7 +10,7 @@ is a strict xfail (open); the others check a claim.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pykka
@@ -48,29 +48,6 @@ from tests._runtime_support import GUARD, log_until, of, runtime_config, until
 
 #: real seconds a test gives a wrong outcome to show up before it takes it as absent
 QUIET = 1.0
-
-
-@pytest.fixture
-def scheduler(clock: FakeClock) -> Iterator[Scheduler]:
-    with Scheduler(clock) as scheduler:
-        yield scheduler
-
-
-@pytest.fixture
-def portal() -> Iterator[IoPortal]:
-    with IoPortal() as portal:
-        yield portal
-
-
-@pytest.fixture
-def actors() -> Iterator[list[pykka.ActorRef[Any]]]:
-    """Actors a test starts; all stopped at teardown."""
-    refs: list[pykka.ActorRef[Any]] = []
-    try:
-        yield refs
-    finally:
-        for ref in refs:
-            ref.stop(block=True, timeout=GUARD)
 
 
 def _append(store: EventStore, stream: str, clock: FakeClock, *events: Event) -> None:

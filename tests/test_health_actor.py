@@ -89,12 +89,6 @@ class Inbox(pykka.ThreadingActor):
         return None
 
 
-@pytest.fixture
-def scheduler(clock: FakeClock) -> Iterator[Scheduler]:
-    with Scheduler(clock) as started:
-        yield started
-
-
 Start = Callable[..., pykka.ActorRef[Any]]
 
 

@@ -109,16 +109,12 @@ def test_an_api_key_with_a_non_ascii_character_is_a_failed_call_not_an_internal_
     assert fake.requests == []  # nothing reached the provider
 
 
-def test_run_stopped_with_ctrl_c_does_not_leave_its_session_running(
-    tmp_path: Path, fake: FakeProvider
-) -> None:
-    """Ctrl-C while ``stalwart run`` streams an answer: the command exits (130) and even
-    records ``runtime:stopped``, but the turn it started is never closed (no
-    ``turn:completed``, the call has no outcome), so ``stalwart status`` shows the session
-    ``running`` for ever, with no lease and nothing running it. The interrupted turn
-    should be closed in the log (``stalwart run``'s ``_turn`` in stalwart/cli/_run.py only
-    closes it on ProviderError)."""
-    fake.add(Trickle(interval_ms=20))  # one delta every 20 ms until the client leaves
+def signalled_run(
+    tmp_path: Path, fake: FakeProvider, sig: signal.Signals, *, timeout: float
+) -> tuple[int, str]:
+    """``stalwart run`` sent ``sig`` while it streams an answer (one delta every 20 ms
+    until the client leaves): its exit code and stderr."""
+    fake.add(Trickle(interval_ms=20))
     config = _config(tmp_path, fake)
     proc = subprocess.Popen(
         [sys.executable, "-m", "stalwart", "run", "--config", str(config), "hi"],
@@ -130,18 +126,36 @@ def test_run_stopped_with_ctrl_c_does_not_leave_its_session_running(
     try:
         assert proc.stdout is not None
         assert proc.stdout.read(1) == "."  # the answer is streaming
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    return proc.returncode, err
+
+
+def session_statuses(store_dir: Path) -> dict[str, str]:
+    """Each session's status as ``stalwart status --json`` shows it."""
+    code, out, err = stalwart("--store", str(store_dir), "status", "--json")
+    assert code == 0, err
+    return {row["session"]: row["status"] for row in json.loads(out)["sessions"]}
+
+
+def test_run_stopped_with_ctrl_c_does_not_leave_its_session_running(
+    tmp_path: Path, fake: FakeProvider
+) -> None:
+    """Ctrl-C while ``stalwart run`` streams an answer: the command exits (130) and even
+    records ``runtime:stopped``, but the turn it started is never closed (no
+    ``turn:completed``, the call has no outcome), so ``stalwart status`` shows the session
+    ``running`` for ever, with no lease and nothing running it. The interrupted turn
+    should be closed in the log (``stalwart run``'s ``_turn`` in stalwart/cli/_run.py only
+    closes it on ProviderError)."""
+    _, err = signalled_run(tmp_path, fake, signal.SIGINT, timeout=60)
     assert "Traceback" not in err, err
     types = [record.type for record in _records(tmp_path / "store")]
     assert "runtime:stopped" in types  # the process ended in order, knowing it stopped
-    code, out, err = stalwart("--store", str(tmp_path / "store"), "status", "--json")
-    assert code == 0, err
-    statuses = {row["session"]: row["status"] for row in json.loads(out)["sessions"]}
+    statuses = session_statuses(tmp_path / "store")
     assert "running" not in statuses.values(), statuses
 
 

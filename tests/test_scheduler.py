@@ -22,12 +22,6 @@ def clock() -> FakeClock:
     return FakeClock(start=T0)
 
 
-@pytest.fixture
-def scheduler(clock: FakeClock) -> Iterator[Scheduler]:
-    with Scheduler(clock) as started:
-        yield started
-
-
 class Recorder:
     """Collects (name, fired_at) pairs; thread-safe; sets ``done`` after ``expect`` calls."""
 

@@ -7,7 +7,6 @@ for the reason its docstring gives ("Defect"); "Expected" is what it checks now.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import pytest
 
@@ -50,12 +49,6 @@ from tests._raced import RacedOnce
 from tests._runtime_support import agent_settings, delivered, runtime_config
 
 ASK = 10.0
-
-
-@pytest.fixture
-def portal() -> Iterator[IoPortal]:
-    with IoPortal() as running:
-        yield running
 
 
 def client_of(fake: FakeProvider) -> ProviderClient:

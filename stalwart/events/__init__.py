@@ -35,6 +35,7 @@ from ._base import Event, Severity, UnknownEvent
 from ._codec import (
     DEFAULT_CODEC,
     EVENT_TYPES,
+    UNREADABLE,
     UPCASTERS,
     AnyEvent,
     Codec,
@@ -112,6 +113,7 @@ from ._subagent import (
 __all__ = [
     "DEFAULT_CODEC",
     "EVENT_TYPES",
+    "UNREADABLE",
     "UPCASTERS",
     "ActivationAbandoned",
     "ActivationAcked",

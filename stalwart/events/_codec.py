@@ -112,7 +112,7 @@ class _RawRecord(msgspec.Struct, frozen=True, array_like=True, gc=False):
 #: what decoding bytes raises when they are not a record: msgspec's error, RecursionError
 #: (for data nested deeper than the interpreter's recursion limit), or UnicodeDecodeError
 #: (a string whose bytes are not UTF-8: msgspec raises Python's own error for it)
-_UNREADABLE = (msgspec.DecodeError, RecursionError, UnicodeDecodeError)
+UNREADABLE = (msgspec.DecodeError, RecursionError, UnicodeDecodeError)
 #: a place kept in a batch for a record the fast pass could not take (decoded again)
 _REFUSED = RecordedEvent(
     position=-1,
@@ -125,7 +125,6 @@ _REFUSED = RecordedEvent(
     schema=0,
     event=UnknownEvent(tag="", schema=0, raw=b""),
 )
-_JSON = msgspec.json.Encoder()
 _SCHEMA = attrgetter("schema")
 _EVENT = attrgetter("event")
 _V1 = frozenset({1})
@@ -207,7 +206,7 @@ class Codec:
             decoder = self._checkers[cls] = msgspec.msgpack.Decoder(cls)
         try:
             decoder.decode(encoded)
-        except _UNREADABLE as exc:
+        except UNREADABLE as exc:
             raise EventError(
                 f"cannot append {cls.__qualname__}: it would not read back ({exc})"
             ) from None
@@ -240,7 +239,7 @@ class Codec:
         """Decode stored bytes; raises :class:`CorruptRecordError` when they cannot be read."""
         try:
             record = self._fast(data)
-        except _UNREADABLE:
+        except UNREADABLE:
             return self._decode_slow(data, position)
         if record.schema == self._by_class.get(type(record.event)):
             return record
@@ -265,7 +264,7 @@ class Codec:
             try:
                 try:
                     record = fast(value)
-                except _UNREADABLE:
+                except UNREADABLE:
                     record = self._decode_slow(value, -1)
                 else:
                     if record.schema != current(type(record.event)):
@@ -296,7 +295,7 @@ class Codec:
             at = len(records)
             try:
                 records.extend(map(fast, values[at:] if at else values))
-            except _UNREADABLE:
+            except UNREADABLE:
                 refused.append(len(records))
                 records.append(_REFUSED)
                 continue
@@ -346,11 +345,11 @@ class Codec:
     def _decode_slow(self, data: bytes | memoryview, position: int) -> RecordedEvent:
         try:
             raw = self._raw_decoder.decode(data)
-        except _UNREADABLE as exc:
+        except UNREADABLE as exc:
             raise CorruptRecordError(position, f"not a stalwart record ({exc})") from exc
         try:
             tag = self._tag_decoder.decode(raw.event).type
-        except _UNREADABLE as exc:
+        except UNREADABLE as exc:
             raise CorruptRecordError(raw.position, f"event payload has no tag ({exc})") from exc
         current = self._versions.get(tag)
         if current is None or tag == "stalwart:unknown":
@@ -396,7 +395,7 @@ class Codec:
             # again on every call (about 95 µs, against 0.5)
             upcast: Event = msgspec.convert(payload, self._types[tag])
             return upcast
-        except _UNREADABLE as exc:
+        except UNREADABLE as exc:
             raise CorruptRecordError(raw.position, f"{tag!r} payload: {exc}") from exc
         except msgspec.ValidationError as exc:
             raise CorruptRecordError(raw.position, f"{tag!r} payload: {exc}") from exc
@@ -412,7 +411,7 @@ class Codec:
             event: Event = self._event_decoder.decode(raw.event)
         except msgspec.ValidationError:
             return UnknownEvent(tag=tag, schema=raw.schema, raw=bytes(raw.event))
-        except _UNREADABLE as exc:
+        except UNREADABLE as exc:
             raise CorruptRecordError(raw.position, f"{tag!r} payload: {exc}") from exc
         return event
 
@@ -430,14 +429,14 @@ def event_data(event: Event) -> dict[str, Any]:
         data["_raw_b64"] = base64.b64encode(event.raw).decode("ascii")
         return data
     # an ``Any`` field may hold what JSON has no form for: a msgpack extension value (as
-    # text), a map keyed by an array or nil (its keys as text)
-    built: dict[str, Any] = msgspec.to_builtins(event, enc_hook=_shown)
-    built.pop("type", None)
+    # text), a map keyed by an array or nil (its keys as text: ``to_builtins`` refuses
+    # such a key with ``str_keys``, and the rare event that has one takes ``_plain``)
+    built: dict[str, Any]
     try:
-        _JSON.encode(built)
+        built = msgspec.to_builtins(event, enc_hook=_shown, str_keys=True)
     except TypeError:
-        plain: dict[str, Any] = _plain(built)
-        return plain
+        built = _plain(msgspec.to_builtins(event, enc_hook=_shown))
+    built.pop("type", None)
     return built
 
 
@@ -454,7 +453,7 @@ def _readable(payload: bytes) -> dict[str, Any]:
             enc_hook=_shown,
             builtin_types=(),
         )
-    except (*_UNREADABLE, TypeError):
+    except (*UNREADABLE, TypeError):
         return {}
     return data
 

@@ -20,7 +20,7 @@ import lmdb
 import msgspec
 
 from stalwart._logs import get_logger
-from stalwart.events import RecordedEvent
+from stalwart.events import UNREADABLE, RecordedEvent
 from stalwart.state import due_hint
 
 from ._environment import _Append, _Environment, _Job
@@ -162,7 +162,7 @@ def _decoded(key: bytes, raw: bytes) -> _Row:
     not stop the claims, and the appends, of every other session)."""
     try:
         return _DECODE(raw)
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):  # damaged bytes
+    except UNREADABLE:  # damaged bytes
         log.warning("store.due_row_unreadable", stream=bytes(key).decode(errors="replace"))
         return _DAMAGED
 

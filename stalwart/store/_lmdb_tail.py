@@ -15,6 +15,8 @@ from typing import Any
 
 import msgspec
 
+from stalwart.events import UNREADABLE
+
 #: a record after the mark, as the writer knows it: (stream key, version, position)
 Entry = tuple[bytes, int, int]
 
@@ -55,7 +57,7 @@ def scan_heads(cursor: Any, after: int, upto: int) -> Iterator[Scanned]:
             expected = position + 1
             try:
                 head = HEAD(value)
-            except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
+            except UNREADABLE as exc:
                 yield position, value, f"cannot decode the record: {exc}"
                 continue
             if head.position != position:

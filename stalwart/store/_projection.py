@@ -9,7 +9,7 @@ import msgspec
 
 from stalwart._logs import get_logger
 from stalwart.errors import CorruptRecordError, StoreError
-from stalwart.events import RecordedEvent
+from stalwart.events import UNREADABLE, RecordedEvent
 from stalwart.state import Aggregate
 
 from ._protocol import DEFAULT_SNAPSHOT_EVERY, EventStore, Snapshot
@@ -121,7 +121,7 @@ def load_state(
                 continue
             try:
                 state = decoder.decode(snapshot.data)
-            except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
+            except UNREADABLE as exc:
                 log.warning(
                     "state.snapshot_unusable",
                     stream=stream,
