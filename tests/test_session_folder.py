@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -49,6 +51,20 @@ def _both(events: list[Event]) -> tuple[SessionState, SessionState]:
 def test_the_folder_equals_apply_for_every_event_type(events: list[Event]) -> None:
     folded, applied = _both(events)
     assert folded == applied
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(ANY_EVENT | SESSION_EVENTS, max_size=30), st.lists(st.integers(0, 30)))
+def test_adding_in_batches_equals_adding_one_by_one(events: list[Event], cuts: list[int]) -> None:
+    """``add_all`` (what a replay folds a store's batch with) over any split of the
+    records, empty batches included, equals ``add`` of each record in turn."""
+    folded, _ = _both(events)
+    batched = SESSION.folder(SESSION.initial("session:s"))
+    every = records(events)
+    edges = [0, *sorted(min(cut, len(every)) for cut in cuts), len(every)]
+    for start, end in itertools.pairwise(edges):
+        batched.add_all(every[start:end])
+    assert batched.state() == folded
 
 
 def test_subclasses_are_dispatched_as_match_does() -> None:

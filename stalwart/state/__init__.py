@@ -32,7 +32,7 @@ from ._activation_policy import (
     lease_expired,
     next_due,
 )
-from ._aggregate import Aggregate, ApplyFolder, Folder, fold, fold_streams
+from ._aggregate import Aggregate, ApplyFolder, Folder, batch_adder, fold, fold_streams
 from ._breaker import (
     BREAKER,
     BreakerAggregate,
@@ -335,6 +335,7 @@ __all__ = [
     "apply_pipeline_event",
     "apply_run",
     "apply_session",
+    "batch_adder",
     "batch_text",
     "bucket_upper",
     "continuation_context",

@@ -5,11 +5,14 @@ an object whose ``add(record)`` takes events one by one and whose ``state()`` gi
 frozen state, equal to applying each record in turn. Replaying a million events through a
 folder avoids building a new frozen state per event; ``apply`` stays the pure,
 one-event interface. Nothing escapes a folder but frozen states, so folds stay pure.
+
+A folder may also have ``add_all(records)``, the same as ``add`` of each record in turn,
+for a fold that can take a store's batch in one loop (see :func:`batch_adder`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from stalwart.events import Event, RecordedEvent
@@ -104,6 +107,20 @@ class FolderAggregate(Generic[S]):
 
     def folder(self, state: S) -> Folder[S]:
         return self._folder_type(state)
+
+
+def batch_adder(folder: Folder[Any]) -> Callable[[Sequence[RecordedEvent]], None]:
+    """``folder.add_all`` when it has one, else a loop of ``folder.add``."""
+    add_all: Callable[[Sequence[RecordedEvent]], None] | None = getattr(folder, "add_all", None)
+    if add_all is not None:
+        return add_all
+    add = folder.add
+
+    def each(records: Sequence[RecordedEvent]) -> None:
+        for record in records:
+            add(record)
+
+    return each
 
 
 def fold(

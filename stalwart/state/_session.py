@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -265,6 +265,26 @@ class SessionFolder:
             rule = _DISPATCH[cls] = _rule_of(cls)
         if rule is not None:
             rule(draft, record, event)
+
+    def add_all(self, records: Sequence[RecordedEvent]) -> None:
+        """``add`` each record in turn, in one loop (no rule reads version or time, so
+        they are set once, from the last record)."""
+        if not records:
+            return
+        draft = self._draft
+        dispatch = _DISPATCH
+        for record in records:
+            event = record.event
+            cls = type(event)
+            try:
+                rule = dispatch[cls]
+            except KeyError:
+                rule = dispatch[cls] = _rule_of(cls)
+            if rule is not None:
+                rule(draft, record, event)
+        last = records[-1]
+        draft["version"] = last.version
+        draft["updated_at"] = last.ts
 
     def state(self) -> SessionState:
         return _frozen(self._draft)

@@ -71,6 +71,7 @@ from ._protocol import (
     check_stream,
     checked_events,
 )
+from ._records import Batches, Records
 from ._subscription import Subscription
 
 log = get_logger(__name__)
@@ -430,9 +431,10 @@ class LmdbEventStore:
 
     # -- reading -------------------------------------------------------------------------------
 
-    def read_all(
-        self, from_position: int = 1, to_position: int | None = None
-    ) -> Iterator[RecordedEvent]:
+    def read_all(self, from_position: int = 1, to_position: int | None = None) -> Records:
+        return Records(self._log_batches(from_position, to_position))
+
+    def _log_batches(self, from_position: int, to_position: int | None) -> Batches:
         env = self._live()
         position = max(1, from_position)
         decode_many = self._codec.decode_many
@@ -451,7 +453,7 @@ class LmdbEventStore:
 
         while position <= last:
             records, error = env.read(chunk)
-            yield from records
+            yield records
             if error is not None:
                 raise error  # after every good record before it
             if len(records) < READ_BATCH:
@@ -460,7 +462,10 @@ class LmdbEventStore:
 
     def read_stream(
         self, stream: str, from_version: int = 1, to_version: int | None = None
-    ) -> Iterator[RecordedEvent]:
+    ) -> Records:
+        return Records(self._stream_batches(stream, from_version, to_version))
+
+    def _stream_batches(self, stream: str, from_version: int, to_version: int | None) -> Batches:
         env = self._live()
         codec = self._codec
         prefix = check_stream(stream) + b"\x00"
@@ -472,7 +477,7 @@ class LmdbEventStore:
 
         while version <= last:
             records, error = env.read(chunk)
-            yield from records
+            yield records
             if error is not None:
                 raise error  # after every good record before it
             if len(records) < READ_BATCH:

@@ -70,6 +70,7 @@ from ._protocol import (
     unencodable,
     unix_ts,
 )
+from ._records import Batches, Records
 from ._subscription import Subscription, deadline_after, remaining
 
 log = get_logger(__name__)
@@ -341,9 +342,10 @@ class PostgresEventStore:
             error = CorruptRecordError(rows[len(out)][0], error.reason)
         return out, error
 
-    def read_all(
-        self, from_position: int = 1, to_position: int | None = None
-    ) -> Iterator[RecordedEvent]:
+    def read_all(self, from_position: int = 1, to_position: int | None = None) -> Records:
+        return Records(self._log_batches(from_position, to_position))
+
+    def _log_batches(self, from_position: int, to_position: int | None) -> Batches:
         self._live()
         last = _LAST if to_position is None else min(to_position, _LAST)
 
@@ -353,11 +355,14 @@ class PostgresEventStore:
         def gap(missing: int, row: list[Any] | None) -> CorruptRecordError:
             return CorruptRecordError(missing, "it is missing from the log")
 
-        return self._ranged(fetch, 0, max(1, from_position), last, gap)
+        yield from self._ranged(fetch, 0, max(1, from_position), last, gap)
 
     def read_stream(
         self, stream: str, from_version: int = 1, to_version: int | None = None
-    ) -> Iterator[RecordedEvent]:
+    ) -> Records:
+        return Records(self._stream_batches(stream, from_version, to_version))
+
+    def _stream_batches(self, stream: str, from_version: int, to_version: int | None) -> Batches:
         self._live()
         check_stream(stream)
         last = _LAST if to_version is None else min(to_version, _LAST)
@@ -371,7 +376,7 @@ class PostgresEventStore:
             reason = f"version {missing} of {stream!r} is missing before it"
             return CorruptRecordError(after, reason)
 
-        return self._ranged(fetch, 2, max(1, from_version), last, gap)
+        yield from self._ranged(fetch, 2, max(1, from_version), last, gap)
 
     def _ranged(
         self,
@@ -380,7 +385,7 @@ class PostgresEventStore:
         first: int,
         last: int,
         gap: Callable[[int, list[Any] | None], CorruptRecordError],
-    ) -> Iterator[RecordedEvent]:
+    ) -> Batches:
         """Rows by consecutive keys (positions, or a stream's versions) in batches.
 
         A key is handed out only once the one before it is visible, so a short batch
@@ -403,9 +408,9 @@ class PostgresEventStore:
             yield from self._records(rows)
             at = end + 1
 
-    def _records(self, rows: list[Any]) -> Iterator[RecordedEvent]:
+    def _records(self, rows: list[Any]) -> Batches:
         records, error = self._decode(rows)
-        yield from records
+        yield records
         if error is not None:
             raise error  # after every good record before it
 

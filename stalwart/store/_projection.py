@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from operator import attrgetter
 from typing import TypeVar
 
 import msgspec
@@ -10,13 +12,16 @@ import msgspec
 from stalwart._logs import get_logger
 from stalwart.errors import CorruptRecordError, StoreError
 from stalwart.events import UNREADABLE, RecordedEvent
-from stalwart.state import Aggregate
+from stalwart.state import Aggregate, batch_adder
 
 from ._protocol import DEFAULT_SNAPSHOT_EVERY, EventStore, Snapshot
+from ._records import record_batches
 
 log = get_logger(__name__)
 
 S = TypeVar("S")
+
+_POSITION = attrgetter("position")
 
 __all__ = ["DEFAULT_SNAPSHOT_EVERY", "load_state", "snapshot_name"]
 
@@ -72,6 +77,37 @@ def read_all_readable(
             if unreadable is not None:
                 unreadable(at, exc)
             position = at + 1
+
+
+def _readable_batches(
+    store: EventStore,
+    stream: str,
+    from_version: int,
+    unreadable: Callable[[int, CorruptRecordError], object],
+) -> Iterator[Sequence[RecordedEvent]]:
+    """:func:`read_readable` in the store's batches (see :func:`record_batches`)."""
+    version = from_version
+    while True:
+        try:
+            for batch in record_batches(store.read_stream(stream, version)):
+                if batch:
+                    version = batch[-1].version + 1
+                    yield batch
+            return
+        except CorruptRecordError as exc:  # the record holding ``version``: the next one on
+            unreadable(version, exc)
+            version += 1
+
+
+def _until(
+    batches: Iterable[Sequence[RecordedEvent]], position: int
+) -> Iterator[Sequence[RecordedEvent]]:
+    """One stream's ``batches`` up to ``position`` (its positions grow with its versions)."""
+    for batch in batches:
+        if batch and batch[-1].position > position:
+            yield batch[: bisect_right(batch, position, key=_POSITION)]
+            return
+        yield batch
 
 
 def _unreadable_logged(stream: str, fold: str) -> Callable[[int, CorruptRecordError], None]:
@@ -133,19 +169,21 @@ def load_state(
             base_version = snapshot.version
             break
     folder = aggregate.folder(state)
-    add = folder.add
+    add_all = batch_adder(folder)
     last_version, last_position = base_version, 0
+    batches: Iterable[Sequence[RecordedEvent]]
     if skip_unreadable:
-        records = read_readable(
-            store, stream, base_version + 1, unreadable=_unreadable_logged(stream, name)
+        batches = _readable_batches(
+            store, stream, base_version + 1, _unreadable_logged(stream, name)
         )
     else:
-        records = store.read_stream(stream, base_version + 1)
-    for record in records:
-        if until_position is not None and record.position > until_position:
-            break
-        add(record)
-        last_version, last_position = record.version, record.position
+        batches = record_batches(store.read_stream(stream, base_version + 1))
+    if until_position is not None:
+        batches = _until(batches, until_position)
+    for batch in batches:
+        if batch:
+            add_all(batch)
+            last_version, last_position = batch[-1].version, batch[-1].position
     state = folder.state()
     if (
         snapshot_every > 0
