@@ -34,16 +34,23 @@ def configure_logging(level: str = "warning", *, json: bool | None = None) -> No
     outage, httpx) go the same way, at the same level: one rendered line each, not raw
     multi-line text that ``--log-level`` cannot quiet."""
     as_json = not sys.stderr.isatty() if json is None else json
+    # A traceback is plain text made before ``redact`` reads the line: never the frames'
+    # local variables (rich's and better-exceptions' renderers, used when installed, show
+    # them, and a local may hold an API key), and never dropped (JSON printed a bare
+    # ``"exc_info": true`` or a traceback object's repr).
     renderer: Any = (
-        structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer()
+        structlog.processors.JSONRenderer()
+        if as_json
+        else structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)
     )
     stamped: list[Any] = [
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    traced = structlog.processors.format_exc_info
     number = logging.getLevelNamesMapping()[level.upper()]
     structlog.configure(
-        processors=[structlog.contextvars.merge_contextvars, *stamped, redact, renderer],
+        processors=[structlog.contextvars.merge_contextvars, *stamped, traced, redact, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(number),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
@@ -53,6 +60,7 @@ def configure_logging(level: str = "warning", *, json: bool | None = None) -> No
             foreign_pre_chain=[structlog.stdlib.add_logger_name, *stamped],
             processors=[
                 structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                traced,
                 redact,
                 renderer,
             ],
