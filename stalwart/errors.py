@@ -207,6 +207,14 @@ class StoreUnavailableError(StoreError):
     error that names it."""
 
 
+class AppendInDoubtError(StoreError):
+    """An append whose outcome is unknown: the connection to the store broke while it was
+    sent and the store could not find out whether it was committed (PostgreSQL, when the
+    server stays unreachable, or the old session lingers and could still commit). It may
+    or may not be in the log: read the stream before appending it again. Not a
+    :class:`StoreUnavailableError`, whose retry cannot write twice."""
+
+
 class StoreReadOnlyError(StoreError):
     """A write (an append, a snapshot, a work-queue change) through a handle opened with
     ``read_only=True``, as the CLI's read commands open the store."""

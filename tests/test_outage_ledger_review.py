@@ -31,6 +31,7 @@ from stalwart.actors import TENANT_LEDGER, StoreLedger, ledger_stream
 from stalwart.clock import FakeClock
 from stalwart.context import MemoryLedger
 from stalwart.errors import (
+    AppendInDoubtError,
     ConcurrencyError,
     CorruptRecordError,
     StoreError,
@@ -60,7 +61,7 @@ from stalwart.store import (
     load_state,
     snapshot_name,
 )
-from stalwart.store._postgres_writer import ConnectionLostError, NotSentError
+from stalwart.store._postgres_writer import NotSentError
 from stalwart.testing import PostgresServer
 from tests._relay import CuttingRelay, reachable, schema_of
 from tests._runtime_support import CollectedProcess, CountingStore, until
@@ -451,7 +452,7 @@ def test_an_append_whose_fate_is_unknown_is_not_reported_as_not_sent(
     """``NotSentError`` (a StoreUnavailableError: safe to send again) only when nothing
     was sent. The relay cuts every connection right after the server committed an
     append and refuses new ones: the append cannot tell, and says so with
-    ConnectionLostError, which is no StoreUnavailableError (sending it again could write
+    AppendInDoubtError, which is no StoreUnavailableError (sending it again could write
     it twice); it is in the log once. Then, with no connection to be had at all, an
     append is NotSentError and nothing of it is written; sent again once the store is
     back, it is written once. (One pooled connection: no other one, opening as the relay
@@ -463,7 +464,7 @@ def test_an_append_whose_fate_is_unknown_is_not_reported_as_not_sent(
         with pytest.raises(StoreError) as unsure:
             relayed.append(stream, [_msg("unsure")], expected_version=1)
         assert relay.cut.is_set()
-        assert isinstance(unsure.value, ConnectionLostError), repr(unsure.value)
+        assert isinstance(unsure.value, AppendInDoubtError), repr(unsure.value)
         assert not isinstance(unsure.value, StoreUnavailableError)
         assert [r.version for r in pg_store.read_stream(stream)] == [1, 2]  # it was written
         with pytest.raises(NotSentError):

@@ -22,11 +22,10 @@ from click.testing import CliRunner
 from psycopg import sql
 
 from stalwart.cli import cli
-from stalwart.errors import StoreError, StoreUnavailableError
+from stalwart.errors import AppendInDoubtError, StoreError, StoreUnavailableError
 from stalwart.events import MessageAppended, SessionCreated
 from stalwart.store import PostgresEventStore, Subscription
 from stalwart.store._postgres_connect import PostgresUrl
-from stalwart.store._postgres_writer import ConnectionLostError
 from stalwart.testing import PostgresServer
 from tests._relay import CuttingRelay, reachable, schema_of
 
@@ -106,7 +105,7 @@ def test_a_nan_due_row_alone_gives_no_nan_next_time(pg_url: str) -> None:
 
 # Where: stalwart/store/_postgres.py `_recover` resent the appends of a batch whose
 # connection was lost in one `append_batch(again=False)` call, and any error of that call
-# failed the whole batch with ConnectionLostError ("may or may not have been written"):
+# failed the whole batch with AppendInDoubtError ("may or may not have been written"):
 # one append the server refuses (here a stream whose row is behind its events) failed
 # every append beside it, though they were never written and the server was up, and
 # its own error was lost. The first send (Writer._send) already retries a refused batch
@@ -167,7 +166,7 @@ def test_one_refused_append_in_a_lost_batch_fails_alone_when_resent(pg_url: str)
         assert isinstance(out["session:g2"], int), out
         bad = out["session:bad"]
         assert isinstance(bad, StoreError), out
-        assert not isinstance(bad, ConnectionLostError), out
+        assert not isinstance(bad, AppendInDoubtError), out
         assert "UniqueViolation" in str(bad)
         assert [r.stream for r in store.read_all(4)] == ["session:g1", "session:g2"]
     finally:
@@ -493,14 +492,14 @@ def _active_appends(pg_url: str) -> int:
 def test_appends_and_reads_of_a_database_gone_away_are_typed_errors_without_the_password(
     pg_server: PostgresServer, relay: CuttingRelay, relayed_store: PostgresEventStore
 ) -> None:
-    """Checked and right: an append cut off is ConnectionLostError (it may or may not have
+    """Checked and right: an append cut off is AppendInDoubtError (it may or may not have
     been written) or StoreUnavailableError (not sent), a read StoreUnavailableError; never
     psycopg's own; and the store is back once the database is."""
     relayed_store.append("s:1", [_msg(1)])
     relay.cut_now()
     with pytest.raises(StoreError) as appended:
         relayed_store.append("s:1", [_msg(2)])
-    assert isinstance(appended.value, ConnectionLostError | StoreUnavailableError)
+    assert isinstance(appended.value, AppendInDoubtError | StoreUnavailableError)
     with pytest.raises(StoreUnavailableError) as read:
         list(relayed_store.read_all())
     for exc in (appended.value, read.value):

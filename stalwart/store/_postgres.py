@@ -25,6 +25,7 @@ from stalwart import ids
 from stalwart._logs import get_logger
 from stalwart.clock import Clock, SystemClock
 from stalwart.errors import (
+    AppendInDoubtError,
     ConcurrencyError,
     CorruptRecordError,
     EventError,
@@ -43,7 +44,6 @@ from ._postgres_schema import SCHEMA_VERSION, Statements, channel_name, ensure_s
 from ._postgres_tail import Doorbell
 from ._postgres_writer import (
     AppendJob,
-    ConnectionLostError,
     NotSentError,
     Outcome,
     RefusedError,
@@ -192,7 +192,7 @@ class PostgresEventStore:
         except StoreError as exc:
             if not lost(exc):
                 raise
-            unsure = ConnectionLostError(
+            unsure = AppendInDoubtError(
                 f"lost the connection to the store at {self.location} during an append; "
                 "it may or may not have been written"
             )
@@ -214,7 +214,7 @@ class PostgresEventStore:
                     lingers = conn.execute(self._sql.session_alive, (pid,)).fetchone() is not None
                 if lingers:  # a stalled server process: it may commit yet, nothing is resent
                     log.warning("store.append_session_lingers", location=self.location)
-                    raise ConnectionLostError(
+                    raise AppendInDoubtError(
                         f"the session of a lost append to the store at {self.location} "
                         "did not end; it may or may not have been written"
                     )
@@ -242,7 +242,7 @@ class PostgresEventStore:
         try:
             return self._append_batch(jobs, again=False)
         except StoreError as exc:
-            whole = (ConnectionLostError, NotSentError, RefusedError, StoreClosedError)
+            whole = (AppendInDoubtError, NotSentError, RefusedError, StoreClosedError)
             if len(jobs) == 1 or isinstance(exc, whole):
                 return [exc] * len(jobs)
         return [outcome for job in jobs for outcome in self._resend([job])]

@@ -18,7 +18,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from stalwart.errors import StoreClosedError, StoreError, StoreUnavailableError
+from stalwart.errors import (
+    AppendInDoubtError,
+    StoreClosedError,
+    StoreError,
+    StoreUnavailableError,
+)
 
 from ._protocol import Fence, NewEvent
 
@@ -28,10 +33,6 @@ Result = tuple[str, int, int, int]
 #: one append's outcome as a batch's sender tells it: its result, or its own error
 Outcome = Result | StoreError
 _STOP = object()
-
-
-class ConnectionLostError(StoreError):
-    """The connection broke during a batch: it may or may not have been committed."""
 
 
 class NotSentError(StoreUnavailableError):
@@ -181,7 +182,7 @@ class Writer:
     def _send(self, batch: list[AppendJob]) -> None:
         try:
             results = self._run(batch)
-        except (ConnectionLostError, NotSentError, RefusedError) as exc:
+        except (AppendInDoubtError, NotSentError, RefusedError) as exc:
             for job in batch:
                 job.error = exc
         except BaseException as exc:
