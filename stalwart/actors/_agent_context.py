@@ -79,6 +79,9 @@ async def call_through_context(
 ) -> ProviderResponse:
     """Assemble, call, and calibrate the estimator with the usage the provider reported
     (``seal``: the call's, see :meth:`ModelCaller.call`)."""
+    # the system text and the tools, which the provider counts as densely as the rest
+    overhead = declared_tokens(request.tools) + (estimate_text_tokens(system) if system else 0)
+    assemble = msgspec.structs.replace(assemble, overhead=overhead)
     assembled = await wait_on_own_thread(gate.assemble, assemble)  # summaries included
     messages = with_system(system, assembled)
     response = await caller.call(
@@ -86,7 +89,6 @@ async def call_through_context(
     )
     reported = response.input_tokens
     if reported > 0:  # the provider counted the system text and the tools as well
-        overhead = declared_tokens(request.tools) + (estimate_text_tokens(system) if system else 0)
         calibrate = Calibrate(
             profile=assemble.profile,
             estimated=assembled.tokens,

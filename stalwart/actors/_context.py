@@ -119,6 +119,10 @@ class Assemble(msgspec.Struct, frozen=True, kw_only=True):
     #: appends to ``context:<session>`` is fenced by it, so a worker that lost the
     #: session's lease writes nothing there (FencedError), as in ``session:<session>``
     epoch: int | None = None
+    #: the uncalibrated estimate of what the request carries besides the messages and
+    #: ``budget`` already leaves out (the system text and tool declarations): the
+    #: provider counts it at the model's calibrated factor too (dag mode)
+    overhead: int = 0
 
 
 class Assembled(msgspec.Struct, frozen=True, kw_only=True):
@@ -431,6 +435,7 @@ class ContextStoreActor(Supervised):
                 message.budget,
                 tenant=message.tenant,
                 profile=message.profile,
+                overhead=message.overhead,
             )
         except ContextScopeError as exc:
             stream = f"context:{session_id}" if valid_session_id(session_id) else None

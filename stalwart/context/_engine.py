@@ -195,8 +195,15 @@ class DagEngine(Summaries, Recall):
         *,
         tenant: str | None = None,
         profile: ModelProfile | None = None,
+        overhead: int = 0,
     ) -> Assembly:
         """The context for the next provider call of ``session_id`` within ``budget``.
+
+        ``overhead`` is the uncalibrated estimate of what the request carries besides
+        these messages and ``budget`` already leaves out (the caller's system text and
+        tool declarations, counted at factor 1 by ``request_budget`` without an
+        estimator): the provider counts it at the calibrated factor too, so when that
+        factor is above 1 the messages get what it adds less room.
 
         ContextScopeError (with a ``context:dag_degraded`` ``fail_closed_rollover`` event
         in ``error.events``) when the write's scope is ambiguous: a malformed session id,
@@ -221,7 +228,9 @@ class DagEngine(Summaries, Recall):
             exc.events = (refusal,)
             raise
         factor = self.estimator(profile).factor
-        raw_budget = max(1, math.floor(budget / factor))
+        # the overhead costs ``factor`` x its estimate too (never counted below it)
+        extra = max(0, math.ceil(max(0, overhead) * factor) - max(0, overhead))
+        raw_budget = max(1, math.floor((budget - extra) / factor))
         return self._assemble(session, raw_budget, budget, factor, profile, turn)
 
     def relevance_first(self, profile: ModelProfile) -> bool:

@@ -16,6 +16,7 @@ from stalwart.config import ContextEngineSettings
 from stalwart.state import SummaryNode
 
 from ._dag import ContextScopeError, DagSession
+from ._search import QUERY_TERMS
 from ._tokens import chars_within, estimate_message_tokens
 from ._types import ContextMessage
 
@@ -255,7 +256,8 @@ def _text(message: ContextMessage) -> str:
 def _snippet(text: str, query: str) -> str:
     """A window of ``text`` around the first query word it contains."""
     lowered = text.lower()
-    hits = [lowered.find(word) for word in query.lower().split() if word and word in lowered]
+    words = query.lower().split()[:QUERY_TERMS]  # a query as long as a document: its start
+    hits = [lowered.find(word) for word in words if word in lowered]
     at = min(hits) if hits else 0
     start = max(0, at - _SNIPPET // 3)
     window = " ".join(text[start : start + _SNIPPET].split())

@@ -37,6 +37,8 @@ _RUNS = re.compile(f"([{_CJK}]+)|[^\\W{_CJK}]+", re.UNICODE)
 _COMPOUND = re.compile(r"[^\W_]+(?:[-_.:/][^\W_]+)+", re.UNICODE)
 _EDGES = "\"'()[]{}<>,;!?`*"
 _COMPOUND_MAX = 64
+#: the most terms of a query that are scored (its rarest in the index)
+QUERY_TERMS = 64
 K1 = 1.2
 B = 0.75
 
@@ -106,6 +108,10 @@ class Bm25Index:
                 bucket[doc] = count
 
     def _weights(self, query: str) -> list[tuple[dict[str, int], float]]:
+        """The postings and IDF of the query's terms the index holds: the
+        :data:`QUERY_TERMS` rarest of them, so a query the size of a document (a pasted
+        log, a model's runaway tool call) costs what a long one does, not a scan of every
+        document for each of its words."""
         n = len(self._lengths)
         weights = []
         for word in dict.fromkeys(terms(query)):
@@ -113,6 +119,9 @@ class Bm25Index:
             if bucket:
                 idf = math.log(1 + (n - len(bucket) + 0.5) / (len(bucket) + 0.5))
                 weights.append((bucket, idf))
+        if len(weights) > QUERY_TERMS:  # the most telling ones, in the query's order
+            kept = sorted(range(len(weights)), key=lambda i: -weights[i][1])[:QUERY_TERMS]
+            weights = [weights[i] for i in sorted(kept)]
         return weights
 
     def _score(self, doc: str, weights: list[tuple[dict[str, int], float]], mean: float) -> float:

@@ -14,11 +14,13 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import msgspec
+
 from stalwart._text import scrub_surrogates
 from stalwart.errors import StalwartError
 from stalwart.events import MessageAppended, RecordedEvent, ToolCall
 
-from ._types import ContextMessage, ThinkingBlock
+from ._types import ContextMessage
 
 __all__ = [
     "SessionMessages",
@@ -58,19 +60,20 @@ def parse_transcript(items: Iterable[Any], *, source: str = "transcript") -> lis
             raise TranscriptError(
                 f"{source}: item {index} must be an object with a role in {list(_ROLES)}"
             )
-        for part, fields in enumerate(_fields(item)):
+        for part, fields in enumerate(_fields(item, f"{source}: item {index}")):
             if fields["role"] == "user":
                 turn += 1
             base = str(item.get("id") or f"m{index}")
-            out.append(
-                ContextMessage(
-                    message_id=base if part == 0 else f"{base}.{part}",
-                    seq=len(out),
-                    turn=turn,
-                    ts=_ts(item.get("ts"), source, index),
-                    **fields,
-                )
+            fields.update(
+                message_id=base if part == 0 else f"{base}.{part}",
+                seq=len(out),
+                turn=turn,
+                ts=_ts(item.get("ts"), source, index),
             )
+            try:  # a field of the wrong type (a numeric tool_call_id, say) is named
+                out.append(msgspec.convert(fields, ContextMessage))
+            except msgspec.ValidationError as exc:
+                raise TranscriptError(f"{source}: item {index}: {exc}") from None
     return out
 
 
@@ -106,12 +109,30 @@ def _text(value: Any) -> str:
         return value
     if isinstance(value, list):
         return "".join(
-            part.get("text", "") if isinstance(part, dict) else str(part) for part in value
+            _text(part.get("text")) if isinstance(part, dict) else str(part) for part in value
         )
     return json.dumps(value, ensure_ascii=False)
 
 
-def _images(parts: list[Any]) -> tuple[str, ...]:
+def _objects(value: Any, where: str, what: str) -> list[dict[str, Any]]:
+    """``value`` (absent: empty) as the list of objects ``what`` must be."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise TranscriptError(f"{where}: {what} must be a list of objects")
+    return value
+
+
+def _object(value: Any, where: str, what: str) -> dict[str, Any]:
+    """``value`` (absent: empty) as the object ``what`` must be."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TranscriptError(f"{where}: {what} must be an object")
+    return value
+
+
+def _images(parts: list[Any], where: str) -> tuple[str, ...]:
     found: list[str] = []
     for part in parts:
         if not isinstance(part, dict):
@@ -120,7 +141,7 @@ def _images(parts: list[Any]) -> tuple[str, ...]:
             url = part.get("image_url")
             found.append(url.get("url", "") if isinstance(url, dict) else str(url))
         elif part.get("type") == "image":
-            src = part.get("source") or {}
+            src = _object(part.get("source"), where, "an image's source")
             if src.get("type") == "base64":
                 found.append(f"data:{src.get('media_type')};base64,{src.get('data')}")
             else:
@@ -128,22 +149,24 @@ def _images(parts: list[Any]) -> tuple[str, ...]:
     return tuple(found)
 
 
-def _fields(item: dict[str, Any]) -> Iterator[dict[str, Any]]:
+def _fields(item: dict[str, Any], where: str) -> Iterator[dict[str, Any]]:
+    """Each message an item holds, as ``ContextMessage`` fields (TranscriptError naming
+    ``where`` for a part of the wrong shape)."""
     role = item["role"]
     content = item.get("content")
     if not isinstance(content, list):
-        calls = tuple(
-            ToolCall(
-                id=str(call.get("id")),
-                name=str((call.get("function") or {}).get("name", call.get("name", ""))),
-                arguments=_arguments((call.get("function") or {}).get("arguments", "{}")),
+        openai_calls: list[ToolCall] = []
+        for call in _objects(item.get("tool_calls"), where, "tool_calls"):
+            function = _object(call.get("function"), where, "a tool call's function")
+            name = function.get("name", call.get("name", ""))
+            arguments = _arguments(function.get("arguments", "{}"))
+            openai_calls.append(
+                ToolCall(id=str(call.get("id")), name=str(name), arguments=arguments)
             )
-            for call in item.get("tool_calls") or ()
-        )
         yield {
             "role": role,
             "content": _text(content),
-            "tool_calls": calls,
+            "tool_calls": tuple(openai_calls),
             "tool_call_id": item.get("tool_call_id"),
             "name": item.get("name"),
         }
@@ -157,7 +180,7 @@ def _fields(item: dict[str, Any]) -> Iterator[dict[str, Any]]:
                 "tool_call_id": str(block.get("tool_use_id")),
             }
     text = "".join(
-        block.get("text", "") for block in blocks if block.get("type") in ("text", "input_text")
+        _text(block.get("text")) for block in blocks if block.get("type") in ("text", "input_text")
     )
     calls = tuple(
         ToolCall(
@@ -169,15 +192,15 @@ def _fields(item: dict[str, Any]) -> Iterator[dict[str, Any]]:
         if block.get("type") == "tool_use"
     )
     thinking = tuple(
-        ThinkingBlock(
-            text=str(block.get("thinking") or block.get("data") or ""),
-            signature=block.get("signature"),
-            redacted=block.get("type") == "redacted_thinking",
-        )
+        {  # checked as a ThinkingBlock with the message (its signature is a string)
+            "text": str(block.get("thinking") or block.get("data") or ""),
+            "signature": block.get("signature"),
+            "redacted": block.get("type") == "redacted_thinking",
+        }
         for block in blocks
         if block.get("type") in ("thinking", "redacted_thinking")
     )
-    images = _images(blocks)
+    images = _images(blocks, where)
     if (
         text
         or calls
