@@ -32,6 +32,8 @@ DEFAULT_STORE = "./.stalwart"
 
 #: the highest global position a store can hold (an unsigned 64-bit integer)
 LAST_POSITION = 2**64 - 1
+#: the longest --grace-ms (some 285,000 years): it is added to times, which are floats
+MAX_GRACE_MS = 2**53
 
 
 class Seconds(click.FloatRange):
@@ -61,15 +63,18 @@ class _Group(click.Group):
             click.echo(f"stalwart: error: {exc}", err=True)
             ctx.exit(1)
         except BrokenPipeError:
-            # the reader went away (``stalwart tail | head``): that is not an error
+            # the reader went away (``stalwart tail | head``): that is not an error, but a
+            # verdict reached before it (``replay --verify`` found the log not clean) stands
             sys.stderr = open(os.devnull, "w")  # noqa: SIM115
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
-            ctx.exit(0)
+            ctx.exit(1 if isinstance(ctx.obj, _State) and ctx.obj.failed else 0)
 
 
 class _State:
     def __init__(self, location: str | None) -> None:
         self.location = location
+        #: the command's verdict is "not clean" (exit 1), whatever happens to its output
+        self.failed = False
 
     def store(self) -> EventStore:
         """The store named by --store, opened read-only: it must exist, and a read
@@ -186,7 +191,7 @@ def tail(
 @click.option("--all", "every", is_flag=True, help="With --verify: every stream, in log order.")
 @click.option(
     "--grace-ms",
-    type=click.IntRange(min=0),
+    type=click.IntRange(min=0, max=MAX_GRACE_MS),
     default=5_000,
     show_default=True,
     help="With --verify: how late past a deadline an event may come before it proves a miss.",
@@ -218,7 +223,7 @@ def replay(
     store = state.store()
     try:
         if verify:
-            clean = _replay.run(store, stream, until, grace_ms, as_json)
+            report = _replay.verify_store(store, stream, until=until, grace_ms=grace_ms)
         else:
             assert stream is not None
             if store.stream_version(stream) == 0:
@@ -235,7 +240,10 @@ def replay(
     finally:
         store.close()
     if verify:
-        ctx.exit(0 if clean else 1)
+        state.failed = not report.clean
+        for line in _replay.render(report, stream or "all streams", as_json):
+            click.echo(line)
+        ctx.exit(1 if state.failed else 0)
     if as_json:
         click.echo(to_json(folded))
     else:

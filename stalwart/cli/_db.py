@@ -62,6 +62,7 @@ def check(ctx: click.Context, as_json: bool) -> None:
         report = check_store(store)
     finally:
         store.close()
+    state.failed = not report.ok
     if as_json:
         click.echo(msgspec.json.encode(report).decode())
     else:

@@ -2,7 +2,7 @@
 
 Reads the log (one stream with the ``runtime`` stream's starts and stops, or every
 stream in global order), feeds it to :class:`~stalwart.state.Verification` with the
-built-in verifiers plus the tool breaker's, and prints what it found. A corrupt record is
+built-in verifiers plus the tool breaker's, and renders what it found. A corrupt record is
 reported and skipped, never the end of the walk.
 """
 
@@ -12,7 +12,6 @@ import heapq
 from collections.abc import Iterator
 from typing import Any
 
-import click
 import msgspec
 
 from stalwart._text import escaped
@@ -277,9 +276,10 @@ def render(report: Report, what: str, as_json: bool) -> list[str]:
         )
         lines.append(f"  {escaped(finding.message)}")
         if finding.kind == "mismatch":
-            shown = to_json(finding.expected[0]) if finding.expected else "nothing"
+            # JSON leaves C1 controls and bidirectional overrides as they are
+            shown = escaped(to_json(finding.expected[0])) if finding.expected else "nothing"
             lines.append(f"  expected: {shown}")
-            lines.append(f"  found:    {to_json(finding.found)}")
+            lines.append(f"  found:    {escaped(to_json(finding.found))}")
     lines.append("")
     if report.clean:
         lines.append("clean: every decision follows from the state just before it")
@@ -292,13 +292,3 @@ def render(report: Report, what: str, as_json: bool) -> list[str]:
         )
         lines.append(f"NOT CLEAN: {summary}")
     return lines
-
-
-def run(
-    store: EventStore, stream: str | None, until: int | None, grace_ms: int, as_json: bool
-) -> bool:
-    """Verify, print, and say whether the log is clean."""
-    report = verify_store(store, stream, until=until, grace_ms=grace_ms)
-    for line in render(report, stream or "all streams", as_json):
-        click.echo(line)
-    return report.clean

@@ -313,6 +313,7 @@ def status(state: _State, session: str | None, as_json: bool) -> None:
             )
         data = session_detail(folded, found, now, calls)
         lines = detail_lines(data)
+    state.failed = bool(unreadable.errors)  # exit 1 even if the reader goes away
     if as_json:
         click.echo(to_json(data))
     else:

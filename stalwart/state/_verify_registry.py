@@ -52,6 +52,7 @@ types, so a fold that few events move costs nothing on the others.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ from stalwart.events import Event, RecordedEvent
 from ._aggregate import Aggregate, Folder
 
 S = TypeVar("S")
+N = TypeVar("N", int, float)
 
 
 class Knobs:
@@ -112,10 +114,22 @@ class Knobs:
         return any(_lookup(layer, parts) is not _MISSING for layer in self._layers)
 
     def get_int(self, path: str | tuple[str, ...]) -> int:
-        return int(self.get(path))
+        return self._number(path, int)
 
     def get_float(self, path: str | tuple[str, ...]) -> float:
-        return float(self.get(path))
+        return self._number(path, float)
+
+    def _number(self, path: str | tuple[str, ...], kind: type[N]) -> N:
+        """The value at ``path`` as a number; ConfigError when it is none (a config record
+        written by hand or by another program: a decision that reads it cannot be re-run)."""
+        value = self.get(path)
+        try:
+            return kind(value)
+        except (TypeError, ValueError, OverflowError):
+            name = path if isinstance(path, str) else ".".join(path)
+            raise ConfigError(
+                f"the config in force has {name!r} = {reprlib.repr(value)}, not a number", key=name
+            ) from None
 
 
 _MISSING = object()
