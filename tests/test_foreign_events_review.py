@@ -42,6 +42,7 @@ from stalwart.config import load_config, parse_config
 from stalwart.errors import ConfigError
 from stalwart.events import (
     Codec,
+    ContextDagDegraded,
     Event,
     MessageAppended,
     RecordedEvent,
@@ -647,6 +648,13 @@ def test_a_session_a_newer_stalwart_summarized_is_refused_plainly(
     assert (reply.text, reply.kind) == (ABANDONED_TEXT, "failure_notice")
     assert len(fake.requests) == calls, "a prompt without the first turn reached the model"
     assert any(e["event"] == "agent.context_refused" for e in logs), logs
+    with store_module.open(store_dir) as store:  # type: ignore[attr-defined]
+        refusals = [
+            r.event
+            for r in store.read_stream("context:s1")
+            if isinstance(r.event, ContextDagDegraded)
+        ]
+    assert [e.reason for e in refusals][-1:] == ["fail_closed_rollover"], refusals
 
 
 def test_context_search_and_expand_over_a_newer_leaf_say_why_in_one_line(
