@@ -494,6 +494,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             _check_env_name(f"providers.{name}.api_key_env", provider.api_key_env)
         for name, agent in self.agents.items():
             where = f"agents.{name}"
+            if not agent.model.strip():  # as a fallback model's, an empty name is no model
+                raise ConfigError(f"key '{where}.model': must name a model", key=f"{where}.model")
+            base, cap = agent.retry_base_ms, agent.retry_cap_ms
+            _ordered(where, "retry_base_ms", base, "retry_cap_ms", cap)
             if agent.provider not in self.providers:
                 raise ConfigError(
                     f"key '{where}.provider': no provider named {agent.provider!r} "
@@ -602,7 +606,9 @@ def _merge(base: Any, patch: Any) -> Any:
     return out
 
 
-_PATH = re.compile(r"at `\$((?:\.[A-Za-z_][\w]*|\[\d+\])*)`")
+#: where msgspec says a value is: ``at `$.a.b` `` for a value, ``at `key` in `$.a` `` for
+#: a table's key
+_PATH = re.compile(r"at (`key` in )?`\$((?:\.[A-Za-z_][\w]*|\[\d+\])*)`")
 
 
 def parse_config(data: Any, *, source: str = "config") -> Config:
@@ -621,11 +627,7 @@ def parse_config(data: Any, *, source: str = "config") -> Config:
             if isinstance(entries, dict):
                 for name, entry in entries.items():
                     if not isinstance(name, str):  # YAML reads `1:` as an int
-                        raise ConfigError(
-                            f"{source}: key '{section}.{name}': a name must be a string, "
-                            f"found {type(name).__name__} {name!r} (quote it)",
-                            key=f"{section}.{name}",
-                        )
+                        _not_a_name(source, section, name)
                     try:
                         msgspec.convert(entry, kind)
                     except msgspec.ValidationError as exc:
@@ -643,8 +645,12 @@ def _fail(
 ) -> NoReturn:
     message = str(exc)
     match = _PATH.search(message)
-    inner = match.group(1).lstrip(".") if match else ""
+    inner = match.group(2).lstrip(".") if match else ""
     key = ".".join(part for part in (prefix, inner) if part) or None
+    if match and match.group(1):  # a key of the table at ``inner`` is not a string
+        table = _lookup(data, inner) if inner else data
+        names = table if isinstance(table, dict) else {}
+        _not_a_name(source, key, next((n for n in names if not isinstance(n, str)), None))
     unknown = re.search(r"unknown field `([^`]+)`", message)
     if unknown:
         key = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
@@ -662,6 +668,17 @@ def _fail(
     found = _lookup(data, inner) if inner else data
     where = f"key {key!r}: " if key else ""
     raise ConfigError(f"{source}: {where}{expected}, found {_shown(found)}", key=key) from None
+
+
+def _not_a_name(source: str, table: str | None, name: Any) -> NoReturn:
+    """ConfigError naming a key of ``table`` that is not a string (YAML reads ``1:`` as
+    an int, ``yes:`` as a bool)."""
+    key = f"{table}.{name}" if table else str(name)
+    raise ConfigError(
+        f"{source}: key {key!r}: a name must be a string, found {type(name).__name__} "
+        f"{name!r} (quote it)",
+        key=key,
+    ) from None
 
 
 def _shown(found: Any) -> str:

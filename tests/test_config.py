@@ -32,6 +32,10 @@ def test_empty_yaml_is_the_defaults(tmp_path: Path) -> None:
     assert load_config(path) == Config()
 
 
+_AGENT = {"providers": {"p": {"kind": "openai", "base_url": "http://127.0.0.1:9"}}}
+_MODEL = {"provider": "p", "model": "m"}
+
+
 @pytest.mark.parametrize(
     ("data", "key", "words"),
     [
@@ -50,6 +54,18 @@ def test_empty_yaml_is_the_defaults(tmp_path: Path) -> None:
             {"activations": {"backoff_base_ms": 9_000, "backoff_cap_ms": 8_000}},
             "activations.backoff_cap_ms",
             [">= activations.backoff_base_ms (9000)", "found 8000"],
+        ),
+        # Was: DEFECT: an agent's retry_base_ms above its cap was silently clamped
+        (
+            {**_AGENT, "agents": {"default": {**_MODEL, "retry_base_ms": 9_000}}},
+            "agents.default.retry_cap_ms",
+            [">= agents.default.retry_base_ms (9000)", "found 8000"],
+        ),
+        # Was: DEFECT: an empty model name was accepted (an empty fallback model was not)
+        (
+            {**_AGENT, "agents": {"default": {**_MODEL, "model": " "}}},
+            "agents.default.model",
+            ["must name a model"],
         ),
     ],
 )

@@ -10,7 +10,8 @@ A run is a session whose ``subagent:spawned`` names its ``parent``. The actor:
   :class:`~stalwart.actors.IoPortal`;
 * appends every :class:`RunReport` call the work makes (``subagent:progress``,
   ``subagent:artifact``), and the work's end (``subagent:completed``, succeeded with its
-  result or failed with no error text), then tells the parent :class:`RunEnded`;
+  result or failed with no error text; a cancellation the work raised of its own, not
+  one the actor made, is a failure too), then tells the parent :class:`RunEnded`;
 * when the watchdog fires, asks :func:`~stalwart.state.decide_watchdog` at ``now``,
   appends ``subagent:watchdog_timeout`` (once: the fold makes the run ``timed_out``),
   cancels the work and tells the parent ``RunEnded(outcome="timed_out")`` with the static
@@ -103,6 +104,10 @@ class Spawn(msgspec.Struct, frozen=True, kw_only=True):
     host_work: bool | None = None
     #: the run whose ``split`` made this lineage (``subagent:spawned``)
     split_from: str | None = None
+    #: the run this one follows in the recovery protocol (a respawn's failed run, or the
+    #: run a ``split`` ended): whose ``work``, agent and splitter the host's runtime uses
+    #: again. Not recorded: only the process that spawned that run holds its work.
+    retry_of: str | None = None
 
     @property
     def stream(self) -> str:
@@ -190,11 +195,14 @@ def _path_text(path: object) -> str:
 Work = Callable[[RunReport], Awaitable[str]]
 
 
-def _work_done(future: Future[str], run: str) -> _WorkDone | None:
+def _work_done(future: Future[str], run: str, *, cancelled_here: bool) -> _WorkDone | None:
     """The work's end as the actor records it: a result that is not text fails the run
-    (logged by its type, never its value); a lone surrogate in one becomes U+FFFD."""
+    (logged by its type, never its value); a lone surrogate in one becomes U+FFFD. A
+    cancellation is no outcome when the actor made it (``cancelled_here``: the run was
+    force-failed, or the actor stopped); one the work raised of its own (it awaited a
+    task or future something else cancelled) fails the run, as any other exception."""
     if future.cancelled():
-        return None  # cancelled on purpose: the run was force-failed
+        return None if cancelled_here else _WorkDone(None, "CancelledError")
     exc = future.exception()
     if exc is not None:
         return _WorkDone(None, type(exc).__name__)
@@ -252,6 +260,8 @@ class SubAgentActor(Supervised):
         self._stream = spawn.stream
         self._state: RunState = RUN.initial(self._stream)
         self._future: Future[str] | None = None
+        #: set before the actor cancels the work itself (read by the done-callback)
+        self._cancelled_here = False
         self._timer_key = ("subagent", self.actor_urn)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -283,6 +293,7 @@ class SubAgentActor(Supervised):
     def _release(self) -> None:
         self._scheduler.cancel(self._timer_key)
         if self._future is not None:
+            self._cancelled_here = True
             self._future.cancel()
 
     # -- messages ----------------------------------------------------------------------------
@@ -429,6 +440,7 @@ class SubAgentActor(Supervised):
 
     def _cancel_work(self) -> None:
         if self._future is not None and not self._future.done():
+            self._cancelled_here = True  # before the cancel: its callback reads it
             self._future.cancel()
 
     def _tell_parent(self, ended: RunEnded) -> None:
@@ -456,7 +468,7 @@ class SubAgentActor(Supervised):
 
     def _finished(self, future: Future[str]) -> None:
         """Done-callback (the portal's thread): the work's end becomes a message."""
-        done = _work_done(future, self._stream)
+        done = _work_done(future, self._stream, cancelled_here=self._cancelled_here)
         if done is not None:
             self._tell(done)
 

@@ -1,8 +1,10 @@
 """The static failure notice of a sub-agent run (seed 000): its texts and its sends.
 
 A notice never makes an LLM call and never carries an error's text: it is the start of
-the task, one fixed sentence per way the run ended, and how long it ran. The sentences
-are module constants; :func:`failure_notice` only fills in those three parts.
+the task (as it was asked: a later attempt's continuation context, which tells the next
+attempt what the last one did and saved, is not the user's), one fixed sentence per way
+the run ended, and how long it ran. The sentences are module constants;
+:func:`failure_notice` only fills in those three parts.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from concurrent.futures import Future
 from typing import Literal
 
 import msgspec
+
+from stalwart.state import asked_task
 
 __all__ = [
     "FAILED_SENTENCE",
@@ -46,7 +50,7 @@ Path = Literal["announce", "direct"]
 
 
 def _excerpt(task: str) -> str:
-    flat = " ".join(task.split())
+    flat = " ".join(asked_task(task).split())
     if len(flat) <= TASK_EXCERPT_CHARS:
         return flat
     return flat[: TASK_EXCERPT_CHARS - 3].rstrip() + "..."

@@ -16,7 +16,7 @@
 * **Recovery**: :func:`~stalwart.state.decide_recovery` -> ``subagent:recovery_decided``;
   a respawn goes through the host's ``spawner`` as a :class:`Spawn` with ``attempt + 1``
   (and the continuation context after the task for ``respawn_continue``). When the run's
-  lineage has a splitter (``splitters(parent, task)``), an exhausted run is ``split``: the
+  lineage has a splitter (``splitters(run_id)``), an exhausted run is ``split``: the
   splitter is called here, on the supervisor's thread (so it must be cheap: no I/O), with
   the task and the continuation context; its subtasks are recorded in the event and each
   goes through the ``spawner`` as a first attempt. A splitter that raises or gives no
@@ -146,11 +146,12 @@ class Recovered(msgspec.Struct, frozen=True, kw_only=True):
 Spawner = Callable[[Spawn], object]
 #: the host's ``(task, context) -> subtasks``
 Splitter = Callable[[str, str], Sequence[str]]
-#: the splitter of a run's lineage, given the run's ``(parent, task)``; None for none
-Splitters = Callable[[str, str], Splitter | None]
-#: ``works(parent, task)``: whether this process holds the host code of the lineage a run
-#: of ``parent`` with ``task`` belongs to (so a respawn can run it again)
-Works = Callable[[str, str], bool]
+#: the splitter of a run's lineage, given the run's id; None for none
+Splitters = Callable[[str], Splitter | None]
+#: ``works(run_id)``: whether this process holds the host code of the run's lineage (so
+#: a respawn, whose :class:`Spawn` names the run in ``retry_of``, can run it again). By
+#: run, never by its text: runs of one parent may share a task and each have a work.
+Works = Callable[[str], bool]
 
 
 class SupervisorActor(Supervised):
@@ -495,7 +496,7 @@ class SupervisorActor(Supervised):
         if not run.host_work or self._works is None:
             return True
         try:
-            return self._works(run.parent or "", run.task)
+            return self._works(run.stream.removeprefix("session:"))
         except Exception:  # the host's lookup: the code is not known then
             log.exception("supervisor.works_failed", run=run.stream)
             return False
@@ -506,7 +507,7 @@ class SupervisorActor(Supervised):
         if watch.run.split_from is not None:  # a split's subtask is not split again
             return None
         try:
-            return self._splitters(watch.run.parent or "", watch.run.task)
+            return self._splitters(watch.run.stream.removeprefix("session:"))
         except Exception:  # the host's lookup: no splitter then
             log.exception("supervisor.splitters_failed", run=watch.run.stream)
             return None

@@ -26,6 +26,7 @@ from stalwart.state import (
     NoticeStage,
     RunState,
     batch_text,
+    continued_task,
     decide_recovery,
     next_notice,
 )
@@ -219,9 +220,11 @@ def notice_interrupted(watch: RunWatch, now: float, *, wait_s: float) -> list[Ev
 
 
 def respawn(watch: RunWatch, context: str) -> Spawn:
-    """The next attempt of the run: same task (plus the continuation context), same limit."""
+    """The next attempt of the run: same task (plus the continuation context), same limit;
+    ``retry_of`` names the run, so the host's runtime runs its own work again (another
+    run may have the same parent and task, and a work of its own)."""
     run = watch.run
-    task = f"{run.task}\n\n{context}" if context else run.task
+    task = continued_task(run.task, context)
     custom = run.timeout_knob == "custom_timeout_ms"
     by_default = run.timeout_knob == "max_run_timeout_ms"
     return Spawn(
@@ -238,6 +241,7 @@ def respawn(watch: RunWatch, context: str) -> Spawn:
         thread=watch.thread,
         announce=watch.announce,
         split_from=run.split_from,
+        retry_of=run.stream.removeprefix("session:"),
     )
 
 

@@ -12,6 +12,7 @@ import anyio
 import click
 
 from stalwart._text import escaped
+from stalwart.actors import request_messages
 from stalwart.clock import SystemClock
 from stalwart.config import Config, load_config
 from stalwart.errors import ContextOverflowError, ProviderError, StalwartError
@@ -35,6 +36,7 @@ TOO_LONG = "the conversation is too long for the model's context window"
 
 
 def _history(store: EventStore, stream: str) -> list[Message]:
+    """The session's conversation as the log holds it."""
     messages = []
     for record in store.read_stream(stream):
         event = record.event
@@ -109,9 +111,10 @@ async def _turn(
         clock.now(),
     )
     settings = layer.config.agent(agent)
-    request = ProviderRequest(
-        messages=tuple(_history(store, stream)), max_tokens=settings.max_tokens
-    )
+    # as an Agent sends it: the agent's system prompt first, and a tool call a runtime's
+    # stopped turn left without a result answered (a provider rejects the request else)
+    messages = request_messages(tuple(_history(store, stream)), settings.system_prompt)
+    request = ProviderRequest(messages=messages, max_tokens=settings.max_tokens)
     try:
         reply = await layer.caller(agent).call(stream, request, on_event=printer)
     except ProviderError:

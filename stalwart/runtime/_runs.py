@@ -1,6 +1,11 @@
 """A runtime's sub-agent runs: each run's actor started under its watchdog (with the
 announcer as its parent), its handle, its crash and restart; and each lineage's work,
-agent and splitter, which the supervisor's respawns and splits look up."""
+agent and splitter, which the supervisor's respawns and splits look up by run id.
+
+A lineage is a run spawned here and the later attempts the recovery protocol respawns
+of it (each :class:`Spawn` names the run it retries: ``retry_of``). It is never found by
+its text: runs of one parent may share a task and each have a work of their own (one task
+fanned out over several inputs), and the retry of one must run its own."""
 
 from __future__ import annotations
 
@@ -15,7 +20,6 @@ import pykka
 from stalwart.actors import (
     Crashed,
     RunEnded,
-    RunReport,
     Spawn,
     SubAgentActor,
     Track,
@@ -32,8 +36,26 @@ from ._wiring import Wiring, stop_actors
 
 __all__ = ["RunLayer", "Splitter", "stop_runs"]
 
+#: The largest ``max_steps`` a spawn may give: the largest integer the log records (a
+#: signed 64-bit one). A step budget that large is no limit: the run's own one binds.
+MAX_STEPS = 2**63 - 1
+
 #: ``rt.spawn(..., splitter=)``: ``(task, context) -> subtasks`` (see :meth:`Runtime.spawn`)
 Splitter = Callable[[str, str], Sequence[str]]
+
+
+class _Lineage:
+    """A lineage spawned here: its first task (what a splitter is given), its ``work``
+    (None: model-driven), agent and splitter, and the ids of its runs."""
+
+    __slots__ = ("agent", "runs", "splitter", "task", "work")
+
+    def __init__(self, task: str, work: Work | None, agent: str, splitter: Splitter | None):
+        self.task = task
+        self.work = work
+        self.agent = agent
+        self.splitter = splitter
+        self.runs: list[str] = []
 
 
 class RunLayer:
@@ -55,8 +77,8 @@ class RunLayer:
         self._announcer = announcer
         self._tell_supervisor = tell_supervisor
         self._runs: dict[str, RunSpec] = {}
-        self._works: dict[tuple[str, str], tuple[Work | None, str]] = {}
-        self._splitters: dict[tuple[str, str], Splitter] = {}
+        #: each run spawned here (the ended ones of a lineage still running, or failed)
+        self._lineages: dict[str, _Lineage] = {}
         self._tracks: dict[str, Track] = {}  # what a restarted announcer is told again
 
     def take(self) -> list[RunSpec]:
@@ -75,16 +97,16 @@ class RunLayer:
         self, parent_session: str, agent: str | None, channel: str | None, conversation: str | None
     ) -> tuple[str, str, str, str | None]:
         """A spawn's agent, channel, conversation and thread: the given ones, else the
-        parent session's (its thread goes with its conversation; ConfigError for an
-        unknown agent)."""
-        parent = self._sessions.get(parent_session)
-        agent = agent or (parent.agent if parent is not None else "default")
+        parent session's, as its handle or its log has them (its thread goes with its
+        conversation; ConfigError for an unknown agent)."""
+        parent = self._sessions.address(parent_session)
+        recorded = parent or ("default", DEFAULT_CHANNEL, parent_session, None)
+        agent = agent or recorded[0]
         self._w.config.agent(agent)  # ConfigError for an unknown agent
-        channel = channel or (parent.channel if parent is not None else DEFAULT_CHANNEL)
+        channel = channel or recorded[1]
         thread = None
         if conversation is None:
-            conversation = parent.conversation if parent is not None else parent_session
-            thread = parent.thread if parent is not None else None
+            conversation, thread = recorded[2], recorded[3]
         return agent, channel, conversation, thread
 
     def spawn(
@@ -98,19 +120,19 @@ class RunLayer:
     ) -> RunHandle:
         """See :meth:`Runtime.spawn` (under the runtime's lock, while it runs)."""
         self._check(spawn)
-        lineage = (spawn.parent, spawn.task)
-        self._works[lineage] = (work, agent)
-        if splitter is not None:
-            self._splitters[lineage] = splitter
-        else:
-            self._splitters.pop(lineage, None)
+        self._join(spawn.run_id, _Lineage(spawn.task, work, agent, splitter))
         return self._start(spawn, work, agent, announce=announce)
+
+    def _join(self, run_id: str, lineage: _Lineage) -> None:
+        lineage.runs.append(run_id)
+        self._lineages[run_id] = lineage
 
     def _check(self, spawn: Spawn) -> None:
         """SpawnRefusedError (nothing appended) for a task that is not text that can be
         stored, no valid timeout, a step budget that is not a positive number (its
         watchdog limit would be 0 ms or less: the run would be force-failed the moment it
-        starts) or an unknown channel."""
+        starts) or is over :data:`MAX_STEPS` (the log could not record its spawn: the
+        run's actor would crash at every start) or an unknown channel."""
         for field in ("task", "reason", "conversation", "thread"):  # in subagent:spawned
             value = getattr(spawn, field)
             if value is not None and (not isinstance(value, str) or not _storable(value)):
@@ -120,10 +142,11 @@ class RunLayer:
         if spawn.max_steps is not None and (
             isinstance(spawn.max_steps, bool)
             or not isinstance(spawn.max_steps, int)
-            or spawn.max_steps < 1
+            or not 1 <= spawn.max_steps <= MAX_STEPS
         ):
             raise SpawnRefusedError(
-                f"spawn refused: max_steps must be a positive integer, got {spawn.max_steps!r}",
+                f"spawn refused: max_steps must be an integer from 1 to {MAX_STEPS}, "
+                f"got {spawn.max_steps!r}",
                 field="max_steps",
             )
         settings = self._w.config.subagents
@@ -146,9 +169,6 @@ class RunLayer:
     def _start(self, spawn: Spawn, work: Work | None, agent: str, *, announce: bool) -> RunHandle:
         spawn = msgspec.structs.replace(spawn, announce=announce, host_work=work is not None)
         run = RunSpec(spawn, work, agent)
-        if work is None:
-            start = partial(self._start_subsession, spawn.run_id, agent)
-            work = subsession_work(self._w.store, spawn.run_id, spawn.task, start)
         self._runs[spawn.run_id] = run
         track = Track(
             run_id=spawn.run_id,
@@ -161,8 +181,15 @@ class RunLayer:
         self._tracks[spawn.run_id] = track
         with contextlib.suppress(pykka.ActorDeadError):  # a restarted announcer is told again
             self._announcer.tell(track)
-        run.ref = self._start_actor(spawn, work)
+        run.ref = self._start_actor(spawn, self._work_of(run))
         return RunHandle(spawn.run_id, spawn.parent, self._w.store, run.ended, lambda: run.ref)
+
+    def _work_of(self, run: RunSpec) -> Work:
+        """What the run's actor runs: the host's ``work``, or a model-driven sub-session."""
+        if run.work is not None:
+            return run.work
+        start = partial(self._start_subsession, run.spawn.run_id, run.agent)
+        return subsession_work(self._w.store, run.spawn.run_id, run.spawn.task, start)
 
     def _start_actor(self, spawn: Spawn, work: Work) -> pykka.ActorRef[Any]:
         return SubAgentActor.start(
@@ -197,7 +224,7 @@ class RunLayer:
             run = self._runs.pop(ended.run_id, None)
             self._tracks.pop(ended.run_id, None)
             if run is not None and ended.outcome == "succeeded":
-                self._forget(run.spawn.parent, run.spawn.task)
+                self._forget(ended.run_id)
         if run is None:
             return
         if not run.ended.done():
@@ -208,75 +235,57 @@ class RunLayer:
 
     def respawn(self, spawn: Spawn) -> object:
         """The supervisor's recovery spawner: the next attempt, with the continuation
-        context in its task, runs the same ``work`` (or is model-driven again), and is
-        announced as the first attempt chose (``Spawn.announce`` as recorded)."""
+        context in its task, runs the ``work`` of the run it retries (``retry_of``), or is
+        model-driven again, and is announced as the first attempt chose
+        (``Spawn.announce`` as recorded). A split's subtask is a model-driven lineage of
+        its own, on the split lineage's agent; a retry of a run this process did not
+        spawn is model-driven, on the parent's agent (the supervisor escalates a run of
+        host code it does not hold: :meth:`holds_work`)."""
         with self._w.lock:
             if not self._w.running():
                 return None
-            known = self._lineage(spawn.parent, spawn.task)
-            work, agent = known or (None, self._agent_of(spawn.parent))
-            self._works[(spawn.parent, spawn.task)] = (work, agent)
+            prior = self._lineages.get(spawn.retry_of) if spawn.retry_of else None
+            if prior is not None and not (spawn.split_from is not None and spawn.attempt == 1):
+                lineage = prior
+            else:
+                agent = prior.agent if prior is not None else self._agent_of(spawn.parent)
+                lineage = _Lineage(spawn.task, None, agent, None)
+            self._join(spawn.run_id, lineage)
             announce = True if spawn.announce is None else spawn.announce
-            return self._start(spawn, work, agent, announce=announce)
+            return self._start(spawn, lineage.work, lineage.agent, announce=announce)
 
-    def holds_work(self, parent: str, task: str) -> bool:
-        """Whether this process holds the host code of the lineage a run of ``parent``
-        with ``task`` belongs to (the supervisor's ``works``)."""
+    def holds_work(self, run_id: str) -> bool:
+        """Whether this process holds the host code of run ``run_id``'s lineage (the
+        supervisor's ``works``): it spawned the run, with a ``work``."""
         with self._w.lock:
-            known = self._lineage(parent, task)
-            return known is not None and known[0] is not None
+            lineage = self._lineages.get(run_id)
+            return lineage is not None and lineage.work is not None
 
-    def _forget(self, parent: str, task: str) -> None:
+    def _forget(self, run_id: str) -> None:
         """A lineage that succeeded is done: its ``work`` and splitter (the host's code,
         and what they hold) are let go, unless another run of it still runs. A lineage
         that failed is kept, as the supervisor's recovery may respawn it."""
-
-        def ours(key: tuple[str, str]) -> bool:
-            return key[0] == parent and _of_lineage(task, key[1])
-
-        if any(ours((r.spawn.parent, r.spawn.task)) for r in self._runs.values()):
+        lineage = self._lineages.get(run_id)
+        if lineage is None or any(other in self._runs for other in lineage.runs):
             return
-        for key in [key for key in self._works if ours(key)]:
-            del self._works[key]
-        for key in [key for key in self._splitters if ours(key)]:
-            del self._splitters[key]
+        for other in lineage.runs:
+            self._lineages.pop(other, None)
 
-    def _lineage(self, parent: str, task: str) -> tuple[Work | None, str] | None:
-        """The work and agent of the lineage a run of ``parent`` with ``task`` belongs to
-        (the latest registered), or None when this process never spawned it."""
-        found = None
-        for (known_parent, known_task), known in self._works.items():
-            if known_parent == parent and _of_lineage(task, known_task):
-                found = known
-        return found
-
-    def splitter_of(self, parent: str, task: str) -> Splitter | None:
-        """The supervisor's lookup: the splitter of the lineage a run of ``parent`` with
-        ``task`` (maybe a later attempt's, the continuation context after it) belongs to.
-        It calls the host's splitter with the lineage's task and registers the subtasks as
-        model-driven lineages of the lineage's agent."""
+    def splitter_of(self, run_id: str) -> Splitter | None:
+        """The supervisor's lookup: the splitter of run ``run_id``'s lineage (maybe a later
+        attempt's). It calls the host's splitter with the lineage's first task."""
         with self._w.lock:
-            for (known_parent, known_task), splitter in self._splitters.items():
-                if known_parent == parent and _of_lineage(task, known_task):
-                    return partial(self._split, parent, known_task, splitter)
-        return None
-
-    def _split(
-        self, parent: str, lineage_task: str, splitter: Splitter, task: str, context: str
-    ) -> Sequence[str]:
-        subtasks = splitter(lineage_task, context)
-        with self._w.lock:
-            _, agent = self._works.get((parent, lineage_task), (None, self._agent_of(parent)))
-            for subtask in [subtasks] if isinstance(subtasks, str) else subtasks:
-                self._works[(parent, str(subtask).strip())] = (None, agent)
-        return subtasks
+            lineage = self._lineages.get(run_id)
+            if lineage is None or lineage.splitter is None:
+                return None
+            return partial(_split, lineage.splitter, lineage.task)
 
     def _agent_of(self, parent_session: str) -> str:
         """The agent a model-driven run of ``parent_session`` uses when nothing says which
         (a run another process started): the parent's, else ``default``, else the first."""
-        parent = self._sessions.get(parent_session)
+        parent = self._sessions.address(parent_session)
         if parent is not None:
-            return parent.agent
+            return parent[0]
         agents = self._w.config.agents
         return "default" if "default" in agents or not agents else sorted(agents)[0]
 
@@ -307,17 +316,20 @@ class RunLayer:
 
     def _restart(self, run_id: str) -> None:
         """Start the run's actor again: it re-arms the watchdog of a run still running and
-        does not run the work again (the recovery protocol decides that)."""
+        does not run the work again (the recovery protocol decides that). It is given the
+        run's work all the same: a run whose spawn never reached the log (its first start
+        failed, the store away) never ran it, and the actor starts it then."""
         with self._w.lock:
             run = self._runs.get(run_id)
             if not self._w.running() or run is None:
                 return
-            run.ref = self._start_actor(run.spawn, _no_work)
+            run.ref = self._start_actor(run.spawn, self._work_of(run))
 
 
-def _of_lineage(task: str, lineage_task: str) -> bool:
-    """``task`` is the lineage's, or a later attempt's (the continuation context after it)."""
-    return task == lineage_task or task.startswith(lineage_task + "\n\n")
+def _split(splitter: Splitter, lineage_task: str, task: str, context: str) -> Sequence[str]:
+    """The host's splitter, given the lineage's first task (not a later attempt's, which
+    ends with the continuation context) and the context."""
+    return splitter(lineage_task, context)
 
 
 def stop_runs(runs: Sequence[RunSpec]) -> None:
@@ -325,11 +337,6 @@ def stop_runs(runs: Sequence[RunSpec]) -> None:
     for run in runs:
         run.ended.cancel()
     stop_actors([run.ref for run in runs])
-
-
-async def _no_work(report: RunReport) -> str:
-    """A restarted run's work: never run (the actor resumes the run, not the work)."""
-    raise RuntimeError("a restarted run does not run its work again")
 
 
 def _storable(text: str) -> bool:

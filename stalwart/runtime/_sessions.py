@@ -299,6 +299,21 @@ class SessionLayer:
     def count(self) -> int:
         return len(self._handles) + len(self._asleep)
 
+    def address(self, session_id: str) -> tuple[str, str, str, str | None] | None:
+        """The session's agent, channel, conversation and thread: its handle's, else what
+        its ``session:created`` recorded (a session this runtime holds no handle for:
+        started before a restart, or passivated and let go of); None for a session the
+        log does not hold."""
+        handle = self.get(session_id)
+        if handle is not None:
+            return handle.agent, handle.channel, handle.conversation, handle.thread
+        created = self._created(session_id)
+        if created is None:
+            return None
+        agent, channel = self._recorded(session_id, created.agent, created.channel)
+        conversation = session_id if created.conversation is None else created.conversation
+        return agent, channel, conversation, created.thread
+
     # -- Agents --------------------------------------------------------------------------------
 
     def session(

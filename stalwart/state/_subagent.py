@@ -378,6 +378,11 @@ def decide_suspicious(
 # -- recovery protocol --------------------------------------------------------------------
 
 
+#: How every continuation context begins; :func:`continued_task` puts it after the task
+#: with a blank line between.
+_CONTINUATION = "\n\nThe last attempt "
+
+
 def continuation_context(state: RunState) -> str:
     """What the next attempt is told about the work the last one did (seed 002)."""
     saved = ", ".join(a.path for a in state.artifacts)
@@ -390,6 +395,19 @@ def continuation_context(state: RunState) -> str:
         done = state.step
         return f"The last attempt completed steps 1-{done}. Pick up from step {done + 1}."
     return f"The last attempt saved {saved}. Continue from where it stopped."
+
+
+def continued_task(task: str, context: str) -> str:
+    """The next attempt's task: the run's task, then the continuation context (if any)."""
+    return f"{task}\n\n{context}" if context else task
+
+
+def asked_task(task: str) -> str:
+    """A run's task as it was first asked: a later attempt's without the continuation
+    contexts :func:`continued_task` put after it (they are told to the next attempt, not
+    to the user: a failure notice quotes this)."""
+    cut = task.find(_CONTINUATION)
+    return task if cut < 0 else task[:cut]
 
 
 def _recovery_action(
