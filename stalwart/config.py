@@ -446,10 +446,14 @@ class ContextEngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     )
     #: the pipeline engine's knobs (``stalwart.context.pipeline.PipelineConfig``'s fields:
     #: ``history_turns``, ``observation_trigger_chars``, ``compaction_threshold`` ...),
-    #: checked when the runtime starts its ContextStore
+    #: checked with the rest of the config
     pipeline: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.pipeline:  # (imported here: the context package imports this module)
+            from stalwart.context.pipeline import parse_pipeline  # noqa: PLC0415
+
+            parse_pipeline(self.pipeline)
         # a summary's requests are bounded by half_open_timeout_ms: a call still running
         # must hold its reservation, or the caps would not count it
         lease = self.summarizer_spend.reservation_lease_ms

@@ -235,8 +235,8 @@ def test_out_of_range_pipeline_knobs_start_the_runtime_without_a_config_error(
     accepted: list[dict[str, Any]] = []
     refused: list[str | None] = []
     for knobs in bad:
-        rt = Runtime(pipeline_config(fake.base_url, pipeline=knobs), store=store, clock=clock)
         try:
+            rt = Runtime(pipeline_config(fake.base_url, pipeline=knobs), store=store, clock=clock)
             rt.start()
         except ConfigError as exc:
             refused.append(exc.key)
@@ -245,6 +245,9 @@ def test_out_of_range_pipeline_knobs_start_the_runtime_without_a_config_error(
             rt.close()
     assert accepted == []
     assert all(key and key.startswith("context_engine.pipeline") for key in refused), refused
+    # Was: DEFECT: the knobs were checked only when the runtime started, after
+    # ``runtime:started`` recorded them: ``load_config`` and ``stalwart run`` took them
+    assert store.head() == 0
 
 
 # -- 5. the summarizer's own window ---------------------------------------------------------

@@ -37,7 +37,6 @@ caps and the breaker survive a restart and hold across every worker on the store
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -58,10 +57,9 @@ from stalwart.context import (
     SummaryRequest,
     valid_session_id,
 )
-from stalwart.context.pipeline import FileReader, PipelineConfig, PipelineEngine
+from stalwart.context.pipeline import FileReader, PipelineEngine, parse_pipeline
 from stalwart.errors import (
     ConcurrencyError,
-    ConfigError,
     CorruptRecordError,
     InvalidStreamError,
     StoreError,
@@ -263,7 +261,7 @@ class ContextStoreActor(Supervised):
             ledger=self._ledger,
         )
         self._pipelines: dict[str, PipelineEngine] = {}
-        self._pipeline_config = pipeline_config(self._settings)
+        self._pipeline_config = parse_pipeline(self._settings.pipeline)
         self._versions: dict[str, int] = {}
         #: per (provider, model): the version of its calibration stream folded in
         self._calibrations: dict[tuple[str, str], int] = {}
@@ -630,14 +628,3 @@ def calibration_stream(profile: ModelProfile) -> str | None:
     except InvalidStreamError:
         return None
     return stream
-
-
-def pipeline_config(settings: ContextEngineSettings) -> PipelineConfig:
-    """The pipeline engine's config from ``context_engine.pipeline``; ConfigError naming
-    the key when it is not one of ``PipelineConfig``'s, or out of shape."""
-    try:
-        return msgspec.convert(settings.pipeline, PipelineConfig)
-    except msgspec.ValidationError as exc:
-        at = re.search(r"at `\$\.(\w+)", str(exc))  # the knob msgspec names, if any
-        key = "context_engine.pipeline" + (f".{at.group(1)}" if at else "")
-        raise ConfigError(f"key {key!r}: {exc}", key=key) from None

@@ -56,7 +56,7 @@ is provider-valid (pairs kept together; the DAG engine's ``repair`` as a last gu
 and fits the budget whenever the newest turn does. See ``docs/context-pipeline.md``.
 """
 
-from ._config import LAYERS, ObservationTier, PipelineConfig
+from ._config import LAYERS, ObservationTier, PipelineConfig, parse_pipeline
 from ._engine import PipelineEngine, PipelineResult, is_replay
 from ._reader import directory_reader
 from ._run import FileReader
@@ -71,6 +71,7 @@ __all__ = [
     "PipelineResult",
     "directory_reader",
     "is_replay",
+    "parse_pipeline",
     "safe_label",
     "wrap_untrusted",
 ]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import re
+from typing import Annotated, Any, Literal
 
 import msgspec
 
-__all__ = ["LAYERS", "ObservationTier", "PipelineConfig"]
+from stalwart.errors import ConfigError
+
+__all__ = ["LAYERS", "ObservationTier", "PipelineConfig", "parse_pipeline"]
 
 ObservationTier = Literal["protected", "standard", "ephemeral"]
 
@@ -63,3 +66,14 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     #: consecutive failures that disable a layer, and how long until its half-open trial
     layer_failure_limit: _AtLeastOne = 3
     layer_retry_after_s: Annotated[float, msgspec.Meta(ge=0.0, le=86_400.0 * 365)] = 600.0
+
+
+def parse_pipeline(knobs: dict[str, Any]) -> PipelineConfig:
+    """The pipeline engine's config from ``context_engine.pipeline``; ConfigError naming
+    the key when it is not one of ``PipelineConfig``'s, or out of shape."""
+    try:
+        return msgspec.convert(knobs, PipelineConfig)
+    except msgspec.ValidationError as exc:
+        at = re.search(r"at `\$\.(\w+)", str(exc))  # the knob msgspec names, if any
+        key = "context_engine.pipeline" + (f".{at.group(1)}" if at else "")
+        raise ConfigError(f"key {key!r}: {exc}", key=key) from None
