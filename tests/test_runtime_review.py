@@ -80,8 +80,10 @@ def test_asking_for_a_passivated_session_again_keeps_its_channel(
     assert last.channel == "chat"
 
 
+# Was: DEFECT (session:s1): the stream's name was recorded but the running Agent not told
+@pytest.mark.parametrize("named", ["s1", "session:s1"])
 def test_a_message_after_an_interrupt_is_run_at_once(
-    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel, named: str
 ) -> None:
     """Defect: ``rt.interrupt()`` on a running wake fences it out and tells the Agent
     ``LeaseLost(stream, None)``; the Agent drops the wake with ``notify=False``, so the
@@ -98,7 +100,7 @@ def test_a_message_after_an_interrupt_is_run_at_once(
         session = rt.session("s1", channel="chat")
         session.send("long job")
         fake.wait_for(lambda requests: len(requests) == 1, GUARD)
-        rt.interrupt("s1", "wrong customer")
+        rt.interrupt(named, "wrong customer")  # the session's id, or its stream's name
         session.send("the right customer is 42")
         # woken by appends: no clock moves, so no renewal tick can free the session
         records = log_until(store, "session:s1", has(ActivationAcked))

@@ -654,7 +654,8 @@ class SessionLayer:
 
     def interrupt(self, session_id: str, reason: str) -> list[str]:
         cancelled = interrupt(self._w.store, session_id, reason, ts=self._w.clock.now())
-        ref = self.agent_for_wake(session_id, False)
+        # the session's Agent, whether the host named the session or its stream
+        ref = self.agent_for_wake(session_id.removeprefix("session:"), False)
         if ref is not None:
             with contextlib.suppress(pykka.ActorDeadError):
                 ref.tell(LeaseLost(f"session:{session_id}", None))
