@@ -261,7 +261,10 @@ class RunHandle:
 
     def result(self, timeout: float | None = None) -> RunEnded:
         """How the run ended (:class:`RunEnded`: ``outcome``, ``result`` of a success, or
-        the static ``notice`` of a failure); TimeoutError if it has not within ``timeout``."""
+        the static ``notice`` of a failure); TimeoutError if it has not within ``timeout``;
+        ``concurrent.futures.CancelledError`` if the runtime closed first (the run will not
+        end in this runtime: its stream says where it stood, and the supervisor of the next
+        runtime on the store sweeps or recovers it)."""
         return self._ended.result(timeout)
 
     def done(self) -> bool:
