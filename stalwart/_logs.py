@@ -24,7 +24,9 @@ __all__ = ["REDACTED", "get_logger", "hide_url", "redact", "unhide_url"]
 
 #: a key naming a secret; ``token`` but not ``tokens`` (``input_tokens`` is a count)
 _SECRET_KEYS = re.compile(r"(api[_-]?key|token(?!s)|secret|password|authorization|cookie)", re.I)
-_SECRET_VALUES = re.compile(r"(sk-[A-Za-z0-9_\-]{8,}|Bearer\s+\S+)")
+#: an API key, a bearer token, or the user info of a URL (``postgresql://app:pw@db``: a
+#: dependency's error, now in a traceback's text, may quote one)
+_SECRET_VALUES = re.compile(r"(sk-[A-Za-z0-9_\-]{8,}|Bearer\s+\S+|(?<=://)[^/\s@]+(?=@))")
 REDACTED = "[redacted]"
 
 

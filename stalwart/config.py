@@ -30,6 +30,8 @@ __all__ = [
     "ContextEngineSettings",
     "DeadLetterSettings",
     "HealthSettings",
+    "ObservationTier",
+    "PipelineConfig",
     "ProviderSettings",
     "RelevanceSettings",
     "StoreSettings",
@@ -41,6 +43,7 @@ __all__ = [
     "load_config",
     "looks_like_secret",
     "parse_config",
+    "parse_pipeline",
     "read_document",
 ]
 
@@ -419,6 +422,56 @@ class RelevanceSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     recent_user_turns: Annotated[int, msgspec.Meta(ge=1, le=50)] = 3
 
 
+#: the observation tier of a tool's results in the pipeline engine
+ObservationTier = Literal["protected", "standard", "ephemeral"]
+
+
+class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The pipeline engine's config. The first nine knobs are the seed's
+    (``thinkingKeepTurns`` ... ``compactionPrefixAnchorTurns`` and the 85% threshold);
+    the rest are ours, documented in ``docs/context-pipeline.md``."""
+
+    thinking_keep_turns: NonNegative = 10
+    history_turns: Positive = 15
+    eviction_min_age: NonNegative = 15
+    observation_keep_window: NonNegative = 25
+    observation_trigger_chars: NonNegative = 120_000
+    ephemeral_keep_window: NonNegative = 10
+    compaction_cooldown_turns: NonNegative = 5
+    compaction_prefix_anchor_turns: NonNegative = 2
+    #: a fraction of the budget (0.85, not 85)
+    compaction_threshold: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.85
+    #: the newest user turns compaction keeps verbatim (fewer if they alone pass the
+    #: threshold; never fewer than one)
+    compaction_tail_turns: Positive = 10
+    #: the most a summary may be, in tokens
+    summary_max_tokens: Positive = 2_000
+    #: the observation tier of each tool by name; unnamed tools are ``default_tier``
+    observation_tiers: dict[str, ObservationTier] = msgspec.field(default_factory=dict)
+    default_tier: ObservationTier = "standard"
+    #: the agent's instructions file, read through the engine's reader after compaction
+    instructions_file: str | None = "AGENTS.md"
+    rehydrate_max_files: NonNegative = 5
+    rehydrate_max_chars: NonNegative = 8_000
+    #: on a caching provider, how many user turns the cache fence holds what was sent
+    #: before it unchanged before the layers shape it again (0: no fence)
+    cache_fence_turns: NonNegative = 5
+    #: consecutive failures that disable a layer, and how long until its half-open trial
+    layer_failure_limit: Positive = 3
+    layer_retry_after_s: Annotated[float, msgspec.Meta(ge=0.0, le=86_400.0 * 365)] = 600.0
+
+
+def parse_pipeline(knobs: dict[str, Any]) -> PipelineConfig:
+    """The pipeline engine's config from ``context_engine.pipeline``; ConfigError naming
+    the key when it is not one of ``PipelineConfig``'s, or out of shape."""
+    try:
+        return msgspec.convert(knobs, PipelineConfig)
+    except msgspec.ValidationError as exc:
+        at = re.search(r"at `\$\.(\w+)", str(exc))  # the knob msgspec names, if any
+        key = "context_engine.pipeline" + (f".{at.group(1)}" if at else "")
+        raise ConfigError(f"key {key!r}: {exc}", key=key) from None
+
+
 class ContextEngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Seed 001's context engine. ``version`` is operator-only: an agent's config patch
     that touches it is refused (:func:`apply_agent_patch`). The DAG engine keeps the last
@@ -444,15 +497,13 @@ class ContextEngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     summarizer_breaker: SummarizerBreakerSettings = msgspec.field(
         default_factory=SummarizerBreakerSettings
     )
-    #: the pipeline engine's knobs (``stalwart.context.pipeline.PipelineConfig``'s fields:
+    #: the pipeline engine's knobs (:class:`PipelineConfig`'s fields:
     #: ``history_turns``, ``observation_trigger_chars``, ``compaction_threshold`` ...),
     #: checked with the rest of the config
     pipeline: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.pipeline:  # (imported here: the context package imports this module)
-            from stalwart.context.pipeline import parse_pipeline  # noqa: PLC0415
-
+        if self.pipeline:
             parse_pipeline(self.pipeline)
         # a summary's requests are bounded by half_open_timeout_ms: a call still running
         # must hold its reservation, or the caps would not count it

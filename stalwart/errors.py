@@ -24,6 +24,7 @@ expected, what was found and where; they never contain secrets or payload conten
     │   ├── StoreNotFoundError      no store at the location (and create=False)
     │   ├── StoreClosedError        the store was closed
     │   ├── StoreUnavailableError   the store could not be reached (try again later)
+    │   ├── AppendInDoubtError      an append that may or may not be in the log (read first)
     │   ├── StoreReadOnlyError      a write through a handle opened read-only
     │   ├── ConcurrencyError        expected_version did not match the stream
     │   ├── FencedError             the append's lease epoch is not the stream's (a lost lease)

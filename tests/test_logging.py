@@ -109,3 +109,16 @@ def test_a_host_that_configured_structlog_gets_the_lines_through_it() -> None:
     assert first == {"event": "quiet.line", "n": 1}
     assert second["event"] == "loud.line"
     assert second["api_key"] == REDACTED
+
+
+# Was: DEFECT: a URL's user info (a dependency's error quoting a database URL) was logged
+def test_the_user_info_of_a_url_is_redacted_in_any_value() -> None:
+    event = {
+        "exception": "OperationalError: connection to postgresql://app:hunter2@db:5432/x",
+        "note": "cloning https://ghp_abcdef0123@github.com/o/r; see https://example.com/a@b",
+    }
+    out = redact(None, "error", dict(event))
+    assert "hunter2" not in out["exception"]
+    assert out["exception"].endswith("postgresql://[redacted]@db:5432/x")
+    assert "ghp_abcdef0123" not in out["note"]
+    assert out["note"].endswith("see https://example.com/a@b")  # a path's @ is no user info
