@@ -467,8 +467,10 @@ def parse_pipeline(knobs: dict[str, Any]) -> PipelineConfig:
     try:
         return msgspec.convert(knobs, PipelineConfig)
     except msgspec.ValidationError as exc:
-        at = re.search(r"at `\$\.(\w+)", str(exc))  # the knob msgspec names, if any
-        key = "context_engine.pipeline" + (f".{at.group(1)}" if at else "")
+        # the knob msgspec names: out of shape (at `$.knob`), or not one (unknown field)
+        at = re.search(r"at `\$\.(\w+)|unknown field `([^`]+)`", str(exc))
+        knob = at and (at.group(1) or at.group(2))
+        key = "context_engine.pipeline" + (f".{knob}" if knob else "")
         raise ConfigError(f"key {key!r}: {exc}", key=key) from None
 
 

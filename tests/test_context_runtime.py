@@ -50,14 +50,12 @@ def test_the_pipeline_engine_runs_the_turns_when_the_operator_chooses_it(
     assert "ctx_search" not in names  # the ctx tools are the DAG engine's
 
 
-def test_a_bad_pipeline_knob_stops_the_start_with_the_key_named(
-    store: EventStore, clock: FakeClock, fake: FakeProvider
-) -> None:
-    cfg = _config(fake.base_url, version="pipeline", pipeline={"history_turn": 2})
+def test_a_bad_pipeline_knob_is_a_config_error_naming_it(fake: FakeProvider) -> None:
+    """Checked with the rest of the config, before a runtime records anything."""
     with pytest.raises(ConfigError) as caught:
-        Runtime(cfg, store=store, clock=clock).start()
-    assert caught.value.key == "context_engine.pipeline"
-    assert "history_turn" in str(caught.value)
+        _config(fake.base_url, version="pipeline", pipeline={"history_turn": 2})
+    assert caught.value.key == "context_engine.pipeline.history_turn"
+    assert "unknown field `history_turn`" in str(caught.value)
 
 
 def test_the_pipeline_engine_reads_files_again_through_the_hosts_reader(
