@@ -145,10 +145,12 @@ class AgentViewAggregate:
     Version 2 added the ledger, the calls and the stored messages' ids, turns and times
     (a version 1 snapshot is not used: the first start folds the whole stream again).
     Version 3 keeps a call surfaced as ``unreconciled`` among the ledger's started calls
-    until its result is in the conversation (so a step resumed twice never runs it)."""
+    until its result is in the conversation (so a step resumed twice never runs it).
+    Version 4: the drafts fold (version 2) leaves a draft open when an older revision of
+    it is committed."""
 
     name = "agent_view"
-    version = 3
+    version = 4
     state_type = AgentView
 
     def initial(self, stream: str) -> AgentView:

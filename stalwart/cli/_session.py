@@ -109,7 +109,8 @@ def tool_result(
         raise click.UsageError("give exactly one of --output TEXT and --output-file FILE")
     if output_file is not None:
         try:
-            output_text = output_file.read_text(encoding="utf-8")
+            # its bytes as they are: text mode would rewrite CRLF and CR line ends
+            output_text = output_file.read_bytes().decode("utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise click.UsageError(
                 f"cannot read --output-file {str(output_file)!r}: {exc}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from math import isfinite
+from types import UnionType
 
 from stalwart.errors import ConcurrencyError, FencedError, SessionActionError
 from stalwart.events import (
@@ -202,6 +203,14 @@ def _created_then(
     store.append(stream, [NewEvent(event=event, ts=ts)])
 
 
+def _typed(name: str, value: object, kind: type | UnionType) -> None:
+    """TypeError for a host's value of the wrong type, before it reaches the log's
+    encoder (which would call the record it cannot read back corrupt)."""
+    if not isinstance(value, kind):
+        expected = getattr(kind, "__name__", str(kind))
+        raise TypeError(f"{name} is a {expected}, not {type(value).__name__}")
+
+
 #: how an error names a pending request's kind
 _KINDS = {"approval": "an approval request", "custom_tool": "a custom tool's call"}
 
@@ -246,7 +255,9 @@ def confirm(
     store: EventStore, session_id: str, request_id: str, *, allow: bool, ts: float | None = None
 ) -> str:
     """Answer the pending approval: allowed runs the tool once with its stored input,
-    denied records the refusal; the session resumes. Returns the resume activation id."""
+    denied records the refusal; the session resumes. Returns the resume activation id.
+    TypeError, before anything is recorded, for an ``allow`` that is not a bool."""
+    _typed("allow", allow, bool)
     answer = UserToolConfirmation(request_id=request_id, allow=allow)
     return _answer(store, session_id, request_id, "approval", answer, ts)
 
@@ -254,7 +265,9 @@ def confirm(
 def submit_tool_result(
     store: EventStore, session_id: str, request_id: str, output: str, *, ts: float | None = None
 ) -> str:
-    """Give the pending custom tool call its output; the session resumes with it."""
+    """Give the pending custom tool call its output; the session resumes with it.
+    TypeError, before anything is recorded, for an ``output`` that is not a str."""
+    _typed("output", output, str)
     answer = UserCustomToolResult(request_id=request_id, output=output)
     return _answer(store, session_id, request_id, "custom_tool", answer, ts)
 
@@ -264,7 +277,8 @@ def interrupt(
 ) -> list[str]:
     """Clear the pending request and cancel every unsettled activation; a wake still
     running is fenced out (the interrupt claims the next lease epoch). Returns the
-    cancelled activation ids."""
+    cancelled activation ids. TypeError for a ``reason`` that is not a str."""
+    _typed("reason", reason, str)
 
     def decide(
         session: SessionState, activations: ActivationsState
@@ -290,13 +304,16 @@ def schedule_wake(
     dedupe_key: str | None = None,
 ) -> str:
     """Schedule work for ``wake_at`` (a dedupe key returns the pending wake's id instead
-    of adding one); SessionActionError ``wake_refused`` over the caps."""
+    of adding one); SessionActionError ``wake_refused`` over the caps. TypeError for a
+    ``text`` or ``dedupe_key`` that is not a str."""
+    _typed("text", text, str)
+    _typed("dedupe_key", dedupe_key, str | None)
     if isinstance(wake_at, bool) or not isinstance(wake_at, int | float) or not isfinite(wake_at):
+        stream = _stream(session_id)
         raise SessionActionError(
-            f"wake refused for 'session:{session_id}': wake_at must be a finite unix time, "
-            f"got {wake_at!r}",
+            f"wake refused for {stream!r}: wake_at must be a finite unix time, got {wake_at!r}",
             reason="wake_refused",
-            session=f"session:{session_id}",
+            session=stream,
         )
     activation_id = new_id()
     chosen: list[str] = []

@@ -655,10 +655,11 @@ class SessionLayer:
     def interrupt(self, session_id: str, reason: str) -> list[str]:
         cancelled = interrupt(self._w.store, session_id, reason, ts=self._w.clock.now())
         # the session's Agent, whether the host named the session or its stream
-        ref = self.agent_for_wake(session_id.removeprefix("session:"), False)
+        bare = session_id.removeprefix("session:")
+        ref = self.agent_for_wake(bare, False)
         if ref is not None:
             with contextlib.suppress(pykka.ActorDeadError):
-                ref.tell(LeaseLost(f"session:{session_id}", None))
+                ref.tell(LeaseLost(f"session:{bare}", None))
         self.nudge()
         return cancelled
 

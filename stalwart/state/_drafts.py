@@ -59,6 +59,10 @@ def apply_drafts(state: DraftsState, record: RecordedEvent) -> DraftsState:
             previous = state.drafts.get(event.path)
             if previous is None:
                 return state
+            if isinstance(event, DraftCommitted) and event.content_hash != previous.content_hash:
+                # an older revision's commit (a draft_write ran beside the draft_commit):
+                # the newest revision was not written out, so it stays open
+                return state
             status: DraftStatus = "committed" if isinstance(event, DraftCommitted) else "discarded"
             draft = msgspec.structs.replace(previous, status=status, updated_at=record.ts)
         case _:
@@ -68,7 +72,8 @@ def apply_drafts(state: DraftsState, record: RecordedEvent) -> DraftsState:
 
 class DraftsAggregate:
     name = "drafts"
-    version = 1
+    #: 2: a commit of an older revision leaves the newest one open
+    version = 2
     state_type = DraftsState
 
     def initial(self, stream: str) -> DraftsState:
