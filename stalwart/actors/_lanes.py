@@ -1,5 +1,5 @@
 """Per-key lanes: one key's jobs run one at a time and in order, different keys side by
-side, on at most ``workers`` threads.
+side, on at most ``workers`` threads, which the busy keys take in turns (a job each).
 
 An actor whose work waits on the network for one key (a session's summarizer call)
 hands it to a lane instead of running it in its mailbox, so the other keys go on. The
@@ -112,20 +112,26 @@ class Lanes:
             reply.set_exception(exc_info=_dead(self._name))
 
     def _drain(self, key: Hashable) -> None:
-        while True:
-            with self._mutex:
-                lane = self._queued[key]
-                if not lane:
-                    del self._queued[key]
-                    return
-                # the key stays busy while its job runs: the lane goes only once empty
-                job, reply = lane.popleft()
-            try:
-                result = job()
-            except BaseException as exc:
-                reply.set_exception(exc_info=(type(exc), exc, exc.__traceback__))
+        """Run ``key``'s next job, then queue the lane again behind the keys waiting for a
+        thread: a key whose jobs keep coming does not hold a thread while others wait."""
+        with self._mutex:
+            lane = self._queued[key]
+            if not lane:  # closed meanwhile: its jobs were failed
+                del self._queued[key]
+                return
+            # the key stays busy while its job runs: the lane goes only once empty
+            job, reply = lane.popleft()
+        try:
+            result = job()
+        except BaseException as exc:
+            reply.set_exception(exc_info=(type(exc), exc, exc.__traceback__))
+        else:
+            reply.set(result)
+        with self._mutex:
+            if lane and not self._closed:
+                self._pool.submit(self._drain, key)
             else:
-                reply.set(result)
+                del self._queued[key]
 
 
 #: a wait's real time (a fake clock cannot bound a thread's wait)

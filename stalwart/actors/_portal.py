@@ -14,7 +14,8 @@ coroutine owns its own deadline (a cancel scope inside it), as the caller of a c
 a provider does.
 
 Stopping the portal cancels whatever is still in flight; the futures of those calls end
-cancelled, and their done-callbacks run.
+cancelled, and their done-callbacks run. The stop waits a bounded time for the loop to
+end: a call that blocks it, or does not end when cancelled, does not hold it up.
 
 Neither ``submit`` nor ``call_soon`` waits for the loop: the call is handed over with
 ``call_soon_threadsafe`` and started there. A channel that blocks the loop (a synchronous
@@ -39,7 +40,14 @@ from anyio.abc import TaskStatus
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from stalwart._logs import get_logger
+
 __all__ = ["IoPortal"]
+
+log = get_logger(__name__)
+
+#: How long ``stop()`` waits for the loop to end, by default (the runtime's stop bound).
+STOP_TIMEOUT_S = 5.0
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -109,14 +117,22 @@ async def _run(job: _Job) -> None:
             raise  # the portal is stopping: the cancellation is the loop's, let it through
         # else the call raised a CancelledError of its own (a future someone else
         # cancelled): its outcome, not a reason to stop every other call on the loop
-    except BaseException as exc:
+    except BaseException as exc:  # sys.exit() in a channel or a run's work: its outcome
         if future.set_running_or_notify_cancel():
             future.set_exception(exc)
-        if not isinstance(exc, Exception):
-            raise
+        if isinstance(exc, GeneratorExit):
+            raise  # this coroutine is being closed: nothing may run after it
+        # anything else raised through would end the loop, and every call on it
     else:
         if not scope.cancelled_caught and future.set_running_or_notify_cancel():
             future.set_result(result)
+
+
+def _end(portal: BlockingPortal, context: AbstractContextManager[BlockingPortal]) -> None:
+    """Stop ``portal``'s loop, cancelling what is in flight, and join its thread."""
+    with contextlib.suppress(RuntimeError):  # the loop has ended already
+        portal.call(portal.stop, True)  # cancel_remaining: what is in flight ends now
+    context.__exit__(None, None, None)  # joins the thread
 
 
 class IoPortal:
@@ -165,8 +181,12 @@ class IoPortal:
                 self._portal, self._context, self._spawner = portal, context, spawner
         return self
 
-    def stop(self) -> None:
-        """Cancel every call still in flight, stop the loop and join its thread."""
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Cancel every call still in flight, stop the loop and join its thread within
+        ``timeout`` seconds. A loop still held up then (a call blocking it, or one that
+        does not end when cancelled) is left to end on its daemon thread, and said
+        (``io.portal_stop_timed_out``); the futures of its calls end cancelled all the
+        same, so nobody waits for them."""
         with self._lock:
             portal, self._portal = self._portal, None
             context, self._context = self._context, None
@@ -175,9 +195,14 @@ class IoPortal:
             left, self._pending = self._pending, set()
         if portal is None or context is None:
             return
-        portal.call(portal.stop, True)  # cancel_remaining: what is in flight ends now
-        context.__exit__(None, None, None)  # joins the thread
-        for future in left:  # a call handed over as the loop closed never started
+        ending = threading.Thread(
+            target=_end, args=(portal, context), name=f"{self._name}-stop", daemon=True
+        )
+        ending.start()
+        ending.join(timeout)
+        if ending.is_alive():
+            log.warning("io.portal_stop_timed_out", timeout_s=timeout)
+        for future in left:  # never started as the loop closed, or still held up in it
             future.cancel()
 
     def submit(self, fn: Callable[[Unpack[Ts]], Awaitable[T]], *args: *Ts) -> Future[T]:

@@ -61,6 +61,10 @@ def _dropped(at: float) -> None:
     """A cancelled timer's callback: what it held is let go before its entry leaves."""
 
 
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
 @runtime_checkable
 class _AdvancingClock(Protocol):
     """A clock that moves by hand and tells listeners (``FakeClock``)."""
@@ -324,10 +328,14 @@ class Scheduler:
         return top, now
 
     def _call(self, handle: TimerHandle, fired_at: float) -> None:
-        """Run one callback (without the lock); log and count one that raises."""
+        """Run one callback (without the lock); log and count one that raises, whatever
+        it raises (``sys.exit()``, an asyncio ``CancelledError``): raised through, it
+        would end the thread, and every later timer would wait for ever."""
         try:
             handle._callback(fired_at)
-        except Exception:
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt) and _on_main_thread():
+                raise  # Ctrl-C during an advance(): the host's, not the callback's
             with self._cond:
                 self._failed += 1
             log.exception(
