@@ -51,6 +51,11 @@ SUMMARY_INSTRUCTIONS = (
 )
 
 
+def _count(value: object) -> bool:
+    """Whether ``value`` is a token count: an int (not a bool), 0 or more."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 class TurnLog:
     """What one assembly did, gathered as it goes."""
 
@@ -265,8 +270,9 @@ class Summaries:
         blank answer is a failure (``empty_summary``) that charges what it spent."""
         try:
             text, spent_in, spent_out = self.summarizer(request)
-            if not isinstance(text, str):
-                raise TypeError("a summarizer returns text")
+            if not isinstance(text, str) or not (_count(spent_in) and _count(spent_out)):
+                # a host's summarizer: its counts go into events and the tenant's ledger
+                raise TypeError("a summarizer returns text and two token counts")
         except SummaryFailedError as exc:
             return "", exc.input_tokens, exc.output_tokens, exc.error_class
         except Exception as exc:
