@@ -22,6 +22,7 @@ from .errors import ConfigError
 
 __all__ = [
     "MIN_CONTEXT_WINDOW",
+    "MIN_PROMPT_TOKENS",
     "ActivationSettings",
     "AgentSettings",
     "ChannelSettings",
@@ -54,6 +55,9 @@ Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_KNOB)]
 #: The smallest ``context_window`` an agent may declare: a summary request's instructions,
 #: its framing, the summary so far and the reply (each up to a quarter) must leave room.
 MIN_CONTEXT_WINDOW = 1_024
+#: the least of ``context_window`` an agent's ``max_tokens`` must leave for the request's
+#: messages (the context engine's own clause and cut marker take about 240)
+MIN_PROMPT_TOKENS = 256
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=MAX_KNOB)]
 #: The name of an environment variable that holds a secret (never the secret itself: a
 #: config's values are recorded, and a key pasted here would be in the log for good).
@@ -555,6 +559,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 raise ConfigError(f"key '{where}.model': must name a model", key=f"{where}.model")
             base, cap = agent.retry_base_ms, agent.retry_cap_ms
             _ordered(where, "retry_base_ms", base, "retry_cap_ms", cap)
+            if agent.context_window - agent.max_tokens < MIN_PROMPT_TOKENS:
+                raise ConfigError(
+                    f"key '{where}.max_tokens': must leave at least {MIN_PROMPT_TOKENS} of "
+                    f"{where}.context_window ({agent.context_window}) for the conversation, "
+                    f"found {agent.max_tokens}",
+                    key=f"{where}.max_tokens",
+                )
             if agent.provider not in self.providers:
                 raise ConfigError(
                     f"key '{where}.provider': no provider named {agent.provider!r} "

@@ -61,6 +61,13 @@ _MODEL = {"provider": "p", "model": "m"}
             "agents.default.retry_cap_ms",
             [">= agents.default.retry_base_ms (9000)", "found 8000"],
         ),
+        # Was: DEFECT: a max_tokens that leaves the conversation no room (budget 1: every
+        # request over the window) was accepted
+        (
+            {**_AGENT, "agents": {"default": {**_MODEL, "context_window": 1_024}}},
+            "agents.default.max_tokens",
+            ["at least 256 of agents.default.context_window (1024)", "found 1024"],
+        ),
         # Was: DEFECT: an empty model name was accepted (an empty fallback model was not)
         (
             {**_AGENT, "agents": {"default": {**_MODEL, "model": " "}}},
