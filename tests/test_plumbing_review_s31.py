@@ -9,7 +9,6 @@ import threading
 from functools import partial
 from typing import Any
 
-import anyio
 import pykka
 import pytest
 
@@ -20,18 +19,7 @@ from stalwart.actors._send import send_by_clock
 from stalwart.channels import Delivery, MemoryChannel, OutboundMessage
 from stalwart.clock import FakeClock, SystemClock
 from tests._runtime_support import GUARD, until
-
-
-def _message(text: str) -> OutboundMessage:
-    return OutboundMessage(conversation="c", text=text, idempotency_key=text)
-
-
-async def _answer(value: int) -> int:
-    return value
-
-
-async def _forever() -> None:
-    await anyio.sleep_forever()
+from tests.test_review_portal_probe_incidents import _answer, _forever, _message
 
 
 async def _exits() -> None:
