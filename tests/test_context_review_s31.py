@@ -21,7 +21,7 @@ from stalwart.events import ContextAssembled, ContextCalibrated
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider
-from tests._runtime_support import delivered, of
+from tests._runtime_support import delivered, has, log_until, of
 
 # -- the request's system text and tools at the calibrated factor ----------------------------
 
@@ -67,9 +67,9 @@ def test_a_long_system_prompt_at_a_dense_factor_keeps_the_request_within_the_win
         fake.add(Answer(text="noted", input_tokens=2_400))  # about twice the estimate
         session.send("hello")
         delivered(rt, chat, 1)
-        [calibrated] = of(
-            ContextCalibrated, list(store.read_stream("context-calibration:openai:dense"))
-        )
+        # the calibration is recorded after the reply went out: wait for it
+        calibration = log_until(store, "context-calibration:openai:dense", has(ContextCalibrated))
+        [calibrated] = of(ContextCalibrated, calibration)
         factor = calibrated.factor
         assert factor > 1.8, factor
         fake.add(Answer(text="done"))
