@@ -42,12 +42,24 @@ def read_readable(
     read (``unreadable(version, error)`` hears of it): for a fold whose state is worth
     more than the damaged record, such as a provider's breaker or the dead-letter queue.
     A reader that must not guess past damage uses ``read_stream``."""
+    for batch in _readable_batches(store, stream, from_version, unreadable):
+        yield from batch
+
+
+def _readable_batches(
+    store: EventStore,
+    stream: str,
+    from_version: int,
+    unreadable: Callable[[int, CorruptRecordError], object] | None,
+) -> Iterator[Sequence[RecordedEvent]]:
+    """:func:`read_readable` in the store's batches (see :func:`record_batches`)."""
     version = from_version
     while True:
         try:
-            for record in store.read_stream(stream, version):
-                version = record.version + 1
-                yield record
+            for batch in record_batches(store.read_stream(stream, version)):
+                if batch:
+                    version = batch[-1].version + 1
+                    yield batch
             return
         except CorruptRecordError as exc:  # the record holding ``version``: the next one on
             if unreadable is not None:
@@ -77,26 +89,6 @@ def read_all_readable(
             if unreadable is not None:
                 unreadable(at, exc)
             position = at + 1
-
-
-def _readable_batches(
-    store: EventStore,
-    stream: str,
-    from_version: int,
-    unreadable: Callable[[int, CorruptRecordError], object],
-) -> Iterator[Sequence[RecordedEvent]]:
-    """:func:`read_readable` in the store's batches (see :func:`record_batches`)."""
-    version = from_version
-    while True:
-        try:
-            for batch in record_batches(store.read_stream(stream, version)):
-                if batch:
-                    version = batch[-1].version + 1
-                    yield batch
-            return
-        except CorruptRecordError as exc:  # the record holding ``version``: the next one on
-            unreadable(version, exc)
-            version += 1
 
 
 def _until(
