@@ -505,6 +505,7 @@ class ContextStoreActor(Supervised):
             caching=message.profile.caching,
             # the model's estimator, which Calibrate feeds with the usage reported
             estimator=self._dag.estimator(message.profile),
+            overhead=message.overhead,
         )
         # the layer breaker decided at the assembly's clock reading: its events say so
         # (replay re-derives a breaker's cooldown from the time its event records)

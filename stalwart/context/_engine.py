@@ -227,10 +227,10 @@ class DagEngine(Summaries, Recall):
             log.warning("context_write_refused", reason="fail_closed_rollover", tenant=tenant)
             exc.events = (refusal,)
             raise
-        factor = self.estimator(profile).factor
+        estimator = self.estimator(profile)
+        factor = estimator.factor
         # the overhead costs ``factor`` x its estimate too (never counted below it)
-        extra = max(0, math.ceil(max(0, overhead) * factor) - max(0, overhead))
-        raw_budget = max(1, math.floor((budget - extra) / factor))
+        raw_budget = max(1, math.floor((budget - estimator.overhead_extra(overhead)) / factor))
         return self._assemble(session, raw_budget, budget, factor, profile, turn)
 
     def relevance_first(self, profile: ModelProfile) -> bool:

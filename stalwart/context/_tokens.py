@@ -199,6 +199,14 @@ class TokenEstimator:
         """A bare text's calibrated estimate (no message framing)."""
         return math.ceil(estimate_text_tokens(text, self.profile) * self.factor)
 
+    def overhead_extra(self, overhead: int) -> int:
+        """What a request's ``overhead`` (the uncalibrated estimate of what it carries
+        besides its messages: a system text, tool declarations; a budget counted it at
+        factor 1) costs on top of that estimate at this factor: room the messages do not
+        get. Never below 0 (a factor under 1 gives them nothing back)."""
+        overhead = max(0, overhead)
+        return max(0, math.ceil(overhead * self.factor) - overhead)
+
 
 def request_budget(
     context_window: int,

@@ -205,20 +205,28 @@ class PipelineEngine:
         provider: str,
         caching: bool = True,
         estimator: TokenEstimator | None = None,
+        overhead: int = 0,
     ) -> PipelineResult:
         """The transcript to send ``provider`` for a window of ``budget_tokens``;
         ``caching``: the provider caches prompt prefixes (the cache fence holds).
         ``estimator``: the one to count with this time instead of the engine's own (the
-        runtime shares one per model, calibrated with the usage providers report)."""
+        runtime shares one per model, calibrated with the usage providers report).
+        ``overhead``: the uncalibrated estimate of what the request carries besides these
+        messages and ``budget_tokens`` already leaves out at factor 1 (a system text, tool
+        declarations): the provider counts it at the calibrated factor too, so above 1
+        the layers fit the messages into less. The budget recorded, and the one a
+        changed budget breaks the cache fence on, stays ``budget_tokens``: a factor that
+        moves does not break the fence by itself."""
         original = tuple(messages)
         ids = [message.message_id for message in original]
         head_digest, input_digest = digest(ids, prefix=self._state.last_input_count)
         estimator = estimator or self.estimator(provider)
+        room = max(1, budget_tokens - estimator.overhead_extra(overhead))
         run = Run(
             config=self.config,
             original=original,
             provider=provider,
-            budget=budget_tokens,
+            budget=room,
             now=self._clock.now(),
             turn=latest_turn(original),
             replay=is_replay(self._state, provider, head_digest, len(ids)),
@@ -228,7 +236,7 @@ class PipelineEngine:
             reader=self._reader,
         )
         shaped, events, fired, failed = self._layers(original, run)
-        current, repairs, broke = self._hold(original, shaped, events, run, caching)
+        current, repairs, broke = self._hold(original, shaped, events, run, budget_tokens, caching)
         held = self._state.fence if broke is None else 0  # what the previous call sent
         fence = fence_input = fence_turn = 0
         if caching and self.config.cache_fence_turns > 0:
@@ -263,12 +271,12 @@ class PipelineEngine:
         for event in events:
             self._state = apply_pipeline_event(self._state, event)
         self._held = current[:fence]
-        if tokens_out > budget_tokens:
+        if tokens_out > room:
             log.warning(
                 "context over budget after pipeline",
                 session=self.session,
                 tokens_out=tokens_out,
-                budget=budget_tokens,
+                budget=room,
             )
         log.info(
             "context pipeline complete",
@@ -307,7 +315,13 @@ class PipelineEngine:
         )
 
     def _hold(
-        self, original: Messages, shaped: Messages, events: list[Event], run: Run, caching: bool
+        self,
+        original: Messages,
+        shaped: Messages,
+        events: list[Event],
+        run: Run,
+        budget_tokens: int,
+        caching: bool,
     ) -> tuple[Messages, int, str | None]:
         """What is sent (made provider-valid by the DAG engine's ``repair``), how many
         repairs it took, and why the cache fence broke (see ``_fence``): the messages
@@ -324,7 +338,7 @@ class PipelineEngine:
             self._state,
             held=self._held is not None,
             replay=run.replay,
-            budget=run.budget,
+            budget=budget_tokens,
             late=late_results(held, added),
             compacted=any(isinstance(event, ContextCompacted) for event in events),
             turn=run.turn,
