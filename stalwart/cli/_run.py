@@ -15,7 +15,7 @@ from stalwart._text import escaped
 from stalwart.actors import request_messages
 from stalwart.clock import SystemClock
 from stalwart.config import Config, load_config
-from stalwart.errors import ContextOverflowError, ProviderError, StalwartError
+from stalwart.errors import ConcurrencyError, ContextOverflowError, ProviderError, StalwartError
 from stalwart.events import (
     MessageAppended,
     PromptStarted,
@@ -26,8 +26,8 @@ from stalwart.events import (
 )
 from stalwart.ids import new_id
 from stalwart.providers import Message, ProviderRequest, StreamEvent, TextDelta
-from stalwart.runtime import ProviderLayer, check_session_id, runtime_started
-from stalwart.store import EventStore
+from stalwart.runtime import ProviderLayer, check_session_id, load_session, runtime_started
+from stalwart.store import EventStore, NewEvent
 
 from ._app import _State, cli
 
@@ -89,27 +89,61 @@ class _Printer:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
 
 
+def _free_version(store: EventStore, session: str, now: float) -> int:
+    """The session's version when nothing else has a turn of it in hand: StalwartError
+    when a worker's lease on it is live, a turn is under way (a runtime runs it, or one
+    stopped without closing it), it waits for an operator's answer, or it is closed. A
+    turn appended beside another would interleave two conversations in one stream."""
+    state, activations = load_session(store, session)
+    stream = state.stream
+    lease = activations.lease
+    if lease is not None and now < lease.expires_at:
+        raise StalwartError(
+            f"session {stream!r} is held by a worker (its lease runs until "
+            f"{lease.expires_at:.0f}): send the message through the runtime that serves it"
+        )
+    if state.status == "running":
+        raise StalwartError(
+            f"session {stream!r} has a turn under way: a runtime is running it, or one "
+            f"stopped with it open (`stalwart session interrupt {session}` ends it)"
+        )
+    if state.status == "requires_action":
+        raise StalwartError(
+            f"session {stream!r} waits for an answer to a pending request "
+            f"(`stalwart session confirm`, `tool-result` or `interrupt`)"
+        )
+    if state.status == "closed":
+        raise StalwartError(f"session {stream!r} is closed")
+    return state.version
+
+
 async def _turn(
     layer: ProviderLayer,
     store: EventStore,
     agent: str,
     session: str,
+    version: int,
     prompt: str,
     printer: _Printer,
 ) -> str:
     stream = f"session:{session}"
     sink, clock = layer.sink, layer.clock
-    if store.stream_version(stream) == 0:
-        await sink.emit(stream, [SessionCreated(agent=agent)], clock.now())
     turn = new_id()
-    await sink.emit(
-        stream,
-        [
-            TurnStarted(turn_id=turn),
-            MessageAppended(message_id=new_id(), role="user", content=prompt, turn_id=turn),
-        ],
-        clock.now(),
-    )
+    opening = [
+        *([SessionCreated(agent=agent)] if version == 0 else []),
+        TurnStarted(turn_id=turn),
+        MessageAppended(message_id=new_id(), role="user", content=prompt, turn_id=turn),
+    ]
+    try:  # expecting the version checked: nothing took the session since
+        await anyio.to_thread.run_sync(
+            partial(store.append, expected_version=version),
+            stream,
+            [NewEvent(event=event, ts=clock.now()) for event in opening],
+        )
+    except ConcurrencyError:
+        raise StalwartError(
+            f"session {stream!r} changed while the turn was being started: try again"
+        ) from None
     settings = layer.config.agent(agent)
     # as an Agent sends it: the agent's system prompt first, and a tool call a runtime's
     # stopped turn left without a result answered (a provider rejects the request else)
@@ -148,13 +182,19 @@ async def _turn(
 
 
 async def _main(
-    config: Config, store: EventStore, agent: str, session: str, prompt: str, printer: _Printer
+    config: Config,
+    store: EventStore,
+    agent: str,
+    session: str,
+    version: int,
+    prompt: str,
+    printer: _Printer,
 ) -> None:
     layer = ProviderLayer(config, store, clock=SystemClock())
     started = runtime_started(config, store, new_id())
     await layer.sink.emit("runtime", [started], layer.clock.now())
     try:
-        await _turn(layer, store, agent, session, prompt, printer)
+        await _turn(layer, store, agent, session, version, prompt, printer)
     finally:
         await layer.sink.emit("runtime", [RuntimeStopped(reason="run finished")], layer.clock.now())
         await layer.aclose()
@@ -184,7 +224,8 @@ def run(state: _State, config_path: str, agent: str, session: str | None, prompt
     terminated: list[int] = []
     previous = signal.signal(signal.SIGTERM, partial(_as_interrupt, terminated))
     try:
-        anyio.run(_main, config, store, agent, session, prompt, printer)
+        version = _free_version(store, session, SystemClock().now())
+        anyio.run(_main, config, store, agent, session, version, prompt, printer)
     except ContextOverflowError:
         raise StalwartError(TOO_LONG) from None
     except ProviderError:
