@@ -196,6 +196,21 @@ class SubagentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             self.custom_max_ms,
         )  # fmt: skip
 
+    @property
+    def longest_run_ms(self) -> int:
+        """The longest limit a run can be given: a class timeout, ``custom_max_ms`` or
+        ``max_run_timeout_ms``."""
+        classes: tuple[int, ...] = msgspec.structs.astuple(self.class_timeouts_ms)
+        return max(self.max_run_timeout_ms, self.custom_max_ms, *classes)
+
+    @property
+    def spawn_wait_ms(self) -> int:
+        """How long the ``spawn_subagent`` tool waits for its run, a last resort behind the
+        run's own limit: the longest limit, the ghost sweep's grace and interval (a run
+        whose watchdog never fired is swept by then), and a minute to spare."""
+        sweep = self.ghost_grace_ms + self.ghost_sweep_interval_ms
+        return self.longest_run_ms + sweep + 60_000
+
 
 class HealthSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Seed 000's provider health monitor: within ``window_ms``, failures from

@@ -395,7 +395,8 @@ class Runtime:
     def _spawn_tool(self, session_id: str, agent: str) -> Tool:
         """The ``spawn_subagent`` tool of one session (see :func:`spawn_tool_fn`)."""
         fn = spawn_tool_fn(self, session_id, agent)
-        timeout_ms = self.config.subagents.custom_max_ms + 60_000  # the run's own limit rules
+        # the run's own limit rules: this only bounds a wait nothing else would end
+        timeout_ms = self.config.subagents.spawn_wait_ms
         return build_tool(fn, name=SPAWN_TOOL, timeout_ms=timeout_ms)
 
     # -- the parts' health ---------------------------------------------------------------------
