@@ -757,9 +757,9 @@ class AgentActor(Supervised):
             except ConcurrencyError:
                 continue
             self._refresh()
+            if self._worker is not None:  # work was appended: the worker leases it now
+                self._worker(None)
             return
-        if self._worker is not None:
-            self._worker(None)
 
     def _on_wake(self, wake: Wake) -> None:
         """Run one bounded wake: close a turn a dead holder left running, add the wake's

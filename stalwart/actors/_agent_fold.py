@@ -12,6 +12,8 @@ replay re-derives every ``execution:aborted``.
 
 from __future__ import annotations
 
+from collections import deque
+
 import msgspec
 
 from stalwart.context import ContextMessage, SessionMessages
@@ -172,20 +174,38 @@ def request_messages(
     messages: tuple[Message, ...], system_prompt: str | None = None
 ) -> tuple[Message, ...]:
     """The messages of the next request: the log's conversation, with every tool call
-    answered (a call left without a result by a stopped turn gets
-    :data:`UNANSWERED_TOOL_TEXT`, since providers reject a call with no result)."""
+    answered right after the assistant message that made it, in the calls' order, as
+    providers insist. A result the log holds further on (a user message that arrived
+    while the step waited for an approval is recorded before the step's results) is
+    moved up to its call; a call left without a result by a stopped turn gets
+    :data:`UNANSWERED_TOOL_TEXT`; a result whose call is not in the conversation is
+    left out."""
+    results: dict[str, deque[Message]] = {}
+    for message in messages:
+        if message.role == "tool" and message.tool_call_id is not None:
+            results.setdefault(message.tool_call_id, deque()).append(message)
     out: list[Message] = [Message(role="system", content=system_prompt)] if system_prompt else []
-    open_calls: list[ToolCall] = []
     for message in messages:
         if message.role == "tool":
-            open_calls = [c for c in open_calls if c.id != message.tool_call_id]
-        else:
-            out.extend(_unanswered(open_calls))
-            open_calls = list(message.tool_calls) if message.role == "assistant" else []
+            continue  # placed after its call
         out.append(message)
-    out.extend(_unanswered(open_calls))
+        if message.role == "assistant":
+            out.extend(_answers(message.tool_calls, results))
     return tuple(out)
 
 
-def _unanswered(calls: list[ToolCall]) -> list[Message]:
-    return [Message(role="tool", content=UNANSWERED_TOOL_TEXT, tool_call_id=c.id) for c in calls]
+def _answers(calls: tuple[ToolCall, ...], results: dict[str, deque[Message]]) -> list[Message]:
+    """Each call's result (its first one not placed yet), or the text of one that has none;
+    a call id repeated in one message is answered once."""
+    answers: list[Message] = []
+    seen: set[str] = set()
+    for call in calls:
+        if call.id in seen:
+            continue
+        seen.add(call.id)
+        queue = results.get(call.id)
+        if queue:
+            answers.append(queue.popleft())
+        else:
+            answers.append(Message(role="tool", content=UNANSWERED_TOOL_TEXT, tool_call_id=call.id))
+    return answers
