@@ -80,8 +80,9 @@ NO_HUMAN_TEXT = (
 )
 #: What the model reads for a call a crash cut short that its tool cannot confirm.
 UNRECONCILED_TEXT = (
-    "This tool call was interrupted by a restart and may or may not have taken effect; "
-    "it was not run again. Check its effect before repeating it."
+    "This tool call was cut off before its outcome was recorded (a restart, a timeout or "
+    "an interrupt) and may or may not have taken effect; it was not run again. Check its "
+    "effect before repeating it."
 )
 #: How a delayed wake's text enters the conversation.
 WAKE_PREFIX = "[scheduled wake] "
