@@ -623,7 +623,9 @@ class ActivationWorker(Supervised):
         """The lease was taken over: stop the wake, record that this holder noticed."""
         self._running.pop(stream, None)
         self._scheduler.cancel(("worker:renew", self._owner, stream))
-        self._look_later(stream, self._clock.now())  # its fold is another holder's now
+        if self._queue is not None:  # its fold is another holder's now: kept until it is due
+            state = self._states.get(stream)
+            self._let_go(stream, due_at(state) if state is not None else None)
         log.warning("worker.lease_lost", stream=stream, epoch=epoch, current=current)
         self._lost(LeaseLost(stream, epoch))
         lost = ActivationLeaseLost(

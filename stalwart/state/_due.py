@@ -18,6 +18,7 @@ A hint may be early (a worker folds the stream and finds nothing to do yet), nev
 from __future__ import annotations
 
 from collections.abc import Iterable
+from math import isfinite
 from typing import cast
 
 from stalwart.events import (
@@ -54,14 +55,18 @@ _RELEASING = (
 
 
 def due_at(state: ActivationsState) -> float | None:
-    """The earliest time a worker has something to decide for the session, or None."""
+    """The earliest time a worker has something to decide for the session, or None.
+
+    A run time that is not a number (a wake recorded with ``wake_at`` NaN by a build
+    that took one) is never due: :func:`~stalwart.state.next_due` never picks it (every
+    comparison with it is false), so it is left out, and no store is asked to keep it."""
     if state.lease is not None:
         return state.lease.expires_at
     if state.blocked_on is not None:
         return None
-    times = [a.run_at for a in state.queue if a.kind == "wake"]
+    times = [a.run_at for a in state.queue if a.kind == "wake" and isfinite(a.run_at)]
     ordered = next((a for a in state.queue if a.kind != "wake"), None)
-    if ordered is not None:
+    if ordered is not None and isfinite(ordered.run_at):
         times.append(ordered.run_at)
     return min(times, default=None)
 
@@ -77,7 +82,7 @@ def due_hint(events: Iterable[tuple[Event, float]]) -> float | None:
             kind = kinds[type(event)] = _kind(event)
         if kind == _READY:
             wake_at = cast(ActivationReady, event).wake_at
-            when = wake_at if wake_at is not None else at
+            when = wake_at if wake_at is not None and isfinite(wake_at) else at
         elif kind == _RELEASES:
             when = at
         else:
