@@ -17,6 +17,7 @@ every ``tool:blocked`` from the log.
 
 from __future__ import annotations
 
+import enum
 import errno
 from collections.abc import Iterable
 from typing import Literal, TypeVar
@@ -100,7 +101,8 @@ def action_for(error_class: str, retryable: bool = False) -> Action:
 def classify_tool_error(exc: BaseException) -> tuple[str, Action]:
     """The error class and action of an exception a tool raised."""
     if isinstance(exc, ToolError):
-        return exc.error_class, action_for(exc.error_class, exc.retryable)
+        named = _named_by_host(exc.error_class)
+        return named, action_for(named, exc.retryable)
     error_class = _builtin_class(exc) or _named_class(exc)
     if error_class is None:
         if isinstance(exc, ValueError):
@@ -110,6 +112,17 @@ def classify_tool_error(exc: BaseException) -> tuple[str, Action]:
         else:
             error_class = "exception"
     return error_class, action_for(error_class)
+
+
+def _named_by_host(error_class: object) -> str:
+    """A ``ToolError``'s ``error_class`` as the text an event can hold: a host may pass
+    what its own API gave (``HTTPStatus.NOT_FOUND``, ``404``), which a ``tool:failed``
+    would record but never read back."""
+    if isinstance(error_class, enum.Enum):
+        error_class = error_class.value
+    if error_class is None or error_class == "":
+        return "tool_error"
+    return error_class if type(error_class) is str else str(error_class)
 
 
 def _builtin_class(exc: BaseException) -> str | None:

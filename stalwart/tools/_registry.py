@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
@@ -21,6 +22,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: What every provider accepts as a tool name (OpenAI's rule; Anthropic's is the same).
 NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 DEFAULT_TIMEOUT_MS = 30_000
+#: ``reconcile(idempotency_key, arguments)``, sync or async: after a crash cut a call
+#: short, the output of its effect if it happened (made text like a result), else None.
+Reconcile = Callable[[str, dict[str, Any]], object]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +47,8 @@ class Tool:
     extra_keywords: bool
     extra_type: Any = Any
     custom: bool = False
-    #: ``reconcile(idempotency_key, arguments) -> output | None``: after a crash cut a call
-    #: short, whether its effect happened (its output), or None (it did not: run it).
-    reconcile: Callable[[str, dict[str, Any]], str | None] | None = None
+    #: after a crash cut a call short, whether its effect happened (see :data:`Reconcile`)
+    reconcile: Reconcile | None = None
 
     @property
     def spec(self) -> ToolSpec:
@@ -70,18 +73,27 @@ class ToolRegistry:
     def __init__(self) -> None:
         self._tools: dict[str, Tool] = {}
         self._reserved: dict[str, str] = {}  # name -> who has it
+        # a host registers while Agents read (tools registered later are offered from the
+        # next model call on): registering is one step, and readers iterate a copy
+        self._lock = threading.Lock()
 
     def reserve(self, names: Iterable[str], owner: str) -> None:
         """Refuse ``names`` from now on (the runtime's built-in tools, ``owner`` says
         whose). ToolRegistrationError (``field="name"``) when one is registered already."""
-        for name in names:
-            if name in self._tools:
-                raise ToolRegistrationError(
-                    f"a tool named {name!r} is already registered, but {owner} uses that name",
-                    field="name",
-                    tool=name,
-                )
-            self._reserved[name] = owner
+        with self._lock:
+            for name in names:
+                if name in self._tools:
+                    raise ToolRegistrationError(
+                        f"a tool named {name!r} is already registered, but {owner} uses that name",
+                        field="name",
+                        tool=name,
+                    )
+                self._reserved[name] = owner
+
+    def _add(self, tool: Tool) -> None:
+        with self._lock:
+            self._check_free(tool.name)
+            self._tools[tool.name] = tool
 
     def _check_free(self, name: str) -> None:
         owner = self._reserved.get(name)
@@ -106,7 +118,7 @@ class ToolRegistry:
         parameters: dict[str, Any] | None = None,
         timeout_ms: int = DEFAULT_TIMEOUT_MS,
         needs_confirmation: bool = False,
-        reconcile: Callable[[str, dict[str, Any]], str | None] | None = None,
+        reconcile: Reconcile | None = None,
     ) -> F: ...
 
     @overload
@@ -119,7 +131,7 @@ class ToolRegistry:
         parameters: dict[str, Any] | None = None,
         timeout_ms: int = DEFAULT_TIMEOUT_MS,
         needs_confirmation: bool = False,
-        reconcile: Callable[[str, dict[str, Any]], str | None] | None = None,
+        reconcile: Reconcile | None = None,
     ) -> Callable[[F], F]: ...
 
     def register(
@@ -131,7 +143,7 @@ class ToolRegistry:
         parameters: dict[str, Any] | None = None,
         timeout_ms: int = DEFAULT_TIMEOUT_MS,
         needs_confirmation: bool = False,
-        reconcile: Callable[[str, dict[str, Any]], str | None] | None = None,
+        reconcile: Reconcile | None = None,
     ) -> F | Callable[[F], F]:
         """Register ``fn`` (sync or async) and return it unchanged; a decorator without it.
 
@@ -153,8 +165,7 @@ class ToolRegistry:
             )
             if reconcile is not None:
                 tool = dataclasses.replace(tool, reconcile=reconcile)
-            self._check_free(tool.name)
-            self._tools[tool.name] = tool
+            self._add(tool)
             return target
 
         return add if fn is None else add(fn)
@@ -174,8 +185,7 @@ class ToolRegistry:
 
         schema = parameters or {"type": "object", "properties": {}}
         tool = build_tool(host_implemented, name=name, description=description, parameters=schema)
-        self._check_free(tool.name)
-        self._tools[tool.name] = dataclasses.replace(tool, custom=True)
+        self._add(dataclasses.replace(tool, custom=True))
 
     def get(self, name: str) -> Tool | None:
         """The tool registered as ``name``, or None."""
@@ -183,7 +193,7 @@ class ToolRegistry:
 
     def specs(self) -> tuple[ToolSpec, ...]:
         """Every tool's spec, in registration order, for a provider request."""
-        return tuple(tool.spec for tool in self._tools.values())
+        return tuple(tool.spec for tool in tuple(self._tools.values()))
 
     def names(self) -> tuple[str, ...]:
         return tuple(self._tools)

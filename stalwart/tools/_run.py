@@ -1,6 +1,6 @@
 """Running the calls a model asked for: validated, each under its own timeout, bounded.
 
-Sync tools run in a worker thread; async ones are awaited on the caller's event loop.
+Sync tools run on a daemon thread; async ones are awaited on the caller's event loop.
 A tool's timeout is a cancel scope: an async tool is cancelled, a sync one is abandoned
 (Python cannot stop a thread; it finishes in the background and its result is dropped),
 and either way the call is reported as ``timeout`` at once. Nothing a tool does is raised
@@ -54,8 +54,8 @@ def parse_arguments(tool: Tool, text: str) -> dict[str, Any] | str:
         return "they are nested too deeply"
     if not isinstance(value, dict):
         return f"they must be a JSON object, not {type(value).__name__}"
-    try:
-        parsed = msgspec.convert(value, tool.arguments)
+    try:  # JSON's object keys are text: str_keys converts them as a JSON decode would
+        parsed = msgspec.convert(value, tool.arguments, str_keys=True)
     except msgspec.ValidationError as exc:
         return str(exc)
     kwargs = {name: getattr(parsed, name) for name in tool.arguments.__struct_fields__}
@@ -64,7 +64,7 @@ def parse_arguments(tool: Tool, text: str) -> dict[str, Any] | str:
     for key, item in value.items():  # the ones **kwargs takes, converted to its hint
         if key not in kwargs:
             try:
-                kwargs[key] = msgspec.convert(item, tool.extra_type)
+                kwargs[key] = msgspec.convert(item, tool.extra_type, str_keys=True)
             except msgspec.ValidationError as exc:
                 return _at(str(exc), key)
     return kwargs
@@ -111,12 +111,55 @@ class _RaisedOnThread(Exception):
         self.raised = raised
 
 
-def _on_thread(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` on a worker thread (see :class:`_RaisedOnThread`)."""
+def _on_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on a worker thread (see :class:`_RaisedOnThread`)."""
     try:
-        return fn(*args, **kwargs)
+        return fn()
     except (KeyboardInterrupt, GeneratorExit) as exc:
         raise _RaisedOnThread(exc) from exc
+
+
+class _DaemonCall:
+    """One sync call on a daemon thread of its own, in a copy of the caller's context
+    (``current_call()`` works there). A call abandoned at its limit runs on there: a
+    daemon thread does not keep the process from exiting, where anyio's worker threads
+    would (the interpreter waits for them at exit, for as long as the tool hangs)."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn = fn
+        self._context = contextvars.copy_context()
+        self.done = threading.Event()  # set when the call ends, or when it is abandoned
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def _target(self) -> None:
+        try:
+            self._result = self._context.run(_on_thread, self._fn)
+        except BaseException as exc:  # handed to the waiting worker, raised there
+            self._error = exc
+        finally:
+            self.done.set()
+
+    def start_and_wait(self) -> Any:
+        """On an anyio worker thread: start the call, wait for it (or its abandoning)."""
+        threading.Thread(target=self._target, name="stalwart-tool", daemon=True).start()
+        self.done.wait()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return self._result
+
+
+async def _in_thread(fn: Callable[[], Any], limiter: anyio.CapacityLimiter | None) -> Any:
+    """``fn()`` on a daemon thread, waited for by an anyio worker (bounded by
+    ``limiter``); abandoned if the caller is cancelled, which lets the worker go."""
+    call = _DaemonCall(fn)
+    try:
+        return await anyio.to_thread.run_sync(
+            call.start_and_wait, abandon_on_cancel=True, limiter=limiter
+        )
+    finally:
+        call.done.set()  # abandoned: the waiting worker goes back to anyio's pool
 
 
 async def _invoke(
@@ -130,9 +173,7 @@ async def _invoke(
     try:
         if is_async:
             return await fn(**kwargs)
-        # the worker thread runs in a copy of this context: current_call() works there too
-        run = functools.partial(contextvars.copy_context().run, _on_thread, fn, **kwargs)
-        result = await anyio.to_thread.run_sync(run, abandon_on_cancel=True, limiter=limiter)
+        result = await _in_thread(functools.partial(fn, **kwargs), limiter)
         if inspect.isawaitable(result):  # a sync callable (a decorator) handing back a coroutine
             result = await result  # inside the call's context: current_call() works there
         return result
@@ -245,9 +286,12 @@ async def _check(
     limiter: anyio.CapacityLimiter | None,
 ) -> Any:
     """What a tool's ``reconcile`` check found for the call ``key`` (None: no effect).
-    A check that hangs is abandoned at the tool's limit, like the tool."""
-    check = functools.partial(_on_thread, reconcile, key, kwargs)
-    return await anyio.to_thread.run_sync(check, abandon_on_cancel=True, limiter=limiter)
+    A check that hangs is abandoned at the tool's limit, like the tool; an async check
+    (or a sync one handing back a coroutine) is awaited."""
+    found = await _in_thread(functools.partial(reconcile, key, kwargs), limiter)
+    if inspect.isawaitable(found):
+        found = await found
+    return found
 
 
 def _not_the_tools(exc: BaseException) -> bool:
