@@ -45,6 +45,7 @@ MODULES: tuple[str, ...] = (
     "benchmarks.ledger",
     "benchmarks.verify",
     "benchmarks.watch",
+    "benchmarks.tools",
 )
 
 Op = Literal[">=", "<="]

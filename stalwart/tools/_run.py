@@ -10,15 +10,19 @@ caller's own deadline) is not an outcome: it propagates.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
 import math
+import queue
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import anyio.to_thread
 import msgspec
 
@@ -119,47 +123,81 @@ def _on_thread(fn: Callable[[], Any]) -> Any:
         raise _RaisedOnThread(exc) from exc
 
 
+class _DaemonThreads:
+    """Daemon threads for sync tool calls, reused while they idle (starting a thread per
+    call cost about 0.25 ms). A call abandoned at its limit keeps its thread and the
+    next call gets another; a thread idle for ``idle_s`` ends. Daemon threads never keep
+    the process from exiting, where anyio's worker threads would: the interpreter waits
+    for those at exit, for as long as an abandoned tool hangs."""
+
+    def __init__(self, idle_s: float = 10.0) -> None:
+        self._idle_s = idle_s
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting for a job and not promised one yet
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1  # promised this job
+        self._jobs.put(job)
+        if start:
+            threading.Thread(target=self._work, name="stalwart-tool", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=self._idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle > 0:  # not promised a job: end
+                        self._idle -= 1
+                        return
+                continue  # promised one that is on its way
+            job()
+            with self._lock:
+                self._idle += 1
+
+
+_THREADS = _DaemonThreads()
+
+
 class _DaemonCall:
-    """One sync call on a daemon thread of its own, in a copy of the caller's context
-    (``current_call()`` works there). A call abandoned at its limit runs on there: a
-    daemon thread does not keep the process from exiting, where anyio's worker threads
-    would (the interpreter waits for them at exit, for as long as the tool hangs)."""
+    """One sync call on a daemon thread, in a copy of the caller's context
+    (``current_call()`` works there), which tells the event loop when it ends."""
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self._fn = fn
         self._context = contextvars.copy_context()
-        self.done = threading.Event()  # set when the call ends, or when it is abandoned
-        self._result: Any = None
-        self._error: BaseException | None = None
+        self._token = anyio.lowlevel.current_token()
+        self.done = anyio.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        _THREADS.submit(self._target)
 
     def _target(self) -> None:
         try:
-            self._result = self._context.run(_on_thread, self._fn)
-        except BaseException as exc:  # handed to the waiting worker, raised there
-            self._error = exc
-        finally:
-            self.done.set()
-
-    def start_and_wait(self) -> Any:
-        """On an anyio worker thread: start the call, wait for it (or its abandoning)."""
-        threading.Thread(target=self._target, name="stalwart-tool", daemon=True).start()
-        self.done.wait()
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-        return self._result
+            self.result = self._context.run(_on_thread, self._fn)
+        except BaseException as exc:  # handed to the waiting task, raised there
+            self.error = exc
+        # the loop may be gone (the call was abandoned and the runtime closed): no one waits
+        with contextlib.suppress(anyio.RunFinishedError, RuntimeError):
+            anyio.from_thread.run_sync(self.done.set, token=self._token)
 
 
 async def _in_thread(fn: Callable[[], Any], limiter: anyio.CapacityLimiter | None) -> Any:
-    """``fn()`` on a daemon thread, waited for by an anyio worker (bounded by
-    ``limiter``); abandoned if the caller is cancelled, which lets the worker go."""
+    """``fn()`` on a daemon thread, one of at most ``limiter``'s (anyio's default one
+    without) while it is waited for; abandoned if the caller is cancelled."""
     call = _DaemonCall(fn)
-    try:
-        return await anyio.to_thread.run_sync(
-            call.start_and_wait, abandon_on_cancel=True, limiter=limiter
-        )
-    finally:
-        call.done.set()  # abandoned: the waiting worker goes back to anyio's pool
+    async with limiter or anyio.to_thread.current_default_thread_limiter():
+        call.start()
+        await call.done.wait()
+    if call.error is not None:
+        raise call.error
+    return call.result
 
 
 async def _invoke(
