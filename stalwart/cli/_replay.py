@@ -166,9 +166,11 @@ def _stream(store: EventStore, stream: str, until: int | None) -> Iterator[Item]
 
 def _runtime(store: EventStore, stream: str, until: int | None) -> Iterator[Item]:
     """The ``runtime`` stream's process starts and stops, and the restarts of ``stream``'s
-    actor (they drop the timers it kept)."""
+    actor (they drop the timers it kept); and each of its records that cannot be read
+    (it may have been a start with its config: the verdict rests on it)."""
     for item in _stream(store, "runtime", until):
         if not isinstance(item, RecordedEvent):
+            yield item
             continue
         event = item.event
         if isinstance(event, RuntimeStarted | RuntimeStopped) or (
@@ -179,14 +181,15 @@ def _runtime(store: EventStore, stream: str, until: int | None) -> Iterator[Item
 
 def _recoveries(store: EventStore, until: int | None) -> Iterator[Item]:
     """Every provider's ``provider:recovered``, in log order (a dead-letter drain follows
-    one: verifying the ``deadletter`` stream checks that it did)."""
+    one: verifying the ``deadletter`` stream checks that it did), and each record of a
+    provider's stream that cannot be read (it may have been one)."""
     providers = [s.stream for s in store.streams() if s.stream.startswith("provider:")]
     yield from heapq.merge(
         *(
             (
                 item
                 for item in _stream(store, name, until)
-                if isinstance(item, RecordedEvent) and isinstance(item.event, ProviderRecovered)
+                if not isinstance(item, RecordedEvent) or isinstance(item.event, ProviderRecovered)
             )
             for name in providers
         ),
@@ -230,8 +233,15 @@ def verify_store(
         grace_ms=grace_ms,
         verify=None if stream is None else (lambda name: name == stream),
     )
-    for item in read_for_verify(store, stream, until):
-        if isinstance(item, Corrupt):
+    # read past --until only to settle what it cut in two: a deadline suspected missed at
+    # its last record whose decision came at that same moment (the whole log forgives it)
+    for item in read_for_verify(store, stream, None):
+        if until is not None and item.position > until:
+            if not verification.suspected:
+                break
+            if isinstance(item, RecordedEvent):
+                verification.past_the_end(item)
+        elif isinstance(item, Corrupt):
             verification.undecodable(item.position, item.reason, item.stream)
         else:
             verification.add(item)

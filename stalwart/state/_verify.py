@@ -27,6 +27,7 @@ how a deadline is watched: :mod:`._verify_deadlines`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
@@ -84,6 +85,18 @@ class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def clean(self) -> bool:
         return not self.findings
+
+
+#: what re-running a decision raises on a number in the log that no arithmetic takes (an
+#: infinite or NaN float rounded to milliseconds, a time past any calendar)
+_OUT_OF_RANGE = (ArithmeticError, ValueError)
+
+
+def _out_of_range(exc: Exception) -> str:
+    return (
+        "replay could not re-run the decision: a number the log holds is out of range "
+        f"({type(exc).__name__})"
+    )
 
 
 # -- the walk -----------------------------------------------------------------------------
@@ -249,6 +262,25 @@ class Verification:
             )
         )
 
+    @property
+    def suspected(self) -> bool:
+        """Whether a deadline is suspected missed at the last record, its miss not yet
+        confirmed by time moving on (see :meth:`past_the_end`)."""
+        return self._deadlines.suspected()
+
+    def past_the_end(self, record: RecordedEvent) -> None:
+        """A record after the end of the walk, when the walk stops short of the log's end
+        (``replay --until``): it is neither checked nor counted, but it settles a deadline
+        suspected missed at the last record as the whole log would. The decision coming at
+        its proof's moment (a clock that jumped), or its run ending then, was not late;
+        a later record confirms the miss. Feed the records after the end, in log order,
+        while :attr:`suspected` holds."""
+        for missed in self._deadlines.past_the_end(record):
+            self._missed(missed)
+        walk = self._walks.get(record.stream)
+        if walk is not None and walk is not _SKIP:
+            self._fold(record, walk)
+
     def report(self) -> VerifyReport:
         """The findings so far (suspected misses the log's end leaves unconfirmed count)."""
         for missed in self._deadlines.end():
@@ -336,9 +368,12 @@ class Verification:
             except StalwartError as exc:
                 self._mismatch(record, [], f"replay could not re-run the decision: {exc}")
                 return True
+            except _OUT_OF_RANGE as exc:
+                self._mismatch(record, [], _out_of_range(exc))
+                return True
             if any(_same(e, found, verifier.ignore) for e in given):
                 return True
-            why = verifier.why(state, record, self._knobs) if verifier.why else ""
+            why = self._why(verifier, state, record)
             if given:
                 words = "the state just before it decides differently"
             else:
@@ -346,6 +381,16 @@ class Verification:
             self._mismatch(record, given, f"{words}{': ' + why if why else ''}")
             return True
         return False
+
+    def _why(self, verifier: Verifier[Any], state: Any, record: RecordedEvent) -> str:
+        """The verifier's words for a mismatch; none when they cannot be worked out (a
+        time or number in the log out of any range: the finding stands without them)."""
+        if verifier.why is None:
+            return ""
+        try:
+            return verifier.why(state, record, self._knobs)
+        except _OUT_OF_RANGE:
+            return ""
 
     def _mismatch(self, record: RecordedEvent, given: list[Event], message: str) -> None:
         self._findings.append(
@@ -382,9 +427,14 @@ class Verification:
 
     def _due(self, index: int, folder: Folder[Any]) -> float | None:
         try:
-            return self._registry.deadlines[index].due(folder.state(), self._knobs)
+            due = self._registry.deadlines[index].due(folder.state(), self._knobs)
         except StalwartError:
             return None  # a knob nobody recorded: the decision's own check says so
+        if due is not None and not math.isfinite(due):
+            # a time that is not one (an infinite or NaN float in a record): no deadline
+            # falls then; the decision that recorded it is checked, and says so
+            return None
+        return due
 
     def _restarted(self, ts: float) -> None:
         """A new process (and config): the owed deadlines again, at the new config (only

@@ -115,6 +115,16 @@ class DeadlineWatch:
         with nothing pending has nothing pending under any config)."""
         return [*self._pending, *(key for key in self._orphaned if key not in self._pending)]
 
+    def suspected(self) -> bool:
+        """Whether a deadline is suspected missed and no later record has settled it."""
+        return bool(self._suspects)
+
+    def past_the_end(self, record: RecordedEvent) -> list[Missed]:
+        """A record after the end of the walk (``replay --until`` cut the log before it):
+        it settles the suspects as :meth:`before` would (the decision at its proof's
+        moment drops one, time moving on past the proof confirms it) and raises none."""
+        return self._confirm(record) if self._suspects else []
+
     def end(self) -> list[Missed]:
         """The log ended: suspects it leaves unconfirmed are missed (their proof is late)."""
         missed = [

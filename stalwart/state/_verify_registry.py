@@ -52,6 +52,7 @@ types, so a fold that few events move costs nothing on the others.
 
 from __future__ import annotations
 
+import math
 import reprlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -121,15 +122,29 @@ class Knobs:
 
     def _number(self, path: str | tuple[str, ...], kind: type[N]) -> N:
         """The value at ``path`` as a number; ConfigError when it is none (a config record
-        written by hand or by another program: a decision that reads it cannot be re-run)."""
+        written by hand or by another program: a decision that reads it cannot be re-run).
+
+        Only what a config records as a number is one: text (``"60000"``), a boolean, a
+        float that is not finite, or a fraction where a whole number belongs is not taken
+        for one (``int()`` would read each, and re-run the decision on a number the
+        config never held)."""
         value = self.get(path)
-        try:
+        if _is_number(value, whole=kind is int):
             return kind(value)
-        except (TypeError, ValueError, OverflowError):
-            name = path if isinstance(path, str) else ".".join(path)
-            raise ConfigError(
-                f"the config in force has {name!r} = {reprlib.repr(value)}, not a number", key=name
-            ) from None
+        name = path if isinstance(path, str) else ".".join(path)
+        raise ConfigError(
+            f"the config in force has {name!r} = {reprlib.repr(value)}, not a number", key=name
+        )
+
+
+def _is_number(value: Any, *, whole: bool) -> bool:
+    """Whether ``value`` is a number as a config records one (a whole one: an int, or a
+    float with no fraction)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    if isinstance(value, int):
+        return True
+    return value.is_integer() if whole else math.isfinite(value)
 
 
 _MISSING = object()
@@ -202,8 +217,13 @@ class Registry:
 
 
 def moment(ts: float) -> str:
-    """A log time as replay reports say it: UTC with milliseconds (``...T14:03:05.123Z``)."""
-    stamp = datetime.fromtimestamp(ts, tz=UTC)
+    """A log time as replay reports say it: UTC with milliseconds (``...T14:03:05.123Z``);
+    a time no calendar date can show (a deadline a knob of thousands of years sets, a
+    number that is not finite) as the number itself."""
+    try:
+        stamp = datetime.fromtimestamp(ts, tz=UTC)
+    except (ValueError, OverflowError, OSError):
+        return f"{ts}"
     return stamp.strftime("%Y-%m-%dT%H:%M:%S.") + f"{stamp.microsecond // 1000:03d}Z"
 
 
