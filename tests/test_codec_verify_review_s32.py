@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from stalwart.cli import cli
 from stalwart.cli._replay import verify_store
 from stalwart.config import MAX_KNOB
+from stalwart.errors import EventError
 from stalwart.events import (
     ActivationLeased,
     ActivationReady,
+    Codec,
     Event,
     PromptFailed,
     PromptRetryScheduled,
@@ -241,3 +244,9 @@ def test_one_streams_verification_reports_a_damaged_runtime_record(store_dir: Pa
     code, out, err = stalwart(store_dir, "replay", RUN, "--verify")
     assert code == 1, (out, err)
     assert "UNDECODABLE  position 1  runtime" in out
+
+
+# Was: DEFECT: Codec(versions=) naming a tag no class has: a bare KeyError when a record of it was read  # noqa: E501
+def test_a_codec_given_a_version_for_a_tag_no_class_has_is_refused_at_once() -> None:
+    with pytest.raises(EventError, match="x:y"):
+        Codec(versions={"x:y": 2})

@@ -165,9 +165,12 @@ class Codec:
                 raise EventError(f"{cls.__qualname__} needs an explicit 'domain:name' tag")
             types[tag] = cls
         self._types = types
+        unknown = sorted(set(versions or {}) - set(types))
+        if unknown:  # a record of it would find no class to upcast into
+            raise EventError(f"versions names tags no event type has: {', '.join(unknown)}")
         self._versions = {tag: cls.schema_version for tag, cls in types.items()}
         self._versions.update(versions or {})
-        self._by_class = {types[tag]: v for tag, v in self._versions.items() if tag in types}
+        self._by_class = {types[tag]: v for tag, v in self._versions.items()}
         #: the classes whose current schema is not 1: a record of one written with schema
         #: 1 needs its upcaster, though the fast decoder may take it
         self._not_v1 = frozenset(cls for cls, v in self._by_class.items() if v != 1)
