@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import click
 
 from stalwart._text import escaped
 from stalwart.errors import ConfigError
+from stalwart.events import RecordedEvent
 from stalwart.state import (
     IncidentsState,
     ModelIncidents,
@@ -29,6 +31,9 @@ _TIMESTAMP = re.compile(r"\d+(\.\d+)?")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 #: digits of a --since count past which it is longer ago than any log (unix 0)
 _LONGEST_COUNT = 19
+#: the records at the log's end whose newest time a --since duration counts back from,
+#: checked by the one pass over the log (a record further back may be newer)
+_TAIL = 256
 _COLUMNS = (
     "PROVIDER",
     "MODEL",
@@ -41,20 +46,16 @@ _COLUMNS = (
 )
 
 
-def parse_since(text: str, newest: float | None) -> float | None:
-    """``30m``, ``2h``, ``1d`` before the newest event in the log, or a unix timestamp.
-
-    The CLI never reads the clock: a relative ``--since`` counts back from the log's own
-    newest event, so a log copied from elsewhere reads the same. None for an empty log.
-    """
+def parse_span(text: str) -> int | None:
+    """The seconds of a ``--since`` duration (``30m``, ``2h``, ``1d``: before the newest
+    event in the log, never before "now": the CLI does not read the clock, so a log copied
+    from elsewhere reads the same), None for a unix timestamp; ConfigError otherwise."""
     value = text.strip()
     duration = _DURATION.fullmatch(value)
     if duration is not None:
-        seconds = _seconds(duration.group(1), duration.group(2))
-        # a span longer than the log's whole past starts at its beginning (unix 0)
-        return None if newest is None else max(0.0, newest - min(seconds, max(newest, 0.0)))
+        return _seconds(duration.group(1), duration.group(2))
     if _TIMESTAMP.fullmatch(value):
-        return float(value)
+        return None
     raise ConfigError(
         f"--since: expected a duration (30m, 2h, 1d) or a unix timestamp, got {text!r}",
         key="--since",
@@ -70,15 +71,52 @@ def _seconds(digits: str, unit: str) -> int:
     return count * _UNIT_SECONDS[unit]
 
 
-def _newest_ts(store: EventStore, unreadable: Unreadable) -> float | None:
-    """The newest time of a readable record (None for none): a pass over the whole log,
-    since log order is not time order across writers (two workers' clocks differ), and
-    the record at the head may be one that cannot be read."""
-    newest: float | None = None
-    for record in read_all_readable(store, unreadable=unreadable):
-        if newest is None or record.ts > newest:
-            newest = record.ts
-    return newest
+def _span_start(newest: float, span: float) -> float:
+    """The start of the last ``span`` seconds before ``newest``: never before unix 0 (a
+    span longer than the log's whole past starts at its beginning)."""
+    return max(0.0, newest - min(span, max(newest, 0.0)))
+
+
+class _Newest:
+    """The newest time among the records that went through :meth:`of` (None for none)."""
+
+    def __init__(self) -> None:
+        self.ts: float | None = None
+
+    def of(self, records: Iterable[RecordedEvent]) -> Iterator[RecordedEvent]:
+        for record in records:
+            if self.ts is None or record.ts > self.ts:
+                self.ts = record.ts
+            yield record
+
+
+def _fold(
+    store: EventStore, head: int, since: str | None, unreadable: Unreadable
+) -> IncidentsState:
+    """The incidents of the readable log up to ``head``, from ``--since`` on."""
+    if since is None:
+        return fold_incidents(read_all_readable(store, 1, head, unreadable=unreadable))
+    span = parse_span(since)
+    if span is None:
+        start = float(since.strip())
+        return fold_incidents(read_all_readable(store, 1, head, unreadable=unreadable), since=start)
+    return _fold_span(store, head, span, unreadable)
+
+
+def _fold_span(store: EventStore, head: int, span: int, unreadable: Unreadable) -> IncidentsState:
+    """The incidents of the last ``span`` seconds before the newest time in the log, in
+    one pass: the newest time is taken to be that of the log's last records, which the
+    pass checks. A record further back that is newer (workers' clocks differ), or last
+    records that cannot be read, cost a second pass from the newest time found."""
+    tail = read_all_readable(store, max(1, head - _TAIL + 1), head, unreadable=unreadable)
+    guess = max((record.ts for record in tail), default=None)
+    newest = _Newest()
+    records = newest.of(read_all_readable(store, 1, head, unreadable=unreadable))
+    folded = fold_incidents(records, since=None if guess is None else _span_start(guess, span))
+    if newest.ts == guess:
+        return folded
+    start = None if newest.ts is None else _span_start(newest.ts, span)
+    return fold_incidents(read_all_readable(store, 1, head, unreadable=unreadable), since=start)
 
 
 def _row(model: ModelIncidents, provider: ProviderIncidents | None) -> dict[str, Any]:
@@ -195,21 +233,18 @@ def incidents(state: _State, since: str | None, provider: str | None, as_json: b
     store = state.store()
     unreadable = Unreadable()  # records passed over: said after the table
     try:
-        empty = store.head() == 0
-        start = None
-        if since is not None:  # a duration counts back from the newest time in the log
-            relative = _DURATION.fullmatch(since.strip()) is not None
-            start = parse_since(since, _newest_ts(store, unreadable) if relative else None)
-        folded = fold_incidents(read_all_readable(store, unreadable=unreadable), since=start)
+        head = store.head()  # what is appended meanwhile is left for the next look
+        folded = _fold(store, head, since, unreadable)
     finally:
         store.close()
+    state.failed = bool(unreadable.errors)  # exit 1 even if the reader goes away
     shown = rows(folded, provider)
     if as_json:
         for row in shown:
             click.echo(to_json(row))
     elif not shown:
         unfiltered = since is None and provider is None
-        click.echo(EMPTY if unfiltered or empty else NO_MATCH)
+        click.echo(EMPTY if unfiltered or head == 0 else NO_MATCH)
     else:
         for text in table(folded, shown):
             click.echo(text)

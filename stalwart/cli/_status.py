@@ -46,11 +46,14 @@ OVERVIEW_COLUMNS = (
 
 
 def table(columns: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "") -> list[str]:
-    """Aligned columns, two spaces apart."""
-    widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
+    """Aligned columns, two spaces apart; each cell escaped before it is measured (a
+    session id's ESC is shown as the six characters ``\\u001b``, and pushes its column
+    as far)."""
+    cells = [[escaped(value) for value in row] for row in [columns, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
     return [
         indent + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip()
-        for r in [columns, *rows]
+        for r in cells
     ]
 
 

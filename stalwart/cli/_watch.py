@@ -13,6 +13,8 @@ from __future__ import annotations
 import shutil
 import sys
 import threading
+import unicodedata
+from collections.abc import Iterable
 from typing import Any
 
 import click
@@ -164,22 +166,38 @@ def activations(state: _State, follow: bool, session_id: str | None, as_json: bo
             raise SessionActionError(
                 f"no session {wanted!r} in {store.location}", reason="no_session", session=wanted
             )
-        feed = store.subscribe(1) if follow else store.read_all()
-        try:
-            for record in feed:
-                row = lifecycle(record)
-                if row is None or (wanted is not None and row["session"] != wanted):
-                    continue
-                click.echo(to_json(row) if as_json else lifecycle_line(row))
-                sys.stdout.flush()
+        subscription = None
+        try:  # Ctrl-C ends it normally
+            if wanted is None:
+                if not follow:
+                    _print_lifecycle(store.read_all(), None, as_json)
+                    return
+                subscription = store.subscribe(1)
+                _print_lifecycle(subscription, None, as_json)
+                return
+            # one session's: its own stream (not the whole log), then what comes
+            head = store.head()
+            history = (r for r in store.read_stream(wanted) if r.position <= head)
+            _print_lifecycle(history, wanted, as_json)
+            if follow:
+                subscription = store.subscribe(head + 1)
+                _print_lifecycle(subscription, wanted, as_json)
         except KeyboardInterrupt:
             pass
         finally:
-            close = getattr(feed, "close", None)
-            if close is not None:
-                close()
+            if subscription is not None:
+                subscription.close()
     finally:
         store.close()
+
+
+def _print_lifecycle(records: Iterable[RecordedEvent], wanted: str | None, as_json: bool) -> None:
+    for record in records:
+        row = lifecycle(record)
+        if row is None or (wanted is not None and row["session"] != wanted):
+            continue
+        click.echo(to_json(row) if as_json else lifecycle_line(row))
+        sys.stdout.flush()
 
 
 def frame(
@@ -201,9 +219,9 @@ def frame(
     # no more rows are made than a frame can show (a store may hold 20,000 sessions)
     view = overview(state, now, min((n for n in (rows, height) if n is not None), default=None))
     header = f"stalwart watch  {location}  {fmt_ts(now)}  position {state.position}"
-    if lost_at is not None:
-        header += f"  STORE UNREACHABLE since {fmt_ts(lost_at)}: retrying"
-    head = [header, ""]
+    # on a line of its own: a narrow terminal cuts the header's end (a long location)
+    lost = "" if lost_at is None else f"STORE UNREACHABLE since {fmt_ts(lost_at)}: retrying"
+    head = [header, lost]
     lines = head + overview_lines(view, rows, DEAD_LETTERS_SHOWN)
     if height is None or len(lines) <= height:
         return lines
@@ -243,9 +261,12 @@ def watch(state: _State, interval: float, once: bool, rows: int | None) -> None:
     try:
         folder = fold_all(store, unreadable=unreadable)
         while True:
-            height = _height() if live else None
+            size = shutil.get_terminal_size() if live else None
+            height = None if size is None else max(1, size.lines - 1)  # the cursor ends below
             lines = frame(folder, store.location, rows, height, lost_at)
-            if live:  # overwrite in place, line by line: no flicker of a cleared screen
+            state.failed = bool(unreadable.errors)  # exit 1 even if the reader goes away
+            if size is not None:  # overwrite in place, line by line: no flicker of a clear
+                lines = [clipped(line, size.columns, _more()) for line in lines]
                 click.echo(_HOME + "".join(f"{line}{_CLEAR_LINE}\n" for line in lines), nl=False)
                 click.echo(_CLEAR_BELOW, nl=False)
             else:
@@ -268,6 +289,34 @@ def watch(state: _State, interval: float, once: bool, rows: int | None) -> None:
 _REAL_TIME = SystemClock()  # when an outage began, shown as it is waited out
 
 
-def _height() -> int:
-    """The lines a frame may take: the terminal's, less the one the cursor ends on."""
-    return max(1, shutil.get_terminal_size().lines - 1)
+def clipped(line: str, columns: int, more: str = "…") -> str:
+    """``line`` cut to fit a terminal ``columns`` wide with one column to spare, ending in
+    ``more`` (one column) when cut: a line that wrapped would take two of the frame's
+    lines, and a frame taller than the terminal scrolls it on every redraw. A wide
+    character (CJK) takes two columns, a combining one none."""
+    room = max(1, columns - 1)
+    widths = [_width(char) for char in line]
+    if sum(widths) <= room:
+        return line
+    used = 0
+    for at, width in enumerate(widths):
+        if used + width > room - 1:  # the rest, and ``more``, would not fit
+            return line[:at] + more
+        used += width
+    return line
+
+
+def _more() -> str:
+    """``…``, or ``~`` on a terminal whose encoding has no ``…`` (it would be written as
+    the six characters ``\\u2026``, and wrap the line it ends)."""
+    try:
+        "…".encode(sys.stdout.encoding or "ascii")
+    except (LookupError, UnicodeEncodeError):
+        return "~"
+    return "…"
+
+
+def _width(char: str) -> int:
+    if unicodedata.combining(char):
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
