@@ -4,7 +4,9 @@
   ``session:*`` stream that starts with ``subagent:spawned``; streams are re-read only
   when their version moved) and appends ``subagent:ghost_swept`` to each run
   :func:`~stalwart.state.decide_ghost` finds due. It reads only the log, so it catches a
-  run a crashed process left ``running``.
+  run a crashed process left ``running``. A run with nothing left to decide
+  (:func:`settled`) is set aside after each sweep: only its version is kept, and it is
+  folded again when its stream moves on (``GetRuns`` reads it back).
 * **Heartbeat sweep** (every ``heartbeat_interval_ms``, detection only):
   :func:`~stalwart.state.decide_suspicious` -> ``subagent:suspicious``; it never kills.
 * **Failure notice** for a run that ended ``timed_out``, ``swept`` or ``failed``: static
@@ -77,7 +79,7 @@ from stalwart.state import (
     decide_suspicious,
     notice_outcome,
 )
-from stalwart.store import EventStore, NewEvent
+from stalwart.store import EventStore, NewEvent, StreamInfo
 
 from ._deadletter import Enqueue, dead_letter
 from ._portal import IoPortal
@@ -96,6 +98,7 @@ from ._supervisor_fold import (
     owed_completion,
     recovery,
     respawn,
+    settled,
     split_spawns,
 )
 
@@ -230,7 +233,12 @@ class SupervisorActor(Supervised):
         #: how a message whose record met a store error is told again (the runtime's
         #: reaches this actor's successor too)
         self._retell = retell or self._tell
+        #: the runs in play: what the sweeps decide on
         self._runs: dict[str, RunWatch] = {}
+        #: the runs set aside (nothing left to decide): the version each was folded at and
+        #: its completion's id ("" for none), so the sweeps and memory follow the runs in
+        #: play, not every run ever seen
+        self._settled: dict[str, tuple[int, str]] = {}
         self._not_runs: set[str] = set()
         #: announcement id -> the ids of its sends in flight (a resend may be under way
         #: while a late outcome of the send before it is recorded)
@@ -295,7 +303,7 @@ class SupervisorActor(Supervised):
                     )
                     tell_later(self._scheduler, self._clock, self._retell, message)
             case GetRuns():
-                return dict(self._runs)
+                return self._every_run()
             case Crashed():
                 self._restarts.crashed(message)
             case _:
@@ -337,7 +345,52 @@ class SupervisorActor(Supervised):
             if swept[-1:] == [stream]:
                 self._ended_here(stream)
             self._announce_owed(stream)
+        self._set_aside()
         return SweepReport(swept=tuple(swept), suspicious=tuple(suspicious))
+
+    def _set_aside(self) -> None:
+        """Forget the folded runs with nothing left to decide, keeping the version each
+        was folded at (a run whose stream moves on is folded again at the next sweep). A
+        run whose completion batch still has a send without an outcome stays: its batch's
+        resend looks at it. So does one with a send of its own under way."""
+        open_batches = {w.completion_id for w in self._runs.values() if w.completion == "queued"}
+        for stream, watch in list(self._runs.items()):
+            busy = watch.notice_id in self._sending or watch.completion_id in self._sending
+            if settled(watch) and not busy and watch.completion_id not in open_batches:
+                del self._runs[stream]
+                self._settled[stream] = (watch.run.version, watch.completion_id)
+
+    def _every_run(self) -> dict[str, RunWatch]:
+        """Every run folded: those in play, and those set aside, read back from the log
+        (one that can no longer be read is left out)."""
+        runs: dict[str, RunWatch] = {}
+        for stream in list(self._settled):
+            watch = self._read_back(stream)
+            if watch is not None:
+                runs[stream] = watch
+        runs.update(self._runs)
+        return runs
+
+    def _read_back(self, stream: str) -> RunWatch | None:
+        watch = RUN_WATCH.initial(stream)
+        try:
+            for record in self._store.read_stream(stream):
+                watch = RUN_WATCH.apply(watch, record)
+        except CorruptRecordError as exc:
+            self._unreadable(stream, exc)
+            return None
+        return watch
+
+    def _unreadable(self, stream: str, exc: CorruptRecordError) -> None:
+        """Report a stream with a record that cannot be read, once, and leave it alone."""
+        log.error("supervisor.stream_unreadable", stream=stream, position=exc.position)
+        self._leave_alone(stream)
+
+    def _leave_alone(self, stream: str) -> None:
+        """Out of the sweeps for good: one damaged stream never stops those of the others."""
+        self._not_runs.add(stream)
+        self._runs.pop(stream, None)
+        self._settled.pop(stream, None)
 
     def _ghost(self, watch: RunWatch, now: float) -> list[Event]:
         return decide_ghost(watch.run, now, ghost_grace_ms=self._settings.ghost_grace_ms)
@@ -354,13 +407,33 @@ class SupervisorActor(Supervised):
 
     def _refresh(self) -> None:
         """Fold what is new in every session stream (only those whose version moved)."""
-        for info in self._store.streams():
+        for info in self._stream_rows():
             stream = info.stream
             if not stream.startswith("session:") or stream in self._not_runs:
                 continue
-            known = self._runs.get(stream)
-            if known is None or known.run.version < info.version:
+            if self._folded_version(stream) < info.version:
                 self._catch_up(stream)
+
+    def _stream_rows(self) -> list[StreamInfo]:
+        """Every stream's row. A store that can say which rows cannot be read (LMDB's
+        ``stream_rows``) gives the others: a damaged row of a session stream is reported
+        once and its stream left alone, as one whose records cannot be read."""
+        stream_rows = getattr(self._store, "stream_rows", None)
+        if not callable(stream_rows):
+            return self._store.streams()
+        readable, damaged = stream_rows()
+        for stream in damaged:
+            if stream.startswith("session:") and stream not in self._not_runs:
+                log.error("supervisor.stream_row_unreadable", stream=stream)
+                self._leave_alone(stream)
+        return cast(list[StreamInfo], readable)
+
+    def _folded_version(self, stream: str) -> int:
+        """How far the run's stream is folded, in play or set aside (0: not yet)."""
+        known = self._runs.get(stream)
+        if known is not None:
+            return known.run.version
+        return self._settled.get(stream, (0, ""))[0]
 
     def _catch_up(self, stream: str) -> RunWatch | None:
         """The run after reading what is new in its stream; None when it is no run, or
@@ -374,12 +447,11 @@ class SupervisorActor(Supervised):
                     return None
                 watch = RUN_WATCH.apply(watch, record)
         except CorruptRecordError as exc:
-            log.error("supervisor.stream_unreadable", stream=stream, position=exc.position)
-            self._not_runs.add(stream)
-            self._runs.pop(stream, None)
+            self._unreadable(stream, exc)
             return None
         if watch.is_run:
             self._runs[stream] = watch
+            self._settled.pop(stream, None)  # in play again (folded anew from its start)
             return watch
         return None
 
@@ -687,8 +759,10 @@ class SupervisorActor(Supervised):
             for other, known in list(self._runs.items())
             if known.completion_id == watch.completion_id
         }
-        if any(known.completion != "queued" for known in batched.values()):
-            return  # a run of the batch holds its outcome: it was sent
+        if any(known.completion != "queued" for known in batched.values()) or any(
+            completion_id == watch.completion_id for _, completion_id in self._settled.values()
+        ):
+            return  # a run of the batch holds its outcome (one set aside too): it was sent
         batch = sorted(batched)
         if stream != batch[0]:  # the batch's first run decides for all (when swept)
             return

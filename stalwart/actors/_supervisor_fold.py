@@ -45,6 +45,7 @@ __all__ = [
     "owed_completion",
     "recovery",
     "respawn",
+    "settled",
     "split_spawns",
 ]
 
@@ -148,6 +149,19 @@ class RunWatchAggregate:
 
 
 RUN_WATCH = RunWatchAggregate()
+
+
+def settled(watch: RunWatch) -> bool:
+    """Whether the supervisor has nothing left to decide for the run while its stream
+    stays as it is: it ended, and its notice and recovery decision (a run that did not
+    succeed) or its owed completion announcement (one that did) are in the log with
+    their outcome."""
+    run = watch.run
+    if run.status in UNSUCCESSFUL:
+        return watch.notice in ("delivered", "failed") and run.recovery is not None
+    if run.status == "succeeded":
+        return watch.announce is not True or watch.completion == "ended"
+    return False
 
 
 def recovery(
