@@ -15,6 +15,7 @@ step is an event: session events in the caller's stream, outcomes and breaker ch
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 from collections.abc import Callable, Mapping
 from contextlib import aclosing
@@ -59,6 +60,7 @@ from ._client import Accumulator, ProviderClient
 from ._seal import CallSeal
 from ._sink import EventSink
 from ._types import (
+    Done,
     ProviderRequest,
     ProviderResponse,
     StreamEvent,
@@ -102,6 +104,8 @@ class _Live:
         self._timer = timer
         self._disarm: Callable[[], object] | None = None
         self._armed = 0  # which arming may still cancel the scope
+        #: the final event came before the limit: the reply is whole, whatever follows
+        self.complete = False
 
     def arm(self, now: float) -> None:
         """Move the scope's deadline to the window's next one: on the caller's Clock
@@ -121,9 +125,21 @@ class _Live:
         self._disarm = self._timer(max(when - now, 0.0), expire)
 
     def disarm(self) -> None:
+        self._armed += 1  # a firing already on its way to the loop is stale now
         if self._disarm is not None:
             self._disarm()
             self._disarm = None
+
+    def finished(self, now: float) -> bool:
+        """The reply's final event was read at ``now``: True (and the deadline disarmed)
+        when that was before the window's limit, False (and the call cut) when after."""
+        if next_deadline(self.window)[0] <= now:
+            self.scope.cancel()
+            return False
+        self.disarm()
+        self.scope.deadline = math.inf
+        self.complete = True
+        return True
 
 
 class _Backoff:
@@ -385,14 +401,19 @@ class ModelCaller:
                 # whenever the abandoned generator happens to be finalized
                 async with aclosing(client.stream(started.model, request)) as events:
                     async for event in events:
+                        if isinstance(event, Done) and not live.finished(self._clock.now()):
+                            continue  # it came after the limit: cut, as the decision says
                         accumulator.add(event)
                         if on_event is not None:
                             on_event(event)
                         await self._activity(stream, live, event)
-                response = accumulator.response()
             else:
                 response = await client.complete(started.model, request)
         live.disarm()
+        if live.complete:
+            # whole before the limit, even when the limit passed as the client read the
+            # few bytes after the final event (to give the connection back to the pool)
+            return accumulator.response()
         if response is not None:
             return response
         # the scope's deadline passed: the pure decision says which limit, and when

@@ -7,6 +7,7 @@ or logs). Transport errors, error statuses and broken streams all become Provide
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -44,6 +45,8 @@ from ._types import (
 )
 
 _ERROR_BODY_LIMIT = 64 * 1024
+#: how long an error status's body is read (it only tells a 4xx apart) before classing it
+_ERROR_BODY_SECONDS = 1.0
 _DRAIN_LIMIT = 64 * 1024
 _DRAIN_SECONDS = 0.05
 #: a whole (non-streamed) reply is refused past this many bytes, as a streamed frame is
@@ -130,11 +133,15 @@ class ProviderClient:
         )
 
     async def _fail(self, response: httpx.Response, model: str) -> ProviderError:
+        """The error for a non-200 answer. Its body is read only to tell a 4xx apart (a
+        context overflow, a content policy), for at most ``_ERROR_BODY_SECONDS``: the
+        status has come, so a body that stalls or breaks off costs no more than that."""
         body = b""
-        async for chunk in response.aiter_bytes():
-            body += chunk
-            if len(body) >= _ERROR_BODY_LIMIT:
-                break
+        with anyio.move_on_after(_ERROR_BODY_SECONDS), contextlib.suppress(httpx.RequestError):
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) >= _ERROR_BODY_LIMIT:
+                    break
         return classify_status(
             response.status_code,
             body,
@@ -276,13 +283,18 @@ def _cause(exc: httpx.RequestError) -> BaseException | None:
 async def _drain(chunks: AsyncIterator[bytes]) -> None:
     """Read what little follows the final event (the body's end), briefly and boundedly,
     so the connection goes back to the pool instead of being closed: the next call then
-    skips a TCP (and TLS) handshake. A server that holds the body open loses only this."""
+    skips a TCP (and TLS) handshake. A server that holds the body open loses only this,
+    and so does one that breaks the connection after its final event (a reset, a chunked
+    body without its last chunk): the reply is whole, only the connection is not kept."""
     seen = 0
     with anyio.move_on_after(_DRAIN_SECONDS):
-        async for chunk in chunks:
-            seen += len(chunk)
-            if seen > _DRAIN_LIMIT:
-                return
+        try:
+            async for chunk in chunks:
+                seen += len(chunk)
+                if seen > _DRAIN_LIMIT:
+                    return
+        except httpx.RequestError:
+            return
 
 
 class Accumulator:
