@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 import msgspec
 
-from stalwart.errors import CorruptRecordError, StoreError
+from stalwart.errors import CorruptRecordError, InvalidStreamError, StoreError
 from stalwart.events import RecordedEvent
 
-from ._protocol import EventStore, StreamInfo
+from ._protocol import EventStore, StreamInfo, check_stream
 
 __all__ = ["Problem", "StoreCheck", "check_store"]
 
@@ -158,24 +158,23 @@ def _walk(
     report: StoreCheck,
     progress: Callable[[int], object] | None,
 ) -> tuple[dict[str, _Walked], dict[int, int]]:
-    """Every record up to ``head``, by stream; gaps, unreadable records and versions out
-    of order are problems (the walk goes on past each). With it, the positions it could
-    not read (the first of a gap), each with the index of its problem."""
+    """Every record up to ``head``, by stream; gaps, unreadable records, records stored
+    out of their place and versions out of order are problems (the walk goes on past
+    each). With it, the positions it could not read (the first of a gap), each with the
+    index of its problem."""
     streams: dict[str, _Walked] = {}
     unread: dict[int, int] = {}  # position of a record that cannot be read -> its problem
+    refused: dict[str, str] = {}  # stream ids no append writes -> why
     expected = 1
     while expected <= head:
         try:
             for record in store.read_all(expected, head):
-                if record.position != expected:
-                    unread[expected] = len(report.problems)
-                    report.problems.append(
-                        Problem(
-                            what=f"positions {expected}..{record.position - 1} are missing",
-                            position=expected,
-                        )
-                    )
-                stream = streams.setdefault(record.stream, _Walked())
+                stream = streams.get(record.stream)
+                if stream is None or record.position != expected:
+                    if _unplaced(report, unread, record, expected, refused):
+                        expected += 1  # it is stored at ``expected``: a hole raises
+                        continue
+                    stream = streams[record.stream] = _Walked()
                 if record.version != stream.last_version + 1:
                     _version_gap(report, unread, stream, record)
                 stream.positions.append(record.position)
@@ -199,6 +198,39 @@ def _walk(
             what = f"positions {at}..{head} are missing: the log ends before its head"
             report.problems.append(Problem(what=what, position=at))
     return streams, unread
+
+
+def _unplaced(
+    report: StoreCheck,
+    unread: dict[int, int],
+    record: RecordedEvent,
+    stored: int,
+    refused: dict[str, str],
+) -> bool:
+    """Whether the record read as the one stored at ``stored`` is not where its stream
+    can take it: it says it is at another position (swapped, or a copy of another), or
+    it names a stream id no append writes (a damaged byte made it a NUL). It is then a
+    problem at ``stored``, like a record that cannot be read (a stream missing it names
+    it, unless it names one already)."""
+    if record.position != stored:
+        what = (
+            f"the record stored at {stored} says it is at position {record.position}"
+            f" (version {record.version} of {record.stream!r})"
+        )
+        stream: str | None = record.stream
+    else:
+        if record.stream not in refused:
+            try:
+                check_stream(record.stream)
+            except InvalidStreamError as exc:
+                refused[record.stream] = str(exc)
+            else:
+                return False
+        what = f"cannot be read: it names a stream no append writes: {refused[record.stream]}"
+        stream = None
+    unread[stored] = len(report.problems)
+    report.problems.append(Problem(what=what, position=stored, stream=stream))
+    return True
 
 
 def _version_gap(

@@ -224,6 +224,9 @@ class _Environment:
         self._inbox: Inbox[_Job] = Inbox()
         self._writer: threading.Thread | None = None
         self.closed = False
+        #: this is a forked child's copy of its parent's environment (closed: see
+        #: ``_forget_after_fork``)
+        self.forked = False
         #: the last handle let go and the close is under way (set under ``_ENVS_LOCK``):
         #: a handle opened meanwhile waits for ``gone`` instead of sharing it
         self.closing = False
@@ -260,12 +263,23 @@ class _Environment:
 
     def _open_dbs(self) -> None:
         with self.env.begin(write=True) as txn:
+            # a new store's environment is empty and any other holds its format marker:
+            # both are checked before a sub-database is made, so that another program's
+            # LMDB file (or a newer format) is refused as it is, not made a store
+            fresh = not txn.cursor().first()
+            try:
+                self.meta = self.env.open_db(b"meta", txn=txn, create=fresh)
+            except lmdb.NotFoundError:
+                raise _not_a_store(self.path) from None
+            marker = txn.get(b"format", db=self.meta)
+            if marker is None and not fresh:
+                raise _not_a_store(self.path)
+            if marker is not None and bytes(marker) not in (FORMAT, FORMAT_1):
+                raise _unreadable_format(self.path, bytes(marker))
             self.log = self.env.open_db(b"log", txn=txn)
             self.index = self.env.open_db(b"index", txn=txn)
             self.stream_db = self.env.open_db(b"streams", txn=txn)
             self.snapshot_db = self.env.open_db(b"snapshots", txn=txn)
-            self.meta = self.env.open_db(b"meta", txn=txn)
-            marker = txn.get(b"format", db=self.meta)
             if marker is None:
                 txn.put(b"format", FORMAT, db=self.meta)
                 txn.put(INDEXED, _key(0), db=self.meta)
@@ -276,8 +290,6 @@ class _Environment:
                 txn.put(INDEXED, _key(log_head(txn.cursor(db=self.log))), db=self.meta)
                 txn.put(b"format", FORMAT, db=self.meta)
                 log.info("store.format_upgraded", path=self.path, format=FORMAT.decode())
-            elif bytes(marker) != FORMAT:
-                raise _unreadable_format(self.path, bytes(marker))
 
     def _open_dbs_read_only(self) -> None:
         # each in a transaction of its own that py-lmdb commits: a handle opened in a
@@ -289,7 +301,7 @@ class _Environment:
             self.snapshot_db = self.env.open_db(b"snapshots", create=False)
             self.meta = self.env.open_db(b"meta", create=False)
         except lmdb.NotFoundError:
-            raise StoreError(f"{self.path} holds an LMDB file but no stalwart store") from None
+            raise _not_a_store(self.path) from None
         with self.env.begin() as txn:
             marker = txn.get(b"format", db=self.meta)
         if marker is None or bytes(marker) not in (FORMAT, FORMAT_1):
@@ -312,6 +324,15 @@ class _Environment:
                 raise
             self._format_1 = False
 
+    def closed_error(self) -> StoreClosedError:
+        """What a call on this closed environment raises."""
+        if self.forked:
+            return StoreClosedError(
+                f"the store at {self.path} was opened before this process forked: "
+                "open it again in this process"
+            )
+        return StoreClosedError(f"the store at {self.path} is closed")
+
     def indexed(self, txn: Any) -> int:
         """How far the index reaches, as a reader sees it in ``txn``."""
         if self._format_1 and txn.get(b"format", db=self.meta) == FORMAT_1:
@@ -324,11 +345,13 @@ class _Environment:
     def read(self, fn: Callable[[Any], _T]) -> _T:
         """Run ``fn(txn)`` in a read transaction (values are bytes: msgspec decodes bytes
         faster than memoryviews, and they stay valid after the transaction)."""
+        if self.closed:  # before the locks: a forked child's copies may be held for ever
+            raise self.closed_error()
         while True:
             try:
                 with self._read_slots, self.rw.shared():
                     if self.closed:
-                        raise StoreClosedError(f"the store at {self.path} is closed")
+                        raise self.closed_error()
                     with self.env.begin() as txn:
                         return fn(txn)
             except lmdb.MapResizedError:
@@ -345,7 +368,7 @@ class _Environment:
         """
         with self.rw.shared():
             if self.closed:
-                raise StoreClosedError(f"the store at {self.path} is closed")
+                raise self.closed_error()
             reaped = self.env.reader_check()
             slots = self.env.max_readers()
         if not reaped:
@@ -366,7 +389,7 @@ class _Environment:
             error: BaseException | None = None
             with self.rw.shared():
                 if self.closed:
-                    raise StoreClosedError(f"the store at {self.path} is closed")
+                    raise self.closed_error()
                 try:
                     txn = self.env.begin(write=True)
                 except lmdb.MapResizedError:
@@ -404,7 +427,7 @@ class _Environment:
         if self._writer is None and not self.closed:
             raise StoreReadOnlyError(f"the store at {self.path} was opened read-only")
         if self.closed or not self._inbox.put(job):
-            raise StoreClosedError(f"the store at {self.path} is closed")
+            raise self.closed_error()
         writer = self._writer
         while not job.lock.acquire(timeout=1.0):
             if writer is None or not writer.is_alive():
@@ -662,6 +685,10 @@ class _Environment:
             self.appended.notify_all()
 
 
+def _not_a_store(path: str) -> StoreError:
+    return StoreError(f"{path} holds an LMDB file but no stalwart store")
+
+
 def _unreadable_format(path: str, marker: bytes) -> StoreError:
     return StoreError(f"{path} holds store format {marker!r}, this version reads {FORMAT!r}")
 
@@ -708,6 +735,9 @@ def _forget_after_fork() -> None:
     for shared in _ENVS.values():
         with contextlib.suppress(Exception):
             shared.env.close()
+        # a handle the child kept raises StoreClosedError saying so, not a raw lmdb.Error;
+        # its close() then does nothing (the writer thread is the parent's)
+        shared.forked = shared.closed = True
     _ENVS.clear()
     if _ENVS_LOCK.locked():
         _ENVS_LOCK.release()

@@ -78,6 +78,7 @@ log = get_logger(__name__)
 
 
 _LAST_VERSION = (1 << 64) - 2  # so that the key of the version after it still fits
+_LAST_POSITION = (1 << 64) - 1  # the largest a log key holds
 #: How long opening a store waits for this process's last handle of it to finish closing
 #: (its writer ends the batch it is in, which may wait on another process's write lock).
 CLOSING_WAIT_S = 60.0
@@ -438,7 +439,7 @@ class LmdbEventStore:
         env = self._live()
         position = max(1, from_position)
         decode_many = self._codec.decode_many
-        last = to_position if to_position is not None else (1 << 64) - 1
+        last = _LAST_POSITION if to_position is None else min(to_position, _LAST_POSITION)
 
         def chunk(txn: Any) -> _Chunk:
             cursor = txn.cursor(db=env.log)
@@ -507,7 +508,7 @@ class LmdbEventStore:
             with env.appended:
                 env.appended.wait(wait)
             if env.closed:
-                raise StoreClosedError(f"the store at {self._path} is closed")
+                raise env.closed_error()
             head = self.head()
         return head
 
