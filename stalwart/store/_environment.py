@@ -196,6 +196,10 @@ class _Environment:
         self.clock = clock
         self.rw = SharedExclusiveLock()
         self.appended = threading.Condition()
+        #: batches this process committed (and closes), counted under ``appended`` as it
+        #: is notified: a waiter that read the head after reading this waits only while it
+        #: is unchanged, so a commit between its read and its wait is not missed
+        self.commits = 0
         self.refs = 0
         self._resize_lock = threading.Lock()
         self._map_size = map_size
@@ -483,6 +487,7 @@ class _Environment:
         for job in batch:
             job.lock.release()
         with self.appended:
+            self.commits += 1
             self.appended.notify_all()
 
     def _write_batch(self, txn: Any, jobs: list[_Job]) -> None:
@@ -682,6 +687,7 @@ class _Environment:
             self.closed = True
             self.env.close()
         with self.appended:
+            self.commits += 1
             self.appended.notify_all()
 
 

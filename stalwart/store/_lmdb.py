@@ -492,6 +492,7 @@ class LmdbEventStore:
 
     def wait_for(self, position: int, timeout: float | None) -> int:
         env = self._live()
+        seen = env.commits  # read before the head: a commit after it is not waited past
         head = self.head()
         if head >= position or timeout == 0:
             return head
@@ -506,7 +507,9 @@ class LmdbEventStore:
                     break
                 wait = min(wait, remaining)
             with env.appended:
-                env.appended.wait(wait)
+                if env.commits == seen:  # else this process committed since the head read
+                    env.appended.wait(wait)
+                seen = env.commits
             if env.closed:
                 raise env.closed_error()
             head = self.head()
