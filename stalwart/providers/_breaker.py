@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import anyio
+import msgspec
 
 from stalwart.config import ProviderSettings
 from stalwart.errors import BreakerOpenError
@@ -17,9 +18,14 @@ class Breaker:
     ``load_state(store, "provider:NAME", BREAKER)``). Half-open admits exactly one probe;
     callers that arrive while it is in flight are refused at once, not queued.
 
-    ``lock`` serializes what is recorded in the provider stream: a decision is taken on
-    the state every earlier event was folded into, so callers that fail together open
-    the breaker once, and callers that arrive together after the reset share one probe.
+    ``lock`` serializes what this process records in the provider stream: a decision is
+    taken on the state every earlier event was folded into, so callers that fail
+    together open the breaker once, and callers that arrive together after the reset
+    share one probe. Other processes on the same store append to the same stream: the
+    caller folds what they appended before it decides, and records a decision expecting
+    the version it decided on (see ``ModelCaller``), so every process's decision is the
+    one the log's fold re-derives. (The probe slot is this process's: each process on
+    a half-open breaker may send one probe.)
     """
 
     def __init__(self, settings: ProviderSettings, state: BreakerState) -> None:
@@ -39,9 +45,17 @@ class Breaker:
         )
 
     def fold(self, records: list[RecordedEvent]) -> None:
-        """Fold events that were appended to the provider stream."""
+        """Fold records of the provider stream, in order; one already folded is passed
+        over (a catch-up read may return what an append of this process folded)."""
         for record in records:
-            self.state = apply_breaker(self.state, record)
+            if record.version > self.state.version:
+                self.state = apply_breaker(self.state, record)
+
+    def passed_over(self, version: int) -> None:
+        """The stream's records up to ``version`` are folded, or cannot be read (passed
+        over, as the start-up fold passes over them): decisions expect what follows."""
+        if version > self.state.version:
+            self.state = msgspec.structs.replace(self.state, version=version)
 
     def due(self, now: float) -> list[Event]:
         """Decisions due at ``now``: open -> half_open after the reset timeout, and what

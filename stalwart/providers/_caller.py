@@ -31,6 +31,7 @@ from stalwart.config import AgentSettings
 from stalwart.errors import (
     BreakerOpenError,
     CallSealedError,
+    ConcurrencyError,
     PromptTimeoutError,
     ProviderError,
 )
@@ -73,6 +74,9 @@ log = get_logger(__name__)
 
 #: the seal of the call this task runs (each call is a task of its own; the tasks it
 #: starts inherit it)
+#: how many times a breaker decision is taken again when another writer appended to the
+#: provider stream between the fold and the append
+_DECIDE_TRIES = 5
 _SEAL: ContextVar[CallSeal | None] = ContextVar("stalwart_call_seal", default=None)
 
 #: Sees each attempt's ``prompt:started``, then that attempt's stream events as they come.
@@ -350,7 +354,7 @@ class ModelCaller:
             raise CallSealedError("the turn that made this model call has ended")
         breaker = self._breakers[provider]
         async with breaker.lock:
-            await self._provider_events(breaker, breaker.due(self._clock.now()))
+            await self._decide(breaker, self._clock.now())
             probe = breaker.admit()
         agent = self.agent
         timeout_ms = agent.prompt_timeout_ms if kind == "stall" else agent.retry_prompt_timeout_ms
@@ -523,18 +527,34 @@ class ModelCaller:
         with anyio.CancelScope(shield=True):
             try:
                 async with breaker.lock:
-                    await self._provider_events(breaker, [outcome])
+                    await self._sink.emit(f"provider:{breaker.provider}", [outcome], now)
                     # the decisions only: the slot is freed when the attempt is over
-                    await self._provider_events(breaker, breaker.due(now))
+                    await self._decide(breaker, now)
             except Exception as exc:
                 errors.append(exc)
 
-    async def _provider_events(self, breaker: Breaker, events: list[Event]) -> None:
-        if events:
-            recorded = await self._sink.emit(
-                f"provider:{breaker.provider}", events, self._clock.now()
-            )
+    async def _decide(self, breaker: Breaker, now: float) -> None:
+        """Fold what the provider stream holds beyond the breaker's fold (this process's
+        outcomes, and every other process's records), decide at ``now``, and record the
+        decision expecting the version decided on. Another writer's record in between:
+        fold it and decide again (it may have decided the same). The breaker is advisory:
+        a stream that keeps moving for ``_DECIDE_TRIES`` tries is left to its writers."""
+        stream = f"provider:{breaker.provider}"
+        for _ in range(_DECIDE_TRIES):
+            breaker.fold(await self._sink.read(stream, breaker.state.version + 1))
+            events = breaker.due(now)
+            if not events:
+                return
+            try:
+                recorded = await self._sink.emit_expecting(
+                    stream, events, now, breaker.state.version
+                )
+            except ConcurrencyError as exc:
+                breaker.fold(await self._sink.read(stream, breaker.state.version + 1))
+                breaker.passed_over(exc.actual)  # what is left up to it cannot be read
+                continue
             breaker.fold(recorded)
+            return
 
     async def _emit(self, stream: str, event: Event, ts: float | None = None) -> None:
         """Record one of the call's events in the caller's stream (while its turn lets it)."""

@@ -18,3 +18,15 @@ class EventSink(Protocol):
     async def emit(self, stream: str, events: Sequence[Event], ts: float) -> list[RecordedEvent]:
         """Append ``events`` to ``stream``."""
         ...
+
+    async def emit_expecting(
+        self, stream: str, events: Sequence[Event], ts: float, expected_version: int
+    ) -> list[RecordedEvent]:
+        """Append ``events`` to ``stream`` only if it is at ``expected_version`` (else
+        ConcurrencyError, nothing appended): a decision taken on the stream as it was."""
+        ...
+
+    async def read(self, stream: str, from_version: int) -> list[RecordedEvent]:
+        """``stream``'s records from ``from_version`` on, in order (what other writers,
+        other processes included, appended since a fold)."""
+        ...

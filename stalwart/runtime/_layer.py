@@ -15,7 +15,7 @@ from stalwart.config import Config
 from stalwart.events import Event, RecordedEvent
 from stalwart.providers import Breaker, ModelCaller, ProviderClient
 from stalwart.state import BREAKER
-from stalwart.store import EventStore, Fence, NewEvent, load_state
+from stalwart.store import EventStore, Fence, NewEvent, load_state, read_readable
 
 __all__ = ["ProviderLayer", "StoreSink"]
 
@@ -48,6 +48,21 @@ class StoreSink:
         fence = self._fences.get(stream)
         return await anyio.to_thread.run_sync(
             partial(self._store.append, fence=fence), stream, news
+        )
+
+    async def emit_expecting(
+        self, stream: str, events: Sequence[Event], ts: float, expected_version: int
+    ) -> list[RecordedEvent]:
+        news = [NewEvent(event=event, ts=ts) for event in events]
+        append = partial(
+            self._store.append, expected_version=expected_version, fence=self._fences.get(stream)
+        )
+        return await anyio.to_thread.run_sync(append, stream, news)
+
+    async def read(self, stream: str, from_version: int) -> list[RecordedEvent]:
+        # a damaged record is passed over, as the breaker's start-up fold passes it over
+        return await anyio.to_thread.run_sync(
+            lambda: list(read_readable(self._store, stream, from_version))
         )
 
 
