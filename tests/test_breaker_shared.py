@@ -141,3 +141,24 @@ def test_interleaved_outcomes_of_many_processes_verify_clean(
 
         anyio.run(main)
     assert not verify_store(store, None).findings
+
+
+def test_a_success_records_when_its_attempt_began(store: EventStore, clock: FakeClock) -> None:
+    """Health passes over a success of an attempt begun before the outage: the caller
+    records when the attempt began (its ``prompt:started``), not only its latency."""
+    from stalwart.events import PromptStarted, ProviderCallSucceeded
+
+    with FakeProvider() as fake:
+        fake.set_default(Answer(text="fine"))
+        layer = ProviderLayer(_config(fake.base_url), store, clock=clock)
+
+        async def main() -> str:
+            kind = await _call(layer)
+            await _close(layer)
+            return kind
+
+        assert anyio.run(main) == "fine"
+    [started] = [r for r in store.read_stream("session:s1") if isinstance(r.event, PromptStarted)]
+    [success] = [r.event for r in store.read_stream("provider:main")]
+    assert isinstance(success, ProviderCallSucceeded)
+    assert success.started_at == started.ts

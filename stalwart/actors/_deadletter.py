@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
@@ -210,6 +210,48 @@ def _outcome(entry_id: str, future: Future[str | None]) -> RetrySent:
     exc = future.exception()
     error = type(exc).__name__ if exc is not None else future.result()
     return RetrySent(entry_id, ok=error is None, error_class=error)
+
+
+def _after(
+    previous: Future[str | None], send: Callable[[], Future[str | None]]
+) -> Future[str | None]:
+    """The outcome of ``send()``, started once ``previous`` ended (whatever its outcome,
+    but a cancel: the sends are being released, and this one is cancelled too); cancelled
+    before that, it never starts, and cancelled after, it cancels the send."""
+    outcome: Future[str | None] = Future()
+
+    def start(ended: Future[str | None]) -> None:
+        if ended.cancelled():
+            outcome.cancel()
+        if outcome.done():  # cancelled
+            return
+        try:
+            sending = send()
+        except Exception as exc:  # the portal stopped: the send fails, as a send would
+            _copy(outcome, exc)
+            return
+        sending.add_done_callback(partial(_copied, outcome))
+        outcome.add_done_callback(lambda done: sending.cancel() if done.cancelled() else None)
+
+    previous.add_done_callback(start)
+    return outcome
+
+
+def _copied(outcome: Future[str | None], done: Future[str | None]) -> None:
+    """Give ``outcome`` what ``done`` ended with."""
+    if done.cancelled():
+        outcome.cancel()
+        return
+    error = done.exception()
+    _copy(outcome, error if error is not None else done.result())
+
+
+def _copy(outcome: Future[str | None], result: str | BaseException | None) -> None:
+    with contextlib.suppress(InvalidStateError):  # cancelled already
+        if isinstance(result, BaseException):
+            outcome.set_exception(result)
+        else:
+            outcome.set_result(result)
 
 
 # -- the actor ----------------------------------------------------------------------------
@@ -390,6 +432,8 @@ class DeadLetterActor(Supervised):
         self._outcomes.clear()
 
     def _drain(self, provider: str) -> None:
+        """Send every entry now; within a conversation one after another, in the order
+        they were queued (each once the send before it ended, :meth:`_send`)."""
         now = self._clock.now()
         self._expire(now)
         hold = hold_ms(self._settings.announce_timeout_ms)
@@ -411,7 +455,8 @@ class DeadLetterActor(Supervised):
 
     def _tick(self, now: float) -> None:
         """Expire what is due at ``now``, start the retries that are due (none while a
-        provider is degraded: they accumulate for the drain), re-arm."""
+        provider is degraded: they accumulate for the drain; none of an entry behind an
+        earlier one of its conversation: it waits for that one), re-arm."""
         self._expire(now)
         settings = self._settings
         if self._held():
@@ -429,15 +474,28 @@ class DeadLetterActor(Supervised):
                 busy=self._in_flight,
                 hold_ms=hold_ms(settings.announce_timeout_ms),
                 runtime=self._runtime,
+                ordered=True,
             ),
         )
         self._arm()
 
     def _retry(self, now: float, decide: Callable[[], list[AnnouncementDeadLetterRetried]]) -> int:
-        """Append the retries ``decide`` gives, then start their sends: how many."""
+        """Append the retries ``decide`` gives, then start their sends: how many. The
+        sends of one conversation go one after another, in the order the entries were
+        queued, behind a send of it already in flight: sent together, the channel could
+        deliver a later one first."""
         retries = self._decided(now, decide)
+        if not retries:
+            return 0
+        last: dict[tuple[str, str], Future[str | None]] = {}
+        for entry_id, sending in self._in_flight.items():
+            queued = self._folder.entry(entry_id)
+            if queued is not None:
+                last[queued.route] = sending.future
         for retry in retries:
-            self._send(retry.entry_id)
+            entry = self._folder.entry(retry.entry_id)
+            if entry is not None and retry.entry_id not in self._in_flight:
+                last[entry.route] = self._send(retry.entry_id, after=last.get(entry.route))
         return len(retries)
 
     def _expire(self, now: float) -> None:
@@ -522,10 +580,9 @@ class DeadLetterActor(Supervised):
     def _held(self) -> bool:
         return self._any_degraded is not None and self._any_degraded()
 
-    def _send(self, entry_id: str) -> None:
-        """Start one send of the entry on the portal, unless one is in flight already."""
-        if entry_id in self._in_flight:
-            return
+    def _send(self, entry_id: str, after: Future[str | None] | None = None) -> Future[str | None]:
+        """Start one send of the entry on the portal (once the send ``after`` ended, when
+        given); its outcome's future."""
         entry = self._folder.entry(entry_id)
         if entry is None:
             raise KeyError(entry_id)
@@ -538,11 +595,13 @@ class DeadLetterActor(Supervised):
         )
         timeout_s = self._settings.announce_timeout_ms / 1000
         channel = channel_named(self._channels, entry.channel)
-        future = send_by_clock(
-            self._portal, self._scheduler, self._clock, channel, message, timeout_s
+        send = partial(
+            send_by_clock, self._portal, self._scheduler, self._clock, channel, message, timeout_s
         )
+        future = send() if after is None else _after(after, send)
         self._in_flight[entry_id] = _InFlight(future, entry.announcement_id, entry.attempts + 1)
         future.add_done_callback(partial(self._settled, entry_id))
+        return future
 
     def _settled(self, entry_id: str, future: Future[str | None]) -> None:
         """Done-callback (the portal's thread): the outcome becomes a message."""
@@ -550,19 +609,18 @@ class DeadLetterActor(Supervised):
             self.actor_ref.tell(_outcome(entry_id, future))
 
     def _arm(self) -> None:
-        """One timer at the earliest retry (of entries not in flight) or expiry."""
+        """One timer at the earliest retry (of entries not in flight, nor behind an
+        earlier entry of their conversation) or expiry."""
         settings = self._settings
-        waiting = msgspec.structs.replace(
-            self._state,
-            entries=tuple(e for e in self._state.entries if e.entry_id not in self._in_flight),
-        )
         retry = next_retry_at(
-            waiting,
+            self._state,
             max_retries=settings.max_retries,
             base_ms=settings.retry_base_ms,
             cap_ms=settings.retry_cap_ms,
             hold_ms=hold_ms(settings.announce_timeout_ms),
             runtime=self._runtime,
+            busy=self._in_flight,
+            ordered=True,
         )
         if retry is not None and self._held():
             # no retry is spent while held; look again now and then in case a recovery's

@@ -37,7 +37,12 @@ import pykka
 from stalwart._logs import get_logger
 from stalwart.clock import Clock
 from stalwart.config import HealthSettings
-from stalwart.errors import ConcurrencyError, CorruptRecordError, StalwartError
+from stalwart.errors import (
+    ConcurrencyError,
+    CorruptRecordError,
+    StalwartError,
+    StoreClosedError,
+)
 from stalwart.events import ProviderDegraded, ProviderRecovered, RecordedEvent
 from stalwart.state import (
     DEFAULT_HORIZON_MS,
@@ -62,6 +67,8 @@ HealthStatus = Literal["healthy", "degraded"]
 MAX_CONFLICTS = 64
 #: The longest the follower waits on the store before it checks whether it should stop.
 FOLLOW_SLICE_S = 0.05
+#: How long the follower waits before it looks again at a store it could not reach.
+UNREACHABLE_WAIT_S = 0.5
 
 
 # -- messages -----------------------------------------------------------------------------
@@ -218,12 +225,22 @@ class _Follower:
             self._thread.join(timeout)
 
     def _run(self, seen: int) -> None:
+        unreachable = False
         while not self._stop.is_set():
             try:
                 head = self._store.wait_for(seen + 1, FOLLOW_SLICE_S)
-            except StalwartError as exc:  # the store closed under us: nothing more to follow
-                log.info("health.follower_stopped", reason=str(exc))
+            except StoreClosedError:  # the store closed under us: nothing more to follow
+                log.info("health.follower_stopped")
                 return
+            except StalwartError as exc:  # out of reach for now (a database down): wait it out
+                if not unreachable:
+                    log.warning("health.follower_store_unreachable", error_class=type(exc).__name__)
+                unreachable = True
+                self._stop.wait(UNREACHABLE_WAIT_S)
+                continue
+            if unreachable:
+                log.info("health.follower_store_back")
+                unreachable = False
             if head > seen:
                 seen = head
                 self._wake()

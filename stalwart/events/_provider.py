@@ -29,7 +29,10 @@ class ProviderCallFailed(Event, frozen=True, tag="provider:call_failed"):
 
 class ProviderCallSucceeded(Event, frozen=True, tag="provider:call_succeeded"):
     """One attempt succeeded; ``retry_of`` and ``probe`` as for :class:`ProviderCallFailed`
-    (a retry that succeeds takes its call's failure back)."""
+    (a retry that succeeds takes its call's failure back). ``started_at``: when the
+    attempt began (its ``prompt:started``); an attempt begun before ``provider:degraded``
+    does not end the outage. None in records written before the field (any success
+    while degraded did then)."""
 
     provider: str
     model: str
@@ -37,6 +40,7 @@ class ProviderCallSucceeded(Event, frozen=True, tag="provider:call_succeeded"):
     latency_ms: int = 0
     retry_of: str = ""
     probe: bool | None = None
+    started_at: float | None = None
     severity: ClassVar[Severity] = "debug"
 
 

@@ -487,6 +487,7 @@ class ModelCaller:
                 latency_ms=round((now - started_at) * 1000),
                 retry_of=retry_of,
                 probe=probe,
+                started_at=started_at,  # one begun before an outage does not end it
             )
         else:
             session_event = PromptFailed(

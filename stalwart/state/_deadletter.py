@@ -17,6 +17,14 @@ limit and :data:`SEND_GRACE_MS`: its sender died), against every runtime but the
 that recorded it (its queue knows its own sends; a decider given no ``runtime`` holds
 nothing): a queue of another runtime on the same store then neither retries nor drains
 it meanwhile, so the user gets one send per attempt.
+
+In order (``ordered=True``, what the queue's actor asks for): the entries of one
+conversation (:attr:`DeadLetterEntry.route`) keep the order they were queued in. A
+``backoff`` retry of an entry waits, whatever its backoff, while an earlier entry of its
+conversation is still queued (:func:`waiting_behind`): a later message never overtakes
+an earlier one that is still to be retried. Those retries are a subset of the unordered
+ones, which is what a log written before ordering holds, so both replay. A drain decides
+every entry as before; the actor sends those of one conversation one after another.
 """
 
 from __future__ import annotations
@@ -53,6 +61,11 @@ class DeadLetterEntry(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     #: when the retry under way was recorded (None: no send under way), and by which runtime
     sending_since: float | None = None
     sending_runtime: str | None = None
+
+    @property
+    def route(self) -> tuple[str, str]:
+        """The conversation the entry is delivered to, within which entries keep their order."""
+        return (self.channel, self.conversation)
 
 
 class DeadLetterState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -208,6 +221,31 @@ def _retryable(state: DeadLetterState, max_retries: int) -> Iterator[DeadLetterE
     return (e for e in state.entries if e.attempts < max_retries)
 
 
+def waiting_behind(state: DeadLetterState) -> frozenset[str]:
+    """The ids of the entries queued after another entry of their conversation that is still
+    in the queue: in order, they wait for it to be delivered or expired."""
+    seen: set[tuple[str, str]] = set()
+    behind: set[str] = set()
+    for entry in state.entries:
+        route = (entry.channel, entry.conversation)  # entry.route, without the call
+        if route in seen:
+            behind.add(entry.entry_id)
+        else:
+            seen.add(route)
+    return frozenset(behind)
+
+
+def _first_of_their_conversations(
+    state: DeadLetterState, entries: list[DeadLetterEntry], ordered: bool
+) -> list[DeadLetterEntry]:
+    """``entries`` but, ``ordered``, those waiting behind an earlier entry (worked out only
+    when there are some to look at: a drain in flight leaves none)."""
+    if not ordered or not entries:
+        return entries
+    behind = waiting_behind(state)
+    return [e for e in entries if e.entry_id not in behind]
+
+
 def decide_retries(
     state: DeadLetterState,
     now: float,
@@ -218,15 +256,21 @@ def decide_retries(
     busy: Collection[str] = (),
     hold_ms: int = 0,
     runtime: str | None = None,
+    ordered: bool = False,
 ) -> list[AnnouncementDeadLetterRetried]:
     """A ``backoff`` retry by ``runtime`` of each entry (not ``busy``: its send is in
-    flight here, nor held by another runtime's retry under way) whose retry is due at
-    ``now``, in enqueue order."""
-    return [
-        AnnouncementDeadLetterRetried(entry_id=e.entry_id, attempt=e.attempts + 1, runtime=runtime)
+    flight here, nor held by another runtime's retry under way; ``ordered``: nor waiting
+    behind an earlier entry of its conversation) whose retry is due at ``now``, in
+    enqueue order."""
+    due = [
+        e
         for e in _retryable(state, max_retries)
         if e.entry_id not in busy
         and now >= retry_at(e, base_ms=base_ms, cap_ms=cap_ms, hold_ms=hold_ms, runtime=runtime)
+    ]
+    return [
+        AnnouncementDeadLetterRetried(entry_id=e.entry_id, attempt=e.attempts + 1, runtime=runtime)
+        for e in _first_of_their_conversations(state, due, ordered)
     ]
 
 
@@ -238,12 +282,16 @@ def next_retry_at(
     cap_ms: int,
     hold_ms: int = 0,
     runtime: str | None = None,
+    busy: Collection[str] = (),
+    ordered: bool = False,
 ) -> float | None:
-    """The earliest moment a retry by ``runtime`` falls due, or None when none is left."""
+    """The earliest moment a retry by ``runtime`` falls due (of the entries not ``busy``
+    nor, ``ordered``, waiting behind another), or None when none is left."""
+    waiting = [e for e in _retryable(state, max_retries) if e.entry_id not in busy]
     return min(
         (
             retry_at(e, base_ms=base_ms, cap_ms=cap_ms, hold_ms=hold_ms, runtime=runtime)
-            for e in _retryable(state, max_retries)
+            for e in _first_of_their_conversations(state, waiting, ordered)
         ),
         default=None,
     )
@@ -302,7 +350,8 @@ def decide_drain(
 ) -> list[AnnouncementDeadLetterRetried]:
     """What ``provider:recovered`` sends at once: a ``drain`` retry by ``runtime`` of
     every entry not ``busy`` nor held at ``now`` by another runtime's retry under way, in
-    enqueue order, whatever its backoff."""
+    enqueue order, whatever its backoff (the queue's actor sends those of one
+    conversation one after another)."""
     return [
         AnnouncementDeadLetterRetried(
             entry_id=e.entry_id,

@@ -7,8 +7,10 @@ failures in a row from one agent (no success of that agent in between), make the
 are one call, as seed 000's SDK retries are, so an attempt's outcome (``retry_of``) takes
 the place of the failure it retried: a failed call counts once from its first failed
 attempt, and a retry that succeeds takes its failure back.
-It ``recovers`` once: at the first recorded success while degraded (rule ``probe`` when
-the caller is :data:`PROBE_AGENT`, else ``success``), or when no failure has been
+It ``recovers`` once: at the first recorded success while degraded of an attempt begun
+after the provider was degraded (rule ``probe`` when the caller is :data:`PROBE_AGENT`,
+else ``success``; a call in flight when the outage was declared does not end it), or
+when no failure has been
 recorded for ``window_ms`` (rule ``quiet_window``, a timer: :func:`health_deadline`).
 
 The fold keeps its memory bounded: failures and successes older than the state's
@@ -105,6 +107,14 @@ def _observed(state: HealthState, record: RecordedEvent) -> HealthState:
     )
 
 
+def _begun_before_outage(state: HealthState, event: ProviderCallSucceeded) -> bool:
+    """Whether the attempt began before the provider was degraded: its success says
+    nothing of the provider now (as for the breaker, whose probe it is not). A record
+    with no ``started_at`` (written before it) is taken as one begun after, as it was."""
+    began, degraded = event.started_at, state.degraded_at
+    return began is not None and degraded is not None and began < degraded
+
+
 def apply_health(state: HealthState, record: RecordedEvent) -> HealthState:
     """The provider's health after one more event of its stream."""
     state = _observed(state, record)
@@ -124,7 +134,11 @@ def apply_health(state: HealthState, record: RecordedEvent) -> HealthState:
                 state = replace(state, failures=_without(state.failures, event.retry_of))
             mark = Mark(record.ts, event.agent, record.version)
             others = tuple(m for m in state.successes if m.agent != event.agent)
-            if state.status == "degraded" and state.recovering_agent is None:
+            if (
+                state.status == "degraded"
+                and state.recovering_agent is None
+                and not _begun_before_outage(state, event)
+            ):
                 return replace(
                     state,
                     successes=(*others, mark),
