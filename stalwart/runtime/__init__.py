@@ -25,7 +25,7 @@ dead-letter actors, closes the provider clients and the channels the runtime bui
 the portal's loop), stops the scheduler and the portal (whatever is still in flight is
 cancelled, which closes its HTTP request), appends ``runtime:stopped`` and closes the
 store if it opened it. A failure in one step is logged and the next steps still run; a
-second ``close()`` does nothing.
+second ``close()`` closes nothing again: it returns once the first has ended.
 
 :class:`ProviderLayer` and :class:`StoreSink` are the provider layer on a store, which
 ``stalwart run`` also uses on its own.

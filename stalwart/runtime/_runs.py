@@ -119,6 +119,10 @@ class RunLayer:
         splitter: Splitter | None,
     ) -> RunHandle:
         """See :meth:`Runtime.spawn` (under the runtime's lock, while it runs)."""
+        if not isinstance(announce, bool):  # recorded in subagent:spawned
+            raise SpawnRefusedError(
+                "spawn refused: announce must be True or False", field="announce"
+            )
         self._check(spawn)
         self._join(spawn.run_id, _Lineage(spawn.task, work, agent, splitter))
         return self._start(spawn, work, agent, announce=announce)
@@ -129,13 +133,15 @@ class RunLayer:
 
     def _check(self, spawn: Spawn) -> None:
         """SpawnRefusedError (nothing appended) for a task that is not text that can be
-        stored, no valid timeout, a step budget that is not a positive number (its
-        watchdog limit would be 0 ms or less: the run would be force-failed the moment it
-        starts) or is over :data:`MAX_STEPS` (the log could not record its spawn: the
-        run's actor would crash at every start) or an unknown channel."""
+        stored (None included: the run's actor would crash at every start), no valid
+        timeout, a step budget that is not a positive number (its watchdog limit would be
+        0 ms or less: the run would be force-failed the moment it starts) or is over
+        :data:`MAX_STEPS` (the log could not record its spawn) or an unknown channel."""
         for field in ("task", "reason", "conversation", "thread"):  # in subagent:spawned
             value = getattr(spawn, field)
-            if value is not None and (not isinstance(value, str) or not _storable(value)):
+            if value is None and field != "task":  # the others may be left out
+                continue
+            if not isinstance(value, str) or not _storable(value):
                 raise SpawnRefusedError(
                     f"spawn refused: the {field} must be text that is valid UTF-8", field=field
                 )

@@ -300,26 +300,31 @@ class Runtime:
 
     def confirm(self, session_id: str, request_id: str, *, allow: bool) -> str:
         """Answer a pending approval (see :func:`stalwart.runtime.confirm`)."""
-        return self._started(self._sessions).confirm(session_id, request_id, allow=allow)
+        return self._session_layer().confirm(session_id, request_id, allow=allow)
 
     def submit_tool_result(self, session_id: str, request_id: str, output: str) -> str:
         """Give a pending custom tool call its output; the session resumes."""
-        sessions = self._started(self._sessions)
-        return sessions.submit_tool_result(session_id, request_id, output)
+        return self._session_layer().submit_tool_result(session_id, request_id, output)
 
     def interrupt(self, session_id: str, reason: str = "") -> list[str]:
         """Clear the pending request, cancel queued wakes, stop a running one."""
-        return self._started(self._sessions).interrupt(session_id, reason)
+        return self._session_layer().interrupt(session_id, reason)
 
     def wake_at(
         self, session_id: str, at: float, text: str, *, dedupe_key: str | None = None
     ) -> str:
         """Schedule a delayed wake of the session (SessionActionError over the caps)."""
-        return self._started(self._sessions).wake_at(session_id, at, text, dedupe_key)
+        return self._session_layer().wake_at(session_id, at, text, dedupe_key)
 
     def worker(self, timeout: float = STOP_TIMEOUT_S) -> WorkerReport:
         """What this process's activation worker holds (owner, leases, position)."""
-        return self._started(self._sessions).worker(timeout)
+        return self._session_layer().worker(timeout)
+
+    def _session_layer(self) -> SessionLayer:
+        """The sessions of the running runtime, taken under its lock: a call from another
+        thread while ``start()`` runs waits for it (its layers are built then)."""
+        with self._lock:
+            return self._started(self._sessions)
 
     # -- sub-agents ----------------------------------------------------------------------------
 

@@ -346,8 +346,9 @@ class SessionLayer:
         """A handle for a session this runtime holds none for. One that ran before (a
         passivated one its host let go of, or another process's) runs with what its
         ``created`` recorded, as a wake's does; a new one with the arguments."""
-        if created is not None:
-            agent, channel = self._recorded(session_id, created.agent, created.channel)
+        if created is not None:  # the call's agent and channel stand in for gone ones
+            recorded = self._recorded(session_id, created.agent, created.channel, (agent, channel))
+            agent, channel = recorded
             conversation, thread = created.conversation, created.thread
         handle = self.start_agent(session_id, agent, channel, conversation, thread)
         self._handles[session_id] = handle
@@ -581,20 +582,32 @@ class SessionLayer:
                 log.warning("runtime.wake_without_agent", session=session_id, key="session_id")
             return None
 
-    def _recorded(self, session_id: str, agent: str, channel: str | None) -> tuple[str, str]:
-        """The agent and channel a session recorded, or the defaults when this config has
-        none of that name (an operator renamed or removed it); said in the log."""
-        if agent not in self._w.config.agents:
+    def _recorded(
+        self,
+        session_id: str,
+        agent: str,
+        channel: str | None,
+        instead: tuple[str, str] = ("default", DEFAULT_CHANNEL),
+    ) -> tuple[str, str]:
+        """The agent and channel a session recorded, or ``instead`` (a host's call: its
+        own; a wake: the defaults) when this config has none of that name (an operator
+        renamed or removed it), said in the log. An agent ``instead`` does not name
+        either is the config's ``default``, else its first: a session whose agent is
+        gone still runs in a config that has no ``default``."""
+        agents = self._w.config.agents
+        if agent not in agents:
             if agent:
                 log.warning("runtime.agent_not_configured", session=session_id, agent=agent)
-            agent = "default"
+            agent = instead[0]
+            if agent not in agents and agents:
+                agent = "default" if "default" in agents else next(iter(agents))
         if channel is None:
-            return agent, DEFAULT_CHANNEL
+            return agent, instead[1]
         # a log written before sessions recorded the channel's key may name the channel
         found = channel_named(self._w.channels, channel)
         if found is None:
             log.warning("runtime.channel_not_configured", session=session_id, channel=channel)
-            return agent, DEFAULT_CHANNEL
+            return agent, instead[1]
         return agent, next(key for key, known in self._w.channels.items() if known is found)
 
     def _created(self, session_id: str) -> SessionCreated | None:
