@@ -85,6 +85,14 @@ _MIN_WAIT_S = 0.05
 SESSION_PREFIX = "session:"
 
 
+def _newest_missing(stream: str, first: int, version: int) -> str:
+    """Why a read of ``stream`` stops at ``first``: its versions from there to its last
+    one (``version``) are missing from the log."""
+    if first == version:
+        return f"version {first} of {stream!r} is missing from the log"
+    return f"versions {first}..{version} of {stream!r} are missing from the log"
+
+
 class PostgresEventStore:
     """The EventStore on one PostgreSQL database (and schema). Safe to share between threads.
 
@@ -333,8 +341,8 @@ class PostgresEventStore:
     def _decode(self, rows: list[Any]) -> tuple[list[RecordedEvent], CorruptRecordError | None]:
         encode = self._header.encode
         raw = msgspec.Raw
-        values = [
-            encode((p, s, v, ts, i, c, k, sc, raw(d))) for p, s, v, ts, i, c, k, sc, d in rows
+        values = [  # each row ends with the key its read must reach (``_ranged``)
+            encode((p, s, v, ts, i, c, k, sc, raw(d))) for p, s, v, ts, i, c, k, sc, d, _ in rows
         ]
         out: list[RecordedEvent] = []
         error = self._codec.decode_batch(values, out)
@@ -366,15 +374,25 @@ class PostgresEventStore:
         self._live()
         check_stream(stream)
         last = _LAST if to_version is None else min(to_version, _LAST)
+        doing = f"read stream {stream!r}"
 
         def fetch(first: int, end: int) -> list[Any]:
-            doing = f"read stream {stream!r}"
-            return self._db.fetch(doing, self._sql.read_stream, (stream, first, end))
+            return self._db.fetch(doing, self._sql.read_stream, (stream, stream, first, end))
 
         def gap(missing: int, row: list[Any] | None) -> CorruptRecordError:
-            after = int(row[0]) if row is not None else 0
             reason = f"version {missing} of {stream!r} is missing before it"
-            return CorruptRecordError(after, reason)
+            if row is not None:  # the record after the hole
+                return CorruptRecordError(int(row[0]), reason)
+            # none after it in this batch: the stream's next record, or else its last
+            for after, last_position, version in self._db.fetch(
+                doing, self._sql.stream_hole, (stream, missing, stream)
+            ):
+                if after is not None:
+                    return CorruptRecordError(int(after), reason)
+                return CorruptRecordError(
+                    int(last_position), _newest_missing(stream, missing, version)
+                )
+            return CorruptRecordError(0, reason)  # its row went too (by hand)
 
         yield from self._ranged(fetch, 2, max(1, from_version), last, gap)
 
@@ -388,24 +406,28 @@ class PostgresEventStore:
     ) -> Batches:
         """Rows by consecutive keys (positions, or a stream's versions) in batches.
 
-        A key is handed out only once the one before it is visible, so a short batch
-        whose keys run on without a break is the end of what is committed; a key missing
-        among them (a row deleted by hand) is a CorruptRecordError after every record
-        before it, never a silent end.
+        Each row ends with the key the read must reach (the head, or the stream's
+        version), read in the same snapshot as the rows; when none is found there is one
+        row of NULLs and that key. A key at or below it that is missing (a row deleted by
+        hand, within a batch, at its end, or at the end of the log or of the stream) is a
+        CorruptRecordError after every record before it, never a silent end.
         """
         at = first
         while at <= last:
             end = min(last, at + READ_BATCH - 1)
             rows = fetch(at, end)
-            if len(rows) < end - at + 1:
-                missing = next((k for k, row in enumerate(rows, at) if row[key] != k), None)
-                if missing is None:
-                    yield from self._records(rows)
-                    return  # the end of the log (or of the range)
-                kept = rows[: missing - at]
-                yield from self._records(kept)
-                raise gap(missing, rows[missing - at])
+            reach = min(end, int(rows[0][-1])) if rows else end
+            if rows and rows[0][key] is None:
+                rows = []  # nothing in the range, only the key to reach
+            missing = next((k for k, row in enumerate(rows, at) if row[key] != k), None)
+            if missing is None and len(rows) < reach - at + 1:
+                missing = at + len(rows)  # the hole runs to the end of the batch or past it
+            if missing is not None:
+                yield from self._records(rows[: missing - at])
+                raise gap(missing, rows[missing - at] if missing - at < len(rows) else None)
             yield from self._records(rows)
+            if reach < end:
+                return  # the end of the log (or of the stream)
             at = end + 1
 
     def _records(self, rows: list[Any]) -> Batches:

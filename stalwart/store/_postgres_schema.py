@@ -309,6 +309,9 @@ def installed_version(conn: psycopg.Connection[Any], schema: str) -> int | None:
     return int(found[0]) if found else 0
 
 
+_SCHEMA_EXISTS = "SELECT 1 FROM pg_namespace WHERE nspname = %s"
+
+
 def migrate(conn: psycopg.Connection[Any], schema: str, location: str) -> int | None:
     """Create or upgrade the store's schema in one transaction; return the version before
     (0: created it), or None when it was current by the time the lock was had.
@@ -317,18 +320,26 @@ def migrate(conn: psycopg.Connection[Any], schema: str, location: str) -> int | 
     each migration runs once; those that waited find it done, and say so (they said
     "upgraded from version 2 to 2"). A database at a newer version than this code is
     refused.
+
+    The schema, and the table of migrations, are created only when they are not there:
+    PostgreSQL checks the right to create a schema in the database before it looks
+    whether one exists, so ``CREATE SCHEMA IF NOT EXISTS`` refused a role whose schema an
+    administrator made for it (``CREATE SCHEMA ... AUTHORIZATION role``).
     """
     ident = sql.Identifier(schema)
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"stalwart:{schema}",))
-        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
-        conn.execute(
-            sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {}.schema_version ("
-                "version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
-            ).format(ident)
-        )
-        before = installed_version(conn, schema) or 0
+        if conn.execute(_SCHEMA_EXISTS, (schema,)).fetchone() is None:
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(ident))
+        found = installed_version(conn, schema)
+        if found is None:
+            conn.execute(
+                sql.SQL(
+                    "CREATE TABLE {}.schema_version (version integer PRIMARY KEY, "
+                    "applied_at timestamptz NOT NULL DEFAULT now())"
+                ).format(ident)
+            )
+        before = found or 0
         check_version(before, location)
         for version in range(before, SCHEMA_VERSION):
             script = MIGRATIONS[version].replace("{s}", ident.as_string(conn))
@@ -391,6 +402,7 @@ def ensure_schema(
 
 
 COLUMNS = "position, stream, version, ts, id, causation_id, correlation_id, schema, data"
+EVENT_COLUMNS = ", ".join(f"e.{column}" for column in COLUMNS.split(", "))
 
 
 class Statements:
@@ -406,12 +418,26 @@ class Statements:
             "%s::text[], %s::text[], %s::text[], %s::int4[], %s::text[], %s::bytea[], "
             "%s::int2[], %s::float8[])"
         )
+        # A read's rows, each with the key the read must reach (the head; the stream's
+        # version), read in the same snapshot, so a key missing before it is a hole, not
+        # the end of what is committed; one row of NULLs and that key when none is found.
         self.read_all = q(
-            f"SELECT {COLUMNS} FROM {{s}}.events WHERE position BETWEEN %s AND %s ORDER BY position"
+            f"SELECT {EVENT_COLUMNS}, h.position FROM (SELECT position FROM {{s}}.head LIMIT 1) h "
+            "LEFT JOIN {s}.events e ON e.position BETWEEN %s AND %s ORDER BY e.position"
         )
         self.read_stream = q(
-            f"SELECT {COLUMNS} FROM {{s}}.events WHERE stream = %s "
-            "AND version BETWEEN %s AND %s ORDER BY version"
+            f"SELECT {EVENT_COLUMNS}, st.version FROM "
+            "(SELECT coalesce(max(version), 0) AS version FROM {s}.streams "
+            "WHERE stream = %s) st "
+            "LEFT JOIN {s}.events e ON e.stream = %s AND e.version BETWEEN %s AND %s "
+            "ORDER BY e.version"
+        )
+        # where a hole in a stream's versions is: the position of its first record after
+        # the hole (NULL: none), and the stream's last position and version
+        self.stream_hole = q(
+            "SELECT (SELECT position FROM {s}.events WHERE stream = %s AND version > %s "
+            "ORDER BY version LIMIT 1), last_position, version FROM {s}.streams "
+            "WHERE stream = %s"
         )
         self.head = q("SELECT position FROM {s}.head")
         self.stream_row = q(

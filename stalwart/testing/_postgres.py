@@ -13,6 +13,7 @@ import contextlib
 import glob
 import os
 import pwd
+import secrets
 import shutil
 import socket
 import subprocess
@@ -56,11 +57,39 @@ def postgres_bindir() -> Path | None:
     return None
 
 
+#: Linux's default range of the source ports of outgoing connections
+_EPHEMERAL = (32768, 60999)
+_LOWEST_PORT = 10000
+#: how many ports a start tries when the one picked was taken before the server bound it
+_PORT_TRIES = 5
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel picks the source port of an outgoing connection from."""
+    with contextlib.suppress(OSError, ValueError):
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    return _EPHEMERAL
+
+
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+    """A port nothing listens on, outside the range of outgoing connections' source ports.
+
+    A port the kernel picked (``bind(("", 0))``) is in that range, so any connection this
+    machine opened before the server bound it (a client of another test's server, a
+    download) could take it, and the server failed to start: "Address already in use".
+    """
+    low, high = _ephemeral_ports()
+    ports = [p for p in range(_LOWEST_PORT, 65536) if not low <= p <= high]
+    for _ in range(100):
+        port = ports[secrets.randbelow(len(ports))]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("found no free port to run PostgreSQL on")
 
 
 def _run_as() -> str | None:
@@ -160,6 +189,28 @@ class PostgresServer:
             pwfile.unlink()
 
     def _start(self, fsync: bool, settings: Sequence[str]) -> None:
+        """Start the server; on another free port when the one picked was taken meanwhile
+        (another test's server picked it too)."""
+        for attempt in range(_PORT_TRIES):
+            logged = self.log_file.stat().st_size if self.log_file.exists() else 0
+            try:
+                self._start_on_port(fsync, settings)
+                return
+            except RuntimeError:
+                if not self._port_taken(logged) or attempt == _PORT_TRIES - 1:
+                    raise
+                self.port = _free_port()
+
+    def _port_taken(self, logged: int) -> bool:
+        """Whether the server's log after its first ``logged`` bytes says it could not
+        bind its port (PostgreSQL: 'could not bind IPv4 address ...: Address already in
+        use')."""
+        with contextlib.suppress(OSError), open(self.log_file, "rb") as log:
+            log.seek(logged)
+            return b"could not bind" in log.read()
+        return False
+
+    def _start_on_port(self, fsync: bool, settings: Sequence[str]) -> None:
         options = [
             f"-c listen_addresses={self.host}",
             f"-c port={self.port}",
