@@ -73,6 +73,7 @@ from stalwart.state import (
 )
 from stalwart.store import EventStore, NewEvent, load_state, read_readable
 
+from ._outage import StoreOutage
 from ._portal import IoPortal
 from ._scheduler import Scheduler
 from ._send import send_by_clock
@@ -307,6 +308,12 @@ class DeadLetterActor(Supervised):
         self._outcomes: list[tuple[RetrySent, _InFlight]] = []
         self._in_flight: dict[str, _InFlight] = {}
         self._timer_key = ("deadletter", self.actor_urn)
+        #: a tick, a drain or outcomes the store failed are tried again a moment later
+        self._outage = StoreOutage("deadletter", scheduler, clock, self._tell_self)
+
+    def _tell_self(self, message: object) -> None:
+        with contextlib.suppress(pykka.ActorDeadError):  # stopped meanwhile
+            self.actor_ref.tell(message)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -348,6 +355,14 @@ class DeadLetterActor(Supervised):
     # -- messages ----------------------------------------------------------------------------
 
     def on_receive(self, message: Any) -> Any:
+        match message:
+            case _Outcomes() | RetryDue() | Drain():
+                # told by a timer, a send or a recovery: a store outage is waited out
+                return self._outage.run(message, lambda: self._handle(message))
+            case _:  # asked (the asker hears of a store error), or no store to meet
+                return self._handle(message)
+
+    def _handle(self, message: Any) -> Any:
         if not isinstance(message, RetrySent):
             self._record_outcomes()  # every other message sees the queue they leave
         match message:

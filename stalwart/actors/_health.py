@@ -54,6 +54,7 @@ from stalwart.state import (
 )
 from stalwart.store import EventStore, NewEvent, load_state, read_readable
 
+from ._outage import StoreOutage
 from ._restarts import crashed
 from ._scheduler import Scheduler, TimerHandle
 from ._supervised import Supervised
@@ -290,6 +291,8 @@ class ProviderHealthActor(Supervised):
         self._timer: TimerHandle | None = None
         self._poll_pending = threading.Event()
         self._follower: _Follower | None = None
+        #: a check the store failed is made again a moment later, not a crash
+        self._outage = StoreOutage("health", scheduler, clock, self._tell_self)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -333,11 +336,11 @@ class ProviderHealthActor(Supervised):
         match message:
             case PollHealth():
                 self._poll_pending.clear()
-                self._settle()
+                self._outage.run(message, self._settle)
             case CallOutcome(record=record) if record.stream != self._stream:
                 log.warning("health.foreign_outcome", provider=self._provider, stream=record.stream)
             case CallOutcome() | _Due():
-                self._settle()
+                self._outage.run(message, self._settle)
             case GetHealth():
                 pass
             case _:
@@ -437,6 +440,10 @@ class ProviderHealthActor(Supervised):
         if timer is not None:
             timer.cancel()
         self._timer = self._scheduler.schedule(deadline, self._due)
+
+    def _tell_self(self, message: object) -> None:
+        with contextlib.suppress(pykka.ActorDeadError):  # stopped meanwhile
+            self.actor_ref.tell(message)
 
     def _due(self, at: float) -> None:
         """Scheduler callback (the scheduler's thread, or inside ``FakeClock.advance``)."""
