@@ -11,6 +11,7 @@ previous summary with the newer middle.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from stalwart.context._repair import OPENING, repair
@@ -88,8 +89,13 @@ def keep_summary(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
         return Outcome(kept)
     head, middle, tail = plan
     left_out = sum(1 for message in middle if not is_summary(message))
-    earlier = [message.content for message in middle if is_summary(message)]
-    text = "\n\n".join([EMERGENCY_TEXT.format(count=left_out), *earlier])
+    earlier = [_fenced_text(message.content) for message in middle if is_summary(message)]
+    if earlier and summary is not None and summary.truncated:
+        # the truncation in force: its notice is counted into this one, not nested in it
+        # (nested notices would push the summaries they keep out of the message)
+        carried, rest = _notice(earlier[0])
+        left_out, earlier = left_out + carried, [rest, *earlier[1:]]
+    text = "\n\n".join([EMERGENCY_TEXT.format(count=left_out), *filter(None, earlier)])
     return _compacted(head, middle, tail, text, tokens, run, fallback="emergency-truncation")
 
 
@@ -98,6 +104,21 @@ EMERGENCY_TEXT = (
     "The summarizer was unavailable, so {count} earlier messages of this conversation are "
     "left out here (the session's log keeps them)."
 )
+_NOTICE = re.compile(re.escape(EMERGENCY_TEXT).replace(re.escape("{count}"), r"(\d+)"))
+
+
+def _fenced_text(body: str) -> str:
+    """The text a rendered summary message fences (its ``| `` lines, as written)."""
+    return "\n".join(line[2:] for line in body.splitlines() if line.startswith("| "))
+
+
+def _notice(text: str) -> tuple[int, str]:
+    """How many messages the notice that opens an emergency truncation's ``text`` left
+    out, and the rest of the text (the earlier summaries it kept)."""
+    found = _NOTICE.match(text)
+    if found is None:
+        return 0, text
+    return int(found[1]), text[found.end() :].strip("\n")
 
 
 def _tokens(messages: tuple[ContextMessage, ...], run: Run) -> int:

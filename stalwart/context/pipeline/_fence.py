@@ -34,6 +34,8 @@ from typing import Literal
 from stalwart.context._types import ContextMessage
 from stalwart.state import PipelineState
 
+from ._transcript import answered_by
+
 __all__ = [
     "CacheBreak",
     "added_since",
@@ -59,12 +61,24 @@ def added_since(shaped: Messages, original: Messages, fence_input: int) -> Messa
 
 def late_results(held: Messages, added: Messages) -> bool:
     """Whether ``added`` (what the layers made of the messages added since the fence)
-    answers a call the fence holds with ``repair``'s placeholder result."""
+    answers a call the fence holds with ``repair``'s placeholder result. Paired by
+    position (:func:`answered_by`), not by id alone: a provider that numbers its calls
+    per response (``call_0`` every turn) answers a new call with a reused id, not the
+    held one."""
+    owners = answered_by(held)
     placeholders = {
-        m.tool_call_id for m in held if m.role == "tool" and m.message_id.startswith("synthetic:")
+        (held[owner].message_id, held[index].tool_call_id)
+        for index, owner in owners.items()
+        if held[index].message_id.startswith("synthetic:")
     }
-    return bool(placeholders) and any(
-        m.role == "tool" and m.tool_call_id in placeholders for m in added
+    if not placeholders:
+        return False
+    joined = (*held, *added)
+    return any(
+        index >= len(held)
+        and owner < len(held)
+        and (joined[owner].message_id, joined[index].tool_call_id) in placeholders
+        for index, owner in answered_by(joined).items()
     )
 
 

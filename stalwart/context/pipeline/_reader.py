@@ -31,7 +31,9 @@ def directory_reader(root: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES
                 return None
             with target.open("rb") as file:
                 data = file.read(max_bytes)
-        except (OSError, ValueError):  # unreadable, or a path with a NUL in it
+        except (OSError, ValueError, RuntimeError):
+            # unreadable, a path with a NUL in it, or a loop of symbolic links (which
+            # ``resolve`` raises as RuntimeError before Python 3.13)
             return None
         return data.decode("utf-8", errors="replace")
 

@@ -39,8 +39,10 @@ def _paths(arguments: str) -> Iterator[str]:
 
 def referenced_paths(original: tuple[ContextMessage, ...], kept: set[str], limit: int) -> list[str]:
     """Paths named in the tool-call arguments of messages no longer in the transcript
-    (summarized or dropped), newest first, each once, at most ``limit``."""
+    (summarized or dropped), newest first, each once, at most ``limit`` (0: none)."""
     found: list[str] = []
+    if limit <= 0:
+        return found
     for message in reversed(original):
         if message.message_id in kept or not message.tool_calls:
             continue
