@@ -9,6 +9,11 @@ parent's conversation, ``debounce_ms`` after its latest completion, and never la
 delivery). Each run in a batch gets ``announcement:queued`` (kind ``completion``, the
 batch's id) in its stream before the send and ``announcement:delivered`` or
 ``announcement:send_failed`` after it; a failed send goes to the dead-letter queue.
+
+A run whose completion is already queued in its stream when its batch goes (the
+supervisor's sweep announced it as owed: this announcer was late, or another process's
+sweep found it first) is left out: ``announcement:queued`` is appended expecting the
+version read, as the supervisor appends its own, so one of the two announces it.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ import pykka
 from stalwart._logs import get_logger
 from stalwart.channels import Channel, OutboundMessage, channel_named
 from stalwart.clock import Clock
+from stalwart.errors import ConcurrencyError
 from stalwart.events import AnnouncementDelivered, AnnouncementQueued, AnnouncementSendFailed
 from stalwart.events import Event as LogEvent
 from stalwart.ids import new_id
-from stalwart.state import batch_text
+from stalwart.state import SUBSESSION_CHANNEL_PREFIX, batch_text
 from stalwart.store import EventStore, NewEvent
 
 from ._deadletter import Enqueue, dead_letter
@@ -39,9 +45,12 @@ from ._send import send_by_clock
 from ._subagent import RunEnded
 from ._supervised import Supervised
 
-__all__ = ["Announcer", "Batch", "GetBatches", "Track"]
+__all__ = ["Announcer", "Batch", "GetBatches", "Track", "Untrack"]
 
 log = get_logger(__name__)
+
+#: How many append conflicts in a row one run's ``announcement:queued`` folds and retries.
+MAX_CONFLICTS = 64
 
 
 class Track(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,6 +62,13 @@ class Track(msgspec.Struct, frozen=True, kw_only=True):
     conversation: str
     thread: str | None = None
     announce: bool = True
+
+
+class Untrack(msgspec.Struct, frozen=True):
+    """Forget a run that ended without its end coming here: the supervisor ended it
+    (swept as a ghost, given up on), so its actor will never tell :class:`RunEnded`."""
+
+    run_id: str
 
 
 class GetBatches(msgspec.Struct, frozen=True):
@@ -114,8 +130,9 @@ class Announcer(Supervised):
     Start with ``Announcer.start(store=..., clock=..., scheduler=..., portal=...,
     channels={name: channel}, supervisor=<ref>, on_ended=callable, dead_letters=<ref>,
     debounce_ms=500, max_wait_ms=5_000, send_timeout_ms=30_000)``. Tell it :class:`Track`
-    before a run starts; ask :class:`GetBatches`. ``on_crash(exception class name)`` is
-    called once if the actor dies of an exception.
+    before a run starts, and :class:`Untrack` when a run ends without its end coming
+    here; ask :class:`GetBatches`. ``on_crash(exception class name)`` is called once if
+    the actor dies of an exception.
     """
 
     def __init__(
@@ -162,6 +179,8 @@ class Announcer(Supervised):
         match message:
             case Track(run_id=run_id):
                 self._tracked[run_id] = message
+            case Untrack(run_id=run_id):
+                self._tracked.pop(run_id, None)
             case RunEnded():
                 self._ended(message)
             case _Due(parent=parent, at=at):
@@ -217,13 +236,25 @@ class Announcer(Supervised):
             self._send(parent, part)
 
     def _send(self, parent: str, batch: Batch) -> None:
-        """Send one address's part of a parent's batch."""
+        """Send one address's part of a parent's batch: its runs whose completion is not
+        queued in their stream already (the supervisor announced it as owed)."""
+        versions = {run_id: self._look(run_id, 1) for run_id, _ in batch.runs}
+        runs = tuple(run for run in batch.runs if versions[run[0]] is not None)
+        if len(runs) < len(batch.runs):
+            log.info(
+                "announcer.announced_elsewhere", parent=parent, runs=len(batch.runs) - len(runs)
+            )
+        if not runs:
+            return
+        route = (batch.channel, batch.conversation, batch.thread)
+        batch = msgspec.structs.replace(batch, runs=runs, routes=(route,) * len(runs))
         announcement_id = new_id()
         text = batch_text(batch.runs)
         queued = AnnouncementQueued(
             announcement_id=announcement_id, channel=batch.channel, kind="completion", text=text
         )
-        self._record(batch, queued)
+        for run_id, _ in batch.runs:
+            self._queue(run_id, queued, versions[run_id] or 0)
         message = OutboundMessage(
             conversation=batch.conversation,
             thread=batch.thread,
@@ -259,6 +290,37 @@ class Announcer(Supervised):
             dead_letter(self._dead_letters, enqueue)
         self._record(batch, event)
 
+    def _look(self, run_id: str, from_version: int) -> int | None:
+        """The version of the run's stream, read from ``from_version`` on; None when what
+        was read queues a completion of the run (a model-driven run's private answer to
+        its own Agent is none)."""
+        version = from_version - 1
+        for record in self._store.read_stream(f"session:{run_id}", from_version):
+            version = record.version
+            if _queues_completion(record.event):
+                return None
+        return version
+
+    def _queue(self, run_id: str, queued: AnnouncementQueued, version: int) -> None:
+        """Append the batch's ``announcement:queued`` to the run's stream expecting
+        ``version``; on a conflict read what was added: a completion queued there meanwhile
+        leaves the run to its sender (the batch's text still names it)."""
+        stream = f"session:{run_id}"
+        for attempt in range(1, MAX_CONFLICTS + 1):
+            event = NewEvent(event=queued, ts=self._clock.now())
+            try:
+                self._store.append(stream, [event], expected_version=version)
+            except ConcurrencyError:
+                if attempt == MAX_CONFLICTS:
+                    raise  # the actor fails; the supervisor's sweep announces what is owed
+                seen = self._look(run_id, version + 1)
+                if seen is None:
+                    log.info("announcer.announced_elsewhere", run=run_id)
+                    return
+                version = seen
+                continue
+            return
+
     def _record(self, batch: Batch, event: LogEvent) -> None:
         """Append to each run's stream (the run has ended: its actor writes no more)."""
         now = self._clock.now()
@@ -281,3 +343,13 @@ class Announcer(Supervised):
     def _tell(self, message: object) -> None:
         with contextlib.suppress(pykka.ActorDeadError):
             self.actor_ref.tell(message)
+
+
+def _queues_completion(event: LogEvent) -> bool:
+    """Whether ``event`` queues a run's completion announcement (a model-driven run's
+    private answer to its own Agent, on ``subagent:<run>``, is none)."""
+    return (
+        isinstance(event, AnnouncementQueued)
+        and event.kind == "completion"
+        and not event.channel.startswith(SUBSESSION_CHANNEL_PREFIX)
+    )

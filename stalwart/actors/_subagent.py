@@ -43,7 +43,7 @@ from stalwart._logs import get_logger
 from stalwart._text import scrub_surrogates
 from stalwart.clock import Clock
 from stalwart.config import SubagentSettings
-from stalwart.errors import ConcurrencyError, EventError
+from stalwart.errors import ConcurrencyError, EventError, StoreError
 from stalwart.events import (
     Event,
     SubagentArtifact,
@@ -56,7 +56,7 @@ from stalwart.state import RUN, RunState, decide_watchdog, spawn_timeout, watchd
 from stalwart.store import EventStore, NewEvent, load_state
 
 from ._portal import IoPortal
-from ._restarts import crashed
+from ._restarts import crashed, tell_later
 from ._scheduler import Scheduler
 from ._subagent_notice import failure_notice
 from ._supervised import Supervised
@@ -262,6 +262,8 @@ class SubAgentActor(Supervised):
         self._future: Future[str] | None = None
         #: set before the actor cancels the work itself (read by the done-callback)
         self._cancelled_here = False
+        #: whether the parent was told how the run ended
+        self._told = False
         self._timer_key = ("subagent", self.actor_urn)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -336,14 +338,16 @@ class SubAgentActor(Supervised):
         self._append(lambda state, now: [event])
 
     def _observe(self, event: Event) -> None:
-        """A report of the work, while the run runs (one after a force-fail is dropped)."""
-        self._catch_up()
-        if self._state.status != "running":
-            log.info("subagent.report_dropped", run=self._stream, status=self._state.status)
-            return
+        """A report of the work, while the run runs (one after a force-fail is dropped).
+        One the log refuses, or cannot take (the store away for a moment), is dropped:
+        a crash of this actor would cancel the work."""
         try:
+            self._catch_up()
+            if self._state.status != "running":
+                log.info("subagent.report_dropped", run=self._stream, status=self._state.status)
+                return
             self._append(lambda state, now: [event] if state.status == "running" else [])
-        except EventError as exc:  # one report the log refuses never ends the run's actor
+        except (EventError, StoreError) as exc:
             log.warning(
                 "subagent.report_unrecorded",
                 run=self._stream,
@@ -352,8 +356,25 @@ class SubAgentActor(Supervised):
             )
 
     def _completed(self, done: _WorkDone) -> None:
+        """The work's end, recorded; while the store is away it is told again in
+        :data:`~stalwart.actors._restarts.DECISION_RETRY_S` (a crash of this actor would
+        lose the result: the work does not run again)."""
+        try:
+            self._complete(done)
+        except StoreError as exc:
+            if isinstance(exc, ConcurrencyError):
+                raise  # conflicts in a row: the actor fails, as any append of it would
+            log.warning("subagent.completion_deferred", run=self._stream, error=type(exc).__name__)
+            tell_later(self._scheduler, self._clock, self._tell, done)
+
+    def _complete(self, done: _WorkDone) -> None:
         self._catch_up()
         before = self._state.status
+        if before in ("succeeded", "failed") and not self._told:
+            # recorded by an append that raised (its outcome in doubt): tell it now
+            self._scheduler.cancel(self._timer_key)
+            self._tell_parent(self._ended_as_recorded())
+            return
         if before not in ("running", "timed_out", "swept") or self._state.late_completion:
             return
         event = self._record_completion(done)
@@ -431,6 +452,14 @@ class SubAgentActor(Supervised):
         if self._state.status in ("swept", "failed"):
             self._cancel_work()
 
+    def _ended_as_recorded(self) -> RunEnded:
+        """How the run ended as its folded completion says (succeeded or failed)."""
+        if self._state.status == "succeeded":
+            return RunEnded(
+                run_id=self._spawn.run_id, outcome="succeeded", result=self._state.result
+            )
+        return self._failure("failed")
+
     def _failure(self, outcome: RunOutcome) -> RunEnded:
         state = self._state
         ended = state.ended_at if state.ended_at is not None else self._clock.now()
@@ -444,6 +473,7 @@ class SubAgentActor(Supervised):
             self._future.cancel()
 
     def _tell_parent(self, ended: RunEnded) -> None:
+        self._told = True
         if self._parent is None:
             return
         try:

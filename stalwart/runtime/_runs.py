@@ -5,7 +5,12 @@ agent and splitter, which the supervisor's respawns and splits look up by run id
 A lineage is a run spawned here and the later attempts the recovery protocol respawns
 of it (each :class:`Spawn` names the run it retries: ``retry_of``). It is never found by
 its text: runs of one parent may share a task and each have a work of their own (one task
-fanned out over several inputs), and the retry of one must run its own."""
+fanned out over several inputs), and the retry of one must run its own.
+
+A lineage is let go (its work, and whatever the host's code holds) once none of its runs
+can run again: one succeeded, or the recovery decision of its last failed run spawned
+nothing more (``deliver``, ``escalate``), or spawned what it decided (a respawn's next
+attempt, which carries the lineage on, or a split's subtasks, lineages of their own)."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from typing import Any
 import msgspec
 import pykka
 
+from stalwart._logs import get_logger
 from stalwart.actors import (
     Crashed,
     RunEnded,
@@ -26,15 +32,19 @@ from stalwart.actors import (
     Work,
     subsession_work,
 )
+from stalwart.actors._announcer import Untrack
 from stalwart.channels import MemoryChannel
-from stalwart.errors import SpawnRefusedError
-from stalwart.state import SUBSESSION_CHANNEL_PREFIX, spawn_timeout
+from stalwart.errors import SpawnRefusedError, StoreError
+from stalwart.state import RUN, SUBSESSION_CHANNEL_PREFIX, Recovery, spawn_timeout
+from stalwart.store import load_state
 
 from ._handles import DEFAULT_CHANNEL, RunHandle, RunSpec
 from ._sessions import SessionLayer
 from ._wiring import Wiring, stop_actors
 
 __all__ = ["RunLayer", "Splitter", "stop_runs"]
+
+log = get_logger(__name__)
 
 #: The largest ``max_steps`` a spawn may give: the largest integer the log records (a
 #: signed 64-bit one). A step budget that large is no limit: the run's own one binds.
@@ -79,6 +89,11 @@ class RunLayer:
         self._runs: dict[str, RunSpec] = {}
         #: each run spawned here (the ended ones of a lineage still running, or failed)
         self._lineages: dict[str, _Lineage] = {}
+        #: the failed runs here whose recovery may still spawn a run of their lineage: its
+        #: decision once read from the log (None: not read yet, or not decided yet)
+        self._awaiting: dict[str, Recovery | None] = {}
+        #: how many runs the recovery spawned after each run here (by ``retry_of``)
+        self._successors: dict[str, int] = {}
         self._tracks: dict[str, Track] = {}  # what a restarted announcer is told again
 
     def take(self) -> list[RunSpec]:
@@ -225,19 +240,26 @@ class RunLayer:
     # -- the announcer's and the supervisor's callbacks ----------------------------------------
 
     def ended(self, ended: RunEnded) -> None:
-        """The announcer's callback: resolve the run's handle and stop its actor."""
+        """The announcer's and the supervisor's callback: resolve the run's handle, stop
+        its actor, and let go of the lineages no recovery can spawn a run of any more."""
         with self._w.lock:
             run = self._runs.pop(ended.run_id, None)
             self._tracks.pop(ended.run_id, None)
-            if run is not None and ended.outcome == "succeeded":
+            if run is not None and ended.outcome != "succeeded" and ended.run_id in self._lineages:
+                self._awaiting[ended.run_id] = None  # the supervisor decides its recovery
+            if run is not None:
                 self._forget(ended.run_id)
         if run is None:
             return
+        # a run the supervisor ended (swept, given up) was never ended through the announcer
+        with contextlib.suppress(pykka.ActorDeadError):
+            self._announcer.tell(Untrack(ended.run_id))
         if not run.ended.done():
             run.ended.set_result(ended)
         if run.ref is not None:
             with contextlib.suppress(pykka.ActorDeadError):
                 run.ref.stop(block=False)
+        self._let_go_recovered()
 
     def respawn(self, spawn: Spawn) -> object:
         """The supervisor's recovery spawner: the next attempt, with the continuation
@@ -257,6 +279,9 @@ class RunLayer:
                 agent = prior.agent if prior is not None else self._agent_of(spawn.parent)
                 lineage = _Lineage(spawn.task, None, agent, None)
             self._join(spawn.run_id, lineage)
+            if prior is not None and spawn.retry_of is not None:
+                self._successors[spawn.retry_of] = self._successors.get(spawn.retry_of, 0) + 1
+                self._release(spawn.retry_of)
             announce = True if spawn.announce is None else spawn.announce
             return self._start(spawn, lineage.work, lineage.agent, announce=announce)
 
@@ -268,14 +293,52 @@ class RunLayer:
             return lineage is not None and lineage.work is not None
 
     def _forget(self, run_id: str) -> None:
-        """A lineage that succeeded is done: its ``work`` and splitter (the host's code,
-        and what they hold) are let go, unless another run of it still runs. A lineage
-        that failed is kept, as the supervisor's recovery may respawn it."""
+        """Let go of run ``run_id``'s lineage (its ``work`` and splitter: the host's code,
+        and what they hold) unless a run of it still runs, or failed and may still be
+        respawned by the supervisor's recovery (under the lock)."""
         lineage = self._lineages.get(run_id)
-        if lineage is None or any(other in self._runs for other in lineage.runs):
+        if lineage is None:
+            return
+        if any(other in self._runs or other in self._awaiting for other in lineage.runs):
             return
         for other in lineage.runs:
             self._lineages.pop(other, None)
+            self._successors.pop(other, None)
+
+    def _release(self, run_id: str) -> None:
+        """Stop awaiting failed run ``run_id`` once its recovery decision is read and
+        spawned every run it decided (under the lock)."""
+        decided = self._awaiting.get(run_id)
+        if decided is None:
+            return
+        if self._successors.get(run_id, 0) >= _spawned_by(decided):
+            del self._awaiting[run_id]
+            self._forget(run_id)
+
+    def _let_go_recovered(self) -> None:
+        """Read the recovery decisions of the failed runs still awaited (outside the
+        lock: the supervisor decides on its own thread, so a decision not in the log yet
+        is read again at the next run's end) and let go of the lineages they end."""
+        with self._w.lock:
+            unread = [run_id for run_id, decided in self._awaiting.items() if decided is None]
+        found = {run_id: self._decision(run_id) for run_id in unread}
+        with self._w.lock:
+            for run_id, decided in found.items():
+                if decided is not None and run_id in self._awaiting:
+                    self._awaiting[run_id] = decided
+                    self._release(run_id)
+
+    def _decision(self, run_id: str) -> Recovery | None:
+        """Run ``run_id``'s recovery decision in the log; None while there is none (a
+        run whose spawn the log never recorded has none to come: ``escalate`` stands in)."""
+        try:
+            state = load_state(self._w.store, f"session:{run_id}", RUN, use_snapshots=False)
+        except StoreError as exc:  # read again at the next run's end
+            log.warning("runtime.recovery_unread", run=run_id, error=type(exc).__name__)
+            return None
+        if state.status == "new":
+            return Recovery(action="escalate", reason="not_recorded")
+        return state.recovery
 
     def splitter_of(self, run_id: str) -> Splitter | None:
         """The supervisor's lookup: the splitter of run ``run_id``'s lineage (maybe a later
@@ -330,6 +393,13 @@ class RunLayer:
             if not self._w.running() or run is None:
                 return
             run.ref = self._start_actor(run.spawn, self._work_of(run))
+
+
+def _spawned_by(decided: Recovery) -> int:
+    """How many runs a recovery decision spawns: a respawn one, a split one per subtask."""
+    if decided.action in ("respawn", "respawn_continue"):
+        return 1
+    return len(decided.subtasks) if decided.action == "split" else 0
 
 
 def _split(splitter: Splitter, lineage_task: str, task: str, context: str) -> Sequence[str]:
