@@ -78,7 +78,9 @@ async def call_through_context(
     seal: CallSeal | None = None,
 ) -> ProviderResponse:
     """Assemble, call, and calibrate the estimator with the usage the provider reported
-    (``seal``: the call's, see :meth:`ModelCaller.call`)."""
+    when the agent's model answered (not a fallback model: its tokenizer is another's),
+    compared at the factor the assembly was counted at (``seal``: the call's, see
+    :meth:`ModelCaller.call`)."""
     # the system text and the tools, which the provider counts as densely as the rest
     overhead = declared_tokens(request.tools) + (estimate_text_tokens(system) if system else 0)
     assemble = msgspec.structs.replace(assemble, overhead=overhead)
@@ -88,12 +90,15 @@ async def call_through_context(
         stream, msgspec.structs.replace(request, messages=messages), seal=seal
     )
     reported = response.input_tokens
-    if reported > 0:  # the provider counted the system text and the tools as well
+    # a fallback model's tokenizer says nothing of this model's: its count is left out
+    if reported > 0 and response.model == assemble.profile.model:
+        # the provider counted the system text and the tools as well
         calibrate = Calibrate(
             profile=assemble.profile,
             estimated=assembled.tokens,
             reported=reported,
             overhead=overhead,
+            factor=assembled.factor,
         )
         gate.calibrate(calibrate)
     return response

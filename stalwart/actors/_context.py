@@ -73,7 +73,7 @@ from stalwart.events import (
     Event,
 )
 from stalwart.providers import Message
-from stalwart.state import CONTEXT_DAG, CONTEXT_PIPELINE
+from stalwart.state import CONTEXT_DAG, CONTEXT_PIPELINE, ContextDagState
 from stalwart.store import EventStore, Fence, NewEvent, check_stream, load_state
 
 from ._agent_fold import AGENT_VIEW
@@ -125,7 +125,8 @@ class Assemble(msgspec.Struct, frozen=True, kw_only=True):
 
 class Assembled(msgspec.Struct, frozen=True, kw_only=True):
     """The reply: provider messages in order, what the engine did, and the cache fence
-    and the ``cache_control`` breakpoints (message indices, at most 4)."""
+    and the ``cache_control`` breakpoints (message indices, at most 4). ``factor`` is the
+    model's calibration factor ``tokens`` was counted at (what :class:`Calibrate` names)."""
 
     messages: tuple[Message, ...]
     tokens: int
@@ -138,17 +139,21 @@ class Assembled(msgspec.Struct, frozen=True, kw_only=True):
     layers_fired: tuple[str, ...] = ()
     evicted: int = 0
     repairs: int = 0
+    factor: float = 1.0
 
 
 class Calibrate(msgspec.Struct, frozen=True, kw_only=True):
     """The provider reported ``reported`` input tokens for an assembly of ``estimated``
     sent with ``overhead`` more (the uncalibrated estimate of the agent's system text and
-    tool declarations: the provider counts them too)."""
+    tool declarations: the provider counts them too). ``factor`` is the one the assembly
+    was counted at (``Assembled.factor``; None: the one in force when the report comes,
+    which other reports of the model's calls in flight may have moved meanwhile)."""
 
     profile: ModelProfile
     estimated: int
     reported: int
     overhead: int = 0
+    factor: float | None = None
 
 
 class SearchContext(msgspec.Struct, frozen=True, kw_only=True):
@@ -319,12 +324,18 @@ class ContextStoreActor(Supervised):
         if stream is None:
             with self._turnstile:
                 return self._dag.calibrate(
-                    profile, message.estimated, message.reported, overhead=message.overhead
+                    profile,
+                    message.estimated,
+                    message.reported,
+                    overhead=message.overhead,
+                    factor=message.factor,
                 )
         for _ in range(APPEND_TRIES):
             with self._turnstile:
                 self._calibration_taken(profile)
-                raw = self._dag.raw_estimate(profile, message.estimated, message.overhead)
+                raw = self._dag.raw_estimate(
+                    profile, message.estimated, message.overhead, factor=message.factor
+                )
                 factor, observations = estimator.after(raw, message.reported)
                 if observations == estimator.observations:
                     return factor  # a report that says nothing
@@ -426,7 +437,7 @@ class ContextStoreActor(Supervised):
         try:
             self._catch_up(session_id)
             if valid_session_id(session_id) and session_id not in self._dag.sessions:
-                self._restore(session_id, message.messages)
+                self._restore_for(message)
             result = self._dag.assemble(
                 session_id,
                 message.messages,
@@ -474,6 +485,7 @@ class ContextStoreActor(Supervised):
             layers_fired=result.layers_fired,
             evicted=result.evicted,
             repairs=result.repairs,
+            factor=result.factor,
         )
 
     def _pipeline(self, message: Assemble) -> Assembled:
@@ -498,15 +510,18 @@ class ContextStoreActor(Supervised):
             )
             self._pipelines[session_id] = engine
             self._versions[session_id] = state.version
+        estimator = self._dag.estimator(message.profile)
         result = engine.assemble(
             message.messages,
             message.budget,
             provider=message.profile.provider,
             caching=message.profile.caching,
             # the model's estimator, which Calibrate feeds with the usage reported
-            estimator=self._dag.estimator(message.profile),
+            estimator=estimator,
             overhead=message.overhead,
         )
+        # what the result was counted at: the lane holds the lock from the count on
+        factor = estimator.factor
         # the layer breaker decided at the assembly's clock reading: its events say so
         # (replay re-derives a breaker's cooldown from the time its event records)
         events = [
@@ -527,6 +542,7 @@ class ContextStoreActor(Supervised):
             breakpoints=result.breakpoints,
             layers_fired=result.layers_fired,
             repairs=result.repairs,
+            factor=factor,
         )
 
     def _touch(self, session_id: str) -> None:
@@ -568,10 +584,29 @@ class ContextStoreActor(Supervised):
     def _restore(self, session_id: str, messages: Sequence[ContextMessage]) -> None:
         """Rebuild a session's DAG from its ``context:`` stream: from the fold's newest
         snapshot and the records after it, not one record per model call ever made."""
-        state = load_state(self._store, f"context:{session_id}", CONTEXT_DAG)
-        self._versions[session_id] = state.version  # what the fold read: appends expect it
+        state = self._folded(session_id)
         if state.version:
             self._dag.restore_state(session_id, state, messages)
+
+    def _restore_for(self, message: Assemble) -> None:
+        """Rebuild a session for an assembly, with the asker's messages only when the
+        session is the asker's tenant's: the messages of a write that is refused must not
+        stay in memory, where the session's own next turn would take them in as its
+        history (ContextScopeError, with nothing kept, otherwise)."""
+        state = self._folded(message.session_id)
+        if state.bound and state.tenant != message.tenant:
+            log.warning(
+                "context_write_refused", reason="fail_closed_rollover", tenant=message.tenant
+            )
+            raise ContextScopeError("the session belongs to another tenant")
+        if state.version:
+            self._dag.restore_state(message.session_id, state, message.messages)
+
+    def _folded(self, session_id: str) -> ContextDagState:
+        """The session's DAG fold (from its newest snapshot), and its version noted."""
+        state = load_state(self._store, f"context:{session_id}", CONTEXT_DAG)
+        self._versions[session_id] = state.version  # what the fold read: appends expect it
+        return state
 
     def _load(self, session_id: str) -> None:
         """Rebuild a session for recall from the log alone (its messages are the Agent's

@@ -78,7 +78,10 @@ class Assembly(msgspec.Struct, frozen=True, kw_only=True):
     ``breakpoints`` are the message indices an Anthropic request marks with
     ``cache_control`` (at most 4: the system prompt, the fence, the last summary, the
     last message). ``events`` go to
-    ``context:<session>`` in order; the last is always the ``context:assembled`` record."""
+    ``context:<session>`` in order; the last is always the ``context:assembled`` record.
+    ``factor`` is the model's calibration factor ``tokens`` was counted at: a report of
+    the provider's count is compared with ``tokens`` at that factor, whatever reports
+    moved it meanwhile (:meth:`DagEngine.calibrate`)."""
 
     messages: tuple[ContextMessage, ...]
     tokens: int
@@ -93,6 +96,7 @@ class Assembly(msgspec.Struct, frozen=True, kw_only=True):
     relevance_first: bool = False
     layers_fired: tuple[str, ...] = ()
     events: tuple[Event, ...] = ()
+    factor: float = 1.0
 
 
 class DagEngine(Summaries, Recall):
@@ -171,19 +175,38 @@ class DagEngine(Summaries, Recall):
         return found
 
     def calibrate(
-        self, profile: ModelProfile, estimated: int, reported: int, *, overhead: int = 0
+        self,
+        profile: ModelProfile,
+        estimated: int,
+        reported: int,
+        *,
+        overhead: int = 0,
+        factor: float | None = None,
     ) -> float:
         """Feed the provider's reported input tokens for an assembly whose
-        ``Assembly.tokens`` was ``estimated`` (calibrated with the factor then in force),
-        sent with ``overhead`` more tokens (uncalibrated: a system text, tool declarations)."""
+        ``Assembly.tokens`` was ``estimated``, counted at ``factor`` (its
+        ``Assembly.factor``; None: the factor now in force), sent with ``overhead`` more
+        tokens (uncalibrated: a system text, tool declarations)."""
         estimator = self.estimator(profile)
-        return estimator.calibrate(self.raw_estimate(profile, estimated, overhead), reported)
+        raw = self.raw_estimate(profile, estimated, overhead, factor=factor)
+        return estimator.calibrate(raw, reported)
 
-    def raw_estimate(self, profile: ModelProfile, estimated: int, overhead: int = 0) -> int:
+    def raw_estimate(
+        self,
+        profile: ModelProfile,
+        estimated: int,
+        overhead: int = 0,
+        *,
+        factor: float | None = None,
+    ) -> int:
         """What :meth:`calibrate` feeds the estimator for ``Assembly.tokens`` of
-        ``estimated`` (calibrated with the factor now in force) and ``overhead``: the
-        uncalibrated estimate of the whole request."""
-        return round(estimated / self.estimator(profile).factor) + overhead
+        ``estimated`` (counted at ``factor``, its ``Assembly.factor``; None, or a factor
+        not above 0: the factor now in force) and ``overhead``: the uncalibrated estimate
+        of the whole request. Several calls of a model are in flight at once: a report
+        divided by a factor that the others' reports moved since its assembly would look
+        denser (or sparser) than it was, and each one would push the factor further."""
+        counted_at = factor if factor is not None and factor > 0 else None
+        return round(estimated / (counted_at or self.estimator(profile).factor)) + overhead
 
     # -- assembly ---------------------------------------------------------------------
 
@@ -327,6 +350,7 @@ class DagEngine(Summaries, Recall):
             relevance_first=relevance,
             layers_fired=tuple(turn.layers),
             events=tuple(turn.events),
+            factor=factor,
         )
 
     def _count(self, session: DagSession, message: ContextMessage) -> int:

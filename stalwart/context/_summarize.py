@@ -93,15 +93,18 @@ class Summaries:
                 + session.range_tokens(session.covered, count)
             )
 
+        condensing = True
         while session.covered < tail and total() > target:
             start, end = session.chunk(tail, settings.leaf_chunk_tokens)
             if session.range_tokens(start, end) < min_chunk and total() <= raw_budget:
                 break  # too little to be worth a summary yet; the budget still holds
             if not self._leaf(session, start, end, raw_budget, turn):
                 break
-            while (run := session.condensable(settings.condensed_min_fanout)) is not None:
-                if not self._condense(session, run, raw_budget, turn):
-                    break
+            while condensing and (run := session.condensable(settings.condensed_min_fanout)):
+                # a failed condensation is not tried again in this assembly: the next
+                # leaf would offer the same run, and each try is a call that may take
+                # the summarizer's whole timeout (the next assembly tries again)
+                condensing = self._condense(session, run, raw_budget, turn)
 
     def _summary_tokens(self, raw_budget: int) -> int:
         return max(64, min(self.settings.summary_max_tokens, raw_budget // 32))
