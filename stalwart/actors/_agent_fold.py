@@ -12,16 +12,13 @@ replay re-derives every ``execution:aborted``.
 
 from __future__ import annotations
 
-from collections import deque
-
 import msgspec
 
-from stalwart.context import ContextMessage, SessionMessages
+from stalwart.context import ContextMessage, SessionMessages, results_by_call
 from stalwart.events import (
     ExecutionAborted,
     MessageAppended,
     RecordedEvent,
-    ToolCall,
     TurnStarted,
 )
 from stalwart.providers import Message
@@ -177,35 +174,35 @@ def request_messages(
     answered right after the assistant message that made it, in the calls' order, as
     providers insist. A result the log holds further on (a user message that arrived
     while the step waited for an approval is recorded before the step's results) is
-    moved up to its call; a call left without a result by a stopped turn gets
-    :data:`UNANSWERED_TOOL_TEXT`; a result whose call is not in the conversation is
-    left out."""
-    results: dict[str, deque[Message]] = {}
-    for message in messages:
-        if message.role == "tool" and message.tool_call_id is not None:
-            results.setdefault(message.tool_call_id, deque()).append(message)
+    moved up to its call (each result answers the nearest call before it with its id:
+    :func:`~stalwart.context.results_by_call`); a call left without a result by a
+    stopped turn gets :data:`UNANSWERED_TOOL_TEXT`; a result whose call is not in the
+    conversation is left out."""
+    answers = results_by_call(messages)
     out: list[Message] = [Message(role="system", content=system_prompt)] if system_prompt else []
-    for message in messages:
+    for index, message in enumerate(messages):
         if message.role == "tool":
             continue  # placed after its call
         out.append(message)
         if message.role == "assistant":
-            out.extend(_answers(message.tool_calls, results))
+            out.extend(_answers(messages, index, answers))
     return tuple(out)
 
 
-def _answers(calls: tuple[ToolCall, ...], results: dict[str, deque[Message]]) -> list[Message]:
-    """Each call's result (its first one not placed yet), or the text of one that has none;
-    a call id repeated in one message is answered once."""
-    answers: list[Message] = []
+def _answers(
+    messages: tuple[Message, ...], index: int, answers: dict[tuple[int, str], int]
+) -> list[Message]:
+    """Each call's result of the assistant message at ``index``, or the text of one that
+    has none; a call id repeated in one message is answered once."""
+    placed: list[Message] = []
     seen: set[str] = set()
-    for call in calls:
+    for call in messages[index].tool_calls:
         if call.id in seen:
             continue
         seen.add(call.id)
-        queue = results.get(call.id)
-        if queue:
-            answers.append(queue.popleft())
+        answer = answers.get((index, call.id))
+        if answer is not None:
+            placed.append(messages[answer])
         else:
-            answers.append(Message(role="tool", content=UNANSWERED_TOOL_TEXT, tool_call_id=call.id))
-    return answers
+            placed.append(Message(role="tool", content=UNANSWERED_TOOL_TEXT, tool_call_id=call.id))
+    return placed

@@ -10,7 +10,7 @@ from ._engine import Assembly, DagEngine, ModelProfile
 from ._ledger import Decide, MemoryLedger, SummarizerLedger, ended
 from ._recall import Expansion, Inspection, SearchHit
 from ._render import DAG_SYSTEM_CLAUSE, neutralise, render_summary
-from ._repair import SYNTHETIC_RESULT, Provider, repair, validity_violations
+from ._repair import SYNTHETIC_RESULT, Provider, repair, results_by_call, validity_violations
 from ._search import Bm25Index
 from ._standin import ExtractiveSummarizer
 from ._summarize import SUMMARY_INSTRUCTIONS
@@ -74,6 +74,7 @@ __all__ = [
     "render_summary",
     "repair",
     "request_budget",
+    "results_by_call",
     "valid_session_id",
     "validity_violations",
 ]

@@ -20,11 +20,18 @@ messages merged), and returns what is wrong; an empty list means the provider ac
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, Protocol
 
 from ._types import ContextMessage
 
-__all__ = ["SYNTHETIC_RESULT", "Provider", "repair", "validity_violations"]
+__all__ = [
+    "SYNTHETIC_RESULT",
+    "Provider",
+    "Turn",
+    "repair",
+    "results_by_call",
+    "validity_violations",
+]
 
 Provider = Literal["openai", "anthropic"]
 
@@ -50,18 +57,52 @@ def _synthetic(call_id: str, name: str, seq: int) -> ContextMessage:
     )
 
 
+class _Call(Protocol):
+    @property
+    def id(self) -> str: ...
+
+
+class Turn(Protocol):
+    """What pairing reads of a message (a ``ContextMessage``, a provider ``Message``)."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def tool_call_id(self) -> str | None: ...
+
+    @property
+    def tool_calls(self) -> Sequence[_Call]: ...
+
+
+def results_by_call(messages: Sequence[Turn]) -> dict[tuple[int, str], int]:
+    """Which result answers each call: (the index of the assistant message that made
+    it, the call's id) -> the index of its result. A result answers the nearest call
+    before it with its id (a result recorded further on, after a user message, still
+    finds it); a provider that numbers calls per response (``call_0`` on every turn)
+    reuses ids, so an id alone would give a later call's result to an earlier,
+    unanswered one. A call's first result counts; one with no call before it is none."""
+    latest: dict[str, int] = {}
+    answers: dict[tuple[int, str], int] = {}
+    for index, message in enumerate(messages):
+        for call in message.tool_calls:
+            latest[call.id] = index
+        if message.role == "tool" and message.tool_call_id:
+            owner = latest.get(message.tool_call_id)
+            if owner is not None:
+                answers.setdefault((owner, message.tool_call_id), index)
+    return answers
+
+
 def repair(messages: Sequence[ContextMessage]) -> tuple[list[ContextMessage], int]:
     """A provider-valid transcript from ``messages``, and how many changes it took."""
-    results: dict[str, list[ContextMessage]] = {}
-    for message in messages:
-        if message.role == "tool" and message.tool_call_id:
-            results.setdefault(message.tool_call_id, []).append(message)
+    answers = results_by_call(messages)
     tool_count = sum(1 for message in messages if message.role == "tool")
     out: list[ContextMessage] = []
     changes = 0
     placed = 0
     opened = False
-    for message in messages:
+    for index, message in enumerate(messages):
         if message.role == "tool":
             continue
         if _empty(message):
@@ -87,9 +128,9 @@ def repair(messages: Sequence[ContextMessage]) -> tuple[list[ContextMessage], in
             if call.id in seen:
                 continue
             seen.add(call.id)
-            queue = results.get(call.id)
-            if queue:
-                out.append(queue.pop(0))
+            answer = answers.get((index, call.id))
+            if answer is not None:
+                out.append(messages[answer])
                 placed += 1
             else:
                 out.append(_synthetic(call.id, call.name, message.seq))
