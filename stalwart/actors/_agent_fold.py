@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
-from stalwart.context import ContextMessage, SessionMessages, results_by_call
+from stalwart.context import ContextMessage, SessionMessages, answers_of, results_by_call
 from stalwart.events import (
     ExecutionAborted,
     MessageAppended,
@@ -194,15 +194,10 @@ def _answers(
 ) -> list[Message]:
     """Each call's result of the assistant message at ``index``, or the text of one that
     has none; a call id repeated in one message is answered once."""
-    placed: list[Message] = []
-    seen: set[str] = set()
-    for call in messages[index].tool_calls:
-        if call.id in seen:
-            continue
-        seen.add(call.id)
-        answer = answers.get((index, call.id))
-        if answer is not None:
-            placed.append(messages[answer])
-        else:
-            placed.append(Message(role="tool", content=UNANSWERED_TOOL_TEXT, tool_call_id=call.id))
-    return placed
+    calls = messages[index].tool_calls
+    return [
+        messages[answer]
+        if answer is not None
+        else Message(role="tool", content=UNANSWERED_TOOL_TEXT, tool_call_id=calls[place].id)
+        for place, answer in answers_of(messages, index, answers)
+    ]

@@ -10,7 +10,14 @@ from ._engine import Assembly, DagEngine, ModelProfile
 from ._ledger import Decide, MemoryLedger, SummarizerLedger, ended
 from ._recall import Expansion, Inspection, SearchHit
 from ._render import DAG_SYSTEM_CLAUSE, neutralise, render_summary
-from ._repair import SYNTHETIC_RESULT, Provider, repair, results_by_call, validity_violations
+from ._repair import (
+    SYNTHETIC_RESULT,
+    Provider,
+    answers_of,
+    repair,
+    results_by_call,
+    validity_violations,
+)
 from ._search import Bm25Index
 from ._standin import ExtractiveSummarizer
 from ._summarize import SUMMARY_INSTRUCTIONS
@@ -62,6 +69,7 @@ __all__ = [
     "TokenEstimator",
     "TokenProfile",
     "TranscriptError",
+    "answers_of",
     "declared_tokens",
     "ended",
     "estimate_message_tokens",

@@ -19,7 +19,7 @@ messages merged), and returns what is wrong; an empty list means the provider ac
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Literal, Protocol
 
 from ._types import ContextMessage
@@ -28,6 +28,7 @@ __all__ = [
     "SYNTHETIC_RESULT",
     "Provider",
     "Turn",
+    "answers_of",
     "repair",
     "results_by_call",
     "validity_violations",
@@ -94,6 +95,18 @@ def results_by_call(messages: Sequence[Turn]) -> dict[tuple[int, str], int]:
     return answers
 
 
+def answers_of(
+    messages: Sequence[Turn], index: int, answers: Mapping[tuple[int, str], int]
+) -> Iterator[tuple[int, int | None]]:
+    """Each call of the assistant message at ``index`` (its place in ``tool_calls``; an
+    id repeated within the message once) with the index of its result, or None."""
+    seen: set[str] = set()
+    for place, call in enumerate(messages[index].tool_calls):
+        if call.id not in seen:
+            seen.add(call.id)
+            yield place, answers.get((index, call.id))
+
+
 def repair(messages: Sequence[ContextMessage]) -> tuple[list[ContextMessage], int]:
     """A provider-valid transcript from ``messages``, and how many changes it took."""
     answers = results_by_call(messages)
@@ -123,16 +136,12 @@ def repair(messages: Sequence[ContextMessage]) -> tuple[list[ContextMessage], in
         out.append(message)
         if message.role != "assistant" or not message.tool_calls:
             continue
-        seen: set[str] = set()
-        for call in message.tool_calls:
-            if call.id in seen:
-                continue
-            seen.add(call.id)
-            answer = answers.get((index, call.id))
+        for place, answer in answers_of(messages, index, answers):
             if answer is not None:
                 out.append(messages[answer])
                 placed += 1
             else:
+                call = message.tool_calls[place]
                 out.append(_synthetic(call.id, call.name, message.seq))
                 changes += 1
     changes += tool_count - placed
