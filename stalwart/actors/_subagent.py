@@ -25,7 +25,9 @@ expects the version folded so far; on a conflict the actor reads what was added,
 and decides again. A run swept meanwhile has its work cancelled.
 
 A restarted actor whose stream already holds the run does not run the work again (the
-recovery protocol decides that); it re-arms the watchdog of a run still running.
+recovery protocol decides that); it re-arms the watchdog of a run still running. So does
+an actor whose ``subagent:spawned`` another writer beat to the new stream (appended
+expecting version 0): one run, one work, however many supervisors started it.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from stalwart.events import (
     SubagentSpawned,
     TaskClass,
 )
+from stalwart.ids import new_id
 from stalwart.state import RUN, RunState, decide_watchdog, spawn_timeout, watchdog_deadline
 from stalwart.store import EventStore, NewEvent, load_state
 
@@ -270,8 +273,7 @@ class SubAgentActor(Supervised):
 
     def started(self) -> None:
         self._state = load_state(self._store, self._stream, RUN, use_snapshots=False)
-        if self._state.status == "new":
-            self._append_spawned()
+        if self._state.status == "new" and self._append_spawned():
             self._arm()  # before the work starts: it may report at once
             report = RunReport(self._tell)
             self._future = self._portal.submit(self._work, report)
@@ -317,7 +319,10 @@ class SubAgentActor(Supervised):
                 raise TypeError(f"SubAgentActor does not understand {message!r}")
         return None
 
-    def _append_spawned(self) -> None:
+    def _append_spawned(self) -> bool:
+        """Append ``subagent:spawned`` to the new stream; False when another writer
+        spawned the run first (two supervisors started the same recorded next run): this
+        actor then only watches it, as a restarted one does, and never runs the work."""
         spawn = self._spawn
         event = SubagentSpawned(
             parent=spawn.parent,
@@ -334,8 +339,12 @@ class SubAgentActor(Supervised):
             announce=spawn.announce,
             host_work=spawn.host_work,
             split_from=spawn.split_from,
+            next_run_id=new_id(),
         )
-        self._append(lambda state, now: [event])
+        if self._append(lambda state, now: [event] if state.status == "new" else []):
+            return True
+        log.warning("subagent.spawn_taken", run=self._stream, status=self._state.status)
+        return False
 
     def _observe(self, event: Event) -> None:
         """A report of the work, while the run runs (one after a force-fail is dropped).

@@ -24,6 +24,11 @@
   goes through the ``spawner`` as a first attempt. A splitter that raises or gives no
   subtask turns the decision into ``escalate`` (``splitter_failed:<error class>`` or
   ``splitter_empty``).
+* **Next runs never started**: a run's ``subagent:spawned`` names the id its recovery
+  gives the next run (:func:`next_run_ids`); one the log does not hold
+  ``ghost_sweep_interval_ms`` after the decision (its process died or closed before the
+  spawner call, or the spawner raised) goes through the ``spawner`` again. Its spawn
+  expects an empty stream, so two supervisors starting it start one run.
 
 The supervisor writes these decisions into the run's own stream, always expecting the
 version it folded: a live SubAgent's writes are never raced; on a conflict it reads what
@@ -94,6 +99,7 @@ from ._supervisor_fold import (
     UNSUCCESSFUL,
     RunWatch,
     completion_interrupted,
+    next_run_ids,
     notice_interrupted,
     owed_completion,
     recovery,
@@ -243,6 +249,11 @@ class SupervisorActor(Supervised):
         #: announcement id -> the ids of its sends in flight (a resend may be under way
         #: while a late outcome of the send before it is recorded)
         self._sending: dict[str, set[str]] = {}
+        #: the failed runs whose recorded next runs are not all in the log yet (kept in
+        #: play until they are), and when this supervisor last gave each such next run's
+        #: stream to the spawner
+        self._unstarted: set[str] = set()
+        self._asked: dict[str, float] = {}
         self._timer_key = ("supervisor", self.actor_urn)
         self._next_ghost = 0.0
         self._next_heartbeat = 0.0
@@ -356,6 +367,7 @@ class SupervisorActor(Supervised):
         open_batches = {w.completion_id for w in self._runs.values() if w.completion == "queued"}
         for stream, watch in list(self._runs.items()):
             busy = watch.notice_id in self._sending or watch.completion_id in self._sending
+            busy = busy or stream in self._unstarted
             if settled(watch) and not busy and watch.completion_id not in open_batches:
                 del self._runs[stream]
                 self._settled[stream] = (watch.run.version, watch.completion_id)
@@ -534,6 +546,7 @@ class SupervisorActor(Supervised):
         splits: dict[str, tuple[tuple[str, ...], str]] = {}  # one splitter call per settle
         if self._decide(stream, partial(self._recovery, splits=splits)):
             self._recover(stream)
+        self._start_unstarted(stream)
 
     def _recovery(
         self, watch: RunWatch, now: float, *, splits: dict[str, tuple[tuple[str, ...], str]]
@@ -621,33 +634,94 @@ class SupervisorActor(Supervised):
         if decided is None:
             return
         log.warning("supervisor.recovery", run=stream, action=decided.action, reason=decided.reason)
-        next_run: str | None = None
-        if decided.action in ("respawn", "respawn_continue") and self._spawner is not None:
-            spawn = respawn(watch, decided.context)
-            next_run = spawn.run_id
-            try:
-                self._spawner(spawn)
-            except Exception:  # the host's callback: its failure is logged, not ours to raise
-                log.exception("supervisor.spawner_failed", run=stream)
-        next_runs: list[str] = []
-        if decided.action == "split" and self._spawner is not None:
-            for spawn in split_spawns(watch, decided.subtasks):
-                next_runs.append(spawn.run_id)
-                try:
-                    self._spawner(spawn)
-                except Exception:  # the host's callback: logged, the other subtasks still go
-                    log.exception("supervisor.spawner_failed", run=stream, task=spawn.task)
+        spawns = self._next_spawns(watch) if self._spawner is not None else []
+        for spawn in spawns:
+            self._start_next(stream, spawn)
+        started = tuple(spawn.run_id for spawn in spawns)
+        split = decided.action == "split"
         recovered = Recovered(
             stream=stream,
             action=decided.action,
             reason=decided.reason,
             context=decided.context,
-            next_run_id=next_run,
-            next_run_ids=tuple(next_runs),
+            next_run_id=None if split or not started else started[0],
+            next_run_ids=started if split else (),
         )
         for listener in self._listeners:
             with contextlib.suppress(pykka.ActorDeadError):
                 listener.tell(recovered)
+
+    def _next_spawns(self, watch: RunWatch) -> list[Spawn]:
+        """The runs the run's recovery decision starts: its next attempt, or a split's
+        subtasks (named as the run's spawn named them: :func:`next_run_ids`)."""
+        decided = watch.run.recovery
+        if decided is None:
+            return []
+        if decided.action in ("respawn", "respawn_continue"):
+            return [respawn(watch, decided.context)]
+        if decided.action == "split":
+            return split_spawns(watch, decided.subtasks)
+        return []
+
+    def _start_next(self, stream: str, spawn: Spawn) -> None:
+        """Give ``spawn`` to the host's spawner (its failure is logged, not ours to raise:
+        a run it named is started again by :meth:`_start_unstarted`)."""
+        assert self._spawner is not None
+        self._asked[spawn.stream] = self._clock.now()
+        try:
+            self._spawner(spawn)
+        except Exception:  # the host's callback: logged, the other subtasks still go
+            log.exception("supervisor.spawner_failed", run=stream, next_run=spawn.stream)
+
+    def _start_unstarted(self, stream: str) -> None:
+        """Start the runs the run's recovery decision named (:func:`next_run_ids`) that
+        the log does not hold: the process that decided died, or closed, before it
+        started them, or the spawner raised. A run is left to whoever started it for
+        ``ghost_sweep_interval_ms`` after the decision (or after this supervisor last
+        gave it to the spawner), so a start under way is not doubled; two supervisors
+        that start it all the same start one run (its spawn expects an empty stream)."""
+        watch = self._runs[stream]
+        named = next_run_ids(watch)
+        if self._spawner is None or not named:
+            return
+        missing = {f"session:{run_id}" for run_id in named} - self._in_log(named)
+        if not missing:
+            self._unstarted.discard(stream)
+            for run_id in named:
+                self._asked.pop(f"session:{run_id}", None)
+            return
+        if not self._can_restart(watch):
+            return
+        self._unstarted.add(stream)
+        now = self._clock.now()
+        grace = self._settings.ghost_sweep_interval_ms / 1000
+        for spawn in self._next_spawns(watch):
+            asked = self._asked.get(spawn.stream, watch.recovery_at or now)
+            if spawn.stream in missing and now >= asked + grace:
+                log.warning("supervisor.next_run_unstarted", run=stream, next_run=spawn.stream)
+                self._start_next(stream, spawn)
+
+    def _in_log(self, run_ids: tuple[str, ...]) -> set[str]:
+        """The streams of ``run_ids`` that hold something (a run started there)."""
+        found: set[str] = set()
+        for run_id in run_ids:
+            stream = f"session:{run_id}"
+            known = stream in self._runs or stream in self._settled or stream in self._not_runs
+            if known or self._store.stream_version(stream) > 0:
+                found.add(stream)
+        return found
+
+    def _can_restart(self, watch: RunWatch) -> bool:
+        """Whether the next attempt of a respawn can be started here: not when it runs
+        the host's code that this process does not hold (its process died): no model
+        stands in for it (reported once; the run is then set aside)."""
+        if watch.run.recovery is None or watch.run.recovery.action == "split":
+            return True  # a split's subtasks are model-driven
+        if self._can_respawn(watch):
+            return True
+        self._unstarted.discard(watch.run.stream)
+        log.error("supervisor.next_run_unavailable", run=watch.run.stream)
+        return False
 
     # -- the notice's sends ------------------------------------------------------------------
 

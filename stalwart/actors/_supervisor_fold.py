@@ -15,6 +15,7 @@ from stalwart.events import (
     AnnouncementSendFailed,
     Event,
     RecordedEvent,
+    SubagentRecoveryDecided,
     SubagentSpawned,
     TaskClass,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "RunWatch",
     "RunWatchAggregate",
     "completion_interrupted",
+    "next_run_ids",
     "notice_interrupted",
     "owed_completion",
     "recovery",
@@ -75,6 +77,10 @@ class RunWatch(msgspec.Struct, frozen=True, kw_only=True):
     completion_text: str = ""
     completion_at: float | None = None
     completion: CompletionStage = "none"
+    #: ``subagent:spawned``'s ``next_run_id`` (None in logs written before it)
+    next_run_id: str | None = None
+    #: when ``subagent:recovery_decided`` was recorded
+    recovery_at: float | None = None
 
     @property
     def is_run(self) -> bool:
@@ -106,7 +112,10 @@ def apply_watch(state: RunWatch, record: RecordedEvent) -> RunWatch:
                 thread=spawned.thread,
                 timeout_reason=spawned.timeout_reason,
                 announce=spawned.announce,
+                next_run_id=spawned.next_run_id,
             )
+        case SubagentRecoveryDecided() if state.recovery_at is None:
+            return msgspec.structs.replace(state, recovery_at=record.ts)
         case AnnouncementQueued(kind="completion") as queued if not queued.channel.startswith(
             _PRIVATE
         ):
@@ -135,7 +144,7 @@ class RunWatchAggregate:
     """RUN plus the notice's channel, conversation and stage."""
 
     name = "supervisor_run_watch"
-    version = 5  # 4: notice_at; 5: host_work
+    version = 6  # 4: notice_at; 5: host_work; 6: next_run_id, recovery_at
     state_type = RunWatch
 
     def initial(self, stream: str) -> RunWatch:
@@ -233,16 +242,32 @@ def notice_interrupted(watch: RunWatch, now: float, *, wait_s: float) -> list[Ev
     return [AnnouncementResent(announcement_id=watch.notice_id)]
 
 
+def next_run_ids(watch: RunWatch) -> tuple[str, ...]:
+    """The ids of the runs the run's recovery decision starts, as its spawn named them
+    (``next_run_id``): one for a respawn, one per subtask for a split (``<id>-1``, ...).
+    () for a decision that starts none, and for a run whose spawn named none (a log
+    written before it: those runs got ids of their own when started)."""
+    decided, named = watch.run.recovery, watch.next_run_id
+    if decided is None or not named:
+        return ()
+    if decided.action in ("respawn", "respawn_continue"):
+        return (named,)
+    if decided.action == "split":
+        return tuple(f"{named}-{n}" for n in range(1, len(decided.subtasks) + 1))
+    return ()
+
+
 def respawn(watch: RunWatch, context: str) -> Spawn:
     """The next attempt of the run: same task (plus the continuation context), same limit;
     ``retry_of`` names the run, so the host's runtime runs its own work again (another
-    run may have the same parent and task, and a work of its own)."""
+    run may have the same parent and task, and a work of its own). Its id is the one the
+    run's spawn named (:func:`next_run_ids`), else a new one."""
     run = watch.run
     task = continued_task(run.task, context)
     custom = run.timeout_knob == "custom_timeout_ms"
     by_default = run.timeout_knob == "max_run_timeout_ms"
     return Spawn(
-        run_id=new_id(),
+        run_id=watch.next_run_id or new_id(),
         parent=run.parent or "",
         task=task,
         task_class=None if by_default else cast(TaskClass, run.task_class),
@@ -262,16 +287,20 @@ def respawn(watch: RunWatch, context: str) -> Spawn:
 def split_spawns(watch: RunWatch, subtasks: tuple[str, ...]) -> list[Spawn]:
     """One first attempt per subtask of a ``split``: same parent, same limit, same channel.
     Each is announced, whatever the split run asked: its handle has ended already (timed
-    out or failed), so the announcement is the only way its result reaches anyone."""
+    out or failed), so the announcement is the only way its result reaches anyone. Their
+    ids are the ones :func:`next_run_ids` names for the recorded split, else new ones."""
     base = respawn(watch, "")
+    named = next_run_ids(watch)
+    if len(named) != len(subtasks):
+        named = tuple(new_id() for _ in subtasks)
     return [
         msgspec.structs.replace(
             base,
-            run_id=new_id(),
+            run_id=run_id,
             task=subtask,
             attempt=1,
             announce=True,
             split_from=watch.run.stream.removeprefix("session:"),
         )
-        for subtask in subtasks
+        for run_id, subtask in zip(named, subtasks, strict=True)
     ]

@@ -39,6 +39,11 @@ class SubagentSpawned(Event, frozen=True, tag="subagent:spawned"):
     #: attempt of one): such a lineage is never split again. None otherwise, and in logs
     #: written before it
     split_from: str | None = None
+    #: the id the run's recovery gives the run it starts next (a respawn; a split's
+    #: subtasks are ``<id>-1``, ``<id>-2``, ...), drawn at the spawn so that a supervisor
+    #: can tell from the log whether that run was started (one whose spawn a crash lost
+    #: is started then). None in logs written before it: their next runs are not looked for
+    next_run_id: str | None = None
 
 
 class SubagentProgress(Event, frozen=True, tag="subagent:progress"):

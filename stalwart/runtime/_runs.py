@@ -268,9 +268,16 @@ class RunLayer:
         (``Spawn.announce`` as recorded). A split's subtask is a model-driven lineage of
         its own, on the split lineage's agent; a retry of a run this process did not
         spawn is model-driven, on the parent's agent (the supervisor escalates a run of
-        host code it does not hold: :meth:`holds_work`)."""
+        host code it does not hold: :meth:`holds_work`). A run already started (here, or
+        by another process on the log: the supervisor starts a recorded next run again
+        when it finds none in the log) is not started twice."""
         with self._w.lock:
             if not self._w.running():
+                return None
+        if self._w.store.stream_version(spawn.stream) > 0:  # read outside the lock
+            return None
+        with self._w.lock:
+            if not self._w.running() or spawn.run_id in self._runs:
                 return None
             prior = self._lineages.get(spawn.retry_of) if spawn.retry_of else None
             if prior is not None and not (spawn.split_from is not None and spawn.attempt == 1):
@@ -279,11 +286,13 @@ class RunLayer:
                 agent = prior.agent if prior is not None else self._agent_of(spawn.parent)
                 lineage = _Lineage(spawn.task, None, agent, None)
             self._join(spawn.run_id, lineage)
+            announce = True if spawn.announce is None else spawn.announce
+            started = self._start(spawn, lineage.work, lineage.agent, announce=announce)
             if prior is not None and spawn.retry_of is not None:
+                # after the start: the new run is among the runs that keep the lineage
                 self._successors[spawn.retry_of] = self._successors.get(spawn.retry_of, 0) + 1
                 self._release(spawn.retry_of)
-            announce = True if spawn.announce is None else spawn.announce
-            return self._start(spawn, lineage.work, lineage.agent, announce=announce)
+            return started
 
     def holds_work(self, run_id: str) -> bool:
         """Whether this process holds the host code of run ``run_id``'s lineage (the
