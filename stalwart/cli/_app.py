@@ -60,7 +60,8 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except StalwartError as exc:
-            click.echo(f"stalwart: error: {exc}", err=True)
+            # its text may quote a config file's names or a log's ids: one line, escaped
+            click.echo(f"stalwart: error: {escaped(str(exc))}", err=True)
             ctx.exit(1)
         except BrokenPipeError:
             # the reader went away (``stalwart tail | head``): that is not an error, but a
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(exc.format_message())
         sys.exit(0)
     except click.ClickException as exc:
-        click.echo(f"stalwart: error: {exc.format_message()}", err=True)
+        click.echo(f"stalwart: error: {escaped(exc.format_message())}", err=True)
         sys.exit(1)
     except click.exceptions.Abort:
         sys.exit(130)

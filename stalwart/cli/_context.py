@@ -229,8 +229,9 @@ def search_command(state: _State, stream: str, query: str, limit: int, as_json: 
             click.echo(to_json(msgspec.to_builtins(hit)))
             continue
         where = f"  (in {hit.summary_id}, shown as {hit.in_context_as})" if hit.summary_id else ""
+        # a message's id is the sender's (a chat platform's), its snippet a model's text
         click.echo(
-            f"{hit.score:>8.3f}  {hit.kind:<7} {hit.id}  #{hit.seq}{where}\n"
+            f"{hit.score:>8.3f}  {hit.kind:<7} {escaped(hit.id)}  #{hit.seq}{where}\n"
             f"    {escaped(hit.snippet)}"
         )
 

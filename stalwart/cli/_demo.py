@@ -40,7 +40,7 @@ from stalwart.testing import Answer, Fail, FakeProvider, Stall
 
 from ._app import _State, cli
 from ._demo_durable import crash_scene, pause_scene
-from ._demo_narrator import Narrator, scene
+from ._demo_narrator import Narrator, Output
 from ._logging import configure_logging
 
 DEFAULT_DIR = "stalwart-demo"
@@ -110,8 +110,9 @@ os.kill(os.getpid(), signal.SIGKILL)
 class Screen:
     """What the user sees: each message printed, unless the chat bridge is down."""
 
-    def __init__(self, name: str = "chat") -> None:
+    def __init__(self, name: str = "chat", *, output: Output | None = None) -> None:
         self.name = name
+        self.output = output or Output()
         self.down = False
         self.shown: list[OutboundMessage] = []
         self._changed = threading.Condition()
@@ -122,7 +123,7 @@ class Screen:
                 "the chat bridge is down", kind="connect", retryable=True, channel=self.name
             )
         text = message.text.replace("\n", "\n      ")
-        click.secho(f"    user sees ({message.conversation}): {text}", fg="green")
+        self.output.say(f"    user sees ({message.conversation}): {text}", fg="green")
         with self._changed:
             self.shown.append(message)
             self._changed.notify_all()
@@ -165,14 +166,16 @@ Scene = Callable[[Runtime, FakeProvider, Screen, Narrator], None]
 
 
 def _normal(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) -> None:
-    scene(1, "A normal answer", "A customer asks; the model answers; every step is an event.")
+    narrator.scene(
+        1, "A normal answer", "A customer asks; the model answers; every step is an event."
+    )
     fake.add(Answer(model="gpt-demo", text="Your refund was issued on Monday."))
     rt.session("alice", agent="support", channel="chat").send("Where is my refund?")
     screen.wait_for("alice")
 
 
 def _stall(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) -> None:
-    scene(
+    narrator.scene(
         2,
         "A stalled stream",
         "The model sends three words and goes silent. The stall budget (1 s here, 3 min by "
@@ -186,7 +189,7 @@ def _stall(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) 
 
 
 def _outage(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) -> None:
-    scene(
+    narrator.scene(
         3,
         "A provider outage",
         "Two agents get 503s within the health window (3 s here, 60 s by default): the "
@@ -199,7 +202,7 @@ def _outage(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator)
     rt.session("carol", agent="support", channel="chat").send("Can I change my address?")
     _wait(narrator, "provider:degraded")
     screen.wait_for("bob", "carol")
-    click.echo(
+    narrator.say(
         "   While it is degraded a new message gets a static reply at once, with no model "
         "call. The chat bridge is down too, so that reply waits in the dead-letter queue."
     )
@@ -207,7 +210,7 @@ def _outage(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator)
     rt.session("dave", agent="billing", channel="chat").send("Is anyone there?")
     _wait(narrator, "announcement:dead_lettered")
     screen.down = False
-    click.echo("   The bridge is back. No failure for a whole health window: recovery ...")
+    narrator.say("   The bridge is back. No failure for a whole health window: recovery ...")
     _wait(narrator, "provider:recovered", timeout=30)
     _wait(narrator, "announcement:dead_letter_delivered")
     screen.wait_for("dave")
@@ -252,7 +255,7 @@ class _HalfDone:
 
 
 def _watchdog(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) -> None:
-    scene(
+    narrator.scene(
         4,
         "A sub-agent that never returns",
         "Every spawn has a timeout, no exceptions (here a custom 2 s, with its reason). "
@@ -283,7 +286,7 @@ def _escalated(record: RecordedEvent) -> bool:
 
 
 def _ghost(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) -> None:
-    scene(
+    narrator.scene(
         5,
         "A run left behind by a crash",
         "Another process starts a sub-agent run and is killed with SIGKILL. Nobody is left "
@@ -296,7 +299,7 @@ def _ghost(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) 
     crashed = subprocess.run(argv, capture_output=True, check=False, timeout=30)
     if crashed.returncode != -signal.SIGKILL:
         raise StalwartError("demo: the crashing process did not die as planned")
-    click.echo("   (the process that owned the run was killed with SIGKILL)")
+    narrator.say("   (the process that owned the run was killed with SIGKILL)")
     _wait(narrator, "subagent:ghost_swept")
     screen.wait_for("erin")
     if not narrator.wait_where(_settled(narrator, "Reconcile"), timeout=30):
@@ -324,7 +327,7 @@ def _settled(narrator: Narrator, task: str) -> Callable[[RecordedEvent], bool]:
 
 
 def _recovery(rt: Runtime, fake: FakeProvider, screen: Screen, narrator: Narrator) -> None:
-    scene(
+    narrator.scene(
         6,
         "Recovery: resume, do not restart",
         "A sub-agent saves part of its work and then hangs. After the watchdog, the "
@@ -411,16 +414,20 @@ def _config(base_url: str) -> Config:
     )
 
 
-def play(directory: Path) -> None:
-    """Run every scene against a fresh store in ``directory`` (made by :func:`_prepare`)."""
-    screen = Screen()
+def play(directory: Path, output: Output | None = None) -> None:
+    """Run every scene against a fresh store in ``directory`` (made by :func:`_prepare`);
+    the ones after the reader of ``output`` went away are not played."""
+    output = output or Output()
+    screen = Screen(output=output)
     with FakeProvider() as fake:
         fake.set_default(Answer(text="I am here to help."))
         config = _config(fake.base_url)
         with Runtime(config, store=os.fspath(directory), channels={"chat": screen}) as rt:
-            narrator = Narrator(rt.store).start()
+            narrator = Narrator(rt.store, output=output).start()
             try:
                 for scene in SCENES:
+                    if output.gone.is_set():  # `stalwart demo | head`: nobody reads on
+                        break
                     scene(rt, fake, screen, narrator)
             finally:
                 narrator.stop()
@@ -438,15 +445,17 @@ def demo(state: _State) -> None:
         raise StalwartError("the demo writes a directory of its own; pass --store DIR")
     directory = Path(location)
     _prepare(directory)  # before the banner: a directory it cannot make is one error line
-    click.secho("stalwart demo: the failure layers, live, with no key and no network", bold=True)
-    click.echo(f"The event log goes to {directory}/.")
-    play(directory)
-    click.echo()
-    click.secho("Every step above is an event in the log. Inspect it:", bold=True)
+    output = Output()
+    say = output.say
+    say("stalwart demo: the failure layers, live, with no key and no network", bold=True)
+    say(f"The event log goes to {directory}/.")
+    play(directory, output)
+    say()
+    say("Every step above is an event in the log. Inspect it:", bold=True)
     store = f"--store {directory}"
-    click.echo(f"  stalwart {store} tail                        # everything, in order")
-    click.echo(f"  stalwart {store} tail --type 'provider:*'    # the outage")
-    click.echo(f"  stalwart {store} replay session:alice        # one conversation's state")
-    click.echo(f"  stalwart {store} incidents                   # failures per provider/model")
-    click.echo(f"  stalwart {store} status grace                # a session's leases and pauses")
-    click.echo(f"  stalwart {store} replay --all --verify       # every decision re-derived")
+    say(f"  stalwart {store} tail                        # everything, in order")
+    say(f"  stalwart {store} tail --type 'provider:*'    # the outage")
+    say(f"  stalwart {store} replay session:alice        # one conversation's state")
+    say(f"  stalwart {store} incidents                   # failures per provider/model")
+    say(f"  stalwart {store} status grace                # a session's leases and pauses")
+    say(f"  stalwart {store} replay --all --verify       # every decision re-derived")

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import click
-
 from stalwart.errors import StalwartError
 from stalwart.events import RecordedEvent, SessionRequiresAction
 from stalwart.runtime import Runtime
 from stalwart.testing import Answer, FakeProvider, FakeToolCall, Hang
 
-from ._demo_narrator import Narrator, scene
+from ._demo_narrator import Narrator
 
 __all__ = ["crash_scene", "pause_scene"]
 
@@ -27,7 +25,7 @@ def _type(event_type: str, stream: str) -> Callable[[RecordedEvent], bool]:
 
 
 def pause_scene(number: int, rt: Runtime, fake: FakeProvider, narrator: Narrator) -> None:
-    scene(
+    narrator.scene(
         number,
         "A pause for a human",
         "A refund needs an operator's yes. The session stops with the request and its input "
@@ -52,7 +50,7 @@ def pause_scene(number: int, rt: Runtime, fake: FakeProvider, narrator: Narrator
         for r in reversed(narrator.seen)
         if r.stream == "session:grace" and isinstance(r.event, SessionRequiresAction)
     )
-    click.echo(f"    operator: stalwart session confirm grace {request.request_id} --allow")
+    narrator.say(f"    operator: stalwart session confirm grace {request.request_id} --allow")
     rt.confirm("grace", request.request_id, allow=True)
     _wait(narrator, _type("activation:acked", "session:grace"), "the answer")
     if runs != ["7:12.5"]:
@@ -60,7 +58,7 @@ def pause_scene(number: int, rt: Runtime, fake: FakeProvider, narrator: Narrator
 
 
 def crash_scene(number: int, rt: Runtime, fake: FakeProvider, narrator: Narrator) -> None:
-    scene(
+    narrator.scene(
         number,
         "An agent dies mid-answer",
         "The session's Agent crashes while its model call runs. The wake is not lost: it is "

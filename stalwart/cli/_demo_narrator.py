@@ -6,6 +6,8 @@ so what the newcomer reads is what an operator would see.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -94,24 +96,54 @@ SENTENCES: dict[str, Say] = {
 }
 
 
-def scene(number: int, title: str, what: str) -> None:
-    """A scene's heading and what it shows."""
-    click.echo()
-    click.secho(f"{number}. {title}", bold=True)
-    click.echo(f"   {what}")
+class Output:
+    """The demo's stdout, written by three threads: the tour's, the narrator's and the
+    runtime's event loop (what the user's chat shows). A reader that goes away
+    (``stalwart demo | head``) ends the writing quietly, on whichever thread meets it
+    first; the tour then stops before its next scene, its log closed as usual."""
+
+    def __init__(self) -> None:
+        self.gone = threading.Event()
+        self._leaving = threading.Lock()
+
+    def say(self, text: str = "", **style: Any) -> None:
+        """Write one line (``click.secho``'s styles), unless the reader has gone."""
+        if self.gone.is_set():
+            return
+        try:
+            click.secho(text, **style)
+        except BrokenPipeError:
+            with self._leaving:  # two threads may meet the broken pipe at once
+                if not self.gone.is_set():
+                    # what Python would flush at exit goes nowhere, quietly
+                    sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+                    self.gone.set()
 
 
 class Narrator:
     """Follows the log from a position on, printing a line for each event worth one."""
 
-    def __init__(self, store: EventStore, *, indent: str = "    ") -> None:
+    def __init__(
+        self, store: EventStore, *, indent: str = "    ", output: Output | None = None
+    ) -> None:
         self._store = store
         self._indent = indent
+        self.output = output or Output()
         self._subscription = store.subscribe(store.head() + 1)
         self._thread = threading.Thread(target=self._run, name="stalwart-demo-narrator")
         self._thread.daemon = True
         self._changed = threading.Condition()
         self.seen: list[RecordedEvent] = []
+
+    def scene(self, number: int, title: str, what: str) -> None:
+        """A scene's heading and what it shows."""
+        self.output.say()
+        self.output.say(f"{number}. {title}", bold=True)
+        self.output.say(f"   {what}")
+
+    def say(self, text: str) -> None:
+        """A line of the tour's own, between the log's."""
+        self.output.say(text)
 
     def start(self) -> Narrator:
         self._thread.start()
@@ -123,7 +155,7 @@ class Narrator:
                 say = SENTENCES.get(record.type)
                 line = say(record.event) if say is not None else ""
                 if line:  # said before it counts as seen: waits see it printed
-                    click.secho(f"{self._indent}[log] {line}", fg="cyan")
+                    self.output.say(f"{self._indent}[log] {line}", fg="cyan")
                 with self._changed:
                     self.seen.append(record)
                     self._changed.notify_all()

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
 
 from stalwart._logs import REDACTED, redact
+from stalwart._text import escaped
 
 __all__ = ["REDACTED", "configure_logging", "redact"]
 
@@ -25,6 +27,24 @@ class _Stderr(logging.Handler):
 
 #: the one handler the CLI puts on the root logger (configuring again replaces it)
 _HANDLER = _Stderr()
+#: the keys whose text is a traceback (or a stack), shown on lines of their own
+_TRACEBACKS = ("exception", "stack")
+
+
+def _escape_controls(
+    _: Any, __: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """For a terminal: the text of a line is anyone's (a stream id, a dependency's
+    message, an exception's), so its control characters are shown escaped (``\\u001b``)
+    and cannot drive the terminal or forge a line; a traceback keeps its line breaks."""
+    for key, value in event_dict.items():
+        if isinstance(value, str):
+            event_dict[key] = _traceback_shown(value) if key in _TRACEBACKS else escaped(value)
+    return event_dict
+
+
+def _traceback_shown(text: str) -> str:
+    return "\n".join(escaped(line, tabs=True) for line in text.split("\n"))
 
 
 def configure_logging(level: str = "warning", *, json: bool | None = None) -> None:
@@ -43,6 +63,8 @@ def configure_logging(level: str = "warning", *, json: bool | None = None) -> No
         if as_json
         else structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)
     )
+    # JSON escapes control characters itself; the console renderer writes text as it is
+    shown: list[Any] = [redact] if as_json else [redact, _escape_controls]
     stamped: list[Any] = [
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -50,7 +72,7 @@ def configure_logging(level: str = "warning", *, json: bool | None = None) -> No
     traced = structlog.processors.format_exc_info
     number = logging.getLevelNamesMapping()[level.upper()]
     structlog.configure(
-        processors=[structlog.contextvars.merge_contextvars, *stamped, traced, redact, renderer],
+        processors=[structlog.contextvars.merge_contextvars, *stamped, traced, *shown, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(number),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
@@ -61,7 +83,7 @@ def configure_logging(level: str = "warning", *, json: bool | None = None) -> No
             processors=[
                 structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                 traced,
-                redact,
+                *shown,
                 renderer,
             ],
         )
