@@ -798,15 +798,22 @@ def _lookup(data: Any, key: str) -> Any:
     return data
 
 
+#: The largest config (or fake-provider script) file read: a config is a few KB; a
+#: path to a device or a huge file by mistake must not fill the memory.
+MAX_DOCUMENT_BYTES = 16 * 2**20
+
+
 def read_document(path: str | os.PathLike[str], what: str = "config") -> Any:
     """The parsed data of a TOML, YAML (``.yaml``/``.yml``) or JSON (``.json``) file;
     ConfigError naming the file (and the first line of the parser's complaint) otherwise."""
     name = os.fspath(path)
     try:
         with open(name, "rb") as handle:
-            raw = handle.read()
+            raw = handle.read(MAX_DOCUMENT_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"cannot read {what} {name}: {exc.strerror}") from None
+    if len(raw) > MAX_DOCUMENT_BYTES:  # /dev/zero, a log given by mistake: never read whole
+        raise ConfigError(f"{what} {name} is larger than {MAX_DOCUMENT_BYTES // 2**20} MiB")
     try:
         if name.endswith((".yaml", ".yml")):
             return yaml.load(raw, Loader=_UniqueKeys)  # a SafeLoader: no arbitrary objects
