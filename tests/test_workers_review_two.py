@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from stalwart import store as store_module
 from stalwart.channels import MemoryChannel
 from stalwart.cli._replay import verify_store
@@ -142,6 +144,19 @@ def test_a_worker_forgets_the_fold_of_a_session_another_worker_ran(
 #: 1000) starts a wake for each before it answers anything else (about 17 ms a wake on a
 #: loaded 2-core machine: well over the 5 s the banner's ask used to wait)
 BACKLOG = 1_000
+#: how long a worker may take to stop on SIGTERM (under pytest-timeout's 120 s per test)
+STOP_WAIT_S = 75.0
+
+
+def _stopped(worker: subprocess.Popen[str], wait_s: float) -> str:
+    """The stderr of ``worker`` once it exits; a worker still running after ``wait_s``
+    is aborted, and the test fails with the stacks its threads were in (faulthandler)."""
+    try:
+        return worker.communicate(timeout=wait_s)[1]
+    except subprocess.TimeoutExpired:
+        worker.send_signal(signal.SIGABRT)
+        err = worker.communicate()[1]
+        pytest.fail(f"the worker did not stop within {wait_s:g} s of SIGTERM:\n{err[-6000:]}")
 
 
 # Was: DEFECT: `stalwart worker` died at start ("internal error: TimeoutError") on a backlog
@@ -170,7 +185,8 @@ def test_a_worker_started_on_a_large_backlog_runs_instead_of_failing(tmp_path: P
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            # a worker that does not stop dumps its threads' stacks on SIGABRT (below)
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
         )
         try:
             assert worker.stderr is not None
@@ -181,7 +197,7 @@ def test_a_worker_started_on_a_large_backlog_runs_instead_of_failing(tmp_path: P
             fake.wait_for(lambda requests: len(requests) >= 1, GUARD)
         finally:
             worker.send_signal(signal.SIGTERM)
-            _, err = worker.communicate(timeout=120)
+            err = _stopped(worker, STOP_WAIT_S)
     assert worker.returncode == 0, err[-500:]
     assert "internal error" not in err
     assert "stopping" in err
