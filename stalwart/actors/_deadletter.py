@@ -71,6 +71,7 @@ from stalwart.state import (
     hold_ms,
     next_retry_at,
 )
+from stalwart.state._deadletter import HELD_BACK
 from stalwart.store import EventStore, NewEvent, load_state, read_readable
 
 from ._outage import StoreOutage
@@ -216,15 +217,19 @@ def _outcome(entry_id: str, future: Future[str | None]) -> RetrySent:
 def _after(
     previous: Future[str | None], send: Callable[[], Future[str | None]]
 ) -> Future[str | None]:
-    """The outcome of ``send()``, started once ``previous`` ended (whatever its outcome,
-    but a cancel: the sends are being released, and this one is cancelled too); cancelled
-    before that, it never starts, and cancelled after, it cancels the send."""
+    """The outcome of ``send()``, started once ``previous`` delivered; ``HELD_BACK``
+    when it did not (a cancel of it: the sends are being released, and this one is
+    cancelled too); cancelled before that, it never starts, and cancelled after, it
+    cancels the send."""
     outcome: Future[str | None] = Future()
 
     def start(ended: Future[str | None]) -> None:
         if ended.cancelled():
             outcome.cancel()
         if outcome.done():  # cancelled
+            return
+        if ended.exception() is not None or ended.result() is not None:
+            _copy(outcome, HELD_BACK)  # sent now, it would be read before the one that failed
             return
         try:
             sending = send()

@@ -8,7 +8,8 @@ outcomes not yet recorded), and a store that came and went three times within th
 restart window would have supervision give it up for good (no more outage detection,
 no more dead-letter retries, and no one to tell). Instead the message is told again a
 moment later, until the store answers; the outage is logged once, and its end.
-A closed store is no outage: it ends the actor as before.
+A closed store (or a read-only one, a lost lease, a stream id no append takes) is no
+outage: it ends the actor as before.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from typing import Any, TypeVar
 
 from stalwart._logs import get_logger
 from stalwart.clock import Clock
-from stalwart.errors import StoreClosedError, StoreError
+from stalwart.errors import (
+    FencedError,
+    InvalidStreamError,
+    StoreClosedError,
+    StoreError,
+    StoreReadOnlyError,
+)
 
 from ._scheduler import Scheduler
 
@@ -27,6 +34,10 @@ __all__ = ["StoreOutage"]
 log = get_logger(__name__)
 
 T = TypeVar("T")
+
+#: Store errors no wait mends (a closed store, a read-only handle, a lease lost, a
+#: stream id no append takes): raised, as before.
+_FOR_GOOD = (StoreClosedError, StoreReadOnlyError, FencedError, InvalidStreamError)
 
 #: How long a message whose handling the store failed waits to be told again.
 STORE_RETRY_S = 1.0
@@ -52,7 +63,7 @@ class StoreOutage:
         again later)."""
         try:
             result = handle()
-        except StoreClosedError:
+        except _FOR_GOOD:
             raise
         except StoreError as exc:
             if not self.down:  # the error's class only: its text may name the store's URL

@@ -72,11 +72,11 @@ from ._types import (
 
 log = get_logger(__name__)
 
-#: the seal of the call this task runs (each call is a task of its own; the tasks it
-#: starts inherit it)
 #: how many times a breaker decision is taken again when another writer appended to the
 #: provider stream between the fold and the append
 _DECIDE_TRIES = 5
+#: the seal of the call this task runs (each call is a task of its own; the tasks it
+#: starts inherit it)
 _SEAL: ContextVar[CallSeal | None] = ContextVar("stalwart_call_seal", default=None)
 
 #: Sees each attempt's ``prompt:started``, then that attempt's stream events as they come.

@@ -24,7 +24,10 @@ conversation (:attr:`DeadLetterEntry.route`) keep the order they were queued in.
 conversation is still queued (:func:`waiting_behind`): a later message never overtakes
 an earlier one that is still to be retried. Those retries are a subset of the unordered
 ones, which is what a log written before ordering holds, so both replay. A drain decides
-every entry as before; the actor sends those of one conversation one after another.
+every entry as before; the actor sends those of one conversation one after another,
+each once the one before it delivered: after one that failed, the rest are not sent
+(``announcement:send_failed`` with ``error_class`` :data:`HELD_BACK`, which ends the
+retry but is no attempt: the entry keeps its attempts and its backoff).
 """
 
 from __future__ import annotations
@@ -126,9 +129,14 @@ class DeadLetterFolder:
             )
 
     def _failed(self, event: AnnouncementSendFailed, ts: float) -> None:
-        """One more attempt on the entry named (by ``entry_id``, else the announcement's)."""
+        """One more attempt on the entry named (by ``entry_id``, else the announcement's);
+        a retry :data:`HELD_BACK` only ends (no send was made)."""
         entry = self._named(event)
-        if entry is not None:
+        if entry is not None and event.error_class == HELD_BACK:
+            self._entries[entry.entry_id] = msgspec.structs.replace(
+                entry, sending_since=None, sending_runtime=None
+            )
+        elif entry is not None:
             self._entries[entry.entry_id] = msgspec.structs.replace(
                 entry,
                 attempts=entry.attempts + 1,
@@ -178,6 +186,10 @@ def apply_deadletter(state: DeadLetterState, record: RecordedEvent) -> DeadLette
     folder.add(record)
     return folder.state()
 
+
+#: The ``error_class`` of a drain's send not made: the send before it in its
+#: conversation did not deliver (sent anyway, it would be read before that one).
+HELD_BACK = "held_back"
 
 #: how long past a send's own limit (``announce_timeout_ms``) a recorded retry with no
 #: outcome still holds its entry; after that its sender is taken as dead

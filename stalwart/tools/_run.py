@@ -15,6 +15,7 @@ import contextvars
 import functools
 import inspect
 import math
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -136,14 +137,21 @@ class _DaemonThreads:
         self._lock = threading.Lock()
         self._idle = 0  # threads waiting for a job and not promised one yet
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: none of the parent's threads is there (its idle ones would
+        be promised jobs no one takes, and its lock may have been held at the fork)."""
+        self._jobs = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
     def submit(self, job: Callable[[], None]) -> None:
         with self._lock:
             start = self._idle == 0
             if not start:
                 self._idle -= 1  # promised this job
-        self._jobs.put(job)
-        if start:
+        if start:  # before the job is queued: one no thread could take is not left behind
             threading.Thread(target=self._work, name="stalwart-tool", daemon=True).start()
+        self._jobs.put(job)
 
     def _work(self) -> None:
         while True:
@@ -161,6 +169,7 @@ class _DaemonThreads:
 
 
 _THREADS = _DaemonThreads()
+os.register_at_fork(after_in_child=_THREADS.forget_after_fork)
 
 
 class _DaemonCall:
