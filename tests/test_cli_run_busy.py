@@ -73,20 +73,22 @@ def test_a_session_with_a_turn_left_open_is_refused_until_interrupted(
     assert out.strip() == "fine"
 
 
+def _leased(store_dir: Path, expires_at: float) -> None:
+    """Session ``s1`` with a message queued and leased by a worker until ``expires_at``."""
+    with store_module.open(store_dir) as log:  # type: ignore[attr-defined]
+        activation = send_message(log, "s1", "hello")
+        leased = ActivationLeased(
+            activation_id=activation, owner="worker-1", epoch=1, expires_at=expires_at
+        )
+        log.append("session:s1", [NewEvent(event=leased)], fence=Fence(1, claim=True))
+
+
 # Was: DEFECT: `stalwart run --session` wrote into a session a worker held, unfenced, beside its wake  # noqa: E501
 def test_a_session_a_worker_holds_is_refused(tmp_path: Path, fake: FakeProvider) -> None:
     config = _config(tmp_path, fake)
     store_dir = tmp_path / "store"
     fake.set_default(Answer(text="fine"))
-    with store_module.open(store_dir) as log:  # type: ignore[attr-defined]
-        activation = send_message(log, "s1", "hello")
-        leased = ActivationLeased(
-            activation_id=activation,
-            owner="worker-1",
-            epoch=1,
-            expires_at=time.time() + 600,  # a worker on this machine, ten minutes ahead
-        )
-        log.append("session:s1", [NewEvent(event=leased)], fence=Fence(1, claim=True))
+    _leased(store_dir, time.time() + 600)  # a worker on this machine, ten minutes ahead
     before = _types(store_dir, "session:s1")
 
     code, _, err = stalwart("run", "--config", str(config), "--session", "s1", "hi")
@@ -101,12 +103,7 @@ def test_a_session_whose_lease_expired_takes_a_run(tmp_path: Path, fake: FakePro
     config = _config(tmp_path, fake)
     store_dir = tmp_path / "store"
     fake.set_default(Answer(text="fine"))
-    with store_module.open(store_dir) as log:  # type: ignore[attr-defined]
-        activation = send_message(log, "s1", "hello")
-        leased = ActivationLeased(
-            activation_id=activation, owner="worker-1", epoch=1, expires_at=time.time() - 60
-        )
-        log.append("session:s1", [NewEvent(event=leased)], fence=Fence(1, claim=True))
+    _leased(store_dir, time.time() - 60)
 
     code, out, err = stalwart("run", "--config", str(config), "--session", "s1", "hi")
     assert code == 0, err

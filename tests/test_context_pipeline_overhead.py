@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import math
 
+import msgspec
+
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
-from stalwart.config import Config, parse_config
+from stalwart.config import Config, ContextEngineSettings
 from stalwart.context import TokenEstimator
 from stalwart.context.pipeline import PipelineConfig, PipelineEngine
 from stalwart.events import ContextAssembled, ContextCalibrated
@@ -17,29 +19,13 @@ from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider
 from tests._runtime_support import delivered, has, log_until, of
 from tests.test_context_pipeline import Summaries, Transcript
-
-WINDOW = 4_096
-REPLY = 256
-SYSTEM = "Follow the house rules for every order and refund, and say which rule applies. " * 30
+from tests.test_context_review_s31 import REPLY, WINDOW, _dense_config
 
 
 def _dense_pipeline_config(base_url: str) -> Config:
-    return parse_config(
-        {
-            "providers": {"main": {"kind": "openai", "base_url": base_url}},
-            "agents": {
-                "default": {
-                    "provider": "main",
-                    "model": "dense",
-                    "max_retries": 0,
-                    "max_tokens": REPLY,
-                    "context_window": WINDOW,
-                    "system_prompt": SYSTEM,
-                }
-            },
-            "context_engine": {"version": "pipeline"},
-        }
-    )
+    """The DAG review's dense-model config (a long system prompt), on the pipeline engine."""
+    config = _dense_config(base_url)
+    return msgspec.structs.replace(config, context_engine=ContextEngineSettings(version="pipeline"))
 
 
 # Was: DEFECT: the pipeline engine counted the system text at factor 1 in a calibrated budget: requests over the window  # noqa: E501
