@@ -35,7 +35,7 @@ from stalwart.context.pipeline._objective import objective_tokens, reinforce_obj
 from stalwart.context.pipeline._reinject import rehydrate
 from stalwart.context.pipeline._run import Run
 from stalwart.context.pipeline._shape import evict_dead_content, mask_observations, window_history
-from stalwart.events import DEFAULT_CODEC, ContextAssembled, ContextCompacted
+from stalwart.events import DEFAULT_CODEC, ContextAssembled, ContextBound, ContextCompacted
 from stalwart.providers import Message
 from stalwart.state import CONTEXT_PIPELINE, PipelineState, apply_pipeline_event, fold
 
@@ -733,7 +733,8 @@ def test_assemble_reports_sizes_layers_and_provider_messages() -> None:
     assert result.messages_in == len(t.all)
     assert result.messages_out == len(result.messages)
     assert result.chars_out < result.chars_in
-    (event,) = result.events
+    bound, event = result.events  # a new session is bound to its tenant first
+    assert isinstance(bound, ContextBound) and bound.tenant is None
     assert isinstance(event, ContextAssembled)
     assert event.layers_fired == result.layers_fired
     assert (event.engine, event.provider, event.budget) == ("pipeline", "openai", 100_000)

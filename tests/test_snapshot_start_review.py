@@ -407,7 +407,7 @@ def test_a_pipeline_session_rebuilt_from_its_snapshot_appends_at_the_right_versi
                 ref.stop()
         records = list(log.read_stream("context:s1"))
         assert len(of(ContextAssembled, records)) == 4
-        assert any(True for _ in log.snapshots("context:s1", "context_pipeline@v2"))
+        assert any(True for _ in log.snapshots("context:s1", "context_pipeline@v3"))
 
 
 def test_left_unsaid_reads_the_snapshot_and_still_sees_a_reply_cut_short(

@@ -447,18 +447,7 @@ class ContextStoreActor(Supervised):
                 overhead=message.overhead,
             )
         except ContextScopeError as exc:
-            stream = f"context:{session_id}" if valid_session_id(session_id) else None
-            refusal = exc.events or (
-                ContextDagDegraded(
-                    reason="fail_closed_rollover", tenant=message.tenant, session=session_id
-                ),
-            )
-            self._append(
-                stream or REFUSALS_STREAM,
-                refusal,
-                versioned=stream is not None,
-                epoch=message.epoch if stream is not None else None,
-            )
+            self._refused(message, exc)
             raise
         except Exception:
             # a store error mid-assembly (the tenant's ledger): what the engine changed
@@ -488,10 +477,29 @@ class ContextStoreActor(Supervised):
             factor=result.factor,
         )
 
+    def _refused(self, message: Assemble, exc: ContextScopeError) -> None:
+        """Record an assembly refused for its scope: in the session's ``context:`` stream,
+        or the refusals stream when the id names no session."""
+        session_id = message.session_id
+        stream = f"context:{session_id}" if valid_session_id(session_id) else None
+        refusal = exc.events or (
+            ContextDagDegraded(
+                reason="fail_closed_rollover", tenant=message.tenant, session=session_id
+            ),
+        )
+        self._append(
+            stream or REFUSALS_STREAM,
+            refusal,
+            versioned=stream is not None,
+            epoch=message.epoch if stream is not None else None,
+        )
+
     def _pipeline(self, message: Assemble) -> Assembled:
         session_id = message.session_id
         if not valid_session_id(session_id):
-            raise ContextScopeError("the session id is malformed")
+            error = ContextScopeError("the session id is malformed")
+            self._refused(message, error)
+            raise error
         stream = f"context:{session_id}"
         self._catch_up(session_id)
         self._calibration_taken(message.profile)
@@ -511,15 +519,20 @@ class ContextStoreActor(Supervised):
             self._pipelines[session_id] = engine
             self._versions[session_id] = state.version
         estimator = self._dag.estimator(message.profile)
-        result = engine.assemble(
-            message.messages,
-            message.budget,
-            provider=message.profile.provider,
-            caching=message.profile.caching,
-            # the model's estimator, which Calibrate feeds with the usage reported
-            estimator=estimator,
-            overhead=message.overhead,
-        )
+        try:
+            result = engine.assemble(
+                message.messages,
+                message.budget,
+                provider=message.profile.provider,
+                caching=message.profile.caching,
+                # the model's estimator, which Calibrate feeds with the usage reported
+                estimator=estimator,
+                overhead=message.overhead,
+                tenant=message.tenant,
+            )
+        except ContextScopeError as exc:
+            self._refused(message, exc)
+            raise
         # what the result was counted at: the lane holds the lock from the count on
         factor = estimator.factor
         # the layer breaker decided at the assembly's clock reading: its events say so

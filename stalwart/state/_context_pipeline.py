@@ -14,7 +14,9 @@ What survives a restart is exactly what the log says:
 - the cache fence the previous assembly left (``fence`` messages of its output, standing
   for its first ``fence_input`` input messages, shaped at user turn ``fence_turn``). The
   messages behind it are held in memory, not in the log: a rebuilt engine knows where
-  the fence was and breaks it once (``cache_break = "rebuilt"``).
+  the fence was and breaks it once (``cache_break = "rebuilt"``);
+- the tenant the session is bound to, from ``context:bound`` (the first assembly writes
+  it; a later one for another tenant is refused, as in the DAG engine).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import msgspec
 
 from stalwart.events import (
     ContextAssembled,
+    ContextBound,
     ContextCompacted,
     ContextLayerDisabled,
     ContextLayerEnabled,
@@ -72,6 +75,9 @@ class PipelineState(msgspec.Struct, frozen=True, kw_only=True):
     fence: int = 0
     fence_input: int = 0
     fence_turn: int = 0
+    #: ``context:bound`` was recorded: ``tenant`` is the session's (None: no tenant)
+    bound: bool = False
+    tenant: str | None = None
 
     def breaker(self, layer: str) -> LayerBreaker:
         """The breaker of ``layer`` (closed with no failures if it never failed)."""
@@ -173,6 +179,8 @@ def apply_pipeline_event(state: PipelineState, event: Event) -> PipelineState:
             return msgspec.structs.replace(state, summary=summary)
         case ContextAssembled() if event.engine == "pipeline":
             return _assembled(state, event)
+        case ContextBound() if not state.bound:
+            return msgspec.structs.replace(state, bound=True, tenant=event.tenant)
         case _:
             return state
 
@@ -187,7 +195,7 @@ class PipelineAggregate:
     """The pipeline engine's fold for ``context:<session id>`` streams."""
 
     name = "context_pipeline"
-    version = 2
+    version = 3
     state_type = PipelineState
 
     def initial(self, stream: str) -> PipelineState:

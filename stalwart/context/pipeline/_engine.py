@@ -10,12 +10,15 @@ import msgspec
 
 from stalwart._logs import get_logger
 from stalwart.clock import Clock
+from stalwart.context._dag import ContextScopeError
 from stalwart.context._repair import repair
 from stalwart.context._tokens import TokenEstimator
 from stalwart.context._types import ContextMessage, Summarizer
 from stalwart.events import (
     ContextAssembled,
+    ContextBound,
     ContextCompacted,
+    ContextDagDegraded,
     ContextLayerEnabled,
     ContextLayerHalfOpened,
     Event,
@@ -197,6 +200,20 @@ class PipelineEngine:
             found = self._estimators[provider] = TokenEstimator(provider)
         return found
 
+    def _check_scope(self, tenant: str | None) -> None:
+        """Refuse an assembly for another tenant than the one the session is bound to:
+        its messages would be shaped with, and answered from, the other's compaction."""
+        if not self._state.bound or self._state.tenant == tenant:
+            return
+        log.warning("context_write_refused", reason="fail_closed_rollover", tenant=tenant)
+        error = ContextScopeError("the session belongs to another tenant")
+        error.events = (
+            ContextDagDegraded(
+                reason="fail_closed_rollover", tenant=tenant, session=self.session or None
+            ),
+        )
+        raise error
+
     def assemble(
         self,
         messages: Sequence[ContextMessage],
@@ -206,6 +223,7 @@ class PipelineEngine:
         caching: bool = True,
         estimator: TokenEstimator | None = None,
         overhead: int = 0,
+        tenant: str | None = None,
     ) -> PipelineResult:
         """The transcript to send ``provider`` for a window of ``budget_tokens``;
         ``caching``: the provider caches prompt prefixes (the cache fence holds).
@@ -216,7 +234,11 @@ class PipelineEngine:
         declarations): the provider counts it at the calibrated factor too, so above 1
         the layers fit the messages into less. The budget recorded, and the one a
         changed budget breaks the cache fence on, stays ``budget_tokens``: a factor that
-        moves does not break the fence by itself."""
+        moves does not break the fence by itself. ``tenant``: whose session this is; the
+        first assembly binds the session to it (``context:bound``), and a later one for
+        another tenant raises ContextScopeError (its ``events`` hold the
+        ``context:dag_degraded`` ``fail_closed_rollover`` to record) and runs nothing."""
+        self._check_scope(tenant)
         original = tuple(messages)
         ids = [message.message_id for message in original]
         head_digest, input_digest = digest(ids, prefix=self._state.last_input_count)
@@ -236,6 +258,8 @@ class PipelineEngine:
             reader=self._reader,
         )
         shaped, events, fired, failed = self._layers(original, run)
+        if not self._state.bound:
+            events.insert(0, ContextBound(session=self.session, tenant=tenant))
         current, repairs, broke = self._hold(original, shaped, events, run, budget_tokens, caching)
         held = self._state.fence if broke is None else 0  # what the previous call sent
         fence = fence_input = fence_turn = 0
