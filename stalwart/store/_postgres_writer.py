@@ -28,6 +28,9 @@ from stalwart.errors import (
 from ._protocol import Fence, NewEvent
 
 MAX_BATCH_EVENTS = 4096
+#: a batch carries at most this many bytes of records (an append larger goes alone):
+#: PostgreSQL refuses a message over 1 GB, which would fail every append in the batch
+MAX_BATCH_BYTES = 64 << 20
 #: what ``append_batch`` returns for one append: outcome, first position, old version, epoch
 Result = tuple[str, int, int, int]
 #: one append's outcome as a batch's sender tells it: its result, or its own error
@@ -62,6 +65,7 @@ class AppendJob:
         "news",
         "result",
         "schemas",
+        "size",
         "stamps",
         "stream",
         "tags",
@@ -81,6 +85,8 @@ class AppendJob:
         self.fence = fence
         self.stamps, self.ids, self.causation, self.correlation, self.schemas, self.tags = columns
         self.data = data
+        #: the bytes of its records
+        self.size = sum(map(len, data))
         self.news = news
         #: the work queue's row: 0 untouched, 1 set to ``due``, 2 lowered to ``due``
         self.due_kind = 0
@@ -120,8 +126,16 @@ def batch_params(jobs: list[AppendJob]) -> tuple[list[Any], ...]:
 class Writer:
     """The one thread of a store handle that sends its appends, batched."""
 
-    def __init__(self, run: Callable[[list[AppendJob]], list[Outcome]]) -> None:
+    def __init__(
+        self,
+        run: Callable[[list[AppendJob]], list[Outcome]],
+        *,
+        max_events: int = MAX_BATCH_EVENTS,
+        max_bytes: int = MAX_BATCH_BYTES,
+    ) -> None:
         self._run = run
+        self._max_events = max_events
+        self._max_bytes = max_bytes
         self._queue: queue.SimpleQueue[AppendJob | object] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -159,8 +173,9 @@ class Writer:
             if item is _STOP:
                 return
             assert isinstance(item, AppendJob)
-            batch, size, stop = [item], len(item.data), False
-            while size < MAX_BATCH_EVENTS:
+            batch, count, size, stop = [item], len(item.data), item.size, False
+            max_events, max_bytes = self._max_events, self._max_bytes
+            while count < max_events and size < max_bytes:
                 try:
                     more = get_nowait()
                 except queue.Empty:
@@ -169,11 +184,12 @@ class Writer:
                     stop = True
                     break
                 assert isinstance(more, AppendJob)
-                if size + len(more.data) > MAX_BATCH_EVENTS:
+                if count + len(more.data) > max_events or size + more.size > max_bytes:
                     carry = more
                     break
                 batch.append(more)
-                size += len(more.data)
+                count += len(more.data)
+                size += more.size
             self._send(batch)
             if stop:
                 self._fail_rest()
