@@ -258,12 +258,21 @@ class FencedError(StoreError):
 
 
 class CorruptRecordError(StoreError):
-    """A stored record that cannot be decoded; nothing is dropped silently."""
+    """A stored record that cannot be decoded; nothing is dropped silently.
 
-    def __init__(self, position: int, reason: str) -> None:
-        super().__init__(f"record at position {position} is corrupt: {reason}")
+    ``through``: the last position of a run of missing records that starts at
+    ``position`` (the record after a hole is at ``through + 1``); ``position`` itself
+    for one record."""
+
+    def __init__(self, position: int, reason: str, *, through: int | None = None) -> None:
+        through = position if through is None or through < position else through
+        where = f"record at position {position}"
+        if through > position:
+            where = f"records at positions {position}..{through}"
+        super().__init__(f"{where} is corrupt: {reason}")
         self.position = position
         self.reason = reason
+        self.through = through
 
 
 class ToolError(StalwartError):

@@ -185,19 +185,29 @@ def _walk(
             break
         except CorruptRecordError as exc:
             at = exc.position if exc.position > 0 else expected
+            if exc.through > at:  # a run of missing records: the walk goes on after it
+                _missing(report, unread, at, min(exc.through, head), "missing")
+                expected = max(min(exc.through, head), expected) + 1
+                continue
             unread[at] = len(report.problems)
             report.problems.append(Problem(what=f"cannot be read: {exc.reason}", position=at))
             expected = max(at, expected) + 1
     if expected <= head:  # the log ends before its head (PostgreSQL keeps the head apart)
-        for at in range(expected, min(head, expected + _NAMED_MAX - 1) + 1):
-            unread[at] = len(report.problems)
-            report.problems.append(Problem(what=_MISSING, position=at))
-        if head >= expected + _NAMED_MAX:
-            at = expected + _NAMED_MAX
-            unread[at] = len(report.problems)
-            what = f"positions {at}..{head} are missing: the log ends before its head"
-            report.problems.append(Problem(what=what, position=at))
+        _missing(report, unread, expected, head, "missing: the log ends before its head")
     return streams, unread
+
+
+def _missing(report: StoreCheck, unread: dict[int, int], first: int, last: int, what: str) -> None:
+    """The records ``first..last`` are missing: a problem each for the first
+    ``_NAMED_MAX`` of them (a stream whose last record is one names it), then one for the
+    rest, so a long run costs neither a query nor a line per position."""
+    for at in range(first, min(last, first + _NAMED_MAX - 1) + 1):
+        unread[at] = len(report.problems)
+        report.problems.append(Problem(what=_MISSING, position=at))
+    if last >= first + _NAMED_MAX:
+        at = first + _NAMED_MAX
+        unread[at] = len(report.problems)
+        report.problems.append(Problem(what=f"positions {at}..{last} are {what}", position=at))
 
 
 def _unplaced(

@@ -119,7 +119,9 @@ def _before_hole(out: list[RecordedEvent], first: int) -> _Chunk:
     position missing among them (a record deleted by hand), and that hole as the error:
     a hole is damage, not an end, and never moves the end of a range."""
     missing = next(n for n, record in enumerate(out, first) if record.position != n)
-    return out[: missing - first], CorruptRecordError(missing, "it is missing from the log")
+    after = out[missing - first].position  # the record after the hole
+    error = CorruptRecordError(missing, "it is missing from the log", through=after - 1)
+    return out[: missing - first], error
 
 
 def _known_chunk(

@@ -361,7 +361,12 @@ class PostgresEventStore:
             return self._db.fetch("read the log", self._sql.read_all, (first, end))
 
         def gap(missing: int, row: list[Any] | None) -> CorruptRecordError:
-            return CorruptRecordError(missing, "it is missing from the log")
+            if row is not None:  # the record after the hole
+                through = int(row[0]) - 1
+            else:  # the hole runs past the batch: to the next record, or to the head
+                [(after, head)] = self._db.fetch("read the log", self._sql.log_hole, (missing,))
+                through = int(head) if after is None else min(int(after) - 1, int(head))
+            return CorruptRecordError(missing, "it is missing from the log", through=through)
 
         yield from self._ranged(fetch, 0, max(1, from_position), last, gap)
 

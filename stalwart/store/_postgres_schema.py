@@ -439,6 +439,12 @@ class Statements:
             "ORDER BY version LIMIT 1), last_position, version FROM {s}.streams "
             "WHERE stream = %s"
         )
+        # where a hole in the log ends: the position of its first record after the hole
+        # (NULL: none), and the head
+        self.log_hole = q(
+            "SELECT (SELECT min(position) FROM {s}.events WHERE position > %s), "
+            "(SELECT position FROM {s}.head LIMIT 1)"
+        )
         self.head = q("SELECT position FROM {s}.head")
         self.stream_row = q(
             "SELECT version, lease_epoch FROM {s}.streams WHERE stream = %s AND version > 0"
