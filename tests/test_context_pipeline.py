@@ -734,7 +734,8 @@ def test_assemble_reports_sizes_layers_and_provider_messages() -> None:
     assert result.messages_out == len(result.messages)
     assert result.chars_out < result.chars_in
     bound, event = result.events  # a new session is bound to its tenant first
-    assert isinstance(bound, ContextBound) and bound.tenant is None
+    assert isinstance(bound, ContextBound)
+    assert bound.tenant is None
     assert isinstance(event, ContextAssembled)
     assert event.layers_fired == result.layers_fired
     assert (event.engine, event.provider, event.budget) == ("pipeline", "openai", 100_000)

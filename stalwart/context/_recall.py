@@ -17,13 +17,17 @@ from stalwart.state import SummaryNode
 
 from ._dag import ContextScopeError, DagSession
 from ._search import QUERY_TERMS
-from ._tokens import chars_within, estimate_message_tokens
+from ._tokens import DEFAULT_PROFILE, estimate_message_tokens, estimate_text_tokens
 from ._types import ContextMessage
 
 __all__ = ["Expansion", "Inspection", "Recall", "SearchHit"]
 
 _NOT_HERE = "no summary or message with that id in this session"
 _SNIPPET = 240
+#: the most ids of what a summary covers that ``inspect`` lists (a leaf can cover
+#: thousands of short messages: ``expand`` pages through them)
+COVERS_SHOWN = 64
+_JSON = msgspec.json.Encoder()
 
 
 class SearchHit(msgspec.Struct, frozen=True, kw_only=True):
@@ -42,12 +46,14 @@ class SearchHit(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Inspection(msgspec.Struct, frozen=True, kw_only=True):
-    """What a summary covers and where it sits in the DAG."""
+    """What a summary covers and where it sits in the DAG: ``covers`` lists the first
+    :data:`COVERS_SHOWN` of the ids it covers, ``covers_total`` counts them all."""
 
     summary_id: str
     depth: int
     descendant_count: int
     covers: tuple[str, ...]
+    covers_total: int = 0
     parent: str | None
     first_seq: int
     last_seq: int
@@ -60,7 +66,8 @@ class Inspection(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Expansion(msgspec.Struct, frozen=True, kw_only=True):
-    """Stored messages, byte for byte, within a token grant.
+    """Stored messages, byte for byte, within a token grant: counted as the JSON text
+    the recall tools return, so escapes and field names count too.
 
     The first message's content starts at character ``offset``; when the grant ran out,
     ``next_after`` / ``next_offset`` say where a further call continues. A message larger
@@ -138,7 +145,8 @@ class Recall:
             summary_id=node.summary_id,
             depth=node.depth,
             descendant_count=node.descendant_count,
-            covers=node.covers,
+            covers=node.covers[:COVERS_SHOWN],
+            covers_total=len(node.covers),
             parent=session.parents.get(summary_id),
             first_seq=node.first_seq,
             last_seq=node.last_seq,
@@ -190,7 +198,7 @@ def _expand(
         message = session.messages[position]
         skip = offset if position == start else 0
         part = message if not skip else _rest(message, skip)
-        tokens = estimate_message_tokens(part)
+        tokens = _cost(part)
         if used + tokens <= grant:
             out.append(part)
             used += tokens
@@ -206,9 +214,7 @@ def _expand(
         # one message larger than the grant comes in pieces of its text (the content,
         # then its tool calls, thinking and images), each within the grant
         flat = _flat(message)
-        bare = _bare(message, "")
-        room = max(1, grant - estimate_message_tokens(bare))
-        size = max(1, chars_within(flat[skip:], room))
+        size = _piece_size(message, flat, skip, grant)
         piece = _bare(message, flat[skip : skip + size])
         later = skip + size < len(flat)
         following = session.messages[position + 1].message_id if position + 1 < end else None
@@ -216,11 +222,34 @@ def _expand(
             target=target,
             messages=(piece,),
             offset=skip,
-            tokens=estimate_message_tokens(piece),
+            tokens=_cost(piece),
             next_after=message.message_id if later else following,
             next_offset=skip + size if later else 0,
         )
     return Expansion(target=target, messages=tuple(out), offset=offset, tokens=used)
+
+
+def _cost(message: ContextMessage) -> int:
+    """What ``message`` costs the model as the recall tools hand it over: the tokens of
+    its JSON text, field names and escapes included (a control character is six
+    characters there, an empty field a dozen), and never less than the message's own
+    estimate (which counts an image at what it costs as one)."""
+    text = _JSON.encode(message).decode()
+    return max(estimate_text_tokens(text), estimate_message_tokens(message))
+
+
+def _piece_size(message: ContextMessage, flat: str, skip: int, grant: int) -> int:
+    """How many characters of ``flat`` from ``skip`` on a piece of ``message`` carries
+    within ``grant`` (at least one, so paging always moves on)."""
+    # a character costs at least 1 / chars_per_token as JSON: no more than this many fit
+    low, high = 0, min(len(flat) - skip, int(grant * DEFAULT_PROFILE.chars_per_token) + 1)
+    while low < high:  # the longest piece within the grant: the cost grows with it
+        middle = (low + high + 1) // 2
+        if _cost(_bare(message, flat[skip : skip + middle])) <= grant:
+            low = middle
+        else:
+            high = middle - 1
+    return max(1, low)
 
 
 def _flat(message: ContextMessage) -> str:

@@ -17,6 +17,7 @@ CJK bigrams): ``退款`` then finds the sentence it is written in.
 
 from __future__ import annotations
 
+import heapq
 import math
 import re
 from collections.abc import Iterable
@@ -136,17 +137,36 @@ class Bm25Index:
 
     def search(self, query: str, limit: int = 10) -> list[tuple[str, float]]:
         """The best ``limit`` documents for ``query``, best first; ties break by document
-        id, so results are deterministic."""
+        id, so results are deterministic.
+
+        The documents holding the query's rarer terms are scored first. A document that
+        holds none of them scores less than what the commoner terms can add at most
+        (each less than ``idf * (K1 + 1)``), so once the ``limit``-th best score found
+        passes that, the commoner terms' documents are not read: a query with one rare
+        word among common ones ("the", "and") reads the rare word's documents, not every
+        document of a long session."""
         weights = self._weights(query)
-        if not weights:
+        if not weights or limit < 1:
             return []
         mean = self._total / len(self._lengths)
-        candidates: set[str] = set()
-        for bucket, _ in weights:
-            candidates.update(bucket)
-        scored = [(doc, self._score(doc, weights, mean)) for doc in candidates]
-        scored.sort(key=lambda item: (-item[1], item[0]))
-        return scored[:limit]
+        rarest = sorted(weights, key=lambda weight: -weight[1])
+        reach = [0.0] * (len(rarest) + 1)  # what the terms from i on can add at most
+        for i in range(len(rarest) - 1, -1, -1):
+            reach[i] = reach[i + 1] + rarest[i][1] * (K1 + 1)
+        scored: dict[str, float] = {}
+        best: list[float] = []  # the ``limit`` best scores so far, the least first
+        for i, (bucket, _) in enumerate(rarest):
+            if len(best) == limit and best[0] > reach[i]:
+                break  # no document left unread can reach the results
+            for doc in bucket:
+                if doc in scored:
+                    continue
+                score = scored[doc] = self._score(doc, weights, mean)
+                if len(best) < limit:
+                    heapq.heappush(best, score)
+                elif score > best[0]:
+                    heapq.heapreplace(best, score)
+        return heapq.nsmallest(limit, scored.items(), key=lambda item: (-item[1], item[0]))
 
     def scores(self, query: str, docs: Iterable[str]) -> dict[str, float]:
         """BM25 of each of ``docs`` for ``query`` (0.0 for a document without its terms)."""

@@ -40,14 +40,28 @@ class TranscriptError(StalwartError):
 def read_transcript(text: str, *, source: str = "transcript") -> list[ContextMessage]:
     """Messages from a JSON array or JSON Lines text."""
     stripped = text.lstrip()
-    try:
-        if stripped.startswith("["):
+    if stripped.startswith("["):
+        try:
             items = json.loads(stripped)
-        else:
-            items = [json.loads(line) for line in text.splitlines() if line.strip()]
-    except ValueError as exc:
-        raise TranscriptError(f"{source} is not JSON or JSON Lines: {exc}") from None
+        except ValueError as exc:
+            raise TranscriptError(f"{source} is not JSON or JSON Lines: {exc}") from None
+    else:
+        items = list(_json_lines(text, source))
     return parse_transcript(items, source=source)
+
+
+def _json_lines(text: str, source: str) -> Iterator[Any]:
+    """The values of JSON Lines text. Lines end at ``\\n`` only (and ``\\r\\n``): JSON
+    strings may hold U+2028, U+0085 and the other breaks ``str.splitlines`` splits at."""
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except ValueError as exc:
+            raise TranscriptError(
+                f"{source} is not JSON or JSON Lines: line {number}: {exc}"
+            ) from None
 
 
 def parse_transcript(items: Iterable[Any], *, source: str = "transcript") -> list[ContextMessage]:
