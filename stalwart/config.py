@@ -487,10 +487,13 @@ def parse_pipeline(knobs: dict[str, Any]) -> PipelineConfig:
         return msgspec.convert(knobs, PipelineConfig)
     except msgspec.ValidationError as exc:
         # the knob msgspec names: out of shape (at `$.knob`), or not one (unknown field)
-        at = re.search(r"at `\$\.(\w+)|unknown field `([^`]+)`", str(exc))
+        message = str(exc)
+        at = re.search(r"at `\$\.(\w+)[^`]*`$|unknown field `([^`]+)`", message)
         knob = at and (at.group(1) or at.group(2))
         key = "context_engine.pipeline" + (f".{knob}" if knob else "")
-        raise ConfigError(f"key {key!r}: {exc}", key=key) from None
+        shaped = at.group(1) if at else None  # a knob out of shape: say what it holds
+        found = f", found {_shown(knobs[shaped])}" if shaped in knobs else ""
+        raise ConfigError(f"key {key!r}: {_expected(message)}{found}", key=key) from None
 
 
 class ContextEngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -592,7 +595,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                     provider, sep, model = entry.partition(":")
                     if not sep or not model or provider not in self.providers:
                         raise ConfigError(
-                            f"key '{where}.{key}': {entry!r} must be 'provider:model' with a "
+                            f"key '{where}.{key}': {_shown(entry)} must be 'provider:model' with a "
                             f"configured provider (configured: {sorted(self.providers) or 'none'})",
                             key=f"{where}.{key}",
                         )
@@ -689,9 +692,9 @@ def _merge(base: Any, patch: Any) -> Any:
     return out
 
 
-#: where msgspec says a value is: ``at `$.a.b` `` for a value, ``at `key` in `$.a` `` for
-#: a table's key
-_PATH = re.compile(r"at (`key` in )?`\$((?:\.[A-Za-z_][\w]*|\[\d+\])*)`")
+#: where msgspec says a value is, at the end of its message (a value it quotes may look
+#: like one): ``at `$.a.b` `` for a value, ``at `key` in `$.a` `` for a table's key
+_PATH = re.compile(r"at (`key` in )?`\$((?:\.[A-Za-z_][\w]*|\[\d+\])*)`$")
 
 
 def parse_config(data: Any, *, source: str = "config") -> Config:
@@ -744,7 +747,7 @@ def _fail(
             "digits and _; not the secret itself, which is not shown here)",
             key=key,
         ) from None
-    expected = message.split(" - at ", maxsplit=1)[0]
+    expected = _expected(message)
     allowed = _allowed(root, inner)
     if allowed:
         expected = f"{expected}; allowed: {', '.join(repr(v) for v in allowed)}"
@@ -790,11 +793,29 @@ def _allowed(root: type, path: str) -> tuple[Any, ...]:
     return tuple(getattr(info, "values", ()))
 
 
+#: msgspec's message for a value a Literal refuses quotes it whole: what was found is
+#: said apart, through :func:`_shown` (a URL pasted there may hold a password or a token)
+_QUOTED_VALUE = re.compile(r"^(Invalid (?:enum )?value) .*", re.DOTALL)
+
+
+def _expected(message: str) -> str:
+    """What msgspec's ``message`` says was expected, without where, nor the value found."""
+    return _QUOTED_VALUE.sub(r"\1", message.split(" - at ", maxsplit=1)[0])
+
+
+#: a part of a msgspec path: a table's key, or a list's ``[index]``
+_PART = re.compile(r"\[(\d+)\]|[^.\[]+")
+
+
 def _lookup(data: Any, key: str) -> Any:
-    for part in key.split("."):
-        if not isinstance(data, dict):
+    for part in _PART.finditer(key):
+        index = part.group(1)
+        if index is None and isinstance(data, dict):
+            data = data.get(part.group(0))
+        elif index is not None and isinstance(data, list | tuple) and int(index) < len(data):
+            data = data[int(index)]
+        else:
             return data
-        data = data.get(part)
     return data
 
 

@@ -1,14 +1,17 @@
 """A throwaway PostgreSQL cluster for tests and benchmarks: initdb + pg_ctl in a temp dir.
 
 The cluster listens on 127.0.0.1 on a free port, keeps its unix socket inside its own
-directory, and is removed when stopped. PostgreSQL refuses to run as root, so when this
-process is root the cluster belongs to the ``postgres`` user (or ``nobody``) and every
-command runs through ``runuser``. Its superuser has a password (scram-sha-256 over TCP)
-so tests can check that a password never leaks into an error or a location.
+directory, and is removed when stopped, or when the interpreter that started it exits
+without stopping it (PostgreSQL runs detached: it would outlive the process otherwise).
+PostgreSQL refuses to run as root, so when this process is root the cluster belongs to
+the ``postgres`` user (or ``nobody``) and every command runs through ``runuser``. Its
+superuser has a password (scram-sha-256 over TCP) so tests can check that a password
+never leaks into an error or a location.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import glob
 import os
@@ -132,6 +135,8 @@ class PostgresServer:
         self.data = self.root / "data"
         self.log_file = self.root / "server.log"
         self._running = False
+        self._pid = os.getpid()
+        atexit.register(self._at_exit)
         if self._owner is not None:
             entry = pwd.getpwnam(self._owner)
             os.chown(self.root, entry.pw_uid, entry.pw_gid)
@@ -252,8 +257,15 @@ class PostgresServer:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         return self.url(name)
 
+    def _at_exit(self) -> None:
+        """Stop a server its interpreter never stopped; not in a forked child, whose
+        exit must leave its parent's server running."""
+        if os.getpid() == self._pid:
+            self.stop()
+
     def stop(self) -> None:
         """Stop the server (fast shutdown) and remove its directory."""
+        atexit.unregister(self._at_exit)
         if self._running:
             self._running = False
             with contextlib.suppress(RuntimeError, subprocess.SubprocessError):

@@ -97,13 +97,54 @@ def _prefix(text: str, count: int) -> list[str]:
 
 
 class _Server(ThreadingHTTPServer):
+    """Serves each connection on a thread of its own, and knows them all: a stopped
+    server closes every connection still open (a kept-alive one too), so nothing it
+    served outlives :meth:`FakeProvider.stop`."""
+
     daemon_threads = True
     allow_reuse_address = True
+    #: the listen backlog: a provider pool opens up to ``max_in_flight`` (64) connections
+    #: at once, and socketserver's 5 reset some of a burst (the kernel caps it at somaxconn)
+    request_queue_size = 1024
     fake: FakeProvider
+
+    def __init__(self, address: tuple[str, int], handler: type[_Handler]) -> None:
+        super().__init__(address, handler)
+        self._open_lock = threading.Lock()
+        self._open: dict[socket.socket, threading.Thread] = {}
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that resets an idle kept-alive connection is normal, not an error."""
         log.debug("fake_provider.connection_error", client=client_address)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        thread = threading.Thread(
+            target=self.process_request_thread,
+            args=(request, client_address),
+            name=f"fake-provider:{self.server_address[1]}:{client_address[1]}",
+            daemon=True,
+        )
+        with self._open_lock:
+            self._open[request] = thread
+        thread.start()
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.pop(request, None)
+        super().shutdown_request(request)
+
+    def close_connections(self, timeout: float) -> None:
+        """Shut every open connection (its thread sees the client gone and ends) and wait
+        up to ``timeout`` s for their threads. Call once the server accepts no more."""
+        with self._open_lock:
+            open_now = list(self._open.items())
+        for connection, _ in open_now:
+            with contextlib.suppress(OSError):  # already closed (a reset) or gone
+                connection.shutdown(socket.SHUT_RDWR)
+        clock = SystemClock()  # a bound in real time, whatever clock the fake plays on
+        deadline = clock.monotonic() + timeout
+        for _, thread in open_now:
+            thread.join(max(deadline - clock.monotonic(), 0))
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -209,7 +250,8 @@ class _Handler(BaseHTTPRequestHandler):
             fake._end(self.record, "completed" if self.record.status < 400 else "rejected")
         except _ClientGone as gone:
             self.close_connection = True
-            fake._end(self.record, gone.outcome)
+            stopped = gone.outcome == "client_closed" and fake.stopping.is_set()
+            fake._end(self.record, "server_stopped" if stopped else gone.outcome)
         except Exception:  # a bug in a step must not leave its request "running"
             self.close_connection = True
             fake._end(self.record, "error")
@@ -416,11 +458,14 @@ class FakeProvider:
         return self
 
     def stop(self) -> None:
-        """Stop serving; requests still running end as ``server_stopped``."""
+        """Stop serving; requests still running end as ``server_stopped``, and every
+        connection still open (a client's kept-alive one too) is closed: the client's
+        next request finds no server, as with a real one that went away."""
         self.stopping.set()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+            self._server.close_connections(timeout=5)
         if self._thread is not None:
             self._thread.join(timeout=5)
 
