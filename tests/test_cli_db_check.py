@@ -36,7 +36,7 @@ def test_a_sound_store_is_consistent_on_both_sides_of_the_index_mark(store_dir: 
     lines = out.splitlines()
     assert lines[0].endswith(f"{INDEX_LAG + 100} records in 3 streams, head {INDEX_LAG + 100}")
     assert lines[1] == (
-        f"  format stalwart-lmdb-2, index to position {INDEX_LAG} (100 records after it)"
+        f"  format stalwart-lmdb-3, index to position {INDEX_LAG} (100 records after it)"
     )
     assert lines[-1] == "consistent"
 
@@ -82,7 +82,7 @@ def test_the_json_report(store_dir: Path) -> None:
     assert code == 1
     report = json.loads(out)
     assert (report["records"], report["head"], report["streams"]) == (19, 20, 3)
-    assert report["details"]["format"] == "stalwart-lmdb-2"
+    assert report["details"]["format"] == "stalwart-lmdb-3"
     assert report["problems"][0]["position"] == 7
 
 

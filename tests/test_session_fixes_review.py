@@ -293,7 +293,7 @@ def test_the_continuity_rule_never_fires_on_a_healthy_store_appended_by_several_
                 assert answer["troubles"] == [], answer["troubles"]
                 assert answer["stalled"] == [], answer["stalled"]
                 assert answer["bad"] == [], answer["bad"]
-                assert answer["format"] == "stalwart-lmdb-2"
+                assert answer["format"] == "stalwart-lmdb-3"
             checked = sum(answer["seeded"] for answer in answers)
             extended = answers[-1]["seeded"]  # the reader's: kept tails it extended
             grown = sum(answer["grown"] for answer in answers)

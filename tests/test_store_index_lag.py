@@ -269,7 +269,7 @@ def test_the_index_holds_one_entry_per_record_up_to_the_mark_and_none_beyond(
     with store_module.open(store_dir) as store:  # type: ignore[attr-defined]
         assert store.head() == 0
     assert mark(store_dir) == 0  # a new store starts with its mark at 0
-    assert meta(store_dir, b"format") == b"stalwart-lmdb-2"
+    assert meta(store_dir, b"format") == b"stalwart-lmdb-3"
     assert index(store_dir) == {}
     with store_module.open(store_dir) as store:  # type: ignore[attr-defined]
         interleave(store, 2 * INDEX_LAG + 276)
@@ -340,7 +340,7 @@ def test_a_format_1_store_is_upgraded_with_its_mark_at_its_head(store_dir: Path)
     assert [e["event"] for e in logs if e["event"] == "store.format_upgraded"] == [
         "store.format_upgraded"
     ]
-    assert meta(store_dir, b"format") == b"stalwart-lmdb-2"
+    assert meta(store_dir, b"format") == b"stalwart-lmdb-3"
     assert mark(store_dir) == len(records)
     # and it goes on as a format-2 store: the next appends lag, then index, as usual
     with store_module.open(store_dir) as store:  # type: ignore[attr-defined]
@@ -361,7 +361,7 @@ def test_an_empty_format_1_store_is_upgraded_with_its_mark_at_0(store_dir: Path)
         assert list(store.read_stream("session:a")) == []
         store.append("session:a", [msg(1)])
         assert [r.version for r in store.read_stream("session:a")] == [1]
-    assert meta(store_dir, b"format") == b"stalwart-lmdb-2"
+    assert meta(store_dir, b"format") == b"stalwart-lmdb-3"
     assert mark(store_dir) == 0
 
 

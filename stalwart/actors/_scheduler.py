@@ -51,7 +51,8 @@ TimerState = Literal["pending", "fired", "cancelled"]
 DEFAULT_LATENESS_WINDOW = 10_000
 
 #: The longest the thread waits before it reads the clock again with timers pending, so a
-#: step of the wall clock (NTP, suspend) delays a deadline by at most this much.
+#: wall clock that jumps forward (NTP, suspend) fires what it passed this late at most (one
+#: stepped back delays every deadline by the step: deadlines are wall-clock times).
 MAX_WAIT_S = 1.0
 
 _COMPACT_MIN = 64  # never compact a heap with fewer dead entries than this

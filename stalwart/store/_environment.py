@@ -48,9 +48,14 @@ from ._rwlock import SharedExclusiveLock
 
 log = get_logger(__name__)
 
-FORMAT = b"stalwart-lmdb-2"
+FORMAT = b"stalwart-lmdb-3"
+#: the format before the work queue kept its rows in due-time order (``due-times``):
+#: read as it is, and marked 3 by the first writer (its first claim orders the rows)
+FORMAT_2 = b"stalwart-lmdb-2"
 #: the format before the index lagged the log: every record indexed as it was appended
 FORMAT_1 = b"stalwart-lmdb-1"
+#: the markers this version reads
+READABLE = (FORMAT, FORMAT_2, FORMAT_1)
 #: the log's records after the ``indexed`` mark that an append may leave unindexed: the
 #: append that would leave this many indexes them all, in its own transaction
 INDEX_LAG = 512
@@ -278,7 +283,7 @@ class _Environment:
             marker = txn.get(b"format", db=self.meta)
             if marker is None and not fresh:
                 raise _not_a_store(self.path)
-            if marker is not None and bytes(marker) not in (FORMAT, FORMAT_1):
+            if marker is not None and bytes(marker) not in READABLE:
                 raise _unreadable_format(self.path, bytes(marker))
             self.log = self.env.open_db(b"log", txn=txn)
             self.index = self.env.open_db(b"index", txn=txn)
@@ -292,6 +297,11 @@ class _Environment:
                 # (a format-1 reader refuses the store from now on, as it must: it would
                 # not look past the index)
                 txn.put(INDEXED, _key(log_head(txn.cursor(db=self.log))), db=self.meta)
+                txn.put(b"format", FORMAT, db=self.meta)
+                log.info("store.format_upgraded", path=self.path, format=FORMAT.decode())
+            elif bytes(marker) == FORMAT_2:
+                # a format-2 writer does not keep ``due-times``: it must refuse the store
+                # from now on (the first claim orders the rows it left)
                 txn.put(b"format", FORMAT, db=self.meta)
                 log.info("store.format_upgraded", path=self.path, format=FORMAT.decode())
 
@@ -308,7 +318,7 @@ class _Environment:
             raise _not_a_store(self.path) from None
         with self.env.begin() as txn:
             marker = txn.get(b"format", db=self.meta)
-        if marker is None or bytes(marker) not in (FORMAT, FORMAT_1):
+        if marker is None or bytes(marker) not in READABLE:
             raise _unreadable_format(self.path, b"" if marker is None else bytes(marker))
         self._format_1 = bytes(marker) == FORMAT_1
 

@@ -8,6 +8,7 @@ Layout (sub-databases, integer keys big-endian so byte order is numeric order):
 ``snapshots``  stream + NUL + fold name + NUL + version -> [position, crc32, data]
 ``meta``       b"format" -> format marker; b"indexed" -> how far the index reaches
 ``due``        session stream -> its due time and hold: the work queue (``_lmdb_due``)
+``due-times``  due time + session stream -> b"": the work queue's rows in due-time order
 
 The environment and its single group-committing writer live in ``_environment``; this
 module is the store's face: appends handed to the writer, and the read paths.
