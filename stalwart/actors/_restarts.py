@@ -30,12 +30,14 @@ from stalwart._logs import get_logger
 from stalwart.channels import Channel, OutboundMessage, channel_named
 from stalwart.clock import Clock
 from stalwart.config import SupervisionSettings
-from stalwart.errors import StoreError
+from stalwart.errors import ConcurrencyError, StoreError
 from stalwart.events import (
     AnnouncementDelivered,
     AnnouncementQueued,
+    AnnouncementResent,
     AnnouncementSendFailed,
     Event,
+    SessionCreated,
     SupervisorGaveUp,
     SupervisorRestarted,
 )
@@ -46,7 +48,7 @@ from stalwart.store import EventStore, NewEvent
 from ._deadletter import Enqueue, dead_letter
 from ._portal import IoPortal
 from ._scheduler import Scheduler
-from ._send import send_by_clock
+from ._send import RESEND_GRACE_S, send_by_clock
 
 __all__ = [
     "GAVE_UP_TEXT",
@@ -71,6 +73,20 @@ GAVE_UP_TEXT = (
     "Sorry, something went wrong on our side and this conversation's agent had to be "
     "stopped. Please try again later."
 )
+#: A give-up notice whose send never ended (a crash or a close cut it short) is sent
+#: again by a later sweep while it is at most this old (as a session's reply is).
+RESEND_WITHIN_S = 3_600.0
+
+
+@dataclass(kw_only=True)
+class _Unsent:
+    """A give-up notice with no outcome in the ``runtime`` stream: what to send, where,
+    and when its last send began (its queueing, or its latest ``announcement:resent``)."""
+
+    notice: AnnouncementQueued
+    actor: str
+    session: str | None
+    since: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,6 +215,12 @@ class Restarts:
         #: how a crash whose decision failed on the store is told again (by default to
         #: ``tell``); ActorDeadError (its supervisor is being restarted) tries later
         self._retry = retry or tell
+        #: the give-up notices of the ``runtime`` stream with no outcome yet (folded up
+        #: to ``_read_to``), and those this process is sending
+        self._unsent: dict[str, _Unsent] = {}
+        self._gave_up: dict[str, SupervisorGaveUp] = {}
+        self._read_to = 0
+        self._in_flight: set[str] = set()
 
     def crashed(self, crashed: Crashed) -> None:
         now = self._clock.now()
@@ -269,6 +291,7 @@ class Restarts:
         return None
 
     def _send(self, notice: AnnouncementQueued, conversation: str, thread: str | None) -> None:
+        self._in_flight.add(notice.announcement_id)
         message = OutboundMessage(
             conversation=conversation,
             thread=thread,
@@ -282,6 +305,7 @@ class Restarts:
         )
 
         def done(finished: Future[str | None]) -> None:
+            self._in_flight.discard(notice.announcement_id)
             if finished.cancelled():
                 error: str | None = "cancelled"
             else:
@@ -329,3 +353,72 @@ class Restarts:
             and record.event.announcement_id == announcement_id
             for record in self._store.read_stream(RESTART_STREAM)
         )
+
+    # -- notices a crash or a close cut short ---------------------------------------------
+
+    def resend_cut_short(self) -> None:
+        """Send again each give-up notice whose send never ended: queued (or last sent
+        again) longer ago than a send can take and at most :data:`RESEND_WITHIN_S` ago,
+        with no outcome in the ``runtime`` stream, and not being sent by this process.
+        The process that queued it was killed or closed mid-send; no session's Agent
+        says it (it is not in the session's stream), so without this the user would
+        never hear. ``announcement:resent`` is appended first, expecting the stream's
+        version: of two runtimes on one log, one sends; the other sees it and waits
+        for that send as for the first. The same idempotency key is sent again."""
+        self._catch_up_notices()
+        now = self._clock.now()
+        quiet_s = self._send_s + RESEND_GRACE_S
+        for announcement_id, unsent in list(self._unsent.items()):
+            age = now - unsent.since
+            if age > RESEND_WITHIN_S:
+                del self._unsent[announcement_id]  # too old to say now
+                continue
+            if age < quiet_s or announcement_id in self._in_flight:
+                continue
+            resent = AnnouncementResent(announcement_id=announcement_id)
+            try:
+                self._store.append(
+                    RESTART_STREAM, [NewEvent(event=resent, ts=now)], expected_version=self._read_to
+                )
+            except ConcurrencyError:
+                return  # another runtime (or decision) moved the stream: the next sweep
+            self._read_to += 1
+            unsent.since = now
+            conversation, thread = self._address(unsent)
+            log.warning("supervision.notice_resent", announcement=announcement_id)
+            self._send(unsent.notice, conversation, thread)
+
+    def _catch_up_notices(self) -> None:
+        """Fold what the ``runtime`` stream gained since the last pass."""
+        for record in self._store.read_stream(RESTART_STREAM, self._read_to + 1):
+            self._read_to = record.version
+            match record.event:
+                case SupervisorGaveUp() as gave_up if gave_up.crash_id:
+                    self._gave_up[f"{gave_up.crash_id}-notice"] = gave_up
+                case AnnouncementQueued(kind="failure_notice") as queued:
+                    decided = self._gave_up.pop(queued.announcement_id, None)
+                    if decided is not None:
+                        self._unsent[queued.announcement_id] = _Unsent(
+                            notice=queued,
+                            actor=decided.actor,
+                            session=decided.session,
+                            since=record.ts,
+                        )
+                case AnnouncementResent(announcement_id=announcement_id):
+                    unsent = self._unsent.get(announcement_id)
+                    if unsent is not None:
+                        unsent.since = record.ts
+                case AnnouncementDelivered() | AnnouncementSendFailed():
+                    self._unsent.pop(record.event.announcement_id, None)
+        self._gave_up.clear()  # a decision and its notice are appended together
+
+    def _address(self, unsent: _Unsent) -> tuple[str, str | None]:
+        """Where the notice goes: the session's recorded conversation and thread (its
+        ``session:created``), as the crashed Agent's handle had them; else its id."""
+        session = unsent.session
+        if session is None:
+            return unsent.actor, None
+        first = next(iter(self._store.read_stream(f"session:{session}", 1, 1)), None)
+        if first is not None and isinstance(first.event, SessionCreated):
+            return first.event.conversation or session, first.event.thread
+        return session, None

@@ -357,7 +357,16 @@ class SupervisorActor(Supervised):
                 self._ended_here(stream)
             self._announce_owed(stream)
         self._set_aside()
+        self._resend_notices()
         return SweepReport(swept=tuple(swept), suspicious=tuple(suspicious))
+
+    def _resend_notices(self) -> None:
+        """The give-up notices a crash or a close cut short, sent again (see
+        :meth:`Restarts.resend_cut_short`); a store error waits for the next sweep."""
+        try:
+            self._restarts.resend_cut_short()
+        except StoreError as exc:
+            log.warning("supervisor.notice_resend_failed", error=type(exc).__name__)
 
     def _set_aside(self) -> None:
         """Forget the folded runs with nothing left to decide, keeping the version each
