@@ -19,7 +19,7 @@ from stalwart.events import ActivationAbandoned, RecordedEvent, SubagentSpawned
 
 from ._activation import ACTIVATIONS, ActivationsState, apply_activations
 from ._breaker import BREAKER, BreakerState, apply_breaker
-from ._deadletter import DeadLetterEntry, DeadLetterState, apply_deadletter
+from ._deadletter import DeadLetterEntry, DeadLetterFolder, DeadLetterState
 from ._drafts import DRAFTS, DraftsState, apply_drafts
 from ._health import HEALTH, HealthState, apply_health
 from ._session import SESSION, SessionFolder, SessionState
@@ -166,7 +166,9 @@ class OrchestratorFolder:
         # state every second: a frame then costs what changed, not every session again)
         self._order: list[str] | None = None  # the sessions' streams, sorted
         self._views: tuple[SessionView, ...] | None = None
-        self._deadletter = start.deadletter
+        # the queue's own folder: a backlog of thousands of entries costs one lookup per
+        # event, not a copy of the queue (``apply_deadletter`` per event was quadratic)
+        self._deadletter = DeadLetterFolder(start.deadletter)
         self._abandoned = list(start.abandoned)
         self._abandoned_total = start.abandoned_total
         self._health = {p.provider: p.health for p in start.providers}
@@ -185,7 +187,7 @@ class OrchestratorFolder:
         if stream.startswith("session:"):
             self._session_event(stream, record)
         elif stream == "deadletter":
-            self._deadletter = apply_deadletter(self._deadletter, record)
+            self._deadletter.add(record)
         elif stream.startswith("provider:"):
             name = stream.removeprefix("provider:")
             health = self._health.get(name) or HEALTH.initial(stream)
@@ -252,7 +254,7 @@ class OrchestratorFolder:
             position=self._position,
             newest_ts=self._newest,
             sessions=sessions,
-            deadletter=self._deadletter,
+            deadletter=self._deadletter.state(),
             abandoned=tuple(self._abandoned),
             abandoned_total=self._abandoned_total,
             providers=providers,

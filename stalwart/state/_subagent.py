@@ -467,7 +467,9 @@ class RunAggregate:
     """The sub-agent run fold, for session streams that hold a ``subagent:spawned``."""
 
     name = "subagent_run"
-    version = 2  # 2: host_work
+    # 2: host_work; 3: split_from (a snapshot of 2 may be of a fold before it, and would
+    # read a split's subtask as a first run)
+    version = 3
     state_type = RunState
 
     def initial(self, stream: str) -> RunState:
