@@ -11,6 +11,7 @@ keeps secrets out of the line; only the CLI configures anything (``cli/_logging.
 
 from __future__ import annotations
 
+import base64
 import logging
 import re
 import threading
@@ -20,7 +21,17 @@ from typing import Any
 import httpx
 import structlog
 
-__all__ = ["REDACTED", "get_logger", "hide_url", "redact", "unhide_url"]
+__all__ = [
+    "REDACTED",
+    "get_logger",
+    "hide_secret",
+    "hide_url",
+    "redact",
+    "scrub_secrets",
+    "unhide_secret",
+    "unhide_url",
+    "url_secrets",
+]
 
 #: a key naming a secret; ``token`` but not ``tokens`` (``input_tokens`` is a count)
 _SECRET_KEYS = re.compile(r"(api[_-]?key|token(?!s)|secret|password|authorization|cookie)", re.I)
@@ -28,15 +39,91 @@ _SECRET_KEYS = re.compile(r"(api[_-]?key|token(?!s)|secret|password|authorizatio
 #: dependency's error, now in a traceback's text, may quote one)
 _SECRET_VALUES = re.compile(r"(sk-[A-Za-z0-9_\-]{8,}|Bearer\s+\S+|(?<=://)[^/\s@]+(?=@))")
 REDACTED = "[redacted]"
+#: a value shorter than this is not hidden by its text (it would blank common words)
+_MIN_SECRET = 6
+
+
+class _Secrets:
+    """The secrets this process holds (a provider's API key, a webhook's secret header
+    value), each with how many holders hide it: a log line never shows one, whatever its
+    shape (a gateway's key has no ``sk-`` to match, and a server that echoes it in a
+    response header puts it in httpcore's DEBUG trace)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counts: dict[str, int] = {}
+        #: one pattern matching any of them (longest first), None when there are none
+        self.pattern: re.Pattern[str] | None = None
+
+    def add(self, value: str) -> None:
+        with self.lock:
+            self.counts[value] = self.counts.get(value, 0) + 1
+            self._compile()
+
+    def discard(self, value: str) -> None:
+        with self.lock:
+            count = self.counts.get(value)
+            if count is None:
+                return
+            if count > 1:
+                self.counts[value] = count - 1
+                return
+            del self.counts[value]
+            self._compile()
+
+    def _compile(self) -> None:
+        longest_first = sorted(self.counts, key=len, reverse=True)
+        alternatives = "|".join(re.escape(secret) for secret in longest_first)
+        self.pattern = re.compile(alternatives) if alternatives else None
+
+
+_SECRETS = _Secrets()
+
+
+def hide_secret(value: str) -> None:
+    """Keep ``value`` out of every log line, until as many :func:`unhide_secret` calls
+    as there were ``hide_secret`` ones."""
+    if len(value) >= _MIN_SECRET:
+        _SECRETS.add(value)
+
+
+def unhide_secret(value: str) -> None:
+    """One holder of :func:`hide_secret`'s ``value`` is done with it (a closed client)."""
+    _SECRETS.discard(value)
+
+
+def url_secrets(url: str) -> tuple[str, ...]:
+    """What of ``url``'s user info a log line may show, to pass to :func:`hide_secret`:
+    its password (its user name when it has none: ``https://TOKEN@host``), and the HTTP
+    Basic credential httpx sends for it (base64, which a server may echo back)."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL:  # no request can be sent to it either
+        return ()
+    user, password = parsed.username, parsed.password
+    if not (user or password):
+        return ()
+    basic = base64.b64encode(f"{user}:{password}".encode()).decode()
+    return (password or user, basic)
+
+
+def scrub_secrets(text: str) -> str:
+    """``text`` with every secret this process holds, and every secret-looking value (an
+    API key, a bearer token, a URL's user info), replaced by ``[redacted]``."""
+    known = _SECRETS.pattern
+    if known is not None:
+        text = known.sub(REDACTED, text)
+    return _SECRET_VALUES.sub(REDACTED, text)
 
 
 def redact(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    """A structlog processor: no secret-looking key or value reaches a log line."""
+    """A structlog processor: no secret-looking key or value, and no secret this process
+    holds, reaches a log line."""
     for key, value in list(event_dict.items()):
         if _SECRET_KEYS.search(key):
             event_dict[key] = REDACTED
-        elif isinstance(value, str) and _SECRET_VALUES.search(value):
-            event_dict[key] = _SECRET_VALUES.sub(REDACTED, value)
+        elif isinstance(value, str):
+            event_dict[key] = scrub_secrets(value)
     return event_dict
 
 
@@ -144,13 +231,15 @@ logging.getLogger("httpx").addFilter(_HideUrlSecrets())
 
 class _RedactSecretValues(logging.Filter):
     """httpcore's DEBUG wire trace prints the response headers a server sent; one that
-    echoes the request's ``Authorization`` would put the key in it. Costs nothing unless
+    echoes the request's ``Authorization`` or ``x-api-key`` (or a webhook's secret
+    header) would put the key in it, in any shape. Costs nothing unless
     the host turned that trace on (a logger's filters run only for records it emits)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if _SECRET_VALUES.search(message):
-            record.msg, record.args = _SECRET_VALUES.sub(REDACTED, message), None
+        scrubbed = scrub_secrets(message)
+        if scrubbed != message:
+            record.msg, record.args = scrubbed, None
         return True
 
 

@@ -24,7 +24,14 @@ import httpx
 import msgspec
 
 from stalwart._aio import cut_after, sleep_for
-from stalwart._logs import get_logger, hide_url, unhide_url
+from stalwart._logs import (
+    get_logger,
+    hide_secret,
+    hide_url,
+    unhide_secret,
+    unhide_url,
+    url_secrets,
+)
 from stalwart._text import scrub_surrogates
 from stalwart.backoff import backoff_delay, parse_retry_after
 from stalwart.clock import Clock, SystemClock, Timer
@@ -73,6 +80,10 @@ class WebhookChannel:
         self._secret: tuple[str, str] | None = None
         if settings.secret_header and settings.secret_env:
             self._secret = (settings.secret_header, _secret_value(where, settings.secret_env))
+        # a receiver may echo the request's headers in its own (httpcore's trace prints them)
+        self._hidden = (*url_secrets(self._url), *(self._secret[1:] if self._secret else ()))
+        for secret in self._hidden:
+            hide_secret(secret)
         self._logged_url = str(httpx.URL(self._url))  # as httpx's request log shows it
         hide_url(self._logged_url, _origin(self._url))
         self._clock = clock or SystemClock()
@@ -99,6 +110,8 @@ class WebhookChannel:
         finally:
             if first:  # once nothing of it can log any more
                 unhide_url(self._logged_url)
+                for secret in self._hidden:
+                    unhide_secret(secret)
 
     async def send(self, message: OutboundMessage) -> Delivery:
         """POST the message until it is accepted (2xx), a failure is final, or the attempts

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -14,6 +15,19 @@ from stalwart.events import RecordedEvent, UnknownEvent, event_data
 _COLOURS = {"debug": "bright_black", "info": None, "warning": "yellow", "error": "red"}
 _MAX_VALUE = 60
 _json = msgspec.json.Encoder()
+#: what JSON leaves raw in a string and a terminal still acts on: DEL, the C1 controls
+#: (U+009B is CSI, as ESC [ is), the line and paragraph separators, and the bidirectional
+#: embedding, override and isolate controls (they reorder what a line shows)
+_RAW_IN_JSON = re.compile("[\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def _json_text(value: Any) -> str:
+    """``value`` as one line of JSON that a terminal shows as it is: the characters JSON
+    leaves raw that would drive a terminal are ``\\uXXXX`` escapes (the same JSON)."""
+    text = _json.encode(value).decode()
+    if text.isascii() and "\x7f" not in text:  # isascii() is O(1) in CPython
+        return text
+    return _RAW_IN_JSON.sub(lambda match: f"\\u{ord(match.group()):04x}", text)
 
 
 def fmt_ts(ts: float) -> str:
@@ -56,7 +70,7 @@ def event_line(record: RecordedEvent) -> str:
 
 def event_json(record: RecordedEvent) -> str:
     """One JSON object: position, stream, version, type, ts, data."""
-    return _json.encode(
+    return _json_text(
         {
             "position": record.position,
             "stream": record.stream,
@@ -65,7 +79,7 @@ def event_json(record: RecordedEvent) -> str:
             "ts": record.ts,
             "data": event_data(record.event),
         }
-    ).decode()
+    )
 
 
 def state_lines(state: Any) -> list[str]:
@@ -85,7 +99,8 @@ def state_lines(state: Any) -> list[str]:
 
 
 def to_json(value: Any) -> str:
-    return _json.encode(value).decode()
+    """One line of JSON; a control character in a string (untrusted text) is escaped."""
+    return _json_text(value)
 
 
 def counted(n: int, noun: str) -> str:

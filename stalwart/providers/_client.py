@@ -17,6 +17,7 @@ import anyio
 import httpx
 import msgspec
 
+from stalwart._logs import hide_secret, unhide_secret, url_secrets
 from stalwart.clock import Clock, SystemClock
 from stalwart.config import ProviderSettings
 from stalwart.errors import ProviderError
@@ -99,6 +100,11 @@ class ProviderClient:
         key = os.environ.get(settings.api_key_env) if settings.api_key_env else None
         # a key from a file-backed secret or a CRLF .env ends in a line break: not the key's
         self._api_key = key.strip() if key is not None else None
+        # whatever their shape, no log line shows the key or the base_url's password (a
+        # server may echo the request's headers in its own, which httpcore's trace prints)
+        self._hidden = (*((self._api_key,) if self._api_key else ()), *url_secrets(self._url))
+        for secret in self._hidden:
+            hide_secret(secret)
         self._clock = clock or SystemClock()
         self._http = httpx.AsyncClient(
             transport=transport,
@@ -115,7 +121,12 @@ class ProviderClient:
         return bool(self._api_key)
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        try:
+            await self._http.aclose()
+        finally:
+            hidden, self._hidden = self._hidden, ()
+            for secret in hidden:  # once nothing of this client can log any more
+                unhide_secret(secret)
 
     def _headers(self, model: str) -> dict[str, str]:
         key = self._api_key
