@@ -104,3 +104,19 @@ def test_a_postgresql_store_is_checked_through_the_same_reads(pg_url: str) -> No
     code, out, _ = run("--store", pg_url, "db", "check")
     assert code == 0
     assert out.splitlines()[-1] == "consistent"
+
+
+# Was: DEFECT: `db check --json` wrote a stream id's C1 control (U+009B starts a terminal
+# escape sequence) raw: JSON escapes only U+0000-U+001F; the other outputs escape it.
+def test_the_json_report_escapes_what_a_terminal_acts_on(store_dir: Path) -> None:
+    stream = "session:a\u009b31m"
+    with store_module.open(str(store_dir)) as store:  # type: ignore[attr-defined]
+        store.append(stream, [msg(1), msg(2)])
+        store.append("session:b", [msg(3)])
+    damage(store_dir, 1, None)
+    code, out, _ = run("--store", str(store_dir), "db", "check", "--json")
+    assert code == 1
+    assert "\u009b" not in out
+    assert "\\u009b" in out
+    report = json.loads(out)
+    assert any(problem["stream"] == stream for problem in report["problems"])

@@ -238,3 +238,17 @@ def test_json_outputs_escape_what_json_leaves_raw_and_a_terminal_acts_on(
             assert raw not in out, f"`stalwart {args[0]} --json` wrote {raw!r} raw: {out!r}"
         decoded = json.dumps([json.loads(line) for line in out.splitlines()], ensure_ascii=False)
         assert _HOSTILE in decoded or stream in decoded, (args, decoded)  # the same JSON
+
+
+def test_a_postgres_stores_password_is_kept_out_of_log_lines_while_it_is_open(
+    pg_url: str,
+) -> None:
+    from stalwart._logs import scrub_secrets
+    from stalwart.store import PostgresEventStore
+    from stalwart.store._postgres_connect import PostgresUrl
+
+    password = PostgresUrl(pg_url).password
+    assert password, "the test server's URL carries a password"
+    line = f"pool: cannot connect with {password} (a library quoting it)"
+    with PostgresEventStore(pg_url):
+        assert password not in scrub_secrets(line)

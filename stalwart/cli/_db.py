@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import click
-import msgspec
 
 from stalwart._text import escaped
 from stalwart.store import check_store
 from stalwart.store import open as open_store
 
 from ._app import DEFAULT_STORE, _State, cli
+from ._render import to_json
 
 
 @cli.group()
@@ -64,7 +64,7 @@ def check(ctx: click.Context, as_json: bool) -> None:
         store.close()
     state.failed = not report.ok
     if as_json:
-        click.echo(msgspec.json.encode(report).decode())
+        click.echo(to_json(report))
     else:
         click.echo(
             f"checked {report.location}: {report.records:,} records in {report.streams:,} "

@@ -22,7 +22,7 @@ import psycopg
 from psycopg import sql
 
 from stalwart import ids
-from stalwart._logs import get_logger
+from stalwart._logs import get_logger, hide_secret, unhide_secret
 from stalwart.clock import Clock, SystemClock
 from stalwart.errors import (
     AppendInDoubtError,
@@ -153,6 +153,11 @@ class PostgresEventStore:
         )
         self._header = msgspec.msgpack.Encoder()
         self._writer = Writer(self._append_batch)
+        # while the handle is open no log line shows the URL's password (nor a secret of
+        # its query), whatever library writes it (psycopg's pool logs connection errors)
+        self._hidden = tuple(self._url.secrets)
+        for secret in self._hidden:
+            hide_secret(secret)
 
     @property
     def location(self) -> str:
@@ -560,9 +565,17 @@ class PostgresEventStore:
         if self._closed:
             return
         self._closed = True
-        self._writer.close()
-        self._bell.close()
-        self._db.close()
+        try:
+            self._writer.close()
+            self._bell.close()
+            self._db.close()
+        finally:
+            self._unhide()
+
+    def _unhide(self) -> None:
+        hidden, self._hidden = self._hidden, ()
+        for secret in hidden:  # once nothing of this handle can log any more
+            unhide_secret(secret)
 
     def __enter__(self) -> PostgresEventStore:
         return self
