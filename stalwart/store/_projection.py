@@ -134,7 +134,8 @@ def load_state(
     the fold went that many events past the snapshot, a new snapshot is saved (never for
     a time-travel read with ``until_position``). A record that cannot be read raises
     ``CorruptRecordError``, or with ``skip_unreadable`` is logged (``state.record_unreadable``
-    at ERROR) and folded past.
+    at ERROR) and folded past; such a load saves no snapshot (one past the damage would
+    let a later load that does not skip fold past it in silence).
     """
     if snapshot_every is None:  # the store's cadence (not in the protocol: a third-party
         # store may not say, and gets the default)
@@ -164,10 +165,15 @@ def load_state(
     add_all = batch_adder(folder)
     last_version, last_position = base_version, 0
     batches: Iterable[Sequence[RecordedEvent]]
+    skipped: list[int] = []  # the versions a skipping load folded past
     if skip_unreadable:
-        batches = _readable_batches(
-            store, stream, base_version + 1, _unreadable_logged(stream, name)
-        )
+        logged = _unreadable_logged(stream, name)
+
+        def unreadable(version: int, exc: CorruptRecordError) -> None:
+            skipped.append(version)
+            logged(version, exc)
+
+        batches = _readable_batches(store, stream, base_version + 1, unreadable)
     else:
         batches = record_batches(store.read_stream(stream, base_version + 1))
     if until_position is not None:
@@ -180,6 +186,7 @@ def load_state(
     if (
         snapshot_every > 0
         and until_position is None
+        and not skipped  # a load that does not skip must still meet the damage
         and last_version - base_version >= snapshot_every
     ):
         snapshot = Snapshot(
