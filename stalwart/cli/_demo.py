@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
+import shlex
 import signal
 import subprocess
 import sys
@@ -17,11 +17,14 @@ import threading
 import time
 import tomllib
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from types import FrameType
 
 import anyio
 import click
 
+from stalwart._text import escaped
 from stalwart.actors import RunReport
 from stalwart.channels import Delivery, OutboundMessage
 from stalwart.clock import SystemClock
@@ -381,9 +384,9 @@ MARKER = "stalwart-demo"
 
 def _prepare(directory: Path) -> None:
     """A fresh store directory, marked as the demo's: a previous demo's (marked) is
-    replaced, an empty one used, anything else refused (a real store looks like a
-    demo's but for the mark). One that cannot be made (under a file, on a read-only
-    mount, a dangling link) is a StalwartError naming the directory."""
+    emptied, an empty one used, anything else refused (a real store looks like a demo's
+    but for the mark). One that cannot be made (under a file, on a read-only mount, a
+    dangling link) is a StalwartError naming the directory."""
     try:
         _make_fresh(directory)
     except OSError as exc:
@@ -391,18 +394,25 @@ def _prepare(directory: Path) -> None:
         raise StalwartError(f"cannot make the demo's store at {directory}: {why}") from None
 
 
+#: what a previous demo leaves in its directory, and nothing else
+DEMO_FILES = frozenset({MARKER, "data.mdb", "lock.mdb"})
+
+
 def _make_fresh(directory: Path) -> None:
     if directory.exists() and not directory.is_dir():
         raise StalwartError(f"{directory} is not a directory; pass --store DIR")
     if directory.exists():
         found = {p.name for p in directory.iterdir()}
-        if found and (MARKER not in found or found - {MARKER, "data.mdb", "lock.mdb"}):
+        if found and (MARKER not in found or found - DEMO_FILES):
             raise StalwartError(
                 f"{directory} exists and is not a previous demo's store; pass --store DIR "
                 "naming a new directory"
             )
-        if found:
-            shutil.rmtree(directory)
+        # emptied in place, not removed and made again: a directory reached through a
+        # link (or whose mode the user chose) stays where and what it is; the marker is
+        # kept, so a run stopped halfway still leaves the demo's own directory
+        for name in sorted(found - {MARKER}):
+            (directory / name).unlink()
     directory.mkdir(parents=True, exist_ok=True)
     (directory / MARKER).write_text("made by `stalwart demo`, which may replace it\n")
 
@@ -448,14 +458,39 @@ def demo(state: _State) -> None:
     output = Output()
     say = output.say
     say("stalwart demo: the failure layers, live, with no key and no network", bold=True)
-    say(f"The event log goes to {directory}/.")
-    play(directory, output)
+    say(f"The event log goes to {escaped(str(directory))}/.")
+    terminated: list[int] = []
+    previous = signal.signal(signal.SIGTERM, partial(_as_interrupt, terminated))
+    try:
+        play(directory, output)
+    except KeyboardInterrupt:
+        if terminated:  # the runtime closed and recorded its stop, as for Ctrl-C
+            sys.exit(128 + signal.SIGTERM)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     say()
     say("Every step above is an event in the log. Inspect it:", bold=True)
-    store = f"--store {directory}"
-    say(f"  stalwart {store} tail                        # everything, in order")
-    say(f"  stalwart {store} tail --type 'provider:*'    # the outage")
-    say(f"  stalwart {store} replay session:alice        # one conversation's state")
-    say(f"  stalwart {store} incidents                   # failures per provider/model")
-    say(f"  stalwart {store} status grace                # a session's leases and pauses")
-    say(f"  stalwart {store} replay --all --verify       # every decision re-derived")
+    for line in inspect_lines(directory):
+        say(line)
+
+
+def _as_interrupt(terminated: list[int], signum: int, frame: FrameType | None) -> None:
+    """SIGTERM (``timeout``, a supervisor) stops the tour as Ctrl-C does: the runtime
+    closes and records ``runtime:stopped``, rather than dying with its log left open."""
+    terminated.append(signum)
+    raise KeyboardInterrupt
+
+
+def inspect_lines(directory: Path) -> list[str]:
+    """The commands that inspect the demo's log, each one to copy as it is: the store's
+    path quoted for the shell (a space in it), its control characters shown escaped."""
+    store = f"--store {escaped(shlex.quote(str(directory)))}"
+    return [
+        f"  stalwart {store} tail                        # everything, in order",
+        f"  stalwart {store} tail --type 'provider:*'    # the outage",
+        f"  stalwart {store} replay session:alice        # one conversation's state",
+        f"  stalwart {store} incidents                   # failures per provider/model",
+        f"  stalwart {store} status grace                # a session's leases and pauses",
+        f"  stalwart {store} replay --all --verify       # every decision re-derived",
+    ]
