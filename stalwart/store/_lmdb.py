@@ -328,7 +328,10 @@ class LmdbEventStore:
         read_only: bool = False,
         snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
     ) -> None:
-        path = os.path.abspath(os.fspath(path))
+        path = os.fspath(path)
+        if "\x00" in path:  # no file system names one (and os calls raise ValueError)
+            raise StoreError("a store path cannot hold a NUL character")
+        path = os.path.abspath(path)
         create = create and not read_only
         if not create and not os.path.exists(os.path.join(path, "data.mdb")):
             raise StoreNotFoundError(f"no stalwart store at {path}")
