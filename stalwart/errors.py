@@ -266,10 +266,10 @@ class CorruptRecordError(StoreError):
 
     def __init__(self, position: int, reason: str, *, through: int | None = None) -> None:
         through = position if through is None or through < position else through
-        where = f"record at position {position}"
+        where = f"record at position {position} is"
         if through > position:
-            where = f"records at positions {position}..{through}"
-        super().__init__(f"{where} is corrupt: {reason}")
+            where = f"records at positions {position}..{through} are"
+        super().__init__(f"{where} corrupt: {reason}")
         self.position = position
         self.reason = reason
         self.through = through

@@ -10,10 +10,12 @@ on a FakeClock-driven Scheduler, MemoryChannels."""
 
 from __future__ import annotations
 
-from stalwart.actors import GAVE_UP_TEXT, Sweep
-from stalwart.actors._restarts import RESEND_WITHIN_S
+from stalwart.actors import GAVE_UP_TEXT, IoPortal, Scheduler, Sweep
+from stalwart.actors._restarts import RESEND_WITHIN_S, Crashed, Restarts
 from stalwart.actors._send import RESEND_GRACE_S
+from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
+from stalwart.config import SupervisionSettings
 from stalwart.events import (
     AnnouncementDelivered,
     AnnouncementQueued,
@@ -22,6 +24,7 @@ from stalwart.events import (
     SupervisorGaveUp,
 )
 from stalwart.store import EventStore, NewEvent
+from tests._runtime_support import advance_until
 from tests.test_supervisor import ANNOUNCE_MS, WAIT, grown, of, until
 
 QUIET_S = ANNOUNCE_MS / 1000 + RESEND_GRACE_S
@@ -101,4 +104,41 @@ def test_a_notice_older_than_an_hour_is_not_sent_any_more(
     with grown(lmdb_store, clock) as tree:
         tree.supervisor.ask(Sweep(), timeout=WAIT)
         assert tree.chat.attempted == []
+    assert not of(_runtime(lmdb_store), AnnouncementResent)
+
+
+# Was: DEFECT: the in-flight mark was cleared when the send ended, before its outcome was
+# recorded: a sweep in between took the notice for one a crash cut short and sent it again.
+def test_a_notice_whose_outcome_is_not_recorded_yet_is_not_sent_again(
+    lmdb_store: EventStore, clock: FakeClock
+) -> None:
+    chat = MemoryChannel("chat")
+    told: list[object] = []  # the outcomes, as the supervisor's mailbox would hold them
+    with Scheduler(clock) as scheduler, IoPortal() as portal:
+        restarts = Restarts(
+            store=lmdb_store,
+            clock=clock,
+            scheduler=scheduler,
+            portal=portal,
+            channels={"chat": chat},
+            dead_letters=None,
+            settings=SupervisionSettings(max_restarts=0),
+            send_timeout_s=ANNOUNCE_MS / 1000,
+            default_channel="chat",
+            tell=told.append,
+            key="test",
+        )
+        lmdb_store.append("session:s1", [SessionCreated(channel="chat", conversation="c")])
+        restarts.crashed(
+            Crashed(actor="session:s1", reason="E", restart=lambda: None, session="s1")
+        )
+        advance_until(clock, lambda: told, 0.05)  # sent; its outcome not recorded yet
+        clock.advance(QUIET_S + 1)
+        restarts.resend_cut_short()
+        assert len(chat.attempted) == 1
+        (outcome,) = told
+        restarts.notice_sent(outcome)  # type: ignore[arg-type]
+        clock.advance(QUIET_S + 1)
+        restarts.resend_cut_short()
+        assert len(chat.attempted) == 1
     assert not of(_runtime(lmdb_store), AnnouncementResent)

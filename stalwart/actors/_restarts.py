@@ -86,6 +86,9 @@ class _Unsent:
     notice: AnnouncementQueued
     actor: str
     session: str | None
+    #: when it was queued (a notice older than RESEND_WITHIN_S is not sent any more)
+    queued_at: float
+    #: when its latest send began (its queueing, or its latest ``announcement:resent``)
     since: float
 
 
@@ -305,7 +308,6 @@ class Restarts:
         )
 
         def done(finished: Future[str | None]) -> None:
-            self._in_flight.discard(notice.announcement_id)
             if finished.cancelled():
                 error: str | None = "cancelled"
             else:
@@ -326,6 +328,7 @@ class Restarts:
         """Record the give-up notice's send (dead-lettered first when it failed), once: an
         outcome told again after a store error may be in the log already."""
         if self._outcome_recorded(outcome.announcement_id):
+            self._in_flight.discard(outcome.announcement_id)
             return
         event: Event
         if outcome.error_class is None:
@@ -346,6 +349,9 @@ class Restarts:
             )
             dead_letter(self._dead_letters, enqueue)
         self._store.append(RESTART_STREAM, [NewEvent(event=event, ts=self._clock.now())])
+        # in flight until its outcome is in the log: a sweep between the send's end and
+        # this record must not take it for one a crash cut short
+        self._in_flight.discard(outcome.announcement_id)
 
     def _outcome_recorded(self, announcement_id: str) -> bool:
         return any(
@@ -369,11 +375,10 @@ class Restarts:
         now = self._clock.now()
         quiet_s = self._send_s + RESEND_GRACE_S
         for announcement_id, unsent in list(self._unsent.items()):
-            age = now - unsent.since
-            if age > RESEND_WITHIN_S:
+            if now - unsent.queued_at > RESEND_WITHIN_S:
                 del self._unsent[announcement_id]  # too old to say now
                 continue
-            if age < quiet_s or announcement_id in self._in_flight:
+            if now - unsent.since < quiet_s or announcement_id in self._in_flight:
                 continue
             resent = AnnouncementResent(announcement_id=announcement_id)
             try:
@@ -402,6 +407,7 @@ class Restarts:
                             notice=queued,
                             actor=decided.actor,
                             session=decided.session,
+                            queued_at=record.ts,
                             since=record.ts,
                         )
                 case AnnouncementResent(announcement_id=announcement_id):

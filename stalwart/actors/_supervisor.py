@@ -367,6 +367,8 @@ class SupervisorActor(Supervised):
             self._restarts.resend_cut_short()
         except StoreError as exc:
             log.warning("supervisor.notice_resend_failed", error=type(exc).__name__)
+        except Exception:  # a bug (or a portal already stopped): the sweep goes on
+            log.exception("supervisor.notice_resend_failed")
 
     def _set_aside(self) -> None:
         """Forget the folded runs with nothing left to decide, keeping the version each
