@@ -458,6 +458,19 @@ def test_a_kill_while_the_dead_letters_retry_the_answer_delivers_it_once_after_t
 # -- two kills in a row, and fewer processes after the crash ---------------------------------
 
 
+#: short leases and run limits, so that the worker that takes the wake over sweeps the
+#: run the first one orphaned on the real clock: its turn's ``spawn_subagent`` call,
+#: reconciled, waits for that run's lineage (the ghost sweep, then the respawn)
+RECOVERY_SECTIONS: dict[str, Any] = {
+    "activations": {"lease_ttl_ms": 2000, "renew_every_ms": 500},
+    "subagents": {
+        "class_timeouts_ms": {"formatting": 3000},
+        "ghost_grace_ms": 1000,
+        "ghost_sweep_interval_ms": 1000,
+    },
+}
+
+
 @pytest.mark.parametrize(
     "second",
     ["leased_again", "model_again", "answer_queued_again"],
@@ -475,19 +488,19 @@ def test_a_kill_during_the_recovery_of_a_kill_still_keeps_the_promise(
     }
     with FakeProvider() as fake:
         script(fake)
-        first = Worker(store_dir, fake, tmp_path)
+        first = Worker(store_dir, fake, tmp_path, sections=RECOVERY_SECTIONS)
         workers.append(first)
         with store_module.open(store_dir) as store:
             acknowledged = [send_message(store, "s1", ASK, channel="chat")]
         kill_when(store_dir, first, KILL_POINTS["run_calls_its_model"])
         if second == "answer_queued_again":
             (tmp_path / "send_hold").write_text("60")
-        then = Worker(store_dir, fake, tmp_path, repr(last_ts(store_dir) + 31))
+        then = Worker(store_dir, fake, tmp_path, sections=RECOVERY_SECTIONS)
         workers.append(then)
         kill_when(store_dir, then, points[second])
         (tmp_path / "send_hold").unlink(missing_ok=True)
         fake.set_default(Answer(text=ANSWER))
-        restart(store_dir, fake, tmp_path)
+        restart(store_dir, fake, tmp_path, sections=RECOVERY_SECTIONS)
     check_invariants(store_dir, tmp_path, acknowledged)
 
 

@@ -13,7 +13,16 @@ batch's id) in its stream before the send and ``announcement:delivered`` or
 A run whose completion is already queued in its stream when its batch goes (the
 supervisor's sweep announced it as owed: this announcer was late, or another process's
 sweep found it first) is left out: ``announcement:queued`` is appended expecting the
-version read, as the supervisor appends its own, so one of the two announces it.
+version read, as the supervisor appends its own, so one of the two announces it. A run
+whose stream holds a record that cannot be read is left out too (logged once as
+``announcer.stream_unreadable``; the supervisor leaves that stream alone as well): the
+batch's other runs are announced on time.
+
+A send's outcome the store refuses for a moment is told again a second later (logged as
+``announcer.record_deferred``), never lost with a crash: a completion queued with no
+outcome would be sent again by the supervisor's sweep. What was told to the announcer
+when it crashed is not dropped with it: a run's end still reaches the supervisor and
+``on_ended`` (the run's handle resolves), and a send's outcome is still recorded.
 """
 
 from __future__ import annotations
@@ -30,7 +39,12 @@ import pykka
 from stalwart._logs import get_logger
 from stalwart.channels import Channel, OutboundMessage, channel_named
 from stalwart.clock import Clock
-from stalwart.errors import ConcurrencyError
+from stalwart.errors import (
+    AppendInDoubtError,
+    ConcurrencyError,
+    CorruptRecordError,
+    StoreError,
+)
 from stalwart.events import AnnouncementDelivered, AnnouncementQueued, AnnouncementSendFailed
 from stalwart.events import Event as LogEvent
 from stalwart.ids import new_id
@@ -39,7 +53,7 @@ from stalwart.store import EventStore, NewEvent
 
 from ._deadletter import Enqueue, dead_letter
 from ._portal import IoPortal
-from ._restarts import crashed
+from ._restarts import DECISION_RETRY_S, crashed
 from ._scheduler import Scheduler
 from ._send import send_by_clock
 from ._subagent import RunEnded
@@ -122,6 +136,12 @@ class _Sent(msgspec.Struct, frozen=True):
     batch: Batch
     announcement_id: str
     error_class: str | None
+    #: a recording the store refused, told again: the failure is in the dead-letter queue
+    #: already, and the first ``recorded`` runs hold the outcome (``in_doubt``: the run
+    #: after them may too, when the store could not say whether its append went through)
+    dead_lettered: bool = False
+    recorded: int = 0
+    in_doubt: bool = False
 
 
 class Announcer(Supervised):
@@ -166,6 +186,7 @@ class Announcer(Supervised):
         self._send_s = send_timeout_ms / 1000
         self._tracked: dict[str, Track] = {}
         self._batches: dict[str, Batch] = {}
+        self._unreadable: set[str] = set()  # run streams with a record that cannot be read
 
     def on_stop(self) -> None:
         for parent in self._batches:
@@ -173,7 +194,30 @@ class Announcer(Supervised):
 
     def on_failure(self, *exc_info: object) -> None:
         self.on_stop()
+        self._hand_over(self.take_inbox())
         crashed(self._on_crash, exc_info)
+
+    def _hand_over(self, told: list[Any]) -> None:
+        """In ``on_failure``: what was told to this actor that it will never handle (pykka
+        would drop it). A run's end still reaches the supervisor and ``on_ended`` (the
+        run's handle resolves; a success's completion is announced by the supervisor's
+        sweep once owed, like the batches lost with this actor), and a batch's send
+        outcome is still recorded when the store takes it. A later tell finds the actor
+        dead: the runtime holds it for the restarted one."""
+        for message in told:
+            try:
+                if isinstance(message, RunEnded):
+                    self._tracked.pop(message.run_id, None)
+                    self._forward(message)
+                    self._report(message)
+                elif isinstance(message, _Sent):
+                    self._sent(message)
+            except Exception as exc:  # the crash's cause may still be there (the store)
+                log.warning(
+                    "announcer.hand_over_failed",
+                    message=type(message).__name__,
+                    error=type(exc).__name__,
+                )
 
     def on_receive(self, message: Any) -> Any:
         match message:
@@ -195,11 +239,19 @@ class Announcer(Supervised):
 
     def _ended(self, ended: RunEnded) -> None:
         track = self._tracked.pop(ended.run_id, None)
+        self._forward(ended)
+        if ended.outcome == "succeeded" and track is not None and track.announce:
+            self._add(track, ended)
+        self._report(ended)
+
+    def _forward(self, ended: RunEnded) -> None:
+        """The run's end to the supervisor (which settles a failure)."""
         if self._supervisor is not None:
             with contextlib.suppress(pykka.ActorDeadError):
                 self._supervisor.tell(ended)
-        if ended.outcome == "succeeded" and track is not None and track.announce:
-            self._add(track, ended)
+
+    def _report(self, ended: RunEnded) -> None:
+        """The run's end to the host's ``on_ended`` (which resolves the run's handle)."""
         if self._on_ended is not None:
             try:
                 self._on_ended(ended)
@@ -238,12 +290,8 @@ class Announcer(Supervised):
     def _send(self, parent: str, batch: Batch) -> None:
         """Send one address's part of a parent's batch: its runs whose completion is not
         queued in their stream already (the supervisor announced it as owed)."""
-        versions = {run_id: self._look(run_id, 1) for run_id, _ in batch.runs}
-        runs = tuple(run for run in batch.runs if versions[run[0]] is not None)
-        if len(runs) < len(batch.runs):
-            log.info(
-                "announcer.announced_elsewhere", parent=parent, runs=len(batch.runs) - len(runs)
-            )
+        versions = self._versions(parent, batch)
+        runs = tuple(run for run in batch.runs if run[0] in versions)
         if not runs:
             return
         route = (batch.channel, batch.conversation, batch.thread)
@@ -254,7 +302,7 @@ class Announcer(Supervised):
             announcement_id=announcement_id, channel=batch.channel, kind="completion", text=text
         )
         for run_id, _ in batch.runs:
-            self._queue(run_id, queued, versions[run_id] or 0)
+            self._queue(run_id, queued, versions[run_id])
         message = OutboundMessage(
             conversation=batch.conversation,
             thread=batch.thread,
@@ -278,8 +326,8 @@ class Announcer(Supervised):
             event = AnnouncementSendFailed(
                 announcement_id=sent.announcement_id, error_class=sent.error_class
             )
-        if sent.error_class is not None:  # the queue's entry first, then the failure
-            enqueue = Enqueue(
+        if sent.error_class is not None and not sent.dead_lettered:
+            enqueue = Enqueue(  # the queue's entry first, then the failure
                 announcement_id=sent.announcement_id,
                 channel=batch.channel,
                 conversation=batch.conversation,
@@ -288,7 +336,36 @@ class Announcer(Supervised):
                 thread=batch.thread,
             )
             dead_letter(self._dead_letters, enqueue)
-        self._record(batch, event)
+            sent = msgspec.structs.replace(sent, dead_lettered=True)
+        self._record(sent, event)
+
+    def _versions(self, parent: str, batch: Batch) -> dict[str, int]:
+        """The batch's runs to announce, each with its stream's version: not one whose
+        completion is queued in its stream already (the supervisor announced it as owed),
+        nor one whose stream cannot be read (reported once and left alone, as the
+        supervisor leaves it: one damaged stream never holds up the others' news)."""
+        versions: dict[str, int] = {}
+        elsewhere = 0
+        for run_id, _ in batch.runs:
+            try:
+                version = self._look(run_id, 1)
+            except CorruptRecordError as exc:
+                self._leave_alone(run_id, exc)
+                continue
+            if version is None:
+                elsewhere += 1
+            else:
+                versions[run_id] = version
+        if elsewhere:
+            log.info("announcer.announced_elsewhere", parent=parent, runs=elsewhere)
+        return versions
+
+    def _leave_alone(self, run_id: str, exc: CorruptRecordError) -> None:
+        """Report, once, a run whose stream holds a record that cannot be read."""
+        stream = f"session:{run_id}"
+        if stream not in self._unreadable:
+            self._unreadable.add(stream)
+            log.error("announcer.stream_unreadable", stream=stream, position=exc.position)
 
     def _look(self, run_id: str, from_version: int) -> int | None:
         """The version of the run's stream, read from ``from_version`` on; None when what
@@ -313,7 +390,11 @@ class Announcer(Supervised):
             except ConcurrencyError:
                 if attempt == MAX_CONFLICTS:
                     raise  # the actor fails; the supervisor's sweep announces what is owed
-                seen = self._look(run_id, version + 1)
+                try:
+                    seen = self._look(run_id, version + 1)
+                except CorruptRecordError as exc:  # written meanwhile, and damaged
+                    self._leave_alone(run_id, exc)
+                    return
                 if seen is None:
                     log.info("announcer.announced_elsewhere", run=run_id)
                     return
@@ -321,16 +402,44 @@ class Announcer(Supervised):
                 continue
             return
 
-    def _record(self, batch: Batch, event: LogEvent) -> None:
-        """Append to each run's stream (the run has ended: its actor writes no more)."""
+    def _record(self, sent: _Sent, event: LogEvent) -> None:
+        """Append the outcome to each run's stream (the run has ended: its actor writes no
+        more). A store error tells the rest again in a second, not fails the actor: the
+        outcome lost with it would have the supervisor's sweep send a delivered batch
+        again."""
         now = self._clock.now()
-        for run_id, _ in batch.runs:
-            self._store.append(f"session:{run_id}", [NewEvent(event=event, ts=now)])
+        runs = sent.batch.runs
+        for index in range(sent.recorded, len(runs)):
+            stream = f"session:{runs[index][0]}"
+            doubt = index == sent.recorded and sent.in_doubt
+            try:
+                if not (doubt and self._holds(stream, event)):
+                    self._store.append(stream, [NewEvent(event=event, ts=now)])
+            except StoreError as exc:
+                log.warning(
+                    "announcer.record_deferred", runs=len(runs) - index, error=type(exc).__name__
+                )
+                in_doubt = doubt or isinstance(exc, AppendInDoubtError)
+                again = msgspec.structs.replace(sent, recorded=index, in_doubt=in_doubt)
+                self._scheduler.schedule(now + DECISION_RETRY_S, partial(self._again, again))
+                return
+
+    def _holds(self, stream: str, event: LogEvent) -> bool:
+        """Whether ``stream`` holds ``event`` already (an append in doubt went through); a
+        stream that cannot be read is left alone."""
+        try:
+            return any(record.event == event for record in self._store.read_stream(stream))
+        except CorruptRecordError as exc:
+            self._leave_alone(stream.removeprefix("session:"), exc)
+            return True
 
     # -- callbacks (the scheduler's and the portal's threads) --------------------------------
 
     def _fire(self, parent: str, at: float) -> None:
         self._tell(_Due(parent, at))
+
+    def _again(self, message: object, _at: float) -> None:
+        self._tell(message)
 
     def _send_done(self, batch: Batch, announcement_id: str, future: Future[str | None]) -> None:
         if future.cancelled():

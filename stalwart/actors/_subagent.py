@@ -111,6 +111,8 @@ class Spawn(msgspec.Struct, frozen=True, kw_only=True):
     #: run a ``split`` ended): whose ``work``, agent and splitter the host's runtime uses
     #: again. Not recorded: only the process that spawned that run holds its work.
     retry_of: str | None = None
+    #: the idempotency key of the ``spawn_subagent`` call it serves (``subagent:spawned``)
+    call_key: str | None = None
 
     @property
     def stream(self) -> str:
@@ -340,6 +342,7 @@ class SubAgentActor(Supervised):
             host_work=spawn.host_work,
             split_from=spawn.split_from,
             next_run_id=new_id(),
+            call_key=spawn.call_key,
         )
         if self._append(lambda state, now: [event] if state.status == "new" else []):
             return True

@@ -6,6 +6,7 @@ import httpx
 
 from stalwart.clock import Clock, Timer
 from stalwart.config import ChannelSettings
+from stalwart.errors import ConfigError
 
 from ._console import ConsoleChannel
 from ._memory import MemoryChannel
@@ -24,8 +25,9 @@ def channel_from_settings(
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> Channel:
     """The channel ``[channels.NAME]`` describes; ConfigError if it cannot be built (a
-    webhook with no url, or whose secret env var is not set). A webhook's attempt limits
-    and backoffs run on ``timer`` (on its Clock) when one is given."""
+    kind this version does not know, a webhook with no url, or whose secret env var is
+    not set). A webhook's attempt limits and backoffs run on ``timer`` (on its Clock)
+    when one is given."""
     match settings.kind:
         case "console":
             return ConsoleChannel(name)
@@ -33,3 +35,8 @@ def channel_from_settings(
             return MemoryChannel(name)
         case "webhook":
             return WebhookChannel(name, settings, clock=clock, timer=timer, transport=transport)
+        case _:  # settings made in code, not read from a config (which refuses it)
+            key = f"channels.{name}.kind"
+            raise ConfigError(
+                f"key '{key}': must be one of 'console', 'webhook', 'memory'", key=key
+            )

@@ -44,6 +44,11 @@ class SubagentSpawned(Event, frozen=True, tag="subagent:spawned"):
     #: can tell from the log whether that run was started (one whose spawn a crash lost
     #: is started then). None in logs written before it: their next runs are not looked for
     next_run_id: str | None = None
+    #: the idempotency key of the ``spawn_subagent`` call that spawned the run (the run's
+    #: id is named after it), so that a call a crash cut short finds its run; None for
+    #: every other spawn (``rt.spawn``, a recovery's next attempt) and in logs written
+    #: before it
+    call_key: str | None = None
 
 
 class SubagentProgress(Event, frozen=True, tag="subagent:progress"):

@@ -40,6 +40,7 @@ from stalwart.store import load_state
 
 from ._handles import DEFAULT_CHANNEL, RunHandle, RunSpec
 from ._sessions import SessionLayer
+from ._tools import spawn_call
 from ._wiring import Wiring, stop_actors
 
 __all__ = ["RunLayer", "Splitter", "stop_runs"]
@@ -139,8 +140,22 @@ class RunLayer:
                 "spawn refused: announce must be True or False", field="announce"
             )
         self._check(spawn)
+        spawn = self._named_for_call(spawn)
         self._join(spawn.run_id, _Lineage(spawn.task, work, agent, splitter))
         return self._start(spawn, work, agent, announce=announce)
+
+    def _named_for_call(self, spawn: Spawn) -> Spawn:
+        """The spawn of a ``spawn_subagent`` call (:func:`spawn_call`): named after the
+        call, recording its idempotency key, so that the call's ``reconcile`` check finds
+        its run after a crash. Unless a run of that name is here already: that spawn keeps
+        its own id (under the lock)."""
+        call = spawn_call()
+        if call is None:
+            return spawn
+        key, run_id = call
+        if run_id in self._runs or run_id in self._lineages:
+            return spawn
+        return msgspec.structs.replace(spawn, run_id=run_id, call_key=key)
 
     def _join(self, run_id: str, lineage: _Lineage) -> None:
         lineage.runs.append(run_id)

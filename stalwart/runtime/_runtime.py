@@ -10,6 +10,7 @@ worker), ``_runs`` (the sub-agent runs), ``_context`` (the context engine) and
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -46,7 +47,7 @@ from ._layer import ProviderLayer
 from ._parts import PartsLayer
 from ._runs import RunLayer, Splitter, stop_runs
 from ._sessions import SessionLayer
-from ._tools import BUILTIN_TOOLS, SPAWN_TOOL, spawn_tool_fn
+from ._tools import BUILTIN_TOOLS, SPAWN_TOOL, SpawnTool
 from ._wiring import Wiring, stop_actors
 from ._workspace import Committer
 
@@ -398,11 +399,13 @@ class Runtime:
         return parts.announcements(timeout)
 
     def _spawn_tool(self, session_id: str, agent: str) -> Tool:
-        """The ``spawn_subagent`` tool of one session (see :func:`spawn_tool_fn`)."""
-        fn = spawn_tool_fn(self, session_id, agent)
+        """The ``spawn_subagent`` tool of one session (see :class:`SpawnTool`)."""
+        spawner = SpawnTool(self, session_id, agent)
         # the run's own limit rules: this only bounds a wait nothing else would end
         timeout_ms = self.config.subagents.spawn_wait_ms
-        return build_tool(fn, name=SPAWN_TOOL, timeout_ms=timeout_ms)
+        tool = build_tool(spawner.spawn_subagent, name=SPAWN_TOOL, timeout_ms=timeout_ms)
+        # a call a crash cut short finds the run it spawned (named after the call)
+        return dataclasses.replace(tool, reconcile=spawner.reconcile)
 
     # -- the parts' health ---------------------------------------------------------------------
 

@@ -1,22 +1,44 @@
-"""The built-in ``spawn_subagent`` tool and a session's own tool registry."""
+"""The built-in ``spawn_subagent`` tool and a session's own tool registry.
+
+A ``spawn_subagent`` call's run is named after the call: its id is derived from the
+call's idempotency key (:func:`call_run_id`), and its ``subagent:spawned`` records the key
+(``call_key``). After a crash cut the call short, the tool's ``reconcile`` check reads
+that run's stream, and those of the attempts its recovery started after it, never the
+rest of the log.
+"""
 
 from __future__ import annotations
 
+import enum
+import hashlib
 from collections.abc import Awaitable, Callable, Iterator
+from contextvars import ContextVar
 from functools import partial
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import anyio.to_thread
 
 from stalwart._aio import wait_on_own_thread
+from stalwart.actors import failure_notice
 from stalwart.errors import SpawnRefusedError, ToolError
-from stalwart.events import TaskClass
-from stalwart.tools import Tool, ToolRegistry, ToolSpec
+from stalwart.events import SubagentSpawned, TaskClass
+from stalwart.state import RUN, RunState
+from stalwart.store import EventStore
+from stalwart.tools import Tool, ToolRegistry, ToolSpec, current_call
 
 if TYPE_CHECKING:
+    from ._handles import RunHandle
     from ._runtime import Runtime
 
-__all__ = ["BUILTIN_TOOLS", "SPAWN_TOOL", "SessionTools", "spawn_tool_fn"]
+__all__ = [
+    "BUILTIN_TOOLS",
+    "SPAWN_TOOL",
+    "SessionTools",
+    "SpawnTool",
+    "call_run_id",
+    "spawn_call",
+    "spawn_tool_fn",
+]
 
 #: The built-in tool an agent with ``subagents = true`` offers its model.
 SPAWN_TOOL = "spawn_subagent"
@@ -30,6 +52,31 @@ BUILTIN_TOOLS = frozenset(
         *("ctx_search", "ctx_inspect", "ctx_expand"),
     }
 )
+
+#: How long one wait for the log to move lasts while a reconcile check waits on a run
+#: (real seconds: a wait the check's time limit cut short keeps its thread this long at most)
+LOG_WAIT_S = 1.0
+
+#: The recovery decisions that start the lineage's next attempt (``next_run_id``).
+_RESPAWNS = ("respawn", "respawn_continue")
+
+#: The call a spawn on this thread serves: its idempotency key and the run id named
+#: after it (set by :meth:`SpawnTool._spawn` around ``rt.spawn``)
+_SPAWN_CALL: ContextVar[tuple[str, str] | None] = ContextVar("stalwart_spawn_call", default=None)
+
+
+def call_run_id(key: str) -> str:
+    """The id of the run a ``spawn_subagent`` call with idempotency key ``key`` spawns:
+    32 hex characters, as :func:`~stalwart.ids.new_id` gives, the same for every attempt
+    of the call."""
+    digest = hashlib.sha256(f"{SPAWN_TOOL}\0{key}".encode("utf-8", "surrogatepass"))
+    return digest.hexdigest()[:32]
+
+
+def spawn_call() -> tuple[str, str] | None:
+    """The ``spawn_subagent`` call a spawn on this thread serves (its idempotency key and
+    the run id named after it), or None: the runtime's run layer names the run so."""
+    return _SPAWN_CALL.get()
 
 
 class SessionTools(ToolRegistry):
@@ -64,9 +111,22 @@ class SessionTools(ToolRegistry):
 
 
 def spawn_tool_fn(rt: Runtime, session_id: str, agent: str) -> Callable[..., Awaitable[str]]:
-    """The ``spawn_subagent`` tool of one session: spawn, wait, answer with the result."""
+    """The ``spawn_subagent`` tool of one session: spawn, wait, answer with the result
+    (its ``reconcile`` check is :meth:`SpawnTool.reconcile`)."""
+    return SpawnTool(rt, session_id, agent).spawn_subagent
+
+
+class SpawnTool:
+    """The ``spawn_subagent`` tool of one session (:meth:`spawn_subagent`) and its
+    ``reconcile`` check (:meth:`reconcile`)."""
+
+    def __init__(self, rt: Runtime, session_id: str, agent: str) -> None:
+        self._rt = rt
+        self._session = session_id
+        self._agent = agent
 
     async def spawn_subagent(
+        self,
         task: str,
         task_class: str | None = None,
         custom_timeout_ms: int | None = None,
@@ -79,16 +139,15 @@ def spawn_tool_fn(rt: Runtime, session_id: str, agent: str) -> Callable[..., Awa
         research: 10 min, deep: 15 min), or custom_timeout_ms with a reason saying why.
         Returns the sub-agent's answer, or a short notice if it did not complete.
         """
+        call = current_call()
         spawn = partial(
-            rt.spawn,
-            session_id,
+            self._spawn,
+            call.idempotency_key if call is not None else None,
             task,
             task_class=cast(TaskClass | None, task_class),
             custom_timeout_ms=custom_timeout_ms,
             reason=reason,
             max_steps=max_steps,
-            agent=agent,
-            announce=False,  # the answer goes back through the parent's model
         )
         try:
             handle = await anyio.to_thread.run_sync(spawn)
@@ -97,4 +156,112 @@ def spawn_tool_fn(rt: Runtime, session_id: str, agent: str) -> Callable[..., Awa
         ended = await wait_on_own_thread(handle.result)  # for the run's whole life
         return ended.result if ended.outcome == "succeeded" else ended.notice
 
-    return spawn_subagent
+    def _spawn(self, key: str | None, task: str, **options: Any) -> RunHandle:
+        """``rt.spawn`` for the call ``key`` (on a worker thread): its run named after the
+        call, unless the log holds a run of that name already that the call's check did
+        not take for its own (a run of that name would only watch the old one, and never
+        end): that run gets an id of its own."""
+        named = None
+        if key is not None:
+            run_id = call_run_id(key)
+            if self._rt.store.stream_version(f"session:{run_id}") == 0:
+                named = _SPAWN_CALL.set((key, run_id))
+        try:
+            return self._rt.spawn(
+                self._session,
+                task,
+                agent=self._agent,
+                announce=False,  # the answer goes back through the parent's model
+                **options,
+            )
+        finally:
+            if named is not None:
+                _SPAWN_CALL.reset(named)
+
+    async def reconcile(self, key: str, arguments: dict[str, Any]) -> str | None:
+        """What a ``spawn_subagent`` call a crash cut short returns, from the log: None
+        when it holds no run of the call (the call then spawns it), else what the call
+        would have returned once the run's lineage ended: the result of the attempt that
+        succeeded, or the static notice of the last one. A lineage still in play (the
+        dead process's run, a ghost until the supervisor sweeps it; the attempt its
+        recovery starts next) is waited for, within the tool's own time limit."""
+        runs = _CallRuns(self._rt.store, self._session, key)
+        while True:
+            head, found = await anyio.to_thread.run_sync(runs.look)
+            if found is not _InPlay.IN_PLAY:
+                return found
+            await wait_on_own_thread(runs.store.wait_for, head + 1, LOG_WAIT_S)
+
+
+class _InPlay(enum.Enum):
+    """A lineage with an attempt that may still run."""
+
+    IN_PLAY = "in_play"
+
+
+#: What a look at a call's runs finds: no run of it (None), the text the call answers,
+#: or a lineage still in play
+_Outcome = str | Literal[_InPlay.IN_PLAY] | None
+
+
+class _CallRuns:
+    """The runs of one ``spawn_subagent`` call in the log: the run named after its key
+    and the attempts its recovery started after it (each run's ``next_run_id``), each
+    folded as far as the log goes and read on from there at the next look."""
+
+    def __init__(self, store: EventStore, parent: str, key: str) -> None:
+        self.store = store
+        self._parent = parent
+        self._key = key
+        self._first = call_run_id(key)
+        self._runs: dict[str, RunState] = {}
+        self._next: dict[str, str | None] = {}
+        self._ours = False  # the first run is this parent's, spawned for this key
+
+    def look(self) -> tuple[int, _Outcome]:
+        """The log's head (read first: an append after it moves it on) and the call's
+        outcome: None (no run of it), the lineage's result or notice, or ``IN_PLAY``."""
+        head = self.store.head()
+        return head, self._outcome()
+
+    def _outcome(self) -> _Outcome:
+        run_id, state = self._first, self._fold(self._first)
+        if not self._ours:
+            return None
+        seen = {run_id}
+        while True:
+            if state.status in ("new", "running"):
+                return _InPlay.IN_PLAY  # a next attempt not started yet, or running
+            if state.status == "succeeded":
+                return state.result
+            if state.recovery is None:
+                return _InPlay.IN_PLAY  # its recovery is decided next
+            after = self._next.get(run_id)
+            if state.recovery.action not in _RESPAWNS or after is None or after in seen:
+                return _notice(state)  # delivered, escalated or split: the lineage ended
+            run_id, state = after, self._fold(after)
+            seen.add(run_id)
+
+    def _fold(self, run_id: str) -> RunState:
+        state = self._runs.get(run_id) or RUN.initial(f"session:{run_id}")
+        for record in self.store.read_stream(state.stream, state.version + 1):
+            if record.version == 1:
+                self._spawned(run_id, record.event)
+            state = RUN.apply(state, record)
+        self._runs[run_id] = state
+        return state
+
+    def _spawned(self, run_id: str, event: object) -> None:
+        if not isinstance(event, SubagentSpawned):
+            return  # no run's stream: a run's starts with its spawn
+        self._next[run_id] = event.next_run_id
+        if run_id == self._first:
+            self._ours = event.parent == self._parent and event.call_key == self._key
+
+
+def _notice(state: RunState) -> str:
+    """The static notice of a run that ended without success, as its actor and the
+    supervisor word it."""
+    ended = state.ended_at if state.ended_at is not None else state.started_at or 0.0
+    runtime_ms = round((ended - (state.started_at or ended)) * 1000)
+    return failure_notice(state.task, state.status, runtime_ms)
