@@ -53,8 +53,24 @@ class Seconds(click.FloatRange):
         return seconds
 
 
+def _reader_gone() -> None:
+    """The reader of the output went away: what is left to print (and what Python would
+    flush at exit) goes nowhere, quietly."""
+    sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+
+
 class _Group(click.Group):
     """Turns every stalwart error into one line on stderr and exit code 1."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except BrokenPipeError:
+            # `stalwart --help | head -1` (or --version): the reader had what it wanted;
+            # click would exit 1 for it
+            _reader_gone()
+            ctx.exit(0)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -66,8 +82,7 @@ class _Group(click.Group):
         except BrokenPipeError:
             # the reader went away (``stalwart tail | head``): that is not an error, but a
             # verdict reached before it (``replay --verify`` found the log not clean) stands
-            sys.stderr = open(os.devnull, "w")  # noqa: SIM115
-            sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+            _reader_gone()
             ctx.exit(1 if isinstance(ctx.obj, _State) and ctx.obj.failed else 0)
 
 
@@ -279,6 +294,23 @@ def streams(state: _State, as_json: bool) -> None:
         )
 
 
+def message_text(given: str, name: str) -> str:
+    """A user message given on the command line (``run``'s PROMPT, ``session send``'s
+    TEXT): as given, or standard input's whole UTF-8 text for ``-`` (a text longer than
+    one argument may be: Linux passes at most 128 KiB). An empty or blank one is a usage
+    error: it would be sent to a model as a turn with nothing to answer (a turn
+    Anthropic's API refuses)."""
+    text = given
+    if given == "-":
+        try:
+            text = sys.stdin.buffer.read().decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            raise click.UsageError(f"cannot read {name} from standard input as UTF-8") from None
+    if not text.strip():
+        raise click.UsageError(f"{name} is empty: give the message to send")
+    return text
+
+
 @cli.group()
 def session() -> None:
     """One session: its events, and answers to what it waits for (see also ``status``)."""
@@ -305,7 +337,10 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except _NO_ARGS as exc:  # `stalwart`, `stalwart session`: the help, as asked for
-        click.echo(exc.format_message())
+        try:
+            click.echo(exc.format_message())
+        except BrokenPipeError:  # `stalwart | head -1`
+            _reader_gone()
         sys.exit(0)
     except click.ClickException as exc:
         click.echo(f"stalwart: error: {escaped(exc.format_message())}", err=True)

@@ -27,9 +27,10 @@ from stalwart.events import (
 from stalwart.ids import new_id
 from stalwart.providers import Message, ProviderRequest, StreamEvent, TextDelta
 from stalwart.runtime import ProviderLayer, check_session_id, load_session, runtime_started
+from stalwart.state import SessionState
 from stalwart.store import EventStore, NewEvent
 
-from ._app import _State, cli
+from ._app import _State, cli, message_text
 
 FAILED = "the model did not answer: every configured model failed or timed out"
 TOO_LONG = "the conversation is too long for the model's context window"
@@ -89,8 +90,8 @@ class _Printer:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
 
 
-def _free_version(store: EventStore, session: str, now: float) -> int:
-    """The session's version when nothing else has a turn of it in hand: StalwartError
+def _free_session(store: EventStore, session: str, now: float) -> SessionState:
+    """The session when nothing else has a turn of it in hand: StalwartError
     when a worker's lease on it is live, a turn is under way (a runtime runs it, or one
     stopped without closing it), it waits for an operator's answer, or it is closed. A
     turn appended beside another would interleave two conversations in one stream."""
@@ -114,7 +115,20 @@ def _free_version(store: EventStore, session: str, now: float) -> int:
         )
     if state.status == "closed":
         raise StalwartError(f"session {stream!r} is closed")
-    return state.version
+    return state
+
+
+def _agent_for(config: Config, state: SessionState, given: str | None) -> str:
+    """The agent that answers: the session's own (a session goes on with the agent, the
+    system prompt and the models it was made for), ``--agent`` for a new session, else
+    ``default``. ``--agent`` naming another agent than an existing session's is refused."""
+    agent = given or state.agent or "default"
+    if state.agent and agent != state.agent:
+        raise StalwartError(
+            f"session {state.stream!r} belongs to agent {state.agent!r}, not {agent!r}"
+        )
+    config.agent(agent)  # one that is not configured: named, with the configured ones
+    return agent
 
 
 async def _turn(
@@ -208,24 +222,37 @@ async def _main(
     type=click.Path(dir_okay=False),
     help="The TOML or YAML config with providers and agents.",
 )
-@click.option("--agent", default="default", show_default=True, help="Which configured agent.")
-@click.option("--session", help="Continue this session (a new one when omitted).")
+@click.option(
+    "--agent",
+    default=None,
+    help="Which configured agent [default: the session's; for a new session, default].",
+)
+@click.option(
+    "--session",
+    help="Continue this session, by its id or its stream (a new one when omitted).",
+)
 @click.argument("prompt")
 @click.pass_obj
-def run(state: _State, config_path: str, agent: str, session: str | None, prompt: str) -> None:
-    """Send PROMPT as one user turn and print the reply as it streams."""
-    if session is not None:
-        check_session_id(session)
+def run(
+    state: _State, config_path: str, agent: str | None, session: str | None, prompt: str
+) -> None:
+    """Send PROMPT as one user turn and print the reply as it streams (PROMPT ``-``:
+    read it from standard input)."""
+    if session is not None:  # `abc` or, as `stalwart status` lists it, `session:abc`
+        session = check_session_id(session.removeprefix("session:"))
+    prompt = message_text(prompt, "PROMPT")
     config = load_config(config_path)
-    config.agent(agent)  # fail early, naming the configured agents
+    if agent is not None:
+        config.agent(agent)  # fail early, naming the configured agents
     store = state.store_for(config, create=True)
     session = session or new_id()
     printer = _Printer()
     terminated: list[int] = []
     previous = signal.signal(signal.SIGTERM, partial(_as_interrupt, terminated))
     try:
-        version = _free_version(store, session, SystemClock().now())
-        anyio.run(_main, config, store, agent, session, version, prompt, printer)
+        found = _free_session(store, session, SystemClock().now())
+        chosen = _agent_for(config, found, agent)
+        anyio.run(_main, config, store, chosen, session, found.version, prompt, printer)
     except ContextOverflowError:
         raise StalwartError(TOO_LONG) from None
     except ProviderError:

@@ -22,7 +22,7 @@ from stalwart.errors import StoreNotFoundError
 from stalwart.runtime import Runtime, send_message
 from stalwart.store import open as open_store
 
-from ._app import DEFAULT_STORE, Seconds, _State, cli, session
+from ._app import DEFAULT_STORE, Seconds, _State, cli, message_text, session
 
 #: How long the banner waits for the worker to say its owner name.
 NAME_WAIT_S = 2.0
@@ -83,7 +83,9 @@ def _name(rt: Runtime) -> str:
 @click.option("--channel", default="console", show_default=True, help="For a new session.")
 @click.pass_obj
 def send(state: _State, session_id: str, text: str, agent: str, channel: str) -> None:
-    """Give SESSION a user message (durable when this returns); a worker answers it."""
+    """Give SESSION a user message (durable when this returns); a worker answers it
+    (TEXT ``-``: read it from standard input)."""
+    text = message_text(text, "TEXT")
     location = state.location or DEFAULT_STORE
     try:
         store = open_store(location, create=False)
