@@ -13,8 +13,9 @@ What ends a turn, besides an answer:
 
 - the **execution timeout** (``execution_timeout_ms`` after ``turn:started``, a scheduler
   timer keyed by the turn): ``execution:aborted`` (``pipeline_timeout``), the in-flight
-  call is cancelled (which closes its HTTP request), :data:`TIMEOUT_TEXT`, outcome
-  ``aborted``;
+  call is cancelled (which closes its HTTP request), tool calls still running are closed
+  as cut short (``tool:failed`` ``unreconciled``, never run again), :data:`TIMEOUT_TEXT`,
+  outcome ``aborted``;
 - every model failing: :data:`FAILED_TEXT` (:data:`OVERFLOW_TEXT` for a context
   overflow), outcome ``failed``;
 - the machinery breaking, not the model (``tools_broke``, ``internal``,
@@ -124,6 +125,7 @@ from ._agent_wake import (
     UNRECONCILED_TEXT,
     WAKE_PREFIX,
     WakeLedger,
+    cut_short,
     drafts_note,
     needs_human,
     pause_for,
@@ -405,26 +407,41 @@ class AgentActor(Supervised):
             turn_id=turn.turn_id,
         )
         if not calls:
-            text = response.text or EMPTY_ANSWER_TEXT
+            # blank lines are no answer: a user would see an empty message (or none)
+            text = response.text if response.text.strip() else EMPTY_ANSWER_TEXT
             self._finish(turn, "answered", None, text, "completion", before=[assistant])
             return
         self._start_tools(turn, calls, before=[assistant])
 
     def _on_tools_done(self, message: ToolsDone) -> None:
         turn = self._current(message.turn_id, message.step, "tools")
-        if turn is None or self._overdue(turn):
+        if turn is None:
+            return
+        ran = len(turn.calls) - len(turn.blocked)
+        whole = message.error is None and len(message.outcomes) == ran
+        if self._overdue(turn, message.outcomes if whole else None):
             return
         turn.future = None
-        ran = len(turn.calls) - len(turn.blocked)
-        if message.error is not None or len(message.outcomes) != ran:
+        if not whole:
             self._finish(turn, "failed", "tools_broke", ABANDONED_TEXT, "failure_notice")
             return
-        outcomes = iter(message.outcomes)
+        self._append(self._results(turn, message.outcomes))
+        if turn.step >= self._settings.max_steps:
+            self._finish(turn, "failed", "max_steps", MAX_STEPS_TEXT, "failure_notice")
+            return
+        self._call_model(turn)
+
+    def _results(self, turn: LiveTurn, outcomes: Sequence[ToolOutcome] | None) -> list[Event]:
+        """The step's results, in the calls' order, which close it: each run call's
+        outcome event (``outcomes``, in order; None when the turn ends while they run:
+        each is :func:`cut_short`) and every call's ``message:appended`` (a blocked
+        call's decision is in the log already)."""
+        ran = iter(outcomes) if outcomes is not None else None
         events: list[Event] = []
         for index, call in enumerate(turn.calls):
             outcome = turn.blocked.get(index)
-            if outcome is None:  # a blocked call's decision is in the log already
-                outcome = next(outcomes)
+            if outcome is None:
+                outcome = next(ran) if ran is not None else cut_short(call)
                 events.append(outcome_event(outcome))
             events.append(
                 MessageAppended(
@@ -437,11 +454,7 @@ class AgentActor(Supervised):
                 )
             )
         turn.calls, turn.blocked = (), {}
-        self._append(events)
-        if turn.step >= self._settings.max_steps:
-            self._finish(turn, "failed", "max_steps", MAX_STEPS_TEXT, "failure_notice")
-            return
-        self._call_model(turn)
+        return events
 
     def _on_sent(self, message: SendDone) -> None:
         event: Event
@@ -553,9 +566,9 @@ class AgentActor(Supervised):
         self, turn: LiveTurn, calls: tuple[ToolCall, ...], *, before: Sequence[Event] = ()
     ) -> None:
         """Run a step's calls; in a wake, first stop the session for the first call that
-        would run (not settled, not blocked by the retry breaker: a human is never asked
-        about a call that then does not run) and needs a human (approval, or a custom
-        tool's output) with no answer yet."""
+        would run (not settled, not blocked by the retry breaker, arguments its tool can
+        take: a human is never asked about a call that then does not run) and needs a
+        human (approval, or a custom tool's output) with no answer yet."""
         breaker = self._folder.tools
         if self._wake is not None:
             for call in calls:
@@ -616,8 +629,12 @@ class AgentActor(Supervised):
         turn_id, step = turn.turn_id, turn.step
         future.add_done_callback(lambda done: self._tell(tools_done(turn_id, step, done)))
 
-    def _overdue(self, turn: LiveTurn) -> bool:
-        """Abort the turn if the execution timeout says so (the pure decision, at now)."""
+    def _overdue(self, turn: LiveTurn, outcomes: Sequence[ToolOutcome] | None = None) -> bool:
+        """Abort the turn if the execution timeout says so (the pure decision, at now).
+
+        A step whose calls run as it ends is closed with it: with the ``outcomes`` when
+        they came, else each call cut short (it may still be running on its thread, so a
+        later wake neither asks its tool's check nor runs it again)."""
         now = self._clock.now()
         limit = self._settings.execution_timeout_ms
         aborted = decide_execution_timeout(turn.turn_id, turn.started_at, now, limit)
@@ -626,13 +643,14 @@ class AgentActor(Supervised):
         log.warning("agent.execution_timeout", stream=self._stream, elapsed_ms=aborted.elapsed_ms)
         turn.seal_call()
         self._refresh()  # what the call recorded before it was sealed
+        closed = self._results(turn, outcomes) if turn.calls else []
         self._finish(
             turn,
             "aborted",
             "pipeline_timeout",
             TIMEOUT_TEXT,
             "failure_notice",
-            before=[*self._passed_prompt_limits(now), aborted],
+            before=[*self._passed_prompt_limits(now), aborted, *closed],
             now=now,
         )
         return True

@@ -73,7 +73,7 @@ APPROVAL_TEXT = (
     "operator's answer."
 )
 
-#: The model ended its turn with neither text nor tool calls.
+#: The model ended its turn with neither text (blank lines are none) nor tool calls.
 EMPTY_ANSWER_TEXT = "Sorry, the model finished without writing an answer. Please try again."
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]

@@ -9,7 +9,8 @@ From it:
 - :meth:`WakeLedger.unanswered` the tool calls of the last assistant message that have
   no result yet (a paused step to resume, or a step a crash cut short);
 - :func:`pause_for` whether a call must stop the session first (a tool that needs
-  confirmation, or a custom tool the host implements) and with which request;
+  confirmation, or a custom tool the host implements, called with arguments it can
+  take) and with which request;
 - :func:`wake_result` how a turn's end settles its wake.
 """
 
@@ -51,7 +52,7 @@ from stalwart.state import (
     pause_kind,
     remember_message,
 )
-from stalwart.tools import Tool
+from stalwart.tools import Tool, ToolOutcome, parse_arguments
 
 __all__ = [
     "DENIED_TEXT",
@@ -62,6 +63,7 @@ __all__ = [
     "LedgerState",
     "Resolution",
     "WakeLedger",
+    "cut_short",
     "drafts_note",
     "needs_human",
     "pause_for",
@@ -280,6 +282,18 @@ class WakeLedger:
         return call.id in self.started
 
 
+def cut_short(call: ToolCall) -> ToolOutcome:
+    """The outcome of a call whose turn ended while it ran (the execution timeout): it
+    may or may not have taken effect, and it is never run again (``unreconciled``)."""
+    return ToolOutcome(
+        call_id=call.id,
+        tool=call.name,
+        status="error",
+        text=UNRECONCILED_TEXT,
+        error_class="unreconciled",
+    )
+
+
 def needs_human(tool: Tool | None) -> bool:
     """Whether a call of ``tool`` needs a person: its approval, or the host's output."""
     return tool is not None and (
@@ -291,8 +305,10 @@ def pause_for(
     tool: Tool | None, call: ToolCall, ledger: WakeLedger, turn_id: str
 ) -> SessionRequiresAction | None:
     """The request that must stop the session before ``call`` runs, or None (the pure
-    :func:`~stalwart.state.decide_pause`, with the tool's registration as its kind)."""
-    if tool is None:
+    :func:`~stalwart.state.decide_pause`, with the tool's registration as its kind).
+    A call whose arguments its tool cannot take asks nobody: it ends ``invalid_arguments``
+    and the model reads why, so a person is asked only about a call that can run."""
+    if tool is None or isinstance(parse_arguments(tool, call.arguments), str):
         return None
     request = decide_pause(
         call,

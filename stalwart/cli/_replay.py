@@ -29,6 +29,7 @@ from stalwart.events import (
     ToolCompleted,
     ToolFailed,
     ToolStarted,
+    UnknownEvent,
 )
 from stalwart.state import (
     VERIFIERS,
@@ -40,7 +41,7 @@ from stalwart.state import (
     Verifier,
 )
 from stalwart.state import VerifyReport as Report
-from stalwart.store import EventStore, read_all_readable
+from stalwart.store import EventStore
 from stalwart.tools import ToolBreakerState, apply_tool_breaker, decide_tool_call
 
 from ._render import fmt_ts, to_json
@@ -122,28 +123,48 @@ def _widest_health_window(store: EventStore, until: int | None) -> int:
 
 
 class Corrupt(msgspec.Struct, frozen=True):
-    """A record the store could not decode, where it was."""
+    """A record the store could not decode, where it was (``through``: the last position
+    of a run of such records that starts at ``position``; 0 for one record)."""
 
     position: int
     reason: str
     stream: str = ""
+    through: int = 0
 
 
 Item = RecordedEvent | Corrupt
 
 
 def _all(store: EventStore, until: int | None) -> Iterator[Item]:
-    """The log, each record that cannot be read in its place as a :class:`Corrupt`."""
-    passed: list[Corrupt] = []
+    """The log, each run of records that cannot be read in its place as one
+    :class:`Corrupt` (read on after its end, not record by record), and the records the
+    streams' rows name past the log's last one (a log cut short) as one more."""
+    claimed = _claimed_end(store)  # before the log is read: each of these was in it
+    position = 1
+    while until is None or position <= until:
+        try:
+            for record in store.read_all(position, until):
+                position = record.position + 1
+                yield record
+            break
+        except CorruptRecordError as exc:
+            at = max(exc.position, position)
+            through = max(exc.through, at)
+            yield Corrupt(at, exc.reason, through=through)
+            position = through + 1
+    end = claimed if until is None else min(claimed, until)
+    if end >= position:
+        cut = f"the log ends at position {position - 1}; the streams name records up to {claimed}"
+        yield Corrupt(position, cut, through=end)
 
-    def skipped(at: int, exc: CorruptRecordError) -> None:
-        passed.append(Corrupt(at, exc.reason))
 
-    for record in read_all_readable(store, 1, until, unreadable=skipped):
-        yield from passed  # told before the record after it is read
-        passed.clear()
-        yield record
-    yield from passed
+def _claimed_end(store: EventStore) -> int:
+    """The newest position a stream's row says its last record is at (0 when a row
+    cannot be read: ``stalwart db check`` names it)."""
+    try:
+        return max((info.last_position for info in store.streams()), default=0)
+    except StoreError:
+        return 0
 
 
 def _stream(store: EventStore, stream: str, until: int | None) -> Iterator[Item]:
@@ -164,6 +185,24 @@ def _stream(store: EventStore, stream: str, until: int | None) -> Iterator[Item]
             version += 1  # the corrupt record held this version
 
 
+#: what verifying one stream reads of the ``runtime`` stream, and of the providers' (for
+#: the ``deadletter`` stream): one of these a newer version wrote in a shape this one
+#: cannot read is reported (a start whose config is not read: the verdict rests on it)
+_RUNTIME_TAGS = frozenset({"runtime:started", "runtime:stopped", "supervisor:restarted"})
+_RECOVERED = frozenset({"provider:recovered"})
+
+
+def _unknown(event: Event, tags: frozenset[str]) -> bool:
+    return isinstance(event, UnknownEvent) and event.tag in tags
+
+
+def _not_known(record: RecordedEvent) -> Corrupt:
+    event = record.event
+    assert isinstance(event, UnknownEvent)
+    reason = f"a {event.tag!r} event (schema {event.schema}) this version does not know"
+    return Corrupt(record.position, reason, record.stream)
+
+
 def _runtime(store: EventStore, stream: str, until: int | None) -> Iterator[Item]:
     """The ``runtime`` stream's process starts and stops, and the restarts of ``stream``'s
     actor (they drop the timers it kept); and each of its records that cannot be read
@@ -177,6 +216,8 @@ def _runtime(store: EventStore, stream: str, until: int | None) -> Iterator[Item
             isinstance(event, SupervisorRestarted) and event.actor == stream
         ):
             yield item
+        elif _unknown(event, _RUNTIME_TAGS):
+            yield _not_known(item)
 
 
 def _recoveries(store: EventStore, until: int | None) -> Iterator[Item]:
@@ -185,16 +226,16 @@ def _recoveries(store: EventStore, until: int | None) -> Iterator[Item]:
     provider's stream that cannot be read (it may have been one)."""
     providers = [s.stream for s in store.streams() if s.stream.startswith("provider:")]
     yield from heapq.merge(
-        *(
-            (
-                item
-                for item in _stream(store, name, until)
-                if not isinstance(item, RecordedEvent) or isinstance(item.event, ProviderRecovered)
-            )
-            for name in providers
-        ),
-        key=lambda item: item.position,
+        *(_recovered(store, name, until) for name in providers), key=lambda item: item.position
     )
+
+
+def _recovered(store: EventStore, provider: str, until: int | None) -> Iterator[Item]:
+    for item in _stream(store, provider, until):
+        if not isinstance(item, RecordedEvent) or isinstance(item.event, ProviderRecovered):
+            yield item
+        elif _unknown(item.event, _RECOVERED):
+            yield _not_known(item)
 
 
 def read_for_verify(store: EventStore, stream: str | None, until: int | None) -> Iterator[Item]:
@@ -242,7 +283,8 @@ def verify_store(
             if isinstance(item, RecordedEvent):
                 verification.past_the_end(item)
         elif isinstance(item, Corrupt):
-            verification.undecodable(item.position, item.reason, item.stream)
+            through = item.through if until is None else min(item.through, until)
+            verification.undecodable(item.position, item.reason, item.stream, through=through)
         else:
             verification.add(item)
     return verification.report()

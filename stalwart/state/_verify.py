@@ -192,6 +192,8 @@ class Verification:
         self._other_kinds: set[type[Event]] = set()
         self._deadlines = DeadlineWatch(registry.deadlines, grace_ms)
         self._findings: list[Finding] = []
+        #: the missed deadlines found, until their decision may still take them back
+        self._misses: dict[tuple[str, int], Finding] = {}
         self._checked: dict[str, int] = {}
         self._unchecked: dict[str, int] = {}
         self._events = 0
@@ -208,6 +210,9 @@ class Verification:
         kind = type(event)
         for missed in self._deadlines.before(record, restart=kind is RuntimeStarted):
             self._missed(missed)
+        if self._misses:
+            for key in self._deadlines.made_in_time(record):
+                self._findings.remove(self._misses.pop(key))
         if kind is RuntimeStarted:
             assert isinstance(event, RuntimeStarted)
             self._knobs = Knobs(event.config, self._defaults, self._recovered)
@@ -248,8 +253,15 @@ class Verification:
             # no verifier, or none that applies (a retry recorded before its inputs were)
             self._unchecked[tag] = self._unchecked.get(tag, 0) + 1
 
-    def undecodable(self, position: int, reason: str, stream: str = "") -> None:
-        """A record the reader could not decode (a ``CorruptRecordError``): reported."""
+    def undecodable(
+        self, position: int, reason: str, stream: str = "", *, through: int = 0
+    ) -> None:
+        """A record the reader could not decode (a ``CorruptRecordError``): reported.
+        ``through``: the last position of a run of them starting at ``position`` (one
+        finding for the run)."""
+        where = f"the record at position {position}"
+        if through > position:
+            where = f"the {through - position + 1} records at positions {position}..{through}"
         self._findings.append(
             Finding(
                 kind="undecodable",
@@ -258,7 +270,7 @@ class Verification:
                 version=0,
                 tag="",
                 ts=self._last.ts if self._last is not None else 0.0,
-                message=f"the record at position {position} cannot be decoded: {reason}",
+                message=f"{where} cannot be decoded: {reason}",
             )
         )
 
@@ -450,22 +462,21 @@ class Verification:
         deadline = self._registry.deadlines[missed.index]
         late_ms = round((proof.ts - due) * 1000)
         where = "" if proof.stream == stream else f" in {proof.stream}"
-        self._findings.append(
-            Finding(
-                kind="missed",
-                stream=stream,
-                position=proof.position,
-                version=proof.version if proof.stream == stream else 0,
-                tag=deadline.decision,
-                ts=proof.ts,
-                message=(
-                    f"the {deadline.name} was due at {moment(due)} but no {deadline.decision} "
-                    f"followed: {proof.type} at position {proof.position}{where} is "
-                    f"{late_ms} ms past it"
-                ),
-                expected=[{"type": deadline.decision, "due": due}],
-            )
+        finding = self._misses[(stream, missed.index)] = Finding(
+            kind="missed",
+            stream=stream,
+            position=proof.position,
+            version=proof.version if proof.stream == stream else 0,
+            tag=deadline.decision,
+            ts=proof.ts,
+            message=(
+                f"the {deadline.name} was due at {moment(due)} but no {deadline.decision} "
+                f"followed: {proof.type} at position {proof.position}{where} is "
+                f"{late_ms} ms past it"
+            ),
+            expected=[{"type": deadline.decision, "due": due}],
         )
+        self._findings.append(finding)
 
 
 def verify(

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from stalwart.errors import StalwartError
 from stalwart.events import RecordedEvent
 
 from ._verify_registry import Deadline, Knobs
@@ -54,6 +55,9 @@ class DeadlineWatch:
         self._orphaned: dict[Key, float] = {}
         self._heap: list[_Armed] = []
         self._suspects: dict[Key, tuple[float, RecordedEvent]] = {}
+        #: the misses confirmed, by stream: their deadline and the record that proved each,
+        #: until their deadline moves (see :meth:`made_in_time`)
+        self._confirmed: dict[str, dict[int, RecordedEvent]] = {}
 
     def before(self, record: RecordedEvent, *, restart: bool = False) -> list[Missed]:
         """Look at ``record`` before it is folded; the deadlines it proves missed. A
@@ -72,6 +76,11 @@ class DeadlineWatch:
         key = (stream, index)
         if due == self._pending.get(key):
             return
+        confirmed = self._confirmed.get(stream)
+        if confirmed is not None and index in confirmed:
+            del confirmed[index]  # a miss of the former deadline stands
+            if not confirmed:
+                del self._confirmed[stream]
         suspect = self._suspects.get(key)
         if suspect is not None and suspect[1] is not record:
             del self._suspects[key]  # settled at the proof's moment (the clock had jumped)
@@ -115,6 +124,25 @@ class DeadlineWatch:
         with nothing pending has nothing pending under any config)."""
         return [*self._pending, *(key for key in self._orphaned if key not in self._pending)]
 
+    def made_in_time(self, record: RecordedEvent) -> list[Key]:
+        """The confirmed misses ``record`` takes back: it is their decision, at a time no
+        later than the record that proved the miss, appended after records of later times
+        (a worker that decided several sessions at one reading of its clock appends their
+        decisions one by one, while other actors append what they do meanwhile)."""
+        confirmed = self._confirmed.get(record.stream)
+        if confirmed is None:
+            return []
+        made = [
+            index
+            for index, proof in confirmed.items()
+            if record.type == self._deadlines[index].decision and record.ts <= proof.ts
+        ]
+        for index in made:
+            del confirmed[index]
+        if not confirmed:
+            del self._confirmed[record.stream]
+        return [(record.stream, index) for index in made]
+
     def suspected(self) -> bool:
         """Whether a deadline is suspected missed and no later record has settled it."""
         return bool(self._suspects)
@@ -139,8 +167,13 @@ class DeadlineWatch:
     def _push(
         self, stream: str, index: int, due: float, knobs: Knobs, *, start: float = 0.0
     ) -> None:
-        """Arm ``due``, missed once ``max(due, start)`` plus its slack and the grace pass."""
-        slack = self._deadlines[index].slack_ms(knobs) / 1000
+        """Arm ``due``, missed once ``max(due, start)`` plus its slack and the grace pass
+        (not armed when the config in force records no number for the slack: how late the
+        sweep may come cannot be said, and a miss is never invented)."""
+        try:
+            slack = self._deadlines[index].slack_ms(knobs) / 1000
+        except StalwartError:
+            return
         at = max(due, start) + slack + self._grace_s
         heapq.heappush(self._heap, _Armed(at, due, stream, index))
 
@@ -167,4 +200,5 @@ class DeadlineWatch:
             elif record.ts > proof.ts:
                 del self._suspects[key]
                 missed.append(Missed(stream, index, due, proof))
+                self._confirmed.setdefault(stream, {})[index] = proof
         return missed

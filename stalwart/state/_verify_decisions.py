@@ -57,10 +57,10 @@ Fallback = ModelFallbackAttempt | ModelFallbackExhausted
 def _chain(event: Fallback, knobs: Knobs) -> tuple[str, ...]:
     agent = ("agents", event.agent or "")
     return model_chain(
-        str(knobs.get((*agent, "provider"))),
-        str(knobs.get((*agent, "model"))),
-        tuple(knobs.get((*agent, "fallback_models"))),
-        tuple(knobs.get((*agent, "vision_fallback_models"))),
+        knobs.get_text((*agent, "provider")),
+        knobs.get_text((*agent, "model")),
+        knobs.get_names((*agent, "fallback_models")),
+        knobs.get_names((*agent, "vision_fallback_models")),
         vision=event.vision,
     )
 

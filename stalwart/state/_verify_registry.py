@@ -120,6 +120,29 @@ class Knobs:
     def get_float(self, path: str | tuple[str, ...]) -> float:
         return self._number(path, float)
 
+    def get_text(self, path: str | tuple[str, ...]) -> str:
+        """The text at ``path``; ConfigError when it is none (a config record written by
+        hand or by another program)."""
+        value = self.get(path)
+        if isinstance(value, str):
+            return value
+        raise self._not(path, value, "text")
+
+    def get_names(self, path: str | tuple[str, ...]) -> tuple[str, ...]:
+        """The list of names (texts) at ``path``; ConfigError when it is none: text is not
+        taken for a list of its characters, nor a number for anything."""
+        value = self.get(path)
+        if isinstance(value, list | tuple) and all(isinstance(name, str) for name in value):
+            return tuple(value)
+        raise self._not(path, value, "a list of names")
+
+    @staticmethod
+    def _not(path: str | tuple[str, ...], value: Any, what: str) -> ConfigError:
+        name = path if isinstance(path, str) else ".".join(path)
+        return ConfigError(
+            f"the config in force has {name!r} = {reprlib.repr(value)}, not {what}", key=name
+        )
+
     def _number(self, path: str | tuple[str, ...], kind: type[N]) -> N:
         """The value at ``path`` as a number; ConfigError when it is none (a config record
         written by hand or by another program: a decision that reads it cannot be re-run).
@@ -131,10 +154,7 @@ class Knobs:
         value = self.get(path)
         if _is_number(value, whole=kind is int):
             return kind(value)
-        name = path if isinstance(path, str) else ".".join(path)
-        raise ConfigError(
-            f"the config in force has {name!r} = {reprlib.repr(value)}, not a number", key=name
-        )
+        raise self._not(path, value, "a number")
 
 
 def _is_number(value: Any, *, whole: bool) -> bool:

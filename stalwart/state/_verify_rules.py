@@ -24,6 +24,9 @@ supervisor:restarted/        RESTARTS          decide_restart (supervision.*)
 gave_up                      (runtime)
 ===========================  ================  ==========================================
 
+A session's calls and turn (CALLS) end with a sub-agent run's end in its stream: the
+run's actor stops, and its timers with it.
+
 The activations' verifiers are in :mod:`._verify_activations`; the model chain's, a
 failure notice's fallback and a session's pauses in :mod:`._verify_decisions`.
 
@@ -43,6 +46,7 @@ from typing import Any
 import msgspec
 
 from stalwart.backoff import backoff_ceiling_ms, retry_delay
+from stalwart.errors import ConfigError
 from stalwart.events import (
     AnnouncementDeadLetterDelivered,
     AnnouncementDeadLettered,
@@ -74,6 +78,7 @@ from stalwart.events import (
     UserInterrupt,
 )
 
+from ._aggregate import FolderAggregate
 from ._breaker import BREAKER, BreakerState, decide_breaker
 from ._deadletter import (
     DEADLETTER,
@@ -103,7 +108,14 @@ from ._supervision import decide_restart
 from ._verify_activations import ACTIVATION_RULES
 from ._verify_context import CONTEXT_RULES
 from ._verify_decisions import DECISION_RULES
-from ._verify_folds import CALLS, RESTARTS, CallsState, RestartsState, restarts_key
+from ._verify_folds import (
+    CALLS,
+    RESTARTS,
+    CallsFolder,
+    CallsState,
+    RestartsState,
+    restarts_key,
+)
 from ._verify_registry import Deadline, Knobs, Registry, Selective, Verifier, moment
 
 #: Every decision tag of DESIGN's catalogue: one with no verifier is counted as unchecked.
@@ -204,6 +216,39 @@ def _ghost_due(state: RunState, knobs: Knobs) -> float | None:
 
 
 # -- a session's calls and turn -----------------------------------------------------------
+
+#: what ends a sub-agent run: its actor stops, and the timers of its calls and turn with it
+_RUN_ENDED: frozenset[type[Event]] = frozenset(
+    {SubagentCompleted, SubagentWatchdogTimeout, SubagentGhostSwept, SubagentGivenUp}
+)
+
+
+class _RunCallsFolder:
+    """The fold of :class:`CallsState`, in which the end of a sub-agent run (in its own
+    stream) ends the calls and the turn still open: nothing owes their deadlines after it,
+    as after a turn's end (no prompt event ends a call its actor's stop cancelled)."""
+
+    __slots__ = ("_calls", "_ended")
+
+    def __init__(self, state: CallsState) -> None:
+        self._calls = CallsFolder(state)
+        self._ended = False
+
+    def add(self, record: RecordedEvent) -> None:
+        if type(record.event) in _RUN_ENDED:
+            self._ended = True
+        elif not self._ended:
+            self._calls.add(record)
+
+    def state(self) -> CallsState:
+        return _NO_CALLS if self._ended else self._calls.state()
+
+
+_NO_CALLS = CallsState()
+#: :class:`CallsState` over a session stream, a sub-agent run's ended with the run
+_CALLS = FolderAggregate(
+    "verify_run_calls", CallsState, _RunCallsFolder, moves=(CALLS.moves or frozenset()) | _RUN_ENDED
+)
 
 
 def _prompt_timeout(state: CallsState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
@@ -333,7 +378,11 @@ def _health_fold(knobs: Knobs) -> HealthAggregate:
     """A fold as wide as any window the log's processes used (a later process may have
     widened it), so that each of their decisions can be re-derived."""
     widest = knobs.get_int("verify.health_horizon_ms") if knobs.has("verify") else 0
-    return HealthAggregate(max(DEFAULT_HORIZON_MS, knobs.get_int("health.window_ms"), widest))
+    try:
+        window = knobs.get_int("health.window_ms")
+    except ConfigError:
+        window = 0  # recorded as no number: each decision that reads it says so
+    return HealthAggregate(max(DEFAULT_HORIZON_MS, window, widest))
 
 
 def _health(state: HealthState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
@@ -353,6 +402,25 @@ def _breaker(state: BreakerState, record: RecordedEvent, knobs: Knobs) -> list[E
         record.ts,
         threshold=knobs.get_int((*where, "breaker_failure_threshold")),
         reset_timeout_ms=knobs.get_int((*where, "breaker_reset_timeout_ms")),
+    )
+
+
+def _breaker_why(state: BreakerState, record: RecordedEvent, knobs: Knobs) -> str:
+    where = f"providers.{state.provider}"
+    if state.status == "open" and state.opened_at is not None:
+        reset_ms = knobs.get_int(("providers", state.provider, "breaker_reset_timeout_ms"))
+        due = state.opened_at + reset_ms / 1000
+        return (
+            f"the breaker opened at {moment(state.opened_at)}: it half-opens after "
+            f"{where}.breaker_reset_timeout_ms ({reset_ms}), at {moment(due)}"
+        )
+    if state.status == "half_open":
+        probe = state.probe_outcome or "no answer yet"
+        return f"the breaker was half-open, its probe's outcome: {probe}"
+    threshold = knobs.get_int(("providers", state.provider, "breaker_failure_threshold"))
+    return (
+        f"the breaker was closed after {state.consecutive_failures} failures in a row; it "
+        f"opens at {where}.breaker_failure_threshold ({threshold})"
     )
 
 
@@ -477,9 +545,13 @@ _RUN_ENDS: frozenset[type[Event]] = frozenset(
 )
 _CALL_ENDS = (TurnCompleted, ExecutionAborted, UserInterrupt)
 _CALL_MOVES: frozenset[type[Event]] = frozenset(
-    {PromptStarted, PromptActivity, PromptCompleted, PromptFailed, PromptTimeout, *_CALL_ENDS}
+    {
+        *(PromptStarted, PromptActivity, PromptCompleted, PromptFailed, PromptTimeout),
+        *_CALL_ENDS,
+        *_RUN_ENDED,
+    }
 )
-_TURN_MOVES: frozenset[type[Event]] = frozenset({TurnStarted, *_CALL_ENDS})
+_TURN_MOVES: frozenset[type[Event]] = frozenset({TurnStarted, *_CALL_ENDS, *_RUN_ENDED})
 _LETTER_MOVES: frozenset[type[Event]] = frozenset(
     {
         *(AnnouncementDeadLettered, AnnouncementDeadLetterDelivered),
@@ -491,16 +563,18 @@ BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
     Verifier("subagent:ghost_swept", _RUN, _ghost, _RUNS, why=_ghost_why),
     Verifier("subagent:suspicious", _RUN, _suspicious, _RUNS),
     Verifier("subagent:recovery_decided", _RUN, _recovery, _RUNS),
-    Verifier("execution:prompt_timeout", CALLS, _prompt_timeout, _RUNS, why=_prompt_why),
-    Verifier("prompt:retry_scheduled", CALLS, _retry, _RUNS, why=_retry_why, when=_recorded_inputs),
+    Verifier("execution:prompt_timeout", _CALLS, _prompt_timeout, _RUNS, why=_prompt_why),
     Verifier(
-        "execution:aborted", CALLS, _execution, _RUNS, why=_execution_why, when=_pipeline_timeout
+        "prompt:retry_scheduled", _CALLS, _retry, _RUNS, why=_retry_why, when=_recorded_inputs
+    ),
+    Verifier(
+        "execution:aborted", _CALLS, _execution, _RUNS, why=_execution_why, when=_pipeline_timeout
     ),
     Verifier("provider:degraded", _health_fold, _health, "provider:"),
     Verifier("provider:recovered", _health_fold, _health, "provider:"),
-    Verifier("breaker:opened", BREAKER, _breaker, "provider:"),
-    Verifier("breaker:half_opened", BREAKER, _breaker, "provider:"),
-    Verifier("breaker:closed", BREAKER, _breaker, "provider:"),
+    Verifier("breaker:opened", BREAKER, _breaker, "provider:", why=_breaker_why),
+    Verifier("breaker:half_opened", BREAKER, _breaker, "provider:", why=_breaker_why),
+    Verifier("breaker:closed", BREAKER, _breaker, "provider:", why=_breaker_why),
     Verifier("announcement:dead_letter_expired", DEADLETTER, _expiry, "deadletter"),
     Verifier(
         "announcement:dead_letter_retried",
@@ -531,10 +605,10 @@ BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
         moves=_RUN_ENDS,
     ),
     Deadline(
-        "prompt timeout", "execution:prompt_timeout", CALLS, _prompt_due, _RUNS, moves=_CALL_MOVES
+        "prompt timeout", "execution:prompt_timeout", _CALLS, _prompt_due, _RUNS, moves=_CALL_MOVES
     ),
     Deadline(
-        "execution timeout", "execution:aborted", CALLS, _execution_due, _RUNS, moves=_TURN_MOVES
+        "execution timeout", "execution:aborted", _CALLS, _execution_due, _RUNS, moves=_TURN_MOVES
     ),
     Deadline(
         "dead-letter expiry",
