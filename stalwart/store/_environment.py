@@ -257,6 +257,7 @@ class _Environment:
             readonly=self.read_only,
         )
         try:
+            self._check_size()
             if self.read_only:
                 self._open_dbs_read_only()
             else:
@@ -304,6 +305,18 @@ class _Environment:
                 # from now on (the first claim orders the rows it left)
                 txn.put(b"format", FORMAT, db=self.meta)
                 log.info("store.format_upgraded", path=self.path, format=FORMAT.decode())
+
+    def _check_size(self) -> None:
+        """Refuse a data file shorter than the pages its last commit names (a copy cut
+        short, a disk that filled mid-copy): LMDB maps the file, and reading a page past
+        its end kills the process with SIGBUS instead of raising."""
+        needed = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+        size = os.stat(os.path.join(self.path, "data.mdb")).st_size
+        if size < needed:
+            raise StoreError(
+                f"{self.path} holds a data.mdb of {size} bytes where its last commit needs "
+                f"{needed}: the file was cut short; restore the store from a copy"
+            )
 
     def _open_dbs_read_only(self) -> None:
         # each in a transaction of its own that py-lmdb commits: a handle opened in a
