@@ -81,3 +81,20 @@ def test_a_single_missing_record_is_still_one_position(pg_url: str, tmp_path: Pa
             error = _first_error(store)
             assert (error.position, error.through) == (300, 300), store
             assert str(error).startswith("record at position 300 is corrupt")
+
+
+# Was: DEFECT: read_all_readable (status, watch, incidents) read past a run of missing
+# records one position at a time: a query each on PostgreSQL, a callback each.
+def test_views_read_past_a_run_of_missing_records_in_one_step(pg_url: str) -> None:
+    from stalwart.store import read_all_readable
+
+    with PostgresEventStore(pg_url) as store:
+        _fill(store)
+        _delete(pg_url, FIRST, LAST)
+        heard: list[tuple[int, int]] = []
+        records = list(
+            read_all_readable(store, unreadable=lambda at, exc: heard.append((at, exc.through)))
+        )
+        assert heard == [(FIRST, LAST)]
+        assert len(records) == TOTAL - (LAST - FIRST + 1)
+        assert records[FIRST - 1].position == LAST + 1

@@ -85,7 +85,7 @@ class Unreadable:
     def __call__(self, at: int, exc: CorruptRecordError) -> None:
         position = exc.position if exc.position > 0 else at
         self.errors.setdefault(position, exc)
-        self.last = max(self.last, position)
+        self.last = max(self.last, position, exc.through)  # a run of missing records: its end
 
     def check(self) -> None:
         if not self.errors:

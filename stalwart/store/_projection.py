@@ -75,7 +75,8 @@ def read_all_readable(
     unreadable: Callable[[int, CorruptRecordError], object] | None = None,
 ) -> Iterator[RecordedEvent]:
     """The log from ``from_position`` (to ``until_position``), passing over each record
-    that cannot be read (``unreadable(position, error)`` hears of it): for a view that
+    that cannot be read (``unreadable(position, error)`` hears of it; of a run of missing
+    records once, ``error.through`` its end, read on after in one step): for a view that
     shows what it can and says what it could not."""
     position = from_position
     while True:
@@ -88,7 +89,7 @@ def read_all_readable(
             at = max(exc.position, position)
             if unreadable is not None:
                 unreadable(at, exc)
-            position = at + 1
+            position = max(exc.through, at) + 1
 
 
 def _until(
