@@ -203,7 +203,9 @@ class Announcer(Supervised):
         run's handle resolves; a success's completion is announced by the supervisor's
         sweep once owed, like the batches lost with this actor), and a batch's send
         outcome is still recorded when the store takes it. A later tell finds the actor
-        dead: the runtime holds it for the restarted one."""
+        dead: the runtime holds it for the restarted one; a send's outcome told later (a
+        send under way at the crash, a recording told again) is handed over here too, on
+        the teller's thread (:func:`_recordable_alone`)."""
         for message in told:
             try:
                 if isinstance(message, RunEnded):
@@ -450,8 +452,20 @@ class Announcer(Supervised):
         self._tell(_Sent(batch, announcement_id, error))
 
     def _tell(self, message: object) -> None:
-        with contextlib.suppress(pykka.ActorDeadError):
+        try:
             self.actor_ref.tell(message)
+        except pykka.ActorDeadError:
+            if isinstance(message, _Sent) and _recordable_alone(message):
+                self._hand_over([message])  # a send's outcome outlives the actor
+
+
+def _recordable_alone(sent: _Sent) -> bool:
+    """Whether the outcome of a send that ended after this announcer stopped is recorded
+    on the callback's thread (a restarted announcer never hears of it): a delivered batch,
+    whose outcome left unrecorded would have the supervisor's sweep send it again, or a
+    failure in the dead-letter queue already. A failure not queued yet, or a send the
+    portal's stop cancelled, is left to the sweep, which sends the batch again."""
+    return sent.error_class is None or sent.dead_lettered
 
 
 def _queues_completion(event: LogEvent) -> bool:
