@@ -52,17 +52,19 @@ from stalwart._logs import get_logger
 from stalwart.channels import Channel, MessageKind, OutboundMessage, channel_named, message_kind
 from stalwart.clock import Clock
 from stalwart.config import DeadLetterSettings
-from stalwart.errors import ConcurrencyError, CorruptRecordError, StalwartError
+from stalwart.errors import ConcurrencyError, CorruptRecordError, StalwartError, StoreError
 from stalwart.events import (
     AnnouncementDeadLetterDelivered,
     AnnouncementDeadLettered,
     AnnouncementDeadLetterRetried,
     AnnouncementSendFailed,
     Event,
+    RecordedEvent,
 )
 from stalwart.ids import new_id
 from stalwart.state import (
     DEADLETTER,
+    Aggregate,
     DeadLetterState,
     decide_drain,
     decide_expiry,
@@ -72,7 +74,15 @@ from stalwart.state import (
     next_retry_at,
 )
 from stalwart.state._deadletter import HELD_BACK
-from stalwart.store import EventStore, NewEvent, load_state, read_readable
+from stalwart.store import (
+    DEFAULT_SNAPSHOT_EVERY,
+    EventStore,
+    NewEvent,
+    Snapshot,
+    load_state,
+    read_readable,
+    snapshot_name,
+)
 
 from ._outage import StoreOutage
 from ._portal import IoPortal
@@ -87,6 +97,7 @@ __all__ = [
     "DeadLetterActor",
     "Drain",
     "Enqueue",
+    "FoldSnapshots",
     "InFlight",
     "QueueState",
     "RetryDue",
@@ -260,6 +271,73 @@ def _copy(outcome: Future[str | None], result: str | BaseException | None) -> No
             outcome.set_result(result)
 
 
+# -- the fold's snapshots, kept while the actor runs ---------------------------------------
+
+
+class FoldSnapshots:
+    """Saves the fold a long-lived actor keeps of its stream as it goes (the dead-letter
+    queue's, a provider's health actor's): ``load_state`` saves one only as the actor
+    starts, so without these the next start (a crash's restart, the next runtime on the
+    log) would fold everything recorded since the previous start, longer after every
+    long run. A snapshot is saved once ``snapshot_every`` records (the store's cadence;
+    0: never) were folded past the last one, never past a record the actor could not
+    read (a load that skipped one saves none either); one the store refuses is logged
+    and tried again once another record is folded."""
+
+    __slots__ = ("_aggregate", "_damaged", "_every", "_next", "_position", "_store", "_version")
+
+    def __init__(self, store: EventStore, aggregate: Aggregate[Any]) -> None:
+        self._store = store
+        self._aggregate = aggregate
+        self._every: int = getattr(store, "snapshot_every", DEFAULT_SNAPSHOT_EVERY)
+        self._version = 0  # the last record folded, and where it is in the log
+        self._position = 0
+        self._next = self._every  # the version the next snapshot is due at
+        self._damaged = False
+
+    def loaded(self, version: int) -> None:
+        """The actor loaded its state up to ``version`` (``load_state`` left the newest
+        snapshot fewer than ``snapshot_every`` records behind it)."""
+        self._version, self._position = version, 0
+        self._next = version + self._every
+
+    def folded(self, record: RecordedEvent) -> None:
+        self._version, self._position = record.version, record.position
+
+    def damaged(self) -> None:
+        """A record of the stream could not be read: no snapshot from now on (a later load
+        that does not skip must still meet the damage)."""
+        self._damaged = True
+
+    def keep(self, stream: str, state: object) -> None:
+        """Save ``state`` (the fold up to the last record :meth:`folded`) when it is due."""
+        if self._every <= 0 or self._damaged or self._position == 0:
+            return
+        if self._version < self._next:
+            return
+        name = snapshot_name(self._aggregate)
+        snapshot = Snapshot(
+            stream=stream,
+            name=name,
+            version=self._version,
+            position=self._position,
+            data=msgspec.msgpack.encode(state),
+        )
+        try:
+            self._store.put_snapshot(snapshot)
+        except StoreError as exc:  # a snapshot only saves time: the state is still right
+            log.warning(
+                "state.snapshot_not_saved",
+                stream=stream,
+                fold=name,
+                version=self._version,
+                error=type(exc).__name__,
+            )
+            self._next = self._version + 1
+            return
+        self._next = self._version + self._every
+
+
 # -- the actor ----------------------------------------------------------------------------
 
 
@@ -309,6 +387,7 @@ class DeadLetterActor(Supervised):
         self._any_degraded = any_degraded
         self._state: DeadLetterState = DEADLETTER.initial(stream)
         self._folder = DEADLETTER.folder(self._state)
+        self._snapshots = FoldSnapshots(store, DEADLETTER)
         #: the outcomes of sends that ended, not yet appended (see :meth:`_record_outcomes`)
         self._outcomes: list[tuple[RetrySent, _InFlight]] = []
         self._in_flight: dict[str, _InFlight] = {}
@@ -325,7 +404,9 @@ class DeadLetterActor(Supervised):
     def started(self) -> None:
         try:
             self._refold(load_state(self._store, self._stream, DEADLETTER))
+            self._snapshots.loaded(self._state.version)
         except CorruptRecordError:  # fold it all again, past the records it cannot read
+            self._snapshots.damaged()
             self._refold(DEADLETTER.initial(self._stream))
             self._catch_up()
         state = self._state
@@ -570,8 +651,9 @@ class DeadLetterActor(Supervised):
             expected_version=self._state.version,
         )
         for record in records:
-            self._folder.add(record)
+            self._fold(record)
         self._state = self._folder.state()
+        self._snapshots.keep(self._stream, self._state)
 
     def _catch_up(self) -> None:
         """Fold what other writers appended to the stream since this actor last looked,
@@ -580,8 +662,13 @@ class DeadLetterActor(Supervised):
         for record in read_readable(
             self._store, self._stream, self._state.version + 1, unreadable=self._skip
         ):
-            self._folder.add(record)
+            self._fold(record)
             self._state = self._folder.state()
+        self._snapshots.keep(self._stream, self._state)
+
+    def _fold(self, record: RecordedEvent) -> None:
+        self._folder.add(record)
+        self._snapshots.folded(record)
 
     def _skip(self, version: int, exc: CorruptRecordError) -> None:
         log.error(
@@ -590,6 +677,7 @@ class DeadLetterActor(Supervised):
             version=version,
             position=exc.position,
         )
+        self._snapshots.damaged()
         self._refold(msgspec.structs.replace(self._folder.state(), version=version))
 
     def _refold(self, state: DeadLetterState) -> None:

@@ -54,6 +54,7 @@ from stalwart.state import (
 )
 from stalwart.store import EventStore, NewEvent, load_state, read_readable
 
+from ._deadletter import FoldSnapshots
 from ._outage import StoreOutage
 from ._restarts import crashed
 from ._scheduler import Scheduler, TimerHandle
@@ -288,6 +289,8 @@ class ProviderHealthActor(Supervised):
         horizon = max(DEFAULT_HORIZON_MS, self._settings.window_ms)
         self._aggregate = _WatchAggregate(HealthAggregate(horizon_ms=horizon))
         self._state = self._aggregate.initial(self._stream)
+        #: the fold saved as it goes: a restart folds what came after it, not the run
+        self._snapshots = FoldSnapshots(store, self._aggregate)
         self._timer: TimerHandle | None = None
         self._poll_pending = threading.Event()
         self._follower: _Follower | None = None
@@ -317,18 +320,28 @@ class ProviderHealthActor(Supervised):
         crashed(self._on_crash, exc_info)
 
     def _load(self) -> _Watch:
-        # a damaged record is passed over (logged): one lost outcome must not keep the
-        # provider's health unknown for good
-        state = load_state(self._store, self._stream, self._aggregate, skip_unreadable=True)
+        state = self._load_from(use_snapshots=True)
         if state.health.horizon_ms < self._settings.window_ms:  # a snapshot of a narrower fold
-            state = load_state(
+            state = self._load_from(use_snapshots=False)
+        self._snapshots.loaded(state.health.version)
+        return state
+
+    def _load_from(self, *, use_snapshots: bool) -> _Watch:
+        """The fold from the log; a damaged record is passed over (logged): one lost
+        outcome must not keep the provider's health unknown for good."""
+        try:
+            return load_state(
+                self._store, self._stream, self._aggregate, use_snapshots=use_snapshots
+            )
+        except CorruptRecordError:
+            self._snapshots.damaged()
+            return load_state(
                 self._store,
                 self._stream,
                 self._aggregate,
-                use_snapshots=False,
+                use_snapshots=use_snapshots,
                 skip_unreadable=True,
             )
-        return state
 
     # -- messages ----------------------------------------------------------------------------
 
@@ -377,6 +390,7 @@ class ProviderHealthActor(Supervised):
         else:
             log.warning("health.append_contended", provider=self._provider, tries=MAX_CONFLICTS)
             self.actor_ref.tell(PollHealth())
+        self._snapshots.keep(self._stream, self._state)
         self._arm()
         self._view.publish(self._report())
 
@@ -391,11 +405,13 @@ class ProviderHealthActor(Supervised):
         log.error(
             "health.record_unreadable", stream=self._stream, version=version, position=exc.position
         )
+        self._snapshots.damaged()
         health = msgspec.structs.replace(self._state.health, version=version)
         self._state = msgspec.structs.replace(self._state, health=health)
 
     def _fold(self, record: RecordedEvent) -> None:
         self._state = self._aggregate.apply(self._state, record)
+        self._snapshots.folded(record)
 
     def _announce(self, recorded: list[RecordedEvent]) -> None:
         for record in recorded:
