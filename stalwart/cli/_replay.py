@@ -41,7 +41,7 @@ from stalwart.state import (
     Verifier,
 )
 from stalwart.state import VerifyReport as Report
-from stalwart.store import EventStore
+from stalwart.store import EventStore, Passed, read_all_passing
 from stalwart.tools import ToolBreakerState, apply_tool_breaker, decide_tool_call
 
 from ._render import fmt_ts, to_json
@@ -141,17 +141,13 @@ def _all(store: EventStore, until: int | None) -> Iterator[Item]:
     streams' rows name past the log's last one (a log cut short) as one more."""
     claimed = _claimed_end(store)  # before the log is read: each of these was in it
     position = 1
-    while until is None or position <= until:
-        try:
-            for record in store.read_all(position, until):
-                position = record.position + 1
-                yield record
-            break
-        except CorruptRecordError as exc:
-            at = max(exc.position, position)
-            through = max(exc.through, at)
-            yield Corrupt(at, exc.reason, through=through)
-            position = through + 1
+    for item in read_all_passing(store, 1, until):
+        if isinstance(item, Passed):
+            yield Corrupt(item.position, item.error.reason, through=item.through)
+            position = item.through + 1
+        else:
+            yield item
+            position = item.position + 1
     end = claimed if until is None else min(claimed, until)
     if end >= position:
         cut = f"the log ends at position {position - 1}; the streams name records up to {claimed}"

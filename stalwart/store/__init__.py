@@ -11,7 +11,9 @@ from ._lmdb import LmdbEventStore
 from ._open import open, open_configured
 from ._projection import (
     DEFAULT_SNAPSHOT_EVERY,
+    Passed,
     load_state,
+    read_all_passing,
     read_all_readable,
     read_readable,
     snapshot_name,
@@ -44,6 +46,7 @@ __all__ = [
     "Fence",
     "LmdbEventStore",
     "NewEvent",
+    "Passed",
     "PostgresEventStore",
     "Problem",
     "Snapshot",
@@ -56,6 +59,7 @@ __all__ = [
     "load_state",
     "open",
     "open_configured",
+    "read_all_passing",
     "read_all_readable",
     "read_readable",
     "snapshot_name",

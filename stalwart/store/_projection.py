@@ -67,17 +67,21 @@ def _readable_batches(
             version += 1
 
 
-def read_all_readable(
-    store: EventStore,
-    from_position: int = 1,
-    until_position: int | None = None,
-    *,
-    unreadable: Callable[[int, CorruptRecordError], object] | None = None,
-) -> Iterator[RecordedEvent]:
-    """The log from ``from_position`` (to ``until_position``), passing over each record
-    that cannot be read (``unreadable(position, error)`` hears of it; of a run of missing
-    records once, ``error.through`` its end, read on after in one step): for a view that
-    shows what it can and says what it could not."""
+class Passed(msgspec.Struct, frozen=True):
+    """What a read of the log passed over: the record at ``position`` that cannot be read,
+    or the run ``position..through`` of missing ones, and the store's ``error``."""
+
+    position: int
+    through: int
+    error: CorruptRecordError
+
+
+def read_all_passing(
+    store: EventStore, from_position: int = 1, until_position: int | None = None
+) -> Iterator[RecordedEvent | Passed]:
+    """The log from ``from_position`` (to ``until_position``), each record that cannot be
+    read in its place as a :class:`Passed` (a run of missing records as one, read on
+    after its end in one step, ``CorruptRecordError.through``)."""
     position = from_position
     while True:
         try:
@@ -87,9 +91,28 @@ def read_all_readable(
             return
         except CorruptRecordError as exc:
             at = max(exc.position, position)
+            through = max(exc.through, at)
+            yield Passed(at, through, exc)
+            position = through + 1
+
+
+def read_all_readable(
+    store: EventStore,
+    from_position: int = 1,
+    until_position: int | None = None,
+    *,
+    unreadable: Callable[[int, CorruptRecordError], object] | None = None,
+) -> Iterator[RecordedEvent]:
+    """The log from ``from_position`` (to ``until_position``), passing over each record
+    that cannot be read (``unreadable(position, error)`` hears of it; of a run of missing
+    records once, ``error.through`` its end): for a view that shows what it can and says
+    what it could not."""
+    for item in read_all_passing(store, from_position, until_position):
+        if isinstance(item, Passed):
             if unreadable is not None:
-                unreadable(at, exc)
-            position = max(exc.through, at) + 1
+                unreadable(item.position, item.error)
+        else:
+            yield item
 
 
 def _until(
