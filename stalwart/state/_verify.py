@@ -222,7 +222,10 @@ class Verification:
             self._recovered.add(event.provider)
         elif kind is SupervisorRestarted:
             assert isinstance(event, SupervisorRestarted)
-            self._deadlines.actor_restarted(event.actor)
+            for key in self._deadlines.actor_restarted(event.actor, ts):
+                finding = self._misses.pop(key, None)
+                if finding is not None:
+                    self._findings.remove(finding)
         walk = self._walks.get(record.stream)
         if walk is None:
             if self._verify(record.stream):

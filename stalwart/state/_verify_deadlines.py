@@ -58,6 +58,7 @@ class DeadlineWatch:
         #: the misses confirmed, by stream: their deadline and the record that proved each,
         #: until their deadline moves (see :meth:`made_in_time`)
         self._confirmed: dict[str, dict[int, RecordedEvent]] = {}
+        self._confirmed_due: dict[Key, float] = {}  # when each confirmed miss fell due
 
     def before(self, record: RecordedEvent, *, restart: bool = False) -> list[Missed]:
         """Look at ``record`` before it is folded; the deadlines it proves missed. A
@@ -108,16 +109,39 @@ class DeadlineWatch:
             else:
                 self._orphaned[key] = due
 
-    def actor_restarted(self, stream: str) -> None:
-        """The supervisor restarted the actor owning ``stream``: the timers it kept died
-        with it (a model call's prompt timeout, its turn's execution timeout), unless the
-        deadline survives a restart (read from the log) or the new actor re-arms it."""
+    def actor_restarted(self, stream: str, ts: float) -> list[Key]:
+        """The supervisor restarted the actor owning ``stream``, deciding so at ``ts``: the
+        timers it kept died with it (a model call's prompt timeout, its turn's execution
+        timeout), unless the deadline survives a restart (read from the log) or the new
+        actor re-arms it. A deadline that fell due before ``ts`` was missed while the
+        actor lived and stays missed; one that fell due after it was not owed, also when
+        the restart's record comes after the record that seemed to prove it missed (the
+        supervisor appends its decision late, after records of later times): those misses
+        are returned, to be taken back."""
+        taken_back: list[Key] = []
         for key, due in list(self._pending.items()):
-            if key[0] != stream or key in self._suspects:
-                continue  # a deadline already missed before the crash stays missed
-            deadline = self._deadlines[key[1]]
-            if not (deadline.survives_restart or deadline.survives_actor_restart):
-                self._orphaned[key] = due
+            if key[0] != stream or self._survives_actor(key[1]):
+                continue
+            if key in self._suspects:
+                if ts > due:
+                    continue  # missed before the crash: it stays missed
+                del self._suspects[key]
+            self._orphaned[key] = due
+        confirmed = self._confirmed.get(stream)
+        if confirmed is None:
+            return taken_back
+        for index in list(confirmed):
+            fell_due = self._confirmed_due.get((stream, index))
+            if fell_due is not None and ts <= fell_due and not self._survives_actor(index):
+                del confirmed[index]
+                taken_back.append((stream, index))
+        if not confirmed:
+            del self._confirmed[stream]
+        return taken_back
+
+    def _survives_actor(self, index: int) -> bool:
+        deadline = self._deadlines[index]
+        return deadline.survives_restart or deadline.survives_actor_restart
 
     def owed(self) -> list[Key]:
         """The deadlines pending or orphaned: the only ones a new config can move (one
@@ -201,4 +225,5 @@ class DeadlineWatch:
                 del self._suspects[key]
                 missed.append(Missed(stream, index, due, proof))
                 self._confirmed.setdefault(stream, {})[index] = proof
+                self._confirmed_due[key] = due
         return missed
