@@ -147,7 +147,7 @@ class SessionActionError(StalwartError):
     for an approval or the reverse), ``wake_refused`` (a delayed wake over its caps),
     ``invalid_session`` (an id no session can have: empty, with whitespace or control
     characters, over 128 characters or 256 UTF-8 bytes, or a stream name; ``session``
-    is then empty).
+    is then empty), ``empty_message`` (a user message whose text is empty or blank).
     """
 
     def __init__(self, message: str, *, reason: str, session: str) -> None:

@@ -152,7 +152,19 @@ def send_message(
     A ``message_id`` the session was already given (among its newest ``MESSAGES_KEPT``
     messages) is not recorded again: the activation that carries it is returned, so a
     message delivered twice (a chat platform redelivering its webhook) is answered once.
+
+    TypeError for a ``text`` that is not a str; SessionActionError ``empty_message`` for
+    an empty or blank one (nothing is recorded: a turn with nothing to answer is one the
+    providers refuse, and the turn would fail after the message was acknowledged).
     """
+    _typed("text", text, str)
+    if not text.strip():
+        stream = _stream(session_id)
+        raise SessionActionError(
+            f"message refused for {stream!r}: the text is empty",
+            reason="empty_message",
+            session=stream,
+        )
     activation_id = new_id()
     if not message_id:  # a new id (an empty one is none): nothing to compare, one append
         ready = ActivationReady(
