@@ -99,12 +99,20 @@ def test_a_session_a_worker_holds_is_refused(tmp_path: Path, fake: FakeProvider)
 
 
 def test_a_session_whose_lease_expired_takes_a_run(tmp_path: Path, fake: FakeProvider) -> None:
-    """A lease past its expiry (its worker died) does not hold the session."""
+    """A lease past its expiry (its worker died) does not hold the session; its message,
+    still queued, is one the next worker takes over, so ``run`` waits for it to be
+    answered or dropped (it was run beside it before: tests/test_cli_run_queued_s34.py)."""
     config = _config(tmp_path, fake)
     store_dir = tmp_path / "store"
     fake.set_default(Answer(text="fine"))
     _leased(store_dir, time.time() - 60)
 
+    code, _, err = stalwart("run", "--config", str(config), "--session", "s1", "hi")
+    assert_one_error_line(code, err)
+    assert "is held by a worker" not in err
+    assert "1 queued activation(s)" in err
+    code, _, err = stalwart("--store", str(store_dir), "session", "interrupt", "s1")
+    assert code == 0, err
     code, out, err = stalwart("run", "--config", str(config), "--session", "s1", "hi")
     assert code == 0, err
     assert out.strip() == "fine"

@@ -27,7 +27,7 @@ from stalwart.events import (
 from stalwart.ids import new_id
 from stalwart.providers import Message, ProviderRequest, StreamEvent, TextDelta
 from stalwart.runtime import ProviderLayer, check_session_id, load_session, runtime_started
-from stalwart.state import SessionState
+from stalwart.state import Activation, SessionState
 from stalwart.store import EventStore, NewEvent
 
 from ._app import _State, cli, message_text
@@ -115,7 +115,21 @@ def _free_session(store: EventStore, session: str, now: float) -> SessionState:
         )
     if state.status == "closed":
         raise StalwartError(f"session {stream!r} is closed")
+    waiting = _claimable(activations.queue, now)
+    if waiting:
+        raise StalwartError(
+            f"session {stream!r} has {waiting} queued activation(s) a worker would run "
+            f"beside this turn: send the message with `stalwart session send` (it is "
+            f"answered after them), or drop them with `stalwart session interrupt {session}`"
+        )
     return state
+
+
+def _claimable(queue: tuple[Activation, ...], now: float) -> int:
+    """How many queued activations a worker may lease while ``run``'s turn goes on (it
+    holds no lease): every message and resume (due, or due after a failure's backoff,
+    which a turn may outlast) and each wake already due; a wake set for later is left."""
+    return sum(1 for a in queue if a.kind != "wake" or a.run_at <= now)
 
 
 def _agent_for(config: Config, state: SessionState, given: str | None) -> str:
