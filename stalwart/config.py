@@ -354,6 +354,8 @@ def url_problem(url: str) -> str | None:
     echoes the url."""
     if not url.startswith(("http://", "https://")):
         return "must start with http:// or https://"
+    if any(c.isspace() for c in url):  # sent percent-encoded: a host no one has, a 404
+        return "contains whitespace (a url has none: encode a space in a path as %20)"
     try:
         parts = urlsplit(url)
         port = parts.port  # raises for a port that is not a number in 0..65535
