@@ -214,7 +214,7 @@ def test_an_agent_view_restored_from_a_real_store_equals_the_full_fold(tmp_path:
             assert restored == full
         newest = next(iter(log.snapshots(STREAM, snapshot_name(AGENT_VIEW))))
         assert newest.version == len(script)
-        assert snapshot_name(AGENT_VIEW) == "agent_view@v4"
+        assert snapshot_name(AGENT_VIEW) == "agent_view@v5"
         view = load_state(log, STREAM, AGENT_VIEW)
     ledger = view.ledger
     assert ledger.resolutions["c1"].kind == "allow"  # the confirmation survives the snapshot
@@ -226,7 +226,7 @@ def test_an_agent_view_restored_from_a_real_store_equals_the_full_fold(tmp_path:
 
 
 def test_the_agent_view_version_moves_with_what_its_snapshot_embeds() -> None:
-    """``agent_view@v4`` holds the states of other folds (the session, the activations,
+    """``agent_view@v5`` holds the states of other folds (the session, the activations,
     the drafts, the calls) without their versions, so a snapshot saved before one of
     them changed would be read as if it had not. When this fails: bump
     ``AgentViewAggregate.version`` (old snapshots are then passed over, and dropped at the
@@ -235,7 +235,7 @@ def test_the_agent_view_version_moves_with_what_its_snapshot_embeds() -> None:
     schema = json.dumps(msgspec.json.schema(AgentView), sort_keys=True).encode()
     shape = hashlib.sha256(schema).hexdigest()[:16]
     assert (AGENT_VIEW.version, embedded, shape) == (
-        4,
+        5,
         {"session": 1, "activations": 1, "drafts": 2, "verify_calls": 1},
-        "8504a59750c96c75",
+        "1629943f58574d04",
     )

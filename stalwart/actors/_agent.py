@@ -72,6 +72,7 @@ from stalwart.ids import new_id
 from stalwart.providers import CallSeal, ModelCaller, ProviderRequest, ProviderResponse
 from stalwart.state import (
     SUBSESSION_CHANNEL_PREFIX,
+    Activation,
     ActivationPolicy,
     WakeResult,
     decide_message,
@@ -122,6 +123,7 @@ from ._agent_wake import (
     DENIED_TEXT,
     INTERRUPTED_TEXT,
     NO_HUMAN_TEXT,
+    REPEATED_OUTCOME,
     UNRECONCILED_TEXT,
     WAKE_PREFIX,
     WakeLedger,
@@ -800,9 +802,14 @@ class AgentActor(Supervised):
         running = self._folder.session().current_turn
         if running is not None:
             events.append(TurnCompleted(turn_id=running, outcome="interrupted", reason="restart"))
+        if all(self._repeated(activation) for activation in wake.activations):
+            self._settle_repeated(wake, events)
+            return
         turn_id = new_id()
         events.append(TurnStarted(turn_id=turn_id, trigger=wake.kind))
         for activation in wake.activations:
+            if self._repeated(activation):
+                continue  # the session has it: the wake answers what is new
             if activation.kind == "message" and activation.message_id:
                 message_id, content = activation.message_id, activation.text
             elif activation.kind == "wake":
@@ -825,6 +832,21 @@ class AgentActor(Supervised):
             self._start_tools(turn, unanswered)
         else:
             self._call_model(turn)
+
+    def _repeated(self, activation: Activation) -> bool:
+        """Whether ``activation`` carries a user message the session was given before
+        (a redelivery): it is not recorded again, and it asks for no turn of its own."""
+        return activation.kind == "message" and self._ledger.repeated(activation.activation_id)
+
+    def _settle_repeated(self, wake: Wake, before: Sequence[Event]) -> None:
+        """A wake whose every message was given to the session before: no turn, no
+        reply; the wake is acked ``already_answered`` (with the close of a turn a dead
+        holder left running, when there is one), so it is not run again."""
+        now = self._clock.now()
+        settlement = self._settlement(REPEATED_OUTCOME, None, now)
+        log.info("agent.wake_repeated", stream=self._stream, activation_id=wake.activation_id)
+        self._append([*before, *([settlement] if settlement else [])], now=now)
+        self._end_wake()
 
     def _pause(
         self, turn: LiveTurn, request: SessionRequiresAction, before: Sequence[Event]

@@ -146,10 +146,12 @@ class AgentViewAggregate:
     Version 3 keeps a call surfaced as ``unreconciled`` among the ledger's started calls
     until its result is in the conversation (so a step resumed twice never runs it).
     Version 4: the drafts fold (version 2) leaves a draft open when an older revision of
-    it is committed."""
+    it is committed. Version 5: the ledger keeps the queued message activations that
+    carry a message the session was given before (``repeats``: a redelivery), which a
+    wake neither records nor answers again."""
 
     name = "agent_view"
-    version = 4
+    version = 5
     state_type = AgentView
 
     def initial(self, stream: str) -> AgentView:

@@ -22,10 +22,12 @@ from stalwart.context.pipeline import safe_label
 from stalwart.events import (
     ActivationAbandoned,
     ActivationLeased,
+    ActivationReady,
     AnnouncementDelivered,
     AnnouncementQueued,
     AnnouncementResent,
     AnnouncementSendFailed,
+    Event,
     MessageAppended,
     RecordedEvent,
     SessionRequiresAction,
@@ -58,6 +60,7 @@ __all__ = [
     "DENIED_TEXT",
     "INTERRUPTED_TEXT",
     "NO_HUMAN_TEXT",
+    "REPEATED_OUTCOME",
     "UNRECONCILED_TEXT",
     "WAKE_PREFIX",
     "LedgerState",
@@ -86,6 +89,9 @@ UNRECONCILED_TEXT = (
     "an interrupt) and may or may not have taken effect; it was not run again. Check its "
     "effect before repeating it."
 )
+#: The outcome a wake is acked with when every message it carries was given to the
+#: session before (a redelivery): it ran no turn, so the user gets no second reply.
+REPEATED_OUTCOME = "already_answered"
 #: How a delayed wake's text enters the conversation.
 WAKE_PREFIX = "[scheduled wake] "
 
@@ -128,6 +134,7 @@ class LedgerState(msgspec.Struct, frozen=True, kw_only=True):
     unsent: dict[str, Unsent] = msgspec.field(default_factory=dict)
     announced: bool = False
     abandoned: float | None = None
+    repeats: frozenset[str] = frozenset()
 
     @classmethod
     def initial(cls, stream: str) -> LedgerState:
@@ -147,6 +154,7 @@ class WakeLedger:
         "last_calls",
         "message_ids",
         "recent",
+        "repeats",
         "requests",
         "resolutions",
         "results",
@@ -179,6 +187,9 @@ class WakeLedger:
         #: when an activation was given up on with nothing announced since its lease
         #: (None once a notice or the turn's close for it is in the log)
         self.abandoned: float | None = state.abandoned
+        #: the unsettled message activations that carry a message the session was given
+        #: before (a redelivery the newest ``MESSAGES_KEPT`` ids no longer caught)
+        self.repeats: set[str] = set(state.repeats)
 
     def state(self) -> LedgerState:
         """The ledger as a frozen value (what the Agent's snapshot keeps)."""
@@ -197,6 +208,7 @@ class WakeLedger:
             unsent=dict(self.unsent),
             announced=self.announced,
             abandoned=self.abandoned,
+            repeats=frozenset(self.repeats),
         )
 
     def add(self, record: RecordedEvent) -> None:
@@ -204,6 +216,7 @@ class WakeLedger:
         self.recent = remember_message(self.recent, record.event)
         self.drafts = apply_drafts(self.drafts, record)
         event = record.event
+        self._note_repeat(event)
         match event:
             case MessageAppended():
                 self.message_ids.add(event.message_id)
@@ -253,6 +266,32 @@ class WakeLedger:
                 self.abandoned = None
             case _:
                 pass
+
+    def _note_repeat(self, event: Event) -> None:
+        """Keep :attr:`repeats` (the activations are folded already)."""
+        if self.repeats:  # settled (acked, cancelled ...): no longer of interest
+            self.repeats.intersection_update(a.activation_id for a in self.activations.queue)
+        if (
+            isinstance(event, ActivationReady)
+            and event.kind == "message"
+            and event.message_id
+            and self._given(event.message_id, event.activation_id)
+        ):
+            self.repeats.add(event.activation_id)
+
+    def _given(self, message_id: str, activation_id: str) -> bool:
+        """Whether the session was given ``message_id`` before ``activation_id`` carried
+        it: it is in the conversation, or another activation still queued carries it."""
+        return message_id in self.message_ids or any(
+            a.message_id == message_id and a.activation_id != activation_id
+            for a in self.activations.queue
+        )
+
+    def repeated(self, activation_id: str) -> bool:
+        """Whether the activation carries a message given to the session before (its
+        answer is the earlier one's): its wake records it not again and answers it not
+        again."""
+        return activation_id in self.repeats
 
     def _resolve(self, request_id: str, resolution: Resolution) -> None:
         request = self.requests.pop(request_id, None)

@@ -10,11 +10,16 @@ pykka also drops, without a word, the messages told to an actor that dies before
 handled them. An actor whose mail must outlive it (the supervisor's: a crash told to it
 is the only word that a crashed actor needs restarting) takes them out in its
 ``on_failure`` with :meth:`Supervised.take_inbox` and hands them to its successor.
+A tell that checked the actor was alive before that and puts its message after it is
+refused by the inbox itself (``ActorDeadError``, as a tell to a dead actor), so the
+sender keeps it: no message lands in an inbox nobody reads again.
 """
 
 from __future__ import annotations
 
+import queue
 import sys
+import threading
 from typing import Any
 
 import pykka
@@ -22,8 +27,52 @@ import pykka
 __all__ = ["Supervised"]
 
 
+#: What a message put into a closed inbox is refused with (an ask is answered with it).
+_DEAD = "the actor stopped before handling the message"
+
+
+class ClosingInbox(queue.Queue[Any]):  # of pykka's envelopes
+    """An actor's inbox that :meth:`close` shuts for good: a message put after it is
+    refused as pykka refuses one to a dead actor (a tell raises ``ActorDeadError``; an
+    ask is answered with it, a stop with None). pykka's ``tell`` checks that the actor
+    is alive and then puts, so without this a message put between an actor taking its
+    inbox and its end would be lost without a word."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._gate = threading.Lock()
+        self._closed = False
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        with self._gate:  # unbounded: a put never waits while it holds the gate
+            if not self._closed:
+                super().put(item, block, timeout)
+                return
+        _refuse(item)
+
+    def close(self) -> None:
+        """Refuse every later put; what was put before stays to be taken."""
+        with self._gate:
+            self._closed = True
+
+
+def _refuse(envelope: Any) -> None:
+    """Answer (or refuse) a message that reached an inbox no one will read again."""
+    if envelope.reply_to is None:
+        raise pykka.ActorDeadError(_DEAD)
+    if isinstance(envelope.message, pykka.messages._ActorStop):
+        envelope.reply_to.set(None)  # as pykka answers a stop it never ran
+        return
+    error = pykka.ActorDeadError(_DEAD)
+    envelope.reply_to.set_exception(exc_info=(pykka.ActorDeadError, error, None))
+
+
 class Supervised(pykka.ThreadingActor):
     """A ThreadingActor whose failing start goes through ``on_failure``."""
+
+    @staticmethod
+    def _create_actor_inbox() -> ClosingInbox:
+        return ClosingInbox()
 
     def on_start(self) -> None:
         try:
@@ -42,16 +91,14 @@ class Supervised(pykka.ThreadingActor):
         so a sender that holds messages for a successor keeps them instead. An ``ask``
         still waiting is answered as pykka answers it (``ActorDeadError``; a stop: None)."""
         self.actor_stopped.set()  # pykka sets it too (after a failing start: only after this)
-        told: list[Any] = []
         inbox = self.actor_inbox
+        if isinstance(inbox, ClosingInbox):  # a tell that passed the check before the set
+            inbox.close()  # and puts after it is refused, not left in here unread
+        told: list[Any] = []
         while not inbox.empty():  # this thread is the inbox's only reader
             envelope = inbox.get()
             if envelope.reply_to is None:
                 told.append(envelope.message)
                 continue
-            if isinstance(envelope.message, pykka.messages._ActorStop):
-                envelope.reply_to.set(None)  # as pykka answers a stop it never ran
-                continue
-            error = pykka.ActorDeadError(f"{self.actor_ref} stopped before handling the message")
-            envelope.reply_to.set_exception(exc_info=(pykka.ActorDeadError, error, None))
+            _refuse(envelope)
         return told

@@ -17,7 +17,7 @@ from stalwart.events import ToolCall
 __all__ = ["ContextMessage", "Summarizer", "SummaryRequest", "ThinkingBlock"]
 
 
-class ThinkingBlock(msgspec.Struct, frozen=True, kw_only=True):
+class ThinkingBlock(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A reasoning block as the provider returned it; ``signature`` is Anthropic's replay
     signature (None for providers that do not sign)."""
 
@@ -26,10 +26,15 @@ class ThinkingBlock(msgspec.Struct, frozen=True, kw_only=True):
     redacted: bool = False
 
 
-class ContextMessage(msgspec.Struct, frozen=True, kw_only=True):
+class ContextMessage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One stored message. ``message_id`` is unique within a session; ``seq`` is its
     place in the session (0, 1, 2 ...); ``turn`` counts user turns (the n-th user
-    message opens turn n)."""
+    message opens turn n).
+
+    Never tracked by the garbage collector (``gc=False``, as :class:`ThinkingBlock`): a
+    frozen message holds only strings, numbers and tuples of frozen structs made before
+    it, so it is in no reference cycle, and a long session's conversation (an Agent's
+    snapshot holds all of it) is not walked by every collection."""
 
     message_id: str
     seq: int
