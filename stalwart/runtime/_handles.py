@@ -20,6 +20,7 @@ from stalwart.actors import (
     Work,
 )
 from stalwart.clock import SystemClock
+from stalwart.errors import SessionActionError
 from stalwart.state import RUN, RunState
 from stalwart.store import EventStore, load_state
 
@@ -190,12 +191,20 @@ class SessionHandle:
         ``send`` returns never loses it. Otherwise the agent is told it.
 
         TypeError, before anything is recorded, for a ``text`` or ``message_id`` that is
-        not a string; RuntimeError once the session's agent has stopped (the runtime was
+        not a string; SessionActionError ``empty_message`` for an empty or blank ``text``;
+        RuntimeError once the session's agent has stopped (the runtime was
         closed)."""
         if not isinstance(text, str):
             raise TypeError(f"a message's text is a str, not {type(text).__name__}")
         if message_id is not None and not isinstance(message_id, str):
             raise TypeError(f"a message_id is a str or None, not {type(message_id).__name__}")
+        if not text.strip():  # in either mode: a turn with nothing to answer
+            stream = f"session:{self.session_id}"
+            raise SessionActionError(
+                f"message refused for {stream!r}: the text is empty",
+                reason="empty_message",
+                session=stream,
+            )
         if self._post is not None:
             self._post(text, message_id)
             return
