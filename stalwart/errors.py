@@ -41,6 +41,13 @@ class StalwartError(Exception):
     """Base class of every error stalwart raises on purpose."""
 
 
+#: Ends the recorded class of a channel failure that is final (``rejected:final``): a
+#: :class:`ChannelError` that is not ``retryable`` (but for ``closed``: the next
+#: runtime's channel is open). ``stalwart.channels.send_within`` writes it; the
+#: dead-letter queue expires such an entry at once instead of retrying it.
+FINAL_FAILURE = ":final"
+
+
 class ChannelError(StalwartError):
     """A delivery to a channel (console, webhook, ...) that failed.
 

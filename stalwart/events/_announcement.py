@@ -88,6 +88,7 @@ class AnnouncementDeadLetterExpired(Event, frozen=True, tag="announcement:dead_l
     age_ms: int
     max_age_ms: int
     attempts: int = 0
-    reason: Literal["max_age", "retries_exhausted"] = "max_age"
+    #: ``rejected``: the last send's failure was final (added later; older logs have none)
+    reason: Literal["max_age", "retries_exhausted", "rejected"] = "max_age"
     max_retries: int = 0
     severity: ClassVar[Severity] = "error"

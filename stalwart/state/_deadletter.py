@@ -5,6 +5,12 @@ Seed 000: an announcement that could not be delivered is queued
 ``max_age_ms`` (1 h), and drained at once, every entry, on ``provider:recovered``. Every
 drop is an event (``announcement:dead_letter_expired`` with its ``reason``), none silent.
 
+An entry whose last failure was final (its ``error_class`` ends in :data:`FINAL`: the
+channel said sending it again cannot succeed, a webhook's 400, 401, 403, 404 ...) is
+:attr:`~DeadLetterEntry.refused`: not retried nor drained, it expires at once, reason
+``rejected``. Logs written before final failures were marked have none, and keep their
+retries.
+
 A retry is a decision recorded before its send (``announcement:dead_letter_retried``,
 reason ``backoff`` or ``drain``); its outcome follows in the same stream:
 ``announcement:send_failed`` with the ``entry_id`` (one more attempt) or
@@ -32,11 +38,12 @@ retry but is no attempt: the entry keeps its attempts and its backoff).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
-from typing import Literal
+from collections.abc import Collection, Iterable, Iterator
+from typing import Any, Literal
 
 import msgspec
 
+from stalwart.errors import FINAL_FAILURE
 from stalwart.events import (
     AnnouncementDeadLetterDelivered,
     AnnouncementDeadLettered,
@@ -64,6 +71,9 @@ class DeadLetterEntry(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     #: when the retry under way was recorded (None: no send under way), and by which runtime
     sending_since: float | None = None
     sending_runtime: str | None = None
+    #: the entry's last failure (its last send's, else the one that queued it) was final
+    #: (:func:`is_final`): sent again, it cannot be delivered
+    refused: bool = False
 
     @property
     def route(self) -> tuple[str, str]:
@@ -86,7 +96,15 @@ class DeadLetterFolder:
     order), so that each event costs one lookup, not a pass over the queue (a drain of a
     backlog folds one retry, then one outcome, per entry)."""
 
-    __slots__ = ("_delivered", "_entries", "_expired", "_frozen", "_stream", "_version")
+    __slots__ = (
+        "_delivered",
+        "_entries",
+        "_expired",
+        "_frozen",
+        "_index",
+        "_stream",
+        "_version",
+    )
 
     def __init__(self, state: DeadLetterState) -> None:
         self._stream = state.stream
@@ -95,10 +113,28 @@ class DeadLetterFolder:
         self._delivered = state.delivered
         self._expired = state.expired
         self._frozen: DeadLetterState | None = state
+        self._index: _Index | None = None  # made when first asked, then kept up
 
     def entry(self, entry_id: str) -> DeadLetterEntry | None:
         """The queued entry ``entry_id`` (None: not in the queue)."""
         return self._entries.get(entry_id)
+
+    def queued_of(self, announcement_id: str) -> list[DeadLetterEntry]:
+        """The queued entries of the announcement, in enqueue order (no pass over the
+        queue: a sender queues one entry after another, and a backlog of n would cost
+        n squared)."""
+        ids = self._indexed().announcements.get(announcement_id, {})
+        return [self._entries[entry_id] for entry_id in ids]
+
+    def first_in_route(self, route: tuple[str, str]) -> str | None:
+        """The id of the entry of ``route`` queued first (:func:`waiting_behind` says the
+        others wait for it), or None when none of it is queued."""
+        return next(iter(self._indexed().routes.get(route, {})), None)
+
+    def _indexed(self) -> _Index:
+        if self._index is None:
+            self._index = _Index(self._entries.values())
+        return self._index
 
     def add(self, record: RecordedEvent) -> None:
         self._frozen = None
@@ -106,19 +142,33 @@ class DeadLetterFolder:
         event = record.event
         match event:
             case AnnouncementDeadLettered():
-                self._entries[event.entry_id] = _queued(event, record.ts)
+                self._queue(_queued(event, record.ts))
             case AnnouncementDeadLetterRetried():
                 self._sending(event, record.ts)
             case AnnouncementSendFailed():
                 self._failed(event, record.ts)
             case AnnouncementDeadLetterDelivered():
-                if self._entries.pop(event.entry_id, None) is not None:
+                if self._drop(event.entry_id):
                     self._delivered += 1
             case AnnouncementDeadLetterExpired():
-                if self._entries.pop(event.entry_id, None) is not None:
+                if self._drop(event.entry_id):
                     self._expired += 1
             case _:
                 pass
+
+    def _queue(self, entry: DeadLetterEntry) -> None:
+        if entry.entry_id in self._entries:  # an id queued twice keeps its place
+            self._index = None
+        elif self._index is not None:
+            self._index.put(entry)
+        self._entries[entry.entry_id] = entry
+
+    def _drop(self, entry_id: str) -> bool:
+        """Take the entry out of the queue; False when it was not in it."""
+        entry = self._entries.pop(entry_id, None)
+        if entry is not None and self._index is not None:
+            self._index.drop(entry)
+        return entry is not None
 
     def _sending(self, event: AnnouncementDeadLetterRetried, ts: float) -> None:
         """The entry's retry is under way since ``ts``."""
@@ -144,6 +194,7 @@ class DeadLetterFolder:
                 last_error=event.error_class,
                 sending_since=None,
                 sending_runtime=None,
+                refused=is_final(event.error_class),
             )
 
     def _named(self, event: AnnouncementSendFailed) -> DeadLetterEntry | None:
@@ -165,6 +216,33 @@ class DeadLetterFolder:
         return self._frozen
 
 
+class _Index:
+    """The queued entries' ids by conversation and by announcement, in enqueue order."""
+
+    __slots__ = ("announcements", "routes")
+
+    def __init__(self, entries: Iterable[DeadLetterEntry]) -> None:
+        self.routes: dict[tuple[str, str], dict[str, None]] = {}
+        self.announcements: dict[str, dict[str, None]] = {}
+        for entry in entries:
+            self.put(entry)
+
+    def put(self, entry: DeadLetterEntry) -> None:
+        self.routes.setdefault(entry.route, {})[entry.entry_id] = None
+        self.announcements.setdefault(entry.announcement_id, {})[entry.entry_id] = None
+
+    def drop(self, entry: DeadLetterEntry) -> None:
+        _forget(self.routes, entry.route, entry.entry_id)
+        _forget(self.announcements, entry.announcement_id, entry.entry_id)
+
+
+def _forget(table: dict[Any, dict[str, None]], key: object, entry_id: str) -> None:
+    ids = table[key]
+    del ids[entry_id]
+    if not ids:
+        del table[key]
+
+
 def _queued(event: AnnouncementDeadLettered, ts: float) -> DeadLetterEntry:
     return DeadLetterEntry(
         entry_id=event.entry_id,
@@ -176,6 +254,7 @@ def _queued(event: AnnouncementDeadLettered, ts: float) -> DeadLetterEntry:
         conversation=event.conversation,
         thread=event.thread,
         kind=event.kind,
+        refused=is_final(event.reason),
     )
 
 
@@ -190,6 +269,16 @@ def apply_deadletter(state: DeadLetterState, record: RecordedEvent) -> DeadLette
 #: The ``error_class`` of a drain's send not made: the send before it in its
 #: conversation did not deliver (sent anyway, it would be read before that one).
 HELD_BACK = "held_back"
+
+#: The end of the ``error_class`` of a failure the channel says is final
+#: (``stalwart.errors.FINAL_FAILURE``; ``stalwart.channels.send_within`` writes it).
+FINAL = FINAL_FAILURE
+
+
+def is_final(error_class: str | None) -> bool:
+    """Whether a send that failed with ``error_class`` would fail the same way again."""
+    return error_class is not None and error_class.endswith(FINAL)
+
 
 #: how long past a send's own limit (``announce_timeout_ms``) a recorded retry with no
 #: outcome still holds its entry; after that its sender is taken as dead
@@ -230,7 +319,7 @@ def _held_until(entry: DeadLetterEntry, hold_ms: int, runtime: str | None) -> fl
 
 
 def _retryable(state: DeadLetterState, max_retries: int) -> Iterator[DeadLetterEntry]:
-    return (e for e in state.entries if e.attempts < max_retries)
+    return (e for e in state.entries if e.attempts < max_retries and not e.refused)
 
 
 def waiting_behind(state: DeadLetterState) -> frozenset[str]:
@@ -310,30 +399,34 @@ def next_retry_at(
 
 
 def expiry_at(state: DeadLetterState, *, max_age_ms: int, max_retries: int) -> float | None:
-    """The earliest moment an entry is to expire: when it reaches ``max_age_ms``, or at its
-    last attempt once that spent ``max_retries``; None for an empty queue."""
-    return min(
-        (
-            e.last_attempt_at
-            if e.attempts >= max_retries and e.last_attempt_at is not None
-            else e.enqueued_at + max_age_ms / 1000
-            for e in state.entries
-        ),
-        default=None,
-    )
+    """The earliest moment an entry is to expire: when it reaches ``max_age_ms``, at its
+    last attempt once that spent ``max_retries`` or failed for good, or at once when the
+    failure that queued it was final; None for an empty queue."""
+    return min((_expires_at(e, max_age_ms, max_retries) for e in state.entries), default=None)
+
+
+def _expires_at(entry: DeadLetterEntry, max_age_ms: int, max_retries: int) -> float:
+    if entry.refused:
+        return entry.enqueued_at if entry.last_attempt_at is None else entry.last_attempt_at
+    if entry.attempts >= max_retries and entry.last_attempt_at is not None:
+        return entry.last_attempt_at
+    return entry.enqueued_at + max_age_ms / 1000
 
 
 def decide_expiry(
     state: DeadLetterState, now: float, *, max_age_ms: int, max_retries: int
 ) -> list[Event]:
     """``announcement:dead_letter_expired`` for each entry past ``max_age_ms`` (reason
-    ``max_age``) or with ``max_retries`` attempts spent (``retries_exhausted``)."""
+    ``max_age``), whose last failure was final (``rejected``) or with ``max_retries``
+    attempts spent (``retries_exhausted``)."""
     expired: list[Event] = []
     for entry in state.entries:
         age_ms = round((now - entry.enqueued_at) * 1000)
-        reason: Literal["max_age", "retries_exhausted"]
+        reason: Literal["max_age", "rejected", "retries_exhausted"]
         if now >= entry.enqueued_at + max_age_ms / 1000:
             reason = "max_age"
+        elif entry.refused:
+            reason = "rejected"
         elif entry.attempts >= max_retries:
             reason = "retries_exhausted"
         else:
@@ -361,9 +454,9 @@ def decide_drain(
     runtime: str | None = None,
 ) -> list[AnnouncementDeadLetterRetried]:
     """What ``provider:recovered`` sends at once: a ``drain`` retry by ``runtime`` of
-    every entry not ``busy`` nor held at ``now`` by another runtime's retry under way, in
-    enqueue order, whatever its backoff (the queue's actor sends those of one
-    conversation one after another)."""
+    every entry not ``busy`` nor held at ``now`` by another runtime's retry under way nor
+    :attr:`~DeadLetterEntry.refused` (it expires), in enqueue order, whatever its backoff
+    (the queue's actor sends those of one conversation one after another)."""
     return [
         AnnouncementDeadLetterRetried(
             entry_id=e.entry_id,
@@ -373,7 +466,9 @@ def decide_drain(
             runtime=runtime,
         )
         for e in state.entries
-        if e.entry_id not in busy and now >= (_held_until(e, hold_ms, runtime) or now)
+        if e.entry_id not in busy
+        and not e.refused
+        and now >= (_held_until(e, hold_ms, runtime) or now)
     ]
 
 
@@ -381,7 +476,7 @@ class DeadLetterAggregate:
     """The dead-letter fold for the ``deadletter`` stream."""
 
     name = "deadletter"
-    version = 2  # 2: an entry's retry under way (sending_since)
+    version = 3  # 2: an entry's retry under way (sending_since); 3: refused
     state_type = DeadLetterState
 
     def initial(self, stream: str) -> DeadLetterState:
