@@ -1,8 +1,8 @@
 """pykka actors and the scheduler that turns deadlines into their messages."""
 
-from stalwart.state import batch_text
+from stalwart.state import RESEND_WITHIN_S, batch_text
 
-from ._agent import RESEND_WITHIN_S, AgentActor, left_unsaid
+from ._agent import AgentActor, left_unsaid
 from ._agent_fold import (
     AGENT_VIEW,
     UNANSWERED_TOOL_TEXT,

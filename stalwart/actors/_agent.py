@@ -71,6 +71,7 @@ from stalwart.events import (
 from stalwart.ids import new_id
 from stalwart.providers import CallSeal, ModelCaller, ProviderRequest, ProviderResponse
 from stalwart.state import (
+    RESEND_WITHIN_S,
     SUBSESSION_CHANNEL_PREFIX,
     Activation,
     ActivationPolicy,
@@ -146,9 +147,6 @@ __all__ = ["AgentActor", "left_unsaid", "yours_to_say"]
 
 log = get_logger(__name__)
 
-#: How long after it was queued an announcement whose send a crash cut short is sent
-#: again (the dead-letter queue's default maximum age: older news is stale).
-RESEND_WITHIN_S = 3_600.0
 #: How often an append expecting the folded version (a resend's record, a message) is
 #: tried while other appends keep winning the stream.
 RACE_TRIES = 3

@@ -12,6 +12,12 @@ to the affected session's channel (``announcement:queued`` / ``delivered`` or
 The decision needs the store: while it is away (when actors die of it), the crash is
 told again every :data:`DECISION_RETRY_S` until it can be decided; a decision whose
 append was written after all is found by its ``crash_id``, not made twice.
+
+The ``runtime`` stream grows with every start, restart and give-up for as long as a
+deployment lives, so :class:`Restarts` folds it as it goes (the restarts of its runtime
+instance still inside the window, and :data:`~stalwart.state.GIVE_UP_NOTICES`) and reads
+only the records after the ones it folded. A give-up notice a crash cut short is sent
+again as :func:`~stalwart.state.decide_notice_resends` decides, which replay re-derives.
 A sub-agent run's actor given up on ends its run instead (``subagent:given_up``, then the
 run's own failure notice and recovery decision, as for a run that timed out).
 """
@@ -37,21 +43,31 @@ from stalwart.events import (
     AnnouncementResent,
     AnnouncementSendFailed,
     Event,
+    RecordedEvent,
     SessionCreated,
     SupervisorGaveUp,
     SupervisorRestarted,
 )
 from stalwart.ids import new_id
-from stalwart.state import decide_restart, restart_history
+from stalwart.state import (
+    RESEND_WITHIN_S,
+    GiveUpNotice,
+    GiveUpNotices,
+    GiveUpNoticesFolder,
+    decide_notice_resends,
+    decide_restart,
+    restart_history,
+)
 from stalwart.store import EventStore, NewEvent
 
 from ._deadletter import Enqueue, dead_letter
 from ._portal import IoPortal
 from ._scheduler import Scheduler
-from ._send import RESEND_GRACE_S, send_by_clock
+from ._send import send_by_clock
 
 __all__ = [
     "GAVE_UP_TEXT",
+    "RESEND_WITHIN_S",
     "RESTART_STREAM",
     "Crashed",
     "RestartNoticeSent",
@@ -68,28 +84,14 @@ RESTART_STREAM = "runtime"
 #: How long a crash (or an outcome the supervisor records) waits to be told again when
 #: the store failed what it records.
 DECISION_RETRY_S = 1.0
+#: How many times a sweep decides the resends again when the ``runtime`` stream moved
+#: between its read and the resend's append.
+RESEND_ATTEMPTS = 3
 #: What the affected session reads when its actor kept crashing and was given up on.
 GAVE_UP_TEXT = (
     "Sorry, something went wrong on our side and this conversation's agent had to be "
     "stopped. Please try again later."
 )
-#: A give-up notice whose send never ended (a crash or a close cut it short) is sent
-#: again by a later sweep while it is at most this old (as a session's reply is).
-RESEND_WITHIN_S = 3_600.0
-
-
-@dataclass(kw_only=True)
-class _Unsent:
-    """A give-up notice with no outcome in the ``runtime`` stream: what to send, where,
-    and when its last send began (its queueing, or its latest ``announcement:resent``)."""
-
-    notice: AnnouncementQueued
-    actor: str
-    session: str | None
-    #: when it was queued (a notice older than RESEND_WITHIN_S is not sent any more)
-    queued_at: float
-    #: when its latest send began (its queueing, or its latest ``announcement:resent``)
-    since: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,8 +135,19 @@ def decide_crash(
     settings: SupervisionSettings,
     runtime: str = "",
 ) -> SupervisorRestarted | SupervisorGaveUp:
-    """The pure decision on the runtime instance's history read from the log."""
+    """The pure decision on the runtime instance's history read from the log (all of the
+    ``runtime`` stream: :class:`Restarts` folds it as it grows instead)."""
     history = restart_history(store.read_stream(RESTART_STREAM), crashed.actor, runtime)
+    return _decide(crashed, history, now, settings, runtime)
+
+
+def _decide(
+    crashed: Crashed,
+    history: tuple[float, ...],
+    now: float,
+    settings: SupervisionSettings,
+    runtime: str,
+) -> SupervisorRestarted | SupervisorGaveUp:
     return decide_restart(
         crashed.actor,
         history,
@@ -210,6 +223,7 @@ class Restarts:
         self._dead_letters = dead_letters
         self._settings = settings
         self._send_s = send_timeout_s
+        self._announce_ms = round(send_timeout_s * 1000)
         self._default_channel = default_channel
         self._tell = tell
         self._key = key
@@ -218,11 +232,13 @@ class Restarts:
         #: how a crash whose decision failed on the store is told again (by default to
         #: ``tell``); ActorDeadError (its supervisor is being restarted) tries later
         self._retry = retry or tell
-        #: the give-up notices of the ``runtime`` stream with no outcome yet (folded up
-        #: to ``_read_to``), and those this process is sending
-        self._unsent: dict[str, _Unsent] = {}
-        self._gave_up: dict[str, SupervisorGaveUp] = {}
+        #: the ``runtime`` stream folded up to its version ``_read_to``: the give-up
+        #: notices with no outcome yet, and the restarts of this runtime instance by
+        #: actor (those that may still count: see _forget_restarts)
+        self._notices = GiveUpNoticesFolder(GiveUpNotices())
+        self._restarted: dict[str, tuple[float, ...]] = {}
         self._read_to = 0
+        #: the notices this process is sending (no outcome recorded yet)
         self._in_flight: set[str] = set()
 
     def crashed(self, crashed: Crashed) -> None:
@@ -277,14 +293,47 @@ class Restarts:
         notifies = crashed.notify and not ends_run
         decision = self._found(crashed.crash_id) if crashed.retry else None
         if decision is None:
-            decision = decide_crash(self._store, crashed, now, self._settings, self._runtime)
+            decision = self._decision(crashed, now)
             gives_up = isinstance(decision, SupervisorGaveUp) and notifies
             events: list[Event] = [decision, notice] if gives_up else [decision]
             self._store.append(RESTART_STREAM, [NewEvent(event=e, ts=now) for e in events])
         return decision, notice if isinstance(decision, SupervisorGaveUp) and notifies else None
 
+    def _decision(self, crashed: Crashed, now: float) -> SupervisorRestarted | SupervisorGaveUp:
+        """:func:`decide_crash` on the folded history (only the records since the last
+        decision are read)."""
+        self._catch_up()
+        self._forget_restarts(now)
+        history = self._restarted.get(crashed.actor, ())
+        return _decide(crashed, history, now, self._settings, self._runtime)
+
+    def _forget_restarts(self, now: float) -> None:
+        """Drop the restarts no decision at ``now`` or later counts (``within_ms`` or more
+        before it), and the actors left with none: the fold stays as small as the window.
+        (Only a clock set back by more than the window would count one of them again.)"""
+        window_s = self._settings.within_ms / 1000
+        kept = {
+            actor: recent
+            for actor, times in self._restarted.items()
+            if (recent := tuple(ts for ts in times if ts > now or now - ts < window_s))
+        }
+        self._restarted = kept
+
+    def _catch_up(self) -> None:
+        """Fold what the ``runtime`` stream gained since the last pass."""
+        for record in self._store.read_stream(RESTART_STREAM, self._read_to + 1):
+            self._fold(record)
+
+    def _fold(self, record: RecordedEvent) -> None:
+        self._read_to = record.version
+        self._notices.add(record)
+        event = record.event
+        if isinstance(event, SupervisorRestarted) and event.runtime == self._runtime:
+            self._restarted[event.actor] = (*self._restarted.get(event.actor, ()), record.ts)
+
     def _found(self, crash_id: str) -> SupervisorRestarted | SupervisorGaveUp | None:
-        """The decision of ``crash_id`` already in the ``runtime`` stream, if any."""
+        """The decision of ``crash_id`` already in the ``runtime`` stream, if any (read in
+        full: only a crash told again after a store error asks)."""
         for record in self._store.read_stream(RESTART_STREAM):
             event = record.event
             if isinstance(event, SupervisorRestarted | SupervisorGaveUp) and (
@@ -354,6 +403,12 @@ class Restarts:
         self._in_flight.discard(outcome.announcement_id)
 
     def _outcome_recorded(self, announcement_id: str) -> bool:
+        """Whether the notice's send has an outcome in the log: not while the fold holds
+        it unsent (every send's first outcome); otherwise (an outcome told again after a
+        store error) the stream is read to be sure."""
+        self._catch_up()
+        if announcement_id in self._notices.state().unsent:
+            return False
         return any(
             isinstance(record.event, AnnouncementDelivered | AnnouncementSendFailed)
             and record.event.announcement_id == announcement_id
@@ -370,55 +425,42 @@ class Restarts:
         says it (it is not in the session's stream), so without this the user would
         never hear. ``announcement:resent`` is appended first, expecting the stream's
         version: of two runtimes on one log, one sends; the other sees it and waits
-        for that send as for the first. The same idempotency key is sent again."""
-        self._catch_up_notices()
+        for that send as for the first. The same idempotency key is sent again. A stream
+        that moved meanwhile is read and decided on again (at most
+        :data:`RESEND_ATTEMPTS` times a sweep), not left to the next sweep: the resend is
+        owed within a sweep's interval."""
         now = self._clock.now()
-        quiet_s = self._send_s + RESEND_GRACE_S
-        for announcement_id, unsent in list(self._unsent.items()):
-            if now - unsent.queued_at > RESEND_WITHIN_S:
-                del self._unsent[announcement_id]  # too old to say now
-                continue
-            if now - unsent.since < quiet_s or announcement_id in self._in_flight:
-                continue
-            resent = AnnouncementResent(announcement_id=announcement_id)
+        for _ in range(RESEND_ATTEMPTS):
+            self._catch_up()
+            self._forget_restarts(now)
+            owed = decide_notice_resends(
+                self._notices.state(),
+                now,
+                announce_timeout_ms=self._announce_ms,
+                in_flight=self._in_flight,
+            )
+            if self._resend(owed, now):
+                return
+
+    def _resend(self, owed: list[AnnouncementResent], now: float) -> bool:
+        """Record and send each of ``owed`` again; False when the ``runtime`` stream moved
+        since it was folded (another runtime, or a decision on another thread)."""
+        for resent in owed:
             try:
-                self._store.append(
+                recorded = self._store.append(
                     RESTART_STREAM, [NewEvent(event=resent, ts=now)], expected_version=self._read_to
                 )
             except ConcurrencyError:
-                return  # another runtime (or decision) moved the stream: the next sweep
-            self._read_to += 1
-            unsent.since = now
+                return False
+            for record in recorded:
+                self._fold(record)
+            unsent = self._notices.state().unsent[resent.announcement_id]
             conversation, thread = self._address(unsent)
-            log.warning("supervision.notice_resent", announcement=announcement_id)
+            log.warning("supervision.notice_resent", announcement=resent.announcement_id)
             self._send(unsent.notice, conversation, thread)
+        return True
 
-    def _catch_up_notices(self) -> None:
-        """Fold what the ``runtime`` stream gained since the last pass."""
-        for record in self._store.read_stream(RESTART_STREAM, self._read_to + 1):
-            self._read_to = record.version
-            match record.event:
-                case SupervisorGaveUp() as gave_up if gave_up.crash_id:
-                    self._gave_up[f"{gave_up.crash_id}-notice"] = gave_up
-                case AnnouncementQueued(kind="failure_notice") as queued:
-                    decided = self._gave_up.pop(queued.announcement_id, None)
-                    if decided is not None:
-                        self._unsent[queued.announcement_id] = _Unsent(
-                            notice=queued,
-                            actor=decided.actor,
-                            session=decided.session,
-                            queued_at=record.ts,
-                            since=record.ts,
-                        )
-                case AnnouncementResent(announcement_id=announcement_id):
-                    unsent = self._unsent.get(announcement_id)
-                    if unsent is not None:
-                        unsent.since = record.ts
-                case AnnouncementDelivered() | AnnouncementSendFailed():
-                    self._unsent.pop(record.event.announcement_id, None)
-        self._gave_up.clear()  # a decision and its notice are appended together
-
-    def _address(self, unsent: _Unsent) -> tuple[str, str | None]:
+    def _address(self, unsent: GiveUpNotice) -> tuple[str, str | None]:
         """Where the notice goes: the session's recorded conversation and thread (its
         ``session:created``), as the crashed Agent's handle had them; else its id."""
         session = unsent.session

@@ -291,9 +291,15 @@ def verify_store(
 _WORDS = {
     "mismatch": ("decision that does not follow", "decisions that do not follow"),
     "missed": ("missed deadline", "missed deadlines"),
+    "unwatched": ("deadline not watched", "deadlines not watched"),
     "undecodable": ("undecodable record", "undecodable records"),
 }
-_LABEL = {"mismatch": "DOES NOT FOLLOW", "missed": "MISSED DEADLINE", "undecodable": "UNDECODABLE"}
+_LABEL = {
+    "mismatch": "DOES NOT FOLLOW",
+    "missed": "MISSED DEADLINE",
+    "unwatched": "NOT WATCHED",
+    "undecodable": "UNDECODABLE",
+}
 
 
 def _counts(table: dict[str, int]) -> str:

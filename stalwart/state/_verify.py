@@ -1,7 +1,7 @@
 """Replay verification: every decision in the log re-derived from the state just before it.
 
 :class:`Verification` walks recorded events in log order (one stream's, or every stream's
-for ``replay --all``), folds them as it goes and reports three kinds of :class:`Finding`:
+for ``replay --all``), folds them as it goes and reports four kinds of :class:`Finding`:
 
 * ``mismatch``: a decision event that does not follow from the state. Its verifier re-runs
   the pure ``decide`` on the fold of the decision's stream just before it, at the event's
@@ -18,6 +18,8 @@ for ``replay --all``), folds them as it goes and reports three kinds of :class:`
   not expected after that process is gone: a ``runtime:started`` drops it, unless the
   deadline ``survives_restart`` (the ghost sweep reads the log, so the next process owes
   it from its start on).
+* ``unwatched``: a deadline that passed while the config in force recorded its slack
+  (a sweep's interval) as no number: whether its decision came in time cannot be said.
 * ``undecodable``: a record of a type this version does not know (``UnknownEvent``) or a
   corrupt one the reader could not decode (:meth:`Verification.undecodable`).
 
@@ -44,10 +46,10 @@ from stalwart.events import (
 )
 
 from ._aggregate import Folder
-from ._verify_deadlines import DeadlineWatch, Missed
+from ._verify_deadlines import DeadlineWatch, Missed, Unwatched
 from ._verify_registry import FoldSpec, Knobs, Registry, Verifier, aggregate_of, fold_key, moment
 
-FindingKind = Literal["mismatch", "missed", "undecodable"]
+FindingKind = Literal["mismatch", "missed", "unwatched", "undecodable"]
 #: the default grace: how late past a deadline an event may come before it proves a miss
 DEFAULT_GRACE_MS = 5_000
 
@@ -210,6 +212,8 @@ class Verification:
         kind = type(event)
         for missed in self._deadlines.before(record, restart=kind is RuntimeStarted):
             self._missed(missed)
+        for unwatched in self._deadlines.unwatched():
+            self._unwatched(unwatched)
         if self._misses:
             for key in self._deadlines.made_in_time(record):
                 self._findings.remove(self._misses.pop(key))
@@ -459,6 +463,28 @@ class Verification:
             key = next(key for i, key, _ in self._plan(stream).deadlines if i == index)
             dues.append(((stream, index), self._due(index, self._folders[stream][key])))
         self._deadlines.restarted(ts, dues, self._knobs)
+
+    def _unwatched(self, unwatched: Unwatched) -> None:
+        stream, due, proof = unwatched.stream, unwatched.due, unwatched.proof
+        deadline = self._registry.deadlines[unwatched.index]
+        late_ms = round((proof.ts - due) * 1000)
+        where = "" if proof.stream == stream else f" in {proof.stream}"
+        self._findings.append(
+            Finding(
+                kind="unwatched",
+                stream=stream,
+                position=proof.position,
+                version=proof.version if proof.stream == stream else 0,
+                tag=deadline.decision,
+                ts=proof.ts,
+                message=(
+                    f"the {deadline.name} was due at {moment(due)}, but whether a "
+                    f"{deadline.decision} came in time cannot be said: {unwatched.reason}; "
+                    f"{proof.type} at position {proof.position}{where} is {late_ms} ms past it"
+                ),
+                expected=[{"type": deadline.decision, "due": due}],
+            )
+        )
 
     def _missed(self, missed: Missed) -> None:
         stream, due, proof = missed.stream, missed.due, missed.proof

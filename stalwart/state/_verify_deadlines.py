@@ -10,7 +10,9 @@ fake clock that jumped made them simultaneous). A new process (:meth:`~DeadlineW
 restarted`) drops the timers of the old one; deadlines that survive a restart are owed
 again from its start. The supervisor restarting the actor that owns a stream
 (:meth:`~DeadlineWatch.actor_restarted`) drops that stream's timers the same way, except
-those the new actor re-arms.
+those the new actor re-arms. A deadline whose slack the config in force does not record
+as a number cannot be judged: once a record is later than it (plus the grace) it is
+*unwatched* (:meth:`~DeadlineWatch.unwatched`), said once, never taken for a miss.
 """
 
 from __future__ import annotations
@@ -38,11 +40,24 @@ class Missed(msgspec.Struct, frozen=True):
     proof: RecordedEvent
 
 
+class Unwatched(msgspec.Struct, frozen=True):
+    """A deadline that passed while its slack was no number (``reason`` says which): its
+    stream and index, when it was due, the first record later than it and the grace."""
+
+    stream: str
+    index: int
+    due: float
+    proof: RecordedEvent
+    reason: str
+
+
 class _Armed(msgspec.Struct, frozen=True, order=True):
     at: float  # due + slack + grace: a record later than this proves the miss
     due: float
     stream: str
     index: int
+    #: why its slack is unknown ("" when it is known): passing it proves nothing
+    unwatched: str = ""
 
 
 class DeadlineWatch:
@@ -59,6 +74,8 @@ class DeadlineWatch:
         #: until their deadline moves (see :meth:`made_in_time`)
         self._confirmed: dict[str, dict[int, RecordedEvent]] = {}
         self._confirmed_due: dict[Key, float] = {}  # when each confirmed miss fell due
+        self._unwatched: list[Unwatched] = []
+        self._told: set[tuple[Key, float]] = set()  # the unwatched ones said, with their due
 
     def before(self, record: RecordedEvent, *, restart: bool = False) -> list[Missed]:
         """Look at ``record`` before it is folded; the deadlines it proves missed. A
@@ -167,6 +184,11 @@ class DeadlineWatch:
             del self._confirmed[record.stream]
         return [(record.stream, index) for index in made]
 
+    def unwatched(self) -> list[Unwatched]:
+        """The deadlines found passed, since the last call, that could not be watched."""
+        found, self._unwatched = self._unwatched, []
+        return found
+
     def suspected(self) -> bool:
         """Whether a deadline is suspected missed and no later record has settled it."""
         return bool(self._suspects)
@@ -191,15 +213,17 @@ class DeadlineWatch:
     def _push(
         self, stream: str, index: int, due: float, knobs: Knobs, *, start: float = 0.0
     ) -> None:
-        """Arm ``due``, missed once ``max(due, start)`` plus its slack and the grace pass
-        (not armed when the config in force records no number for the slack: how late the
-        sweep may come cannot be said, and a miss is never invented)."""
+        """Arm ``due``, missed once ``max(due, start)`` plus its slack and the grace pass.
+        When the config in force records no number for the slack, how late the sweep may
+        come cannot be said, and a miss is never invented: passing ``max(due, start)``
+        plus the grace makes it unwatched instead."""
+        reason = ""
         try:
             slack = self._deadlines[index].slack_ms(knobs) / 1000
-        except StalwartError:
-            return
+        except StalwartError as exc:
+            slack, reason = 0.0, str(exc)
         at = max(due, start) + slack + self._grace_s
-        heapq.heappush(self._heap, _Armed(at, due, stream, index))
+        heapq.heappush(self._heap, _Armed(at, due, stream, index, reason))
 
     def _expire(self, record: RecordedEvent) -> None:
         heap = self._heap
@@ -213,6 +237,12 @@ class DeadlineWatch:
             decision = self._deadlines[armed.index].decision
             if record.stream == armed.stream and record.type == decision:
                 continue  # the decision itself, late: made, not missed
+            if armed.unwatched:
+                if (key, armed.due) not in self._told:  # once, though armed again
+                    self._told.add((key, armed.due))
+                    found = Unwatched(armed.stream, armed.index, armed.due, record, armed.unwatched)
+                    self._unwatched.append(found)
+                continue
             self._suspects[key] = (armed.due, record)
 
     def _confirm(self, record: RecordedEvent) -> list[Missed]:

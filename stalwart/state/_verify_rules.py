@@ -22,6 +22,8 @@ announcement:dead_letter_    DEADLETTER        decide_expiry (dead_letters.max_a
 expired                      (deadletter)      max_retries)
 supervisor:restarted/        RESTARTS          decide_restart (supervision.*)
 gave_up                      (runtime)
+announcement:resent          GIVE_UP_NOTICES   decide_notice_resends (dead_letters.
+(runtime)                    (runtime)         announce_timeout_ms)
 ===========================  ================  ==========================================
 
 A session's calls and turn (CALLS) end with a sub-agent run's end in its stream: the
@@ -52,6 +54,7 @@ from stalwart.events import (
     AnnouncementDeadLettered,
     AnnouncementDeadLetterExpired,
     AnnouncementDeadLetterRetried,
+    AnnouncementResent,
     AnnouncementSendFailed,
     Event,
     ExecutionAborted,
@@ -62,6 +65,7 @@ from stalwart.events import (
     PromptStarted,
     PromptTimeout,
     RecordedEvent,
+    RuntimeStarted,
     SubagentArtifact,
     SubagentCompleted,
     SubagentGhostSwept,
@@ -93,6 +97,15 @@ from ._deadletter import (
 from ._execution import decide_execution_timeout, execution_deadline
 from ._health import DEFAULT_HORIZON_MS, HealthAggregate, HealthState, decide_health
 from ._prompt import decide_prompt_timeout, next_deadline
+from ._resend import (
+    GIVE_UP_NOTICES,
+    RESEND_WITHIN_S,
+    GiveUpNotices,
+    GiveUpNoticesFolder,
+    decide_notice_resends,
+    notice_resend_due,
+    notice_resend_wait_s,
+)
 from ._subagent import (
     RUN,
     RunState,
@@ -523,6 +536,89 @@ def _restart(state: RestartsState, record: RecordedEvent, knobs: Knobs) -> list[
     ]
 
 
+# -- give-up notices a crash cut short (the ``runtime`` stream) ----------------------------
+
+
+class NoticeWatch(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """The ``runtime`` stream's give-up notices with no outcome, and when its latest
+    process started (a resend is owed by a process alive to sweep)."""
+
+    notices: GiveUpNotices = msgspec.field(default_factory=GiveUpNotices)
+    started_at: float = 0.0
+
+
+class _NoticeWatchFolder:
+    __slots__ = ("_notices", "_started_at")
+
+    def __init__(self, state: NoticeWatch) -> None:
+        self._notices = GiveUpNoticesFolder(state.notices)
+        self._started_at = state.started_at
+
+    def add(self, record: RecordedEvent) -> None:
+        if type(record.event) is RuntimeStarted:
+            self._started_at = record.ts
+        else:
+            self._notices.add(record)
+
+    def state(self) -> NoticeWatch:
+        return NoticeWatch(notices=self._notices.state(), started_at=self._started_at)
+
+
+_NOTICES = FolderAggregate(
+    "verify_give_up_notices",
+    NoticeWatch,
+    _NoticeWatchFolder,
+    moves=(GIVE_UP_NOTICES.moves or frozenset()) | {RuntimeStarted},
+)
+
+
+def _announce_ms(knobs: Knobs) -> int:
+    return knobs.get_int("dead_letters.announce_timeout_ms")
+
+
+def _sweep_ms(knobs: Knobs) -> int:
+    """How often a supervisor sweeps (for either sweep that is due, the resend with it)."""
+    ghost = knobs.get_int("subagents.ghost_sweep_interval_ms")
+    return min(ghost, knobs.get_int("subagents.heartbeat_interval_ms"))
+
+
+def _resent(state: NoticeWatch, record: RecordedEvent, knobs: Knobs) -> list[Event]:
+    return list(
+        decide_notice_resends(state.notices, record.ts, announce_timeout_ms=_announce_ms(knobs))
+    )
+
+
+def _resent_why(state: NoticeWatch, record: RecordedEvent, knobs: Knobs) -> str:
+    found = record.event
+    assert isinstance(found, AnnouncementResent)
+    unsent = state.notices.unsent.get(found.announcement_id)
+    if unsent is None:
+        return f"no give-up notice {found.announcement_id!r} is waiting for its send's outcome"
+    age_s = record.ts - unsent.queued_at
+    if age_s > RESEND_WITHIN_S:
+        return (
+            f"it was queued at {moment(unsent.queued_at)}, {round(age_s)} s before: older "
+            f"than {round(RESEND_WITHIN_S)} s, it is not sent again"
+        )
+    ms = _announce_ms(knobs)
+    due = unsent.since + notice_resend_wait_s(ms)
+    early = round((due - record.ts) * 1000)
+    return (
+        f"its last send began at {moment(unsent.since)} and may take "
+        f"dead_letters.announce_timeout_ms ({ms}) + 5000 ms, until {moment(due)}; "
+        f"it was sent again {early} ms before"
+    )
+
+
+def _resend_due(state: NoticeWatch, knobs: Knobs) -> float | None:
+    return notice_resend_due(
+        state.notices,
+        announce_timeout_ms=_announce_ms(knobs),
+        sweep_ms=_sweep_ms(knobs),
+        not_before=state.started_at,
+    )
+
+
 def _pipeline_timeout(event: Event) -> bool:
     return isinstance(event, ExecutionAborted) and event.reason == "pipeline_timeout"
 
@@ -585,6 +681,7 @@ BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
     ),
     Verifier("supervisor:restarted", RESTARTS, _restart, "runtime"),
     Verifier("supervisor:gave_up", RESTARTS, _restart, "runtime"),
+    Verifier("announcement:resent", _NOTICES, _resent, "runtime", why=_resent_why),
     Deadline(
         "sub-agent watchdog",
         "subagent:watchdog_timeout",
@@ -618,6 +715,16 @@ BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
         "deadletter",
         survives_restart=True,
         moves=_LETTER_MOVES,
+    ),
+    Deadline(
+        "give-up notice resend",
+        "announcement:resent",
+        _NOTICES,
+        _resend_due,
+        "runtime",
+        slack_ms=_sweep_ms,  # the supervisor's sweep resends it
+        survives_restart=True,  # read from the log: the next process owes it
+        moves=_NOTICES.moves or frozenset(),
     ),
 )
 
