@@ -1,12 +1,15 @@
 """Supervisor: the sub-agent safety nets of seeds 000 and 002 (layers 2 and 3).
 
 * **Ghost sweep** (every ``ghost_sweep_interval_ms``): folds every run from the log (each
-  ``session:*`` stream that starts with ``subagent:spawned``; streams are re-read only
-  when their version moved) and appends ``subagent:ghost_swept`` to each run
-  :func:`~stalwart.state.decide_ghost` finds due. It reads only the log, so it catches a
-  run a crashed process left ``running``. A run with nothing left to decide
-  (:func:`settled`) is set aside after each sweep: only its version is kept, and it is
-  folded again when its stream moves on (``GetRuns`` reads it back).
+  ``session:*`` stream that starts with ``subagent:spawned``) and appends
+  ``subagent:ghost_swept`` to each run :func:`~stalwart.state.decide_ghost` finds due. It
+  reads only the log, so it catches a run a crashed process left ``running``. The first
+  sweep lists every stream; each later one reads the log from the head the one before
+  read, and reads again only the runs appended to there and the streams a run began in
+  (a session that is no run costs nothing, and nothing is kept of it). A run with
+  nothing left to decide (:func:`settled`) is set aside after each sweep: only its
+  version is kept, and it is folded again when its stream moves on (``GetRuns`` reads
+  it back).
 * **Heartbeat sweep** (every ``heartbeat_interval_ms``, detection only):
   :func:`~stalwart.state.decide_suspicious` -> ``subagent:suspicious``; it never kills.
 * **Failure notice** for a run that ended ``timed_out``, ``swept`` or ``failed``: static
@@ -56,7 +59,7 @@ run's own actor will never tell it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any, Literal, cast
 
@@ -72,6 +75,7 @@ from stalwart.events import (
     AnnouncementQueued,
     AnnouncementResent,
     Event,
+    RecordedEvent,
     SubagentGivenUp,
     SubagentRecoveryDecided,
     SubagentSpawned,
@@ -114,6 +118,9 @@ log = get_logger(__name__)
 
 #: How many append conflicts in a row the supervisor folds and retries before it fails.
 MAX_CONFLICTS = 64
+#: How many records of a stream not yet folded are read to see whether it is a run (a
+#: run's stream starts with its spawn, and most runs are shorter than this).
+FIRST_READ = 8
 
 
 class Sweep(msgspec.Struct, frozen=True):
@@ -241,11 +248,19 @@ class SupervisorActor(Supervised):
         self._retell = retell or self._tell
         #: the runs in play: what the sweeps decide on
         self._runs: dict[str, RunWatch] = {}
-        #: the runs set aside (nothing left to decide): the version each was folded at and
-        #: its completion's id ("" for none), so the sweeps and memory follow the runs in
-        #: play, not every run ever seen
-        self._settled: dict[str, tuple[int, str]] = {}
-        self._not_runs: set[str] = set()
+        #: the runs set aside (nothing left to decide): the version each was folded at, so
+        #: the sweeps and memory follow the runs in play, not every run ever seen; and the
+        #: completion ids of those that had one (a batch's resend looks for its outcome)
+        self._settled: dict[str, int] = {}
+        self._settled_batches: set[str] = set()
+        #: the streams left out of the sweeps for good (a record or row cannot be read)
+        self._left_alone: set[str] = set()
+        #: the log's head when the sweeps last looked: every session stream that moved
+        #: since is found by reading the log from there (:meth:`_refresh`)
+        self._looked_to = 0
+        #: whether the next sweep lists every stream's row instead (the first one, and
+        #: one after a sweep that failed or a log record that could not be read)
+        self._list_rows = True
         #: announcement id -> the ids of its sends in flight (a resend may be under way
         #: while a late outcome of the send before it is recorded)
         self._sending: dict[str, set[str]] = {}
@@ -339,6 +354,13 @@ class SupervisorActor(Supervised):
     # -- the sweeps ----------------------------------------------------------------------------
 
     def _sweep(self, *, ghosts: bool, heartbeats: bool) -> SweepReport:
+        try:
+            return self._sweep_runs(ghosts=ghosts, heartbeats=heartbeats)
+        except BaseException:  # the next sweep lists every stream's row (a damaged one)
+            self._list_rows = True
+            raise
+
+    def _sweep_runs(self, *, ghosts: bool, heartbeats: bool) -> SweepReport:
         self._refresh()
         swept: list[str] = []
         suspicious: list[str] = []
@@ -376,12 +398,17 @@ class SupervisorActor(Supervised):
         run whose completion batch still has a send without an outcome stays: its batch's
         resend looks at it. So does one with a send of its own under way."""
         open_batches = {w.completion_id for w in self._runs.values() if w.completion == "queued"}
+        in_play = len(self._runs)
         for stream, watch in list(self._runs.items()):
             busy = watch.notice_id in self._sending or watch.completion_id in self._sending
             busy = busy or stream in self._unstarted
             if settled(watch) and not busy and watch.completion_id not in open_batches:
                 del self._runs[stream]
-                self._settled[stream] = (watch.run.version, watch.completion_id)
+                self._settled[stream] = watch.run.version
+                if watch.completion_id:
+                    self._settled_batches.add(watch.completion_id)
+        if len(self._runs) < in_play // 2:  # a dict keeps its largest table: copied smaller
+            self._runs = dict(self._runs)
 
     def _every_run(self) -> dict[str, RunWatch]:
         """Every run folded: those in play, and those set aside, read back from the log
@@ -411,7 +438,7 @@ class SupervisorActor(Supervised):
 
     def _leave_alone(self, stream: str) -> None:
         """Out of the sweeps for good: one damaged stream never stops those of the others."""
-        self._not_runs.add(stream)
+        self._left_alone.add(stream)
         self._runs.pop(stream, None)
         self._settled.pop(stream, None)
 
@@ -429,13 +456,47 @@ class SupervisorActor(Supervised):
         )
 
     def _refresh(self) -> None:
-        """Fold what is new in every session stream (only those whose version moved)."""
-        for info in self._stream_rows():
-            stream = info.stream
-            if not stream.startswith("session:") or stream in self._not_runs:
-                continue
-            if self._folded_version(stream) < info.version:
+        """Fold what is new in the session streams that moved since the sweeps last looked:
+        read from the log what was appended since (its records name their streams), or
+        list every stream's row when that cannot be done (the first sweep, one after a
+        failure); only runs, and streams that begin a run there, are read again."""
+        head = self._store.head()
+        moved = None if self._list_rows else self._appended_since(self._looked_to, head)
+        if moved is None:
+            self._list_rows = True  # until a listing has been folded
+            moved = self._listed_since(self._looked_to)
+        for stream, version in moved.items():
+            if self._folded_version(stream) < version:
                 self._catch_up(stream)
+        self._looked_to, self._list_rows = head, False
+
+    def _appended_since(self, position: int, head: int) -> dict[str, int] | None:
+        """The runs appended to after ``position`` (to ``head``), and the streams a run
+        began in there, each with the newest version read; None when a record there
+        cannot be read (its stream is not known: the rows say what moved)."""
+        moved: dict[str, int] = {}
+        try:
+            for record in self._store.read_all(position + 1, head):
+                stream = record.stream
+                if stream in self._runs or stream in self._settled:
+                    moved[stream] = record.version
+                elif record.version == 1 and _begins_run(record):
+                    moved[stream] = 1
+        except CorruptRecordError as exc:
+            log.warning("supervisor.log_record_unreadable", position=exc.position)
+            return None
+        return {name: v for name, v in moved.items() if name not in self._left_alone}
+
+    def _listed_since(self, position: int) -> dict[str, int]:
+        """The session streams whose rows say they moved after ``position`` (every one
+        for 0), with their versions."""
+        return {
+            info.stream: info.version
+            for info in self._stream_rows()
+            if info.last_position > position
+            and info.stream.startswith("session:")
+            and info.stream not in self._left_alone
+        }
 
     def _stream_rows(self) -> list[StreamInfo]:
         """Every stream's row. A store that can say which rows cannot be read (LMDB's
@@ -446,7 +507,7 @@ class SupervisorActor(Supervised):
             return self._store.streams()
         readable, damaged = stream_rows()
         for stream in damaged:
-            if stream.startswith("session:") and stream not in self._not_runs:
+            if stream.startswith("session:") and stream not in self._left_alone:
                 log.error("supervisor.stream_row_unreadable", stream=stream)
                 self._leave_alone(stream)
         return cast(list[StreamInfo], readable)
@@ -456,27 +517,31 @@ class SupervisorActor(Supervised):
         known = self._runs.get(stream)
         if known is not None:
             return known.run.version
-        return self._settled.get(stream, (0, ""))[0]
+        return self._settled.get(stream, 0)
 
     def _catch_up(self, stream: str) -> RunWatch | None:
-        """The run after reading what is new in its stream; None when it is no run, or
-        when a record of it cannot be read (reported once and left alone: one damaged
-        stream never stops the sweeps of the others)."""
+        """The run after reading what is new in its stream; None when it is no run (its
+        first record, read alone, is not a spawn), or when a record of it cannot be read
+        (reported once and left alone: one damaged stream never stops the sweeps of the
+        others)."""
         watch = self._runs.get(stream) or RUN_WATCH.initial(stream)
         try:
-            for record in self._store.read_stream(stream, watch.run.version + 1):
-                if watch.run.version == 0 and not isinstance(record.event, SubagentSpawned):
-                    self._not_runs.add(stream)  # a run's stream starts with its spawn
-                    return None
-                watch = RUN_WATCH.apply(watch, record)
+            rest = True
+            if watch.run.version == 0:  # its first records only: a long session's are not
+                first = list(self._store.read_stream(stream, 1, FIRST_READ))
+                if not first or not isinstance(first[0].event, SubagentSpawned):
+                    return None  # a run's stream starts with its spawn
+                watch, rest = _folded(watch, first), len(first) == FIRST_READ
+            if rest:
+                watch = _folded(watch, self._store.read_stream(stream, watch.run.version + 1))
         except CorruptRecordError as exc:
             self._unreadable(stream, exc)
             return None
-        if watch.is_run:
-            self._runs[stream] = watch
-            self._settled.pop(stream, None)  # in play again (folded anew from its start)
-            return watch
-        return None
+        if not watch.is_run:
+            return None
+        self._runs[stream] = watch
+        self._settled.pop(stream, None)  # in play again (folded anew from its start)
+        return watch
 
     def _given_up(self, stream: str, gave_up: SupervisorGaveUp) -> None:
         """Supervision gave up on the run's actor: end the run as failed, settle it. A run
@@ -717,7 +782,7 @@ class SupervisorActor(Supervised):
         found: set[str] = set()
         for run_id in run_ids:
             stream = f"session:{run_id}"
-            known = stream in self._runs or stream in self._settled or stream in self._not_runs
+            known = stream in self._runs or stream in self._settled or stream in self._left_alone
             if known or self._store.stream_version(stream) > 0:
                 found.add(stream)
         return found
@@ -844,8 +909,9 @@ class SupervisorActor(Supervised):
             for other, known in list(self._runs.items())
             if known.completion_id == watch.completion_id
         }
-        if any(known.completion != "queued" for known in batched.values()) or any(
-            completion_id == watch.completion_id for _, completion_id in self._settled.values()
+        if (
+            any(known.completion != "queued" for known in batched.values())
+            or watch.completion_id in self._settled_batches
         ):
             return  # a run of the batch holds its outcome (one set aside too): it was sent
         batch = sorted(batched)
@@ -911,6 +977,17 @@ class SupervisorActor(Supervised):
 
 #: what a dying supervisor hands to its successor (each is safe to tell again)
 _HANDED_OVER = (Crashed, RunEnded, NoticeSent, _CompletionSent, RestartNoticeSent)
+
+
+def _folded(watch: RunWatch, records: Iterable[RecordedEvent]) -> RunWatch:
+    for record in records:
+        watch = RUN_WATCH.apply(watch, record)
+    return watch
+
+
+def _begins_run(record: RecordedEvent) -> bool:
+    """Whether the record is the spawn a run's session stream starts with."""
+    return record.stream.startswith("session:") and isinstance(record.event, SubagentSpawned)
 
 
 def _running(watch: RunWatch) -> bool:
