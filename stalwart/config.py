@@ -205,11 +205,13 @@ class SubagentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
     @property
     def spawn_wait_ms(self) -> int:
-        """How long the ``spawn_subagent`` tool waits for its run, a last resort behind the
-        run's own limit: the longest limit, the ghost sweep's grace and interval (a run
-        whose watchdog never fired is swept by then), and a minute to spare."""
+        """How long the ``spawn_subagent`` tool waits for its run and the retries its
+        recovery starts (``recovery_max_attempts`` attempts), a last resort behind their
+        own limits: for each attempt the longest limit and the ghost sweep's grace and
+        interval (a run whose watchdog never fired is swept by then), and a minute to
+        spare."""
         sweep = self.ghost_grace_ms + self.ghost_sweep_interval_ms
-        return self.longest_run_ms + sweep + 60_000
+        return self.recovery_max_attempts * (self.longest_run_ms + sweep) + 60_000
 
 
 class HealthSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -38,5 +38,14 @@ def test_a_class_timeout_above_custom_max_bounds_the_tools_wait(
 def test_the_default_wait_covers_the_custom_limit_and_the_sweep(fake: FakeProvider) -> None:
     settings = _config(fake.base_url, {}).subagents
     assert settings.longest_run_ms == settings.custom_max_ms == 1_800_000
-    # a run the watchdog missed is swept by limit + grace (checked every interval)
-    assert settings.spawn_wait_ms == 1_800_000 + 120_000 + 60_000 + 60_000
+    # a run the watchdog missed is swept by limit + grace (checked every interval), and
+    # its recovery's retry gets as long (recovery_max_attempts = 2)
+    assert settings.spawn_wait_ms == 2 * (1_800_000 + 120_000 + 60_000) + 60_000
+
+
+# Was: DEFECT: the spawn tool's wait covered one attempt: a retry started by recovery answered no one  # noqa: E501
+def test_the_wait_covers_every_attempt_of_the_lineage(fake: FakeProvider) -> None:
+    one = _config(fake.base_url, {"recovery_max_attempts": 1}).subagents
+    three = _config(fake.base_url, {"recovery_max_attempts": 3}).subagents
+    attempt = one.longest_run_ms + one.ghost_grace_ms + one.ghost_sweep_interval_ms
+    assert three.spawn_wait_ms - one.spawn_wait_ms == 2 * attempt

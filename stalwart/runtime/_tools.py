@@ -1,10 +1,12 @@
 """The built-in ``spawn_subagent`` tool and a session's own tool registry.
 
-A ``spawn_subagent`` call's run is named after the call: its id is derived from the
-call's idempotency key (:func:`call_run_id`), and its ``subagent:spawned`` records the key
-(``call_key``). After a crash cut the call short, the tool's ``reconcile`` check reads
-that run's stream, and those of the attempts its recovery started after it, never the
-rest of the log.
+A ``spawn_subagent`` call answers with its run's lineage's outcome: a run that failed and
+that the supervisor's recovery respawned is followed to the attempts it started (each
+run's ``next_run_id``), so the retry's answer is the call's. Its run is named after the
+call: its id is derived from the call's idempotency key (:func:`call_run_id`), and its
+``subagent:spawned`` records the key (``call_key``). After a crash cut the call short,
+the tool's ``reconcile`` check reads that run's stream, and those of the attempts its
+recovery started after it, never the rest of the log.
 """
 
 from __future__ import annotations
@@ -154,7 +156,12 @@ class SpawnTool:
         except SpawnRefusedError as exc:
             raise ToolError(str(exc), error_class="spawn_refused") from exc
         ended = await wait_on_own_thread(handle.result)  # for the run's whole life
-        return ended.result if ended.outcome == "succeeded" else ended.notice
+        if ended.outcome == "succeeded":
+            return ended.result
+        # its recovery may run it again (announce=False: the answer is this call's)
+        runs = _LineageRuns(self._rt.store, handle.run_id)
+        found = await _lineage_end(runs)
+        return ended.notice if found is None else found
 
     def _spawn(self, key: str | None, task: str, **options: Any) -> RunHandle:
         """``rt.spawn`` for the call ``key`` (on a worker thread): its run named after the
@@ -185,12 +192,7 @@ class SpawnTool:
         succeeded, or the static notice of the last one. A lineage still in play (the
         dead process's run, a ghost until the supervisor sweeps it; the attempt its
         recovery starts next) is waited for, within the tool's own time limit."""
-        runs = _CallRuns(self._rt.store, self._session, key)
-        while True:
-            head, found = await anyio.to_thread.run_sync(runs.look)
-            if found is not _InPlay.IN_PLAY:
-                return found
-            await wait_on_own_thread(runs.store.wait_for, head + 1, LOG_WAIT_S)
+        return await _lineage_end(_CallRuns(self._rt.store, self._session, key))
 
 
 class _InPlay(enum.Enum):
@@ -204,23 +206,32 @@ class _InPlay(enum.Enum):
 _Outcome = str | Literal[_InPlay.IN_PLAY] | None
 
 
-class _CallRuns:
-    """The runs of one ``spawn_subagent`` call in the log: the run named after its key
-    and the attempts its recovery started after it (each run's ``next_run_id``), each
-    folded as far as the log goes and read on from there at the next look."""
+async def _lineage_end(runs: _LineageRuns) -> str | None:
+    """What the lineage ``runs`` follows ended with, waiting while it is in play: None
+    when the log holds no run of it, else the result of the attempt that succeeded or the
+    static notice of the last one (see :meth:`_LineageRuns.look`)."""
+    while True:
+        head, found = await anyio.to_thread.run_sync(runs.look)
+        if found is not _InPlay.IN_PLAY:
+            return found
+        await wait_on_own_thread(runs.store.wait_for, head + 1, LOG_WAIT_S)
 
-    def __init__(self, store: EventStore, parent: str, key: str) -> None:
+
+class _LineageRuns:
+    """The runs of one lineage in the log: its first run and the attempts its recovery
+    started after it (each run's ``next_run_id``), each folded as far as the log goes and
+    read on from there at the next look."""
+
+    def __init__(self, store: EventStore, first: str) -> None:
         self.store = store
-        self._parent = parent
-        self._key = key
-        self._first = call_run_id(key)
+        self._first = first
         self._runs: dict[str, RunState] = {}
         self._next: dict[str, str | None] = {}
-        self._ours = False  # the first run is this parent's, spawned for this key
+        self._ours = False  # the first run's spawn is in the log (and is the one sought)
 
     def look(self) -> tuple[int, _Outcome]:
-        """The log's head (read first: an append after it moves it on) and the call's
-        outcome: None (no run of it), the lineage's result or notice, or ``IN_PLAY``."""
+        """The log's head (read first: an append after it moves it on) and the lineage's
+        outcome: None (no run of it), its result or notice, or ``IN_PLAY``."""
         head = self.store.head()
         return head, self._outcome()
 
@@ -256,7 +267,24 @@ class _CallRuns:
             return  # no run's stream: a run's starts with its spawn
         self._next[run_id] = event.next_run_id
         if run_id == self._first:
-            self._ours = event.parent == self._parent and event.call_key == self._key
+            self._ours = self._is_sought(event)
+
+    def _is_sought(self, event: SubagentSpawned) -> bool:
+        """Whether the first run's spawn is the run sought (a live call's own run is)."""
+        return True
+
+
+class _CallRuns(_LineageRuns):
+    """The runs of one ``spawn_subagent`` call a crash cut short: the run named after its
+    key, if this parent spawned it for that key, and its lineage."""
+
+    def __init__(self, store: EventStore, parent: str, key: str) -> None:
+        super().__init__(store, call_run_id(key))
+        self._parent = parent
+        self._key = key
+
+    def _is_sought(self, event: SubagentSpawned) -> bool:
+        return event.parent == self._parent and event.call_key == self._key
 
 
 def _notice(state: RunState) -> str:
