@@ -22,11 +22,15 @@ its lease.
 
 The stream's first event, ``context:ledger_opened``, carries the governor folded from the
 ``context:<session>`` streams for a log that is older than the ledger: spend and
-breaker counts made before the upgrade still hold.
+breaker counts made before the upgrade still hold. That fold is recorded too, in
+``context-legacy`` (``context:legacy_counted``, with the log position it covers), so a
+worker starts from the last count and reads only the records after it, not every
+session's stream again (see :func:`count_legacy`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from collections.abc import Callable
@@ -40,11 +44,13 @@ from stalwart.context import Decide
 from stalwart.errors import ConcurrencyError, InvalidStreamError
 from stalwart.events import (
     ContextLedgerOpened,
+    ContextLegacyCounted,
     ContextSummarizerFailed,
     ContextSummarizerRefused,
     ContextSummarizerReleased,
     ContextSummarizerReserved,
     ContextSummaryCreated,
+    LegacyGovernor,
     RecordedEvent,
 )
 from stalwart.ids import new_id
@@ -57,13 +63,15 @@ from stalwart.state import (
     apply_governor_event,
     refusal,
 )
-from stalwart.store import EventStore, NewEvent, check_stream, load_state
+from stalwart.store import EventStore, NewEvent, StreamInfo, check_stream, load_state
 
 __all__ = [
     "LEDGER_STREAM",
+    "LEGACY_STREAM",
     "TENANT_LEDGER",
     "StoreLedger",
     "TenantLedger",
+    "count_legacy",
     "governor_records",
     "ledger_stream",
 ]
@@ -72,6 +80,12 @@ log = get_logger(__name__)
 
 #: the ledger of the sessions that name no tenant; a tenant's is ``context-ledger:<tenant>``
 LEDGER_STREAM = "context-ledger"
+#: the legacy count's stream: the governors the ``context:`` streams recorded for the
+#: tenants that had no ledger yet (``context:legacy_counted``)
+LEGACY_STREAM = "context-legacy"
+#: a stream's records after a count are found by halving its versions down to a run
+#: this short, which is then read
+READ_RUN = 32
 #: how many times an admission folds and decides again when other workers keep
 #: appending to the same ledger first
 ADMIT_ATTEMPTS = 64
@@ -167,8 +181,10 @@ class StoreLedger:
         self._refused: dict[str | None, tuple[int, tuple[object, ...]]] = {}
         #: the governors folded from the ``context:`` streams (older logs), once
         self._legacy: dict[str | None, GovernorState] | None = None
-        #: held while the releases are flushed, and while the older logs are folded
+        #: held while the releases are flushed
         self._lock = threading.Lock()
+        #: held while the older logs are counted (a tenant with a ledger admits meanwhile)
+        self._counting = threading.Lock()
 
     def governor(self, tenant: str | None) -> GovernorState:
         return self._fold(tenant)[0]
@@ -262,16 +278,9 @@ class StoreLedger:
             return folder.state(), version
 
     def _opening(self, tenant: str | None, now: float) -> ContextLedgerOpened:
-        with self._lock:
+        with self._counting:
             if self._legacy is None:
-                folded: dict[str | None, GovernorFolder] = {}
-                for record in governor_records(self._store):
-                    owner = getattr(record.event, "tenant", None)
-                    folder = folded.get(owner)
-                    if folder is None:
-                        folder = folded[owner] = GovernorFolder(GovernorState(tenant=owner))
-                    folder.add_event(record.event, record.ts)
-                self._legacy = {owner: folder.state() for owner, folder in folded.items()}
+                self._legacy = count_legacy(self._store, now)
             legacy = self._legacy.get(tenant) or GovernorState(tenant=tenant)
         return ContextLedgerOpened(
             tenant=tenant,
@@ -287,16 +296,112 @@ def _rule(refusal: ContextSummarizerRefused) -> tuple[object, ...]:
     return (refusal.reason, refusal.knob, refusal.used, refusal.limit, refusal.until)
 
 
-def governor_records(store: EventStore) -> list[RecordedEvent]:
-    """What the tenants' summarizer governors folded before the ledger existed, from
-    every ``context:`` stream, in log order: a tenant's sessions interleave, and its
-    breaker counts failures in the order they came, across them. Summaries are kept
-    without their bodies."""
-    found: list[RecordedEvent] = []
-    for info in store.streams():
-        if not info.stream.startswith("context:"):
+def count_legacy(store: EventStore, now: float) -> dict[str | None, GovernorState]:
+    """The governors of the tenants with no ledger yet, as the ``context:`` streams record
+    them: the last count (``context:legacy_counted`` in :data:`LEGACY_STREAM`) and the
+    records after the position it covers. When there were any, the result is recorded as
+    the next count, with the last one's version expected: of workers counting at once,
+    one records (the others' counts are as good: each covers the head it read first).
+
+    A count covers positions, not streams: a session's stream that grew after it (an
+    older stalwart, which knows no ledger, wrote a summary there) is read from its
+    first record after the count."""
+    version = store.stream_version(LEGACY_STREAM)
+    counted = _last_count(store, version)
+    covers = 0 if counted is None else counted.covers
+    head = store.head()  # first: every record up to it is in the listing below
+    infos = store.streams()
+    changed = [
+        info for info in infos if info.stream.startswith("context:") and covers < info.last_position
+    ]
+    ledgers = {info.stream for info in infos if info.stream.startswith(LEDGER_STREAM)}
+    folded = {} if counted is None else _folders(counted)
+    for record in governor_records(store, changed, after=covers, upto=head):
+        owner = getattr(record.event, "tenant", None)
+        if ledger_stream(owner) in ledgers:
+            continue  # its ledger is open: what it spends is recorded there
+        folder = folded.get(owner)
+        if folder is None:
+            folder = folded[owner] = GovernorFolder(GovernorState(tenant=owner))
+        folder.add_event(record.event, record.ts)
+    governors = _kept(folded, ledgers, now)
+    if changed and head > covers:
+        count = ContextLegacyCounted(
+            covers=head,
+            governors=tuple(_legacy_governor(governor) for governor in governors.values()),
+        )
+        # another worker may have recorded its count first: this one is as good
+        with contextlib.suppress(ConcurrencyError):
+            store.append(LEGACY_STREAM, [NewEvent(event=count, ts=now)], expected_version=version)
+    return governors
+
+
+def _last_count(store: EventStore, version: int) -> ContextLegacyCounted | None:
+    for record in store.read_stream(LEGACY_STREAM, version, version) if version else ():
+        if isinstance(record.event, ContextLegacyCounted):
+            return record.event
+    return None
+
+
+def _folders(counted: ContextLegacyCounted) -> dict[str | None, GovernorFolder]:
+    return {
+        governor.tenant: GovernorFolder(
+            GovernorState(
+                tenant=governor.tenant,
+                spend=governor.spend,
+                consecutive_failures=governor.consecutive_failures,
+                last_failure_at=governor.last_failure_at,
+            )
+        )
+        for governor in counted.governors
+    }
+
+
+def _kept(
+    folded: dict[str | None, GovernorFolder], ledgers: set[str], now: float
+) -> dict[str | None, GovernorState]:
+    """The governors a ledger opened from now on can start from: those of tenants with
+    no ledger, their spend within the day before ``now``, none left as it started."""
+    kept: dict[str | None, GovernorState] = {}
+    for tenant, folder in folded.items():
+        if ledger_stream(tenant) in ledgers:
             continue
-        for record in store.read_stream(info.stream):
+        state = folder.state()
+        spend = tuple(entry for entry in state.spend if entry[0] > now - DAY_S)
+        governor = GovernorState(
+            tenant=tenant,
+            spend=spend,
+            consecutive_failures=state.consecutive_failures,
+            last_failure_at=state.last_failure_at,
+        )
+        if governor != GovernorState(tenant=tenant):
+            kept[tenant] = governor
+    return kept
+
+
+def _legacy_governor(state: GovernorState) -> LegacyGovernor:
+    return LegacyGovernor(
+        tenant=state.tenant,
+        spend=state.spend,
+        consecutive_failures=state.consecutive_failures,
+        last_failure_at=state.last_failure_at,
+    )
+
+
+def governor_records(
+    store: EventStore, streams: list[StreamInfo], *, after: int = 0, upto: int | None = None
+) -> list[RecordedEvent]:
+    """What the tenants' summarizer governors fold from ``streams`` (``context:`` ones)
+    at positions after ``after`` and up to ``upto``, in log order: a tenant's sessions
+    interleave, and its breaker counts failures in the order they came, across them.
+    Summaries are kept without their bodies."""
+    found: list[RecordedEvent] = []
+    for info in streams:
+        for record in store.read_stream(info.stream, _first_after(store, info, after)):
+            if upto is not None and record.position > upto:
+                break
+            if record.position <= after:
+                continue
             event = record.event
             if isinstance(event, ContextSummaryCreated):
                 bare = msgspec.structs.replace(event, body="", covers=(), topics=())
@@ -305,3 +410,26 @@ def governor_records(store: EventStore) -> list[RecordedEvent]:
                 found.append(record)
     found.sort(key=attrgetter("position"))
     return found
+
+
+def _first_after(store: EventStore, info: StreamInfo, after: int) -> int:
+    """A version of ``info.stream`` at or before its first record stored after position
+    ``after``. Positions have no gaps, so at most ``info.last_position - after`` of its
+    records are after it; the rest is halved down to :data:`READ_RUN` versions."""
+    low = max(1, info.version - (info.last_position - after) + 1)
+    high = info.version
+    if high - low > READ_RUN and _stored_after(store, info.stream, low, after):
+        return low
+    while high - low > READ_RUN:
+        middle = (low + high) // 2
+        if _stored_after(store, info.stream, middle, after):
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+def _stored_after(store: EventStore, stream: str, version: int, after: int) -> bool:
+    """Whether ``stream``'s record at ``version`` is stored after position ``after`` (a
+    version not found reads as after: the halving then reads more, never less)."""
+    return all(record.position > after for record in store.read_stream(stream, version, version))

@@ -54,11 +54,13 @@ from ._context import (
     ContextLayerEnabled,
     ContextLayerHalfOpened,
     ContextLedgerOpened,
+    ContextLegacyCounted,
     ContextSummarizerFailed,
     ContextSummarizerRefused,
     ContextSummarizerReleased,
     ContextSummarizerReserved,
     ContextSummaryCreated,
+    LegacyGovernor,
 )
 from ._draft import DraftCommitted, DraftDiscarded, DraftStaged
 from ._prompt import (
@@ -148,6 +150,7 @@ __all__ = [
     "ContextLayerEnabled",
     "ContextLayerHalfOpened",
     "ContextLedgerOpened",
+    "ContextLegacyCounted",
     "ContextSummarizerFailed",
     "ContextSummarizerRefused",
     "ContextSummarizerReleased",
@@ -160,6 +163,7 @@ __all__ = [
     "ExecutionAborted",
     "LeaseExpired",
     "LeaseRenewed",
+    "LegacyGovernor",
     "MessageAppended",
     "ModelFallbackAttempt",
     "ModelFallbackExhausted",

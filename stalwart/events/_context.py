@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
+import msgspec
+
 from ._base import Event, Severity
 
 
@@ -117,6 +119,29 @@ class ContextLedgerOpened(Event, frozen=True, tag="context:ledger_opened"):
     spend: tuple[tuple[float, int], ...] = ()
     consecutive_failures: int = 0
     last_failure_at: float | None = None
+    severity: ClassVar[Severity] = "debug"
+
+
+class LegacyGovernor(msgspec.Struct, frozen=True, kw_only=True):
+    """One tenant's summarizer governor as the ``context:<session>`` streams recorded it
+    (a log older than the ledger), in ``context:legacy_counted``: ``spend`` is ``(ts,
+    tokens)`` within the day before the count, oldest first."""
+
+    tenant: str | None = None
+    spend: tuple[tuple[float, int], ...] = ()
+    consecutive_failures: int = 0
+    last_failure_at: float | None = None
+
+
+class ContextLegacyCounted(Event, frozen=True, tag="context:legacy_counted"):
+    """The summarizer governors of the tenants that had no ledger yet, folded from every
+    ``context:<session>`` stream's records at positions up to ``covers`` (stream
+    ``context-legacy``): a ledger opened later starts from this and the records after
+    ``covers``, not from every session's stream. A tenant whose governor is the initial
+    one is left out."""
+
+    covers: int
+    governors: tuple[LegacyGovernor, ...] = ()
     severity: ClassVar[Severity] = "debug"
 
 
