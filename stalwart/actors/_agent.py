@@ -82,9 +82,11 @@ from stalwart.state import (
 )
 from stalwart.store import NO_STREAM, EventStore, Fence, NewEvent, load_state
 from stalwart.tools import (
+    DEFAULT_MAX_RESULT_BYTES,
     ToolOutcome,
     ToolRegistry,
     blocked_outcome,
+    bounded_text,
     decide_tool_call,
     outcome_event,
     started_event,
@@ -678,7 +680,11 @@ class AgentActor(Supervised):
         event and outcome."""
         resolution = self._ledger.resolutions.get(call.id)
         if resolution is not None and resolution.kind == "output":
-            done = ToolCompleted(call_id=call.id, tool=call.name, output=resolution.output)
+            # the host's answer is bounded as a tool's own result is (its record keeps it)
+            tool = self._tools.get(call.name)
+            limit = tool.max_result_bytes if tool is not None else DEFAULT_MAX_RESULT_BYTES
+            output = bounded_text(resolution.output, limit)
+            done = ToolCompleted(call_id=call.id, tool=call.name, output=output)
             outcome = ToolOutcome(call_id=call.id, tool=call.name, status="ok", text=done.output)
             return done, outcome
         if resolution is not None and resolution.kind == "deny":

@@ -22,7 +22,7 @@ from stalwart.context import (
 from stalwart.context._tokens import clip_to_tokens
 from stalwart.errors import SummaryFailedError, ToolError
 from stalwart.providers import Message, ProviderClient, ProviderRequest
-from stalwart.tools import ToolRegistry
+from stalwart.tools import DEFAULT_MAX_RESULT_BYTES, ToolRegistry
 
 from ._context import ExpandContext, InspectContext, SearchContext, ask_context
 from ._portal import IoPortal
@@ -241,8 +241,11 @@ def context_tools(
     (the model cannot name another); an empty registry in pipeline mode. Each call asks
     the ContextStore within ``timeout`` seconds; an id outside the session is refused
     with the same static sentence whatever the reason."""
-    tools = ToolRegistry()
-    if (settings or ContextEngineSettings()).version != "dag":
+    settings = settings or ContextEngineSettings()
+    # the ContextStore bounds each answer itself (``expand_max_tokens`` a page): the
+    # registry's cut, made for tools that do not, must not break a page's JSON
+    tools = ToolRegistry(max_result_bytes=_answer_limit(settings))
+    if settings.version != "dag":
         return tools
 
     def ask(message: object) -> str:
@@ -279,3 +282,10 @@ def context_tools(
     tools.register(ctx_inspect, description=_INSPECT)
     tools.register(ctx_expand, description=_EXPAND)
     return tools
+
+
+def _answer_limit(settings: ContextEngineSettings) -> int:
+    """A limit above any answer the ContextStore gives: a page of ``expand_max_tokens``
+    at up to 8 bytes a token (a character JSON escapes takes 6), and room for its
+    fields; never below the registry's default."""
+    return max(DEFAULT_MAX_RESULT_BYTES, 8 * settings.expand_max_tokens + 4_096)

@@ -31,10 +31,12 @@ from ._outcome import (
     Status,
     ToolOutcome,
     blocked_outcome,
+    bounded_text,
     outcome_event,
     started_event,
 )
 from ._registry import (
+    DEFAULT_MAX_RESULT_BYTES,
     DEFAULT_TIMEOUT_MS,
     NAME_PATTERN,
     Tool,
@@ -45,6 +47,7 @@ from ._run import parse_arguments, result_text, run_tool, run_tools
 
 __all__ = [
     "ACTIONS",
+    "DEFAULT_MAX_RESULT_BYTES",
     "DEFAULT_TIMEOUT_MS",
     "NAME_PATTERN",
     "NEVER_BLOCK",
@@ -63,6 +66,7 @@ __all__ = [
     "apply_tool_breaker",
     "blocked_outcome",
     "blocked_text",
+    "bounded_text",
     "build_tool",
     "canonical_arguments",
     "classify_tool_error",

@@ -99,6 +99,42 @@ def unknown_tool_text(name: str, available: tuple[str, ...]) -> str:
     return f"There is no tool named '{shown}'. The available tools are: {listed}."
 
 
+def bounded_text(text: str, limit: int | None, *, error: bool = False) -> str:
+    """``text`` if its UTF-8 form is at most ``limit`` bytes (or there is no limit), else
+    its start within them, ended on a line break when one ends the second half, and a
+    marker saying how much was cut; for a result (not an ``error`` message) it also says
+    how the model may read the rest."""
+    if limit is None or len(text) <= limit // 4:  # no character takes more than 4 bytes
+        return text
+    data = text.encode("utf-8", "surrogatepass")
+    if len(data) <= limit:
+        return text
+    kept = data[:limit].decode("utf-8", "ignore")  # not half a character at the end
+    line_end = kept.rfind("\n")
+    if line_end >= len(kept) // 2:
+        kept = kept[: line_end + 1]
+    return kept + _cut_marker(text, kept, limit, error)
+
+
+def _cut_marker(text: str, kept: str, limit: int, error: bool) -> str:
+    """What the model reads after a cut text: how much it is, how much is shown."""
+    shown = f"{len(kept):,} of its {len(text):,} characters"
+    lines, kept_lines = text.count("\n") + (not text.endswith("\n")), kept.count("\n")
+    if lines > 1:
+        shown += f" ({kept_lines:,} of its {lines:,} lines)"
+    what = "message" if error else "result"
+    marker = (
+        f"\n[stalwart: the tool's {what} is longer than its limit of {limit:,} bytes: "
+        f"only the first {shown} are shown."
+    )
+    if error:
+        return marker + "]"
+    return (
+        f"{marker} Call the tool again with arguments that narrow it (a filter, a range, "
+        "a page) to read the rest.]"
+    )
+
+
 def blocked_outcome(call: ToolCall, event: ToolBlocked) -> ToolOutcome:
     """The outcome of a call the tool retry breaker blocked (``event`` is its decision)."""
     return ToolOutcome(

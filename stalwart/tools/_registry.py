@@ -22,6 +22,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: What every provider accepts as a tool name (OpenAI's rule; Anthropic's is the same).
 NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 DEFAULT_TIMEOUT_MS = 30_000
+#: The most a call's result may hold, in UTF-8 bytes, unless the tool or its registry
+#: says otherwise: about 14,000 tokens of English, so the calls of a step (4 at once by
+#: default) take under half of a 128,000-token window; more is cut, with a marker.
+DEFAULT_MAX_RESULT_BYTES = 50_000
 #: ``reconcile(idempotency_key, arguments)``, sync or async: after a crash cut a call
 #: short, the output of its effect if it happened (made text like a result), else None.
 Reconcile = Callable[[str, dict[str, Any]], object]
@@ -47,6 +51,9 @@ class Tool:
     extra_keywords: bool
     extra_type: Any = Any
     custom: bool = False
+    #: the most a result (or a ToolError's message) may hold, in UTF-8 bytes: the rest is
+    #: cut, with a marker saying how much (None: no limit)
+    max_result_bytes: int | None = None
     #: after a crash cut a call short, whether its effect happened (see :data:`Reconcile`)
     reconcile: Reconcile | None = None
 
@@ -70,7 +77,10 @@ class ToolRegistry:
         tools.register(fetch, name="fetch_page", needs_confirmation=True)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES) -> None:
+        """``max_result_bytes``: the limit of a result for the tools registered here
+        that do not name their own (see :meth:`register`)."""
+        self.max_result_bytes = _checked_limit(max_result_bytes, None)
         self._tools: dict[str, Tool] = {}
         self._reserved: dict[str, str] = {}  # name -> who has it
         # a host registers while Agents read (tools registered later are offered from the
@@ -119,6 +129,7 @@ class ToolRegistry:
         timeout_ms: int = DEFAULT_TIMEOUT_MS,
         needs_confirmation: bool = False,
         reconcile: Reconcile | None = None,
+        max_result_bytes: int | None = None,
     ) -> F: ...
 
     @overload
@@ -132,6 +143,7 @@ class ToolRegistry:
         timeout_ms: int = DEFAULT_TIMEOUT_MS,
         needs_confirmation: bool = False,
         reconcile: Reconcile | None = None,
+        max_result_bytes: int | None = None,
     ) -> Callable[[F], F]: ...
 
     def register(
@@ -144,15 +156,20 @@ class ToolRegistry:
         timeout_ms: int = DEFAULT_TIMEOUT_MS,
         needs_confirmation: bool = False,
         reconcile: Reconcile | None = None,
+        max_result_bytes: int | None = None,
     ) -> F | Callable[[F], F]:
         """Register ``fn`` (sync or async) and return it unchanged; a decorator without it.
 
         The name defaults to the function's, the description to its docstring's first
         paragraph, and the JSON schema is derived from its type hints and defaults unless
-        ``parameters`` gives one. Raises :class:`ToolRegistrationError` for a name that is
-        not provider-safe (``^[a-zA-Z0-9_-]{1,64}$``) or already taken, a signature JSON
-        cannot call, or a timeout that is not a positive number of milliseconds.
+        ``parameters`` gives one. A result longer than ``max_result_bytes`` (UTF-8; the
+        registry's limit when None) is cut, with a marker. Raises
+        :class:`ToolRegistrationError` for a name that is not provider-safe
+        (``^[a-zA-Z0-9_-]{1,64}$``) or already taken, a signature JSON cannot call, or a
+        timeout or result limit that is not a positive integer.
         """
+
+        limit = self.max_result_bytes if max_result_bytes is None else max_result_bytes
 
         def add(target: F) -> F:
             tool = build_tool(
@@ -162,6 +179,7 @@ class ToolRegistry:
                 parameters=parameters,
                 timeout_ms=timeout_ms,
                 needs_confirmation=needs_confirmation,
+                max_result_bytes=limit,
             )
             if reconcile is not None:
                 tool = dataclasses.replace(tool, reconcile=reconcile)
@@ -171,10 +189,19 @@ class ToolRegistry:
         return add if fn is None else add(fn)
 
     def register_custom(
-        self, name: str, *, description: str = "", parameters: dict[str, Any] | None = None
+        self,
+        name: str,
+        *,
+        description: str = "",
+        parameters: dict[str, Any] | None = None,
+        max_result_bytes: int | None = None,
     ) -> None:
         """Declare a tool the host implements outside the agent: a call to it pauses the
-        session (``requires_action``) until ``submit_tool_result`` gives its output."""
+        session (``requires_action``) until ``submit_tool_result`` gives its output, which
+        the model reads cut to ``max_result_bytes`` (None: the registry's limit) as a
+        tool's own result is."""
+        limit = self.max_result_bytes if max_result_bytes is None else max_result_bytes
+        _checked_limit(limit, name)
 
         def host_implemented(**arguments: Any) -> Any:
             raise ToolRegistrationError(
@@ -185,7 +212,7 @@ class ToolRegistry:
 
         schema = parameters or {"type": "object", "properties": {}}
         tool = build_tool(host_implemented, name=name, description=description, parameters=schema)
-        self._add(dataclasses.replace(tool, custom=True))
+        self._add(dataclasses.replace(tool, custom=True, max_result_bytes=limit))
 
     def get(self, name: str) -> Tool | None:
         """The tool registered as ``name``, or None."""
@@ -219,8 +246,10 @@ def build_tool(
     parameters: dict[str, Any] | None = None,
     timeout_ms: int = DEFAULT_TIMEOUT_MS,
     needs_confirmation: bool = False,
+    max_result_bytes: int | None = None,
 ) -> Tool:
-    """A :class:`Tool` for ``fn``, checked (see :meth:`ToolRegistry.register`)."""
+    """A :class:`Tool` for ``fn``, checked (see :meth:`ToolRegistry.register`); its
+    results are not cut unless ``max_result_bytes`` is given."""
     tool_name = name if name is not None else getattr(fn, "__name__", type(fn).__name__)
     if not isinstance(tool_name, str) or not NAME_PATTERN.fullmatch(tool_name):
         raise ToolRegistrationError(
@@ -234,6 +263,8 @@ def build_tool(
             field="timeout_ms",
             tool=tool_name,
         )
+    if max_result_bytes is not None:
+        _checked_limit(max_result_bytes, tool_name)
     signature = signature_of(fn, tool_name)
     if parameters is None:
         schema = schema_of(signature, tool_name)
@@ -254,7 +285,20 @@ def build_tool(
         arguments=signature.arguments,
         extra_keywords=signature.extra_keywords,
         extra_type=signature.extra_type,
+        max_result_bytes=max_result_bytes,
     )
+
+
+def _checked_limit(limit: object, tool: str | None) -> int:
+    """``limit`` when it is a positive integer; ToolRegistrationError otherwise."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+        whose = "a registry" if tool is None else f"tool {tool!r}"
+        raise ToolRegistrationError(
+            f"{whose}: max_result_bytes must be a positive integer, got {limit!r}",
+            field="max_result_bytes",
+            tool=tool,
+        )
+    return limit
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:

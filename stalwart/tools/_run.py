@@ -38,6 +38,7 @@ from ._context import CallContext, bind, unbind
 from ._outcome import (
     Status,
     ToolOutcome,
+    bounded_text,
     error_text,
     invalid_arguments_text,
     timeout_text,
@@ -303,6 +304,7 @@ async def run_tool(
         if checking:
             return unreconciled()
         text, error_class, action = _failure(tool.name, exc)
+        text = bounded_text(text, tool.max_result_bytes, error=True)
         return msgspec.structs.replace(outcome("error", text, error_class), action=action)
     if scope.cancelled_caught:
         if checking:  # the check ran out of the tool's time
@@ -313,6 +315,7 @@ async def run_tool(
     except (TypeError, ValueError, OverflowError, RecursionError):  # a cycle, too deep
         text = error_text(tool.name, "unencodable_result", "surface")
         return outcome("error", text, "unencodable_result")
+    text = bounded_text(text, tool.max_result_bytes)  # one call never blows log or window
     return msgspec.structs.replace(outcome("ok", text), reconciled=found is not None)
 
 
