@@ -3,13 +3,18 @@
 * **Ghost sweep** (every ``ghost_sweep_interval_ms``): folds every run from the log (each
   ``session:*`` stream that starts with ``subagent:spawned``) and appends
   ``subagent:ghost_swept`` to each run :func:`~stalwart.state.decide_ghost` finds due. It
-  reads only the log, so it catches a run a crashed process left ``running``. The first
-  sweep lists every stream; each later one reads the log from the head the one before
-  read, and reads again only the runs appended to there and the streams a run began in
-  (a session that is no run costs nothing, and nothing is kept of it). A run with
-  nothing left to decide (:func:`settled`) is set aside after each sweep: only its
-  version is kept, and it is folded again when its stream moves on (``GetRuns`` reads
-  it back).
+  reads only the log, so it catches a run a crashed process left ``running``. Each sweep
+  reads the log from the head the one before read, and reads again only the runs
+  appended to there and the streams a run began in (a session that is no run costs
+  nothing, and nothing is kept of it). A run with nothing left to decide
+  (:func:`settled`) is set aside after each sweep: only its version is kept, and it is
+  folded again when its stream moves on (``GetRuns`` reads it back).
+* **Its start**: the sweeps' index of every run is saved as a snapshot
+  (:class:`RunIndex`) with the log position it covers; a supervisor that starts loads the
+  newest one and reads the log from there. Without one (none saved, or none that can be
+  read) its first sweep lists every stream and reads the first records of each session
+  stream, :data:`LOOK_CHUNK` streams per message it tells itself, so what it is told
+  meanwhile (crashes, run ends, send outcomes) is handled between two chunks.
 * **Heartbeat sweep** (every ``heartbeat_interval_ms``, detection only):
   :func:`~stalwart.state.decide_suspicious` -> ``subagent:suspicious``; it never kills.
 * **Failure notice** for a run that ended ``timed_out``, ``swept`` or ``failed``: static
@@ -88,7 +93,7 @@ from stalwart.state import (
     decide_suspicious,
     notice_outcome,
 )
-from stalwart.store import EventStore, NewEvent, StreamInfo
+from stalwart.store import DEFAULT_SNAPSHOT_EVERY, EventStore, NewEvent, StreamInfo
 
 from ._deadletter import Enqueue, dead_letter
 from ._portal import IoPortal
@@ -101,13 +106,16 @@ from ._supervised import Supervised
 from ._supervisor_fold import (
     RUN_WATCH,
     UNSUCCESSFUL,
+    RunIndex,
     RunWatch,
     completion_interrupted,
+    load_index,
     next_run_ids,
     notice_interrupted,
     owed_completion,
     recovery,
     respawn,
+    save_index,
     settled,
     split_spawns,
 )
@@ -121,6 +129,9 @@ MAX_CONFLICTS = 64
 #: How many records of a stream not yet folded are read to see whether it is a run (a
 #: run's stream starts with its spawn, and most runs are shorter than this).
 FIRST_READ = 8
+#: How many listed streams a sweep that lists every stream reads per message it tells
+#: itself (about 10 ms of reads on LMDB): its mailbox is handled between two chunks.
+LOOK_CHUNK = 256
 
 
 class Sweep(msgspec.Struct, frozen=True):
@@ -133,6 +144,31 @@ class _Due(msgspec.Struct, frozen=True):
 
 class _CompletionSent(msgspec.Struct, frozen=True):
     outcome: NoticeSent
+
+
+class _Look(msgspec.Struct, frozen=True):
+    """Read the next chunk of the listing under way (told by the supervisor to itself)."""
+
+
+class _Listing:
+    """A listing of the session streams that moved, read a chunk at a time; the sweep it
+    is for (``ghosts``, ``heartbeats``) runs once every stream in it is read."""
+
+    __slots__ = ("ghosts", "head", "heartbeats", "read", "streams")
+
+    def __init__(
+        self, head: int, streams: dict[str, int], *, ghosts: bool, heartbeats: bool
+    ) -> None:
+        self.head = head  # the log's head before the rows were listed
+        self.streams = list(streams.items())
+        self.read = 0  # how many of them are read
+        self.ghosts = ghosts
+        self.heartbeats = heartbeats
+
+    def rest(self, size: int | None = None) -> list[tuple[str, int]]:
+        """The next ``size`` streams not read yet (all of them: None), with their versions."""
+        end = None if size is None else self.read + size
+        return self.streams[self.read : end]
 
 
 class GetRuns(msgspec.Struct, frozen=True):
@@ -258,9 +294,15 @@ class SupervisorActor(Supervised):
         #: the log's head when the sweeps last looked: every session stream that moved
         #: since is found by reading the log from there (:meth:`_refresh`)
         self._looked_to = 0
-        #: whether the next sweep lists every stream's row instead (the first one, and
-        #: one after a sweep that failed or a log record that could not be read)
+        #: whether the next sweep lists every stream's row instead (the first one without
+        #: a saved index, and one after a sweep that failed or a log record that could
+        #: not be read)
         self._list_rows = True
+        #: a listing being read a chunk at a time (:meth:`_look_on`)
+        self._look: _Listing | None = None
+        #: the log position the newest run index saved or loaded covers (:meth:`_keep_index`)
+        self._index_at = 0
+        self._snapshot_every: int = getattr(store, "snapshot_every", DEFAULT_SNAPSHOT_EVERY)
         #: announcement id -> the ids of its sends in flight (a resend may be under way
         #: while a late outcome of the send before it is recorded)
         self._sending: dict[str, set[str]] = {}
@@ -269,7 +311,11 @@ class SupervisorActor(Supervised):
         #: stream to the spawner
         self._unstarted: set[str] = set()
         self._asked: dict[str, float] = {}
+        #: the runs set aside while a next run they name is not in the log and this
+        #: process cannot start it (a process holding its code may: saved to be reread)
+        self._unavailable: set[str] = set()
         self._timer_key = ("supervisor", self.actor_urn)
+        self._look_key = ("supervisor-look", self.actor_urn)
         self._next_ghost = 0.0
         self._next_heartbeat = 0.0
 
@@ -279,14 +325,17 @@ class SupervisorActor(Supervised):
         now = self._clock.now()
         self._next_ghost = now + self._settings.ghost_sweep_interval_ms / 1000
         self._next_heartbeat = now + self._settings.heartbeat_interval_ms / 1000
-        self._sweep(ghosts=True, heartbeats=True)  # what a crash left behind, at once
+        self._restore_index()
+        self._sweep_soon(ghosts=True, heartbeats=True)  # what a crash left behind, at once
         self._arm()
 
     def on_stop(self) -> None:
         self._scheduler.cancel(self._timer_key)
+        self._scheduler.cancel(self._look_key)
 
     def on_failure(self, *exc_info: object) -> None:
         self._scheduler.cancel(self._timer_key)
+        self._scheduler.cancel(self._look_key)
         self._hand_over(self.take_inbox())
         crashed(self._on_crash, exc_info)
 
@@ -312,10 +361,12 @@ class SupervisorActor(Supervised):
                 if heartbeats:
                     self._next_heartbeat = at + self._settings.heartbeat_interval_ms / 1000
                 try:
-                    self._sweep(ghosts=ghosts, heartbeats=heartbeats)
+                    self._sweep_soon(ghosts=ghosts, heartbeats=heartbeats)
                 except StoreError as exc:  # the store is away: the next sweep looks again
                     log.warning("supervisor.sweep_failed", error=type(exc).__name__)
                 self._arm()
+            case _Look():
+                self._look_on()
             case Sweep():
                 return self._sweep(ghosts=True, heartbeats=True)
             case RunEnded() | NoticeSent() | _CompletionSent() | RestartNoticeSent():
@@ -329,6 +380,8 @@ class SupervisorActor(Supervised):
                     )
                     tell_later(self._scheduler, self._clock, self._retell, message)
             case GetRuns():
+                if self._look is not None:  # the sweep under way first, as a start's
+                    self._sweep(ghosts=self._look.ghosts, heartbeats=self._look.heartbeats)
                 return self._every_run()
             case Crashed():
                 self._restarts.crashed(message)
@@ -354,11 +407,57 @@ class SupervisorActor(Supervised):
     # -- the sweeps ----------------------------------------------------------------------------
 
     def _sweep(self, *, ghosts: bool, heartbeats: bool) -> SweepReport:
+        """A sweep now (a listing under way is read to its end first)."""
         try:
+            self._finish_look()
             return self._sweep_runs(ghosts=ghosts, heartbeats=heartbeats)
         except BaseException:  # the next sweep lists every stream's row (a damaged one)
             self._list_rows = True
             raise
+
+    def _sweep_soon(self, *, ghosts: bool, heartbeats: bool) -> None:
+        """A sweep: now, unless it must list the streams' rows (no index at a start, or
+        after a failure); then the listed streams are read a chunk per :class:`_Look`, and
+        the sweep runs once they all are."""
+        look = self._look
+        if look is not None:  # one under way: this sweep's too
+            look.ghosts, look.heartbeats = look.ghosts or ghosts, look.heartbeats or heartbeats
+            return
+        if not self._list_rows:
+            self._sweep(ghosts=ghosts, heartbeats=heartbeats)
+            return
+        head = self._store.head()
+        listed = self._listed_since(self._looked_to)
+        self._look = _Listing(head, listed, ghosts=ghosts, heartbeats=heartbeats)
+        self._look_on()  # its first chunk now: a short listing is swept at once
+
+    def _look_on(self) -> None:
+        """Read the next chunk of the listing under way; at its end, its sweep."""
+        look = self._look
+        if look is None:
+            return  # read to its end by a sweep asked meanwhile
+        try:
+            chunk = look.rest(LOOK_CHUNK)
+            self._fold_moved(chunk)
+            look.read += len(chunk)
+            if look.read < len(look.streams):
+                self._tell(_Look())
+                return
+            self._sweep(ghosts=look.ghosts, heartbeats=look.heartbeats)
+        except StoreError as exc:  # the store is away: the chunk again in a second
+            log.warning("supervisor.sweep_failed", error=type(exc).__name__)
+            if self._look is look:  # else the next sweep lists the rows again
+                tell_later(self._scheduler, self._clock, self._tell, _Look(), self._look_key)
+
+    def _finish_look(self) -> None:
+        """Read the rest of the listing under way, if any; the log is then read from the
+        head it was listed at."""
+        look = self._look
+        if look is None:
+            return
+        self._look = None
+        self._fold_moved(look.rest())
+        self._looked_to, self._list_rows = look.head, False
 
     def _sweep_runs(self, *, ghosts: bool, heartbeats: bool) -> SweepReport:
         self._refresh()
@@ -380,7 +479,44 @@ class SupervisorActor(Supervised):
             self._announce_owed(stream)
         self._set_aside()
         self._resend_notices()
+        self._keep_index()
         return SweepReport(swept=tuple(swept), suspicious=tuple(suspicious))
+
+    def _restore_index(self) -> None:
+        """Start from the newest run index saved (:meth:`_keep_index`): the runs set aside
+        as they were, those to fold again read from their start, and the log read from
+        the position it covers at the first sweep (every session stream listed when none
+        can be used)."""
+        loaded = load_index(self._store, self._store.head())
+        if loaded is None:
+            return
+        position, index = loaded
+        self._settled = dict(index.settled)
+        self._settled_batches = set(index.batches)
+        for stream in index.reread:
+            self._catch_up(stream)
+        self._looked_to, self._list_rows, self._index_at = position, False, position
+        log.info("supervisor.index_loaded", position=position, runs=len(self._settled))
+
+    def _keep_index(self) -> None:
+        """Save the run index once the log moved past the last one saved by the store's
+        ``snapshot_every`` records, or by as many as the index holds runs if that is more
+        (saving it costs as much as reading that many records back at a start)."""
+        every, known = self._snapshot_every, len(self._runs) + len(self._settled)
+        if every <= 0 or self._list_rows or self._looked_to - self._index_at < max(every, known):
+            return
+        reread = set(self._runs) | self._unavailable | self._left_alone
+        index = RunIndex(
+            reread=tuple(sorted(reread)),
+            settled=self._settled,
+            batches=tuple(sorted(self._settled_batches)),
+        )
+        try:
+            save_index(self._store, index, self._looked_to)
+        except StoreError as exc:  # it only saves time: tried again at the next sweep
+            log.warning("supervisor.index_not_saved", error=type(exc).__name__)
+            return
+        self._index_at = self._looked_to
 
     def _resend_notices(self) -> None:
         """The give-up notices a crash or a close cut short, sent again (see
@@ -441,6 +577,7 @@ class SupervisorActor(Supervised):
         self._left_alone.add(stream)
         self._runs.pop(stream, None)
         self._settled.pop(stream, None)
+        self._unavailable.discard(stream)
 
     def _ghost(self, watch: RunWatch, now: float) -> list[Event]:
         return decide_ghost(watch.run, now, ghost_grace_ms=self._settings.ghost_grace_ms)
@@ -465,10 +602,14 @@ class SupervisorActor(Supervised):
         if moved is None:
             self._list_rows = True  # until a listing has been folded
             moved = self._listed_since(self._looked_to)
-        for stream, version in moved.items():
+        self._fold_moved(moved.items())
+        self._looked_to, self._list_rows = head, False
+
+    def _fold_moved(self, moved: Iterable[tuple[str, int]]) -> None:
+        """Fold the streams that moved past the version each is folded at."""
+        for stream, version in moved:
             if self._folded_version(stream) < version:
                 self._catch_up(stream)
-        self._looked_to, self._list_rows = head, False
 
     def _appended_since(self, position: int, head: int) -> dict[str, int] | None:
         """The runs appended to after ``position`` (to ``head``), and the streams a run
@@ -763,6 +904,7 @@ class SupervisorActor(Supervised):
         missing = {f"session:{run_id}" for run_id in named} - self._in_log(named)
         if not missing:
             self._unstarted.discard(stream)
+            self._unavailable.discard(stream)
             for run_id in named:
                 self._asked.pop(f"session:{run_id}", None)
             return
@@ -796,6 +938,7 @@ class SupervisorActor(Supervised):
         if self._can_respawn(watch):
             return True
         self._unstarted.discard(watch.run.stream)
+        self._unavailable.add(watch.run.stream)
         log.error("supervisor.next_run_unavailable", run=watch.run.stream)
         return False
 

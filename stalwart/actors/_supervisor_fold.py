@@ -1,6 +1,8 @@
 """The supervisor's view of one run: the run fold plus where its notice goes and how far
 the notice got, and how far a success's completion announcement got, all read from the
-run's stream (so a restarted supervisor resumes it)."""
+run's stream (so a restarted supervisor resumes it); and its index of every run, saved
+as a snapshot (:class:`RunIndex`) so that a restarted supervisor reads the log from where
+the index was saved instead of every session stream."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import Literal, cast
 
 import msgspec
 
+from stalwart._logs import get_logger
 from stalwart.events import (
     AnnouncementDelivered,
     AnnouncementQueued,
@@ -32,24 +35,32 @@ from stalwart.state import (
     next_notice,
 )
 from stalwart.state import SUBSESSION_CHANNEL_PREFIX as _PRIVATE
+from stalwart.store import EventStore, Snapshot
 
+from ._restarts import RESTART_STREAM
 from ._subagent import Spawn
 
 __all__ = [
+    "INDEX_NAME",
     "RUN_WATCH",
     "UNSUCCESSFUL",
     "NoticeStage",
+    "RunIndex",
     "RunWatch",
     "RunWatchAggregate",
     "completion_interrupted",
+    "load_index",
     "next_run_ids",
     "notice_interrupted",
     "owed_completion",
     "recovery",
     "respawn",
+    "save_index",
     "settled",
     "split_spawns",
 ]
+
+log = get_logger(__name__)
 
 #: How a run ends without success: it gets a failure notice and a recovery decision.
 UNSUCCESSFUL = ("timed_out", "swept", "failed")
@@ -304,3 +315,52 @@ def split_spawns(watch: RunWatch, subtasks: tuple[str, ...]) -> list[Spawn]:
         )
         for run_id, subtask in zip(named, subtasks, strict=True)
     ]
+
+
+# -- the index of every run, kept across restarts ------------------------------------------
+
+#: The snapshot the run index is saved as (of the ``runtime`` stream, whose version it
+#: does not follow: its version is the log position it covers).
+INDEX_NAME = "supervisor_runs@v1"
+
+
+class RunIndex(msgspec.Struct, frozen=True, kw_only=True):
+    """What the sweeps learned of the log up to a position: every run, and nothing of the
+    sessions that are no runs. Derived data, as any snapshot: without it a supervisor lists
+    every stream and reads the first records of each session stream."""
+
+    #: the runs to fold again from their start (those in play, and those set aside while a
+    #: next run they name is not in the log: a process holding its code may start it), and
+    #: the streams left alone (read again: reported again, or repaired meanwhile)
+    reread: tuple[str, ...] = ()
+    #: the runs set aside (nothing left to decide), each with the version it was folded at
+    settled: dict[str, int] = {}
+    #: the completion ids of the runs set aside
+    batches: tuple[str, ...] = ()
+
+
+def save_index(store: EventStore, index: RunIndex, position: int) -> None:
+    """Save ``index`` as covering the log up to ``position`` (StoreError when refused)."""
+    data = msgspec.msgpack.encode(index)
+    snapshot = Snapshot(
+        stream=RESTART_STREAM, name=INDEX_NAME, version=position, position=position, data=data
+    )
+    store.put_snapshot(snapshot)
+
+
+def load_index(store: EventStore, head: int) -> tuple[int, RunIndex] | None:
+    """The newest saved index that decodes and covers no more than the log holds (``head``),
+    with the position it covers; None when there is none (list every stream then)."""
+    for snapshot in store.snapshots(RESTART_STREAM, INDEX_NAME):
+        if snapshot.position > head:  # not of this log as it is now
+            log.warning("supervisor.index_unusable", position=snapshot.position, head=head)
+            continue
+        try:
+            index = msgspec.msgpack.decode(snapshot.data, type=RunIndex)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning(
+                "supervisor.index_unusable", position=snapshot.position, error=type(exc).__name__
+            )
+            continue
+        return snapshot.position, index
+    return None
