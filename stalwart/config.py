@@ -10,6 +10,7 @@ import json
 import os
 import re
 import tomllib
+import unicodedata
 from typing import Annotated, Any, Literal, NoReturn
 from urllib.parse import urlsplit
 
@@ -358,6 +359,11 @@ def url_problem(url: str) -> str | None:
         return "must start with http:// or https://"
     if any(c.isspace() for c in url):  # sent percent-encoded: a host no one has, a 404
         return "contains whitespace (a url has none: encode a space in a path as %20)"
+    if any(unicodedata.category(c) == "Cf" for c in url):  # as whitespace, but unseen
+        return (
+            "contains an invisible format character (a zero-width space, a byte-order "
+            "mark, a soft hyphen or a direction mark pasted with it): type the url again"
+        )
     try:
         parts = urlsplit(url)
         port = parts.port  # raises for a port that is not a number in 0..65535

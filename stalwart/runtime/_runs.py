@@ -140,6 +140,8 @@ class RunLayer:
                 "spawn refused: announce must be True or False", field="announce"
             )
         self._check(spawn)
+        if work is None and not spawn.task.strip():  # a model's run: nothing to answer
+            raise SpawnRefusedError("spawn refused: the task is empty", field="task")
         spawn = self._named_for_call(spawn)
         self._join(spawn.run_id, _Lineage(spawn.task, work, agent, splitter))
         return self._start(spawn, work, agent, announce=announce)

@@ -55,6 +55,11 @@ BUILTIN_TOOLS = frozenset(
     }
 )
 
+#: What the model reads for a ``spawn_subagent`` call whose task is empty or blank: no
+#: run is spawned (its first turn would have nothing to answer, which the providers
+#: refuse, and its recovery would run it again, each attempt failing the same way).
+EMPTY_TASK_TEXT = "spawn refused: the task is empty: give the sub-agent a self-contained task"
+
 #: How long one wait for the log to move lasts while a reconcile check waits on a run
 #: (real seconds: a wait the check's time limit cut short keeps its thread this long at most)
 LOG_WAIT_S = 1.0
@@ -141,6 +146,8 @@ class SpawnTool:
         research: 10 min, deep: 15 min), or custom_timeout_ms with a reason saying why.
         Returns the sub-agent's answer, or a short notice if it did not complete.
         """
+        if isinstance(task, str) and not task.strip():  # a run with nothing to answer
+            raise ToolError(EMPTY_TASK_TEXT, error_class="spawn_refused")
         call = current_call()
         spawn = partial(
             self._spawn,
