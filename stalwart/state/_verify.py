@@ -465,45 +465,28 @@ class Verification:
         self._deadlines.restarted(ts, dues, self._knobs)
 
     def _unwatched(self, unwatched: Unwatched) -> None:
-        stream, due, proof = unwatched.stream, unwatched.due, unwatched.proof
         deadline = self._registry.deadlines[unwatched.index]
-        late_ms = round((proof.ts - due) * 1000)
-        where = "" if proof.stream == stream else f" in {proof.stream}"
-        self._findings.append(
-            Finding(
-                kind="unwatched",
-                stream=stream,
-                position=proof.position,
-                version=proof.version if proof.stream == stream else 0,
-                tag=deadline.decision,
-                ts=proof.ts,
-                message=(
-                    f"the {deadline.name} was due at {moment(due)}, but whether a "
-                    f"{deadline.decision} came in time cannot be said: {unwatched.reason}; "
-                    f"{proof.type} at position {proof.position}{where} is {late_ms} ms past it"
-                ),
-                expected=[{"type": deadline.decision, "due": due}],
-            )
+        finding = _deadline_finding(
+            "unwatched",
+            unwatched.stream,
+            unwatched.due,
+            unwatched.proof,
+            deadline.decision,
+            f"the {deadline.name} was due at {moment(unwatched.due)}, but whether a "
+            f"{deadline.decision} came in time cannot be said: {unwatched.reason}; ",
         )
+        self._findings.append(finding)
 
     def _missed(self, missed: Missed) -> None:
-        stream, due, proof = missed.stream, missed.due, missed.proof
         deadline = self._registry.deadlines[missed.index]
-        late_ms = round((proof.ts - due) * 1000)
-        where = "" if proof.stream == stream else f" in {proof.stream}"
-        finding = self._misses[(stream, missed.index)] = Finding(
-            kind="missed",
-            stream=stream,
-            position=proof.position,
-            version=proof.version if proof.stream == stream else 0,
-            tag=deadline.decision,
-            ts=proof.ts,
-            message=(
-                f"the {deadline.name} was due at {moment(due)} but no {deadline.decision} "
-                f"followed: {proof.type} at position {proof.position}{where} is "
-                f"{late_ms} ms past it"
-            ),
-            expected=[{"type": deadline.decision, "due": due}],
+        finding = self._misses[(missed.stream, missed.index)] = _deadline_finding(
+            "missed",
+            missed.stream,
+            missed.due,
+            missed.proof,
+            deadline.decision,
+            f"the {deadline.name} was due at {moment(missed.due)} but no {deadline.decision} "
+            f"followed: ",
         )
         self._findings.append(finding)
 
@@ -522,3 +505,22 @@ def verify(
     for record in records:
         add(record)
     return verification.report()
+
+
+def _deadline_finding(
+    kind: FindingKind, stream: str, due: float, proof: RecordedEvent, decision: str, said: str
+) -> Finding:
+    """A finding on a deadline: ``said`` and then the record past it (``proof``), how far
+    past, and where."""
+    late_ms = round((proof.ts - due) * 1000)
+    where = "" if proof.stream == stream else f" in {proof.stream}"
+    return Finding(
+        kind=kind,
+        stream=stream,
+        position=proof.position,
+        version=proof.version if proof.stream == stream else 0,
+        tag=decision,
+        ts=proof.ts,
+        message=f"{said}{proof.type} at position {proof.position}{where} is {late_ms} ms past it",
+        expected=[{"type": decision, "due": due}],
+    )
