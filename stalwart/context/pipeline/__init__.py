@@ -53,7 +53,8 @@ again every ``cache_fence_turns`` (5) user turns or for a recorded reason
 A layer that raises is skipped for that run; after 3 failures in a row it is disabled
 (``context:layer_disabled``, a WARN) until its half-open trial 600 s later. The result
 is provider-valid (pairs kept together; the DAG engine's ``repair`` as a last guarantee)
-and fits the budget whenever the newest turn does. See ``docs/context-pipeline.md``.
+and fits the budget: when the newest turn alone is over it, its longest tool results are
+cut to fit, marked (``result.clipped``; see ``_fit``). See ``docs/context-pipeline.md``.
 """
 
 from ._config import LAYERS, ObservationTier, PipelineConfig, parse_pipeline

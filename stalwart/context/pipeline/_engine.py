@@ -36,6 +36,7 @@ from ._clean import clean_thinking, guard_surrogates, scrub_signatures, strip_re
 from ._compaction import compact, keep_summary
 from ._config import LAYERS, PipelineConfig
 from ._fence import added_since, breakpoints, cache_break, late_results, over_threshold
+from ._fit import Cut, fit_newest_turn
 from ._objective import reinforce_objective
 from ._reinject import rehydrate
 from ._run import FileReader, Outcome, Run
@@ -82,7 +83,9 @@ class PipelineResult(msgspec.Struct, frozen=True, kw_only=True):
     unless it breaks; ``breakpoints`` are the indices a request marks ``cache_control``
     (Anthropic); ``cache_break`` says why this call shaped the messages behind the
     previous fence again (None when it held, or with no fence). ``now`` is the clock
-    reading the layers decided at: the layer breaker's events happened then."""
+    reading the layers decided at: the layer breaker's events happened then.
+    ``clipped``: how many of the newest turn's tool results ``messages`` carry cut to
+    fit the budget (see ``_fit``)."""
 
     messages: tuple[ContextMessage, ...]
     events: tuple[Event, ...]
@@ -100,6 +103,7 @@ class PipelineResult(msgspec.Struct, frozen=True, kw_only=True):
     breakpoints: tuple[int, ...] = ()
     cache_break: str | None = None
     now: float = 0.0
+    clipped: int = 0
 
     def provider_messages(self, factory: Callable[..., T]) -> tuple[T, ...]:
         """The messages as ``factory(role=, content=, tool_calls=, tool_call_id=,
@@ -158,6 +162,8 @@ class PipelineEngine:
         # the messages behind the cache fence, as the previous call sent them (memory
         # only: an engine rebuilt from the log breaks its fence once)
         self._held: Messages | None = None
+        # the ids of the tool results the previous call sent cut to fit the budget
+        self._cut: frozenset[str] = frozenset()
 
     @classmethod
     def from_events(
@@ -260,7 +266,12 @@ class PipelineEngine:
         shaped, events, fired, failed = self._layers(original, run)
         if not self._state.bound:
             events.insert(0, ContextBound(session=self.session, tenant=tenant))
-        current, repairs, broke = self._hold(original, shaped, events, run, budget_tokens, caching)
+        current, repairs, broke, cut = self._hold(
+            original, shaped, events, run, budget_tokens, caching
+        )
+        clipped = self._clipped(cut)
+        if clipped:
+            fired.append("clip")
         held = self._state.fence if broke is None else 0  # what the previous call sent
         fence = fence_input = fence_turn = 0
         if caching and self.config.cache_fence_turns > 0:
@@ -290,6 +301,7 @@ class PipelineEngine:
                 fence_input=fence_input,
                 fence_turn=fence_turn,
                 cache_break=broke,
+                tail_clipped=clipped > 0,
             )
         )
         for event in events:
@@ -336,6 +348,7 @@ class PipelineEngine:
             breakpoints=breakpoints(current, held) if caching else (),
             cache_break=broke,
             now=run.now,
+            clipped=clipped,
         )
 
     def _hold(
@@ -346,16 +359,17 @@ class PipelineEngine:
         run: Run,
         budget_tokens: int,
         caching: bool,
-    ) -> tuple[Messages, int, str | None]:
+    ) -> tuple[Messages, int, str | None, Cut]:
         """What is sent (made provider-valid by the DAG engine's ``repair``), how many
-        repairs it took, and why the cache fence broke (see ``_fence``): the messages
-        behind the previous fence as sent then, and the layers' output after it; or,
-        when the fence breaks, the layers' output whole."""
+        repairs it took, why the cache fence broke (see ``_fence``), and what this call
+        cut of the newest turn to fit (see ``_fit``): the messages behind the previous
+        fence as sent then, and the layers' output after it; or, when the fence breaks
+        (a held transcript over the budget does), the layers' output whole."""
         repaired, repairs = repair(shaped)
-        fresh = tuple(repaired)
+        fresh, cut = fit_newest_turn(tuple(repaired), run.budget, run.estimator)
         step = self.config.cache_fence_turns
         if not caching or step <= 0:
-            return fresh, repairs, None
+            return fresh, repairs, None, cut
         held = self._held or ()
         added = added_since(shaped, original, self._state.fence_input)
         broke = cache_break(
@@ -369,13 +383,28 @@ class PipelineEngine:
             step=step,
         )
         if broke is not None:
-            return fresh, repairs, broke
+            return fresh, repairs, broke, cut
         repaired, held_repairs = repair(held + added)
         tokens = run.estimator.messages
         limit = run.budget * self.config.compaction_threshold
         if over_threshold(tokens(repaired), tokens(fresh), limit=limit, budget=run.budget):
-            return fresh, repairs, "threshold"
-        return tuple(repaired), held_repairs, None
+            return fresh, repairs, "threshold", cut
+        held_ids = {message.message_id for message in held}
+        return tuple(repaired), held_repairs, None, Cut(ids=self._cut & held_ids)
+
+    def _clipped(self, cut: Cut) -> int:
+        """How many tool results the request carries cut to fit (``cut``: those this
+        call cut, or, when the cache fence held, those the previous call cut that it
+        holds, with no characters counted). Logs what this call cut."""
+        if cut.chars:
+            log.warning(
+                "context newest turn cut to fit",
+                session=self.session,
+                results_cut=len(cut.ids),
+                chars_cut=cut.chars,
+            )
+        self._cut = cut.ids
+        return len(cut.ids)
 
     def _input_tokens(
         self, original: tuple[ContextMessage, ...], provider: str, estimator: TokenEstimator
