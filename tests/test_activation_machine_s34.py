@@ -12,7 +12,8 @@ worker does), unless its holder renews it in time.
 
 After every step the log, folded anew, must hold: at most one live lease per session,
 epochs that never go back, no settlement outside the live lease (and every append the
-fence should refuse raised), every activation queued, settled or cancelled exactly once,
+fence should refuse raised: a wake whose lease its worker handed back may still try to
+settle), every activation queued, settled or cancelled exactly once,
 a redelivered message id recorded once, a fold cut anywhere (and restored from its
 encoded state) equal to the whole fold; and a session whose work is due is handed out by
 the work queue. At the end ``replay --verify`` over the whole store finds nothing.
@@ -59,6 +60,7 @@ from stalwart.events import (
     ActivationLeased,
     ActivationLeaseLost,
     ActivationReady,
+    ActivationReleased,
     ActivationRequeued,
     Event,
     LeaseExpired,
@@ -82,6 +84,7 @@ from stalwart.state import (
     ACTIVATIONS,
     ActivationPolicy,
     ActivationsState,
+    Lease,
     WakeResult,
     decide_lease,
     decide_release,
@@ -154,7 +157,9 @@ def stream_of(session: str) -> str:
 @dataclass
 class Holder:
     """A wake run under a lease: ``running`` until it settles, hands its lease back,
-    learns it lost it, or its process dies (``dead``: it never acts again)."""
+    learns it lost it, or its process dies (``dead``: it never acts again). ``released``:
+    its worker handed the lease back while the wake still ran (an Agent that did not stop
+    in time): it may still try to settle, and the fence must refuse it."""
 
     owner: str
     stream: str
@@ -442,20 +447,41 @@ class ActivationMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.running())
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
-        """``ActivationWorker._release``: a clean stop hands the live lease back."""
-        self.release_holder(data.draw(st.sampled_from(self.running())))
+        """``ActivationWorker._release``: a clean stop hands the live lease back; the wake
+        (its Agent did not stop in time) may still try to settle afterwards."""
+        holder = data.draw(st.sampled_from(self.running()))
+        self.release_holder(holder)
+        holder.status = "released"
+
+    @precondition(lambda self: self.released())
+    @rule(data=st.data(), how=st.sampled_from(sorted(RESULTS)), jitter=st.integers(0, 500))
+    def settle_released(self, data: st.DataObject, how: str, jitter: int) -> None:
+        """A wake whose lease was handed back settles late: the fence refuses it."""
+        holder = data.draw(st.sampled_from(self.released()))
+        assert not self.live(holder), "a released lease is still live"
+        self.settle(holder, RESULTS[how], jitter)
+
+    def released(self) -> list[Holder]:
+        return [h for h in self.holders if h.status == "released"]
 
     def release_holder(self, holder: Holder) -> None:
+        """As the worker does: the release claims the next epoch, at the version it was
+        decided on."""
         holder.status = "done"
         state = self.state(holder.stream)
         decided = decide_release(state, holder.owner, holder.epoch)
         if decided is None:
             assert not self.live(holder)
             return
+        assert decided.claimed == state.epoch + 1
         now = self.now()
         self.store.append(
-            holder.stream, [NewEvent(event=decided, ts=now)], fence=Fence(holder.epoch)
+            holder.stream,
+            [NewEvent(event=decided, ts=now)],
+            expected_version=state.version,
+            fence=Fence(decided.claimed, claim=True),
         )
+        note("released")
 
     @rule(worker=st.integers(0, WORKERS - 1), now=st.integers(0, 2))
     def crash(self, worker: int, now: int) -> None:
@@ -646,9 +672,8 @@ def check_stream(records: list[RecordedEvent], stream: str) -> None:
                 first = next(a for a in state.queue if a.kind != "wake")
                 assert first.activation_id == head.activation_id, "leased out of order"
             epoch = event.epoch
-        elif isinstance(event, UserInterrupt):
-            assert event.epoch > epoch, "an interrupt's epoch went back"
-            epoch = event.epoch
+        elif isinstance(event, UserInterrupt | ActivationReleased):
+            epoch = _claim(event, lease, epoch)
         elif isinstance(event, ActivationAbandoned) and event.error_class == "lease_expired":
             assert lease is None
             assert event.epoch > epoch
@@ -675,6 +700,18 @@ def check_stream(records: list[RecordedEvent], stream: str) -> None:
     assert not queued & set(ended), "an activation both queued and settled"
     assert queued | set(ended) == set(ready), "an activation lost"
     assert len(ready) == len(set(ready))
+
+
+def _claim(event: UserInterrupt | ActivationReleased, lease: Lease | None, epoch: int) -> int:
+    """The epoch an interrupt claims, or a release handing back the live lease: above
+    the stream's."""
+    if isinstance(event, UserInterrupt):
+        assert event.epoch > epoch, "an interrupt's epoch went back"
+        return event.epoch
+    assert lease is not None, "a release of no lease"
+    assert lease.epoch == event.epoch, "a release of another lease"
+    assert event.claimed > epoch, "a release's claim went back"
+    return event.claimed
 
 
 def _end(

@@ -130,7 +130,7 @@ def test_a_released_lease_runs_again_at_once_with_no_failure_counted() -> None:
     assert decide_release(folded.state, "w2", 1) is None  # not the holder
     assert decide_release(folded.state, "w1", 2) is None  # not the live epoch
     released = decide_release(folded.state, "w1", 1)
-    assert released == ActivationReleased(activation_id="a1", owner="w1", epoch=1)
+    assert released == ActivationReleased(activation_id="a1", owner="w1", epoch=1, claimed=2)
     assert due_hint([(released, 5.0)]) == 5.0  # the work queue looks at once
     folded.add(released, 5.0)
     state = folded.state
@@ -139,7 +139,8 @@ def test_a_released_lease_runs_again_at_once_with_no_failure_counted() -> None:
     assert [c.ended for c in state.history] == ["released"]
     assert decide_release(state, "w1", 1) is None  # handed back already
     events = decide_lease(state, "w2", 5.0, POLICY)  # no TTL to wait out, no expiry
-    assert [(type(e), getattr(e, "epoch", None)) for e in events] == [(ActivationLeased, 2)]
+    # the release claimed epoch 2 (fencing its holder out): the next lease takes 3
+    assert [(type(e), getattr(e, "epoch", None)) for e in events] == [(ActivationLeased, 3)]
     assert isinstance(events[0], ActivationLeased)
     assert events[0].covers == ("a2",)
 

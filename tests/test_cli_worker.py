@@ -169,5 +169,5 @@ def test_a_worker_stopped_by_sigterm_mid_wake_hands_its_lease_back(tmp_path: Pat
     events = [r.event for r in records]
     [released] = [e for e in events if isinstance(e, ActivationReleased)]
     leases = [e for e in events if isinstance(e, ActivationLeased)]
-    assert [lease.epoch for lease in leases] == [released.epoch, released.epoch + 1]
+    assert [lease.epoch for lease in leases] == [released.epoch, released.claimed + 1]
     assert not [e for e in events if isinstance(e, LeaseExpired | ActivationRequeued)]

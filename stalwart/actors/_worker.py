@@ -18,8 +18,9 @@ fenced out means the lease was taken over (this process froze past the TTL, or a
 interrupt claimed the session): the Agent is told to stop (:class:`LeaseLost`) and the
 worker records ``activation:lease_lost``. A process stopping cleanly tells the worker
 :class:`Closing` (no new leases), stops the Agents, then :class:`Release`: each running
-wake's lease is handed back (``activation:released``), so the next worker runs it at once
-and no failure is counted. The Agent settles the wake itself, in the same
+wake's lease is handed back (``activation:released``, claiming the next epoch, so that a
+wake whose Agent did not stop in time has its later appends fenced out), so the next
+worker runs it at once and no failure is counted. The Agent settles the wake itself, in the same
 append as the turn's outcome, and tells the worker :class:`WakeEnded`.
 
 The store may fail under it (a database gone away) without a wake being lost: a claimed
@@ -700,18 +701,35 @@ class ActivationWorker(Supervised):
         for stream, epoch in list(self._running.items()):
             self._ended(WakeEnded(stream, epoch))
             try:
-                self._sync(stream)
-                decided = decide_release(self._states[stream], self._owner, epoch)
-                if decided is None:
-                    continue
-                now = self._clock.now()
-                self._store.append(stream, [NewEvent(event=decided, ts=now)], fence=Fence(epoch))
+                done = self._release_one(stream, epoch)
             except StoreError as exc:  # fenced, or the store failed: the lease expires
                 log.warning("worker.release_failed", stream=stream, error=type(exc).__name__)
                 continue
-            released += 1
-            log.info("worker.released", stream=stream, epoch=epoch)
+            if done:
+                released += 1
+                log.info("worker.released", stream=stream, epoch=epoch)
         return released
+
+    def _release_one(self, stream: str, epoch: int) -> bool:
+        """Append the release of lease ``epoch`` of ``stream``, claiming the next epoch
+        (the wake, should it still run, is fenced out from then on), at the version it
+        was decided on: the wake appending first (its settlement) is folded and decided
+        on again. False when the lease is no longer this worker's to hand back."""
+        for _ in range(LEASE_TRIES):
+            self._sync(stream)
+            state = self._states[stream]
+            decided = decide_release(state, self._owner, epoch)
+            if decided is None:
+                return False
+            news = [NewEvent(event=decided, ts=self._clock.now())]
+            fence = Fence(decided.claimed, claim=True)
+            try:
+                self._store.append(stream, news, expected_version=state.version, fence=fence)
+            except ConcurrencyError:
+                continue
+            return True
+        log.warning("worker.release_failed", stream=stream, error="ConcurrencyError")
+        return False
 
     def _gave_up(self, stream: str) -> None:
         """An activation was abandoned: its session's Agent must tell the user."""

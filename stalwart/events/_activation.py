@@ -112,12 +112,16 @@ class ActivationLeaseLost(Event, frozen=True, tag="activation:lease_lost"):
 
 class ActivationReleased(Event, frozen=True, tag="activation:released"):
     """The lease's holder handed it back unsettled (its process stopping cleanly): the
-    activation runs again as soon as a worker leases it, and no failure is counted."""
+    activation runs again as soon as a worker leases it, and no failure is counted.
+    ``claimed`` is the lease epoch the release claimed (one above the stream's), which
+    fences out the holder's wake if it still runs; 0 in logs written before a release
+    claimed one."""
 
     activation_id: str
     owner: str
     epoch: int
     reason: str = "shutdown"
+    claimed: int = 0
 
 
 class LeaseExpired(Event, frozen=True, tag="lease:expired"):

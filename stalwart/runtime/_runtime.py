@@ -224,7 +224,9 @@ class Runtime:
             ),
             ("agents", lambda: stop_actors([s.ref for s in sessions])),
             (
-                "leases",  # the Agents append nothing more: their leases are handed back
+                # their leases are handed back, each claiming the next epoch: an Agent
+                # that did not stop in time is fenced out, as after a takeover
+                "leases",
                 lambda: self._sessions.stop_worker() if self._sessions is not None else None,
             ),
             ("runs", lambda: stop_runs(runs)),

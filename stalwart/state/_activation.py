@@ -338,7 +338,10 @@ def _requeued(state: ActivationsState, event: ActivationRequeued, at: float) -> 
 
 def _released(state: ActivationsState, event: ActivationReleased) -> ActivationsState:
     """The holder handed the lease back: the activation (and what its lease covered) is
-    queued as it was, due again at once, its failure streak untouched."""
+    queued as it was, due again at once, its failure streak untouched. The epoch the
+    release claimed is the stream's (the store raised it): the next lease takes the one
+    after, and the holder's fence no longer holds."""
+    state = msgspec.structs.replace(state, epoch=max(state.epoch, event.claimed))
     lease = state.lease
     if lease is None or lease.epoch != event.epoch:
         return state

@@ -172,12 +172,18 @@ def decide_release(
 ) -> ActivationReleased | None:
     """Hand back the lease ``owner`` holds at ``epoch`` (its process stops cleanly with
     the wake unsettled); None when that lease is no longer the live one (the wake
-    settled it, or it was taken over)."""
+    settled it, or it was taken over). The release claims the next epoch (appended with
+    ``Fence(claimed, claim=True)``), so the holder's wake, should it still run, has
+    every later append fenced out as after a takeover."""
     lease = state.lease
     if lease is None or lease.epoch != epoch or lease.owner != owner:
         return None
     return ActivationReleased(
-        activation_id=lease.activation_id, owner=owner, epoch=epoch, reason=reason
+        activation_id=lease.activation_id,
+        owner=owner,
+        epoch=epoch,
+        reason=reason,
+        claimed=state.epoch + 1,
     )
 
 

@@ -10,13 +10,16 @@ interrupts) and the lease-expiry deadline.
   (the fence should have refused it);
 - ``user:interrupt`` and the ``activation:cancelled`` that follow it: :func:`decide_interrupt`;
 - ``activation:released`` (a clean stop handing its lease back): :func:`decide_release`,
-  only by the live lease's holder at its epoch;
+  only by the live lease's holder at its epoch, claiming the next epoch (``claimed``; 0
+  in logs written before a release claimed one);
 - the **lease expiry** deadline: once a lease has run out, the next worker owes its
   takeover within ``activations.poll_ms`` (a worker that polls); it survives a restart
   (any worker owes it), and a log whose end cuts it off is not flagged.
 """
 
 from __future__ import annotations
+
+import msgspec
 
 from stalwart.events import (
     ActivationAbandoned,
@@ -157,11 +160,17 @@ def _cancelled(state: ActivationsState, record: RecordedEvent, knobs: Knobs) -> 
 
 
 def _released(state: ActivationsState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
-    """Only the live lease's holder hands it back, at its epoch."""
+    """Only the live lease's holder hands it back, at its epoch, claiming the next one (a
+    release recorded before releases claimed one says ``claimed`` 0, and is checked as
+    it was decided then)."""
     event = record.event
     assert isinstance(event, ActivationReleased)
     decided = decide_release(state, event.owner, event.epoch, reason=event.reason)
-    return [] if decided is None else [decided]
+    if decided is None:
+        return []
+    if event.claimed == 0:
+        decided = msgspec.structs.replace(decided, claimed=0)
+    return [decided]
 
 
 def _released_why(state: ActivationsState, record: RecordedEvent, knobs: Knobs) -> str:
@@ -170,6 +179,8 @@ def _released_why(state: ActivationsState, record: RecordedEvent, knobs: Knobs) 
     lease = state.lease
     if lease is None:
         return f"no lease was live when {event.owner} released epoch {event.epoch}"
+    if lease.epoch == event.epoch and lease.owner == event.owner:
+        return f"a release claims epoch {state.epoch + 1}, not epoch {event.claimed}"
     return (
         f"the live lease was epoch {lease.epoch} held by {lease.owner}, "
         f"not epoch {event.epoch} held by {event.owner}"
