@@ -50,7 +50,14 @@ import msgspec
 import pykka
 
 from stalwart._logs import get_logger
-from stalwart.channels import Channel, MessageKind, OutboundMessage, channel_named, message_kind
+from stalwart.channels import (
+    Channel,
+    MessageKind,
+    OutboundMessage,
+    RetryAfterNoted,
+    channel_named,
+    message_kind,
+)
 from stalwart.clock import Clock
 from stalwart.config import DeadLetterSettings
 from stalwart.errors import ConcurrencyError, CorruptRecordError, StalwartError, StoreError
@@ -131,6 +138,9 @@ class Enqueue(msgspec.Struct, frozen=True):
     thread: str | None = None
     #: what the message was (a failure notice is re-sent as one)
     kind: MessageKind = "reply"
+    #: the receiver's Retry-After (ms) with the failed send (a sender that sent through
+    #: :class:`~stalwart.channels._send.RetryAfterNoted`): the first retry waits for it
+    retry_after_ms: int | None = None
 
 
 def dead_letter(queue: pykka.ActorRef[Any] | None, enqueue: Enqueue) -> bool:
@@ -176,6 +186,8 @@ class RetrySent(msgspec.Struct, frozen=True):
     entry_id: str
     ok: bool
     error_class: str | None = None
+    #: the receiver's Retry-After (ms) with the failure, if it sent one
+    retry_after_ms: int | None = None
 
 
 class Drain(msgspec.Struct, frozen=True):
@@ -215,15 +227,19 @@ def _outcome_event(message: RetrySent, sending: _InFlight) -> Event:
         announcement_id=sending.announcement_id,
         error_class=message.error_class or "unknown",
         entry_id=message.entry_id,
+        retry_after_ms=message.retry_after_ms,
     )
 
 
-def _outcome(entry_id: str, future: Future[str | None]) -> RetrySent:
+def _outcome(entry_id: str, noted: RetryAfterNoted | None, future: Future[str | None]) -> RetrySent:
     if future.cancelled():
         return RetrySent(entry_id, ok=False, error_class="cancelled")
     exc = future.exception()
     error = type(exc).__name__ if exc is not None else future.result()
-    return RetrySent(entry_id, ok=error is None, error_class=error)
+    if error is None:
+        return RetrySent(entry_id, ok=True)
+    hint = None if noted is None else noted.retry_after_ms
+    return RetrySent(entry_id, ok=False, error_class=error, retry_after_ms=hint)
 
 
 def _after(
@@ -498,6 +514,7 @@ class DeadLetterActor(Supervised):
             conversation=message.conversation,
             thread=message.thread,
             kind=message.kind,
+            retry_after_ms=message.retry_after_ms,
         )
         folded = self._state.version
         self._append([event], self._clock.now())
@@ -534,6 +551,7 @@ class DeadLetterActor(Supervised):
                 entry_id=message.entry_id,
                 ok=message.ok,
                 error_class=message.error_class,
+                retry_after_ms=message.retry_after_ms,
                 attempt=sending.attempt,
             )
         self._outcomes.clear()
@@ -709,18 +727,22 @@ class DeadLetterActor(Supervised):
         )
         timeout_s = self._settings.announce_timeout_ms / 1000
         channel = channel_named(self._channels, entry.channel)
+        # the receiver's Retry-After with a failure is recorded with it: the next retry waits
+        noted = None if channel is None else RetryAfterNoted(channel)
         send = partial(
-            send_by_clock, self._portal, self._scheduler, self._clock, channel, message, timeout_s
+            send_by_clock, self._portal, self._scheduler, self._clock, noted, message, timeout_s
         )
         future = send() if after is None else _after(after, send)
         self._in_flight[entry_id] = _InFlight(future, entry.announcement_id, entry.attempts + 1)
-        future.add_done_callback(partial(self._settled, entry_id))
+        future.add_done_callback(partial(self._settled, entry_id, noted))
         return future
 
-    def _settled(self, entry_id: str, future: Future[str | None]) -> None:
+    def _settled(
+        self, entry_id: str, noted: RetryAfterNoted | None, future: Future[str | None]
+    ) -> None:
         """Done-callback (the portal's thread): the outcome becomes a message."""
         with contextlib.suppress(pykka.ActorDeadError):  # stopped meanwhile
-            self.actor_ref.tell(_outcome(entry_id, future))
+            self.actor_ref.tell(_outcome(entry_id, noted, future))
 
     def _arm(self) -> None:
         """One timer at the earliest retry (of entries not in flight, nor behind an

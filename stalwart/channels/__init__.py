@@ -9,7 +9,7 @@ Built-ins: :class:`ConsoleChannel`, :class:`WebhookChannel` and, for tests,
 from ._console import ConsoleChannel
 from ._factory import channel_from_settings
 from ._memory import MemoryChannel
-from ._send import send_within
+from ._send import RetryAfterNoted, send_within
 from ._types import (
     Channel,
     Delivery,
@@ -27,6 +27,7 @@ __all__ = [
     "MemoryChannel",
     "MessageKind",
     "OutboundMessage",
+    "RetryAfterNoted",
     "WebhookChannel",
     "channel_from_settings",
     "channel_named",

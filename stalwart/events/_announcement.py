@@ -24,6 +24,9 @@ class AnnouncementSendFailed(Event, frozen=True, tag="announcement:send_failed")
     error_class: str
     #: the dead-letter entry this was a retry of (None: a first send, not a retry)
     entry_id: str | None = None
+    #: the receiver's Retry-After (ms) with the failure: the queue waits at least that long
+    #: before the entry's next retry (None: no hint; logs written before it have none)
+    retry_after_ms: int | None = None
     severity: ClassVar[Severity] = "warning"
 
 
@@ -60,6 +63,9 @@ class AnnouncementDeadLettered(Event, frozen=True, tag="announcement:dead_letter
     #: the channel message's kind a retry sends it as (``failure_notice``, ...); "reply"
     #: in logs written before it
     kind: str = "reply"
+    #: the receiver's Retry-After (ms) with the failed send that queued it: its first retry
+    #: waits at least that long (None: no hint; logs written before it have none)
+    retry_after_ms: int | None = None
     severity: ClassVar[Severity] = "warning"
 
 

@@ -16,7 +16,11 @@ reason ``backoff`` or ``drain``); its outcome follows in the same stream:
 ``announcement:send_failed`` with the ``entry_id`` (one more attempt) or
 ``announcement:dead_letter_delivered`` (the entry goes). Backoff is exponential and
 deterministic (no jitter), so replay agrees: retry ``n + 1`` is due
-``min(retry_cap_ms, retry_base_ms x 2**n)`` after the last attempt (or the enqueue).
+``min(retry_cap_ms, retry_base_ms x 2**n)`` after the last attempt (or the enqueue), and
+no sooner than the receiver asked with that failure (its Retry-After, recorded as
+``retry_after_ms``; a hint past the entry's max age lets it expire then); a drain leaves
+such an entry, and its conversation's later ones, to that time. Logs written before
+hints were recorded have none, and keep their schedule.
 
 A recorded retry holds its entry until its outcome, or for ``hold_ms`` (the send's own
 limit and :data:`SEND_GRACE_MS`: its sender died), against every runtime but the one
@@ -74,6 +78,9 @@ class DeadLetterEntry(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     #: the entry's last failure (its last send's, else the one that queued it) was final
     #: (:func:`is_final`): sent again, it cannot be delivered
     refused: bool = False
+    #: the receiver's Retry-After (ms) with that last failure: the next retry waits at
+    #: least that long after it (None: no hint)
+    retry_after_ms: int | None = None
 
     @property
     def route(self) -> tuple[str, str]:
@@ -195,6 +202,7 @@ class DeadLetterFolder:
                 sending_since=None,
                 sending_runtime=None,
                 refused=is_final(event.error_class),
+                retry_after_ms=event.retry_after_ms,
             )
 
     def _named(self, event: AnnouncementSendFailed) -> DeadLetterEntry | None:
@@ -255,6 +263,7 @@ def _queued(event: AnnouncementDeadLettered, ts: float) -> DeadLetterEntry:
         thread=event.thread,
         kind=event.kind,
         refused=is_final(event.reason),
+        retry_after_ms=event.retry_after_ms,
     )
 
 
@@ -299,10 +308,13 @@ def retry_at(
     runtime: str | None = None,
 ) -> float:
     """When the entry's next retry is due: ``min(cap, base x 2**attempts)`` after the last,
-    and not while a retry another runtime recorded less than ``hold_ms`` before may be
-    under way."""
+    or the receiver's Retry-After with that failure when it is longer, and not while a
+    retry another runtime recorded less than ``hold_ms`` before may be under way."""
     since = entry.enqueued_at if entry.last_attempt_at is None else entry.last_attempt_at
-    due = since + min(cap_ms, base_ms << min(entry.attempts, 62)) / 1000
+    wait_ms = min(cap_ms, base_ms << min(entry.attempts, 62))
+    if entry.retry_after_ms is not None:
+        wait_ms = max(wait_ms, entry.retry_after_ms)
+    due = since + wait_ms / 1000
     held = _held_until(entry, hold_ms, runtime)
     return due if held is None else max(due, held)
 
@@ -456,27 +468,44 @@ def decide_drain(
     """What ``provider:recovered`` sends at once: a ``drain`` retry by ``runtime`` of
     every entry not ``busy`` nor held at ``now`` by another runtime's retry under way nor
     :attr:`~DeadLetterEntry.refused` (it expires), in enqueue order, whatever its backoff
-    (the queue's actor sends those of one conversation one after another)."""
-    return [
-        AnnouncementDeadLetterRetried(
-            entry_id=e.entry_id,
-            attempt=e.attempts + 1,
-            reason="drain",
-            provider=provider,
-            runtime=runtime,
+    (the queue's actor sends those of one conversation one after another); but not an
+    entry whose receiver asked to wait past ``now`` (:func:`_asked_to_wait`), nor those
+    queued after it in its conversation (sent now, they would be read before it)."""
+    waiting: set[tuple[str, str]] = set()
+    drained: list[AnnouncementDeadLetterRetried] = []
+    for e in state.entries:
+        if e.entry_id in busy or e.refused or now < (_held_until(e, hold_ms, runtime) or now):
+            continue
+        route = (e.channel, e.conversation)  # e.route, without the call
+        if route in waiting or _asked_to_wait(e, now):
+            waiting.add(route)
+            continue
+        drained.append(
+            AnnouncementDeadLetterRetried(
+                entry_id=e.entry_id,
+                attempt=e.attempts + 1,
+                reason="drain",
+                provider=provider,
+                runtime=runtime,
+            )
         )
-        for e in state.entries
-        if e.entry_id not in busy
-        and not e.refused
-        and now >= (_held_until(e, hold_ms, runtime) or now)
-    ]
+    return drained
+
+
+def _asked_to_wait(entry: DeadLetterEntry, now: float) -> bool:
+    """Whether the receiver's Retry-After with the entry's last failure runs past ``now``
+    (never for an entry with no hint: every log written before hints were recorded)."""
+    if entry.retry_after_ms is None:
+        return False
+    since = entry.enqueued_at if entry.last_attempt_at is None else entry.last_attempt_at
+    return now < since + entry.retry_after_ms / 1000
 
 
 class DeadLetterAggregate:
     """The dead-letter fold for the ``deadletter`` stream."""
 
     name = "deadletter"
-    version = 3  # 2: an entry's retry under way (sending_since); 3: refused
+    version = 4  # 2: an entry's retry under way (sending_since); 3: refused; 4: retry_after_ms
     state_type = DeadLetterState
 
     def initial(self, stream: str) -> DeadLetterState:
