@@ -323,7 +323,7 @@ def _take_over(store_dir: Path, stream: str, owner: str, at: float) -> None:
         store.append(stream, [NewEvent(event=e, ts=at) for e in events])
 
 
-def _two_sessions_taken_over(store_dir: Path, second_at: float) -> None:
+def _two_sessions_taken_over(store_dir: Path, second_at: float, said_at: float = T0 + 50) -> None:
     """Worker w1 leases sessions s1 and s2 and dies; w2 starts 40 s in, decides both
     takeovers at one reading of its clock (41 s), appends s1's, runs s1's wake (its records
     at 45..55 s), and only then appends s2's, recorded at ``second_at``."""
@@ -336,7 +336,7 @@ def _two_sessions_taken_over(store_dir: Path, second_at: float) -> None:
     _take_over(store_dir, "session:s1", "w2", T0 + 41)
     append(store_dir, "session:s1", TurnStarted(turn_id="t1"), ts=T0 + 45)
     said = [MessageAppended(message_id=f"m{n}", role="user", content="hi") for n in (1, 2)]
-    append(store_dir, "session:s1", *said, ts=T0 + 50)  # at 50 and 51 s
+    append(store_dir, "session:s1", *said, ts=said_at)  # at 50 and 51 s
     _take_over(store_dir, "session:s2", "w2", second_at)
 
 
@@ -351,11 +351,13 @@ def test_a_decision_appended_after_records_of_later_times_is_not_a_missed_deadli
     assert report.checked["lease:expired"] == 2
     assert _verify(in_time, "session:s2").findings == ()
     # a takeover recorded after the record that proved it late is a miss all the same
+    # (owed from w2's start at 40 s, within a poll and a dead claimer's claim hold, 6 s,
+    # and the grace, 5 s: records at 57 and 58 s prove it missed)
     late = tmp_path / "late"
-    _two_sessions_taken_over(late, T0 + 52)
+    _two_sessions_taken_over(late, T0 + 59, said_at=T0 + 57)
     [finding] = _verify(late).findings
     assert (finding.kind, finding.stream, finding.tag) == ("missed", "session:s2", "lease:expired")
-    assert "message:appended at position 10 in session:s1 is 18000 ms past it" in finding.message
+    assert "message:appended at position 10 in session:s1 is 25000 ms past it" in finding.message
 
 
 # -- 8. a run that ended with a model call open --------------------------------------------------

@@ -13,8 +13,9 @@ interrupts) and the lease-expiry deadline.
   only by the live lease's holder at its epoch, claiming the next epoch (``claimed``; 0
   in logs written before a release claimed one);
 - the **lease expiry** deadline: once a lease has run out, the next worker owes its
-  takeover within ``activations.poll_ms`` (a worker that polls); it survives a restart
-  (any worker owes it), and a log whose end cuts it off is not flagged.
+  takeover within ``activations.poll_ms`` (a worker that polls) and
+  ``activations.claim_hold_ms`` (a worker that claimed it and died before deciding); it
+  survives a restart (any worker owes it), and a log whose end cuts it off is not flagged.
 """
 
 from __future__ import annotations
@@ -187,6 +188,13 @@ def _released_why(state: ActivationsState, record: RecordedEvent, knobs: Knobs) 
     )
 
 
+def _takeover_slack_ms(knobs: Knobs) -> int:
+    """How late a takeover may come: a poll, and the claim hold of a worker that claimed
+    the session and died before deciding (its claim, in the work queue and not in the
+    log, keeps the other workers off the session that long)."""
+    return knobs.get_int("activations.poll_ms") + knobs.get_int("activations.claim_hold_ms")
+
+
 def _lease_due(state: ActivationsState, knobs: Knobs) -> float | None:
     lease = state.lease
     return lease.expires_at if lease is not None else None
@@ -223,7 +231,7 @@ ACTIVATION_RULES: tuple[Verifier[ActivationsState] | Deadline[ActivationsState],
         _FOLD,
         _lease_due,
         _SESSIONS,
-        slack_ms=lambda knobs: knobs.get_int("activations.poll_ms"),
+        slack_ms=_takeover_slack_ms,
         survives_restart=True,
         moves=frozenset(
             {
