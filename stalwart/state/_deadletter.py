@@ -26,7 +26,9 @@ A recorded retry holds its entry until its outcome, or for ``hold_ms`` (the send
 limit and :data:`SEND_GRACE_MS`: its sender died), against every runtime but the one
 that recorded it (its queue knows its own sends; a decider given no ``runtime`` holds
 nothing): a queue of another runtime on the same store then neither retries nor drains
-it meanwhile, so the user gets one send per attempt.
+it meanwhile, so the user gets one send per attempt. A drain's send that waits behind
+the one before it in its conversation begins only when that one ends: its hold counts
+from then (the outcome, or the expiry, of the one before it).
 
 In order (``ordered=True``, what the queue's actor asks for): the entries of one
 conversation (:attr:`DeadLetterEntry.route`) keep the order they were queued in. A
@@ -34,8 +36,10 @@ conversation (:attr:`DeadLetterEntry.route`) keep the order they were queued in.
 conversation is still queued (:func:`waiting_behind`): a later message never overtakes
 an earlier one that is still to be retried. Those retries are a subset of the unordered
 ones, which is what a log written before ordering holds, so both replay. A drain decides
-every entry as before; the actor sends those of one conversation one after another,
-each once the one before it delivered: after one that failed, the rest are not sent
+every entry as before but those queued after an entry another runtime's retry holds
+(its send may be under way there: they wait for its outcome); the actor sends those of
+one conversation one after another, each once the one before it delivered (its own
+send in flight included): after one that failed, the rest are not sent
 (``announcement:send_failed`` with ``error_class`` :data:`HELD_BACK`, which ends the
 retry but is no attempt: the entry keeps its attempts and its backoff).
 """
@@ -72,7 +76,9 @@ class DeadLetterEntry(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     conversation: str = ""
     thread: str | None = None
     kind: str = "reply"
-    #: when the retry under way was recorded (None: no send under way), and by which runtime
+    #: since when the send of the retry under way may be running (None: no send under
+    #: way): its record, or, sent behind the one before it in its conversation, when that
+    #: one's send ended (:meth:`DeadLetterFolder.add`); and which runtime sends it
     sending_since: float | None = None
     sending_runtime: str | None = None
     #: the entry's last failure (its last send's, else the one that queued it) was final
@@ -155,10 +161,10 @@ class DeadLetterFolder:
             case AnnouncementSendFailed():
                 self._failed(event, record.ts)
             case AnnouncementDeadLetterDelivered():
-                if self._drop(event.entry_id):
+                if self._drop(event.entry_id, record.ts):
                     self._delivered += 1
             case AnnouncementDeadLetterExpired():
-                if self._drop(event.entry_id):
+                if self._drop(event.entry_id, record.ts):
                     self._expired += 1
             case _:
                 pass
@@ -170,12 +176,33 @@ class DeadLetterFolder:
             self._index.put(entry)
         self._entries[entry.entry_id] = entry
 
-    def _drop(self, entry_id: str) -> bool:
-        """Take the entry out of the queue; False when it was not in it."""
-        entry = self._entries.pop(entry_id, None)
-        if entry is not None and self._index is not None:
+    def _drop(self, entry_id: str, ts: float) -> bool:
+        """Take the entry out of the queue at ``ts``; False when it was not in it."""
+        entry = self._entries.get(entry_id)
+        if entry is None:
+            return False
+        self._ended(entry, ts)
+        del self._entries[entry_id]
+        if self._index is not None:
             self._index.drop(entry)
-        return entry is not None
+        return True
+
+    def _ended(self, entry: DeadLetterEntry, ts: float) -> None:
+        """The entry's send ended (or it left the queue) at ``ts``: a retry of the next
+        entry of its conversation that the same runtime recorded meanwhile was sent behind
+        it (a drain's), so that entry's send began only now."""
+        if entry.sending_since is None:
+            return
+        ids = iter(self._indexed().routes.get(entry.route, {}))
+        for entry_id in ids:  # the entry is near the front of its conversation: in order
+            if entry_id == entry.entry_id:
+                break
+        following = next(ids, None)
+        behind = None if following is None else self._entries[following]
+        if behind is None or behind.sending_since is None or behind.sending_since >= ts:
+            return
+        if behind.sending_runtime == entry.sending_runtime:
+            self._entries[behind.entry_id] = msgspec.structs.replace(behind, sending_since=ts)
 
     def _sending(self, event: AnnouncementDeadLetterRetried, ts: float) -> None:
         """The entry's retry is under way since ``ts``."""
@@ -189,11 +216,12 @@ class DeadLetterFolder:
         """One more attempt on the entry named (by ``entry_id``, else the announcement's);
         a retry :data:`HELD_BACK` only ends (no send was made)."""
         entry = self._named(event)
-        if entry is not None and event.error_class == HELD_BACK:
+        if entry is not None and event.error_class == HELD_BACK:  # the next is held back too
             self._entries[entry.entry_id] = msgspec.structs.replace(
                 entry, sending_since=None, sending_runtime=None
             )
         elif entry is not None:
+            self._ended(entry, ts)
             self._entries[entry.entry_id] = msgspec.structs.replace(
                 entry,
                 attempts=entry.attempts + 1,
@@ -466,18 +494,20 @@ def decide_drain(
     runtime: str | None = None,
 ) -> list[AnnouncementDeadLetterRetried]:
     """What ``provider:recovered`` sends at once: a ``drain`` retry by ``runtime`` of
-    every entry not ``busy`` nor held at ``now`` by another runtime's retry under way nor
-    :attr:`~DeadLetterEntry.refused` (it expires), in enqueue order, whatever its backoff
-    (the queue's actor sends those of one conversation one after another); but not an
-    entry whose receiver asked to wait past ``now`` (:func:`_asked_to_wait`), nor those
-    queued after it in its conversation (sent now, they would be read before it)."""
+    every entry not ``busy`` nor :attr:`~DeadLetterEntry.refused` (it expires), in enqueue
+    order, whatever its backoff (the queue's actor sends those of one conversation one
+    after another, behind a send of it ``busy`` there); but not an entry held at ``now``
+    by another runtime's retry under way, nor one whose receiver asked to wait past
+    ``now`` (:func:`_asked_to_wait`), nor those queued after either in its conversation
+    (sent now, they would be read before it: they wait for its outcome, then their own
+    retry). ``busy`` is not in the log: replay gives none, and re-derives a superset."""
     waiting: set[tuple[str, str]] = set()
     drained: list[AnnouncementDeadLetterRetried] = []
     for e in state.entries:
-        if e.entry_id in busy or e.refused or now < (_held_until(e, hold_ms, runtime) or now):
+        if e.entry_id in busy or e.refused:
             continue
         route = (e.channel, e.conversation)  # e.route, without the call
-        if route in waiting or _asked_to_wait(e, now):
+        if route in waiting or _held_at(e, now, hold_ms, runtime) or _asked_to_wait(e, now):
             waiting.add(route)
             continue
         drained.append(
@@ -490,6 +520,30 @@ def decide_drain(
             )
         )
     return drained
+
+
+def _held_at(entry: DeadLetterEntry, now: float, hold_ms: int, runtime: str | None) -> bool:
+    """Whether another runtime's retry of the entry may still be under way at ``now``."""
+    held = _held_until(entry, hold_ms, runtime)
+    return held is not None and now < held
+
+
+def held_ahead(
+    state: DeadLetterState,
+    entry: DeadLetterEntry,
+    now: float,
+    *,
+    hold_ms: int,
+    runtime: str | None,
+) -> DeadLetterEntry | None:
+    """The entry queued before ``entry`` in its conversation that another runtime's retry
+    holds at ``now`` (what keeps a drain from sending ``entry``), or None."""
+    for earlier in state.entries:
+        if earlier.entry_id == entry.entry_id:
+            return None
+        if earlier.route == entry.route and _held_at(earlier, now, hold_ms, runtime):
+            return earlier
+    return None
 
 
 def _asked_to_wait(entry: DeadLetterEntry, now: float) -> bool:
@@ -505,7 +559,9 @@ class DeadLetterAggregate:
     """The dead-letter fold for the ``deadletter`` stream."""
 
     name = "deadletter"
-    version = 4  # 2: an entry's retry under way (sending_since); 3: refused; 4: retry_after_ms
+    # 2: an entry's retry under way (sending_since); 3: refused; 4: retry_after_ms;
+    # 5: sending_since of an entry sent behind another moves to when that one's send ended
+    version = 5
     state_type = DeadLetterState
 
     def initial(self, stream: str) -> DeadLetterState:

@@ -91,6 +91,7 @@ from ._deadletter import (
     decide_expiry,
     decide_retries,
     expiry_at,
+    held_ahead,
     hold_ms,
     retry_at,
 )
@@ -505,9 +506,17 @@ def _letter_retry_why(state: DeadLetterState, record: RecordedEvent, knobs: Knob
     other = found.runtime is not None and entry.sending_runtime != found.runtime
     if other and entry.sending_since is not None and record.ts < entry.sending_since + hold / 1000:
         return (
-            f"another runtime's retry recorded at {moment(entry.sending_since)} may still "
-            f"have been under way (no outcome, less than {hold} ms before)"
+            f"another runtime's send of it, under way since {moment(entry.sending_since)}, "
+            f"may still have been running (no outcome, less than {hold} ms before)"
         )
+    if found.reason == "drain":
+        ahead = held_ahead(state, entry, record.ts, hold_ms=hold, runtime=found.runtime)
+        if ahead is not None:
+            return (
+                f"entry {ahead.entry_id!r}, queued before it in its conversation, was being "
+                f"sent by another runtime (since {moment(ahead.sending_since or 0)}, no "
+                f"outcome, less than {hold} ms before): sent now, it could be read first"
+            )
     base = knobs.get_int("dead_letters.retry_base_ms")
     cap = knobs.get_int("dead_letters.retry_cap_ms")
     due = retry_at(entry, base_ms=base, cap_ms=cap, hold_ms=hold, runtime=found.runtime)
