@@ -141,7 +141,7 @@ from ._deadletter import Enqueue, dead_letter
 from ._portal import IoPortal
 from ._restarts import crashed
 from ._scheduler import Scheduler
-from ._send import RESEND_GRACE_S, clock_timer, send_by_clock
+from ._send import RESEND_GRACE_S, clock_timer, noting, send_by_clock
 from ._supervised import Supervised
 from ._worker import Abandoned, LeaseLost, Wake, WakeEnded
 
@@ -467,7 +467,9 @@ class AgentActor(Supervised):
         else:
             log.warning("agent.send_failed", stream=self._stream, error_class=error_class)
             event = AnnouncementSendFailed(
-                announcement_id=message.announcement_id, error_class=error_class
+                announcement_id=message.announcement_id,
+                error_class=error_class,
+                retry_after_ms=message.retry_after_ms,
             )
         unsent = self._unsent.pop(message.announcement_id, None)
         if not message.ok and unsent is not None:  # the queue's entry first, then the failure
@@ -479,6 +481,7 @@ class AgentActor(Supervised):
                 reason=error_class,
                 thread=self._thread,
                 kind=unsent[1],
+                retry_after_ms=message.retry_after_ms,  # its first retry waits for it
             )
             dead_letter(self._dead_letters, enqueue)
         # the send's outcome is the announcement's, whichever wake runs now (and whoever
@@ -1019,12 +1022,13 @@ class AgentActor(Supervised):
         path: Literal["announce", "direct"] = "announce" if kind == "completion" else "direct"
         timeout_s = self._settings.send_timeout_ms / 1000
         self._unsent[announcement_id] = (text, message.kind)
+        noted = noting(self._channel)  # the receiver's Retry-After goes with a failure
         # bounded on the Clock, which the resend wait of another runtime is counted on too
         future = send_by_clock(
-            self._portal, self._scheduler, self._clock, self._channel, message, timeout_s
+            self._portal, self._scheduler, self._clock, noted, message, timeout_s
         )
         future.add_done_callback(
-            lambda done: self._tell(sent(turn_id, announcement_id, path, done))
+            lambda done: self._tell(sent(turn_id, announcement_id, path, noted, done))
         )
 
     # -- the log and the mailbox -------------------------------------------------------------

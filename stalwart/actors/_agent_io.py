@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from typing import Any, Literal
 
 from stalwart._logs import get_logger
+from stalwart.channels import RetryAfterNoted
 from stalwart.clock import Clock
 from stalwart.context import ContextScopeError
 from stalwart.errors import CallSealedError, ContextOverflowError, FencedError, ProviderError
@@ -22,6 +23,7 @@ from stalwart.tools import Timer, ToolOutcome, ToolRegistry, run_tools
 
 from ._agent_messages import ModelDone, ModelError, SendDone, ToolsDone
 from ._scheduler import TimerHandle
+from ._send import retry_after_of
 
 __all__ = ["LiveTurn", "model_done", "run_calls", "sent", "tools_done"]
 
@@ -132,11 +134,13 @@ def sent(
     turn_id: str,
     announcement_id: str,
     path: Literal["announce", "direct"],
+    noted: RetryAfterNoted | None,
     future: Future[str | None],
 ) -> SendDone | None:
     """The message a finished channel send makes (``future``: what
     :func:`~stalwart.actors._send.send_by_clock` gives, None when delivered, else the
-    failure's word)."""
+    failure's word; ``noted``: the channel it sent through, with the receiver's
+    Retry-After of a failure)."""
     if future.cancelled():
         return None
     exc = future.exception()
@@ -147,4 +151,5 @@ def sent(
         ok=error_class is None,
         error_class=error_class,
         path=path,
+        retry_after_ms=retry_after_of(noted, error_class),
     )

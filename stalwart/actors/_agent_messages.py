@@ -143,6 +143,8 @@ class SendDone(msgspec.Struct, frozen=True, kw_only=True):
     ok: bool
     error_class: str | None = None
     path: Literal["announce", "direct"] = "announce"
+    #: the receiver's Retry-After (ms) with the failure, if it sent one
+    retry_after_ms: int | None = None
 
 
 class Deadline(msgspec.Struct, frozen=True):

@@ -37,7 +37,7 @@ import msgspec
 import pykka
 
 from stalwart._logs import get_logger
-from stalwart.channels import Channel, OutboundMessage, channel_named
+from stalwart.channels import Channel, OutboundMessage, RetryAfterNoted, channel_named
 from stalwart.clock import Clock
 from stalwart.errors import (
     AppendInDoubtError,
@@ -55,7 +55,7 @@ from ._deadletter import Enqueue, dead_letter
 from ._portal import IoPortal
 from ._restarts import DECISION_RETRY_S, crashed
 from ._scheduler import Scheduler
-from ._send import send_by_clock
+from ._send import noting, retry_after_of, send_by_clock
 from ._subagent import RunEnded
 from ._supervised import Supervised
 
@@ -136,6 +136,8 @@ class _Sent(msgspec.Struct, frozen=True):
     batch: Batch
     announcement_id: str
     error_class: str | None
+    #: the receiver's Retry-After (ms) with the failure, if it sent one
+    retry_after_ms: int | None = None
     #: a recording the store refused, told again: the failure is in the dead-letter queue
     #: already, and the first ``recorded`` runs hold the outcome (``in_doubt``: the run
     #: after them may too, when the store could not say whether its append went through)
@@ -312,12 +314,13 @@ class Announcer(Supervised):
             idempotency_key=announcement_id,
             kind="reply",
         )
-        channel = channel_named(self._channels, batch.channel)
+        # the receiver's Retry-After goes with a failure
+        noted = noting(channel_named(self._channels, batch.channel))
         future = send_by_clock(
-            self._portal, self._scheduler, self._clock, channel, message, self._send_s
+            self._portal, self._scheduler, self._clock, noted, message, self._send_s
         )
         log.info("announcer.batch_sent", parent=parent, runs=len(batch.runs))
-        future.add_done_callback(partial(self._send_done, batch, announcement_id))
+        future.add_done_callback(partial(self._send_done, batch, announcement_id, noted))
 
     def _sent(self, sent: _Sent) -> None:
         batch = sent.batch
@@ -326,7 +329,9 @@ class Announcer(Supervised):
             event = AnnouncementDelivered(announcement_id=sent.announcement_id, path="announce")
         else:
             event = AnnouncementSendFailed(
-                announcement_id=sent.announcement_id, error_class=sent.error_class
+                announcement_id=sent.announcement_id,
+                error_class=sent.error_class,
+                retry_after_ms=sent.retry_after_ms,
             )
         if sent.error_class is not None and not sent.dead_lettered:
             enqueue = Enqueue(  # the queue's entry first, then the failure
@@ -336,6 +341,7 @@ class Announcer(Supervised):
                 text=batch_text(batch.runs),
                 reason=sent.error_class,
                 thread=batch.thread,
+                retry_after_ms=sent.retry_after_ms,  # its first retry waits for it
             )
             dead_letter(self._dead_letters, enqueue)
             sent = msgspec.structs.replace(sent, dead_lettered=True)
@@ -443,13 +449,19 @@ class Announcer(Supervised):
     def _again(self, message: object, _at: float) -> None:
         self._tell(message)
 
-    def _send_done(self, batch: Batch, announcement_id: str, future: Future[str | None]) -> None:
+    def _send_done(
+        self,
+        batch: Batch,
+        announcement_id: str,
+        noted: RetryAfterNoted | None,
+        future: Future[str | None],
+    ) -> None:
         if future.cancelled():
             error: str | None = "cancelled"
         else:
             exc = future.exception()
             error = type(exc).__name__ if exc is not None else future.result()
-        self._tell(_Sent(batch, announcement_id, error))
+        self._tell(_Sent(batch, announcement_id, error, retry_after_of(noted, error)))
 
     def _tell(self, message: object) -> None:
         try:

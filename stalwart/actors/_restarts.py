@@ -63,7 +63,7 @@ from stalwart.store import EventStore, NewEvent
 from ._deadletter import Enqueue, dead_letter
 from ._portal import IoPortal
 from ._scheduler import Scheduler
-from ._send import send_by_clock
+from ._send import noting, retry_after_of, send_by_clock
 
 __all__ = [
     "GAVE_UP_TEXT",
@@ -126,6 +126,8 @@ class RestartNoticeSent(msgspec.Struct, frozen=True, kw_only=True):
     conversation: str
     thread: str | None = None
     error_class: str | None = None
+    #: the receiver's Retry-After (ms) with the failure, if it sent one
+    retry_after_ms: int | None = None
 
 
 def decide_crash(
@@ -351,9 +353,10 @@ class Restarts:
             idempotency_key=notice.announcement_id,
             kind="failure_notice",
         )
-        channel = channel_named(self._channels, notice.channel)
+        # the receiver's Retry-After goes with a failure
+        noted = noting(channel_named(self._channels, notice.channel))
         future = send_by_clock(
-            self._portal, self._scheduler, self._clock, channel, message, self._send_s
+            self._portal, self._scheduler, self._clock, noted, message, self._send_s
         )
 
         def done(finished: Future[str | None]) -> None:
@@ -368,6 +371,7 @@ class Restarts:
                 conversation=conversation,
                 thread=thread,
                 error_class=error,
+                retry_after_ms=retry_after_of(noted, error),
             )
             self._tell(sent)
 
@@ -384,7 +388,9 @@ class Restarts:
             event = AnnouncementDelivered(announcement_id=outcome.announcement_id, path="direct")
         else:
             event = AnnouncementSendFailed(
-                announcement_id=outcome.announcement_id, error_class=outcome.error_class
+                announcement_id=outcome.announcement_id,
+                error_class=outcome.error_class,
+                retry_after_ms=outcome.retry_after_ms,
             )
         if outcome.error_class is not None:  # the queue's entry first, then the failure
             enqueue = Enqueue(
@@ -395,6 +401,7 @@ class Restarts:
                 reason=outcome.error_class,
                 thread=outcome.thread,
                 kind="failure_notice",
+                retry_after_ms=outcome.retry_after_ms,  # its first retry waits for it
             )
             dead_letter(self._dead_letters, enqueue)
         self._store.append(RESTART_STREAM, [NewEvent(event=event, ts=self._clock.now())])

@@ -18,6 +18,11 @@ start, and a send still running is given up: its outcome is ``"timeout"`` all th
 The look is on the loop so that a send the loop has not yet run (a clock that jumped) is
 never taken for one that does not end. A channel that blocks the loop itself holds the
 look up too: the runtime's :class:`~stalwart.actors.LoopWatch` says so, and where.
+
+A sender that queues a failed send in the dead-letter queue sends through
+:func:`noting`: what the receiver asked with the failure (its Retry-After,
+:func:`retry_after_of`) goes with the failure's record and the queue's entry, whose
+first retry waits for it.
 """
 
 from __future__ import annotations
@@ -31,13 +36,13 @@ import anyio
 import anyio.lowlevel
 
 from stalwart._logs import get_logger
-from stalwart.channels import Channel, OutboundMessage, send_within
+from stalwart.channels import Channel, OutboundMessage, RetryAfterNoted, send_within
 from stalwart.clock import Clock
 
 from ._portal import IoPortal
 from ._scheduler import Scheduler
 
-__all__ = ["RESEND_GRACE_S", "clock_timer", "send_by_clock"]
+__all__ = ["RESEND_GRACE_S", "clock_timer", "noting", "retry_after_of", "send_by_clock"]
 
 log = get_logger(__name__)
 
@@ -170,6 +175,20 @@ def _settle(
     except InvalidStateError:
         return False
     return True
+
+
+def noting(channel: Channel | None) -> RetryAfterNoted | None:
+    """``channel`` for one send, noting the receiver's Retry-After with its failure
+    (None: no such channel, whose send fails ``unknown_channel``)."""
+    return None if channel is None else RetryAfterNoted(channel)
+
+
+def retry_after_of(noted: RetryAfterNoted | None, error_class: str | None) -> int | None:
+    """What the receiver asked with the failure of the send through ``noted`` (ms; None
+    when it delivered, asked nothing, or the send had no channel)."""
+    if error_class is None or noted is None:
+        return None
+    return noted.retry_after_ms
 
 
 def clock_timer(

@@ -81,6 +81,8 @@ class NoticeSent(msgspec.Struct, frozen=True, kw_only=True):
     #: which send of the announcement this was (a resend may be under way beside a late
     #: outcome of the send before it)
     send_id: str = ""
+    #: the receiver's Retry-After (ms) with the failure, if it sent one
+    retry_after_ms: int | None = None
 
 
 def sent(

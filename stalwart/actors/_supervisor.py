@@ -72,13 +72,20 @@ import msgspec
 import pykka
 
 from stalwart._logs import get_logger
-from stalwart.channels import Channel, MessageKind, OutboundMessage, channel_named
+from stalwart.channels import (
+    Channel,
+    MessageKind,
+    OutboundMessage,
+    RetryAfterNoted,
+    channel_named,
+)
 from stalwart.clock import Clock
 from stalwart.config import SubagentSettings, SupervisionSettings
 from stalwart.errors import ConcurrencyError, CorruptRecordError, StoreError
 from stalwart.events import (
     AnnouncementQueued,
     AnnouncementResent,
+    AnnouncementSendFailed,
     Event,
     RecordedEvent,
     SubagentGivenUp,
@@ -99,7 +106,7 @@ from ._deadletter import Enqueue, dead_letter
 from ._portal import IoPortal
 from ._restarts import Crashed, RestartNoticeSent, Restarts, crashed, tell_later
 from ._scheduler import Scheduler
-from ._send import RESEND_GRACE_S, send_by_clock
+from ._send import RESEND_GRACE_S, noting, retry_after_of, send_by_clock
 from ._subagent import RunEnded, RunOutcome, Spawn
 from ._subagent_notice import UNRECORDED_TASK, NoticeSent, Path, failure_notice, sent
 from ._supervised import Supervised
@@ -970,13 +977,14 @@ class SupervisorActor(Supervised):
         channel = channel_named(self._channels, watch.channel or self._default_channel)
         if path == "announce" and self._announcer is not None:
             channel = self._announcer
+        noted = noting(channel)  # the receiver's Retry-After goes with a failure
         future = send_by_clock(
-            self._portal, self._scheduler, self._clock, channel, message, self._announce_s
+            self._portal, self._scheduler, self._clock, noted, message, self._announce_s
         )
         send_id = new_id()
         self._sending.setdefault(announcement_id, set()).add(send_id)
         done = partial(sent, stream, announcement_id, path, send_id)
-        future.add_done_callback(lambda f: self._tell_on(told(done(f))))
+        future.add_done_callback(lambda f: self._tell_on(told(_noted(done(f), noted))))
 
     def _ended_send(self, outcome: NoticeSent) -> bool:
         """Forget the send ``outcome`` ended (told again, it is forgotten once); whether
@@ -996,10 +1004,14 @@ class SupervisorActor(Supervised):
         if self._catch_up(stream) is None:
             return
         failure = None if outcome.ok else outcome.error_class or "unknown"
-        event = notice_outcome(announcement_id, outcome.path, failure, timeout_ms=self._announce_ms)
+        event = _with_hint(
+            notice_outcome(announcement_id, outcome.path, failure, timeout_ms=self._announce_ms),
+            outcome.retry_after_ms,
+        )
         pending = _notice_pending(self._runs[stream], announcement_id, outcome.path)
         if failure is not None and outcome.path != "announce" and pending:
-            self._dead_letter(stream, failure)  # the queue's entry first, then the failure
+            # the queue's entry first, then the failure
+            self._dead_letter(stream, failure, outcome.retry_after_ms)
         self._decide(stream, partial(_ends_notice, announcement_id, outcome.path, event))
         log.info("supervisor.notice_sent", run=stream, path=outcome.path, ok=outcome.ok)
         watch = self._runs[stream]
@@ -1011,13 +1023,22 @@ class SupervisorActor(Supervised):
         if failure is not None and outcome.path == "announce" and falls_back:
             self._send(stream, "direct")
 
-    def _dead_letter(self, stream: str, reason: str) -> None:
+    def _dead_letter(self, stream: str, reason: str, retry_after_ms: int | None) -> None:
         watch = self._runs[stream]
-        self._enqueue(stream, watch.notice_id, watch.notice_text, reason, "failure_notice")
+        text = watch.notice_text
+        self._enqueue(stream, watch.notice_id, text, reason, "failure_notice", retry_after_ms)
 
     def _enqueue(
-        self, stream: str, announcement_id: str, text: str, reason: str, kind: MessageKind
+        self,
+        stream: str,
+        announcement_id: str,
+        text: str,
+        reason: str,
+        kind: MessageKind,
+        retry_after_ms: int | None,
     ) -> None:
+        """Queue the failed send for retries (the first waits for the receiver's
+        Retry-After, ``retry_after_ms``, when it asked)."""
         watch = self._runs[stream]
         enqueue = Enqueue(
             announcement_id=announcement_id,
@@ -1027,6 +1048,7 @@ class SupervisorActor(Supervised):
             reason=reason,
             thread=watch.thread,
             kind=kind,
+            retry_after_ms=retry_after_ms,
         )
         if not dead_letter(self._dead_letters, enqueue):
             log.error("supervisor.notice_lost", run=stream, announcement_id=announcement_id)
@@ -1081,7 +1103,10 @@ class SupervisorActor(Supervised):
             log.info("supervisor.outcome_superseded", path="direct")
             return  # the resend under way says how the batch went
         failure = None if outcome.ok else outcome.error_class or "unknown"
-        event = notice_outcome(announcement_id, "direct", failure, timeout_ms=self._announce_ms)
+        event = _with_hint(
+            notice_outcome(announcement_id, "direct", failure, timeout_ms=self._announce_ms),
+            outcome.retry_after_ms,
+        )
         batch = [
             stream
             for stream, watch in list(self._runs.items())
@@ -1089,7 +1114,8 @@ class SupervisorActor(Supervised):
         ]
         if failure is not None and batch:  # the queue's entry first, then the failure
             text = self._runs[batch[0]].completion_text
-            self._enqueue(batch[0], announcement_id, text, failure, "reply")
+            hint = outcome.retry_after_ms
+            self._enqueue(batch[0], announcement_id, text, failure, "reply", hint)
         for stream in batch:
             self._decide(stream, partial(_unless_ended, announcement_id, [event]))
         log.info("supervisor.completion_sent", runs=len(batch), ok=outcome.ok)
@@ -1142,6 +1168,19 @@ def _notice_pending(watch: RunWatch, announcement_id: str, path: Path) -> bool:
     announce send while it is queued, the direct one until it is delivered or failed."""
     stages = ("queued",) if path == "announce" else ("queued", "fallback")
     return watch.notice_id == announcement_id and watch.notice in stages
+
+
+def _noted(outcome: NoticeSent, noted: RetryAfterNoted | None) -> NoticeSent:
+    """A send's outcome with the receiver's Retry-After of its failure, when it asked."""
+    hint = retry_after_of(noted, outcome.error_class)
+    return outcome if hint is None else msgspec.structs.replace(outcome, retry_after_ms=hint)
+
+
+def _with_hint(event: Event, hint: int | None) -> Event:
+    """A failed send's record with the receiver's Retry-After (None: it asked nothing)."""
+    if isinstance(event, AnnouncementSendFailed) and hint is not None:
+        return msgspec.structs.replace(event, retry_after_ms=hint)
+    return event
 
 
 def _ends_notice(
