@@ -7,15 +7,17 @@ the loopback fake provider on the fake clock."""
 from __future__ import annotations
 
 import pytest
+import structlog.testing
 
+from stalwart.actors import UserMessage
 from stalwart.clock import FakeClock
 from stalwart.errors import SessionActionError
-from stalwart.events import ActivationReady
+from stalwart.events import ActivationReady, TurnStarted
 from stalwart.runtime import Runtime
 from stalwart.runtime._control import send_message
 from stalwart.store import EventStore
 from stalwart.testing import FakeProvider
-from tests._runtime_support import runtime_config
+from tests._runtime_support import GUARD, runtime_config
 
 
 # Was: DEFECT: a blank user message was recorded and acknowledged, then its turn failed
@@ -55,3 +57,18 @@ def test_the_host_is_told_at_once_when_it_sends_a_blank_message(
             session.send("  ")
     recorded = [r.event for r in store.read_stream("session:s1")]
     assert not [e for e in recorded if isinstance(e, ActivationReady)]
+
+
+# Was: DEFECT: a blank UserMessage told straight to a session's Agent was recorded and run as a turn
+def test_a_blank_message_told_straight_to_the_agent_is_dropped_and_nothing_is_recorded(
+    store: EventStore, clock: FakeClock, fake: FakeProvider
+) -> None:
+    with Runtime(runtime_config(fake.base_url), store=store, clock=clock) as rt:
+        session = rt.session("s1")
+        with structlog.testing.capture_logs() as logs:
+            report = session.ref.ask(UserMessage("  \n"), timeout=GUARD)
+        assert report.queued == 0
+    recorded = [r.event for r in store.read_stream("session:s1")]
+    assert not [e for e in recorded if isinstance(e, ActivationReady | TurnStarted)]
+    assert [e["event"] for e in logs if e["event"] == "agent.empty_message_dropped"]
+    assert fake.requests == []

@@ -323,6 +323,10 @@ class AgentActor(Supervised):
 
     def _receive(self, message: Any) -> Any:
         match message:
+            case UserMessage() if not message.text.strip():
+                # nothing to answer (a provider refuses such a turn): told, not asked, so
+                # no one to raise to; the host's paths refuse it before it is told
+                log.warning("agent.empty_message_dropped", stream=self._stream)
             case UserMessage() if self._policy is not None:
                 self._record_message(message)
             case UserMessage():
