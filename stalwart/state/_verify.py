@@ -19,7 +19,9 @@ for ``replay --all``), folds them as it goes and reports four kinds of :class:`F
   deadline ``survives_restart`` (the ghost sweep reads the log, so the next process owes
   it from its start on).
 * ``unwatched``: a deadline that passed while the config in force recorded its slack
-  (a sweep's interval) as no number: whether its decision came in time cannot be said.
+  (a sweep's interval) as no number, or one pending while it recorded the deadline's own
+  setting as no number (said once per stream and deadline): whether its decision came in
+  time cannot be said.
 * ``undecodable``: a record of a type this version does not know (``UnknownEvent``) or a
   corrupt one the reader could not decode (:meth:`Verification.undecodable`).
 
@@ -46,8 +48,17 @@ from stalwart.events import (
 )
 
 from ._aggregate import Folder
-from ._verify_deadlines import DeadlineWatch, Missed, Unwatched
-from ._verify_registry import FoldSpec, Knobs, Registry, Verifier, aggregate_of, fold_key, moment
+from ._verify_deadlines import DeadlineWatch, DueUnknown, Missed, Unwatched
+from ._verify_registry import (
+    FoldSpec,
+    Knobs,
+    Registry,
+    UnusableKnob,
+    Verifier,
+    aggregate_of,
+    fold_key,
+    moment,
+)
 
 FindingKind = Literal["mismatch", "missed", "unwatched", "undecodable"]
 #: the default grace: how late past a deadline an event may come before it proves a miss
@@ -220,7 +231,7 @@ class Verification:
         if kind is RuntimeStarted:
             assert isinstance(event, RuntimeStarted)
             self._knobs = Knobs(event.config, self._defaults, self._recovered)
-            self._restarted(ts)
+            self._restarted(record)
         elif kind is ProviderRecovered:
             assert isinstance(event, ProviderRecovered)
             self._recovered.add(event.provider)
@@ -304,6 +315,8 @@ class Verification:
         """The findings so far (suspected misses the log's end leaves unconfirmed count)."""
         for missed in self._deadlines.end():
             self._missed(missed)
+        for unwatched in self._deadlines.unwatched():
+            self._unwatched(unwatched)
         last = self._last
         return VerifyReport(
             events=self._events,
@@ -403,13 +416,17 @@ class Verification:
 
     def _why(self, verifier: Verifier[Any], state: Any, record: RecordedEvent) -> str:
         """The verifier's words for a mismatch; none when they cannot be worked out (a
-        time or number in the log out of any range: the finding stands without them)."""
+        time or number in the log out of any range: the finding stands without them), or
+        the knob that keeps them from it."""
         if verifier.why is None:
             return ""
         try:
             return verifier.why(state, record, self._knobs)
         except _OUT_OF_RANGE:
             return ""
+        except StalwartError as exc:
+            # a knob only the words read (one the decision did not need) is no number
+            return f"why cannot be worked out: {exc}"
 
     def _mismatch(self, record: RecordedEvent, given: list[Event], message: str) -> None:
         self._findings.append(
@@ -444,9 +461,12 @@ class Verification:
 
     # -- deadlines -------------------------------------------------------------------------------
 
-    def _due(self, index: int, folder: Folder[Any]) -> float | None:
+    def _due(self, index: int, folder: Folder[Any]) -> float | DueUnknown | None:
         try:
             due = self._registry.deadlines[index].due(folder.state(), self._knobs)
+        except UnusableKnob as exc:
+            # something is pending (a due reads its knobs only then), at no time it can say
+            return DueUnknown(str(exc))
         except StalwartError:
             return None  # a knob nobody recorded: the decision's own check says so
         if due is not None and not math.isfinite(due):
@@ -455,17 +475,20 @@ class Verification:
             return None
         return due
 
-    def _restarted(self, ts: float) -> None:
+    def _restarted(self, record: RecordedEvent) -> None:
         """A new process (and config): the owed deadlines again, at the new config (only
         those: one with nothing pending has nothing pending under any config)."""
         dues = []
         for stream, index in self._deadlines.owed():
             key = next(key for i, key, _ in self._plan(stream).deadlines if i == index)
             dues.append(((stream, index), self._due(index, self._folders[stream][key])))
-        self._deadlines.restarted(ts, dues, self._knobs)
+        self._deadlines.restarted(record, dues, self._knobs)
 
     def _unwatched(self, unwatched: Unwatched) -> None:
         deadline = self._registry.deadlines[unwatched.index]
+        if unwatched.due is None:
+            self._findings.append(_unknown_finding(unwatched, deadline.name, deadline.decision))
+            return
         finding = _deadline_finding(
             "unwatched",
             unwatched.stream,
@@ -523,4 +546,25 @@ def _deadline_finding(
         ts=proof.ts,
         message=f"{said}{proof.type} at position {proof.position}{where} is {late_ms} ms past it",
         expected=[{"type": decision, "due": due}],
+    )
+
+
+def _unknown_finding(unwatched: Unwatched, name: str, decision: str) -> Finding:
+    """A deadline pending whose own setting is no number: no time is known to pass, so
+    the finding is at the record that left it pending."""
+    proof, stream = unwatched.proof, unwatched.stream
+    where = "" if proof.stream == stream else f" in {proof.stream}"
+    return Finding(
+        kind="unwatched",
+        stream=stream,
+        position=proof.position,
+        version=proof.version if proof.stream == stream else 0,
+        tag=decision,
+        ts=proof.ts,
+        message=(
+            f"the {name} of {stream} cannot be watched: {unwatched.reason}, so when its "
+            f"{decision} falls due, and whether it came in time, cannot be said; "
+            f"{proof.type} at position {proof.position}{where} left it pending"
+        ),
+        expected=[{"type": decision, "due": None}],
     )

@@ -12,7 +12,10 @@ again from its start. The supervisor restarting the actor that owns a stream
 (:meth:`~DeadlineWatch.actor_restarted`) drops that stream's timers the same way, except
 those the new actor re-arms. A deadline whose slack the config in force does not record
 as a number cannot be judged: once a record is later than it (plus the grace) it is
-*unwatched* (:meth:`~DeadlineWatch.unwatched`), said once, never taken for a miss.
+*unwatched* (:meth:`~DeadlineWatch.unwatched`), said once, never taken for a miss. One
+whose own setting is no number (:class:`DueUnknown`) has no time to pass: what was pending
+on it is unwatched once it ends (or the log does), said once per stream and deadline, at
+the record that left it pending; unless its own decision ended it, which is checked.
 """
 
 from __future__ import annotations
@@ -42,12 +45,21 @@ class Missed(msgspec.Struct, frozen=True):
 
 class Unwatched(msgspec.Struct, frozen=True):
     """A deadline that passed while its slack was no number (``reason`` says which): its
-    stream and index, when it was due, the first record later than it and the grace."""
+    stream and index, when it was due, the first record later than it and the grace. With
+    no ``due``, its own setting was no number: ``proof`` is the record that left something
+    pending on it."""
 
     stream: str
     index: int
-    due: float
+    due: float | None
     proof: RecordedEvent
+    reason: str
+
+
+class DueUnknown(msgspec.Struct, frozen=True):
+    """What a deadline's ``due`` gives when something is pending on it but its own setting
+    is recorded as no number (``reason`` says which): when it falls due cannot be said."""
+
     reason: str
 
 
@@ -76,6 +88,11 @@ class DeadlineWatch:
         self._confirmed_due: dict[Key, float] = {}  # when each confirmed miss fell due
         self._unwatched: list[Unwatched] = []
         self._told: set[tuple[Key, float]] = set()  # the unwatched ones said, with their due
+        #: the deadlines pending whose own setting is no number: why, and the record that
+        #: left each pending
+        self._unknown: dict[Key, tuple[str, RecordedEvent]] = {}
+        self._told_unknown: set[Key] = set()  # those said (once per stream and deadline)
+        self._cut = False  # records after the end of the walk are being read
 
     def before(self, record: RecordedEvent, *, restart: bool = False) -> list[Missed]:
         """Look at ``record`` before it is folded; the deadlines it proves missed. A
@@ -88,12 +105,37 @@ class DeadlineWatch:
         return missed
 
     def moved(
-        self, stream: str, index: int, due: float | None, record: RecordedEvent, knobs: Knobs
+        self,
+        stream: str,
+        index: int,
+        due: float | DueUnknown | None,
+        record: RecordedEvent,
+        knobs: Knobs,
     ) -> None:
-        """``stream``'s deadline ``index`` is now ``due`` (None: nothing pending)."""
+        """``stream``'s deadline ``index`` is now ``due`` (None: nothing pending;
+        :class:`DueUnknown`: something pending, at a time its setting cannot give)."""
         key = (stream, index)
+        if isinstance(due, DueUnknown):
+            if key not in self._unknown and not self._cut:
+                self._forget(key, record)
+                self._unknown[key] = (due.reason, record)
+            return
+        if key in self._unknown:
+            self._unknown_ended(key, record)
         if due == self._pending.get(key):
             return
+        self._forget(key, record)
+        if due is None:
+            return
+        self._pending[key] = due
+        if self._orphaned.get(key) == due:
+            return  # armed by a process that is gone: nobody owes it
+        self._orphaned.pop(key, None)
+        self._push(stream, index, due, knobs)
+
+    def _forget(self, key: Key, record: RecordedEvent) -> None:
+        """``key``'s former deadline no longer stands (at ``record``): nothing pending."""
+        stream, index = key
         confirmed = self._confirmed.get(stream)
         if confirmed is not None and index in confirmed:
             del confirmed[index]  # a miss of the former deadline stands
@@ -102,19 +144,44 @@ class DeadlineWatch:
         suspect = self._suspects.get(key)
         if suspect is not None and suspect[1] is not record:
             del self._suspects[key]  # settled at the proof's moment (the clock had jumped)
-        if due is None:
-            del self._pending[key]
-            return
-        self._pending[key] = due
-        if self._orphaned.get(key) == due:
-            return  # armed by a process that is gone: nobody owes it
-        self._orphaned.pop(key, None)
-        self._push(stream, index, due, knobs)
+        self._pending.pop(key, None)
 
-    def restarted(self, ts: float, dues: Iterable[tuple[Key, float | None]], knobs: Knobs) -> None:
-        """A new process at ``ts`` with the deadlines ``dues`` (under the new config)."""
+    def _unknown_ended(self, key: Key, record: RecordedEvent | None) -> None:
+        """What was pending on ``key``, at a time its setting could not give, is no longer
+        (at ``record``; None: its timer died with its process or actor, or the log ended).
+        Unwatched, said once per stream and deadline (a miss is never invented), unless
+        its decision ended it: that decision's own check says whether it follows."""
+        reason, since = self._unknown.pop(key)
+        stream, index = key
+        decision = self._deadlines[index].decision
+        if record is not None and record.stream == stream and record.type == decision:
+            return
+        if key not in self._told_unknown:
+            self._told_unknown.add(key)
+            self._unwatched.append(Unwatched(stream, index, None, since, reason))
+
+    def restarted(
+        self,
+        record: RecordedEvent,
+        dues: Iterable[tuple[Key, float | DueUnknown | None]],
+        knobs: Knobs,
+    ) -> None:
+        """A new process (its start: ``record``) with the deadlines ``dues`` (under the new
+        config)."""
+        ts = record.ts
         self._heap = []
         for key, due in dues:
+            survives = self._deadlines[key[1]].survives_restart
+            if isinstance(due, DueUnknown):
+                self._pending.pop(key, None)
+                if survives and key not in self._unknown:
+                    self._unknown[key] = (due.reason, record)  # the new process owes it
+                elif not survives and key in self._unknown:
+                    self._unknown_ended(key, None)  # the old process's timer, gone with it
+                # a timer the old process armed at a known time died with it: none is owed
+                continue
+            if key in self._unknown:
+                self._unknown_ended(key, None)
             if due is None:
                 self._pending.pop(key, None)
                 continue
@@ -136,6 +203,9 @@ class DeadlineWatch:
         supervisor appends its decision late, after records of later times): those misses
         are returned, to be taken back."""
         taken_back: list[Key] = []
+        for key in [key for key in self._unknown if key[0] == stream]:
+            if not self._survives_actor(key[1]):
+                self._unknown_ended(key, None)  # a timer that died with the actor
         for key, due in list(self._pending.items()):
             if key[0] != stream or self._survives_actor(key[1]):
                 continue
@@ -161,9 +231,9 @@ class DeadlineWatch:
         return deadline.survives_restart or deadline.survives_actor_restart
 
     def owed(self) -> list[Key]:
-        """The deadlines pending or orphaned: the only ones a new config can move (one
-        with nothing pending has nothing pending under any config)."""
-        return [*self._pending, *(key for key in self._orphaned if key not in self._pending)]
+        """The deadlines pending (at a known time or not) or orphaned: the only ones a new
+        config can move (one with nothing pending has nothing pending under any config)."""
+        return list(dict.fromkeys([*self._pending, *self._orphaned, *self._unknown]))
 
     def made_in_time(self, record: RecordedEvent) -> list[Key]:
         """The confirmed misses ``record`` takes back: it is their decision, at a time no
@@ -185,7 +255,8 @@ class DeadlineWatch:
         return [(record.stream, index) for index in made]
 
     def unwatched(self) -> list[Unwatched]:
-        """The deadlines found passed, since the last call, that could not be watched."""
+        """The deadlines found, since the last call, that could not be watched: passed
+        while their slack was no number, or pending while their own setting was none."""
         found, self._unwatched = self._unwatched, []
         return found
 
@@ -196,11 +267,16 @@ class DeadlineWatch:
     def past_the_end(self, record: RecordedEvent) -> list[Missed]:
         """A record after the end of the walk (``replay --until`` cut the log before it):
         it settles the suspects as :meth:`before` would (the decision at its proof's
-        moment drops one, time moving on past the proof confirms it) and raises none."""
+        moment drops one, time moving on past the proof confirms it) and raises none:
+        what it leaves pending at no time its setting gives is not said either."""
+        self._cut = True
         return self._confirm(record) if self._suspects else []
 
     def end(self) -> list[Missed]:
-        """The log ended: suspects it leaves unconfirmed are missed (their proof is late)."""
+        """The log ended: suspects it leaves unconfirmed are missed (their proof is late);
+        deadlines still pending at no time their setting gives are unwatched."""
+        for key in sorted(self._unknown, key=lambda key: self._unknown[key][1].position):
+            self._unknown_ended(key, None)
         missed = [
             Missed(stream, index, due, proof)
             for (stream, index), (due, proof) in sorted(

@@ -39,7 +39,9 @@ lives, with ``VERIFIERS.with_(...)``::
 ``fold`` is an :class:`~stalwart.state.Aggregate` (folds are shared by ``name``), or a
 function of the config in force giving one (when its shape depends on a knob). A
 ``decide`` that raises a :class:`~stalwart.errors.StalwartError` is reported as a
-mismatch; an optional ``why(state, record, knobs)`` explains a mismatch in words.
+mismatch; an optional ``why(state, record, knobs)`` explains a mismatch in words. A
+deadline's ``due`` reads its knobs only once something is pending: one the config records
+as no number (:class:`UnusableKnob`) then makes that deadline unwatched, once per stream.
 A verifier's ``when(event)`` narrows which events of its tag it checks. A deadline's
 ``moves`` names the event types that can change when it falls due, so it is recomputed
 only on those (and on a new config); :class:`Selective` folds only the event types that
@@ -67,6 +69,12 @@ from ._aggregate import Aggregate, Folder
 
 S = TypeVar("S")
 N = TypeVar("N", int, float)
+
+
+class UnusableKnob(ConfigError):
+    """A knob the config in force records, but as something its reader cannot use (text
+    where a number belongs, say): unlike one nobody recorded nor defaulted (a plain
+    :class:`~stalwart.errors.ConfigError`), it is the log's, and verification says so."""
 
 
 class Knobs:
@@ -137,9 +145,9 @@ class Knobs:
         raise self._not(path, value, "a list of names")
 
     @staticmethod
-    def _not(path: str | tuple[str, ...], value: Any, what: str) -> ConfigError:
+    def _not(path: str | tuple[str, ...], value: Any, what: str) -> UnusableKnob:
         name = path if isinstance(path, str) else ".".join(path)
-        return ConfigError(
+        return UnusableKnob(
             f"the config in force has {name!r} = {reprlib.repr(value)}, not {what}", key=name
         )
 

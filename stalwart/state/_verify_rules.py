@@ -220,12 +220,27 @@ def _as_split(event: Event, found: SubagentRecoveryDecided) -> Event:
     return msgspec.structs.replace(event, subtasks=found.subtasks)
 
 
+# A deadline's ``due`` reads its knobs only once something is pending: a knob recorded as
+# no number then makes that deadline unwatched (said once), not every stream of its kind.
+
+
+def _running(state: RunState) -> bool:
+    return state.status == "running" and state.started_at is not None
+
+
 def _watchdog_due(state: RunState, knobs: Knobs) -> float | None:
-    per_step = knobs.get_int("subagents.per_step_timeout_ms")
+    if not _running(state):
+        return None
+    # the step budget binds only a run spawned with one; any other, its own limit alone
+    per_step = 0
+    if state.max_steps is not None:
+        per_step = knobs.get_int("subagents.per_step_timeout_ms")
     return watchdog_deadline(state, per_step_timeout_ms=per_step)
 
 
 def _ghost_due(state: RunState, knobs: Knobs) -> float | None:
+    if not _running(state):
+        return None
     return ghost_deadline(state, ghost_grace_ms=knobs.get_int("subagents.ghost_grace_ms"))
 
 
@@ -451,6 +466,8 @@ def _expiry(state: DeadLetterState, record: RecordedEvent, knobs: Knobs) -> list
 
 
 def _expiry_due(state: DeadLetterState, knobs: Knobs) -> float | None:
+    if not state.entries:
+        return None
     return expiry_at(
         state,
         max_age_ms=knobs.get_int("dead_letters.max_age_ms"),
@@ -620,6 +637,8 @@ def _resent_why(state: NoticeWatch, record: RecordedEvent, knobs: Knobs) -> str:
 
 
 def _resend_due(state: NoticeWatch, knobs: Knobs) -> float | None:
+    if not state.notices.unsent:
+        return None
     return notice_resend_due(
         state.notices,
         announce_timeout_ms=_announce_ms(knobs),
