@@ -60,14 +60,19 @@ _WAITS = SystemClock()
 
 
 def ask_part(
-    current: Callable[[], pykka.ActorRef[Any] | None], message: object, timeout: float, part: str
+    current: Callable[[], pykka.ActorRef[Any] | None],
+    message: object,
+    timeout: float,
+    part: str,
+    given_up: Callable[[], bool] = lambda: False,
 ) -> Any:
     """:func:`ask` for a host's call to a part the runtime restarts (``current()`` is
     its actor now, None before it starts): while the part is down (between a crash and
     its restart, which the supervision backoff puts at most a second away) it is asked
-    again once it runs, within ``timeout`` in all. A part still down then (given up on)
-    is a TimeoutError naming it, as a part that did not answer: pykka's ActorDeadError
-    never reaches the host."""
+    again once it runs, within ``timeout`` in all. A part still down then is a
+    TimeoutError naming it, as a part that did not answer; one down that supervision
+    gave up on (``given_up()``) is that TimeoutError at once, saying so: it will not run
+    again in this runtime. pykka's ActorDeadError never reaches the host."""
     deadline = _WAITS.monotonic() + timeout
     waits = threading.Event()  # never set: a wait that nothing cuts short
     while True:
@@ -78,6 +83,11 @@ def ask_part(
                 return ask(ref, message, max(left, 0.0), part)
             except pykka.ActorDeadError:  # it died while asked: its successor answers
                 left = deadline - _WAITS.monotonic()
+        if given_up():
+            raise TimeoutError(
+                f"the {part} does not run: supervision gave up on it after repeated "
+                "crashes (supervisor:gave_up in the runtime stream)"
+            )
         if left <= 0:
             raise TimeoutError(
                 f"the {part} did not answer within {timeout:g} s: it is down "
@@ -99,7 +109,9 @@ class LiveRef(pykka.ActorRef[Any]):
     With ``hold=True`` a ``tell`` while the part is down (between its crash and its
     restart) is kept instead, up to :data:`HELD_TELLS`, and :meth:`flush` delivers what
     was kept once the part runs again: the dead-letter queue loses no entry to its own
-    restart."""
+    restart. Once the part is given up on (:meth:`give_up`), what was kept and every
+    later ``tell`` go to the ``fallback`` the runtime gave instead: no tell waits for
+    a restart that will not come."""
 
     def __init__(
         self, current: Callable[[], pykka.ActorRef[Any] | None], name: str, *, hold: bool = False
@@ -110,6 +122,8 @@ class LiveRef(pykka.ActorRef[Any]):
         self._hold = hold
         self._held: list[Any] = []
         self._lock = threading.Lock()
+        #: what a tell goes to once the part was given up on (None: it was not)
+        self._fallback: Callable[[Any], None] | None = None
 
     def _ref(self) -> pykka.ActorRef[Any]:
         ref = self._current()
@@ -121,6 +135,11 @@ class LiveRef(pykka.ActorRef[Any]):
         ref = self._current()
         return ref is not None and ref.is_alive()
 
+    @property
+    def given_up(self) -> bool:
+        """Whether the part was given up on (its tells go to the fallback)."""
+        return self._fallback is not None
+
     def tell(self, message: Any) -> None:
         if not self._hold:
             self._ref().tell(message)
@@ -128,10 +147,15 @@ class LiveRef(pykka.ActorRef[Any]):
         with self._lock:
             try:
                 self._ref().tell(message)
+                return
             except pykka.ActorDeadError:
-                if len(self._held) >= HELD_TELLS:
-                    raise
-                self._held.append(message)
+                fallback = self._fallback
+                if fallback is None:
+                    if len(self._held) >= HELD_TELLS:
+                        raise
+                    self._held.append(message)
+                    return
+        fallback(message)  # outside the lock: it may tell another part
 
     def flush(self) -> int:
         """Deliver the tells kept while the part was down (in order); how many."""
@@ -140,6 +164,17 @@ class LiveRef(pykka.ActorRef[Any]):
             ref = self._ref()
             for message in held:
                 ref.tell(message)
+        return len(held)
+
+    def give_up(self, fallback: Callable[[Any], None]) -> int:
+        """The part was given up on: hand what was kept to ``fallback`` (in order), and
+        every later tell while it is down; how many were kept. ``fallback`` never
+        raises (a tell from a dying actor's hand-over, a scheduler timer)."""
+        with self._lock:
+            held, self._held = self._held, []
+            self._fallback = fallback
+        for message in held:
+            fallback(message)
         return len(held)
 
     def ask(self, message: Any, *, block: bool = True, timeout: float | None = None) -> Any:
@@ -257,12 +292,15 @@ class RunHandle:
         store: EventStore,
         ended: Future[RunEnded],
         actor: Callable[[], pykka.ActorRef[Any] | None] = lambda: None,
+        *,
+        supervised: Callable[[], bool] = lambda: True,
     ) -> None:
         self.run_id = run_id
         self.parent = parent
         self._store = store
         self._ended = ended
         self._actor = actor
+        self._supervised = supervised
 
     @property
     def stream(self) -> str:
@@ -278,6 +316,14 @@ class RunHandle:
 
     def done(self) -> bool:
         return self._ended.done()
+
+    @property
+    def supervised(self) -> bool:
+        """Whether the runtime's supervisor still runs, so that a failed run's recovery
+        (a retry, a split) is decided in this runtime. False once supervision gave up on
+        the supervisor: a failure is then final here (the next runtime on the log decides
+        its recovery)."""
+        return self._supervised()
 
     @property
     def ref(self) -> pykka.ActorRef[Any] | None:

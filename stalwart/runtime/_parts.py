@@ -30,10 +30,14 @@ from stalwart.actors import (
     HealthView,
     ProviderHealthActor,
     QueueState,
+    RunEnded,
     RunWatch,
     SupervisorActor,
+    Track,
 )
+from stalwart.actors._announcer import Untrack
 from stalwart.actors._restarts import Restarts
+from stalwart.events import SupervisorGaveUp
 from stalwart.state import DeadLetterState
 
 from ._handles import DEFAULT_CHANNEL, LiveRef, ask_part
@@ -68,6 +72,9 @@ class PartsLayer:
         self._health: dict[str, pykka.ActorRef[Any]] = {}
         self._supervisor: pykka.ActorRef[Any] | None = None
         self._announcer: pykka.ActorRef[Any] | None = None
+        #: the parts supervision gave up on, and how many tells each refused since
+        self._given_up: dict[str, int] = {}
+        self._given_up_lock = threading.Lock()
         self.dead_letters_ref = LiveRef(lambda: self._dead_letters, "deadletter", hold=True)
         # held: a crash told while the supervisor restarts is decided once it runs again
         self.supervisor_ref = LiveRef(lambda: self._supervisor, "supervisor", hold=True)
@@ -105,6 +112,7 @@ class PartsLayer:
             default_channel=DEFAULT_CHANNEL,
             tell=lambda _message: None,  # no notices: an infrastructure give-up is logged
             retry=self._retold,
+            end_run=self._gave_up,  # a part's give-up (its Crashed names it as its run)
             key="runtime",
             runtime=self._w.instance,
         )
@@ -186,7 +194,8 @@ class PartsLayer:
         restarts = self._restarts
         if restarts is None or not self._w.running():
             return
-        crashed = Crashed(actor=part, reason=reason, restart=restart, notify=False)
+        # ``run`` names the part: a give-up is handed to _gave_up, not to a session
+        crashed = Crashed(actor=part, reason=reason, restart=restart, notify=False, run=part)
         with self._restarts_lock:
             restarts.crashed(crashed)
 
@@ -265,9 +274,82 @@ class PartsLayer:
 
     def tell_supervisor(self, message: object) -> None:
         """Tell the supervisor ``message``; while it is down (its restart's backoff) the
-        message is held and told to the restarted one."""
-        with contextlib.suppress(pykka.ActorDeadError):  # given up on, and the hold full
+        message is held and told to the restarted one (given up on: see _gave_up)."""
+        with contextlib.suppress(pykka.ActorDeadError):  # not started yet
             self.supervisor_ref.tell(message)
+
+    # -- parts given up on ---------------------------------------------------------------------
+
+    def _gave_up(self, part: str, _decision: SupervisorGaveUp) -> None:
+        """Supervision gave up on ``part`` (``supervisor:gave_up`` is in the log; under
+        the restarts lock): nothing starts it again in this runtime, so nothing may wait
+        for it. What its :class:`LiveRef` held, and every later tell, goes to what stands
+        in for it: a run's end still resolves its handle and reaches the supervisor, a
+        run whose actor crashes with no supervisor is ended for its handle, and what no
+        one can do any more is refused (logged once)."""
+        with self._given_up_lock:
+            self._given_up.setdefault(part, 0)
+        stand_ins: dict[str, tuple[LiveRef, Callable[[Any], None]]] = {
+            "announcer": (self.announcer_ref, self._without_announcer),
+            "supervisor": (self.supervisor_ref, self._without_supervisor),
+            "deadletter": (self.dead_letters_ref, partial(self._refused, "deadletter")),
+        }
+        held = 0
+        if part == "supervisor" and self._runs is not None:
+            self._runs.unsupervised()  # before the held tells: no recovery is awaited
+        if part in stand_ins:
+            ref, stand_in = stand_ins[part]
+            held = ref.give_up(stand_in)
+        log.error("runtime.part_given_up", part=part, held=held)
+
+    def given_up(self) -> dict[str, int]:
+        """The parts supervision gave up on, each with how many tells it refused since."""
+        with self._given_up_lock:
+            return dict(self._given_up)
+
+    def _down(self, part: str) -> Callable[[], bool]:
+        """Whether supervision gave up on ``part`` (asked while it is down)."""
+
+        def down() -> bool:
+            with self._given_up_lock:
+                return part in self._given_up
+
+        return down
+
+    def _without_announcer(self, message: object) -> None:
+        """A tell to the announcer given up on: a run's end goes where it would have sent
+        it (the supervisor, which settles a failure; the run's handle). A success's
+        completion is announced by the supervisor's sweep once owed, as after a crash."""
+        if isinstance(message, Track | Untrack):
+            return  # nothing batches completions any more
+        if not isinstance(message, RunEnded) or self._runs is None:
+            self._refused("announcer", message)
+            return
+        self.tell_supervisor(message)
+        try:
+            self._runs.ended(message)
+        except Exception:  # a stand-in never raises (it runs on a run's thread)
+            log.exception("runtime.run_end_failed", run=message.run_id)
+
+    def _without_supervisor(self, message: object) -> None:
+        """A tell to the supervisor given up on: a run's actor that crashed is ended for
+        its handle (nothing restarts it here; the next runtime's supervisor sweeps the
+        run); a run's end needs nothing more here (no recovery is decided in this
+        runtime); the rest is refused. A session's Agent that crashed is started again
+        by the activation worker, which retries the wake it ran."""
+        runs = self._runs
+        if isinstance(message, Crashed) and message.run is not None and runs is not None:
+            runs.lost(message.run.removeprefix("session:"))
+        elif not isinstance(message, RunEnded):
+            self._refused("supervisor", message)
+
+    def _refused(self, part: str, message: object) -> None:
+        """A tell ``part`` given up on cannot take: counted, and logged the first time."""
+        with self._given_up_lock:
+            count = self._given_up.get(part, 0) + 1
+            self._given_up[part] = count
+        if count == 1:
+            log.error("runtime.tell_refused", part=part, message=type(message).__name__)
 
     def _on_health_changed(self, changed: HealthChanged) -> None:
         """A health listener (the health actor's thread): a recovery drains the queue
@@ -281,12 +363,16 @@ class PartsLayer:
     # TimeoutError, never pykka's ActorDeadError, when it does not within the timeout)
 
     def runs(self, timeout: float) -> dict[str, RunWatch]:
-        runs = ask_part(lambda: self._supervisor, GetRuns(), timeout, "supervisor")
+        runs = ask_part(
+            lambda: self._supervisor, GetRuns(), timeout, "supervisor", self._down("supervisor")
+        )
         assert isinstance(runs, dict)
         return runs
 
     def announcements(self, timeout: float) -> dict[str, Batch]:
-        batches = ask_part(lambda: self._announcer, GetBatches(), timeout, "announcer")
+        batches = ask_part(
+            lambda: self._announcer, GetBatches(), timeout, "announcer", self._down("announcer")
+        )
         assert isinstance(batches, dict)
         return batches
 
@@ -300,13 +386,20 @@ class PartsLayer:
                 GetHealth(),
                 timeout,
                 f"health actor of {provider!r}",
+                self._down(f"health:{provider}"),
             )
             assert isinstance(report, HealthReport)
             reports[provider] = report
         return reports
 
     def dead_letters(self, timeout: float) -> DeadLetterState:
-        state = ask_part(lambda: self._dead_letters, QueueState(), timeout, "dead-letter queue")
+        state = ask_part(
+            lambda: self._dead_letters,
+            QueueState(),
+            timeout,
+            "dead-letter queue",
+            self._down("deadletter"),
+        )
         assert isinstance(state, DeadLetterState)
         return state
 

@@ -30,6 +30,7 @@ from stalwart.actors import (
     SubAgentActor,
     Track,
     Work,
+    failure_notice,
     subsession_work,
 )
 from stalwart.actors._announcer import Untrack
@@ -96,6 +97,8 @@ class RunLayer:
         #: how many runs the recovery spawned after each run here (by ``retry_of``)
         self._successors: dict[str, int] = {}
         self._tracks: dict[str, Track] = {}  # what a restarted announcer is told again
+        #: False once supervision gave up on the supervisor: no recovery is decided here
+        self._supervised = True
 
     def take(self) -> list[RunSpec]:
         """Every run still running, forgotten (the runtime closes; under its lock)."""
@@ -220,7 +223,17 @@ class RunLayer:
         with contextlib.suppress(pykka.ActorDeadError):  # a restarted announcer is told again
             self._announcer.tell(track)
         run.ref = self._start_actor(spawn, self._work_of(run))
-        return RunHandle(spawn.run_id, spawn.parent, self._w.store, run.ended, lambda: run.ref)
+        return self._handle(spawn.run_id, run)
+
+    def _handle(self, run_id: str, run: RunSpec) -> RunHandle:
+        return RunHandle(
+            run_id,
+            run.spawn.parent,
+            self._w.store,
+            run.ended,
+            lambda: run.ref,
+            supervised=lambda: self._supervised,
+        )
 
     def _work_of(self, run: RunSpec) -> Work:
         """What the run's actor runs: the host's ``work``, or a model-driven sub-session."""
@@ -262,7 +275,8 @@ class RunLayer:
         with self._w.lock:
             run = self._runs.pop(ended.run_id, None)
             self._tracks.pop(ended.run_id, None)
-            if run is not None and ended.outcome != "succeeded" and ended.run_id in self._lineages:
+            failed = run is not None and ended.outcome != "succeeded"
+            if failed and self._supervised and ended.run_id in self._lineages:
                 self._awaiting[ended.run_id] = None  # the supervisor decides its recovery
             if run is not None:
                 self._forget(ended.run_id)
@@ -391,7 +405,41 @@ class RunLayer:
         run = self._runs.get(run_id)
         if run is None:
             return None
-        return RunHandle(run_id, run.spawn.parent, self._w.store, run.ended, lambda: run.ref)
+        return self._handle(run_id, run)
+
+    # -- without a supervisor ------------------------------------------------------------------
+
+    def unsupervised(self) -> None:
+        """Supervision gave up on the supervisor: no recovery is decided in this runtime
+        (the next runtime's supervisor decides what the log left undecided), so no
+        lineage is kept for one."""
+        with self._w.lock:
+            self._supervised = False
+            awaited = list(self._awaiting)
+            self._awaiting.clear()
+            for run_id in awaited:
+                self._forget(run_id)
+
+    def lost(self, run_id: str) -> None:
+        """Run ``run_id``'s actor crashed with no supervisor to restart it: its handle
+        resolves as failed, with the run's static notice (the log still says it runs:
+        the next runtime's supervisor sweeps it)."""
+        with self._w.lock:
+            run = self._runs.get(run_id)
+        if run is None:
+            return
+        log.error("runtime.run_lost", run=run_id)
+        notice = failure_notice(run.spawn.task, "failed", self._runtime_ms(run_id))
+        self.ended(RunEnded(run_id=run_id, outcome="failed", notice=notice))
+
+    def _runtime_ms(self, run_id: str) -> int:
+        """How long run ``run_id`` has run, as its stream says (0 when it cannot say)."""
+        try:
+            state = load_state(self._w.store, f"session:{run_id}", RUN, use_snapshots=False)
+        except StoreError:
+            return 0
+        started = state.started_at
+        return 0 if started is None else max(0, round((self._w.clock.now() - started) * 1000))
 
     def _crashed(self, run_id: str, reason: str) -> None:
         run = self._runs.get(run_id)

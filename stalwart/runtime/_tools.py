@@ -166,9 +166,16 @@ class SpawnTool:
         if ended.outcome == "succeeded":
             return ended.result
         # its recovery may run it again (announce=False: the answer is this call's)
-        runs = _LineageRuns(self._rt.store, handle.run_id)
+        runs = _LineageRuns(self._rt.store, handle.run_id, partial(self._settles, handle))
         found = await _lineage_end(runs)
         return ended.notice if found is None else found
+
+    def _settles(self, handle: RunHandle, run_id: str) -> bool:
+        """Whether this runtime may still move run ``run_id`` of the call's lineage on:
+        its supervisor runs (it decides a failed run's recovery, sweeps a run whose actor
+        is gone), or, once supervision gave up on the supervisor, the run's actor still
+        runs here (its end is told as ever)."""
+        return handle.supervised or self._rt.run(run_id) is not None
 
     def _spawn(self, key: str | None, task: str, **options: Any) -> RunHandle:
         """``rt.spawn`` for the call ``key`` (on a worker thread): its run named after the
@@ -227,11 +234,16 @@ async def _lineage_end(runs: _LineageRuns) -> str | None:
 class _LineageRuns:
     """The runs of one lineage in the log: its first run and the attempts its recovery
     started after it (each run's ``next_run_id``), each folded as far as the log goes and
-    read on from there at the next look."""
+    read on from there at the next look. ``settles(run_id)``: whether something may still
+    move a run the log leaves in play on (by default: yes, the supervisor); one nothing
+    will move on ends the lineage with its notice (the last run with a task's)."""
 
-    def __init__(self, store: EventStore, first: str) -> None:
+    def __init__(
+        self, store: EventStore, first: str, settles: Callable[[str], bool] = lambda _run: True
+    ) -> None:
         self.store = store
         self._first = first
+        self._settles = settles
         self._runs: dict[str, RunState] = {}
         self._next: dict[str, str | None] = {}
         self._ours = False  # the first run's spawn is in the log (and is the one sought)
@@ -247,18 +259,22 @@ class _LineageRuns:
         if not self._ours:
             return None
         seen = {run_id}
+        last = state  # the newest run of the lineage whose spawn is in the log
         while True:
-            if state.status in ("new", "running"):
-                return _InPlay.IN_PLAY  # a next attempt not started yet, or running
             if state.status == "succeeded":
                 return state.result
-            if state.recovery is None:
-                return _InPlay.IN_PLAY  # its recovery is decided next
+            if state.status in ("new", "running") or state.recovery is None:
+                # a next attempt not started yet, one running, or a recovery to decide
+                if self._settles(run_id):
+                    return _InPlay.IN_PLAY
+                return _notice(last)  # nothing here will move it on
             after = self._next.get(run_id)
             if state.recovery.action not in _RESPAWNS or after is None or after in seen:
                 return _notice(state)  # delivered, escalated or split: the lineage ended
             run_id, state = after, self._fold(after)
             seen.add(run_id)
+            if state.status != "new":
+                last = state
 
     def _fold(self, run_id: str) -> RunState:
         state = self._runs.get(run_id) or RUN.initial(f"session:{run_id}")
