@@ -18,6 +18,7 @@ expected, what was found and where; they never contain secrets or payload conten
     │   ├── BreakerOpenError        the provider's circuit breaker refused the call
     │   └── PromptTimeoutError      a stall, makespan or retry deadline aborted the call
     ├── SessionActionError       a confirmation, tool result, interrupt or wake refused
+    ├── SessionsStoppedError     recorded, but this runtime runs no session's work any more
     ├── SpawnRefusedError        a sub-agent spawn with no valid timeout (class or custom)
     ├── SummaryFailedError       a summary that failed after some of its requests were billed
     ├── StoreError               the durable log
@@ -160,6 +161,23 @@ class SessionActionError(StalwartError):
     def __init__(self, message: str, *, reason: str, session: str) -> None:
         super().__init__(message)
         self.reason = reason
+        self.session = session
+
+
+class SessionsStoppedError(StalwartError):
+    """This runtime runs no session's work any more: supervision gave up on its
+    activation worker (``part``: ``activations``) or its context engine (``context``)
+    after repeated crashes (``supervisor:gave_up`` in the ``runtime`` stream).
+
+    Raised by the calls that give a session work (a message, a confirmation, a tool
+    result, a delayed wake) *after* they recorded it: what was recorded is durable, and
+    another worker on the store, or the next runtime the host starts on it, runs it.
+    ``session`` is the session's stream. A host that sees it restarts its runtime.
+    """
+
+    def __init__(self, message: str, *, part: str, session: str) -> None:
+        super().__init__(message)
+        self.part = part
         self.session = session
 
 

@@ -81,7 +81,8 @@ class Durability:
     sweep looks at every live Agent, not only those that had a wake.
     ``on_crash(restart, reason)`` hears of a worker that died of an exception; calling
     ``restart()`` starts a new one, under a new owner name (as a new process would: the
-    leases the dead one held are taken over when they expire).
+    leases the dead one held are taken over when they expire). ``given_up()`` says
+    whether supervision gave up on the worker (no new one will start in this runtime).
     """
 
     def __init__(
@@ -95,8 +96,10 @@ class Durability:
         passivate: Callable[[str, pykka.ActorRef[Any]], bool],
         stopping: Callable[[], bool] = lambda: False,
         on_crash: Callable[[Callable[[], None], str], object] | None = None,
+        given_up: Callable[[], bool] = lambda: False,
     ) -> None:
         self.settings = settings
+        self.given_up = given_up
         self.policy = policy_of(settings)
         self._store = store
         self._clock = clock
@@ -170,7 +173,9 @@ class Durability:
     def report(self, timeout: float) -> WorkerReport:
         """What the worker holds; one restarting is asked once it runs again (TimeoutError
         when it does not within ``timeout``, as when it does not answer)."""
-        report = ask_part(lambda: self.worker, WorkerStatus(), timeout, "activation worker")
+        report = ask_part(
+            lambda: self.worker, WorkerStatus(), timeout, "activation worker", self.given_up
+        )
         assert isinstance(report, WorkerReport)
         return report
 
@@ -183,6 +188,11 @@ class Durability:
         """The process stops: the worker leases nothing more and the sweep ends (before
         the Agents stop)."""
         self._stop_sweeping()
+        self.stop_leasing()
+
+    def stop_leasing(self) -> None:
+        """The worker leases nothing more (the wakes it runs keep their leases): what is
+        due is left to another worker on the store, or the next runtime."""
         with contextlib.suppress(pykka.ActorDeadError):
             self.worker.tell(Closing())
 
@@ -273,10 +283,8 @@ class Durability:
         hand-off lock; the stop re-checks, under it, that no wake was handed over since."""
         now = self._clock.now()
         limit = self.settings.passivate_after_ms / 1000
-        try:
-            running = self.report(timeout=STOP_TIMEOUT_S).running
-        except TimeoutError as exc:  # the worker is restarting, or does not answer
-            log.warning("durable.sweep_skipped", error=type(exc).__name__)
+        running = self._running()
+        if running is None:
             return
         asked: list[tuple[str, float, pykka.ActorRef[Any], pykka.Future[Any]]] = []
         for stream, seen in list(self._last_seen.items()):
@@ -296,6 +304,17 @@ class Durability:
                     continue  # a wake was handed over (or the Agent started) meanwhile
                 if self._passivate(stream.removeprefix("session:"), ref):
                     self._forget(stream, seen)
+
+    def _running(self) -> dict[str, int] | None:
+        """The wakes the worker runs (None: it does not say now, the sweep is skipped);
+        none once it was given up on (an Agent that says it is idle is stopped still)."""
+        if self.given_up():
+            return {}
+        try:
+            return dict(self.report(timeout=STOP_TIMEOUT_S).running)
+        except TimeoutError as exc:  # the worker is restarting, or does not answer
+            log.warning("durable.sweep_skipped", error=type(exc).__name__)
+            return None
 
     def _forget(self, stream: str, seen: float) -> None:
         if self._last_seen.get(stream) == seen:

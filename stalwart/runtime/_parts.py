@@ -75,6 +75,8 @@ class PartsLayer:
         #: the parts supervision gave up on, and how many tells each refused since
         self._given_up: dict[str, int] = {}
         self._given_up_lock = threading.Lock()
+        #: told the name of each part given up on (see on_given_up)
+        self._given_up_listeners: list[Callable[[str], None]] = []
         self.dead_letters_ref = LiveRef(lambda: self._dead_letters, "deadletter", hold=True)
         # held: a crash told while the supervisor restarts is decided once it runs again
         self.supervisor_ref = LiveRef(lambda: self._supervisor, "supervisor", hold=True)
@@ -301,20 +303,44 @@ class PartsLayer:
             ref, stand_in = stand_ins[part]
             held = ref.give_up(stand_in)
         log.error("runtime.part_given_up", part=part, held=held)
+        if part.startswith("health:"):
+            self._health_unwatched(part.removeprefix("health:"))
+        for listener in self._given_up_listeners:
+            try:
+                listener(part)
+            except Exception:  # a listener never fails the decision (a crash's thread)
+                log.exception("runtime.given_up_listener_failed", part=part)
+
+    def on_given_up(self, listener: Callable[[str], None]) -> None:
+        """Tell ``listener`` the name of each part given up on from now (under the
+        restarts lock: keep it cheap, no asks)."""
+        self._given_up_listeners.append(listener)
+
+    def _health_unwatched(self, provider: str) -> None:
+        """A provider's health actor given up on no longer speaks for it: a degradation
+        it published could never end (only that actor decides the recovery), and every
+        Agent would defer every message for the rest of the runtime's life. The view says
+        healthy instead (the calls go to the provider; its breaker guards them), and the
+        dead-letter queue stops holding its retries for it."""
+        was = self._health_view.get(provider)
+        self._health_view.publish(HealthReport(provider=provider))
+        if was is not None and was.degraded:
+            log.warning("runtime.health_unwatched", provider=provider)
+            self.dead_letters_ref.tell(Drain(provider))
 
     def given_up(self) -> dict[str, int]:
         """The parts supervision gave up on, each with how many tells it refused since."""
         with self._given_up_lock:
             return dict(self._given_up)
 
+    def is_given_up(self, part: str) -> bool:
+        """Whether supervision gave up on ``part`` (it does not run again here)."""
+        with self._given_up_lock:
+            return part in self._given_up
+
     def _down(self, part: str) -> Callable[[], bool]:
         """Whether supervision gave up on ``part`` (asked while it is down)."""
-
-        def down() -> bool:
-            with self._given_up_lock:
-                return part in self._given_up
-
-        return down
+        return partial(self.is_given_up, part)
 
     def _without_announcer(self, message: object) -> None:
         """A tell to the announcer given up on: a run's end goes where it would have sent

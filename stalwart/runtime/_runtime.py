@@ -181,11 +181,13 @@ class Runtime:
                 file_reader=self._file_reader,
             )
             self._context.start()
+        parts.on_given_up(sessions.part_given_up)
         sessions.start(
             self._context,
             on_worker_crash=lambda start, reason: parts.crashed(
                 "activations", partial(parts.restart, "activations", start), reason
             ),
+            given_up=parts.is_given_up,
         )
 
     def close(self, reason: str = "shutdown") -> None:
@@ -423,6 +425,16 @@ class Runtime:
         with self._lock:
             parts = self._started(self._parts)
         return parts.dead_letters(timeout)
+
+    def given_up(self) -> dict[str, int]:
+        """The parts supervision gave up on after repeated crashes (``activations``,
+        ``supervisor``, ``announcer``, ``deadletter``, ``context``, ``health:<provider>``),
+        each with how many tells it refused since; empty while every part runs. A part
+        given up on does not run again in this runtime: with ``activations`` or
+        ``context`` no session's work runs here any more (a host restarts its runtime)."""
+        with self._lock:
+            parts = self._started(self._parts)
+        return parts.given_up()
 
     def _require_running(self) -> None:
         if self._state != "running":

@@ -39,6 +39,7 @@ from stalwart.errors import (
     ConfigError,
     CorruptRecordError,
     SessionActionError,
+    SessionsStoppedError,
     StalwartError,
 )
 from stalwart.events import SessionCreated
@@ -72,6 +73,8 @@ _REAL_TIME = SystemClock()
 #: How often (seconds on the runtime's Clock) a durable runtime looks again for sessions
 #: whose reply a stopped or hung worker of the same log left unsent (``_resend_cut_short``).
 RESEND_SWEEP_S = 10.0
+#: the parts without which no session's work runs here (name -> what a message calls it)
+_ESSENTIAL = {"activations": "activation worker", "context": "context engine"}
 #: real time: how often the watch makes sure its runtime still runs when no pass is due
 #: (a runtime closes through ``pause_worker``, which wakes it at once; this is a backstop)
 _WATCH_BACKSTOP_S = 60.0
@@ -123,10 +126,13 @@ class SessionLayer:
         context: ContextLayer | None,
         *,
         on_worker_crash: Callable[[Callable[[], None], str], object] | None = None,
+        given_up: Callable[[str], bool] = lambda _part: False,
     ) -> None:
         """Start the activation worker (the context engine, when there is one, is up);
-        ``on_worker_crash(restart, reason)`` hears of a worker that died."""
+        ``on_worker_crash(restart, reason)`` hears of a worker that died, ``given_up(part)``
+        says whether supervision gave up on a part (``activations``, ``context``)."""
         self._context = context
+        self._given_up = given_up
         self._durable = Durability(
             self._w.store,
             self._w.clock,
@@ -136,7 +142,10 @@ class SessionLayer:
             passivate=self.passivate,
             stopping=lambda: not self._w.running(),
             on_crash=on_worker_crash,
+            given_up=partial(given_up, "activations"),
         )
+        if self._stopped_by() == "context":  # given up on while the worker was not up yet
+            self._durable.stop_leasing()
         threading.Thread(target=self._resend_cut_short, name="stalwart-resend", daemon=True).start()
 
     def _resend_cut_short(self) -> None:
@@ -648,21 +657,59 @@ class SessionLayer:
             raise RuntimeError(f"session {session_id!r} is stopped: its runtime was closed")
         send_message(self._w.store, session_id, text, message_id=message_id, ts=self._w.clock.now())
         self.nudge()
+        self._worker_runs(session_id)
 
     def nudge(self) -> None:
         if self._durable is not None:
             self._durable.nudge()
 
+    def part_given_up(self, part: str) -> None:
+        """Supervision gave up on ``part`` (under the restarts lock). Without the context
+        engine no turn can be assembled: every wake leased here would fail until it is
+        abandoned, so the worker leases nothing more and leaves the sessions' work to
+        another worker on the store, or the next runtime."""
+        if part == "context" and self._durable is not None:
+            self._durable.stop_leasing()
+            log.error("runtime.sessions_stopped", part=part)
+
+    def _stopped_by(self) -> str | None:
+        """The part given up on that stops this runtime running sessions' work, if any."""
+        if self._durable is None:
+            return None
+        for part in _ESSENTIAL:
+            if (part != "context" or self._context is not None) and self._given_up(part):
+                return part
+        return None
+
+    def _worker_runs(self, session_id: str) -> None:
+        """After a session's work was recorded: SessionsStoppedError when supervision gave
+        up on the activation worker or the context engine, so nothing in this runtime
+        will run it (another worker on the store, or the next runtime, does)."""
+        part = self._stopped_by()
+        if part is None:
+            return
+        stream = f"session:{session_id.removeprefix('session:')}"
+        log.error("runtime.work_not_run", session=stream, part=part)
+        raise SessionsStoppedError(
+            f"recorded for {stream!r}, but this runtime runs no session's work any more: "
+            f"supervision gave up on its {_ESSENTIAL[part]} after repeated crashes "
+            "(another worker on the store, or the next runtime, runs it)",
+            part=part,
+            session=stream,
+        )
+
     def confirm(self, session_id: str, request_id: str, *, allow: bool) -> str:
         now = self._w.clock.now()
         resumed = confirm(self._w.store, session_id, request_id, allow=allow, ts=now)
         self.nudge()
+        self._worker_runs(session_id)
         return resumed
 
     def submit_tool_result(self, session_id: str, request_id: str, output: str) -> str:
         now = self._w.clock.now()
         resumed = submit_tool_result(self._w.store, session_id, request_id, output, ts=now)
         self.nudge()
+        self._worker_runs(session_id)
         return resumed
 
     def interrupt(self, session_id: str, reason: str) -> list[str]:
@@ -688,6 +735,7 @@ class SessionLayer:
             dedupe_key=dedupe_key,
         )
         self.nudge()
+        self._worker_runs(session_id)
         return activation_id
 
     def worker(self, timeout: float) -> WorkerReport:
