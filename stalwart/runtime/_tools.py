@@ -7,6 +7,10 @@ call: its id is derived from the call's idempotency key (:func:`call_run_id`), a
 ``subagent:spawned`` records the key (``call_key``). After a crash cut the call short,
 the tool's ``reconcile`` check reads that run's stream, and those of the attempts its
 recovery started after it, never the rest of the log.
+
+The answer is bounded like any tool's result (the runtime's registry's
+``max_result_bytes``): a longer one is cut, and the marker names the run's stream, which
+keeps it whole.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from stalwart.errors import SpawnRefusedError, ToolError
 from stalwart.events import SubagentSpawned, TaskClass
 from stalwart.state import RUN, RunState
 from stalwart.store import EventStore
-from stalwart.tools import Tool, ToolRegistry, ToolSpec, current_call
+from stalwart.tools import Tool, ToolRegistry, ToolSpec, current_call, cut_start
 
 if TYPE_CHECKING:
     from ._handles import RunHandle
@@ -37,6 +41,7 @@ __all__ = [
     "SPAWN_TOOL",
     "SessionTools",
     "SpawnTool",
+    "bounded_answer",
     "call_run_id",
     "spawn_call",
     "spawn_tool_fn",
@@ -63,6 +68,14 @@ EMPTY_TASK_TEXT = "spawn refused: the task is empty: give the sub-agent a self-c
 #: How long one wait for the log to move lasts while a reconcile check waits on a run
 #: (real seconds: a wait the check's time limit cut short keeps its thread this long at most)
 LOG_WAIT_S = 1.0
+
+#: What follows the start of a sub-agent's answer cut to the tool's limit: how much of it
+#: is shown, and where the whole answer is kept (the run's own stream).
+CUT_TEMPLATE = (
+    "\n[stalwart: the sub-agent's answer is longer than the tool's limit of {limit:,} "
+    "bytes: only the first {kept:,} of its {total:,} characters are shown. The whole "
+    "answer is kept in the sub-agent's own log, stream {stream}.]"
+)
 
 #: The recovery decisions that start the lineage's next attempt (``next_run_id``).
 _RESPAWNS = ("respawn", "respawn_continue")
@@ -164,11 +177,16 @@ class SpawnTool:
             raise ToolError(str(exc), error_class="spawn_refused") from exc
         ended = await wait_on_own_thread(handle.result)  # for the run's whole life
         if ended.outcome == "succeeded":
-            return ended.result
+            return bounded_answer(ended.result, self._limit(), f"session:{ended.run_id}")
         # its recovery may run it again (announce=False: the answer is this call's)
-        runs = _LineageRuns(self._rt.store, handle.run_id, partial(self._settles, handle))
+        settles = partial(self._settles, handle)
+        runs = _LineageRuns(self._rt.store, handle.run_id, self._limit(), settles)
         found = await _lineage_end(runs)
         return ended.notice if found is None else found
+
+    def _limit(self) -> int:
+        """The most an answer may hold (UTF-8 bytes): the runtime's registry's limit."""
+        return self._rt.tools.max_result_bytes
 
     def _settles(self, handle: RunHandle, run_id: str) -> bool:
         """Whether this runtime may still move run ``run_id`` of the call's lineage on:
@@ -206,7 +224,7 @@ class SpawnTool:
         succeeded, or the static notice of the last one. A lineage still in play (the
         dead process's run, a ghost until the supervisor sweeps it; the attempt its
         recovery starts next) is waited for, within the tool's own time limit."""
-        return await _lineage_end(_CallRuns(self._rt.store, self._session, key))
+        return await _lineage_end(_CallRuns(self._rt.store, self._session, key, self._limit()))
 
 
 class _InPlay(enum.Enum):
@@ -239,10 +257,15 @@ class _LineageRuns:
     will move on ends the lineage with its notice (the last run with a task's)."""
 
     def __init__(
-        self, store: EventStore, first: str, settles: Callable[[str], bool] = lambda _run: True
+        self,
+        store: EventStore,
+        first: str,
+        limit: int,
+        settles: Callable[[str], bool] = lambda _run: True,
     ) -> None:
         self.store = store
         self._first = first
+        self._limit = limit
         self._settles = settles
         self._runs: dict[str, RunState] = {}
         self._next: dict[str, str | None] = {}
@@ -262,7 +285,7 @@ class _LineageRuns:
         last = state  # the newest run of the lineage whose spawn is in the log
         while True:
             if state.status == "succeeded":
-                return state.result
+                return bounded_answer(state.result, self._limit, state.stream)
             if state.status in ("new", "running") or state.recovery is None:
                 # a next attempt not started yet, one running, or a recovery to decide
                 if self._settles(run_id):
@@ -301,13 +324,23 @@ class _CallRuns(_LineageRuns):
     """The runs of one ``spawn_subagent`` call a crash cut short: the run named after its
     key, if this parent spawned it for that key, and its lineage."""
 
-    def __init__(self, store: EventStore, parent: str, key: str) -> None:
-        super().__init__(store, call_run_id(key))
+    def __init__(self, store: EventStore, parent: str, key: str, limit: int) -> None:
+        super().__init__(store, call_run_id(key), limit)
         self._parent = parent
         self._key = key
 
     def _is_sought(self, event: SubagentSpawned) -> bool:
         return event.parent == self._parent and event.call_key == self._key
+
+
+def bounded_answer(answer: str, limit: int, stream: str) -> str:
+    """A sub-agent's ``answer`` if its UTF-8 form is at most ``limit`` bytes, else its
+    start within them (ended on a line break when one ends the second half) and a marker
+    naming ``stream``, the run's stream, which keeps the whole answer."""
+    kept = cut_start(answer, limit)
+    if kept is None:
+        return answer
+    return kept + CUT_TEMPLATE.format(limit=limit, kept=len(kept), total=len(answer), stream=stream)
 
 
 def _notice(state: RunState) -> str:

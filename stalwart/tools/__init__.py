@@ -32,6 +32,7 @@ from ._outcome import (
     ToolOutcome,
     blocked_outcome,
     bounded_text,
+    cut_start,
     outcome_event,
     started_event,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "canonical_arguments",
     "classify_tool_error",
     "current_call",
+    "cut_start",
     "decide_tool_call",
     "fold_tool_breaker",
     "outcome_event",

@@ -104,16 +104,24 @@ def bounded_text(text: str, limit: int | None, *, error: bool = False) -> str:
     its start within them, ended on a line break when one ends the second half, and a
     marker saying how much was cut; for a result (not an ``error`` message) it also says
     how the model may read the rest."""
+    kept = cut_start(text, limit)
+    return text if kept is None else kept + _cut_marker(text, kept, limit or 0, error)
+
+
+def cut_start(text: str, limit: int | None) -> str | None:
+    """None if ``text``'s UTF-8 form is at most ``limit`` bytes (or there is no limit),
+    else its start within them, ended on a line break when one ends the second half (and
+    never on half a character)."""
     if limit is None or len(text) <= limit // 4:  # no character takes more than 4 bytes
-        return text
+        return None
     data = text.encode("utf-8", "surrogatepass")
     if len(data) <= limit:
-        return text
+        return None
     kept = data[:limit].decode("utf-8", "ignore")  # not half a character at the end
     line_end = kept.rfind("\n")
     if line_end >= len(kept) // 2:
         kept = kept[: line_end + 1]
-    return kept + _cut_marker(text, kept, limit, error)
+    return kept
 
 
 def _cut_marker(text: str, kept: str, limit: int, error: bool) -> str:
