@@ -1,5 +1,5 @@
 """What the runtime tests share: a config on one fake provider, waiting on a channel and
-on the log, picking events."""
+on the log, picking events, crashing a runtime part until supervision gives up on it."""
 
 from __future__ import annotations
 
@@ -14,12 +14,18 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
+import pykka
 
 from stalwart.actors import RESEND_GRACE_S, IoPortal
 from stalwart.channels import MemoryChannel, OutboundMessage
 from stalwart.clock import FakeClock
 from stalwart.config import Config, parse_config
-from stalwart.events import ActivationRequeued, RecordedEvent
+from stalwart.events import (
+    ActivationRequeued,
+    RecordedEvent,
+    SupervisorGaveUp,
+    SupervisorRestarted,
+)
 from stalwart.runtime import Runtime, SessionHandle, load_session
 from stalwart.store import EventStore
 from stalwart.testing import FakeProvider, Hang
@@ -111,6 +117,54 @@ def crashed_mid_wake(
     fake.wait_for(lambda requests: len(requests) == 1, GUARD)
     session.ref.tell(object())  # the Agent dies of an exception mid-wake
     return session, log_until(store, "session:s1", has(ActivationRequeued))
+
+
+def only(kind: type[pykka.Actor]) -> pykka.ActorRef[Any]:
+    """The one running actor of ``kind`` (pykka's registry: no runtime internals)."""
+    [ref] = pykka.ActorRegistry.get_by_class(kind)
+    return ref
+
+
+def crash_decided(rt: Runtime, store: EventStore, kind: type[pykka.Actor], count: int) -> Any:
+    """Crash the running ``kind`` actor for real; the ``count``-th decision on it, once
+    the runtime has acted on it."""
+    only(kind).tell(object())  # it does not understand it: an unhandled exception
+    decided = (SupervisorRestarted, SupervisorGaveUp)
+    records = log_until(store, "runtime", has(decided, count))
+    with rt._restarts_lock:  # the decision is appended and acted on under it
+        pass
+    return of(decided, records)[-1]
+
+
+def give_up_on(rt: Runtime, store: EventStore, clock: FakeClock, kind: type[pykka.Actor]) -> None:
+    """Crash the runtime's ``kind`` part until supervision gives up on it (three restarts
+    on the default settings, ``clock`` moved past each backoff, then a give-up)."""
+    for count, backoff_ms in enumerate([100, 200, 400], 1):
+        assert isinstance(crash_decided(rt, store, kind, count), SupervisorRestarted)
+        clock.advance(backoff_ms / 1000 + 0.005)
+        only(kind)
+    assert isinstance(crash_decided(rt, store, kind, 4), SupervisorGaveUp)
+    assert not pykka.ActorRegistry.get_by_class(kind)
+
+
+def window_config(base_url: str, *, window: int, engine: str) -> Config:
+    """One OpenAI-wire provider ``main`` at ``base_url`` and a ``default`` agent on it (no
+    provider retries, the other agent settings their defaults) with a ``window``-token
+    context, assembled by context engine ``engine``."""
+    return parse_config(
+        {
+            "providers": {"main": {"kind": "openai", "base_url": base_url}},
+            "agents": {
+                "default": {
+                    "provider": "main",
+                    "model": "m1",
+                    "max_retries": 0,
+                    "context_window": window,
+                }
+            },
+            "context_engine": {"version": engine},
+        }
+    )
 
 
 def until(check: Callable[[], Any], timeout: float = GUARD, *, what: str | None = None) -> Any:

@@ -12,40 +12,28 @@ A real LMDB store in tmp_path, the fake provider over loopback and a FakeClock.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
 from stalwart.config import parse_config
-from stalwart.errors import ConfigError, SpawnRefusedError, ToolError
+from stalwart.errors import SpawnRefusedError, ToolError
 from stalwart.events import SubagentSpawned
 from stalwart.runtime import Runtime
 from stalwart.runtime._tools import spawn_tool_fn
 from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider
-from tests._runtime_support import GUARD, runtime_config
-
-AGENT: dict[str, Any] = {
-    "provider": "main",
-    "model": "m1",
-    "prompt_timeout_ms": 5_000,
-    "retry_prompt_timeout_ms": 5_000,
-    "max_retries": 0,
-    "subagents": True,
-}
+from tests._runtime_support import GUARD, agent_settings, runtime_config
+from tests._support_s35 import config_refused, provider_at, webhook_at
 
 
 @pytest.fixture
 def rt(
     store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
 ) -> Iterator[Runtime]:
-    data = {
-        "providers": {"main": {"kind": "openai", "base_url": fake.base_url}},
-        "agents": {"default": AGENT},
-    }
-    with Runtime(parse_config(data), store=store, clock=clock, channels={"chat": chat}) as rt:
+    config = runtime_config(fake.base_url, agents={"default": agent_settings(subagents=True)})
+    with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
         yield rt
 
 
@@ -101,31 +89,20 @@ INVISIBLE = [
 # Was: DEFECT: a provider base_url with an invisible format character loaded and failed every call
 @pytest.mark.parametrize("url", INVISIBLE)
 def test_a_provider_base_url_with_an_invisible_character_is_a_config_error(url: str) -> None:
-    data = {
-        "providers": {"main": {"kind": "openai", "base_url": url}},
-        "agents": {"default": {"provider": "main", "model": "m1"}},
-    }
-    with pytest.raises(ConfigError, match="invisible") as refused:
-        parse_config(data)
-    assert refused.value.key == "providers.main.base_url"
-    assert "llm.example" not in str(refused.value)  # the url itself is not echoed
+    error = config_refused(provider_at(url), match="invisible")
+    assert error.key == "providers.main.base_url"
+    assert "llm.example" not in str(error)  # the url itself is not echoed
 
 
 # Was: DEFECT: a webhook url with an invisible format character loaded and every delivery failed
 @pytest.mark.parametrize("url", INVISIBLE)
 def test_a_webhook_url_with_an_invisible_character_is_a_config_error(url: str) -> None:
-    data = {"channels": {"hook": {"kind": "webhook", "url": url}}}
-    with pytest.raises(ConfigError, match="invisible") as refused:
-        parse_config(data)
-    assert refused.value.key == "channels.hook.url"
+    assert config_refused(webhook_at(url), match="invisible").key == "channels.hook.url"
 
 
 def test_a_url_with_letters_beyond_ascii_still_loads() -> None:
     """Only the invisible characters are refused: a path in another script is a url."""
-    data = {
-        "providers": {"main": {"kind": "openai", "base_url": "https://llm.example/café/v1"}},
-        "agents": {"default": {"provider": "main", "model": "m1"}},
-    }
+    data = provider_at("https://llm.example/café/v1")
     assert parse_config(data).providers["main"].base_url == "https://llm.example/café/v1"
 
 

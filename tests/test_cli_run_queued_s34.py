@@ -32,6 +32,21 @@ def _run(config: Path, text: str = "hi") -> tuple[int, str, str]:
     return stalwart("run", "--config", str(config), "--session", "s1", text)
 
 
+def _with_a_wake(tmp_path: Path, fake: FakeProvider, *, due_in_s: float, text: str) -> Path:
+    """Session ``s1``, its message interrupted (no activation left of it) and a wake
+    ``text`` set ``due_in_s`` from now (the system clock: the command's own); the config
+    ``run`` is given. The fake provider answers ``fine``."""
+    config = _config(tmp_path, fake)
+    store_dir = tmp_path / "store"
+    fake.set_default(Answer(text="fine"))
+    now = time.time()
+    with store_module.open(store_dir) as log:  # type: ignore[attr-defined]
+        send_message(log, "s1", "hello")
+        assert stalwart("--store", str(store_dir), "session", "interrupt", "s1")[0] == 0
+        schedule_wake(log, "s1", now + due_in_s, now=now, policy=POLICY, text=text)
+    return config
+
+
 # Was: DEFECT: `stalwart run --session` went ahead on a session with a queued message a worker could lease beside its turn  # noqa: E501
 def test_a_session_with_a_queued_message_is_refused_and_nothing_is_appended(
     tmp_path: Path, fake: FakeProvider
@@ -60,14 +75,7 @@ def test_a_session_with_a_queued_message_is_refused_and_nothing_is_appended(
 
 # Was: DEFECT: a wake already due did not hold `stalwart run --session` back either
 def test_a_wake_already_due_holds_the_run_back(tmp_path: Path, fake: FakeProvider) -> None:
-    config = _config(tmp_path, fake)
-    store_dir = tmp_path / "store"
-    fake.set_default(Answer(text="fine"))
-    now = time.time()
-    with store_module.open(store_dir) as log:  # type: ignore[attr-defined]
-        send_message(log, "s1", "hello")
-        assert stalwart("--store", str(store_dir), "session", "interrupt", "s1")[0] == 0
-        schedule_wake(log, "s1", now - 1, now=now, policy=POLICY, text="check")
+    config = _with_a_wake(tmp_path, fake, due_in_s=-1, text="check")
 
     code, _, err = _run(config)
     assert_one_error_line(code, err)
@@ -78,14 +86,7 @@ def test_a_wake_already_due_holds_the_run_back(tmp_path: Path, fake: FakeProvide
 def test_a_wake_set_for_later_does_not_hold_the_run_back(
     tmp_path: Path, fake: FakeProvider
 ) -> None:
-    config = _config(tmp_path, fake)
-    store_dir = tmp_path / "store"
-    fake.set_default(Answer(text="fine"))
-    now = time.time()
-    with store_module.open(store_dir) as log:  # type: ignore[attr-defined]
-        send_message(log, "s1", "hello")
-        assert stalwart("--store", str(store_dir), "session", "interrupt", "s1")[0] == 0
-        schedule_wake(log, "s1", now + 3600, now=now, policy=POLICY, text="later")
+    config = _with_a_wake(tmp_path, fake, due_in_s=3600, text="later")
 
     code, out, err = _run(config)
     assert code == 0, err

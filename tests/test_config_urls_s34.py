@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from stalwart.config import parse_config
-from stalwart.errors import ConfigError
+from tests._support_s35 import config_refused, provider_at, webhook_at
 
 URLS = [
     "http://llm.exa mple/v1",  # a space typed into the host
@@ -22,20 +21,12 @@ URLS = [
 # Was: DEFECT: a provider base_url with whitespace loaded and failed every call at run time
 @pytest.mark.parametrize("url", URLS)
 def test_a_provider_base_url_with_whitespace_is_a_config_error(url: str) -> None:
-    data = {
-        "providers": {"main": {"kind": "openai", "base_url": url}},
-        "agents": {"default": {"provider": "main", "model": "m1"}},
-    }
-    with pytest.raises(ConfigError, match="whitespace") as refused:
-        parse_config(data)
-    assert refused.value.key == "providers.main.base_url"
-    assert "exa" not in str(refused.value)  # the url itself is not echoed
+    error = config_refused(provider_at(url), match="whitespace")
+    assert error.key == "providers.main.base_url"
+    assert "exa" not in str(error)  # the url itself is not echoed
 
 
 # Was: DEFECT: a webhook url with whitespace loaded and every delivery failed at run time
 @pytest.mark.parametrize("url", URLS)
 def test_a_webhook_url_with_whitespace_is_a_config_error(url: str) -> None:
-    data = {"channels": {"hook": {"kind": "webhook", "url": url}}}
-    with pytest.raises(ConfigError, match="whitespace") as refused:
-        parse_config(data)
-    assert refused.value.key == "channels.hook.url"
+    assert config_refused(webhook_at(url), match="whitespace").key == "channels.hook.url"

@@ -21,73 +21,38 @@ import anyio
 import pykka
 import pytest
 
-from stalwart.actors import (
-    DeadLetterActor,
-    Drain,
-    Enqueue,
-    InFlight,
-    IoPortal,
-    QueueState,
-    Scheduler,
-)
+from stalwart.actors import Drain, Enqueue, InFlight, IoPortal, QueueState, Scheduler
 from stalwart.channels import Channel, Delivery, MemoryChannel, OutboundMessage
 from stalwart.cli._replay import verify_store
 from stalwart.clock import FakeClock
-from stalwart.config import DeadLetterSettings
 from stalwart.events import (
     AnnouncementDeadLetterDelivered,
-    AnnouncementDeadLettered,
     AnnouncementDeadLetterRetried,
-    Event,
     ProviderRecovered,
-    RecordedEvent,
 )
 from stalwart.store import EventStore, NewEvent
 from tests._runtime_support import GUARD, of
+from tests._support_s35 import (
+    DEAD_LETTERS,
+    SEND_WAIT_S,
+    append_dead_letter,
+    assert_dead_letters_verify,
+    dead_lettered,
+    dead_letters,
+    queues_settled,
+    start_queue,
+    step_queues,
+)
 
-D = DeadLetterSettings()
+D = DEAD_LETTERS
 Retried = AnnouncementDeadLetterRetried
 Delivered = AnnouncementDeadLetterDelivered
 #: a send's own limit, and how long another runtime leaves an entry whose retry has no outcome
 SEND_S = D.announce_timeout_ms / 1000
 HOLD_S = SEND_S + 5
-#: how long a test waits for a send on the portal's loop to end (a loaded machine)
-SEND_WAIT_S = 15.0
 
 
 # -- harness ---------------------------------------------------------------------------------
-
-
-def queue(
-    store: EventStore,
-    clock: FakeClock,
-    scheduler: Scheduler,
-    portal: IoPortal,
-    channels: dict[str, Channel],
-    actors: list[pykka.ActorRef[Any]],
-    runtime: str,
-) -> pykka.ActorRef[Any]:
-    ref = DeadLetterActor.start(
-        store=store,
-        clock=clock,
-        scheduler=scheduler,
-        portal=portal,
-        channels=channels,
-        settings=D,
-        runtime=runtime,
-    )
-    actors.append(ref)
-    return ref
-
-
-def settled(*refs: pykka.ActorRef[Any]) -> None:
-    """Once no send of the queues is in flight and their outcomes are recorded."""
-    give_up = time.monotonic() + SEND_WAIT_S
-    for ref in refs:
-        while ref.ask(InFlight(), timeout=GUARD):
-            assert time.monotonic() < give_up, "a send never ended"
-            time.sleep(0.01)  # real-time: a send on the portal's loop
-        ref.ask(QueueState(), timeout=GUARD)  # after the outcomes' own message
 
 
 def hanging(chat: MemoryChannel, ref: pykka.ActorRef[Any], clock: FakeClock) -> str:
@@ -103,12 +68,8 @@ def hanging(chat: MemoryChannel, ref: pykka.ActorRef[Any], clock: FakeClock) -> 
     return str(sending)
 
 
-def records(store: EventStore) -> list[RecordedEvent]:
-    return list(store.read_stream("deadletter"))
-
-
 def delivered(store: EventStore) -> list[str]:
-    return [d.entry_id for d in of(Delivered, records(store))]
+    return [d.entry_id for d in of(Delivered, dead_letters(store))]
 
 
 def run_queues(
@@ -121,38 +82,16 @@ def run_queues(
 ) -> None:
     """Move the clock from one deadline to the next (every send ended and recorded
     before the next step) until ``until_delivered`` entries were delivered."""
-    give_up = clock.now() + D.max_age_ms / 1000
-    while True:
-        settled(*refs)
-        due = scheduler.next_deadline()
-        if len(delivered(store)) >= until_delivered or due is None or due > give_up:
-            return
-        clock.advance(max(0.0, due - clock.now()))
 
+    def done(_: object) -> bool:
+        return len(delivered(store)) >= until_delivered
 
-def assert_verifies(store: EventStore) -> None:
-    report = verify_store(store, None)
-    assert [f for f in report.findings if f.stream == "deadletter"] == []
+    step_queues(clock, scheduler, refs, for_s=D.max_age_ms / 1000, done=done)
 
 
 def recover(store: EventStore, clock: FakeClock) -> None:
     store.append(
         "provider:main", [NewEvent(event=ProviderRecovered(provider="main"), ts=clock.now())]
-    )
-
-
-def append(store: EventStore, clock: FakeClock, event: Event) -> None:
-    store.append("deadletter", [NewEvent(event=event, ts=clock.now())])
-
-
-def queued(entry_id: str, conversation: str = "conv-1") -> AnnouncementDeadLettered:
-    return AnnouncementDeadLettered(
-        entry_id=entry_id,
-        announcement_id=f"ann-{entry_id}",
-        channel="chat",
-        text=entry_id,
-        reason="timeout",
-        conversation=conversation,
     )
 
 
@@ -174,25 +113,25 @@ def test_a_drain_leaves_the_later_entries_of_a_conversation_another_runtime_is_s
     nor the second, queued after it: the second arrives after the first, never before."""
     chat = MemoryChannel("chat")
     channels: dict[str, Channel] = {"chat": chat}
-    rt_a = queue(lmdb_store, clock, scheduler, portal, channels, actors, "rt-a")
+    rt_a = start_queue(lmdb_store, clock, scheduler, portal, channels, actors, "rt-a")
     first = rt_a.ask(Enqueue("ann-1", "chat", "conv-1", "one", "timeout"), timeout=GUARD)
     second = rt_a.ask(Enqueue("ann-2", "chat", "conv-1", "two", "timeout"), timeout=GUARD)
     assert hanging(chat, rt_a, clock) == first
-    rt_b = queue(lmdb_store, clock, scheduler, portal, channels, actors, "rt-b")
+    rt_b = start_queue(lmdb_store, clock, scheduler, portal, channels, actors, "rt-b")
     elsewhere = rt_b.ask(Enqueue("ann-3", "chat", "conv-2", "three", "timeout"), timeout=GUARD)
     recover(lmdb_store, clock)
 
     rt_b.tell(Drain("main"))
-    settled(rt_b)
+    queues_settled(rt_b)
 
-    drained = [r.entry_id for r in of(Retried, records(lmdb_store)) if r.reason == "drain"]
+    drained = [r.entry_id for r in of(Retried, dead_letters(lmdb_store)) if r.reason == "drain"]
     assert drained == [elsewhere]
     assert [m.text for m in chat.messages] == ["three"]
     clock.advance(SEND_S)  # A's send times out: the first reply is still to come
     run_queues(lmdb_store, clock, scheduler, (rt_a, rt_b), until_delivered=3)
     assert [m.text for m in chat.messages] == ["three", "one", "two"]
     assert delivered(lmdb_store) == [elsewhere, first, second]
-    assert_verifies(lmdb_store)
+    assert_dead_letters_verify(lmdb_store)
 
 
 def test_a_drain_beside_its_own_send_queues_the_later_entries_behind_it(
@@ -206,7 +145,7 @@ def test_a_drain_beside_its_own_send_queues_the_later_entries_behind_it(
     it: sent once the first delivered (not before), and the log verifies (replay, which
     knows nothing of what was in flight, re-derives a drain of both)."""
     chat = MemoryChannel("chat")
-    rt_a = queue(lmdb_store, clock, scheduler, portal, {"chat": chat}, actors, "rt-a")
+    rt_a = start_queue(lmdb_store, clock, scheduler, portal, {"chat": chat}, actors, "rt-a")
     first = rt_a.ask(Enqueue("ann-1", "chat", "conv-1", "one", "timeout"), timeout=GUARD)
     second = rt_a.ask(Enqueue("ann-2", "chat", "conv-1", "two", "timeout"), timeout=GUARD)
     assert hanging(chat, rt_a, clock) == first
@@ -220,7 +159,7 @@ def test_a_drain_beside_its_own_send_queues_the_later_entries_behind_it(
 
     assert [m.text for m in chat.messages] == ["one", "two"]
     assert delivered(lmdb_store) == [first, second]
-    assert_verifies(lmdb_store)
+    assert_dead_letters_verify(lmdb_store)
 
 
 # -- what replay re-derives ------------------------------------------------------------------
@@ -231,14 +170,14 @@ def test_a_drain_beside_its_own_send_queues_the_later_entries_behind_it(
 def test_replay_flags_a_drain_beside_another_runtimes_send_of_an_earlier_entry(
     lmdb_store: EventStore, clock: FakeClock
 ) -> None:
-    append(lmdb_store, clock, queued("e1"))
-    append(lmdb_store, clock, queued("e2"))
+    append_dead_letter(lmdb_store, clock, dead_lettered("e1", text="e1"))
+    append_dead_letter(lmdb_store, clock, dead_lettered("e2", text="e2"))
     clock.advance(D.retry_base_ms / 1000)
-    append(lmdb_store, clock, Retried(entry_id="e1", attempt=1, runtime="rt-a"))
+    append_dead_letter(lmdb_store, clock, Retried(entry_id="e1", attempt=1, runtime="rt-a"))
     clock.advance(1)
     recover(lmdb_store, clock)
     drain = Retried(entry_id="e2", attempt=1, reason="drain", provider="main", runtime="rt-b")
-    append(lmdb_store, clock, drain)
+    append_dead_letter(lmdb_store, clock, drain)
 
     report = verify_store(lmdb_store, None)
 
@@ -256,16 +195,16 @@ def test_replay_accepts_a_drain_behind_an_earlier_send_that_no_longer_holds_it(
 ) -> None:
     """The runtime sending the first entry drains the second behind its own send; another
     runtime drains it once that send's hold ran out (its sender died)."""
-    append(lmdb_store, clock, queued("e1"))
-    append(lmdb_store, clock, queued("e2"))
+    append_dead_letter(lmdb_store, clock, dead_lettered("e1", text="e1"))
+    append_dead_letter(lmdb_store, clock, dead_lettered("e2", text="e2"))
     clock.advance(D.retry_base_ms / 1000)
-    append(lmdb_store, clock, Retried(entry_id="e1", attempt=1, runtime="rt-a"))
+    append_dead_letter(lmdb_store, clock, Retried(entry_id="e1", attempt=1, runtime="rt-a"))
     clock.advance(after_s)
     recover(lmdb_store, clock)
     drain = Retried(entry_id="e2", attempt=1, reason="drain", provider="main", runtime=drainer)
-    append(lmdb_store, clock, drain)
+    append_dead_letter(lmdb_store, clock, drain)
 
-    assert_verifies(lmdb_store)
+    assert_dead_letters_verify(lmdb_store)
 
 
 # -- a drain's later sends, under way after the one before them ---------------------------------
@@ -319,7 +258,7 @@ def test_another_runtime_leaves_an_entry_whose_drained_send_began_after_the_one_
     one send of it, not two."""
     gated = Gated()
     channels: dict[str, Channel] = {"chat": gated}
-    rt_a = queue(lmdb_store, clock, scheduler, portal, channels, actors, "rt-a")
+    rt_a = start_queue(lmdb_store, clock, scheduler, portal, channels, actors, "rt-a")
     first = rt_a.ask(Enqueue("ann-1", "chat", "conv-1", "one", "timeout"), timeout=GUARD)
     second = rt_a.ask(Enqueue("ann-2", "chat", "conv-1", "two", "timeout"), timeout=GUARD)
     recover(lmdb_store, clock)
@@ -329,16 +268,16 @@ def test_another_runtime_leaves_an_entry_whose_drained_send_began_after_the_one_
     gated.release("one")
     wait_until(lambda: gated.attempted == ["one", "two"], "the second send never started")
     wait_until(lambda: delivered(lmdb_store) == [first], "the first was not recorded")
-    rt_b = queue(lmdb_store, clock, scheduler, portal, channels, actors, "rt-b")
+    rt_b = start_queue(lmdb_store, clock, scheduler, portal, channels, actors, "rt-b")
     rt_b.ask(QueueState(), timeout=GUARD)
 
     clock.advance(HOLD_S - 20 + 1)  # past the hold from the second's recorded retry
     rt_b.ask(QueueState(), timeout=GUARD)
 
-    assert [r.runtime for r in of(Retried, records(lmdb_store))] == ["rt-a", "rt-a"]
+    assert [r.runtime for r in of(Retried, dead_letters(lmdb_store))] == ["rt-a", "rt-a"]
     assert gated.attempted == ["one", "two"]
     gated.release("two")
-    settled(rt_a, rt_b)
+    queues_settled(rt_a, rt_b)
     assert delivered(lmdb_store) == [first, second]
     assert gated.delivered == ["one", "two"]
-    assert_verifies(lmdb_store)
+    assert_dead_letters_verify(lmdb_store)

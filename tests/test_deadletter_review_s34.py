@@ -9,21 +9,17 @@ check a claim the fix relies on.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
 import pykka
 import pytest
 
-from stalwart.actors import DeadLetterActor, Enqueue, IoPortal, QueueState, Scheduler
-from stalwart.channels import Channel, MemoryChannel, OutboundMessage, send_within
-from stalwart.cli._replay import verify_store
+from stalwart.actors import Enqueue, IoPortal, QueueState, Scheduler
+from stalwart.channels import Channel, MemoryChannel
 from stalwart.clock import FakeClock
-from stalwart.config import DeadLetterSettings
 from stalwart.events import (
     AnnouncementDeadLetterDelivered,
-    AnnouncementDeadLettered,
     AnnouncementDeadLetterExpired,
     AnnouncementDeadLetterRetried,
     AnnouncementSendFailed,
@@ -32,9 +28,21 @@ from stalwart.events import (
 from stalwart.state import DeadLetterState
 from stalwart.store import EventStore, NewEvent
 from tests._runtime_support import GUARD, log_until, of
+from tests._support_s35 import (
+    DEAD_LETTERS,
+    append_dead_letter,
+    assert_dead_letters_verify,
+    dead_lettered,
+    failed_send,
+    first_send,
+    late_reply,
+    receiver_of,
+    receivers_fixture,  # noqa: F401 (the fixture)
+    start_queue,
+)
 from tests.test_channels import Receiver, Step, webhook
 
-D = DeadLetterSettings()
+D = DEAD_LETTERS
 Delivered = AnnouncementDeadLetterDelivered
 Expired = AnnouncementDeadLetterExpired
 #: the seed's backoffs after the first (60 + 120 + 240 + 480 s), and then some
@@ -42,42 +50,6 @@ EVERY_LATER_RETRY_S = 3_600.0
 
 
 # -- harness ---------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def receivers() -> Iterator[list[Receiver]]:
-    made: list[Receiver] = []
-    try:
-        yield made
-    finally:
-        for receiver in made:
-            receiver.close()
-
-
-def receiver_of(receivers: list[Receiver], *steps: Step) -> Receiver:
-    receivers.append(Receiver(*steps))
-    return receivers[-1]
-
-
-def queue(
-    store: EventStore,
-    clock: FakeClock,
-    scheduler: Scheduler,
-    portal: IoPortal,
-    channels: dict[str, Channel],
-    actors: list[pykka.ActorRef[Any]],
-) -> pykka.ActorRef[Any]:
-    ref = DeadLetterActor.start(
-        store=store,
-        clock=clock,
-        scheduler=scheduler,
-        portal=portal,
-        channels=channels,
-        settings=D,
-        runtime="rt-a",
-    )
-    actors.append(ref)
-    return ref
 
 
 def closing(portal: IoPortal, channel: Channel) -> None:
@@ -94,22 +66,6 @@ def quiet_after(ref: pykka.ActorRef[Any], clock: FakeClock, seconds: float) -> D
     state = ref.ask(QueueState(), timeout=GUARD)
     assert isinstance(state, DeadLetterState)
     return state
-
-
-def message(conversation: str = "conv-1") -> OutboundMessage:
-    return OutboundMessage(
-        conversation=conversation, text="Sorry, that took too long.", idempotency_key="ann-1"
-    )
-
-
-def first_send(portal: IoPortal, channel: Channel, sent: OutboundMessage) -> str | None:
-    """What a sender records of its first send (the word it queues the entry with)."""
-    return portal.submit(send_within, channel, sent, GUARD).result(GUARD + 1)
-
-
-def assert_verifies(store: EventStore) -> None:
-    report = verify_store(store, None)
-    assert [f for f in report.findings if f.stream == "deadletter"] == []
 
 
 # -- 1. a message the receiver refuses for good is retried for a quarter of an hour ----------
@@ -131,7 +87,7 @@ def test_a_retry_the_receiver_refuses_for_good_expires_at_once_and_frees_its_con
     reason ``rejected``, and the next message goes at its own time."""
     receiver = receiver_of(receivers, Step(status=401), Step(status=200))
     hook = webhook(receiver.url)
-    ref = queue(lmdb_store, clock, scheduler, portal, {"hook": hook}, actors)
+    ref = start_queue(lmdb_store, clock, scheduler, portal, {"hook": hook}, actors)
     first = ref.ask(Enqueue("ann-1", "hook", "conv-1", "one", "timeout"), timeout=GUARD)
     second = ref.ask(Enqueue("ann-2", "hook", "conv-1", "two", "timeout"), timeout=GUARD)
 
@@ -149,7 +105,7 @@ def test_a_retry_the_receiver_refuses_for_good_expires_at_once_and_frees_its_con
     assert len(receiver.requests) == 2  # one try of each: the refused one is not sent again
     assert len(letters(lmdb_store)) == len(records)
     closing(portal, hook)
-    assert_verifies(lmdb_store)
+    assert_dead_letters_verify(lmdb_store)
 
 
 # Was: DEFECT: an answer whose first send was refused for good (HTTP 403) was queued and
@@ -166,9 +122,9 @@ def test_an_answer_whose_first_send_was_refused_for_good_is_expired_at_once_not_
     queue expires it at once (attempts 0), visible in the log, and never sends it."""
     receiver = receiver_of(receivers, Step(status=403))
     hook = webhook(receiver.url)
-    reason = first_send(portal, hook, message())
+    reason = first_send(portal, hook, late_reply())
     assert reason == "rejected:final"
-    ref = queue(lmdb_store, clock, scheduler, portal, {"hook": hook}, actors)
+    ref = start_queue(lmdb_store, clock, scheduler, portal, {"hook": hook}, actors)
     entry = ref.ask(Enqueue("ann-1", "hook", "conv-1", "one", reason), timeout=GUARD)
 
     records = log_until(lmdb_store, "deadletter", lambda rs: bool(of(Expired, rs)))
@@ -180,7 +136,7 @@ def test_an_answer_whose_first_send_was_refused_for_good_is_expired_at_once_not_
     assert not of(AnnouncementDeadLetterRetried, list(lmdb_store.read_stream("deadletter")))
     assert len(receiver.requests) == 1  # the sender's own send, nothing after it
     closing(portal, hook)
-    assert_verifies(lmdb_store)
+    assert_dead_letters_verify(lmdb_store)
 
 
 @pytest.mark.parametrize(
@@ -197,7 +153,7 @@ def test_a_send_says_whether_its_failure_is_final(
 ) -> None:
     channel = MemoryChannel("chat")
     channel.fail_next(kind=kind, retryable=retryable)
-    assert first_send(portal, channel, message()) == word
+    assert first_send(portal, channel, late_reply()) == word
 
 
 def test_a_closed_channel_is_no_final_failure_the_next_runtime_sends_it(
@@ -207,7 +163,7 @@ def test_a_closed_channel_is_no_final_failure_the_next_runtime_sends_it(
     answer from the receiver: its entries are retried by the next runtime."""
     channel = MemoryChannel("chat")
     anyio.run(channel.aclose)
-    assert first_send(portal, channel, message()) == "closed"
+    assert first_send(portal, channel, late_reply()) == "closed"
 
 
 def test_a_log_written_before_final_failures_were_marked_keeps_its_retries_and_verifies(
@@ -219,21 +175,14 @@ def test_a_log_written_before_final_failures_were_marked_keeps_its_retries_and_v
 ) -> None:
     """Older logs recorded a refusal as ``rejected``: those entries keep the old rule
     (retried on the backoff), so the retries an older version decided still verify."""
-    queued = AnnouncementDeadLettered(
-        entry_id="e1",
-        announcement_id="ann-1",
-        channel="chat",
-        text="one",
-        reason="rejected",
-        conversation="conv-1",
-    )
-    append(lmdb_store, clock, queued)
+    queued = dead_lettered("e1", announcement_id="ann-1", reason="rejected")
+    append_dead_letter(lmdb_store, clock, queued)
     clock.advance(30)
-    append(lmdb_store, clock, AnnouncementDeadLetterRetried(entry_id="e1", attempt=1))
+    append_dead_letter(lmdb_store, clock, AnnouncementDeadLetterRetried(entry_id="e1", attempt=1))
     failed = AnnouncementSendFailed(announcement_id="ann-1", error_class="rejected", entry_id="e1")
-    append(lmdb_store, clock, failed)
+    append_dead_letter(lmdb_store, clock, failed)
     chat = MemoryChannel("chat")
-    ref = queue(lmdb_store, clock, scheduler, portal, {"chat": chat}, actors)
+    ref = start_queue(lmdb_store, clock, scheduler, portal, {"chat": chat}, actors)
 
     state = quiet_after(ref, clock, 60)  # its second retry, on the old schedule
 
@@ -241,11 +190,7 @@ def test_a_log_written_before_final_failures_were_marked_keeps_its_retries_and_v
     assert [r.attempt for r in of(AnnouncementDeadLetterRetried, records)] == [1, 2]
     assert not of(Expired, records)
     assert state.expired == 0
-    assert_verifies(lmdb_store)
-
-
-def append(store: EventStore, clock: FakeClock, event: Event) -> None:
-    store.append("deadletter", [NewEvent(event=event, ts=clock.now())])
+    assert_dead_letters_verify(lmdb_store)
 
 
 # -- 2. a backlog costs the queue n squared to build --------------------------------------------
@@ -264,12 +209,10 @@ def backlog(store: EventStore, clock: FakeClock, count: int, first: int = 0) -> 
     """``count`` entries queued by another runtime, in batches as its senders queue them."""
     for start in range(first, first + count, 1_000):
         batch = [
-            AnnouncementDeadLettered(
-                entry_id=f"e{i}",
+            dead_lettered(
+                f"e{i}",
                 announcement_id=f"ann-{i}",
-                channel="chat",
                 text="Sorry, that took too long.",
-                reason="timeout",
                 conversation=f"conv-{i % 50}",
             )
             for i in range(start, min(first + count, start + 1_000))
@@ -289,7 +232,7 @@ def test_queueing_onto_a_large_backlog_costs_the_same_as_onto_a_small_one(
     """Senders wait on each Enqueue (up to 5 s) before they go on: during an outage the
     queue must take the next entry as fast with 30,000 queued as with 30."""
     backlog(lmdb_store, clock, BACKLOG)
-    ref = queue(lmdb_store, clock, scheduler, portal, {"chat": MemoryChannel("chat")}, actors)
+    ref = start_queue(lmdb_store, clock, scheduler, portal, {"chat": MemoryChannel("chat")}, actors)
     ref.ask(QueueState(), timeout=GUARD * 3)
 
     started = time.monotonic()
@@ -313,7 +256,7 @@ def test_a_large_backlog_another_runtime_queued_is_taken_in_in_linear_time(
     portal: IoPortal,
     actors: list[pykka.ActorRef[Any]],
 ) -> None:
-    ref = queue(lmdb_store, clock, scheduler, portal, {"chat": MemoryChannel("chat")}, actors)
+    ref = start_queue(lmdb_store, clock, scheduler, portal, {"chat": MemoryChannel("chat")}, actors)
     ref.ask(QueueState(), timeout=GUARD)
     backlog(lmdb_store, clock, 50_000)  # a second worker on the store, during an outage
 
@@ -335,13 +278,15 @@ def test_an_entry_queued_behind_a_long_backoff_is_retried_at_its_own_time_in_ord
     """The timer re-armed for a new entry alone is the one a look at the whole queue
     gives: an entry of another conversation goes at its 30 s, while one queued behind
     an entry of its own conversation (four retries spent: 480 s) waits for it."""
-    append(lmdb_store, clock, queued_entry("old", "conv-1"))
+    append_dead_letter(lmdb_store, clock, dead_lettered("old"))
     for attempt in range(1, 5):
-        append(lmdb_store, clock, AnnouncementDeadLetterRetried(entry_id="old", attempt=attempt))
-        append(lmdb_store, clock, failed_send("old"))
+        append_dead_letter(
+            lmdb_store, clock, AnnouncementDeadLetterRetried(entry_id="old", attempt=attempt)
+        )
+        append_dead_letter(lmdb_store, clock, failed_send("old"))
     chat = MemoryChannel("chat")
     chat.fail_next(10)
-    ref = queue(lmdb_store, clock, scheduler, portal, {"chat": chat}, actors)
+    ref = start_queue(lmdb_store, clock, scheduler, portal, {"chat": chat}, actors)
     ref.ask(QueueState(), timeout=GUARD)  # started: its timer is armed
     later = clock.now() + 480
     assert scheduler.next_deadline() == later
@@ -358,20 +303,3 @@ def test_an_entry_queued_behind_a_long_backoff_is_retried_at_its_own_time_in_ord
     retried = [r.entry_id for r in of(AnnouncementDeadLetterRetried, records)]
     assert retried[4:] == [other]
     assert behind not in retried
-
-
-def queued_entry(entry_id: str, conversation: str) -> AnnouncementDeadLettered:
-    return AnnouncementDeadLettered(
-        entry_id=entry_id,
-        announcement_id=f"ann-{entry_id}",
-        channel="chat",
-        text="one",
-        reason="timeout",
-        conversation=conversation,
-    )
-
-
-def failed_send(entry_id: str) -> AnnouncementSendFailed:
-    return AnnouncementSendFailed(
-        announcement_id=f"ann-{entry_id}", error_class="server_error", entry_id=entry_id
-    )

@@ -14,10 +14,7 @@ webhook receiver on 127.0.0.1 that answers 503 with ``Retry-After: 600`` while i
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
-
-import pytest
 
 from stalwart.actors import GAVE_UP_TEXT, RunReport
 from stalwart.cli._replay import verify_store
@@ -27,31 +24,25 @@ from stalwart.events import (
     AnnouncementDeadLettered,
     AnnouncementDeadLetterRetried,
     AnnouncementSendFailed,
-    RecordedEvent,
     SupervisorGaveUp,
 )
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import FakeProvider
 from tests._runtime_support import GUARD, has, log_until, of, runtime_config
+from tests._support_s35 import (
+    BusyUntil,
+    busy_receiver,
+    dead_letters,
+    receivers_fixture,  # noqa: F401 (the fixture)
+)
 from tests.test_channels import Receiver, webhook
-from tests.test_deadletter_retry_after_s34 import BusyUntil, busy_receiver
 
 #: what the busy receiver asks for (s): far past the queue's first backoff (30 s)
 ASKED_S = 600
 #: how far the test moves the clock at a time while the receiver is busy: a retry on the
 #: queue's own backoff (30 s) would go at the first step
 STEP_S = 30
-
-
-@pytest.fixture
-def receivers() -> Iterator[list[Receiver]]:
-    made: list[Receiver] = []
-    try:
-        yield made
-    finally:
-        for receiver in made:
-            receiver.close()
 
 
 def hooked_runtime(
@@ -68,10 +59,6 @@ def hooked_runtime(
     return Runtime(config, store=store, clock=clock, channels={"hook": hook})
 
 
-def dead_letters(store: EventStore) -> list[RecordedEvent]:
-    return list(store.read_stream("deadletter"))
-
-
 def wait_out_the_receiver(rt: Runtime, store: EventStore, clock: FakeClock, start: float) -> None:
     """Move the clock to the receiver's time a step at a time, each step's retries (if
     any: they are appended before they are sent) decided before the next; the entry is
@@ -83,6 +70,20 @@ def wait_out_the_receiver(rt: Runtime, store: EventStore, clock: FakeClock, star
         assert not of(AnnouncementDeadLetterRetried, dead_letters(store)), "retried early"
     clock.advance(start + ASKED_S - clock.now())
     log_until(store, "deadletter", has(AnnouncementDeadLetterDelivered))
+
+
+def queued_with_the_hint(
+    store: EventStore, failed_on: str
+) -> tuple[AnnouncementSendFailed, AnnouncementDeadLettered]:
+    """The first send's failure (recorded in ``failed_on``) and the dead-letter entry it
+    queued, once both are in the log: each with the receiver's hint."""
+    queued = log_until(store, "deadletter", has(AnnouncementDeadLettered))
+    [entry] = of(AnnouncementDeadLettered, queued)
+    assert entry.retry_after_ms == 600_000
+    failing = log_until(store, failed_on, has(AnnouncementSendFailed))
+    [failed] = of(AnnouncementSendFailed, failing)
+    assert (failed.error_class, failed.retry_after_ms) == ("server_error", 600_000)
+    return failed, entry
 
 
 def assert_verifies(store: EventStore) -> None:
@@ -98,13 +99,8 @@ def test_an_agents_reply_refused_with_a_retry_after_is_queued_with_it_and_waits(
     script = BusyUntil(clock, start + ASKED_S, retry_after=str(ASKED_S))
     with hooked_runtime(store, clock, fake, receivers, script) as rt:
         rt.session("s1", channel="hook").send("hello")
-        session = log_until(store, "session:s1", has(AnnouncementSendFailed))
-        [failed] = of(AnnouncementSendFailed, session)
-        assert (failed.error_class, failed.retry_after_ms) == ("server_error", 600_000)
-        queued = log_until(store, "deadletter", has(AnnouncementDeadLettered))
-        [entry] = of(AnnouncementDeadLettered, queued)
+        failed, entry = queued_with_the_hint(store, "session:s1")
         assert entry.announcement_id == failed.announcement_id
-        assert entry.retry_after_ms == 600_000
 
         wait_out_the_receiver(rt, store, clock, start)
 
@@ -125,15 +121,10 @@ def test_a_give_up_notice_refused_with_a_retry_after_is_queued_with_it_and_waits
     with hooked_runtime(store, clock, fake, receivers, script, **given_up_at_once) as rt:
         session = rt.session("s1", channel="hook")
         session.ref.tell(object())  # not understood: it crashes, and is given up on
-        runtime = log_until(store, "runtime", has(AnnouncementSendFailed))
-        [gave_up] = of(SupervisorGaveUp, runtime)
+        _, entry = queued_with_the_hint(store, "runtime")
+        [gave_up] = of(SupervisorGaveUp, list(store.read_stream("runtime")))
         assert gave_up.session == "s1"
-        [failed] = of(AnnouncementSendFailed, runtime)
-        assert (failed.error_class, failed.retry_after_ms) == ("server_error", 600_000)
-        queued = log_until(store, "deadletter", has(AnnouncementDeadLettered))
-        [entry] = of(AnnouncementDeadLettered, queued)
         assert (entry.text, entry.kind) == (GAVE_UP_TEXT, "failure_notice")
-        assert entry.retry_after_ms == 600_000
 
         wait_out_the_receiver(rt, store, clock, start)
 
@@ -157,13 +148,8 @@ def test_a_completion_refused_with_a_retry_after_is_queued_with_it_and_waits(
         run = rt.spawn("p1", "find the answer", task_class="research", work=work)
         assert run.result(GUARD).outcome == "succeeded"
         clock.advance(debounce_s)
-        queued = log_until(store, "deadletter", has(AnnouncementDeadLettered))
-        [entry] = of(AnnouncementDeadLettered, queued)
+        _, entry = queued_with_the_hint(store, f"session:{run.run_id}")
         assert entry.text == "Sub-agent task completed:\nthe answer"
-        assert entry.retry_after_ms == 600_000
-        ran = log_until(store, f"session:{run.run_id}", has(AnnouncementSendFailed))
-        [failed] = of(AnnouncementSendFailed, ran)
-        assert (failed.error_class, failed.retry_after_ms) == ("server_error", 600_000)
 
         wait_out_the_receiver(rt, store, clock, start + debounce_s)
 
@@ -186,13 +172,8 @@ def test_a_failure_notice_refused_with_a_retry_after_is_queued_with_it_and_waits
         rt.session("p1", channel="hook")
         run = rt.spawn("p1", "find the answer", task_class="research", work=work)
         assert run.result(GUARD).outcome == "failed"
-        queued = log_until(store, "deadletter", has(AnnouncementDeadLettered))
-        [entry] = of(AnnouncementDeadLettered, queued)
+        _, entry = queued_with_the_hint(store, f"session:{run.run_id}")
         assert entry.kind == "failure_notice"
-        assert entry.retry_after_ms == 600_000
-        ran = log_until(store, f"session:{run.run_id}", has(AnnouncementSendFailed))
-        [failed] = of(AnnouncementSendFailed, ran)
-        assert (failed.error_class, failed.retry_after_ms) == ("server_error", 600_000)
 
         wait_out_the_receiver(rt, store, clock, start)
 

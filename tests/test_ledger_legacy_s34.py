@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,59 +60,40 @@ class Counting:
                 self.gate()
 
 
-class CountingLmdb(LmdbEventStore):
+class CountsReads:
+    """A store whose reads of ``context:`` streams are counted: put before the store's
+    class, whose ``read_stream`` it passes each read on to."""
+
+    counting: Counting
+
+    def read_stream(self, stream: str, *args: Any, **kwargs: Any) -> Any:
+        self.counting.saw(stream)
+        return super().read_stream(stream, *args, **kwargs)  # type: ignore[misc]
+
+
+class CountingLmdb(CountsReads, LmdbEventStore):
     def __init__(self, path: Path, clock: FakeClock) -> None:
         super().__init__(path, clock=clock)
         self.counting = Counting()
 
-    def read_stream(self, stream: str, *args: Any, **kwargs: Any) -> Any:
-        self.counting.saw(stream)
-        return super().read_stream(stream, *args, **kwargs)
 
-
-class CountingPostgres(PostgresEventStore):
+class CountingPostgres(CountsReads, PostgresEventStore):
     def __init__(self, url: str, clock: FakeClock) -> None:
         super().__init__(url, clock=clock)
         self.counting = Counting()
-
-    def read_stream(self, stream: str, *args: Any, **kwargs: Any) -> Any:
-        self.counting.saw(stream)
-        return super().read_stream(stream, *args, **kwargs)
 
 
 Opener = Callable[[], Any]
 
 
-@pytest.fixture(params=["lmdb", "postgres"])
-def handles(request: pytest.FixtureRequest, tmp_path: Path, clock: FakeClock) -> Iterator[Opener]:
-    """Opens another handle on one store, as another process would; closes them all."""
+@contextmanager
+def handles_on(open_one: Opener) -> Iterator[Opener]:
+    """Opens another handle on one store (``open_one``) each call, as another process
+    would; closes them all."""
     opened: list[Any] = []
-    if request.param == "lmdb":
-        path = tmp_path / "store"
 
-        def one() -> Any:
-            opened.append(CountingLmdb(path, clock))
-            return opened[-1]
-    else:
-        url = request.getfixturevalue("pg_url")
-
-        def one() -> Any:
-            opened.append(CountingPostgres(url, clock))
-            return opened[-1]
-
-    try:
-        yield one
-    finally:
-        for store in opened:
-            store.close()
-
-
-@pytest.fixture
-def lmdb(tmp_path: Path, clock: FakeClock) -> Iterator[Opener]:
-    opened: list[CountingLmdb] = []
-
-    def one() -> CountingLmdb:
-        opened.append(CountingLmdb(tmp_path / "store", clock))
+    def one() -> Any:
+        opened.append(open_one())
         return opened[-1]
 
     try:
@@ -118,6 +101,24 @@ def lmdb(tmp_path: Path, clock: FakeClock) -> Iterator[Opener]:
     finally:
         for store in opened:
             store.close()
+
+
+@pytest.fixture(params=["lmdb", "postgres"])
+def handles(request: pytest.FixtureRequest, tmp_path: Path, clock: FakeClock) -> Iterator[Opener]:
+    """Handles on one LMDB directory, or on one PostgreSQL schema."""
+    open_one: Opener
+    if request.param == "lmdb":
+        open_one = partial(CountingLmdb, tmp_path / "store", clock)
+    else:
+        open_one = partial(CountingPostgres, request.getfixturevalue("pg_url"), clock)
+    with handles_on(open_one) as one:
+        yield one
+
+
+@pytest.fixture
+def lmdb(tmp_path: Path, clock: FakeClock) -> Iterator[Opener]:
+    with handles_on(partial(CountingLmdb, tmp_path / "store", clock)) as one:
+        yield one
 
 
 def allow(state: GovernorState, now: float) -> SummarizerVerdict:

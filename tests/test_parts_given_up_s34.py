@@ -10,42 +10,32 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import anyio
-import pykka
 import pytest
 
 from stalwart.actors import Announcer, RunReport, SupervisorActor, failure_notice
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
 from stalwart.config import Config
-from stalwart.events import (
-    SubagentRecoveryDecided,
-    SupervisorGaveUp,
-    SupervisorRestarted,
-)
+from stalwart.events import SubagentRecoveryDecided
 from stalwart.runtime import Runtime
 from stalwart.runtime._tools import spawn_tool_fn
 from stalwart.store import EventStore
 from stalwart.testing import Fail, FakeProvider
-from tests._runtime_support import GUARD, has, log_until, of, runtime_config
+from tests._runtime_support import (
+    GUARD,
+    agent_settings,
+    give_up_on,
+    has,
+    log_until,
+    of,
+    runtime_config,
+)
 
 
 def config(base_url: str) -> Config:
-    return runtime_config(
-        base_url,
-        agents={
-            "default": {
-                "provider": "main",
-                "model": "m1",
-                "prompt_timeout_ms": 5_000,
-                "retry_prompt_timeout_ms": 5_000,
-                "max_retries": 0,
-                "subagents": True,
-            }
-        },
-    )
+    return runtime_config(base_url, agents={"default": agent_settings(subagents=True)})
 
 
 @pytest.fixture
@@ -54,33 +44,6 @@ def rt(
 ) -> Iterator[Runtime]:
     with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
         yield rt
-
-
-def only(kind: type[pykka.Actor]) -> pykka.ActorRef[Any]:
-    """The one running actor of ``kind`` (pykka's registry: no runtime internals)."""
-    [ref] = pykka.ActorRegistry.get_by_class(kind)
-    return ref
-
-
-def crash(rt: Runtime, store: EventStore, kind: type[pykka.Actor], count: int) -> Any:
-    """Crash the running ``kind`` actor for real; the ``count``-th decision on it, once
-    the runtime has acted on it."""
-    only(kind).tell(object())  # it does not understand it: an unhandled exception
-    decided = (SupervisorRestarted, SupervisorGaveUp)
-    records = log_until(store, "runtime", has(decided, count))
-    with rt._restarts_lock:  # the decision is appended and acted on under it
-        pass
-    return of(decided, records)[-1]
-
-
-def give_up(rt: Runtime, store: EventStore, clock: FakeClock, kind: type[pykka.Actor]) -> None:
-    """Crash the part until supervision gives up on it (three restarts, then a give-up)."""
-    for count, backoff_ms in enumerate([100, 200, 400], 1):
-        assert isinstance(crash(rt, store, kind, count), SupervisorRestarted)
-        clock.advance(backoff_ms / 1000 + 0.005)
-        only(kind)
-    assert isinstance(crash(rt, store, kind, 4), SupervisorGaveUp)
-    assert not pykka.ActorRegistry.get_by_class(kind)
 
 
 async def answer(report: RunReport) -> str:
@@ -98,7 +61,7 @@ async def broken(report: RunReport) -> str:
 def test_a_run_that_ends_after_the_announcer_was_given_up_on_resolves_its_handle(
     rt: Runtime, store: EventStore, clock: FakeClock
 ) -> None:
-    give_up(rt, store, clock, Announcer)
+    give_up_on(rt, store, clock, Announcer)
     handle = rt.spawn("p1", "write code", task_class="code", channel="chat", work=answer)
     ended = handle.result(GUARD)
     assert (ended.outcome, ended.result) == ("succeeded", "the answer")
@@ -109,7 +72,7 @@ def test_a_run_that_ends_after_the_announcer_was_given_up_on_resolves_its_handle
 def test_a_run_that_fails_after_the_announcer_was_given_up_on_still_has_its_recovery(
     rt: Runtime, store: EventStore, clock: FakeClock
 ) -> None:
-    give_up(rt, store, clock, Announcer)
+    give_up_on(rt, store, clock, Announcer)
     handle = rt.spawn("p1", "write code", task_class="code", channel="chat", work=broken)
     assert handle.result(GUARD).outcome == "failed"
     records = log_until(store, f"session:{handle.run_id}", has(SubagentRecoveryDecided))
@@ -128,7 +91,7 @@ def test_a_run_whose_actor_crashes_after_the_supervisor_was_given_up_on_resolves
         await anyio.sleep_forever()
         raise AssertionError("unreachable")
 
-    give_up(rt, store, clock, SupervisorActor)
+    give_up_on(rt, store, clock, SupervisorActor)
     handle = rt.spawn("p1", "write code", task_class="code", channel="chat", work=hang)
     handle.status(GUARD)  # its actor runs
     assert handle.ref is not None
@@ -143,7 +106,7 @@ def test_a_run_whose_actor_crashes_after_the_supervisor_was_given_up_on_resolves
 def test_a_spawn_tool_call_answers_with_the_notice_when_no_supervisor_decides_a_recovery(
     rt: Runtime, store: EventStore, clock: FakeClock, fake: FakeProvider
 ) -> None:
-    give_up(rt, store, clock, SupervisorActor)
+    give_up_on(rt, store, clock, SupervisorActor)
     fake.add(Fail(status=400))  # the sub-session's model call: the run fails
     spawn_subagent = spawn_tool_fn(rt, "p1", "default")
 
@@ -158,7 +121,7 @@ def test_a_spawn_tool_call_answers_with_the_notice_when_no_supervisor_decides_a_
 def test_asking_a_part_given_up_on_fails_at_once_and_says_so(
     rt: Runtime, store: EventStore, clock: FakeClock
 ) -> None:
-    give_up(rt, store, clock, SupervisorActor)
+    give_up_on(rt, store, clock, SupervisorActor)
     began = time.monotonic()  # real-time: the ask's own wait is on the system clock
     with pytest.raises(TimeoutError, match="gave up on it"):
         rt.runs(timeout=60.0)

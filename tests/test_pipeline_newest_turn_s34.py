@@ -11,22 +11,19 @@ is fenced as untrusted like every text the engine writes beside its own lines.
 
 from __future__ import annotations
 
-from typing import Any
-
 from stalwart.channels import MemoryChannel
 from stalwart.cli._replay import default_knobs
 from stalwart.clock import FakeClock
-from stalwart.config import Config, parse_config
-from stalwart.context import TokenEstimator
+from stalwart.config import Config
 from stalwart.context.pipeline import PipelineConfig, PipelineEngine
 from stalwart.context.pipeline._wrap import MARKER
-from stalwart.events import ContextAssembled, ToolCall, ToolCompleted
-from stalwart.providers import Message
+from stalwart.events import ContextAssembled, ToolCompleted
 from stalwart.runtime import Runtime
 from stalwart.state import VERIFIERS, verify
 from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider, FakeToolCall
-from tests._runtime_support import delivered, of
+from tests._runtime_support import delivered, of, window_config
+from tests._support_s35 import sent_tokens
 from tests.test_context_pipeline import Summaries, Transcript
 
 WINDOW = 16_384
@@ -35,46 +32,12 @@ PARTS = 24
 
 
 def _config(base_url: str) -> Config:
-    return parse_config(
-        {
-            "providers": {"main": {"kind": "openai", "base_url": base_url}},
-            "agents": {
-                "default": {
-                    "provider": "main",
-                    "model": "m1",
-                    "max_retries": 0,
-                    "context_window": WINDOW,
-                }
-            },
-            "context_engine": {"version": "pipeline"},
-        }
-    )
+    return window_config(base_url, window=WINDOW, engine="pipeline")
 
 
 def read_part(n: int) -> str:
     """Read one part of the export."""
     return f"part {n}: " + ROW * 1_200  # about 27,600 characters
-
-
-def _sent_tokens(messages: list[dict[str, Any]]) -> int:
-    """What a request's messages (as the provider received them) cost by the engine's
-    own estimate at factor 1, calls included."""
-    return TokenEstimator("openai").messages(
-        Message(
-            role=m["role"],
-            content=m.get("content") or "",
-            tool_calls=tuple(
-                ToolCall(
-                    id=call["id"],
-                    name=call["function"]["name"],
-                    arguments=call["function"]["arguments"],
-                )
-                for call in m.get("tool_calls") or ()
-            ),
-            tool_call_id=m.get("tool_call_id"),
-        )
-        for m in messages
-    )
 
 
 # Was: DEFECT: 24 tool results of 28 KB in one step went to a 16k window whole (~185,000 tokens): a real provider refuses it and the turn fails  # noqa: E501
@@ -100,7 +63,7 @@ def test_a_step_with_many_large_results_is_cut_to_the_window_and_the_turn_comple
         assert event.engine == "pipeline"
         # every request the provider received is within the budget the engine computed
         assert event.tokens_out <= event.budget < WINDOW, (event.tokens_out, event.budget)
-        assert _sent_tokens(request.body["messages"]) <= event.budget
+        assert sent_tokens(request.body["messages"]) <= event.budget
     # the cut is in the log: the assembly says so, the results themselves are whole
     assert assembled[1].tail_clipped
     assert "clip" in assembled[1].layers_fired

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
 
-import pykka
 import pytest
 
 from stalwart.actors import (
@@ -31,13 +29,19 @@ from stalwart.events import (
     ActivationLeased,
     ActivationReady,
     ProviderDegraded,
-    SupervisorGaveUp,
-    SupervisorRestarted,
 )
 from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Fail, FakeProvider
-from tests._runtime_support import GUARD, delivered, has, log_until, of, runtime_config
+from tests._runtime_support import (
+    GUARD,
+    delivered,
+    give_up_on,
+    has,
+    log_until,
+    of,
+    runtime_config,
+)
 
 
 def config(base_url: str) -> Config:
@@ -53,33 +57,6 @@ def rt(
         yield rt
 
 
-def only(kind: type[pykka.Actor]) -> pykka.ActorRef[Any]:
-    """The one running actor of ``kind`` (pykka's registry: no runtime internals)."""
-    [ref] = pykka.ActorRegistry.get_by_class(kind)
-    return ref
-
-
-def crash(rt: Runtime, store: EventStore, kind: type[pykka.Actor], count: int) -> Any:
-    """Crash the running ``kind`` actor for real; the ``count``-th decision on it, once
-    the runtime has acted on it."""
-    only(kind).tell(object())  # it does not understand it: an unhandled exception
-    decided = (SupervisorRestarted, SupervisorGaveUp)
-    records = log_until(store, "runtime", has(decided, count))
-    with rt._restarts_lock:  # the decision is appended and acted on under it
-        pass
-    return of(decided, records)[-1]
-
-
-def give_up(rt: Runtime, store: EventStore, clock: FakeClock, kind: type[pykka.Actor]) -> None:
-    """Crash the part until supervision gives up on it (three restarts, then a give-up)."""
-    for count, backoff_ms in enumerate([100, 200, 400], 1):
-        assert isinstance(crash(rt, store, kind, count), SupervisorRestarted)
-        clock.advance(backoff_ms / 1000 + 0.005)
-        only(kind)
-    assert isinstance(crash(rt, store, kind, 4), SupervisorGaveUp)
-    assert not pykka.ActorRegistry.get_by_class(kind)
-
-
 # -- the activation worker given up on ---------------------------------------------------------
 
 
@@ -88,7 +65,7 @@ def test_a_send_after_the_worker_was_given_up_on_raises_and_the_next_runtime_ans
     rt: Runtime, store: EventStore, clock: FakeClock, fake: FakeProvider
 ) -> None:
     session = rt.session("s1", channel="chat")
-    give_up(rt, store, clock, ActivationWorker)
+    give_up_on(rt, store, clock, ActivationWorker)
     with pytest.raises(SessionsStoppedError, match="runs no session's work") as raised:
         session.send("are you there?")
     assert (raised.value.part, raised.value.session) == ("activations", "session:s1")
@@ -108,7 +85,7 @@ def test_a_send_after_the_worker_was_given_up_on_raises_and_the_next_runtime_ans
 def test_asking_the_worker_given_up_on_fails_at_once_and_says_so(
     rt: Runtime, store: EventStore, clock: FakeClock
 ) -> None:
-    give_up(rt, store, clock, ActivationWorker)
+    give_up_on(rt, store, clock, ActivationWorker)
     began = time.monotonic()  # real-time: the ask's own wait is on the system clock
     with pytest.raises(TimeoutError, match="gave up on it"):
         rt.worker(timeout=60.0)
@@ -120,7 +97,7 @@ def test_a_send_after_the_context_engine_was_given_up_on_is_left_to_the_next_run
     rt: Runtime, store: EventStore, clock: FakeClock, fake: FakeProvider
 ) -> None:
     session = rt.session("s1", channel="chat")
-    give_up(rt, store, clock, ContextStoreActor)
+    give_up_on(rt, store, clock, ContextStoreActor)
     with pytest.raises(SessionsStoppedError, match="context engine") as raised:
         session.send("are you there?")
     assert raised.value.part == "context"
@@ -149,7 +126,7 @@ def test_a_degraded_provider_whose_health_actor_was_given_up_on_is_called_again(
     assert delivered(rt, chat, 1)[0].text == FAILED_TEXT
     log_until(store, "provider:main", has(ProviderDegraded))
     assert rt.health_view.is_degraded("main")
-    give_up(rt, store, clock, ProviderHealthActor)
+    give_up_on(rt, store, clock, ProviderHealthActor)
     assert not rt.health_view.is_degraded("main")  # it no longer speaks for the provider
     calls = len(fake.requests)
 

@@ -24,7 +24,6 @@ from stalwart.cli._replay import verify_store
 from stalwart.clock import FakeClock
 from stalwart.config import Config
 from stalwart.events import (
-    SubagentSpawned,
     SubagentWatchdogTimeout,
     SupervisorGaveUp,
     SupervisorRestarted,
@@ -45,6 +44,7 @@ from tests._runtime_support import (
     runtime_config,
     until,
 )
+from tests.test_spawn_reconcile_s33 import _reply, _runs, _tool_result
 
 TASK = "format the report"
 LIMIT_S = 120  # the formatting class's run limit
@@ -62,16 +62,6 @@ def _spawn_call() -> FakeToolCall:
     return FakeToolCall(id="c1", name=SPAWN_TOOL, arguments=arguments)
 
 
-def _runs(store: EventStore) -> dict[str, SubagentSpawned]:
-    """Every run in the log, by stream: its spawn."""
-    found = {}
-    for info in store.streams():
-        first = next(iter(store.read_stream(info.stream, 1, 1)))
-        if isinstance(first.event, SubagentSpawned):
-            found[info.stream] = first.event
-    return found
-
-
 def _attempt(store: EventStore, attempt: int) -> Callable[[], str | None]:
     """A check: the stream of the run of ``attempt`` once the log holds it."""
 
@@ -81,21 +71,6 @@ def _attempt(store: EventStore, attempt: int) -> Callable[[], str | None]:
     return found
 
 
-def _tool_result(fake: FakeProvider, call_id: str) -> str:
-    """What the parent's model read as the result of call ``call_id``."""
-    for request in reversed(fake.requests):
-        for message in reversed(request.body["messages"]):
-            if message.get("role") == "tool" and message.get("tool_call_id") == call_id:
-                return str(message["content"])
-    raise AssertionError(f"no request holds the result of {call_id}")
-
-
-def _reply(chat: MemoryChannel) -> str:
-    """The parent's answer, once delivered (a run's failure notice comes before it)."""
-    replies = until(lambda: [m.text for m in chat.messages if m.kind == "reply"])
-    return str(replies[0])
-
-
 def _verified(store: EventStore) -> None:
     report = verify_store(store, None)  # replay --verify: every decision follows
     assert report.findings == (), [f"{f.kind} {f.tag}: {f.message}" for f in report.findings]
@@ -103,6 +78,17 @@ def _verified(store: EventStore) -> None:
 
 def _timed_out(store: EventStore, stream: str) -> bool:
     return bool(of(SubagentWatchdogTimeout, list(store.read_stream(stream))))
+
+
+def _first_attempt_timed_out(
+    rt: Runtime, store: EventStore, clock: FakeClock, fake: FakeProvider
+) -> None:
+    """The parent is asked to format; the first attempt's model call hangs until its
+    watchdog fires (the fake clock moved a second at a time)."""
+    rt.session("s1", channel="chat").send("format it")
+    first = until(_attempt(store, 1))
+    fake.wait_for(lambda requests: len(requests) >= 2, GUARD)  # its model call hangs
+    advance_until(clock, lambda: _timed_out(store, first), 1.0)
 
 
 # Was: DEFECT: a spawn_subagent call whose first run timed out answered the notice; the retry's answer reached no one  # noqa: E501
@@ -116,10 +102,7 @@ def test_a_first_attempt_that_times_out_and_a_retry_that_succeeds_gives_the_retr
     )
     fake.set_default(Answer(text="Here is the report."))  # the parent, with the result
     with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
-        rt.session("s1", channel="chat").send("format it")
-        first = until(_attempt(store, 1))
-        fake.wait_for(lambda requests: len(requests) >= 2, GUARD)  # its model call hangs
-        advance_until(clock, lambda: _timed_out(store, first), 1.0)
+        _first_attempt_timed_out(rt, store, clock, fake)
         reply = _reply(chat)
     assert _tool_result(fake, "c1") == "the retry's report"
     assert reply == "Here is the report."
@@ -144,10 +127,7 @@ def test_every_attempt_failing_gives_the_last_attempts_notice(
     )
     fake.set_default(Answer(text="The sub-agent could not do it."))
     with Runtime(config(fake.base_url), store=store, clock=clock, channels={"chat": chat}) as rt:
-        rt.session("s1", channel="chat").send("format it")
-        first = until(_attempt(store, 1))
-        fake.wait_for(lambda requests: len(requests) >= 2, GUARD)  # its model call hangs
-        advance_until(clock, lambda: _timed_out(store, first), 1.0)
+        _first_attempt_timed_out(rt, store, clock, fake)
         reply = _reply(chat)
         second = until(_attempt(store, 2))
     result = _tool_result(fake, "c1")

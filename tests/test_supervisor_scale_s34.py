@@ -13,15 +13,14 @@ import subprocess
 import sys
 import tracemalloc
 from collections import Counter
-from collections.abc import Iterator, MutableMapping
+from collections.abc import MutableMapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
 import pykka
 
-from stalwart.actors import IoPortal, Scheduler, SupervisorActor, Sweep, SweepReport
+from stalwart.actors import Sweep, SweepReport
 from stalwart.clock import FakeClock
 from stalwart.events import (
     AnnouncementDelivered,
@@ -33,6 +32,7 @@ from stalwart.events import (
     SubagentGhostSwept,
 )
 from stalwart.store import EventStore, read_all_readable
+from tests._support_s35 import supervising
 from tests.test_supervisor import OWED_S, WAIT, delivered, grown, of, stream
 from tests.test_supervisor_review_s32 import _spawned, _write
 
@@ -71,22 +71,6 @@ class Counting:
     def read_all(self, from_position: int = 1, to_position: int | None = None) -> Any:
         self.log_reads.append(from_position)
         return self.inner.read_all(from_position, to_position)
-
-
-@contextmanager
-def supervising(store: Counting | EventStore, clock: FakeClock) -> Iterator[pykka.ActorRef[Any]]:
-    """A supervisor alone over ``store`` (no runs of its own), stopped when the block ends."""
-    with Scheduler(clock) as scheduler, IoPortal() as portal:
-        try:
-            yield SupervisorActor.start(
-                store=cast(EventStore, store),
-                clock=clock,
-                scheduler=scheduler,
-                portal=portal,
-                channels={},
-            )
-        finally:
-            pykka.ActorRegistry.stop_all(timeout=WAIT)
 
 
 def _sessions(store: EventStore, count: int, first: int = 0) -> None:

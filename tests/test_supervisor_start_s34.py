@@ -13,15 +13,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import pykka
 import pytest
 
-from stalwart.actors import GetRuns, IoPortal, Scheduler, Spawn, SupervisorActor
+from stalwart.actors import GetRuns, Spawn
 from stalwart.actors._restarts import Crashed
 from stalwart.actors._supervisor import LOOK_CHUNK
 from stalwart.actors._supervisor_fold import INDEX_NAME
@@ -35,6 +32,7 @@ from stalwart.events import (
     SupervisorRestarted,
 )
 from stalwart.store import EventStore, Snapshot
+from tests._support_s35 import supervising
 from tests.test_supervisor import WAIT
 from tests.test_supervisor_review_s32 import _spawned, _write
 from tests.test_supervisor_scale_s34 import (
@@ -50,25 +48,6 @@ from tests.test_supervisor_scale_s34 import (
 
 #: enough agent sessions that their records pass the store's snapshot cadence (500)
 SESSIONS = 400
-
-
-@contextmanager
-def supervising(
-    store: Counting | EventStore, clock: FakeClock, **parts: Any
-) -> Iterator[pykka.ActorRef[Any]]:
-    """A supervisor alone over ``store``, stopped when the block ends."""
-    with Scheduler(clock) as scheduler, IoPortal() as portal:
-        try:
-            yield SupervisorActor.start(
-                store=cast(EventStore, store),
-                clock=clock,
-                scheduler=scheduler,
-                portal=portal,
-                channels={},
-                **parts,
-            )
-        finally:
-            pykka.ActorRegistry.stop_all(timeout=WAIT)
 
 
 def _finished(store: EventStore, clock: FakeClock, run_id: str) -> None:

@@ -23,7 +23,6 @@ import pytest
 
 from stalwart.channels import MemoryChannel
 from stalwart.clock import FakeClock
-from stalwart.config import Config, parse_config
 from stalwart.context import estimate_text_tokens
 from stalwart.errors import ToolError, ToolRegistrationError
 from stalwart.events import (
@@ -38,27 +37,10 @@ from stalwart.runtime import Runtime
 from stalwart.store import EventStore
 from stalwart.testing import Answer, FakeProvider, FakeToolCall
 from stalwart.tools import DEFAULT_MAX_RESULT_BYTES, ToolRegistry, run_tool
-from tests._runtime_support import delivered, has, log_until, of, runtime_config
+from tests._runtime_support import delivered, has, log_until, of, runtime_config, window_config
 
 LINE = "2026-01-01 12:00:00 ok\n"  # 23 characters
 LINES = 200_000  # 4.6 MB of text
-
-
-def _config(base_url: str, *, window: int, engine: str = "dag") -> Config:
-    return parse_config(
-        {
-            "providers": {"main": {"kind": "openai", "base_url": base_url}},
-            "agents": {
-                "default": {
-                    "provider": "main",
-                    "model": "m1",
-                    "max_retries": 0,
-                    "context_window": window,
-                }
-            },
-            "context_engine": {"version": engine},
-        }
-    )
 
 
 def _log_text() -> str:
@@ -89,9 +71,8 @@ def test_a_result_far_larger_than_the_window_is_recorded_cut_and_the_session_goe
     chat: MemoryChannel,
     result: Callable[[], Any],
 ) -> None:
-    with Runtime(
-        _config(fake.base_url, window=8_192), store=store, clock=clock, channels={"chat": chat}
-    ) as rt:
+    config = window_config(fake.base_url, window=8_192, engine="dag")
+    with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
         rt.tool(result, name="dump_log")
         call = FakeToolCall(id="c1", name="dump_log")
         fake.add(Answer(text="", tool_calls=(call,)), Answer(text="The log says all is well."))
@@ -129,7 +110,7 @@ def test_under_the_pipeline_engine_no_request_carries_a_result_over_the_window(
     store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
 ) -> None:
     window = 32_768
-    config = _config(fake.base_url, window=window, engine="pipeline")
+    config = window_config(fake.base_url, window=window, engine="pipeline")
     with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
         rt.tool(_log_text, name="dump_log")
         call = FakeToolCall(id="c1", name="dump_log")
@@ -230,9 +211,8 @@ def test_many_results_of_one_turn_stay_within_the_window_and_the_session_goes_on
     engine (the default) cuts the largest messages of the turn, with a ctx_expand marker,
     so every request stays within its budget, and the next message is answered. (The
     pipeline engine never cuts the newest turn: see docs/context-pipeline.md.)"""
-    with Runtime(
-        _config(fake.base_url, window=8_192), store=store, clock=clock, channels={"chat": chat}
-    ) as rt:
+    config = window_config(fake.base_url, window=8_192, engine="dag")
+    with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
 
         @rt.tool
         def page(n: int) -> str:
