@@ -111,6 +111,7 @@ __all__ = [
     "RetryDue",
     "RetrySent",
     "dead_letter",
+    "entry_event",
 ]
 
 log = get_logger(__name__)
@@ -141,6 +142,21 @@ class Enqueue(msgspec.Struct, frozen=True):
     #: the receiver's Retry-After (ms) with the failed send (a sender that sent through
     #: :class:`~stalwart.channels._send.RetryAfterNoted`): the first retry waits for it
     retry_after_ms: int | None = None
+
+
+def entry_event(enqueue: Enqueue) -> AnnouncementDeadLettered:
+    """The ``announcement:dead_lettered`` that queues ``enqueue`` (a new entry id)."""
+    return AnnouncementDeadLettered(
+        entry_id=new_id(),
+        announcement_id=enqueue.announcement_id,
+        channel=enqueue.channel,
+        text=enqueue.text,
+        reason=enqueue.reason,
+        conversation=enqueue.conversation,
+        thread=enqueue.thread,
+        kind=enqueue.kind,
+        retry_after_ms=enqueue.retry_after_ms,
+    )
 
 
 def dead_letter(queue: pykka.ActorRef[Any] | None, enqueue: Enqueue) -> bool:
@@ -373,7 +389,10 @@ class DeadLetterActor(Supervised):
     is still delivered. While ``any_degraded()`` is true (a provider is degraded) the
     entries accumulate: no scheduled retry is spent, expiry still applies, and the drain
     on recovery sends them all (seed 000).
-    ``on_crash(exception class name)`` is called once if the actor dies of an exception.
+    ``on_crash(exception class name)`` is called once if the actor dies of an exception;
+    the :class:`Enqueue` and :class:`Drain` told to it that it never handled are then
+    handed to ``retell`` (the runtime's ref to whichever queue runs, which holds them for
+    the restarted one), not dropped with it.
     """
 
     def __init__(
@@ -389,8 +408,10 @@ class DeadLetterActor(Supervised):
         on_crash: Callable[[str], object] | None = None,
         any_degraded: Callable[[], bool] | None = None,
         runtime: str | None = None,
+        retell: Callable[[Any], object] | None = None,
     ) -> None:
         super().__init__()
+        self._retell = retell
         #: the runtime instance this queue sends for (recorded with each retry)
         self._runtime = runtime
         self._on_crash = on_crash
@@ -450,7 +471,25 @@ class DeadLetterActor(Supervised):
         from ._restarts import crashed  # noqa: PLC0415 (_restarts imports this module)
 
         self._release()
+        self._hand_over(self.take_inbox())
         crashed(self._on_crash, (exception_type, exception_value, traceback))
+
+    def _hand_over(self, told: list[Any]) -> None:
+        """In ``on_failure``: the entries and drains told to this queue that it never
+        handled (pykka would drop them: an entry held through a restart and flushed to
+        a queue that died again would be lost), for its successor through ``retell``."""
+        kept = [message for message in told if isinstance(message, Enqueue | Drain)]
+        if not kept:
+            return
+        if self._retell is None:
+            log.error("deadletter.mail_dropped", count=len(kept))
+            return
+        log.warning("deadletter.mail_handed_over", count=len(kept))
+        for message in kept:
+            try:
+                self._retell(message)
+            except pykka.ActorDeadError:  # no one holds it any more: said
+                log.error("deadletter.mail_dropped", count=1)
 
     def _release(self) -> None:
         """Cancel the timer and the sends in flight; their outcomes reach no one."""
@@ -505,17 +544,7 @@ class DeadLetterActor(Supervised):
                     announcement_id=queued.announcement_id,
                 )
                 return queued.entry_id
-        event = AnnouncementDeadLettered(
-            entry_id=new_id(),
-            announcement_id=message.announcement_id,
-            channel=message.channel,
-            text=message.text,
-            reason=message.reason,
-            conversation=message.conversation,
-            thread=message.thread,
-            kind=message.kind,
-            retry_after_ms=message.retry_after_ms,
-        )
+        event = entry_event(message)
         folded = self._state.version
         self._append([event], self._clock.now())
         log.warning(

@@ -5,7 +5,8 @@ streams. Its summarizer is a model of the config: the ``default`` agent's (or th
 agent's) provider and model, through the provider layer's client, bounded by the
 summarizer breaker's half-open time. Every session's Agent gets a :class:`ContextGate`
 that reaches the store through a live reference (so a restarted ContextStore needs no
-re-wiring), and in ``dag`` mode the ``ctx_search`` / ``ctx_inspect`` / ``ctx_expand``
+re-wiring; an ask while it restarts waits for it, within the ask's timeout, unless it
+was given up on), and in ``dag`` mode the ``ctx_search`` / ``ctx_inspect`` / ``ctx_expand``
 tools bound to its session and tenant.
 """
 
@@ -74,7 +75,11 @@ class ContextLayer:
         timer: Timer,
         on_crash: Callable[[Callable[[], None], str], object],
         file_reader: FileReader | None = None,
+        down_for_good: Callable[[], bool] = lambda: False,
     ) -> None:
+        """``down_for_good()`` says whether an engine that is down will not start again
+        (supervision gave up on it, or the runtime stopped): an assembly then fails at
+        once instead of waiting for a restart."""
         self._file_reader = file_reader
         self._config = config
         self._store = store
@@ -84,7 +89,7 @@ class ContextLayer:
         self._timer = timer
         self._on_crash = on_crash
         self._actor: pykka.ActorRef[Any] | None = None
-        self.ref = LiveRef(lambda: self._actor, "context")
+        self.ref = LiveRef(lambda: self._actor, "context", down_for_good=down_for_good)
         self.gate = _Gate(self.ref)
 
     def start(self) -> None:

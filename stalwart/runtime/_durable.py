@@ -117,6 +117,9 @@ class Durability:
         self._sweep_wanted = False
         self._sweeping = True
         self._sweeper: threading.Thread | None = None
+        #: the tells the worker could not take since it died (logged at the first)
+        self._refused = 0
+        self._refused_lock = threading.Lock()
         self.owner = ""
         self.worker = self._start_worker()
         if settings.passivate_after_ms:
@@ -153,6 +156,7 @@ class Durability:
         """Start a new worker in place of one that died (the Agents reach it through
         :meth:`tell`); it reads the log for due work as any worker starting does."""
         self.worker = self._start_worker()
+        self._count_refused("durable.worker_restarted")
 
     def tell(self, message: object | None) -> None:
         """For the Agents: None nudges the worker (work was appended), or a WakeEnded."""
@@ -161,7 +165,24 @@ class Durability:
         try:
             self.worker.tell(Nudge() if message is None else message)
         except pykka.ActorDeadError:
-            log.warning("durable.worker_dead")
+            self._worker_dead()
+
+    def _worker_dead(self) -> None:
+        """A tell the worker could not take (it is restarting, or was given up on; nothing
+        is lost: the work is in the log): logged the first time, then counted (every
+        Agent's every append nudges it)."""
+        with self._refused_lock:
+            self._refused += 1
+            first = self._refused == 1
+        if first:
+            log.warning("durable.worker_dead", given_up=self.given_up())
+
+    def _count_refused(self, event: str) -> None:
+        """Say how many tells the dead worker refused (if any), and count from 0 again."""
+        with self._refused_lock:
+            refused, self._refused = self._refused, 0
+        if refused:
+            log.info(event, refused=refused)
 
     def nudge(self) -> None:
         self.tell(None)
@@ -207,6 +228,7 @@ class Durability:
                 log.info("durable.leases_released", count=released)
         with contextlib.suppress(pykka.ActorDeadError, pykka.Timeout):
             self.worker.stop(timeout=5.0)
+        self._count_refused("durable.tells_refused")
 
     def _wake(self, wake: Wake) -> bool | None:
         # one step with the passivation sweep's check-and-stop: a wake is never handed

@@ -10,6 +10,7 @@ from typing import Any
 
 import pykka
 
+from stalwart._logs import get_logger
 from stalwart.actors import (
     AgentReport,
     AgentStatus,
@@ -35,6 +36,8 @@ __all__ = [
     "ask",
     "ask_part",
 ]
+
+log = get_logger(__name__)
 
 #: The stream ``runtime:started`` / ``runtime:stopped`` go to.
 RUNTIME_STREAM = "runtime"
@@ -98,6 +101,9 @@ def ask_part(
 
 #: How many tells a holding :class:`LiveRef` keeps while its part is down.
 HELD_TELLS = 10_000
+#: How long a waiting :class:`LiveRef`'s ask with no timeout waits for its part to run
+#: again (a restart's backoff is at most ``supervision.restart_backoff_cap_ms``).
+DOWN_WAIT_S = 30.0
 
 
 class LiveRef(pykka.ActorRef[Any]):
@@ -111,15 +117,28 @@ class LiveRef(pykka.ActorRef[Any]):
     was kept once the part runs again: the dead-letter queue loses no entry to its own
     restart. Once the part is given up on (:meth:`give_up`), what was kept and every
     later ``tell`` go to the ``fallback`` the runtime gave instead: no tell waits for
-    a restart that will not come."""
+    a restart that will not come.
+
+    With ``down_for_good`` (whether the part will not run again: given up on, or the
+    runtime stopped) an ``ask`` while the part is down waits for its restart, within the
+    ask's ``timeout`` (:data:`DOWN_WAIT_S` without one), instead of failing:
+    ActorDeadError once the time is up, and at once when ``down_for_good()``. An ask
+    the part took and died with is not asked again of its successor (it may be what
+    killed it)."""
 
     def __init__(
-        self, current: Callable[[], pykka.ActorRef[Any] | None], name: str, *, hold: bool = False
+        self,
+        current: Callable[[], pykka.ActorRef[Any] | None],
+        name: str,
+        *,
+        hold: bool = False,
+        down_for_good: Callable[[], bool] | None = None,
     ) -> None:
         # no super().__init__(): there is no single actor behind it
         self._current = current
         self._name = name
         self._hold = hold
+        self._down_for_good = down_for_good
         self._held: list[Any] = []
         self._lock = threading.Lock()
         #: what a tell goes to once the part was given up on (None: it was not)
@@ -178,7 +197,30 @@ class LiveRef(pykka.ActorRef[Any]):
         return len(held)
 
     def ask(self, message: Any, *, block: bool = True, timeout: float | None = None) -> Any:
-        return self._ref().ask(message, block=block, timeout=timeout)
+        if self._down_for_good is None:
+            return self._ref().ask(message, block=block, timeout=timeout)
+        deadline = _WAITS.monotonic() + (DOWN_WAIT_S if timeout is None else timeout)
+        ref = self._running(deadline, self._down_for_good)
+        if timeout is not None:  # the wait for the restart is part of the ask's time
+            timeout = max(deadline - _WAITS.monotonic(), 0.0)
+        return ref.ask(message, block=block, timeout=timeout)
+
+    def _running(self, deadline: float, down_for_good: Callable[[], bool]) -> pykka.ActorRef[Any]:
+        """The part's actor once it runs (ActorDeadError when it does not by ``deadline``,
+        and at once when ``down_for_good()``)."""
+        waits = threading.Event()  # never set: a wait that nothing cuts short
+        waited = False
+        while True:
+            ref = self._current()
+            if ref is not None and ref.is_alive():
+                return ref
+            left = deadline - _WAITS.monotonic()
+            if left <= 0 or down_for_good():
+                raise pykka.ActorDeadError(f"{self._name} is not running")
+            if not waited:
+                waited = True
+                log.info("runtime.part_awaited", part=self._name)
+            waits.wait(min(PART_POLL_S, left))
 
     def stop(self, *, block: bool = True, timeout: float | None = None) -> Any:
         return self._ref().stop(block=block, timeout=timeout)

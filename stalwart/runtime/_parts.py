@@ -17,11 +17,13 @@ import pykka
 
 from stalwart._logs import get_logger
 from stalwart.actors import (
+    DEADLETTER_STREAM,
     Announcer,
     Batch,
     Crashed,
     DeadLetterActor,
     Drain,
+    Enqueue,
     GetBatches,
     GetHealth,
     GetRuns,
@@ -36,9 +38,12 @@ from stalwart.actors import (
     Track,
 )
 from stalwart.actors._announcer import Untrack
+from stalwart.actors._deadletter import entry_event
 from stalwart.actors._restarts import Restarts
+from stalwart.errors import StalwartError
 from stalwart.events import SupervisorGaveUp
-from stalwart.state import DeadLetterState
+from stalwart.state import DEADLETTER, DeadLetterState
+from stalwart.store import NewEvent, load_state
 
 from ._handles import DEFAULT_CHANNEL, LiveRef, ask_part
 from ._runs import RunLayer
@@ -52,6 +57,10 @@ log = get_logger(__name__)
 #: how long a runtime's start waits for a provider's health actor to fold its stream
 #: before it starts the dead-letter queue regardless
 HEALTH_START_S = 30.0
+#: the ``rule`` of a provider's :class:`HealthReport` once its health actor was given
+#: up on: no actor watches the provider any more, it is called as if healthy (its
+#: breaker guards the calls), ``since`` is when the runtime gave up on the actor
+UNWATCHED = "unwatched"
 
 
 class PartsLayer:
@@ -130,6 +139,7 @@ class PartsLayer:
             on_crash=partial(self.crashed, "deadletter", self._restart_dead_letters),
             any_degraded=self._health_view.any_degraded,
             runtime=self._w.instance or None,
+            retell=self.dead_letters_ref.tell,  # held for the restarted queue
         )
 
     def _start_health(self, provider: str) -> pykka.ActorRef[Any]:
@@ -287,14 +297,17 @@ class PartsLayer:
         the restarts lock): nothing starts it again in this runtime, so nothing may wait
         for it. What its :class:`LiveRef` held, and every later tell, goes to what stands
         in for it: a run's end still resolves its handle and reaches the supervisor, a
-        run whose actor crashes with no supervisor is ended for its handle, and what no
-        one can do any more is refused (logged once)."""
+        run whose actor crashes with no supervisor is ended for its handle, a dead-letter
+        entry is recorded for the next queue on the log, and what no one can do any more
+        is refused (logged once)."""
+        if part.startswith("health:"):  # its report says so before the part is given up
+            self._health_unwatched(part.removeprefix("health:"))
         with self._given_up_lock:
             self._given_up.setdefault(part, 0)
         stand_ins: dict[str, tuple[LiveRef, Callable[[Any], None]]] = {
             "announcer": (self.announcer_ref, self._without_announcer),
             "supervisor": (self.supervisor_ref, self._without_supervisor),
-            "deadletter": (self.dead_letters_ref, partial(self._refused, "deadletter")),
+            "deadletter": (self.dead_letters_ref, self._without_dead_letters),
         }
         held = 0
         if part == "supervisor" and self._runs is not None:
@@ -303,8 +316,6 @@ class PartsLayer:
             ref, stand_in = stand_ins[part]
             held = ref.give_up(stand_in)
         log.error("runtime.part_given_up", part=part, held=held)
-        if part.startswith("health:"):
-            self._health_unwatched(part.removeprefix("health:"))
         for listener in self._given_up_listeners:
             try:
                 listener(part)
@@ -323,7 +334,8 @@ class PartsLayer:
         healthy instead (the calls go to the provider; its breaker guards them), and the
         dead-letter queue stops holding its retries for it."""
         was = self._health_view.get(provider)
-        self._health_view.publish(HealthReport(provider=provider))
+        unwatched = HealthReport(provider=provider, rule=UNWATCHED, since=self._w.clock.now())
+        self._health_view.publish(unwatched)
         if was is not None and was.degraded:
             log.warning("runtime.health_unwatched", provider=provider)
             self.dead_letters_ref.tell(Drain(provider))
@@ -369,6 +381,49 @@ class PartsLayer:
         elif not isinstance(message, RunEnded):
             self._refused("supervisor", message)
 
+    def _without_dead_letters(self, message: object) -> None:
+        """A tell to the dead-letter queue given up on: an entry (a failed send's
+        :class:`Enqueue`) is recorded in the queue's stream as the queue records one, so
+        the next runtime's queue (or another process's on the store) retries it; the
+        rest is refused."""
+        if not isinstance(message, Enqueue):
+            self._refused("deadletter", message)
+            return
+        try:
+            entry_id = self._record_entry(message)
+        except StalwartError as exc:  # a stand-in never raises: said, as the queue would
+            log.error(
+                "runtime.dead_letter_unrecorded",
+                announcement_id=message.announcement_id,
+                error_class=type(exc).__name__,
+            )
+            return
+        log.warning(
+            "runtime.dead_letter_recorded",
+            entry_id=entry_id,
+            announcement_id=message.announcement_id,
+            channel=message.channel,
+            reason=message.reason,
+        )
+
+    def _record_entry(self, message: Enqueue) -> str:
+        """Append ``announcement:dead_lettered`` for ``message`` (its entry id), unless an
+        entry of its announcement is queued with retries left (one entry per
+        announcement, as the queue keeps it)."""
+        store = self._w.store
+        try:
+            state = load_state(store, DEADLETTER_STREAM, DEADLETTER)
+        except StalwartError:  # the stream cannot be folded: recorded all the same
+            state = None
+        if state is not None:
+            retries = self._w.config.dead_letters.max_retries
+            for queued in DEADLETTER.folder(state).queued_of(message.announcement_id):
+                if queued.attempts < retries and not queued.refused:
+                    return queued.entry_id
+        event = entry_event(message)
+        store.append(DEADLETTER_STREAM, [NewEvent(event=event, ts=self._w.clock.now())])
+        return event.entry_id
+
     def _refused(self, part: str, message: object) -> None:
         """A tell ``part`` given up on cannot take: counted, and logged the first time."""
         with self._given_up_lock:
@@ -405,18 +460,29 @@ class PartsLayer:
     def health(self, timeout: float) -> dict[str, HealthReport]:
         with self._w.lock:
             providers = list(self._health)
-        reports: dict[str, HealthReport] = {}
-        for provider in providers:
-            report = ask_part(
-                partial(self._health.get, provider),
-                GetHealth(),
-                timeout,
-                f"health actor of {provider!r}",
-                self._down(f"health:{provider}"),
-            )
-            assert isinstance(report, HealthReport)
-            reports[provider] = report
-        return reports
+        return {provider: self._health_of(provider, timeout) for provider in providers}
+
+    def _health_of(self, provider: str, timeout: float) -> HealthReport:
+        """The provider's report, asked of its health actor; once that actor was given up
+        on, the report the runtime published for it (rule :data:`UNWATCHED`)."""
+        given_up = self._down(f"health:{provider}")
+        if not given_up():
+            try:
+                report = ask_part(
+                    partial(self._health.get, provider),
+                    GetHealth(),
+                    timeout,
+                    f"health actor of {provider!r}",
+                    given_up,
+                )
+            except TimeoutError:
+                if not given_up():  # given up on while asked: unwatched, as below
+                    raise
+            else:
+                assert isinstance(report, HealthReport)
+                return report
+        report = self._health_view.get(provider)
+        return report if report is not None else HealthReport(provider=provider, rule=UNWATCHED)
 
     def dead_letters(self, timeout: float) -> DeadLetterState:
         state = ask_part(

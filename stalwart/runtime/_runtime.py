@@ -179,6 +179,7 @@ class Runtime:
                     "context", partial(parts.restart, "context", start), reason
                 ),
                 file_reader=self._file_reader,
+                down_for_good=lambda: parts.is_given_up("context") or not wiring.running(),
             )
             self._context.start()
         parts.on_given_up(sessions.part_given_up)
