@@ -71,6 +71,8 @@ class ContextAssembled(Event, frozen=True, tag="context:assembled"):
     fence_input: int = 0
     fence_turn: int = 0
     cache_break: str | None = None
+    #: the pipeline engine left this many of the newest turn's oldest tool steps out
+    steps_left_out: int = 0
     severity: ClassVar[Severity] = "debug"
 
 

@@ -54,7 +54,9 @@ A layer that raises is skipped for that run; after 3 failures in a row it is dis
 (``context:layer_disabled``, a WARN) until its half-open trial 600 s later. The result
 is provider-valid (pairs kept together; the DAG engine's ``repair`` as a last guarantee)
 and fits the budget: when the newest turn alone is over it, its longest tool results are
-cut to fit, marked (``result.clipped``; see ``_fit``). See ``docs/context-pipeline.md``.
+cut to fit, marked (``result.clipped``), and when even their lines alone do not fit, its
+oldest steps are left out, with the engine's line saying so (``result.steps_left_out``;
+see ``_fit``). See ``docs/context-pipeline.md``.
 """
 
 from ._config import LAYERS, ObservationTier, PipelineConfig, parse_pipeline

@@ -20,6 +20,7 @@ from stalwart.context._types import ContextMessage, SummaryRequest
 from stalwart.events import ContextCompacted
 from stalwart.state import PipelineSummary
 
+from ._fit import cut_to_lines
 from ._objective import objective_tokens
 from ._run import Outcome, Run
 from ._transcript import remove
@@ -76,13 +77,14 @@ def keep_summary(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
     """Layer 8's stand-in while it is failing or disabled: the compaction in force stays
     applied (no new one is made), so a summarizer outage does not undo past ones. When
     the transcript is still over the budget itself (the provider would refuse it), the
-    oldest turns after the anchors are left out, as :func:`compact` would summarize them:
+    oldest turns after the anchors are left out, as :func:`compact` would summarize them
+    (not when cutting the newest turn's tool results, the last step, makes it fit):
     an emergency truncation, recorded as ``context:compacted`` with ``fallback``, whose
     message says what was left out and keeps the text of earlier summaries it replaces."""
     summary = run.state.summary
     kept = messages if summary is None else apply_summary(messages, summary)
     tokens = _tokens(kept, run)
-    if tokens <= run.budget:
+    if tokens <= run.budget or _cut_tokens(kept, run) <= run.budget:
         return Outcome(kept)
     plan = _plan(kept, run, run.budget)
     if plan is None:
@@ -126,6 +128,24 @@ def _tokens(messages: tuple[ContextMessage, ...], run: Run) -> int:
     of them (an opening, a placeholder result for each call left unanswered: a turn
     stopped by an interrupt leaves its calls so)."""
     return run.estimator.messages(_sent(messages)) + objective_tokens(messages, run)
+
+
+def _cut_tokens(messages: tuple[ContextMessage, ...], run: Run) -> int:
+    """What ``messages`` cost as sent (:func:`_tokens`) with the newest turn's tool
+    results cut to their lines: the least the last step's cut (see ``_fit``) makes of
+    them without leaving steps out. When that fits the budget, the provider will not
+    refuse the request, and nothing older need go for it."""
+    sent = cut_to_lines(_sent(messages))
+    return run.estimator.messages(sent) + objective_tokens(messages, run)
+
+
+def _newest_turn_tokens(messages: tuple[ContextMessage, ...], run: Run) -> int:
+    """What the leading system messages and the newest turn cost as sent: what no
+    compaction makes smaller (it never summarizes the newest turn)."""
+    preamble = _preamble(messages)
+    groups = _groups(messages[preamble:])
+    newest = groups[-1] if groups else ()
+    return run.estimator.messages(_sent((*messages[:preamble], *newest)))
 
 
 def _sent(messages: tuple[ContextMessage, ...]) -> tuple[ContextMessage, ...]:
@@ -247,7 +267,12 @@ def compact(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
     ``compaction_threshold`` x the budget (estimated tokens) and the last compaction is
     ``compaction_cooldown_turns`` or more user turns old, summarize the middle. The
     cooldown stops thrashing near the threshold; it does not hold when the transcript is
-    over the budget itself (the request would be refused): then it runs anyway."""
+    over the budget itself (the request would be refused): then it runs anyway.
+
+    Both are judged after the last step's cut (see ``_fit``) where it decides: over the
+    budget means over it even with the newest turn's tool results cut to their lines;
+    and when the newest turn alone is past the threshold (no summary can bring the
+    request under it), nothing is summarized while those cut results bring it under."""
     config = run.config
     previous = run.state.summary
     if previous is not None:
@@ -257,12 +282,17 @@ def compact(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
     tokens = _tokens(messages, run)
     if tokens < limit:
         return Outcome(messages)
+    cut = _cut_tokens(messages, run)  # as the last step's cut can make it, at the least
+    if cut < limit and _newest_turn_tokens(messages, run) >= limit:
+        # the newest turn alone is past the threshold: no summary brings the request
+        # under it, and the last step's cut of the newest turn's results does
+        return Outcome(messages)
     cooling = (
         previous is not None
         and not previous.truncated  # a truncation is no summary: summarize when it can
         and run.turn - previous.turn < config.compaction_cooldown_turns
     )
-    if cooling and tokens <= run.budget:
+    if cooling and cut <= run.budget:
         return Outcome(messages)
     plan = _plan(messages, run, limit)
     if plan is None:

@@ -36,7 +36,7 @@ from ._clean import clean_thinking, guard_surrogates, scrub_signatures, strip_re
 from ._compaction import compact, keep_summary
 from ._config import LAYERS, PipelineConfig
 from ._fence import added_since, breakpoints, cache_break, late_results, over_threshold
-from ._fit import Cut, fit_newest_turn
+from ._fit import LEFT_OUT_ID, Cut, fit_newest_turn
 from ._objective import reinforce_objective
 from ._reinject import rehydrate
 from ._run import FileReader, Outcome, Run
@@ -85,7 +85,8 @@ class PipelineResult(msgspec.Struct, frozen=True, kw_only=True):
     previous fence again (None when it held, or with no fence). ``now`` is the clock
     reading the layers decided at: the layer breaker's events happened then.
     ``clipped``: how many of the newest turn's tool results ``messages`` carry cut to
-    fit the budget (see ``_fit``)."""
+    fit the budget; ``steps_left_out``: how many of its oldest steps (an assistant
+    message and the results of its calls) they leave out to fit (see ``_fit``)."""
 
     messages: tuple[ContextMessage, ...]
     events: tuple[Event, ...]
@@ -104,6 +105,7 @@ class PipelineResult(msgspec.Struct, frozen=True, kw_only=True):
     cache_break: str | None = None
     now: float = 0.0
     clipped: int = 0
+    steps_left_out: int = 0
 
     def provider_messages(self, factory: Callable[..., T]) -> tuple[T, ...]:
         """The messages as ``factory(role=, content=, tool_calls=, tool_call_id=,
@@ -162,8 +164,10 @@ class PipelineEngine:
         # the messages behind the cache fence, as the previous call sent them (memory
         # only: an engine rebuilt from the log breaks its fence once)
         self._held: Messages | None = None
-        # the ids of the tool results the previous call sent cut to fit the budget
+        # the ids of the tool results the previous call sent cut to fit the budget, and
+        # how many of the newest turn's oldest steps it left out
         self._cut: frozenset[str] = frozenset()
+        self._steps = 0
 
     @classmethod
     def from_events(
@@ -272,6 +276,8 @@ class PipelineEngine:
         clipped = self._clipped(cut)
         if clipped:
             fired.append("clip")
+        if cut.steps:
+            fired.append("omit_steps")
         held = self._state.fence if broke is None else 0  # what the previous call sent
         fence = fence_input = fence_turn = 0
         if caching and self.config.cache_fence_turns > 0:
@@ -301,7 +307,8 @@ class PipelineEngine:
                 fence_input=fence_input,
                 fence_turn=fence_turn,
                 cache_break=broke,
-                tail_clipped=clipped > 0,
+                tail_clipped=clipped > 0 or cut.steps > 0,
+                steps_left_out=cut.steps,
             )
         )
         for event in events:
@@ -349,6 +356,7 @@ class PipelineEngine:
             cache_break=broke,
             now=run.now,
             clipped=clipped,
+            steps_left_out=cut.steps,
         )
 
     def _hold(
@@ -390,12 +398,14 @@ class PipelineEngine:
         if over_threshold(tokens(repaired), tokens(fresh), limit=limit, budget=run.budget):
             return fresh, repairs, "threshold", cut
         held_ids = {message.message_id for message in held}
-        return tuple(repaired), held_repairs, None, Cut(ids=self._cut & held_ids)
+        steps = self._steps if LEFT_OUT_ID in held_ids else 0
+        return tuple(repaired), held_repairs, None, Cut(ids=self._cut & held_ids, steps=steps)
 
     def _clipped(self, cut: Cut) -> int:
         """How many tool results the request carries cut to fit (``cut``: those this
         call cut, or, when the cache fence held, those the previous call cut that it
-        holds, with no characters counted). Logs what this call cut."""
+        holds, with no characters counted, and the steps it left out). Logs what this
+        call cut, and the steps the request leaves out."""
         if cut.chars:
             log.warning(
                 "context newest turn cut to fit",
@@ -403,7 +413,13 @@ class PipelineEngine:
                 results_cut=len(cut.ids),
                 chars_cut=cut.chars,
             )
-        self._cut = cut.ids
+        if cut.steps:
+            log.warning(
+                "context newest turn steps left out",
+                session=self.session,
+                steps_left_out=cut.steps,
+            )
+        self._cut, self._steps = cut.ids, cut.steps
         return len(cut.ids)
 
     def _input_tokens(
