@@ -81,7 +81,8 @@ def test_a_grace_too_big_for_a_float_is_one_error_line(store_dir: Path) -> None:
 
 def _run_under_a_recorded_config(store_dir: Path, per_step: object) -> None:
     """A process whose recorded config says ``per_step_timeout_ms = per_step`` (a record
-    written by hand or by another program), a run, and its watchdog 1 s later."""
+    written by hand or by another program), a one-step run (the knob binds it: one with
+    no step budget is re-derived whatever the knob holds), and its watchdog 1 s later."""
     append(
         store_dir,
         "runtime",
@@ -93,7 +94,7 @@ def _run_under_a_recorded_config(store_dir: Path, per_step: object) -> None:
     append(
         store_dir,
         "session:r1",
-        SubagentSpawned(parent="p", task="t", task_class="custom", timeout_ms=1_000),
+        SubagentSpawned(parent="p", task="t", task_class="custom", timeout_ms=1_000, max_steps=1),
         SubagentWatchdogTimeout(
             deadline=T0 + 1, limit_ms=1_000, knob="timeout_ms", elapsed_ms=1_000
         ),

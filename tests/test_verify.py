@@ -491,7 +491,9 @@ def test_a_knob_nobody_recorded_or_defaulted_is_a_mismatch_that_says_so() -> Non
 
     with pytest.raises(ConfigError, match=r"no 'q\.z'"):
         knobs.get("q.z")
-    log = Log().add(RUN_STREAM, spawned(), 0).add(RUN_STREAM, watchdog(120_000), 120)
+    # a run with a step budget: its watchdog reads per_step_timeout_ms (one with none is
+    # bound by its own limit alone, and reads no knob)
+    log = Log().add(RUN_STREAM, spawned(max_steps=5), 0).add(RUN_STREAM, watchdog(120_000), 120)
     [finding] = verify(log.records, VERIFIERS, defaults={}).findings
     assert "replay could not re-run the decision" in finding.message
 

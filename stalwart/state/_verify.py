@@ -50,6 +50,7 @@ from stalwart.events import (
 from ._aggregate import Folder
 from ._verify_deadlines import DeadlineWatch, DueUnknown, Missed, Unwatched
 from ._verify_registry import (
+    Deadline,
     FoldSpec,
     Knobs,
     Registry,
@@ -462,11 +463,13 @@ class Verification:
     # -- deadlines -------------------------------------------------------------------------------
 
     def _due(self, index: int, folder: Folder[Any]) -> float | DueUnknown | None:
+        deadline = self._registry.deadlines[index]
+        state = folder.state()
         try:
-            due = self._registry.deadlines[index].due(folder.state(), self._knobs)
+            due = deadline.due(state, self._knobs)
         except UnusableKnob as exc:
             # something is pending (a due reads its knobs only then), at no time it can say
-            return DueUnknown(str(exc))
+            return DueUnknown(str(exc), _earliest(deadline, state))
         except StalwartError:
             return None  # a knob nobody recorded: the decision's own check says so
         if due is not None and not math.isfinite(due):
@@ -512,6 +515,18 @@ class Verification:
             f"followed: ",
         )
         self._findings.append(finding)
+
+
+def _earliest(deadline: Deadline[Any], state: Any) -> float | None:
+    """The soonest ``deadline`` can fall due on ``state`` under any setting; None when its
+    registration does not say, or says no finite time."""
+    if deadline.earliest is None:
+        return None
+    try:
+        earliest = deadline.earliest(state)
+    except _OUT_OF_RANGE:
+        return None
+    return earliest if earliest is not None and math.isfinite(earliest) else None
 
 
 def verify(

@@ -20,6 +20,8 @@ interrupts) and the lease-expiry deadline.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import msgspec
 
 from stalwart.events import (
@@ -56,13 +58,23 @@ _SESSIONS = "session:"
 _FOLD = Selective(ACTIVATIONS, ACTIVATION_EVENTS)
 
 
-def policy(knobs: Knobs) -> ActivationPolicy:
-    """The activation policy of the config in force."""
+#: the knobs each verified decision reads: a lease (and a takeover) its lifetime and the
+#: attempts an expiry may spend; a failed wake's settlement the attempts, and a retryable
+#: one's the backoff too (an ack or a block reads none)
+_LEASE_KNOBS = ("lease_ttl_ms", "max_attempts")
+_FAILED_KNOBS = ("max_attempts",)
+_RETRY_KNOBS = ("max_attempts", "backoff_base_ms", "backoff_cap_ms")
+
+
+def policy(
+    knobs: Knobs, names: Iterable[str] = ActivationPolicy.__struct_fields__
+) -> ActivationPolicy:
+    """The activation policy of the config in force, its knobs ``names`` read (every one
+    by default); the others stand at 0: a decision that does not read a knob (a wake's
+    limits, the renewal period) is re-derived whatever the config records there."""
+    read = {name: knobs.get_int(f"activations.{name}") for name in names}
     return ActivationPolicy(
-        **{
-            name: knobs.get_int(f"activations.{name}")
-            for name in ActivationPolicy.__struct_fields__
-        }
+        **{name: read.get(name, 0) for name in ActivationPolicy.__struct_fields__}
     )
 
 
@@ -71,7 +83,7 @@ def _leased(state: ActivationsState, record: RecordedEvent, knobs: Knobs) -> lis
     assert isinstance(event, ActivationLeased | LeaseExpired | ActivationAbandoned)
     # an expiry (and the abandonment it may bring) does not depend on who takes over
     owner = event.owner if isinstance(event, ActivationLeased) else ""
-    return decide_lease(state, owner, record.ts, policy(knobs))
+    return decide_lease(state, owner, record.ts, policy(knobs, _LEASE_KNOBS))
 
 
 def _leased_why(state: ActivationsState, record: RecordedEvent, knobs: Knobs) -> str:
@@ -110,10 +122,17 @@ def _settled(state: ActivationsState, record: RecordedEvent, knobs: Knobs) -> li
     if not _under_lease(state, event.activation_id, event.epoch):
         return []
     jitter = event.jitter_ms if isinstance(event, ActivationRequeued) else 0
+    rules = policy(knobs, _settlement_knobs(result))
     decided = decide_settlement(
-        state, event.activation_id, event.epoch, result, record.ts, policy(knobs), jitter_ms=jitter
+        state, event.activation_id, event.epoch, result, record.ts, rules, jitter_ms=jitter
     )
     return [decided]
+
+
+def _settlement_knobs(result: WakeResult) -> tuple[str, ...]:
+    if result.status != "failed":
+        return ()
+    return _RETRY_KNOBS if result.retryable else _FAILED_KNOBS
 
 
 def _settled_why(state: ActivationsState, record: RecordedEvent, knobs: Knobs) -> str:
@@ -127,7 +146,7 @@ def _settled_why(state: ActivationsState, record: RecordedEvent, knobs: Knobs) -
         return f"settled at epoch {event.epoch} while the live lease was {held}"
     held_activation = state.find(event.activation_id)
     streak = (held_activation.streak if held_activation else 0) + 1
-    rules = policy(knobs)
+    rules = policy(knobs, _RETRY_KNOBS)
     if isinstance(event, ActivationRequeued) and streak < rules.max_attempts:
         delay = activation_backoff_ms(streak, rules.backoff_base_ms, rules.backoff_cap_ms)
         return (

@@ -15,12 +15,15 @@ as a number cannot be judged: once a record is later than it (plus the grace) it
 *unwatched* (:meth:`~DeadlineWatch.unwatched`), said once, never taken for a miss. One
 whose own setting is no number (:class:`DueUnknown`) has no time to pass: what was pending
 on it is unwatched once it ends (or the log does), said once per stream and deadline, at
-the record that left it pending; unless its own decision ended it, which is checked.
+the record that left it pending; unless its own decision ended it, which is checked, or
+no record came later than the soonest it could fall due under any setting (plus its
+slack and the grace) while it was pending: then no setting made its decision late.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -58,9 +61,25 @@ class Unwatched(msgspec.Struct, frozen=True):
 
 class DueUnknown(msgspec.Struct, frozen=True):
     """What a deadline's ``due`` gives when something is pending on it but its own setting
-    is recorded as no number (``reason`` says which): when it falls due cannot be said."""
+    is recorded as no number (``reason`` says which): when it falls due cannot be said.
+    ``earliest``: the soonest it could fall due under any setting (None: not known)."""
 
     reason: str
+    earliest: float | None = None
+
+
+class _Unknown:
+    """A deadline pending at a time its setting cannot give: why, the record that left it
+    pending, the time a record must pass to be able to prove its decision late under some
+    setting (``at``), and whether one did before ``at`` moved (a new process owes it)."""
+
+    __slots__ = ("at", "mattered", "reason", "since")
+
+    def __init__(self, reason: str, since: RecordedEvent, at: float) -> None:
+        self.reason = reason
+        self.since = since
+        self.at = at
+        self.mattered = False
 
 
 class _Armed(msgspec.Struct, frozen=True, order=True):
@@ -88,9 +107,10 @@ class DeadlineWatch:
         self._confirmed_due: dict[Key, float] = {}  # when each confirmed miss fell due
         self._unwatched: list[Unwatched] = []
         self._told: set[tuple[Key, float]] = set()  # the unwatched ones said, with their due
-        #: the deadlines pending whose own setting is no number: why, and the record that
-        #: left each pending
-        self._unknown: dict[Key, tuple[str, RecordedEvent]] = {}
+        #: the deadlines pending whose own setting is no number
+        self._unknown: dict[Key, _Unknown] = {}
+        #: the latest time a record that can prove a miss showed (a start cannot)
+        self._latest = -math.inf
         self._told_unknown: set[Key] = set()  # those said (once per stream and deadline)
         self._cut = False  # records after the end of the walk are being read
 
@@ -100,7 +120,10 @@ class DeadlineWatch:
         raised, but raises none itself: the timers it finds overdue belonged to a process
         that may have died before they were due, and the log cannot say when it did."""
         missed = self._confirm(record) if self._suspects else []
-        if not restart and self._heap and self._heap[0].at < record.ts:
+        if restart:
+            return missed
+        self._latest = max(self._latest, record.ts)
+        if self._heap and self._heap[0].at < record.ts:
             self._expire(record)
         return missed
 
@@ -118,7 +141,8 @@ class DeadlineWatch:
         if isinstance(due, DueUnknown):
             if key not in self._unknown and not self._cut:
                 self._forget(key, record)
-                self._unknown[key] = (due.reason, record)
+                at = self._provable_after(index, due, knobs)
+                self._unknown[key] = _Unknown(due.reason, record, at)
             return
         if key in self._unknown:
             self._unknown_ended(key, record)
@@ -150,15 +174,38 @@ class DeadlineWatch:
         """What was pending on ``key``, at a time its setting could not give, is no longer
         (at ``record``; None: its timer died with its process or actor, or the log ended).
         Unwatched, said once per stream and deadline (a miss is never invented), unless
-        its decision ended it: that decision's own check says whether it follows."""
-        reason, since = self._unknown.pop(key)
+        its decision ended it (that decision's own check says whether it follows), or no
+        record came late enough to prove its decision late under any setting."""
+        unknown = self._unknown.pop(key)
         stream, index = key
         decision = self._deadlines[index].decision
         if record is not None and record.stream == stream and record.type == decision:
             return
+        if not (unknown.mattered or self._latest > unknown.at):
+            return  # ended before its decision could be late, whatever the setting
         if key not in self._told_unknown:
             self._told_unknown.add(key)
-            self._unwatched.append(Unwatched(stream, index, None, since, reason))
+            found = Unwatched(stream, index, None, unknown.since, unknown.reason)
+            self._unwatched.append(found)
+
+    def _provable_after(
+        self, index: int, due: DueUnknown, knobs: Knobs, *, start: float = -math.inf
+    ) -> float:
+        """When a record, late past this, could prove ``due``'s decision missed under some
+        setting (owed no earlier than ``start``): its floor plus its slack and the grace;
+        with no floor, at once."""
+        if due.earliest is None:
+            return -math.inf
+        slack, _ = self._slack_s(index, knobs)
+        return max(due.earliest, start) + slack + self._grace_s
+
+    def _slack_s(self, index: int, knobs: Knobs) -> tuple[float, str]:
+        """The deadline's slack in seconds, and why it is unknown ("" when it is known:
+        unknown, it is 0)."""
+        try:
+            return self._deadlines[index].slack_ms(knobs) / 1000, ""
+        except StalwartError as exc:
+            return 0.0, str(exc)
 
     def restarted(
         self,
@@ -174,9 +221,9 @@ class DeadlineWatch:
             survives = self._deadlines[key[1]].survives_restart
             if isinstance(due, DueUnknown):
                 self._pending.pop(key, None)
-                if survives and key not in self._unknown:
-                    self._unknown[key] = (due.reason, record)  # the new process owes it
-                elif not survives and key in self._unknown:
+                if survives:
+                    self._owe_unknown(key, due, record, knobs)  # the new process owes it
+                elif key in self._unknown:
                     self._unknown_ended(key, None)  # the old process's timer, gone with it
                 # a timer the old process armed at a known time died with it: none is owed
                 continue
@@ -192,6 +239,17 @@ class DeadlineWatch:
                 self._push(key[0], key[1], due, knobs, start=ts)
             else:
                 self._orphaned[key] = due
+
+    def _owe_unknown(self, key: Key, due: DueUnknown, record: RecordedEvent, knobs: Knobs) -> None:
+        """A new process (its start: ``record``) owes ``key``, at a time its setting cannot
+        give, from its start on; what the old process's life already proved stands."""
+        at = self._provable_after(key[1], due, knobs, start=record.ts)
+        unknown = self._unknown.get(key)
+        if unknown is None:
+            self._unknown[key] = _Unknown(due.reason, record, at)
+            return
+        unknown.mattered = unknown.mattered or self._latest > unknown.at
+        unknown.at = at
 
     def actor_restarted(self, stream: str, ts: float) -> list[Key]:
         """The supervisor restarted the actor owning ``stream``, deciding so at ``ts``: the
@@ -275,7 +333,7 @@ class DeadlineWatch:
     def end(self) -> list[Missed]:
         """The log ended: suspects it leaves unconfirmed are missed (their proof is late);
         deadlines still pending at no time their setting gives are unwatched."""
-        for key in sorted(self._unknown, key=lambda key: self._unknown[key][1].position):
+        for key in sorted(self._unknown, key=lambda key: self._unknown[key].since.position):
             self._unknown_ended(key, None)
         missed = [
             Missed(stream, index, due, proof)
@@ -293,11 +351,7 @@ class DeadlineWatch:
         When the config in force records no number for the slack, how late the sweep may
         come cannot be said, and a miss is never invented: passing ``max(due, start)``
         plus the grace makes it unwatched instead."""
-        reason = ""
-        try:
-            slack = self._deadlines[index].slack_ms(knobs) / 1000
-        except StalwartError as exc:
-            slack, reason = 0.0, str(exc)
+        slack, reason = self._slack_s(index, knobs)
         at = max(due, start) + slack + self._grace_s
         heapq.heappush(self._heap, _Armed(at, due, stream, index, reason))
 

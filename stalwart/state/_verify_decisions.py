@@ -55,12 +55,17 @@ Fallback = ModelFallbackAttempt | ModelFallbackExhausted
 
 
 def _chain(event: Fallback, knobs: Knobs) -> tuple[str, ...]:
+    """The chain the decision walked, reading only the lists it takes: the vision chain's
+    for a request that needed vision, the plain one's unless the vision chain has its own
+    (a list it does not take is not read, whatever the config records there)."""
     agent = ("agents", event.agent or "")
+    vision = knobs.get_names((*agent, "vision_fallback_models")) if event.vision else ()
+    plain = () if vision else knobs.get_names((*agent, "fallback_models"))
     return model_chain(
         knobs.get_text((*agent, "provider")),
         knobs.get_text((*agent, "model")),
-        knobs.get_names((*agent, "fallback_models")),
-        knobs.get_names((*agent, "vision_fallback_models")),
+        plain,
+        vision,
         vision=event.vision,
     )
 

@@ -41,7 +41,9 @@ function of the config in force giving one (when its shape depends on a knob). A
 ``decide`` that raises a :class:`~stalwart.errors.StalwartError` is reported as a
 mismatch; an optional ``why(state, record, knobs)`` explains a mismatch in words. A
 deadline's ``due`` reads its knobs only once something is pending: one the config records
-as no number (:class:`UnusableKnob`) then makes that deadline unwatched, once per stream.
+as no number (:class:`UnusableKnob`) then makes that deadline unwatched, once per stream,
+where a record came later than its ``earliest`` (the soonest it could fall due under any
+setting) plus its slack and the grace while it was pending.
 A verifier's ``when(event)`` narrows which events of its tag it checks. A deadline's
 ``moves`` names the event types that can change when it falls due, so it is recomputed
 only on those (and on a new config); :class:`Selective` folds only the event types that
@@ -222,6 +224,10 @@ class Deadline(Generic[S]):
     survives_actor_restart: bool = False
     #: the event types that can move ``due`` (empty: any event); a new config moves it too
     moves: frozenset[type[Event]] = frozenset()
+    #: the earliest its decision can fall due, whatever the settings ``due`` reads (None:
+    #: no floor, or no such function): what was pending on it while a setting was no
+    #: number, and ended before this plus the slack and the grace, was late under none
+    earliest: Callable[[S], float | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -160,13 +160,22 @@ def _ms(path: str) -> Any:
 # -- sub-agent runs -----------------------------------------------------------------------
 
 
+def _per_step(state: RunState, knobs: Knobs) -> int:
+    """``per_step_timeout_ms`` for the run's watchdog: read only for a run spawned with a
+    step budget (``max_steps``); any other is bound by its own limit alone, whatever the
+    knob holds (0 stands for it, unread)."""
+    if state.max_steps is None:
+        return 0
+    return knobs.get_int("subagents.per_step_timeout_ms")
+
+
 def _watchdog(state: RunState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
-    per_step = knobs.get_int("subagents.per_step_timeout_ms")
+    per_step = _per_step(state, knobs)
     return decide_watchdog(state, record.ts, per_step_timeout_ms=per_step)
 
 
 def _watchdog_why(state: RunState, record: RecordedEvent, knobs: Knobs) -> str:
-    per_step = knobs.get_int("subagents.per_step_timeout_ms")
+    per_step = _per_step(state, knobs)
     deadline = watchdog_deadline(state, per_step_timeout_ms=per_step)
     if deadline is None:
         return f"the run is {state.status}, no watchdog is armed"
@@ -193,7 +202,7 @@ def _suspicious(state: RunState, record: RecordedEvent, knobs: Knobs) -> list[Ev
     return decide_suspicious(
         state,
         record.ts,
-        per_step_timeout_ms=knobs.get_int("subagents.per_step_timeout_ms"),
+        per_step_timeout_ms=_per_step(state, knobs),
         expected_fraction=knobs.get_float("subagents.expected_fraction"),
         heartbeat_interval_ms=knobs.get_int("subagents.heartbeat_interval_ms"),
     )
@@ -231,17 +240,29 @@ def _running(state: RunState) -> bool:
 def _watchdog_due(state: RunState, knobs: Knobs) -> float | None:
     if not _running(state):
         return None
-    # the step budget binds only a run spawned with one; any other, its own limit alone
-    per_step = 0
-    if state.max_steps is not None:
-        per_step = knobs.get_int("subagents.per_step_timeout_ms")
-    return watchdog_deadline(state, per_step_timeout_ms=per_step)
+    return watchdog_deadline(state, per_step_timeout_ms=_per_step(state, knobs))
 
 
 def _ghost_due(state: RunState, knobs: Knobs) -> float | None:
     if not _running(state):
         return None
     return ghost_deadline(state, ghost_grace_ms=knobs.get_int("subagents.ghost_grace_ms"))
+
+
+# The soonest each deadline can fall due whatever its settings (see ``Deadline.earliest``):
+# a run's watchdog from its start (a step budget of any size), its ghost sweep once its own
+# limit has passed (a grace of 0), a turn's timeout from its start, an entry's expiry from
+# its queueing, a notice's resend from its latest send (or the process's start).
+
+
+def _run_started(state: RunState) -> float | None:
+    return state.started_at
+
+
+def _ghost_earliest(state: RunState) -> float | None:
+    if state.started_at is None:
+        return None
+    return state.started_at + state.timeout_ms / 1000
 
 
 # -- a session's calls and turn -----------------------------------------------------------
@@ -338,6 +359,10 @@ def _execution_due(state: CallsState, knobs: Knobs) -> float | None:
     return execution_deadline(
         state.turn_started_at, knobs.get_int("supervision.execution_timeout_ms")
     )
+
+
+def _turn_started(state: CallsState) -> float | None:
+    return state.turn_started_at
 
 
 def _failed_attempt(state: CallsState, event: PromptRetryScheduled) -> int:
@@ -473,6 +498,10 @@ def _expiry_due(state: DeadLetterState, knobs: Knobs) -> float | None:
         max_age_ms=knobs.get_int("dead_letters.max_age_ms"),
         max_retries=knobs.get_int("dead_letters.max_retries"),
     )
+
+
+def _first_queued(state: DeadLetterState) -> float | None:
+    return min((entry.enqueued_at for entry in state.entries), default=None)
 
 
 def _letter_retry(state: DeadLetterState, record: RecordedEvent, knobs: Knobs) -> list[Event]:
@@ -647,6 +676,11 @@ def _resend_due(state: NoticeWatch, knobs: Knobs) -> float | None:
     )
 
 
+def _first_resend(state: NoticeWatch) -> float | None:
+    since = min((unsent.since for unsent in state.notices.unsent.values()), default=None)
+    return None if since is None else max(since, state.started_at)
+
+
 def _pipeline_timeout(event: Event) -> bool:
     return isinstance(event, ExecutionAborted) and event.reason == "pipeline_timeout"
 
@@ -718,6 +752,7 @@ BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
         _RUNS,
         survives_actor_restart=True,  # a restarted SubAgent re-arms a running run's watchdog
         moves=_RUN_ENDS,
+        earliest=_run_started,
     ),
     Deadline(
         "ghost sweep",
@@ -728,12 +763,19 @@ BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
         slack_ms=_ms("subagents.ghost_sweep_interval_ms"),
         survives_restart=True,
         moves=_RUN_ENDS,
+        earliest=_ghost_earliest,
     ),
     Deadline(
         "prompt timeout", "execution:prompt_timeout", _CALLS, _prompt_due, _RUNS, moves=_CALL_MOVES
     ),
     Deadline(
-        "execution timeout", "execution:aborted", _CALLS, _execution_due, _RUNS, moves=_TURN_MOVES
+        "execution timeout",
+        "execution:aborted",
+        _CALLS,
+        _execution_due,
+        _RUNS,
+        moves=_TURN_MOVES,
+        earliest=_turn_started,
     ),
     Deadline(
         "dead-letter expiry",
@@ -743,6 +785,7 @@ BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
         "deadletter",
         survives_restart=True,
         moves=_LETTER_MOVES,
+        earliest=_first_queued,
     ),
     Deadline(
         "give-up notice resend",
@@ -753,6 +796,7 @@ BUILTIN: tuple[Verifier[Any] | Deadline[Any], ...] = (
         slack_ms=_sweep_ms,  # the supervisor's sweep resends it
         survives_restart=True,  # read from the log: the next process owes it
         moves=_NOTICES.moves or frozenset(),
+        earliest=_first_resend,
     ),
 )
 
