@@ -223,8 +223,22 @@ class SpawnTool:
         would have returned once the run's lineage ended: the result of the attempt that
         succeeded, or the static notice of the last one. A lineage still in play (the
         dead process's run, a ghost until the supervisor sweeps it; the attempt its
-        recovery starts next) is waited for, within the tool's own time limit."""
-        return await _lineage_end(_CallRuns(self._rt.store, self._session, key, self._limit()))
+        recovery starts next) is waited for, within the tool's own time limit, while
+        something here may still move it on (:meth:`_may_settle`)."""
+        runs = _CallRuns(self._rt.store, self._session, key, self._limit(), self._may_settle)
+        return await _lineage_end(runs)
+
+    def _may_settle(self, run_id: str) -> bool:
+        """Whether this runtime may still move run ``run_id`` of a call's lineage on, when
+        a crash left it in play: its supervisor runs (it sweeps the run a dead process
+        left, decides a failed run's recovery), or the run's actor runs here (a wake
+        taken over in this process). Once supervision gave up on the supervisor, a
+        dead process's run stays a ghost here: the call answers with its notice."""
+        try:
+            supervised = "supervisor" not in self._rt.given_up()
+        except RuntimeError:  # the runtime is closing: its close ends the wait
+            return True
+        return supervised or self._rt.run(run_id) is not None
 
 
 class _InPlay(enum.Enum):
@@ -324,8 +338,15 @@ class _CallRuns(_LineageRuns):
     """The runs of one ``spawn_subagent`` call a crash cut short: the run named after its
     key, if this parent spawned it for that key, and its lineage."""
 
-    def __init__(self, store: EventStore, parent: str, key: str, limit: int) -> None:
-        super().__init__(store, call_run_id(key), limit)
+    def __init__(
+        self,
+        store: EventStore,
+        parent: str,
+        key: str,
+        limit: int,
+        settles: Callable[[str], bool],
+    ) -> None:
+        super().__init__(store, call_run_id(key), limit, settles)
         self._parent = parent
         self._key = key
 
