@@ -21,6 +21,7 @@ from ._types import (
     ToolCallDelta,
     Usage,
 )
+from ._wire_ids import anthropic_id
 
 API_VERSION = "2023-06-01"
 _json_decode = msgspec.json.decode
@@ -46,14 +47,23 @@ def _arguments(text: str) -> Any:
 def _blocks(message: Message) -> list[dict[str, Any]]:
     if message.role == "tool":
         return [
-            {"type": "tool_result", "tool_use_id": message.tool_call_id, "content": message.content}
+            {
+                "type": "tool_result",
+                "tool_use_id": anthropic_id(message.tool_call_id or ""),
+                "content": message.content,
+            }
         ]
     blocks: list[dict[str, Any]] = []
     if message.content:
         blocks.append({"type": "text", "text": message.content})
     blocks += [_image(url) for url in message.images]
     blocks += [
-        {"type": "tool_use", "id": c.id, "name": c.name, "input": _arguments(c.arguments)}
+        {
+            "type": "tool_use",
+            "id": anthropic_id(c.id),
+            "name": c.name,
+            "input": _arguments(c.arguments),
+        }
         for c in message.tool_calls
     ]
     return blocks

@@ -22,13 +22,18 @@ from ._types import (
     ToolCallDelta,
     Usage,
 )
+from ._wire_ids import openai_id
 
 _json_decode = msgspec.json.decode
 
 
 def _message(message: Message) -> dict[str, Any]:
     if message.role == "tool":
-        return {"role": "tool", "tool_call_id": message.tool_call_id, "content": message.content}
+        return {
+            "role": "tool",
+            "tool_call_id": openai_id(message.tool_call_id or ""),
+            "content": message.content,
+        }
     out: dict[str, Any] = {"role": message.role}
     if message.images:
         parts: list[dict[str, Any]] = [{"type": "text", "text": message.content}]
@@ -38,7 +43,11 @@ def _message(message: Message) -> dict[str, Any]:
         out["content"] = message.content or (None if message.tool_calls else "")
     if message.tool_calls:
         out["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            {
+                "id": openai_id(c.id),
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
             for c in message.tool_calls
         ]
     return out
