@@ -9,7 +9,8 @@ would die untold: nothing restarts it, nothing is logged in the ``runtime`` stre
 pykka also drops, without a word, the messages told to an actor that dies before it
 handled them. An actor whose mail must outlive it (the supervisor's: a crash told to it
 is the only word that a crashed actor needs restarting) takes them out in its
-``on_failure`` with :meth:`Supervised.take_inbox` and hands them to its successor.
+``on_failure`` with :meth:`Supervised.take_inbox` and hands them to its successor (an
+asked message too: its asker may have stopped waiting).
 A tell that checked the actor was alive before that and puts its message after it is
 refused by the inbox itself (``ActorDeadError``, as a tell to a dead actor), so the
 sender keeps it: no message lands in an inbox nobody reads again.
@@ -89,7 +90,11 @@ class Supervised(pykka.ThreadingActor):
         oldest first, taken out of its inbox (pykka would drop them). From here on a
         ``tell`` to it raises ``ActorDeadError`` (as it does once pykka has stopped it),
         so a sender that holds messages for a successor keeps them instead. An ``ask``
-        still waiting is answered as pykka answers it (``ActorDeadError``; a stop: None)."""
+        is answered as pykka answers it (``ActorDeadError``; a stop: None) and its message
+        is in the list too: its asker may have stopped waiting (an ask that timed out
+        stays in the inbox), and nobody else would hand it on. An asker still waiting may
+        tell it again, so a successor must take a message handed on twice (the dead-letter
+        queue keeps one entry per announcement)."""
         self.actor_stopped.set()  # pykka sets it too (after a failing start: only after this)
         inbox = self.actor_inbox
         if isinstance(inbox, ClosingInbox):  # a tell that passed the check before the set
@@ -97,8 +102,9 @@ class Supervised(pykka.ThreadingActor):
         told: list[Any] = []
         while not inbox.empty():  # this thread is the inbox's only reader
             envelope = inbox.get()
-            if envelope.reply_to is None:
-                told.append(envelope.message)
-                continue
-            _refuse(envelope)
+            if envelope.reply_to is not None:
+                _refuse(envelope)  # an asker still waiting asks (or tells) again
+                if isinstance(envelope.message, pykka.messages._ActorStop):
+                    continue
+            told.append(envelope.message)
         return told

@@ -50,8 +50,15 @@ DEFAULT_CHANNEL = "console"
 def ask(ref: pykka.ActorRef[Any], message: object, timeout: float, part: str) -> Any:
     """``ref.ask(message)`` for a host's call: TimeoutError (naming ``part`` and the
     timeout) when no answer came within ``timeout`` seconds, never pykka's own Timeout."""
+    return answer_of(ref.ask(message, block=False), timeout, part, timeout)
+
+
+def answer_of(future: pykka.Future[Any], wait: float, part: str, timeout: float) -> Any:
+    """The answer of an ask already made (``future``), waited for ``wait`` seconds: the
+    TimeoutError of :func:`ask` (naming ``part`` and the host's ``timeout``, not what
+    was left of it) when none came."""
     try:
-        return ref.ask(message, timeout=timeout)
+        return future.get(timeout=max(wait, 0.0))
     except pykka.Timeout:
         raise TimeoutError(f"the {part} did not answer within {timeout:g} s") from None
 
@@ -62,12 +69,20 @@ PART_POLL_S = 0.01
 _WAITS = SystemClock()
 
 
+def monotonic() -> float:
+    """The real time the host's calls' deadlines are on (see :func:`ask_part`)."""
+    return _WAITS.monotonic()
+
+
 def ask_part(
     current: Callable[[], pykka.ActorRef[Any] | None],
     message: object,
     timeout: float,
     part: str,
     given_up: Callable[[], bool] = lambda: False,
+    *,
+    asked: pykka.Future[Any] | None = None,
+    deadline: float | None = None,
 ) -> Any:
     """:func:`ask` for a host's call to a part the runtime restarts (``current()`` is
     its actor now, None before it starts): while the part is down (between a crash and
@@ -75,16 +90,25 @@ def ask_part(
     again once it runs, within ``timeout`` in all. A part still down then is a
     TimeoutError naming it, as a part that did not answer; one down that supervision
     gave up on (``given_up()``) is that TimeoutError at once, saying so: it will not run
-    again in this runtime. pykka's ActorDeadError never reaches the host."""
-    deadline = _WAITS.monotonic() + timeout
+    again in this runtime. pykka's ActorDeadError never reaches the host.
+
+    ``asked`` is an ask of the part already made (its answer is waited for first), and
+    ``deadline`` (on :func:`monotonic`) when the call ends, for a caller that asks
+    several parts at once within one ``timeout``."""
+    if deadline is None:
+        deadline = _WAITS.monotonic() + timeout
     waits = threading.Event()  # never set: a wait that nothing cuts short
     while True:
         ref = current()
         left = deadline - _WAITS.monotonic()
-        if ref is not None and ref.is_alive():
+        if asked is not None or (ref is not None and ref.is_alive()):
+            if asked is None:
+                assert ref is not None
+                asked = ref.ask(message, block=False)
             try:
-                return ask(ref, message, max(left, 0.0), part)
+                return answer_of(asked, left, part, timeout)
             except pykka.ActorDeadError:  # it died while asked: its successor answers
+                asked = None
                 left = deadline - _WAITS.monotonic()
         if given_up():
             raise TimeoutError(
@@ -177,12 +201,22 @@ class LiveRef(pykka.ActorRef[Any]):
         fallback(message)  # outside the lock: it may tell another part
 
     def flush(self) -> int:
-        """Deliver the tells kept while the part was down (in order); how many."""
+        """Deliver the tells kept while the part was down (in order); how many. When the
+        part died again before it took them all (its restart's start failed, say), the
+        rest stay kept, in order, for its next successor (or the fallback once it is
+        given up on)."""
         with self._lock:
             held, self._held = self._held, []
-            ref = self._ref()
-            for message in held:
-                ref.tell(message)
+            ref = self._current()
+            for delivered, message in enumerate(held):
+                try:
+                    if ref is None:
+                        raise pykka.ActorDeadError(f"{self._name} is not running")
+                    ref.tell(message)
+                except pykka.ActorDeadError:
+                    self._held = held[delivered:]  # no tell came meanwhile: the lock
+                    log.info("runtime.part_died_in_flush", part=self._name, kept=len(self._held))
+                    return delivered
         return len(held)
 
     def give_up(self, fallback: Callable[[Any], None]) -> int:

@@ -45,7 +45,7 @@ from stalwart.events import SupervisorGaveUp
 from stalwart.state import DEADLETTER, DeadLetterState
 from stalwart.store import NewEvent, load_state
 
-from ._handles import DEFAULT_CHANNEL, LiveRef, ask_part
+from ._handles import DEFAULT_CHANNEL, LiveRef, ask_part, monotonic
 from ._runs import RunLayer
 from ._wiring import Wiring, stop_actors
 
@@ -85,7 +85,7 @@ class PartsLayer:
         self._given_up: dict[str, int] = {}
         self._given_up_lock = threading.Lock()
         #: told the name of each part given up on (see on_given_up)
-        self._given_up_listeners: list[Callable[[str], None]] = []
+        self._given_up_listeners: list[Callable[[str, Callable[[object], None]], None]] = []
         self.dead_letters_ref = LiveRef(lambda: self._dead_letters, "deadletter", hold=True)
         # held: a crash told while the supervisor restarts is decided once it runs again
         self.supervisor_ref = LiveRef(lambda: self._supervisor, "supervisor", hold=True)
@@ -318,13 +318,15 @@ class PartsLayer:
         log.error("runtime.part_given_up", part=part, held=held)
         for listener in self._given_up_listeners:
             try:
-                listener(part)
+                listener(part, partial(self._refused, part))
             except Exception:  # a listener never fails the decision (a crash's thread)
                 log.exception("runtime.given_up_listener_failed", part=part)
 
-    def on_given_up(self, listener: Callable[[str], None]) -> None:
-        """Tell ``listener`` the name of each part given up on from now (under the
-        restarts lock: keep it cheap, no asks)."""
+    def on_given_up(self, listener: Callable[[str, Callable[[object], None]], None]) -> None:
+        """Tell ``listener`` the name of each part given up on from now, with what counts
+        a tell that part refused (for :meth:`given_up`: a part the runtime holds no
+        :class:`LiveRef` to, such as the activation worker, is told through its
+        listener). Under the restarts lock: keep it cheap, no asks."""
         self._given_up_listeners.append(listener)
 
     def _health_unwatched(self, provider: str) -> None:
@@ -458,13 +460,33 @@ class PartsLayer:
         return batches
 
     def health(self, timeout: float) -> dict[str, HealthReport]:
+        """Every provider's report within ``timeout`` in all: each health actor is asked
+        at once, before any answer is waited for, so slow ones do not add up."""
+        deadline = monotonic() + timeout
         with self._w.lock:
-            providers = list(self._health)
-        return {provider: self._health_of(provider, timeout) for provider in providers}
+            asked = {provider: self._ask_health(provider) for provider in self._health}
+        return {
+            provider: self._health_of(provider, timeout, deadline, future)
+            for provider, future in asked.items()
+        }
 
-    def _health_of(self, provider: str, timeout: float) -> HealthReport:
-        """The provider's report, asked of its health actor; once that actor was given up
-        on, the report the runtime published for it (rule :data:`UNWATCHED`)."""
+    def _ask_health(self, provider: str) -> pykka.Future[Any] | None:
+        """``GetHealth`` asked of the provider's health actor now (None: it is down)."""
+        ref = self._health.get(provider)
+        if ref is None or not ref.is_alive() or self.is_given_up(f"health:{provider}"):
+            return None
+        return ref.ask(GetHealth(), block=False)
+
+    def _health_of(
+        self,
+        provider: str,
+        timeout: float,
+        deadline: float,
+        asked: pykka.Future[Any] | None,
+    ) -> HealthReport:
+        """The provider's report, asked of its health actor (``asked``: already asked)
+        by ``deadline``; once that actor was given up on, the report the runtime
+        published for it (rule :data:`UNWATCHED`)."""
         given_up = self._down(f"health:{provider}")
         if not given_up():
             try:
@@ -474,6 +496,8 @@ class PartsLayer:
                     timeout,
                     f"health actor of {provider!r}",
                     given_up,
+                    asked=asked,
+                    deadline=deadline,
                 )
             except TimeoutError:
                 if not given_up():  # given up on while asked: unwatched, as below

@@ -25,6 +25,7 @@ from stalwart.actors import (
     Crashed,
     HealthView,
     LeaseLost,
+    Nudge,
     SendsPending,
     TimerHandle,
     WakeFailed,
@@ -120,6 +121,9 @@ class SessionLayer:
         )
         self._context: ContextLayer | None = None
         self._durable: Durability | None = None
+        #: counts a tell the activation worker refused once it was given up on (None: it
+        #: was not), for ``rt.given_up()``
+        self._worker_refused: Callable[[object], None] | None = None
 
     def start(
         self,
@@ -407,7 +411,7 @@ class SessionLayer:
             agent_name=agent,
             on_crash=partial(self.agent_crashed, session_id) if supervised else None,
             policy=durable.policy if durable is not None else None,
-            worker=durable.tell if durable is not None else None,
+            worker=self._tell_worker if durable is not None else None,
             jitter_ms=durable.jitter_ms if durable is not None else None,
             hold=self._layer.sink.hold if durable is not None else None,
             context=context.gate if context is not None else None,
@@ -552,8 +556,8 @@ class SessionLayer:
             thread=handle.thread if handle is not None else None,
         )
         self._tell_supervisor(crashed)
-        if self._durable is not None:  # a wake it was running is retried with backoff
-            self._durable.tell(WakeFailed(f"session:{session_id}", "agent_crashed"))
+        # a wake it was running is retried with backoff
+        self._tell_worker(WakeFailed(f"session:{session_id}", "agent_crashed"))
 
     def _restart(self, session_id: str) -> None:
         """Start the session's Agent again (it rebuilds from its stream)."""
@@ -660,14 +664,28 @@ class SessionLayer:
         self._worker_runs(session_id)
 
     def nudge(self) -> None:
-        if self._durable is not None:
-            self._durable.nudge()
+        self._tell_worker(None)
 
-    def part_given_up(self, part: str) -> None:
-        """Supervision gave up on ``part`` (under the restarts lock). Without the context
-        engine no turn can be assembled: every wake leased here would fail until it is
-        abandoned, so the worker leases nothing more and leaves the sessions' work to
-        another worker on the store, or the next runtime."""
+    def _tell_worker(self, message: object | None) -> None:
+        """Tell the durable worker ``message`` (None: a nudge), for the Agents and the
+        host's calls. Once the worker was given up on, the tell is refused (the work is
+        in the log) and counted where ``rt.given_up()`` reads it."""
+        durable = self._durable
+        if durable is None:
+            return
+        durable.tell(message)
+        refused = self._worker_refused
+        if refused is not None:
+            refused(Nudge() if message is None else message)
+
+    def part_given_up(self, part: str, refused: Callable[[object], None]) -> None:
+        """Supervision gave up on ``part`` (under the restarts lock); ``refused(message)``
+        counts a tell it refused. The activation worker's tells are counted from now on.
+        Without the context engine no turn can be assembled: every wake leased here would
+        fail until it is abandoned, so the worker leases nothing more and leaves the
+        sessions' work to another worker on the store, or the next runtime."""
+        if part == "activations":
+            self._worker_refused = refused
         if part == "context" and self._durable is not None:
             self._durable.stop_leasing()
             log.error("runtime.sessions_stopped", part=part)
