@@ -26,7 +26,14 @@ from ._run import Outcome, Run
 from ._transcript import remove
 from ._wrap import MARKER, wrap_untrusted
 
-__all__ = ["SUMMARY_PREFIX", "apply_summary", "compact", "is_summary", "keep_summary"]
+__all__ = [
+    "SUMMARY_PREFIX",
+    "apply_summary",
+    "can_shrink",
+    "compact",
+    "is_summary",
+    "keep_summary",
+]
 
 #: The message id prefix of the message a compaction renders to.
 SUMMARY_PREFIX = "pipeline-summary:"
@@ -98,7 +105,10 @@ def keep_summary(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
         carried, rest = _notice(earlier[0])
         left_out, earlier = left_out + carried, [rest, *earlier[1:]]
     text = "\n\n".join([EMERGENCY_TEXT.format(count=left_out), *filter(None, earlier)])
-    return _compacted(head, middle, tail, text, tokens, run, fallback="emergency-truncation")
+    outcome = _compacted(head, middle, tail, text, tokens, run, fallback="emergency-truncation")
+    if _tokens(outcome.messages, run) >= tokens:
+        return Outcome(kept)  # it would not shrink the request: nothing is left out for it
+    return outcome
 
 
 #: What an emergency truncation's message says (before the earlier summaries it keeps).
@@ -252,6 +262,24 @@ def _plan(
     return messages[:preamble] + _flat(groups[:anchors]), middle, _flat(groups[-tail:])
 
 
+def can_shrink(plan: tuple[Group, Group, Group], tokens: int, run: Run) -> bool:
+    """Whether summarizing the middle of ``plan`` (head, middle, tail) can make the
+    request cost less than ``tokens`` (as :func:`_tokens` counts it): whether it does
+    with the middle replaced by a summary of no text at all, its header and fence alone
+    (the least any summary costs), with the objective layer 10 restates then (the
+    middle may hold the session's first message). A middle that costs less than that
+    is not summarized: the summarizer's call would be paid for a bigger request."""
+    head, middle, tail = plan
+    through_seq = max(message.seq for message in middle)
+    frame = ContextMessage(
+        message_id=SUMMARY_PREFIX,
+        seq=through_seq,
+        role="assistant",
+        content=_render("", "", 0, through_seq),
+    )
+    return _tokens((*head, frame, *tail), run) < tokens
+
+
 def _render(summary_id: str, text: str, covers: int, through_seq: int) -> str:
     header = (
         f"{MARKER}summary id={summary_id} engine=pipeline messages={covers} "
@@ -295,7 +323,7 @@ def compact(messages: tuple[ContextMessage, ...], run: Run) -> Outcome:
     if cooling and cut <= run.budget:
         return Outcome(messages)
     plan = _plan(messages, run, limit)
-    if plan is None:
+    if plan is None or not can_shrink(plan, tokens, run):
         return Outcome(messages)
     head, middle, tail = plan
     request = SummaryRequest(

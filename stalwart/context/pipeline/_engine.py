@@ -374,10 +374,14 @@ class PipelineEngine:
         fence as sent then, and the layers' output after it; or, when the fence breaks
         (a held transcript over the budget does), the layers' output whole."""
         repaired, repairs = repair(shaped)
-        fresh, cut = fit_newest_turn(tuple(repaired), run.budget, run.estimator)
         step = self.config.cache_fence_turns
         if not caching or step <= 0:
+            fresh, cut = fit_newest_turn(tuple(repaired), run.budget, run.estimator)
             return fresh, repairs, None, cut
+        # behind a fence, a cut newest turn is fitted under the compaction threshold:
+        # the next steps fit behind the fence, read from the cache, until it is cut again
+        headroom = int(run.budget * self.config.compaction_threshold)
+        fresh, cut = fit_newest_turn(tuple(repaired), run.budget, run.estimator, target=headroom)
         held = self._held or ()
         added = added_since(shaped, original, self._state.fence_input)
         broke = cache_break(
@@ -395,7 +399,9 @@ class PipelineEngine:
         repaired, held_repairs = repair(held + added)
         tokens = run.estimator.messages
         limit = run.budget * self.config.compaction_threshold
-        if over_threshold(tokens(repaired), tokens(fresh), limit=limit, budget=run.budget):
+        fitted = bool(cut.ids) or cut.steps > 0
+        held_tokens, fresh_tokens = tokens(repaired), tokens(fresh)
+        if over_threshold(held_tokens, fresh_tokens, limit=limit, budget=run.budget, fitted=fitted):
             return fresh, repairs, "threshold", cut
         held_ids = {message.message_id for message in held}
         steps = self._steps if LEFT_OUT_ID in held_ids else 0

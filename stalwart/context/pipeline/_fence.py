@@ -24,7 +24,9 @@ records:
   the masks, the thinking cleaner and the restated objective catch up (meanwhile the
   window keeps up to that many turns more, and the objective stays where it was sent);
 - ``threshold``: what the fence holds would bring the transcript to the compaction
-  threshold where the freshly shaped one stays under it, or past the budget.
+  threshold where the freshly shaped one stays under it, or past the budget (only past
+  the budget when the fresh one's newest turn had to be cut to fit: it is cut under the
+  threshold, so that the next steps are held).
 """
 
 from __future__ import annotations
@@ -113,11 +115,18 @@ def cache_break(
     return None
 
 
-def over_threshold(held: int, fresh: int, *, limit: float, budget: int) -> bool:
+def over_threshold(
+    held: int, fresh: int, *, limit: float, budget: int, fitted: bool = False
+) -> bool:
     """Whether a held transcript of ``held`` tokens must give way to the freshly shaped
     one of ``fresh``: it reaches the compaction ``limit`` where the fresh one stays
     under it, or it is over the budget. (Right after a compaction, rehydration fills the
-    fresh one up to the budget: holding it then is no bigger and keeps the cache.)"""
+    fresh one up to the budget: holding it then is no bigger and keeps the cache.)
+    ``fitted``: the fresh one is under the limit only because its newest turn was cut
+    to fit (see ``_fit``), with room left for the next steps: the held one gives way
+    only past the budget (else every step of a long turn would cut it again)."""
+    if fitted:
+        return held > budget
     return held >= limit and (fresh < limit or held > budget)
 
 

@@ -23,6 +23,12 @@ as it takes, never the newest one. The user's message that opened the turn stays
 the engine's line right after it says how many steps and calls are left out (and of
 which tools, by safe label): the pipeline has no recall tool, so the model is told to
 call the tools again for what it needs of them.
+
+Behind a cache fence, a request that must be cut is cut to fit under the compaction
+threshold where it can (``target``), not the budget: the next steps of the turn then go
+out behind the fence, read from the provider's cache, until they fill the budget, rather
+than each one pushing the request over it and the whole turn being cut (and written to
+the cache) again.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ __all__ = [
     "cut_text",
     "cut_to_lines",
     "fit_newest_turn",
+    "head_on_line",
 ]
 
 Messages = tuple[ContextMessage, ...]
@@ -86,7 +93,7 @@ class Cut:
     steps: int = 0
 
 
-def _head(content: str, keep: int) -> str:
+def head_on_line(content: str, keep: int) -> str:
     """The first ``keep`` characters of ``content``, ended on a whole line when one ends
     in their second half."""
     head = content[:keep]
@@ -97,7 +104,7 @@ def _head(content: str, keep: int) -> str:
 def cut_text(content: str, keep: int) -> str:
     """``content`` cut to its head of at most ``keep`` characters: the engine's line
     saying how much is shown, then the head fenced as untrusted."""
-    head = _head(content, keep)
+    head = head_on_line(content, keep)
     line = _CUT_LINE.format(shown=len(head), total=len(content), cut=len(content) - len(head))
     if not head:
         return line
@@ -189,16 +196,33 @@ def _leave_out_steps(
 
 
 def fit_newest_turn(
-    messages: Messages, room: int, estimator: TokenEstimator
+    messages: Messages, room: int, estimator: TokenEstimator, *, target: int | None = None
 ) -> tuple[Messages, Cut]:
     """``messages`` as they fit ``room`` tokens: the newest turn's longest tool results
     cut to one length (see the module), after its oldest steps are left out when even
     every result cut to its line is not enough; unchanged when they fit already, and cut
     as far as they go (all but the newest step left out, every result of it cut to its
-    line) when even that is not enough."""
-    raws = [estimator.raw(message) for message in messages]
-    if math.ceil(sum(raws) * estimator.factor) <= room:
+    line) when even that is not enough.
+
+    ``target`` (at most ``room``): what messages over ``room`` are fitted to, when they
+    can be: below ``room``, so the next steps of the turn fit behind the cache fence
+    (sent as they were, read from the provider's cache) before it is cut again."""
+    if _tokens(messages, estimator) <= room:
         return messages, Cut()
+    if target is not None and target < room:
+        out, cut = _fit(messages, target, estimator)
+        if _tokens(out, estimator) <= target:
+            return out, cut
+    return _fit(messages, room, estimator)
+
+
+def _tokens(messages: Messages, estimator: TokenEstimator) -> int:
+    return math.ceil(sum(estimator.raw(message) for message in messages) * estimator.factor)
+
+
+def _fit(messages: Messages, room: int, estimator: TokenEstimator) -> tuple[Messages, Cut]:
+    """``messages`` with the oldest steps of the newest turn left out and its results
+    cut as far as it takes to fit ``room`` (see :func:`fit_newest_turn`)."""
     messages, steps = _leave_out_steps(messages, room, estimator)
     out, cut = _cut_results(messages, room, estimator)
     return out, Cut(ids=cut.ids, chars=cut.chars, steps=steps)
@@ -241,7 +265,7 @@ def _cut_results(messages: Messages, room: int, estimator: TokenEstimator) -> tu
             high = middle - 1
     cut = cut_at(low)
     out = tuple(cut.get(index, message) for index, message in enumerate(messages))
-    shown = sum(len(_head(messages[index].content, low)) for index in cut)
+    shown = sum(len(head_on_line(messages[index].content, low)) for index in cut)
     total = sum(len(messages[index].content) for index in cut)
     ids = frozenset(messages[index].message_id for index in cut)
     return out, Cut(ids=ids, chars=total - shown)
