@@ -23,6 +23,7 @@ from stalwart.events import (
     AnnouncementDeadLetterDelivered,
     AnnouncementDeadLettered,
     AnnouncementDeadLetterRetried,
+    AnnouncementFallbackDirect,
     AnnouncementSendFailed,
     SupervisorGaveUp,
 )
@@ -166,17 +167,19 @@ def test_a_failure_notice_refused_with_a_retry_after_is_queued_with_it_and_waits
         raise RuntimeError("the work broke")
 
     start = clock.now()
-    script = BusyUntil(clock, start + ASKED_S, retry_after=str(ASKED_S))
+    script = BusyUntil(clock, start + 2 * ASKED_S, retry_after=str(ASKED_S))
     no_second_attempt = {"subagents": {"recovery_max_attempts": 1}}
     with hooked_runtime(store, clock, fake, receivers, script, **no_second_attempt) as rt:
         rt.session("p1", channel="hook")
         run = rt.spawn("p1", "find the answer", task_class="research", work=work)
         assert run.result(GUARD).outcome == "failed"
+        log_until(store, f"session:{run.run_id}", has(AnnouncementFallbackDirect))
+        clock.advance(ASKED_S)  # the direct send waits for the announce send's hint
         _, entry = queued_with_the_hint(store, f"session:{run.run_id}")
         assert entry.kind == "failure_notice"
 
-        wait_out_the_receiver(rt, store, clock, start)
+        wait_out_the_receiver(rt, store, clock, start + ASKED_S)
 
-        # the announce path's send and its direct fallback at once, then as asked
-        assert script.asked_at == [start, start, start + ASKED_S]
+        # the announce path's send, its direct fallback and the retry: each as asked
+        assert script.asked_at == [start, start + ASKED_S, start + 2 * ASKED_S]
     assert_verifies(store)

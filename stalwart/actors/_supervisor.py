@@ -22,7 +22,11 @@
   the parent's announcement system (``announcer``) bounded by ``announce_timeout_ms``; on
   failure ``announcement:fallback_direct`` and a direct send on the run's channel; if that
   fails too, ``announcement:send_failed`` and an :class:`Enqueue` to the dead-letter
-  actor. A notice is never lost and never sent twice on one path.
+  actor. A notice is never lost and never sent twice on one path. When the announce
+  send's receiver asked to be left alone (its Retry-After, recorded on the fallback) and
+  the direct send goes to it too (no ``announcer``: both go on the run's channel), the
+  direct send waits that long (at most ``MAX_NOTICE_HOLD_MS``): a timer keyed by the
+  run; a supervisor that starts meanwhile reads the hold from the log.
 * **Recovery**: :func:`~stalwart.state.decide_recovery` -> ``subagent:recovery_decided``;
   a respawn goes through the host's ``spawner`` as a :class:`Spawn` with ``attempt + 1``
   (and the continuation context after the task for ``respawn_continue``). When the run's
@@ -83,6 +87,7 @@ from stalwart.clock import Clock
 from stalwart.config import SubagentSettings, SupervisionSettings
 from stalwart.errors import ConcurrencyError, CorruptRecordError, StoreError
 from stalwart.events import (
+    AnnouncementFallbackDirect,
     AnnouncementQueued,
     AnnouncementResent,
     AnnouncementSendFailed,
@@ -95,6 +100,7 @@ from stalwart.events import (
 )
 from stalwart.ids import new_id
 from stalwart.state import (
+    batch_text,
     continuation_context,
     decide_ghost,
     decide_suspicious,
@@ -151,6 +157,13 @@ class _Due(msgspec.Struct, frozen=True):
 
 class _CompletionSent(msgspec.Struct, frozen=True):
     outcome: NoticeSent
+
+
+class _HoldEnded(msgspec.Struct, frozen=True):
+    """The receiver's Retry-After ran out: the run's notice goes directly now."""
+
+    stream: str
+    announcement_id: str
 
 
 class _Look(msgspec.Struct, frozen=True):
@@ -322,6 +335,8 @@ class SupervisorActor(Supervised):
         #: process cannot start it (a process holding its code may: saved to be reread)
         self._unavailable: set[str] = set()
         self._timer_key = ("supervisor", self.actor_urn)
+        #: the runs whose notice's direct send waits for a receiver's Retry-After
+        self._holding: set[str] = set()
         self._look_key = ("supervisor-look", self.actor_urn)
         self._next_ghost = 0.0
         self._next_heartbeat = 0.0
@@ -339,6 +354,8 @@ class SupervisorActor(Supervised):
     def on_stop(self) -> None:
         self._scheduler.cancel(self._timer_key)
         self._scheduler.cancel(self._look_key)
+        for stream in self._holding:  # the log says the send is owed: the next one sends
+            self._scheduler.cancel(self._hold_key(stream))
 
     def on_failure(self, *exc_info: object) -> None:
         self._scheduler.cancel(self._timer_key)
@@ -376,7 +393,7 @@ class SupervisorActor(Supervised):
                 self._look_on()
             case Sweep():
                 return self._sweep(ghosts=True, heartbeats=True)
-            case RunEnded() | NoticeSent() | _CompletionSent() | RestartNoticeSent():
+            case RunEnded() | NoticeSent() | _CompletionSent() | RestartNoticeSent() | _HoldEnded():
                 try:
                     self._record(message)
                 except StoreError as exc:  # the store is away: told again in a second
@@ -396,7 +413,9 @@ class SupervisorActor(Supervised):
                 raise TypeError(f"SupervisorActor does not understand {message!r}")
         return None
 
-    def _record(self, message: RunEnded | NoticeSent | _CompletionSent | RestartNoticeSent) -> None:
+    def _record(
+        self, message: RunEnded | NoticeSent | _CompletionSent | RestartNoticeSent | _HoldEnded
+    ) -> None:
         """A run's end or a send's outcome, settled and recorded; each is safe to tell
         again (what the log already holds is not decided twice)."""
         match message:
@@ -410,6 +429,8 @@ class SupervisorActor(Supervised):
                 self._completion_sent(outcome)
             case RestartNoticeSent():
                 self._restarts.notice_sent(message)
+            case _HoldEnded():
+                self._hold_ended(message)
 
     # -- the sweeps ----------------------------------------------------------------------------
 
@@ -764,7 +785,12 @@ class SupervisorActor(Supervised):
         if watch.notice == "none" and self._decide(stream, self._queue_notice):
             self._send(stream, "announce")
         elif watch.notice_id not in self._sending and self._decide(
-            stream, partial(notice_interrupted, wait_s=self._announce_s + RESEND_GRACE_S)
+            stream,
+            partial(
+                notice_interrupted,
+                wait_s=self._announce_s + RESEND_GRACE_S,
+                held=self._held(watch),
+            ),
         ):
             self._send(stream, "direct")  # a send a crash interrupted: send again, directly
         splits: dict[str, tuple[tuple[str, ...], str]] = {}  # one splitter call per settle
@@ -1021,6 +1047,47 @@ class SupervisorActor(Supervised):
             and announcement_id not in self._sending
         )
         if failure is not None and outcome.path == "announce" and falls_back:
+            self._send_direct(stream)
+
+    def _held(self, watch: RunWatch) -> bool:
+        """Whether the run's direct send waits for the Retry-After of the announce send's
+        receiver: when it goes to that receiver too (no announcer, or the same channel)."""
+        if self._announcer is None:
+            return True
+        return self._announcer is channel_named(
+            self._channels, watch.channel or self._default_channel
+        )
+
+    def _send_direct(self, stream: str) -> None:
+        """The notice's direct send: now, or once the hold the log records for it ends."""
+        watch = self._runs[stream]
+        if not watch.notice_hold_ms or not self._held(watch):
+            self._send(stream, "direct")
+            return
+        assert watch.notice_at is not None  # set with the fallback
+        until = watch.notice_at + watch.notice_hold_ms / 1000
+        ended = _HoldEnded(stream, watch.notice_id)
+        self._holding.add(stream)
+        log.info("supervisor.notice_held", run=stream, hold_ms=watch.notice_hold_ms)
+        self._scheduler.schedule(
+            until, lambda _at: self._tell_on(ended), key=self._hold_key(stream)
+        )
+
+    def _hold_key(self, stream: str) -> tuple[str, str, str]:
+        return ("supervisor-hold", self.actor_urn, stream)
+
+    def _hold_ended(self, ended: _HoldEnded) -> None:
+        """Send the held notice directly, unless it moved on meanwhile (a supervisor that
+        started sent it again, or its outcome is in the log)."""
+        stream, announcement_id = ended.stream, ended.announcement_id
+        self._holding.discard(stream)
+        watch = self._catch_up(stream)
+        if (
+            watch is not None
+            and watch.notice == "fallback"
+            and watch.notice_id == announcement_id
+            and announcement_id not in self._sending
+        ):
             self._send(stream, "direct")
 
     def _dead_letter(self, stream: str, reason: str, retry_after_ms: int | None) -> None:
@@ -1064,7 +1131,7 @@ class SupervisorActor(Supervised):
         owed = partial(owed_completion, wait_s=wait_s, channel=self._default_channel)
         if self._decide(stream, owed):
             log.warning("supervisor.completion_owed", run=stream)
-            self._send_completion(stream)
+            self._send_completion(stream, [stream])
             return
         watch = self._runs[stream]  # as the decision left it
         if watch.completion_id in self._sending or watch.completion != "queued":
@@ -1089,12 +1156,43 @@ class SupervisorActor(Supervised):
             resent: list[Event] = [AnnouncementResent(announcement_id=watch.completion_id)]
             for other in batch[1:]:  # the batch's other runs say so too
                 self._decide(other, partial(_unless_ended, watch.completion_id, resent))
-            self._send_completion(stream)
+            self._send_completion(stream, batch)
 
-    def _send_completion(self, stream: str) -> None:
-        watch = self._runs[stream]
-        text, announcement_id = watch.completion_text, watch.completion_id
+    def _send_completion(self, stream: str, batch: Sequence[str]) -> None:
+        announcement_id = self._runs[stream].completion_id
+        text = self._batch_text(batch)
         self._dispatch(stream, announcement_id, text, "reply", "direct", _CompletionSent)
+
+    def _batch_text(self, batch: Sequence[str]) -> str:
+        """The text of the completion the runs ``batch`` (in play) share: as the run that
+        records it has it (one of them, or the run they name), or, where that run's stream
+        cannot be read, made again from the runs' results in the order they ended."""
+        watches = [self._runs[stream] for stream in batch if stream in self._runs]
+        for watch in watches:
+            if not watch.completion_text_run:
+                return watch.completion_text
+        holder = f"session:{watches[0].completion_text_run}"
+        text = self._recorded_text(holder, watches[0].completion_id)
+        if text is not None:
+            return text
+        runs = sorted(watches, key=lambda watch: (watch.run.ended_at or 0.0, watch.run.stream))
+        return batch_text(tuple((_run_id(w), w.run.result) for w in runs))
+
+    def _recorded_text(self, stream: str, announcement_id: str) -> str | None:
+        """The text ``stream`` records for completion ``announcement_id`` (None: none, or
+        the stream cannot be read)."""
+        try:
+            for record in self._store.read_stream(stream):
+                event = record.event
+                if (
+                    isinstance(event, AnnouncementQueued)
+                    and event.announcement_id == announcement_id
+                    and event.text_run is None
+                ):
+                    return event.text
+        except CorruptRecordError as exc:
+            self._unreadable(stream, exc)
+        return None
 
     def _completion_sent(self, outcome: NoticeSent) -> None:
         """Record the send's outcome in every run of its batch; dead-letter a failure once."""
@@ -1113,7 +1211,7 @@ class SupervisorActor(Supervised):
             if watch.completion_id == announcement_id and self._catch_up(stream) is not None
         ]
         if failure is not None and batch:  # the queue's entry first, then the failure
-            text = self._runs[batch[0]].completion_text
+            text = self._batch_text(batch)
             hint = outcome.retry_after_ms
             self._enqueue(batch[0], announcement_id, text, failure, "reply", hint)
         for stream in batch:
@@ -1145,13 +1243,17 @@ class SupervisorActor(Supervised):
 
 
 #: what a dying supervisor hands to its successor (each is safe to tell again)
-_HANDED_OVER = (Crashed, RunEnded, NoticeSent, _CompletionSent, RestartNoticeSent)
+_HANDED_OVER = (Crashed, RunEnded, NoticeSent, _CompletionSent, RestartNoticeSent, _HoldEnded)
 
 
 def _folded(watch: RunWatch, records: Iterable[RecordedEvent]) -> RunWatch:
     for record in records:
         watch = RUN_WATCH.apply(watch, record)
     return watch
+
+
+def _run_id(watch: RunWatch) -> str:
+    return watch.run.stream.removeprefix("session:")
 
 
 def _begins_run(record: RecordedEvent) -> bool:
@@ -1178,7 +1280,7 @@ def _noted(outcome: NoticeSent, noted: RetryAfterNoted | None) -> NoticeSent:
 
 def _with_hint(event: Event, hint: int | None) -> Event:
     """A failed send's record with the receiver's Retry-After (None: it asked nothing)."""
-    if isinstance(event, AnnouncementSendFailed) and hint is not None:
+    if isinstance(event, AnnouncementSendFailed | AnnouncementFallbackDirect) and hint is not None:
         return msgspec.structs.replace(event, retry_after_ms=hint)
     return event
 

@@ -13,6 +13,7 @@ import msgspec
 from stalwart._logs import get_logger
 from stalwart.events import (
     AnnouncementDelivered,
+    AnnouncementFallbackDirect,
     AnnouncementQueued,
     AnnouncementResent,
     AnnouncementSendFailed,
@@ -42,6 +43,7 @@ from ._subagent import Spawn
 
 __all__ = [
     "INDEX_NAME",
+    "MAX_NOTICE_HOLD_MS",
     "RUN_WATCH",
     "UNSUCCESSFUL",
     "NoticeStage",
@@ -65,6 +67,11 @@ log = get_logger(__name__)
 #: How a run ends without success: it gets a failure notice and a recovery decision.
 UNSUCCESSFUL = ("timed_out", "swept", "failed")
 
+#: The longest a notice's direct send waits for the Retry-After its announce send's
+#: receiver asked for (an hour, the dead-letter queue's default ``max_age_ms``): a longer
+#: hint is the queue's to wait out, once the direct send fails too.
+MAX_NOTICE_HOLD_MS = 3_600_000
+
 #: How far a success's completion announcement got: none yet, queued (its send under
 #: way, or cut short by a crash), ended (delivered, or failed and dead-lettered).
 CompletionStage = Literal["none", "queued", "ended"]
@@ -80,12 +87,19 @@ class RunWatch(msgspec.Struct, frozen=True, kw_only=True):
     notice_text: str = ""
     notice: NoticeStage = "none"
     #: when the notice reached its stage (``queued``: its announce send began;
-    #: ``fallback``: its direct send did)
+    #: ``fallback``: its direct send was owed)
     notice_at: float | None = None
+    #: how long after ``notice_at`` a ``fallback`` notice's direct send waits: the
+    #: Retry-After the announce send's receiver asked for (capped at
+    #: :data:`MAX_NOTICE_HOLD_MS`); 0 once the notice is sent again
+    notice_hold_ms: int = 0
     #: ``subagent:spawned``'s ``announce`` (None: not recorded, nothing is owed)
     announce: bool | None = None
     completion_id: str = ""
     completion_text: str = ""
+    #: the run whose stream records the batch's text ("": this one's; see
+    #: ``AnnouncementQueued.text_run``)
+    completion_text_run: str = ""
     completion_at: float | None = None
     completion: CompletionStage = "none"
     #: ``subagent:spawned``'s ``next_run_id`` (None in logs written before it)
@@ -109,7 +123,14 @@ def _notice(state: RunWatch, record: RecordedEvent) -> RunWatch:
         notice_text=moved.text,
         notice=moved.stage,
         notice_at=record.ts if moved.stage != notice.stage else state.notice_at,
+        notice_hold_ms=_hold_ms(record.event) if moved.stage == "fallback" else 0,
     )
+
+
+def _hold_ms(event: Event) -> int:
+    """How long a notice's direct send waits after ``announcement:fallback_direct``."""
+    hint = event.retry_after_ms if isinstance(event, AnnouncementFallbackDirect) else None
+    return 0 if hint is None else max(0, min(hint, MAX_NOTICE_HOLD_MS))
 
 
 def apply_watch(state: RunWatch, record: RecordedEvent) -> RunWatch:
@@ -134,6 +155,7 @@ def apply_watch(state: RunWatch, record: RecordedEvent) -> RunWatch:
                 state,
                 completion_id=queued.announcement_id,
                 completion_text=queued.text,
+                completion_text_run=queued.text_run or "",
                 completion_at=record.ts,
                 completion="queued",
             )
@@ -142,7 +164,7 @@ def apply_watch(state: RunWatch, record: RecordedEvent) -> RunWatch:
         ):
             return msgspec.structs.replace(state, completion="ended")
         case AnnouncementResent() if record.event.announcement_id == state.notice_id:
-            return msgspec.structs.replace(state, notice_at=record.ts)
+            return msgspec.structs.replace(state, notice_at=record.ts, notice_hold_ms=0)
         case AnnouncementResent() if (
             state.completion == "queued" and record.event.announcement_id == state.completion_id
         ):
@@ -155,7 +177,9 @@ class RunWatchAggregate:
     """RUN plus the notice's channel, conversation and stage."""
 
     name = "supervisor_run_watch"
-    version = 6  # 4: notice_at; 5: host_work; 6: next_run_id, recovery_at
+    #: 4: notice_at; 5: host_work; 6: next_run_id, recovery_at; 7: notice_hold_ms,
+    #: completion_text_run
+    version = 7
     state_type = RunWatch
 
     def initial(self, stream: str) -> RunWatch:
@@ -240,15 +264,19 @@ def completion_interrupted(watch: RunWatch, now: float, *, wait_s: float) -> lis
     return []
 
 
-def notice_interrupted(watch: RunWatch, now: float, *, wait_s: float) -> list[Event]:
+def notice_interrupted(
+    watch: RunWatch, now: float, *, wait_s: float, held: bool = True
+) -> list[Event]:
     """The ``announcement:resent`` of the run's notice when it is queued (or fell back to
     a direct send) and its latest send began ``wait_s`` ago or more with no outcome:
     longer than a send can take, so no sender, in this process or another on the same
-    log, still has it in flight. Recorded before the send, it starts the wait again for
-    every other supervisor."""
+    log, still has it in flight. A direct send ``held`` for the receiver's Retry-After
+    (``notice_hold_ms``) begins that much later. Recorded before the send, it starts the
+    wait again for every other supervisor."""
     if watch.notice not in ("queued", "fallback"):
         return []
-    if watch.notice_at is not None and now < watch.notice_at + wait_s:
+    hold_s = watch.notice_hold_ms / 1000 if held and watch.notice == "fallback" else 0.0
+    if watch.notice_at is not None and now < watch.notice_at + hold_s + wait_s:
         return []
     return [AnnouncementResent(announcement_id=watch.notice_id)]
 

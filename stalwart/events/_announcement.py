@@ -12,6 +12,10 @@ class AnnouncementQueued(Event, frozen=True, tag="announcement:queued"):
     channel: str
     kind: Literal["completion", "failure_notice", "static_reply"] = "completion"
     text: str = ""
+    #: a batch of completions records its text once, in its first run's stream: the
+    #: others' records name that run here and carry no text (None: the text is this
+    #: record's; logs written before it have the batch's text in every run's record)
+    text_run: str | None = None
 
 
 class AnnouncementDelivered(Event, frozen=True, tag="announcement:delivered"):
@@ -48,6 +52,9 @@ class AnnouncementFallbackDirect(Event, frozen=True, tag="announcement:fallback_
     announcement_id: str
     timeout_ms: int
     error_class: str | None = None
+    #: the receiver's Retry-After (ms) with the announce send's failure: a direct send to
+    #: the same receiver waits that long (None: no hint; logs written before it have none)
+    retry_after_ms: int | None = None
     severity: ClassVar[Severity] = "warning"
 
 

@@ -9,7 +9,8 @@ model:fallback_exhausted     (session:)             provider, model, fallback_mo
                                                     agent, vision and failed call_id)
 announcement:fallback_direct NOTICES (session:)     notice_outcome (dead_letters.
                                                     announce_timeout_ms; the recorded
-                                                    error_class of the announce send)
+                                                    error_class and retry_after_ms of
+                                                    the announce send)
 session:requires_action      PAUSES (session:)      decide_pause (the tool's registration
                                                     as the request's kind records it)
 ===========================  =====================  =====================================
@@ -21,8 +22,9 @@ What each takes from the record rather than the fold, and why:
   refusal is the breaker's decision, in ``provider:<name>``), so there the failure's
   kind is taken as recorded. Which chain (the request needed vision or not) is recorded.
 * a notice's announce send is the only send whose failure falls back: which send failed
-  is what the tag records; that the notice was queued and not sent yet, the rule and the
-  timeout knob are re-derived.
+  is what the tag records, and what its receiver asked with the failure (its
+  Retry-After) is the receiver's, outside the log; that the notice was queued and not
+  sent yet, the rule and the timeout knob are re-derived.
 * whether a tool needs a human is its registration in host code, outside the log: the
   request's ``kind`` records it. The call (name and arguments verbatim), that it has no
   result and no answer yet, and the running turn are re-derived.
@@ -34,6 +36,8 @@ without ``error_class``, a request without ``call_id``) are not checked.
 from __future__ import annotations
 
 from typing import Any
+
+import msgspec
 
 from stalwart.events import (
     AnnouncementFallbackDirect,
@@ -133,6 +137,8 @@ def _direct(state: Notice, record: RecordedEvent, knobs: Knobs) -> list[Event]:
     decided = notice_outcome(
         found.announcement_id, "announce", found.error_class, timeout_ms=timeout_ms
     )
+    if isinstance(decided, AnnouncementFallbackDirect):  # the receiver's hint, as recorded
+        decided = msgspec.structs.replace(decided, retry_after_ms=found.retry_after_ms)
     return [decided]
 
 
