@@ -124,6 +124,7 @@ from ._agent_messages import (
 )
 from ._agent_wake import (
     DENIED_TEXT,
+    DRAFTS_NOTED,
     INTERRUPTED_TEXT,
     NO_HUMAN_TEXT,
     REPEATED_OUTCOME,
@@ -343,7 +344,7 @@ class AgentActor(Supervised):
                 else:
                     self._speak_up()
             case LeaseLost():
-                if self._wake is not None and message.epoch in (None, self._wake.epoch):
+                if self._wake is not None and self._lease_lost(message.epoch):
                     # an interrupt (no epoch) is news to the worker: it still counts the
                     # wake as running, and would hold the session's next message back
                     # until its renewal is fenced; a takeover it noticed itself
@@ -376,6 +377,22 @@ class AgentActor(Supervised):
         if isinstance(message, UserMessage | AgentStatus):
             return self._report()
         return None
+
+    def _lease_lost(self, epoch: int | None) -> bool:
+        """Whether the running wake's lease is the one a :class:`LeaseLost` names: the
+        lease of ``epoch``, or (None: an interrupt's notice, sent once the interrupt is
+        in the log) one the log's epoch has moved past. An interrupt's notice that comes
+        after the next wake was leased (a message sent as the session was interrupted)
+        is not that wake's: dropping it would leave its lease to expire, a failure."""
+        wake = self._wake
+        assert wake is not None
+        if epoch is not None:
+            return epoch == wake.epoch
+        try:
+            self._refresh()
+        except StoreError:  # the log cannot say: the wake cannot append either
+            return True
+        return self._ledger.activations.epoch > wake.epoch
 
     def _report(self) -> AgentReport:
         turn = self._turn
@@ -531,7 +548,8 @@ class AgentActor(Supervised):
             return
         turn.step += 1
         system = self._settings.system_prompt
-        note = drafts_note(self._ledger.drafts.open()) if self._wake is not None else None
+        drafts = self._ledger.drafts.open() if self._wake is not None else []
+        note = drafts_note(drafts, limit=DRAFTS_NOTED)
         if note is not None:  # an interrupted wake's drafts: continue them, not start over
             system = f"{system}\n\n{note}" if system else note
         tools, max_tokens = self._tools.specs(), self._caller.agent.max_tokens

@@ -58,6 +58,7 @@ from stalwart.tools import Tool, ToolOutcome, parse_arguments
 
 __all__ = [
     "DENIED_TEXT",
+    "DRAFTS_NOTED",
     "INTERRUPTED_TEXT",
     "NO_HUMAN_TEXT",
     "REPEATED_OUTCOME",
@@ -94,6 +95,8 @@ UNRECONCILED_TEXT = (
 REPEATED_OUTCOME = "already_answered"
 #: How a delayed wake's text enters the conversation.
 WAKE_PREFIX = "[scheduled wake] "
+#: The most open drafts a request's system prompt lists (the newest; draft_list has all).
+DRAFTS_NOTED = 20
 
 #: Turn-ending reasons the wake retries: the machinery broke, not the model. A model
 #: failure is not among them: the provider layer already retried it (with fallbacks) and
@@ -358,15 +361,23 @@ def pause_for(
     return None if request is None else msgspec.structs.replace(request, request_id=new_id())
 
 
-def drafts_note(drafts: list[Draft]) -> str | None:
-    """The system prompt's note on drafts still open (None when there are none)."""
+def drafts_note(drafts: list[Draft], *, limit: int | None = None) -> str | None:
+    """The note on drafts still open (None when there are none): each one, or given a
+    ``limit``, the ``limit`` written last and how many more there are (the system
+    prompt's note: a session's open drafts only grow, nothing discards one)."""
     if not drafts:
         return None
+    shown = drafts
+    if limit is not None and len(drafts) > limit:
+        newest = sorted(drafts, key=lambda d: d.updated_at, reverse=True)[:limit]
+        shown = sorted(newest, key=lambda d: d.path)
     lines = [  # a path is the model's: reduced to a safe label on this trusted line
         f"- {safe_label(d.path)} (revision {d.revision}, {d.size} bytes, "
         f"sha256 {d.content_hash[:12]})"
-        for d in drafts
+        for d in shown
     ]
+    if len(shown) < len(drafts):
+        lines.append(f"- and {len(drafts) - len(shown)} older ones (draft_list shows them all)")
     return (
         "Drafts staged in this session's workspace and not committed yet (continue them "
         "with draft_read; nothing reaches the shared resource until draft_commit):\n"
