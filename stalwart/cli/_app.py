@@ -313,7 +313,7 @@ def message_text(given: str, name: str) -> str:
 
 @cli.group()
 def session() -> None:
-    """One session: its events, and answers to what it waits for (see also ``status``)."""
+    """One session: its events, and answers to what it waits for (see also `stalwart status`)."""
 
 
 class _NeverRaised(click.ClickException):

@@ -18,16 +18,28 @@ def db() -> None:
     """The store's database: create or upgrade its schema, check it."""
 
 
+#: ``db init --store PATH`` and ``db check --store PATH``: the form a store's own error
+#: names ("create it with `stalwart db init --store URL`"), as ``stalwart --store`` does
+store_option = click.option(
+    "--store",
+    "location",
+    metavar="PATH",
+    default=None,
+    help="The store, as `stalwart --store PATH` names it (given here, this one is used).",
+)
+
+
 @db.command()
+@store_option
 @click.pass_obj
-def init(state: _State) -> None:
+def init(state: _State, location: str | None) -> None:
     """Create the store (or upgrade its schema) at --store, then exit.
 
     Safe to run while workers use the store and from several hosts at once: the
     schema is changed in one transaction under a lock, and a current schema is left
     as it is. For a directory this creates an empty LMDB store.
     """
-    location = state.location or DEFAULT_STORE
+    location = location or state.location or DEFAULT_STORE
     store = open_store(location, create=True)
     try:
         migrated = getattr(store, "migrated_from", None)
@@ -46,9 +58,10 @@ def init(state: _State) -> None:
 
 
 @db.command()
+@store_option
 @click.option("--json", "as_json", is_flag=True, help="The report as one JSON object.")
 @click.pass_context
-def check(ctx: click.Context, as_json: bool) -> None:
+def check(ctx: click.Context, location: str | None, as_json: bool) -> None:
     """Walk the whole log, read every stream back, and report where they disagree.
 
     Each problem is one line: a record that cannot be read, a gap, a version out of
@@ -57,6 +70,8 @@ def check(ctx: click.Context, as_json: bool) -> None:
     workers. Exit 0 when the store is consistent, 1 when a problem was found.
     """
     state: _State = ctx.obj
+    if location is not None:
+        state.location = location
     store = state.store()
     try:
         report = check_store(store)

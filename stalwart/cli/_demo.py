@@ -23,6 +23,7 @@ from types import FrameType
 
 import anyio
 import click
+from click.core import ParameterSource
 
 from stalwart._text import escaped
 from stalwart.actors import RunReport
@@ -450,7 +451,7 @@ def demo(state: _State) -> None:
     parent = click.get_current_context().parent
     if parent is not None and parent.params.get("log_level") == "warning":
         configure_logging("critical")  # the narration tells the story; logs would repeat it
-    location = state.location or DEFAULT_DIR
+    location = _demo_location(state)
     if "://" in location:
         raise StalwartError("the demo writes a directory of its own; pass --store DIR")
     directory = Path(location)
@@ -473,6 +474,18 @@ def demo(state: _State) -> None:
     say("Every step above is an event in the log. Inspect it:", bold=True)
     for line in inspect_lines(directory):
         say(line)
+
+
+def _demo_location(state: _State) -> str:
+    """``--store DIR`` from the command line, else ``./stalwart-demo``; never
+    ``STALWART_STORE``, which names the user's own store: the demo would make its
+    throwaway store there (one the next demo empties, whatever was written to it since),
+    or refuse it, asking for a --store nobody gave."""
+    context = click.get_current_context().parent
+    source = context.get_parameter_source("location") if context is not None else None
+    if source is ParameterSource.ENVIRONMENT:
+        return DEFAULT_DIR
+    return state.location or DEFAULT_DIR
 
 
 def _as_interrupt(terminated: list[int], signum: int, frame: FrameType | None) -> None:

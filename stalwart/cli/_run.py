@@ -234,7 +234,7 @@ async def _main(
     "config_path",
     required=True,
     type=click.Path(dir_okay=False),
-    help="The TOML or YAML config with providers and agents.",
+    help="The config (TOML, YAML or JSON) with providers and agents.",
 )
 @click.option(
     "--agent",
@@ -250,7 +250,7 @@ async def _main(
 def run(
     state: _State, config_path: str, agent: str | None, session: str | None, prompt: str
 ) -> None:
-    """Send PROMPT as one user turn and print the reply as it streams (PROMPT ``-``:
+    """Send PROMPT as one user turn and print the reply as it streams (PROMPT `-`:
     read it from standard input)."""
     if session is not None:  # `abc` or, as `stalwart status` lists it, `session:abc`
         session = check_session_id(session.removeprefix("session:"))

@@ -27,7 +27,7 @@ from ._views import session_stream
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line (as tail).")
 @click.pass_obj
 def events(state: _State, session_id: str, follow: bool, as_json: bool) -> None:
-    """Print SESSION's stream, rendered like ``tail``."""
+    """Print SESSION's stream, rendered like `stalwart tail`."""
     stream = session_stream(session_id)
     render = event_json if as_json else event_line
     store = state.store()

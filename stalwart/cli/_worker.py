@@ -18,8 +18,10 @@ from pathlib import Path
 import click
 
 from stalwart.config import load_config
-from stalwart.errors import StoreNotFoundError
-from stalwart.runtime import Runtime, send_message
+from stalwart.errors import StalwartError, StoreNotFoundError
+from stalwart.events import SessionCreated
+from stalwart.runtime import Runtime, check_session_id, send_message
+from stalwart.store import EventStore
 from stalwart.store import open as open_store
 
 from ._app import DEFAULT_STORE, Seconds, _State, cli, message_text, session
@@ -76,15 +78,37 @@ def _name(rt: Runtime) -> str:
         return "worker"
 
 
+def _check_given(
+    store: EventStore, session_id: str, agent: str | None, channel: str | None
+) -> None:
+    """``--agent`` / ``--channel`` given for a session that exists must be its own: its
+    agent answers and its channel delivers whatever they say, so another one would be
+    ignored without a word (as ``stalwart run`` refuses another ``--agent``)."""
+    stream = f"session:{check_session_id(session_id.removeprefix('session:'))}"
+    first = next(iter(store.read_stream(stream, 1, to_version=1)), None)
+    if first is None or not isinstance(first.event, SessionCreated):
+        return
+    created = first.event
+    for option, given, own in (
+        ("agent", agent, created.agent),
+        ("channel", channel, created.channel),
+    ):
+        if given is not None and own is not None and given != own:  # None: not recorded
+            raise StalwartError(
+                f"session {stream!r} belongs to {option} {own!r}, not {given!r}: "
+                f"--{option} is for a new session"
+            )
+
+
 @session.command("send")
 @click.argument("session_id", metavar="SESSION")
 @click.argument("text")
-@click.option("--agent", default="default", show_default=True, help="For a new session.")
-@click.option("--channel", default="console", show_default=True, help="For a new session.")
+@click.option("--agent", help="For a new session  [default: default].")
+@click.option("--channel", help="For a new session  [default: console].")
 @click.pass_obj
-def send(state: _State, session_id: str, text: str, agent: str, channel: str) -> None:
+def send(state: _State, session_id: str, text: str, agent: str | None, channel: str | None) -> None:
     """Give SESSION a user message (durable when this returns); a worker answers it
-    (TEXT ``-``: read it from standard input)."""
+    (TEXT `-`: read it from standard input)."""
     text = message_text(text, "TEXT")
     location = state.location or DEFAULT_STORE
     try:
@@ -93,7 +117,10 @@ def send(state: _State, session_id: str, text: str, agent: str, channel: str) ->
         store = open_store(location, create=True)
         click.echo(f"stalwart: no store was at {store.location}: created a new one", err=True)
     try:
-        activation = send_message(store, session_id, text, agent=agent, channel=channel)
+        _check_given(store, session_id, agent, channel)
+        activation = send_message(
+            store, session_id, text, agent=agent or "default", channel=channel or "console"
+        )
     finally:
         store.close()
     click.echo(activation)
