@@ -186,7 +186,11 @@ def yours_to_say(queued: AnnouncementQueued, *channels: str | None) -> bool:
     announcement but another sub-agent run's answer to that run's private channel
     (``subagent:<run id>``), found in a run's stream opened as a session. A name that
     differs otherwise (a log that recorded the channel's own name, a channel renamed or
-    gone from the config) is still the session's news for its user."""
+    gone from the config) is still the session's news for its user. Never a completion
+    batch's record whose text another run's record holds (``text_run``): it carries no
+    text, and the supervisor sends the batch again from that run."""
+    if queued.text_run is not None:
+        return False
     return queued.channel in channels or not queued.channel.startswith(SUBSESSION_CHANNEL_PREFIX)
 
 
