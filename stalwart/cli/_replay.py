@@ -41,6 +41,7 @@ from stalwart.state import (
     Verifier,
 )
 from stalwart.state import VerifyReport as Report
+from stalwart.state._verify_registry import _is_number
 from stalwart.store import EventStore, Passed, read_all_passing
 from stalwart.tools import ToolBreakerState, apply_tool_breaker, decide_tool_call
 
@@ -113,9 +114,10 @@ def _widest_health_window(store: EventStore, until: int | None) -> int:
     widest = 0
     for item in _runtime(store, "", until):
         if isinstance(item, RecordedEvent) and isinstance(item.event, RuntimeStarted):
-            window = item.event.config.get("health", {}).get("window_ms", 0)
-            if isinstance(window, int) and not isinstance(window, bool):
-                widest = max(widest, window)
+            health = item.event.config.get("health")
+            window = health.get("window_ms", 0) if isinstance(health, dict) else 0
+            if _is_number(window, whole=True):  # as the verifier reads it (600000.0 too)
+                widest = max(widest, int(window))
     return widest
 
 
