@@ -7,6 +7,7 @@ restarts' backoff. A real LMDB store, the fake provider over loopback, MemoryCha
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
@@ -17,6 +18,7 @@ from stalwart.actors import (
     ActivationWorker,
     ContextStoreActor,
     DeadLetterActor,
+    Enqueue,
     GetHealth,
     HealthReport,
     ProviderHealthActor,
@@ -212,3 +214,30 @@ def test_an_entry_held_for_a_restarted_queue_that_dies_again_reaches_the_next_on
     )
     assert (entry.channel, entry.conversation) == ("chat", "s1")
     assert rt.dead_letters(GUARD).entries[0].entry_id == entry.entry_id
+
+
+# Was: DEFECT: two tells of one failed answer to the given-up queue at once (its held copy
+# and the asker's retell) both folded the stream, both missed the other and both appended:
+# two entries, and the next runtime delivered the answer twice
+def test_one_answer_told_at_once_from_many_threads_is_recorded_once(
+    rt: Runtime, store: EventStore, clock: FakeClock
+) -> None:
+    give_up_on(rt, store, clock, DeadLetterActor)
+    assert rt._parts is not None
+    enqueue = Enqueue(
+        announcement_id="a1", channel="chat", conversation="s1", text="hi", reason="timeout"
+    )
+    start = threading.Barrier(8)
+
+    def tell() -> None:
+        start.wait()
+        assert rt._parts is not None
+        rt._parts.dead_letters_ref.tell(enqueue)
+
+    threads = [threading.Thread(target=tell) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(GUARD)
+    entries = of(AnnouncementDeadLettered, list(store.read_stream("deadletter")))
+    assert [e.announcement_id for e in entries] == ["a1"]

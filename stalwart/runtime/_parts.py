@@ -84,6 +84,9 @@ class PartsLayer:
         #: the parts supervision gave up on, and how many tells each refused since
         self._given_up: dict[str, int] = {}
         self._given_up_lock = threading.Lock()
+        #: one entry recorded for a given-up dead-letter queue at a time: two tells of one
+        #: answer (a held copy and its asker's retell) fold and append one after the other
+        self._entry_lock = threading.Lock()
         #: told the name of each part given up on (see on_given_up)
         self._given_up_listeners: list[Callable[[str, Callable[[object], None]], None]] = []
         self.dead_letters_ref = LiveRef(lambda: self._dead_letters, "deadletter", hold=True)
@@ -392,7 +395,8 @@ class PartsLayer:
             self._refused("deadletter", message)
             return
         try:
-            entry_id = self._record_entry(message)
+            with self._entry_lock:
+                entry_id = self._record_entry(message)
         except StalwartError as exc:  # a stand-in never raises: said, as the queue would
             log.error(
                 "runtime.dead_letter_unrecorded",
