@@ -47,6 +47,7 @@ from ._postgres_writer import (
     NotSentError,
     Outcome,
     RefusedError,
+    Result,
     Writer,
     batch_params,
 )
@@ -218,22 +219,9 @@ class PostgresEventStore:
 
     def _recover(self, jobs: list[AppendJob], pid: int | None) -> list[Outcome]:
         self._db.check()  # drop every pooled connection the server closed
-        found: list[tuple[str, int, int, int] | None] = []
-        with self._db.connection("check a lost append") as conn:
-            if pid is not None and pid != conn.info.backend_pid:  # never our own session
-                ended = conn.execute(self._sql.end_session, (pid,)).fetchone()
-                lingers = ended is not None and not ended[0]  # false: not gone in 5 s, or
-                if lingers:  # gone just before the call; only a session still there counts
-                    lingers = conn.execute(self._sql.session_alive, (pid,)).fetchone() is not None
-                if lingers:  # a stalled server process: it may commit yet, nothing is resent
-                    log.warning("store.append_session_lingers", location=self.location)
-                    raise AppendInDoubtError(
-                        f"the session of a lost append to the store at {self.location} "
-                        "did not end; it may or may not have been written"
-                    )
-            for job in jobs:
-                row = conn.execute(self._sql.find_event, (job.stream, job.ids[0])).fetchone()
-                found.append(None if row is None else ("ok", row[0], row[1] - 1, 0))
+        # safe to run twice: a pooled connection that passed the check may be cut next
+        # (a restart ends sessions one after another); once more on a new one, then
+        found = self._db.again("check a lost append", lambda conn: self._found(conn, jobs, pid))
         log.warning(
             "store.append_recovered",
             location=self.location,
@@ -243,6 +231,41 @@ class PostgresEventStore:
         resend = [job for job, result in zip(jobs, found, strict=True) if result is None]
         sent = iter(self._resend(resend))
         return [result if result is not None else next(sent) for result in found]
+
+    def _found(
+        self, conn: psycopg.Connection[Any], jobs: list[AppendJob], pid: int | None
+    ) -> list[Result | None]:
+        """Each append of a lost batch as the log has it: its result when it was written,
+        None when it was not, once the batch's old session ``pid`` is gone."""
+        # never our own session; one still there may commit yet: nothing is resent
+        if pid is not None and pid != conn.info.backend_pid and self._session_lingers(conn, pid):
+            log.warning("store.append_session_lingers", location=self.location)
+            raise AppendInDoubtError(
+                f"the session of a lost append to the store at {self.location} "
+                "did not end; it may or may not have been written"
+            )
+        found: list[Result | None] = []
+        for job in jobs:
+            row = conn.execute(self._sql.find_event, (job.stream, job.ids[0])).fetchone()
+            found.append(None if row is None else ("ok", row[0], row[1] - 1, 0))
+        return found
+
+    def _session_lingers(self, conn: psycopg.Connection[Any], pid: int) -> bool:
+        """End the server session ``pid`` of a lost append, waiting up to 5 s for it to go;
+        True when it is still there (a stalled server process, which may commit yet).
+
+        As the login role (``SET LOCAL ROLE NONE``): a role the session switched to (the
+        login role's ``ALTER ROLE ... SET role``, or ``options=-c role=...``) matched no
+        session's user, so a lost append still running (waiting on a lock) was not ended
+        and was sent again beside it: written twice, or a ConcurrencyError though it was
+        written."""
+        with conn.transaction():
+            conn.execute(self._sql.as_login_role)
+            ended = conn.execute(self._sql.end_session, (pid,)).fetchone()
+        if ended is None or ended[0]:  # gone already, or ended now
+            return False
+        # not gone in 5 s, or gone just before the call: only a session still there counts
+        return conn.execute(self._sql.session_alive, (pid,)).fetchone() is not None
 
     def _resend(self, jobs: list[AppendJob]) -> list[Outcome]:
         """Send once more the appends of a lost batch that are not in the log: each one's

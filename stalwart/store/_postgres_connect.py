@@ -31,6 +31,10 @@ DEFAULT_SCHEMA = "stalwart"
 SCHEMES = ("postgresql", "postgres")
 _SECRET_PARAMS = {"password", "passfile", "sslpassword"}
 _MALFORMED = "the PostgreSQL store URL is malformed: its host or port cannot be read"
+_AT_AFTER_HOST = (
+    "the PostgreSQL store URL is malformed: it has an @ after its host; in a user name or "
+    "password, write / as %2F, ? as %3F and # as %23 (and an @ in a database name as %40)"
+)
 
 
 class PostgresUrl:
@@ -59,11 +63,12 @@ class PostgresUrl:
                 "a PostgreSQL store URL starts with postgresql:// or postgres://, "
                 f"found {parts.scheme or 'no scheme'!r}"
             )
+        # a "+" is a plus to libpq (parse_qsl would make it a space)
+        query = parse_qsl(parts.query.replace("+", "%2B"), keep_blank_values=True)
+        _check_after_host(parts.path, parts.fragment, query)
         userinfo, _, hostlist = parts.netloc.rpartition("@")
         hosts = [_host(host) for host in hostlist.split(",")] if hostlist else [""]
         user, _, password = userinfo.partition(":")
-        # a "+" is a plus to libpq (parse_qsl would make it a space)
-        query = parse_qsl(parts.query.replace("+", "%2B"), keep_blank_values=True)
         schema = DEFAULT_SCHEMA
         self.password = unquote(password) if password else None
         secret: dict[str, Any] = {} if self.password is None else {"password": self.password}
@@ -107,6 +112,15 @@ class PostgresUrl:
         for secret in self.secrets:
             text = text.replace(secret, "***")
         return text
+
+
+def _check_after_host(path: str, fragment: str, query: list[tuple[str, str]]) -> None:
+    """A StoreError, the URL not shown, when an ``@`` follows the host where no libpq URL
+    has one (the database name, a parameter's name, a fragment): a password with a ``/``,
+    ``?`` or ``#`` in it ends the host there (``agent:/pw@db``: host ``agent``), and the
+    rest of the password was shown as the database or a parameter, in errors and logs."""
+    if "@" in path or "@" in fragment or any("@" in key for key, _ in query):
+        raise StoreError(_AT_AFTER_HOST)
 
 
 def _check_schema(schema: str) -> None:

@@ -468,10 +468,12 @@ class Statements:
             "(SELECT version FROM {s}.snapshots WHERE stream = %s AND name = %s "
             "ORDER BY version DESC LIMIT %s)"
         )
-        # the session of a lost append, gone before we look (waits up to 5 s for it)
+        # the session of a lost append, gone before we look (waits up to 5 s for it);
+        # run as the login role (``as_login_role``): sessions are the login role's
+        self.as_login_role = q("SET LOCAL ROLE NONE")
         self.end_session = q(
             "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE pid = %s "
-            "AND usename = current_user AND datname = current_database()"
+            "AND usename = session_user AND datname = current_database()"
         )
         self.session_alive = q("SELECT 1 FROM pg_stat_activity WHERE pid = %s")
         self.find_event = q(

@@ -8,7 +8,9 @@ waiting readers read the head themselves. So a notification lost while nobody li
 delays readers by at most one poll interval and never loses an event, and however many
 readers wait, one handle polls the database once per interval. While the listener is
 down (a killed connection, a failover) the readers poll the head themselves at that
-interval until it reconnects, with backoff.
+interval until it reconnects, with backoff. An outage is logged once
+(``store.listener_lost``; each failed reconnect after it at debug level) and its end once
+(``store.listener_back``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class Doorbell:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._head = -1
+        self._retry = _RETRY_FIRST
+        self._down = False  # lost, and not listening again since (logged once)
 
     def ring(self) -> None:
         with self.rung:
@@ -83,25 +87,37 @@ class Doorbell:
         self.listening.wait(ready_within)
 
     def _run(self) -> None:
-        retry = _RETRY_FIRST
         while not self._stop.is_set():
             try:
                 self._listen()
-                retry = _RETRY_FIRST
             except Exception as exc:  # psycopg's, or the StoreError of a failed reconnect
                 self.listening.clear()
                 if self._stop.is_set():
                     return
-                log.warning("store.listener_lost", channel=self._channel, error=type(exc).__name__)
+                self._lost(exc)
                 self.ring()  # readers poll for themselves now; let them look at once
-                self._stop.wait(retry)
-                retry = min(retry * 2, _RETRY_MAX)
+                self._stop.wait(self._retry)
+                self._retry = min(self._retry * 2, _RETRY_MAX)
+
+    def _lost(self, exc: Exception) -> None:
+        """Log the listener's loss once per outage: a warning at every failed reconnect
+        (every 2 s) filled a worker's log for as long as the database was away."""
+        level = log.debug if self._down else log.warning
+        self._down = True
+        level("store.listener_lost", channel=self._channel, error=type(exc).__name__)
+
+    def _listening(self) -> None:
+        self.listening.set()
+        self._retry = _RETRY_FIRST  # a later loss is retried at once again
+        if self._down:
+            self._down = False
+            log.info("store.listener_back", channel=self._channel)
+        self.ring()  # whatever came before LISTEN took hold is seen by the next look
 
     def _listen(self) -> None:
         with contextlib.closing(self._connect()) as conn:
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
-            self.listening.set()
-            self.ring()  # whatever came before LISTEN took hold is seen by the next look
+            self._listening()
             while not self._stop.is_set():
                 for _ in conn.notifies(timeout=self.poll_interval):
                     self.ring()
