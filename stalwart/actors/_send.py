@@ -22,7 +22,9 @@ look up too: the runtime's :class:`~stalwart.actors.LoopWatch` says so, and wher
 A sender that queues a failed send in the dead-letter queue sends through
 :func:`noting`: what the receiver asked with the failure (its Retry-After,
 :func:`retry_after_of`) goes with the failure's record and the queue's entry, whose
-first retry waits for it.
+first retry waits for it. The receiver's wait holds back every sender's next send to
+it too (:func:`~stalwart.channels.busy_gated`, on the Clock): such a send does not go
+out, it fails at once as ``receiver_busy`` with what is left of the wait as its hint.
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ import anyio
 import anyio.lowlevel
 
 from stalwart._logs import get_logger
-from stalwart.channels import Channel, OutboundMessage, RetryAfterNoted, send_within
+from stalwart.channels import (
+    Channel,
+    OutboundMessage,
+    RetryAfterNoted,
+    busy_gated,
+    send_within,
+)
 from stalwart.clock import Clock
 
 from ._portal import IoPortal
@@ -114,7 +122,9 @@ def send_by_clock(
     # the deadline counts from before the send begins: read after it, a clock moved
     # while the send was already with the channel would push the deadline later
     now = clock.now()
-    send = portal.submit(_send_until, deadline, channel, message)  # raises when stopped
+    # not sent while the receiver asked every sender to wait (``receiver_busy``)
+    gated = busy_gated(channel, clock)
+    send = portal.submit(_send_until, deadline, gated, message)  # raises when stopped
 
     def expire(_at: float) -> None:
         scope = deadline.expire()

@@ -9,7 +9,13 @@ Built-ins: :class:`ConsoleChannel`, :class:`WebhookChannel` and, for tests,
 from ._console import ConsoleChannel
 from ._factory import channel_from_settings
 from ._memory import MemoryChannel
-from ._send import RetryAfterNoted, send_within
+from ._send import (
+    LONGEST_BUSY_S,
+    RECEIVER_BUSY,
+    RetryAfterNoted,
+    busy_gated,
+    send_within,
+)
 from ._types import (
     Channel,
     Delivery,
@@ -21,6 +27,8 @@ from ._types import (
 from ._webhook import WebhookChannel
 
 __all__ = [
+    "LONGEST_BUSY_S",
+    "RECEIVER_BUSY",
     "Channel",
     "ConsoleChannel",
     "Delivery",
@@ -29,6 +37,7 @@ __all__ = [
     "OutboundMessage",
     "RetryAfterNoted",
     "WebhookChannel",
+    "busy_gated",
     "channel_from_settings",
     "channel_named",
     "message_kind",

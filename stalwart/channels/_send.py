@@ -1,17 +1,34 @@
 """One send with a deadline, whose outcome is a content-free word, never an exception;
-and a channel that notes the receiver's Retry-After of its send's failure."""
+a channel that notes the receiver's Retry-After of its send's failure; and what a
+receiver that asked to be sent nothing for a while (its Retry-After) holds back."""
 
 from __future__ import annotations
 
 import math
+import threading
+import weakref
+from collections.abc import Callable
 
 import anyio
 
+from stalwart._logs import get_logger
+from stalwart.clock import Clock, SystemClock
 from stalwart.errors import FINAL_FAILURE, ChannelError
 
 from ._types import Channel, Delivery, OutboundMessage
+from ._webhook import WebhookChannel
 
-__all__ = ["LONGEST_HINT_MS", "RetryAfterNoted", "send_within"]
+__all__ = [
+    "LONGEST_BUSY_S",
+    "LONGEST_HINT_MS",
+    "RECEIVER_BUSY",
+    "SHORTEST_BUSY_MS",
+    "RetryAfterNoted",
+    "busy_gated",
+    "send_within",
+]
+
+log = get_logger(__name__)
 
 
 async def send_within(
@@ -61,13 +78,22 @@ class RetryAfterNoted:
         self.name = channel.name
         self.retry_after_ms: int | None = None
 
+    @property
+    def channel(self) -> Channel:
+        """The channel it sends on."""
+        return self._channel
+
     async def send(self, message: OutboundMessage) -> Delivery:
         self.retry_after_ms = None
         try:
             return await self._channel.send(message)
         except ChannelError as exc:
-            self.retry_after_ms = _hint_ms(exc)
+            self.note(exc)
             raise
+
+    def note(self, error: ChannelError) -> None:
+        """What the receiver asked with ``error``: the failure of this send."""
+        self.retry_after_ms = _hint_ms(error)
 
     async def aclose(self) -> None:
         await self._channel.aclose()
@@ -84,3 +110,132 @@ def _hint_ms(error: ChannelError) -> int | None:
     if seconds is None or not error.retryable or not math.isfinite(seconds) or seconds < 0:
         return None
     return min(math.ceil(seconds * 1000), LONGEST_HINT_MS)
+
+
+# -- a receiver that asked to be sent nothing for a while ------------------------------------
+
+#: The class of a send that did not go out: its receiver asked (with the Retry-After of
+#: another send's failure) to be sent nothing until later. Retryable: the error's
+#: ``retry_after`` is what is left of that wait.
+RECEIVER_BUSY = "receiver_busy"
+#: The longest a receiver's Retry-After holds this process's sends back (s): a receiver
+#: that asks for a day is asked again after an hour (one request), and its answer then
+#: holds them back again.
+LONGEST_BUSY_S = 3600.0
+#: The shortest Retry-After that holds a receiver's next sends back (ms): a held-back send
+#: goes to the dead-letter queue, whose first retry is about 30 s away, so a shorter wait
+#: costs a send less than holding it back would (it goes out, and the channel's own
+#: retries wait as asked).
+SHORTEST_BUSY_MS = 30_000
+
+#: A receiver: the channel's name and its webhook url (None for a channel with no url).
+_Receiver = tuple[str, str | None]
+
+
+class _BusyReceivers:
+    """Until when each receiver asked to be sent nothing, on one Clock's time."""
+
+    __slots__ = ("_lock", "_until")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._until: dict[_Receiver, float] = {}
+
+    def left(self, receiver: _Receiver, now: float) -> float | None:
+        """Seconds the receiver asked to be left alone from ``now`` on (None: none)."""
+        with self._lock:
+            until = self._until.get(receiver)
+            if until is not None and until <= now:
+                del self._until[receiver]
+                return None
+        return None if until is None else until - now
+
+    def note(self, receiver: _Receiver, now: float, error: ChannelError) -> None:
+        """The receiver's Retry-After with a send's failure, bounded by :data:`LONGEST_BUSY_S`
+        (a later, shorter one does not shorten the wait another send was asked for)."""
+        hint = _hint_ms(error)
+        if hint is None or hint < SHORTEST_BUSY_MS:
+            return
+        until = now + min(hint / 1000, LONGEST_BUSY_S)
+        with self._lock:
+            self._until = {r: t for r, t in self._until.items() if t > now}  # the bound
+            self._until[receiver] = max(until, self._until.get(receiver, until))
+
+
+#: The busy receivers known in this process, by the Clock their times are on (every
+#: SystemClock reads the same time: they share one).
+_BY_CLOCK: weakref.WeakKeyDictionary[object, _BusyReceivers] = weakref.WeakKeyDictionary()
+_BY_CLOCK_LOCK = threading.Lock()
+_SHARED = _BusyReceivers()  # a Clock that cannot be weakly referenced, and SystemClocks
+
+
+def _busy_on(clock: Clock) -> _BusyReceivers:
+    if isinstance(clock, SystemClock):
+        return _SHARED
+    with _BY_CLOCK_LOCK:
+        try:
+            return _BY_CLOCK.setdefault(clock, _BusyReceivers())
+        except TypeError:  # a host's Clock that cannot be a weak key
+            return _SHARED
+
+
+def busy_gated(channel: Channel | None, clock: Clock) -> Channel | None:
+    """``channel`` for one send that does not go out while its receiver asked to be sent
+    nothing: it fails at once with ChannelError ``receiver_busy`` (retryable, its
+    ``retry_after`` what is left of the wait); and whose failure with a Retry-After holds
+    back the sends to that receiver (from every sender of the process on ``clock``) for
+    as long, at most :data:`LONGEST_BUSY_S`. A receiver is a channel's name and its url.
+    A :class:`RetryAfterNoted` notes the refusal's hint as the receiver's own."""
+    if channel is None:
+        return None
+    return _BusyGate(channel, _busy_on(clock), clock.now)
+
+
+class _BusyGate:
+    """A channel for one send, held back while its receiver is busy."""
+
+    __slots__ = ("_busy", "_channel", "_now", "name")
+
+    def __init__(self, channel: Channel, busy: _BusyReceivers, now: Callable[[], float]) -> None:
+        self._channel = channel
+        self._busy = busy
+        self._now = now
+        self.name = channel.name
+
+    async def send(self, message: OutboundMessage) -> Delivery:
+        receiver = _receiver_of(self._channel)
+        left = self._busy.left(receiver, self._now())
+        if left is not None:
+            refusal = _busy_error(self.name, left)
+            if isinstance(self._channel, RetryAfterNoted):
+                self._channel.note(refusal)
+            log.info("channel.receiver_busy", channel=self.name, wait_s=round(left, 3))
+            raise refusal
+        try:
+            return await self._channel.send(message)
+        except ChannelError as exc:
+            self._busy.note(receiver, self._now(), exc)
+            raise
+
+    async def aclose(self) -> None:
+        await self._channel.aclose()
+
+
+def _receiver_of(channel: Channel) -> _Receiver:
+    """Who receives what ``channel`` sends: its name and, for a webhook, its url."""
+    if isinstance(channel, RetryAfterNoted):
+        channel = channel.channel
+    url = channel.settings.url if isinstance(channel, WebhookChannel) else None
+    return (channel.name, url)
+
+
+def _busy_error(name: str, left_s: float) -> ChannelError:
+    return ChannelError(
+        f"channel {name!r}: not sent, its receiver asked to be sent nothing for "
+        f"{left_s:.3f} s more (Retry-After)",
+        kind=RECEIVER_BUSY,
+        retryable=True,
+        channel=name,
+        attempts=0,
+        retry_after=left_s,
+    )
