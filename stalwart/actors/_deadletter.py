@@ -391,8 +391,9 @@ class DeadLetterActor(Supervised):
     on recovery sends them all (seed 000).
     ``on_crash(exception class name)`` is called once if the actor dies of an exception;
     the :class:`Enqueue` and :class:`Drain` told to it that it never handled are then
-    handed to ``retell`` (the runtime's ref to whichever queue runs, which holds them for
-    the restarted one), not dropped with it.
+    handed, oldest first, to ``hand_over`` (the runtime's ref to whichever queue runs,
+    which holds them for the restarted one ahead of what was told since), not dropped
+    with it.
     """
 
     def __init__(
@@ -408,10 +409,10 @@ class DeadLetterActor(Supervised):
         on_crash: Callable[[str], object] | None = None,
         any_degraded: Callable[[], bool] | None = None,
         runtime: str | None = None,
-        retell: Callable[[Any], object] | None = None,
+        hand_over: Callable[[list[Any]], object] | None = None,
     ) -> None:
         super().__init__()
-        self._retell = retell
+        self._hand_over_to = hand_over
         #: the runtime instance this queue sends for (recorded with each retry)
         self._runtime = runtime
         self._on_crash = on_crash
@@ -477,19 +478,19 @@ class DeadLetterActor(Supervised):
     def _hand_over(self, told: list[Any]) -> None:
         """In ``on_failure``: the entries and drains told to this queue that it never
         handled (pykka would drop them: an entry held through a restart and flushed to
-        a queue that died again would be lost), for its successor through ``retell``."""
+        a queue that died again would be lost), for its successor through ``hand_over``
+        in one piece: ahead of what senders told meanwhile, in the order it was told."""
         kept = [message for message in told if isinstance(message, Enqueue | Drain)]
         if not kept:
             return
-        if self._retell is None:
+        if self._hand_over_to is None:
             log.error("deadletter.mail_dropped", count=len(kept))
             return
         log.warning("deadletter.mail_handed_over", count=len(kept))
-        for message in kept:
-            try:
-                self._retell(message)
-            except pykka.ActorDeadError:  # no one holds it any more: said
-                log.error("deadletter.mail_dropped", count=1)
+        try:
+            self._hand_over_to(kept)
+        except pykka.ActorDeadError:  # no one holds it any more: said
+            log.error("deadletter.mail_dropped", count=len(kept))
 
     def _release(self) -> None:
         """Cancel the timer and the sends in flight; their outcomes reach no one."""

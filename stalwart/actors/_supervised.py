@@ -13,7 +13,9 @@ is the only word that a crashed actor needs restarting) takes them out in its
 asked message too: its asker may have stopped waiting).
 A tell that checked the actor was alive before that and puts its message after it is
 refused by the inbox itself (``ActorDeadError``, as a tell to a dead actor), so the
-sender keeps it: no message lands in an inbox nobody reads again.
+sender keeps it: no message lands in an inbox nobody reads again. Such a tell is newer
+than what the inbox held, so whoever keeps both for the successor (the runtime's
+``LiveRef.hand_over``) puts what is handed on ahead of it.
 """
 
 from __future__ import annotations

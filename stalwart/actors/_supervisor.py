@@ -100,6 +100,8 @@ from stalwart.events import (
 )
 from stalwart.ids import new_id
 from stalwart.state import (
+    RUN,
+    RunState,
     batch_text,
     continuation_context,
     decide_ghost,
@@ -160,10 +162,12 @@ class _CompletionSent(msgspec.Struct, frozen=True):
 
 
 class _HoldEnded(msgspec.Struct, frozen=True):
-    """The receiver's Retry-After ran out: the run's notice goes directly now."""
+    """The receiver's Retry-After ran out: the run's notice goes directly now, if the log
+    still records the hold this was scheduled for (the fallback at ``notice_at``)."""
 
     stream: str
     announcement_id: str
+    notice_at: float
 
 
 class _Look(msgspec.Struct, frozen=True):
@@ -262,8 +266,12 @@ class SupervisorActor(Supervised):
         runtime: str = "",
         on_run_ended: Callable[[RunEnded], object] | None = None,
         retell: Callable[[object], object] | None = None,
+        hand_over: Callable[[list[Any]], object] | None = None,
     ) -> None:
         super().__init__()
+        #: what this supervisor's unhandled mail goes to when it dies, in one piece (the
+        #: runtime's ref: kept ahead of what is told meanwhile); None: told on one by one
+        self._hand_over_to = hand_over
         self._on_crash = on_crash  # called once if this actor dies of an exception
         self._on_run_ended = on_run_ended
         self._store = store
@@ -365,12 +373,19 @@ class SupervisorActor(Supervised):
 
     def _hand_over(self, told: list[Any]) -> None:
         """What was told to this supervisor and never handled, for its successor (through
-        ``retell``): pykka would drop it, and a :class:`Crashed` lost here would leave its
-        actor down for good, with nothing in the log. Sweeps and timers are not handed
-        over: the successor sweeps as it starts."""
+        ``hand_over`` in one piece, ahead of what is told meanwhile; without it, through
+        ``retell`` one by one): pykka would drop it, and a :class:`Crashed` lost here
+        would leave its actor down for good, with nothing in the log. Sweeps and timers
+        are not handed over: the successor sweeps as it starts. (Each message is safe to
+        tell again.)"""
         kept = [message for message in told if isinstance(message, _HANDED_OVER)]
-        if kept:
-            log.warning("supervisor.mail_handed_over", count=len(kept))
+        if not kept:
+            return
+        log.warning("supervisor.mail_handed_over", count=len(kept))
+        if self._hand_over_to is not None:
+            with contextlib.suppress(pykka.ActorDeadError):  # the runtime's ref keeps it all
+                self._hand_over_to(kept)
+                return
         for message in kept:
             self._tell_on(message)
 
@@ -1066,7 +1081,7 @@ class SupervisorActor(Supervised):
             return
         assert watch.notice_at is not None  # set with the fallback
         until = watch.notice_at + watch.notice_hold_ms / 1000
-        ended = _HoldEnded(stream, watch.notice_id)
+        ended = _HoldEnded(stream, watch.notice_id, watch.notice_at)
         self._holding.add(stream)
         log.info("supervisor.notice_held", run=stream, hold_ms=watch.notice_hold_ms)
         self._scheduler.schedule(
@@ -1077,17 +1092,25 @@ class SupervisorActor(Supervised):
         return ("supervisor-hold", self.actor_urn, stream)
 
     def _hold_ended(self, ended: _HoldEnded) -> None:
-        """Send the held notice directly, unless it moved on meanwhile (a supervisor that
-        started sent it again, or its outcome is in the log)."""
+        """Send the held notice directly, unless it moved on meanwhile: its outcome is in
+        the log, or a supervisor (this one, or another process's on the log) sent it
+        again (``announcement:resent`` ends the hold and moves ``notice_at``: that
+        resend may still be in flight, and its outcome, or the next sweep, says how it
+        went). A hold that ends late (this process paused, or its clock behind) is
+        then not a second send."""
         stream, announcement_id = ended.stream, ended.announcement_id
         self._holding.discard(stream)
         watch = self._catch_up(stream)
-        if (
+        send = (
             watch is not None
             and watch.notice == "fallback"
             and watch.notice_id == announcement_id
+            and watch.notice_hold_ms > 0
+            and watch.notice_at == ended.notice_at
             and announcement_id not in self._sending
-        ):
+        )
+        log.info("supervisor.notice_hold_ended", run=stream, sent=send)
+        if send:
             self._send(stream, "direct")
 
     def _dead_letter(self, stream: str, reason: str, retry_after_ms: int | None) -> None:
@@ -1165,22 +1188,28 @@ class SupervisorActor(Supervised):
 
     def _batch_text(self, batch: Sequence[str]) -> str:
         """The text of the completion the runs ``batch`` (in play) share: as the run that
-        records it has it (one of them, or the run they name), or, where that run's stream
-        cannot be read, made again from the runs' results in the order they ended."""
+        records it has it (one of them, or the run they name), or, where that record
+        cannot be read, made again from the results in the order the runs ended: the
+        batch's, and the recording run's own as far as its stream can be read (it is
+        left out of play once a record of it cannot be read)."""
         watches = [self._runs[stream] for stream in batch if stream in self._runs]
         for watch in watches:
             if not watch.completion_text_run:
                 return watch.completion_text
         holder = f"session:{watches[0].completion_text_run}"
-        text = self._recorded_text(holder, watches[0].completion_id)
+        text, holder_run = self._recorded_text(holder, watches[0].completion_id)
         if text is not None:
             return text
-        runs = sorted(watches, key=lambda watch: (watch.run.ended_at or 0.0, watch.run.stream))
-        return batch_text(tuple((_run_id(w), w.run.result) for w in runs))
+        runs = [watch.run for watch in watches]
+        if holder_run.status == "succeeded" and holder not in batch:
+            runs.append(holder_run)
+        runs.sort(key=lambda run: (run.ended_at or 0.0, run.stream))
+        return batch_text(tuple((run.stream.removeprefix("session:"), run.result) for run in runs))
 
-    def _recorded_text(self, stream: str, announcement_id: str) -> str | None:
+    def _recorded_text(self, stream: str, announcement_id: str) -> tuple[str | None, RunState]:
         """The text ``stream`` records for completion ``announcement_id`` (None: none, or
-        the stream cannot be read)."""
+        the stream cannot be read), and its run as far as it was read."""
+        run = RUN.initial(stream)
         try:
             for record in self._store.read_stream(stream):
                 event = record.event
@@ -1189,10 +1218,11 @@ class SupervisorActor(Supervised):
                     and event.announcement_id == announcement_id
                     and event.text_run is None
                 ):
-                    return event.text
+                    return event.text, run
+                run = RUN.apply(run, record)
         except CorruptRecordError as exc:
             self._unreadable(stream, exc)
-        return None
+        return None, run
 
     def _completion_sent(self, outcome: NoticeSent) -> None:
         """Record the send's outcome in every run of its batch; dead-letter a failure once."""
@@ -1250,10 +1280,6 @@ def _folded(watch: RunWatch, records: Iterable[RecordedEvent]) -> RunWatch:
     for record in records:
         watch = RUN_WATCH.apply(watch, record)
     return watch
-
-
-def _run_id(watch: RunWatch) -> str:
-    return watch.run.stream.removeprefix("session:")
 
 
 def _begins_run(record: RecordedEvent) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pykka
 
+from stalwart._logs import get_logger
 from stalwart.actors import (
     Assemble,
     Assembled,
@@ -25,7 +26,6 @@ from stalwart.actors import (
     ContextStoreActor,
     IoPortal,
     ProviderSummarizer,
-    ask_context,
     context_tools,
 )
 from stalwart.clock import Clock, Timer
@@ -35,10 +35,12 @@ from stalwart.context.pipeline import FileReader
 from stalwart.store import EventStore
 from stalwart.tools import Tool
 
-from ._handles import LiveRef
+from ._handles import LiveRef, monotonic
 from ._layer import ProviderLayer
 
 __all__ = ["ContextLayer"]
+
+log = get_logger(__name__)
 
 #: How long an Agent waits for an assembly: its session's summarizer calls (each bounded
 #: by its own timeout; other sessions' calls run beside them) and the engine's work.
@@ -48,17 +50,42 @@ ASSEMBLE_TIMEOUT_S = 90.0
 class _Gate:
     """The ContextGate an Agent uses (see ``stalwart.actors.ContextGate``)."""
 
-    def __init__(self, ref: pykka.ActorRef[Any]) -> None:
+    def __init__(self, ref: LiveRef) -> None:
         self._ref = ref
 
     def assemble(self, request: Assemble) -> Assembled:
-        assembled = ask_context(self._ref, request, ASSEMBLE_TIMEOUT_S)
+        assembled = ask_until_handled(self._ref, request, ASSEMBLE_TIMEOUT_S)
         assert isinstance(assembled, Assembled)
         return assembled
 
     def calibrate(self, request: Calibrate) -> None:
         with contextlib.suppress(pykka.ActorDeadError):  # a hint: the next call brings one
             self._ref.tell(request)
+
+
+def ask_until_handled(ref: LiveRef, message: object, timeout: float) -> Any:
+    """:func:`~stalwart.actors.ask_context` of the engine running now (or, while it
+    restarts, of the restarted one), within ``timeout`` seconds in all; asked again of
+    its successor when the engine died before it handled the ask: still in its mailbox,
+    or queued in a lane that never ran it (pykka and the lanes answer those with
+    ActorDeadError; a job that ran is answered by what it did, and the engine's work
+    raises no ActorDeadError of its own). ActorDeadError once the engine will not run
+    again (``ref.ask``), ``pykka.Timeout`` when the time runs out."""
+    deadline = monotonic() + timeout
+    while True:
+        asked = ref.ask(message, block=False, timeout=_left(deadline))  # a restart waited for
+        try:
+            reply = asked.get(timeout=_left(deadline))
+            if isinstance(reply, pykka.Future):  # the lane's: the rest of the time is its
+                reply = reply.get(timeout=_left(deadline))
+        except pykka.ActorDeadError:  # never handled: the successor takes it
+            log.info("runtime.part_asked_again", part="context", message=type(message).__name__)
+            continue
+        return reply
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - monotonic(), 0.0)
 
 
 class ContextLayer:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -139,9 +139,11 @@ class LiveRef(pykka.ActorRef[Any]):
     With ``hold=True`` a ``tell`` while the part is down (between its crash and its
     restart) is kept instead, up to :data:`HELD_TELLS`, and :meth:`flush` delivers what
     was kept once the part runs again: the dead-letter queue loses no entry to its own
-    restart. Once the part is given up on (:meth:`give_up`), what was kept and every
-    later ``tell`` go to the ``fallback`` the runtime gave instead: no tell waits for
-    a restart that will not come.
+    restart. A dying part gives what it never handled to :meth:`hand_over`, which keeps
+    it ahead of the tells kept since, so the successor takes them all in order. Once the
+    part is given up on (:meth:`give_up`), what was kept and every later ``tell`` go to
+    the ``fallback`` the runtime gave instead: no tell waits for a restart that will not
+    come.
 
     With ``down_for_good`` (whether the part will not run again: given up on, or the
     runtime stopped) an ``ask`` while the part is down waits for its restart, within the
@@ -204,20 +206,46 @@ class LiveRef(pykka.ActorRef[Any]):
         """Deliver the tells kept while the part was down (in order); how many. When the
         part died again before it took them all (its restart's start failed, say), the
         rest stay kept, in order, for its next successor (or the fallback once it is
-        given up on)."""
+        given up on); what it took and never handled comes back ahead of them
+        (:meth:`hand_over`)."""
         with self._lock:
             held, self._held = self._held, []
-            ref = self._current()
-            for delivered, message in enumerate(held):
-                try:
-                    if ref is None:
-                        raise pykka.ActorDeadError(f"{self._name} is not running")
-                    ref.tell(message)
-                except pykka.ActorDeadError:
-                    self._held = held[delivered:]  # no tell came meanwhile: the lock
-                    log.info("runtime.part_died_in_flush", part=self._name, kept=len(self._held))
-                    return delivered
-        return len(held)
+            delivered = self._tell_in_order(held)
+            if delivered < len(held):
+                self._held = held[delivered:]  # no tell came meanwhile: the lock
+                log.info("runtime.part_died_in_flush", part=self._name, kept=len(self._held))
+        return delivered
+
+    def hand_over(self, messages: Sequence[Any]) -> None:
+        """What a part that died never handled (``messages``, oldest first, as its
+        ``take_inbox()`` gave them), for its successor: kept ahead of every tell kept
+        since (those came after them: a tell refused by the closing inbox, the rest of a
+        :meth:`flush` cut short), told to a successor that runs already when nothing is
+        kept, or handed to the fallback once the part was given up on. Kept beyond
+        :data:`HELD_TELLS` (what an inbox held is not refused); never raises."""
+        with self._lock:
+            fallback = self._fallback
+            if fallback is None:
+                rest = list(messages)
+                if not self._held:  # nothing kept: a successor running takes them now
+                    rest = rest[self._tell_in_order(rest) :]
+                self._held[:0] = rest
+                return
+        for message in messages:
+            fallback(message)  # outside the lock: it may tell another part
+
+    def _tell_in_order(self, messages: Sequence[Any]) -> int:
+        """Tell ``messages`` to the part running now (under the lock), in order, until
+        one is refused: how many it took."""
+        ref = self._current()
+        for delivered, message in enumerate(messages):
+            try:
+                if ref is None:
+                    raise pykka.ActorDeadError(f"{self._name} is not running")
+                ref.tell(message)
+            except pykka.ActorDeadError:
+                return delivered
+        return len(messages)
 
     def give_up(self, fallback: Callable[[Any], None]) -> int:
         """The part was given up on: hand what was kept to ``fallback`` (in order), and

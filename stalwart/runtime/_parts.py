@@ -142,7 +142,7 @@ class PartsLayer:
             on_crash=partial(self.crashed, "deadletter", self._restart_dead_letters),
             any_degraded=self._health_view.any_degraded,
             runtime=self._w.instance or None,
-            retell=self.dead_letters_ref.tell,  # held for the restarted queue
+            hand_over=self.dead_letters_ref.hand_over,  # held for the restarted queue
         )
 
     def _start_health(self, provider: str) -> pykka.ActorRef[Any]:
@@ -179,6 +179,7 @@ class PartsLayer:
             on_crash=partial(self.crashed, "supervisor", self._restart_supervisor),
             on_run_ended=self._runs.ended,
             retell=self.supervisor_ref.tell,
+            hand_over=self.supervisor_ref.hand_over,
         )
 
     def _start_announcer(self) -> pykka.ActorRef[Any]:
