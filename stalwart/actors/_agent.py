@@ -63,8 +63,6 @@ from stalwart.events import (
     SessionCreated,
     SessionRequiresAction,
     ToolCall,
-    ToolCompleted,
-    ToolFailed,
     TurnCompleted,
     TurnStarted,
 )
@@ -461,14 +459,17 @@ class AgentActor(Supervised):
     def _results(self, turn: LiveTurn, outcomes: Sequence[ToolOutcome] | None) -> list[Event]:
         """The step's results, in the calls' order, which close it: each run call's
         outcome event (``outcomes``, in order; None when the turn ends while they run:
-        each is :func:`cut_short`) and every call's ``message:appended`` (a blocked
-        call's decision is in the log already)."""
+        each is :func:`cut_short`), each settled call's (a denial, a host's output ...)
+        and every call's ``message:appended`` (a blocked call's decision is in the log
+        already). One append: a call's outcome is recorded once, with its result."""
         ran = iter(outcomes) if outcomes is not None else None
         events: list[Event] = []
         for index, call in enumerate(turn.calls):
             outcome = turn.blocked.get(index)
             if outcome is None:
                 outcome = next(ran) if ran is not None else cut_short(call)
+                events.append(outcome_event(outcome))
+            elif outcome.status != "blocked":  # settled when the step began: not run
                 events.append(outcome_event(outcome))
             events.append(
                 MessageAppended(
@@ -627,8 +628,9 @@ class AgentActor(Supervised):
                 continue
             settled = self._settled_outcome(call)
             if settled is not None:
-                events.append(settled[0])
-                blocked[index] = settled[1]
+                # recorded with the step's results, not now: a crash before them would
+                # have the next wake record it a second time
+                blocked[index] = settled
                 continue
             decision = decide_tool_call(breaker, call.name, call.arguments, call_id=call.id)
             if decision is not None:
@@ -702,39 +704,31 @@ class AgentActor(Supervised):
         tool = self._tools.get(call.name)
         return tool is not None and tool.reconcile is not None
 
-    def _settled_outcome(self, call: ToolCall) -> tuple[Event, ToolOutcome] | None:
+    def _settled_outcome(self, call: ToolCall) -> ToolOutcome | None:
         """A call that must not run: refused by the user, answered by the host (a custom
         tool), cut short by a crash (never run blindly twice), closed by an interrupt, or
         one that needs a human where none can be asked (no wake: a sub-agent run); its
-        event and outcome."""
+        outcome (recorded by :func:`outcome_event`)."""
         resolution = self._ledger.resolutions.get(call.id)
         if resolution is not None and resolution.kind == "output":
             # the host's answer is bounded as a tool's own result is (its record keeps it)
             tool = self._tools.get(call.name)
             limit = tool.max_result_bytes if tool is not None else DEFAULT_MAX_RESULT_BYTES
             output = bounded_text(resolution.output, limit)
-            done = ToolCompleted(call_id=call.id, tool=call.name, output=output)
-            outcome = ToolOutcome(call_id=call.id, tool=call.name, status="ok", text=done.output)
-            return done, outcome
+            return ToolOutcome(call_id=call.id, tool=call.name, status="ok", text=output)
         if resolution is not None and resolution.kind == "deny":
-            failed = ToolFailed(call_id=call.id, tool=call.name, error_class="denied")
-            text = DENIED_TEXT
+            error, text = "denied", DENIED_TEXT
         elif self._ledger.cut_short(call):
-            failed = ToolFailed(call_id=call.id, tool=call.name, error_class="unreconciled")
-            text = UNRECONCILED_TEXT
+            error, text = "unreconciled", UNRECONCILED_TEXT
         elif call.id in self._ledger.interrupted:
-            failed = ToolFailed(call_id=call.id, tool=call.name, error_class="interrupted")
-            text = INTERRUPTED_TEXT
+            error, text = "interrupted", INTERRUPTED_TEXT
         elif self._wake is None and needs_human(self._tools.get(call.name)):
-            failed = ToolFailed(call_id=call.id, tool=call.name, error_class="needs_human")
-            text = NO_HUMAN_TEXT
+            error, text = "needs_human", NO_HUMAN_TEXT
         else:
             return None
-        error = failed.error_class
-        outcome = ToolOutcome(
+        return ToolOutcome(
             call_id=call.id, tool=call.name, status="error", text=text, error_class=error
         )
-        return failed, outcome
 
     def _finish(
         self,
@@ -954,6 +948,12 @@ class AgentActor(Supervised):
         self._own_notices.add(notice.announcement_id)
         return notice
 
+    def _forget_notices(self, events: Sequence[Event]) -> None:
+        """The notices among ``events``, whose append failed, are not this Agent's to send."""
+        for event in events:
+            if isinstance(event, AnnouncementQueued):
+                self._own_notices.discard(event.announcement_id)
+
     def _speak_up(self) -> None:
         """Say what a crash or a given-up wake left unsaid: that a turn broke off, when the
         worker gave up on a wake with nothing announced since its lease (once, closing
@@ -979,6 +979,7 @@ class AgentActor(Supervised):
                 try:
                     self._store.append(self._stream, news, expected_version=self._folder.version)
                 except ConcurrencyError:  # something else was appended: look again soon
+                    self._forget_notices(events)  # not in the log: never to be sent
                     self._resend_later(now + RESEND_GRACE_S)
                 self._refresh()
         self._send_again(now)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import msgspec
 
+from stalwart._text import escaped
 from stalwart.context.pipeline import safe_label
 from stalwart.events import (
     ActivationAbandoned,
@@ -361,18 +362,23 @@ def pause_for(
     return None if request is None else msgspec.structs.replace(request, request_id=new_id())
 
 
-def drafts_note(drafts: list[Draft], *, limit: int | None = None) -> str | None:
+def drafts_note(
+    drafts: list[Draft], *, limit: int | None = None, as_written: bool = False
+) -> str | None:
     """The note on drafts still open (None when there are none): each one, or given a
     ``limit``, the ``limit`` written last and how many more there are (the system
-    prompt's note: a session's open drafts only grow, nothing discards one)."""
+    prompt's note: a long session may leave many open). A path is the model's: on the
+    system prompt's trusted lines it is reduced to a safe label, said to be one when it
+    differs; ``as_written`` (``draft_list``'s answer, a tool result) shows it as it is,
+    which is what draft_read and draft_commit take."""
     if not drafts:
         return None
     shown = drafts
     if limit is not None and len(drafts) > limit:
         newest = sorted(drafts, key=lambda d: d.updated_at, reverse=True)[:limit]
         shown = sorted(newest, key=lambda d: d.path)
-    lines = [  # a path is the model's: reduced to a safe label on this trusted line
-        f"- {safe_label(d.path)} (revision {d.revision}, {d.size} bytes, "
+    lines = [
+        f"- {_draft_label(d.path, as_written)} (revision {d.revision}, {d.size} bytes, "
         f"sha256 {d.content_hash[:12]})"
         for d in shown
     ]
@@ -380,9 +386,18 @@ def drafts_note(drafts: list[Draft], *, limit: int | None = None) -> str | None:
         lines.append(f"- and {len(drafts) - len(shown)} older ones (draft_list shows them all)")
     return (
         "Drafts staged in this session's workspace and not committed yet (continue them "
-        "with draft_read; nothing reaches the shared resource until draft_commit):\n"
-        + "\n".join(lines)
+        "with draft_read; nothing reaches the shared resource until draft_commit; "
+        "draft_discard drops one no longer needed):\n" + "\n".join(lines)
     )
+
+
+def _draft_label(path: str, as_written: bool) -> str:
+    if as_written:  # draft_write refuses control characters (an older log's, escaped)
+        return escaped(path)
+    label = safe_label(path)
+    if label == path:
+        return label
+    return f"{label} (a label: draft_list shows its path as written)"
 
 
 def wake_result(outcome: str, reason: str | None) -> WakeResult:

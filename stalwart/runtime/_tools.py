@@ -55,7 +55,7 @@ SPAWN_TOOL = "spawn_subagent"
 BUILTIN_TOOLS = frozenset(
     {
         SPAWN_TOOL,
-        *("draft_write", "draft_read", "draft_list", "draft_commit"),
+        *("draft_write", "draft_read", "draft_list", "draft_commit", "draft_discard"),
         *("ctx_search", "ctx_inspect", "ctx_expand"),
     }
 )
