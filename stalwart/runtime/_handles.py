@@ -139,8 +139,10 @@ class LiveRef(pykka.ActorRef[Any]):
     With ``hold=True`` a ``tell`` while the part is down (between its crash and its
     restart) is kept instead, up to :data:`HELD_TELLS`, and :meth:`flush` delivers what
     was kept once the part runs again: the dead-letter queue loses no entry to its own
-    restart. A dying part gives what it never handled to :meth:`hand_over`, which keeps
-    it ahead of the tells kept since, so the successor takes them all in order. Once the
+    restart. While anything is kept, a tell is kept behind it even once the restarted
+    part runs (its restart's flush is due), so no tell overtakes an older one. A dying
+    part gives what it never handled to :meth:`hand_over`, which keeps it ahead of the
+    tells kept since, so the successor takes them all in order. Once the
     part is given up on (:meth:`give_up`), what was kept and every later ``tell`` go to
     the ``fallback`` the runtime gave instead: no tell waits for a restart that will not
     come.
@@ -191,8 +193,10 @@ class LiveRef(pykka.ActorRef[Any]):
             return
         with self._lock:
             try:
-                self._ref().tell(message)
-                return
+                if not self._held:  # else a restart's flush is due: after what is kept
+                    self._ref().tell(message)
+                    return
+                raise pykka.ActorDeadError(f"{self._name} has tells kept for it")
             except pykka.ActorDeadError:
                 fallback = self._fallback
                 if fallback is None:
