@@ -53,6 +53,7 @@ from . import _durable_child
 ROUNDS = 50
 SESSIONS = 6
 LEASES = {"lease_ttl_ms": 600, "renew_every_ms": 150, "poll_ms": 50, "backoff_base_ms": 100}
+CALM_LEASES = LEASES | {"lease_ttl_ms": 5_000, "renew_every_ms": 500}
 SETTLE_S = 90.0
 
 _CONTEXT = multiprocessing.get_context("forkserver")
@@ -256,7 +257,8 @@ def test_three_workers_split_the_sessions_with_no_overlapping_lease(
     acknowledged: list[str] = []
     with FakeProvider() as fake:
         fake.set_default(Answer(text="ok", first_delay_ms=30))
-        workers.extend(Worker(location, fake.base_url, LEASES) for _ in range(3))
+        # leases far longer than a loaded machine's stalls: no live lease may expire here
+        workers.extend(Worker(location, fake.base_url, CALM_LEASES) for _ in range(3))
         assert all(worker.owner for worker in workers)
         for i in range(36):
             acknowledged.append(send_message(store, f"s{i % 12}", f"message {i}", channel="chat"))
