@@ -150,14 +150,43 @@ class DagSession:
         then on: a session rebuilt from the log does not index its whole history for
         assemblies that never search it. BM25 does not depend on the order documents
         are added in, so building it late ranks as building it as they came."""
-        if self._index is None:
-            index = Bm25Index()
-            for message in self.messages:
-                index.add(f"m:{message.message_id}", searchable_text(message))
-            for node in self.nodes.values():
+        index = self._index
+        if index is None:
+            index = self.build_index()
+            self.take_index(index)
+        return index
+
+    @property
+    def indexed(self) -> bool:
+        """Whether the full-text index is built (see :attr:`index`)."""
+        return self._index is not None
+
+    def build_index(self) -> Bm25Index:
+        """A full-text index of the messages and summaries held now, for
+        :meth:`take_index`. It only reads the session (about 90 µs a message: 9 s for
+        100,000), so an owner whose other sessions must not wait that long builds it
+        outside its lock while no one else changes this session."""
+        index = Bm25Index()
+        for message in self.messages:
+            index.add(f"m:{message.message_id}", searchable_text(message))
+        for node in list(self.nodes.values()):
+            index.add(f"s:{node.summary_id}", node.body)
+        return index
+
+    def take_index(self, index: Bm25Index) -> None:
+        """Keep ``index`` (from :meth:`build_index`) as the session's, with whatever
+        was stored after it was built; an index already kept stays."""
+        if self._index is not None:
+            return
+        for message in reversed(self.messages):  # the newest first: what came since
+            doc = f"m:{message.message_id}"
+            if doc in index:
+                break
+            index.add(doc, searchable_text(message))
+        for node in self.nodes.values():
+            if f"s:{node.summary_id}" not in index:
                 index.add(f"s:{node.summary_id}", node.body)
-            self._index = index
-        return self._index
+        self._index = index
 
     # -- sizes and ranges ---------------------------------------------------------------
 

@@ -176,7 +176,9 @@ class Recall:
             start, end = session.spans[target]
         elif target in session.positions:
             start = session.positions[target]
-            end = start + 1
+            # the leading system messages are shown as one, under the first one's id
+            # (cut with a marker naming it when it does not fit): that id stands for all
+            end = session.pinned if start == 0 and session.pinned > 1 else start + 1
         else:
             raise ContextScopeError(_NOT_HERE)
         cap = self.settings.expand_max_tokens

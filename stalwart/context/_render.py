@@ -98,8 +98,13 @@ def _quoted(body: str) -> str:
     return "\n".join(f"| {line}" for line in lines)
 
 
+#: The last second a calendar date can name (9999-12-31T23:59:59Z): a later ``ts`` (a
+#: transcript's times in milliseconds, say) has no date to show.
+_LAST_DATED = 253_402_300_799.0
+
+
 def _iso(ts: float) -> str:
-    if ts <= 0:
+    if not 0 < ts <= _LAST_DATED:  # NaN too
         return "unknown"
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
