@@ -10,12 +10,14 @@ actors crashed for real; a FakeClock drives the restarts and the holds.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
 import lmdb
+import pykka
 import pytest
 import structlog
 from structlog.testing import LogCapture
@@ -312,3 +314,22 @@ def test_a_batch_sent_again_after_its_text_record_rotted_still_has_every_result(
     assert all(results[run_id] in text for run_id in run_ids), "a run's result left out"
     # (the runs ended at one moment on the FakeClock: in which order is not asserted)
     assert text.startswith("3 sub-agent tasks completed:")
+
+
+# Was: DEFECT: the crashed context engine never closed its inbox: an ask that passed pykka's
+# is-alive check and was put after the engine's end sat unread for its whole timeout (90 s
+# for an assembly) instead of being refused at once for the gate to ask the restarted one
+def test_an_ask_put_into_the_crashed_engines_inbox_is_refused_at_once(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    config = runtime_config(fake.base_url)
+    with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
+        engine = only(ContextStoreActor)
+        assert isinstance(crash_decided(rt, store, ContextStoreActor, 1), SupervisorRestarted)
+        until(lambda: not engine.is_alive(), what="the engine ended")
+        late = pykka.ThreadingFuture[Any]()
+        # what pykka's ask does once its is-alive check passed: the put, racing the end
+        with contextlib.suppress(pykka.ActorDeadError):
+            engine.actor_inbox.put(pykka._envelope.Envelope(object(), reply_to=late))
+        with pytest.raises(pykka.ActorDeadError):
+            late.get(timeout=GUARD)

@@ -296,6 +296,9 @@ class ContextStoreActor(Supervised):
 
         if self._lanes is not None:
             self._lanes.close()
+        # its inbox closed: an ask put after pykka emptied it would wait out its timeout
+        # (90 s for an assembly) unread; refused now, the gate asks the restarted engine
+        self.take_inbox()
         crashed(self._on_crash, (exception_type, exception_value, traceback))
 
     def on_receive(self, message: Any) -> Any:
