@@ -333,3 +333,40 @@ def test_an_ask_put_into_the_crashed_engines_inbox_is_refused_at_once(
             engine.actor_inbox.put(pykka._envelope.Envelope(object(), reply_to=late))
         with pytest.raises(pykka.ActorDeadError):
             late.get(timeout=GUARD)
+
+
+# Was: DEFECT: a ctx_* tool's ask still in the crashed engine's mailbox failed the call with
+# ActorDeadError (a tool error the model read) instead of being asked of the restarted one
+def test_a_recall_tools_ask_left_in_the_crashed_engines_mailbox_is_answered_by_the_next(
+    store: EventStore, clock: FakeClock, fake: FakeProvider, chat: MemoryChannel
+) -> None:
+    config = runtime_config(fake.base_url)
+    with Runtime(config, store=store, clock=clock, channels={"chat": chat}) as rt:
+        rt.session("s1", channel="chat").send("where is my refund?")
+        delivered(rt, chat, 1)  # the session is in the engine's store
+        assert rt._context is not None
+        search = {tool.name: tool for tool in rt._context.tools("s1", None)}["ctx_search"]
+        engine = only(ContextStoreActor)
+        stuck = Stuck()
+        engine.tell(stuck)
+        assert stuck.looked.wait(GUARD)
+        answers: list[object] = []
+
+        def call() -> None:
+            try:
+                answers.append(search.fn(query="refund"))
+            except Exception as exc:  # what the model would read as a tool error
+                answers.append(exc)
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        until(lambda: engine.actor_inbox.qsize() >= 1, what="the search asked")
+        stuck.release.set()  # the engine dies of it, the search unhandled
+        log_until(store, "runtime", has(SupervisorRestarted))
+        with rt._restarts_lock:  # the restart is armed
+            pass
+        clock.advance(BACKOFFS_S[0] + 0.005)  # the engine's restart
+        caller.join(GUARD)
+        [answer] = answers
+        assert isinstance(answer, str), answer
+        assert "refund" in answer, answer  # the restarted engine searched the session

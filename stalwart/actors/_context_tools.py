@@ -4,6 +4,7 @@ to its session, and an LLM summarizer through the provider layer."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -236,11 +237,13 @@ def context_tools(
     *,
     settings: ContextEngineSettings | None = None,
     timeout: float = 10.0,
+    asker: Callable[[Any, object, float], Any] = ask_context,
 ) -> ToolRegistry:
     """``ctx_search``, ``ctx_inspect`` and ``ctx_expand`` bound to one session and tenant
     (the model cannot name another); an empty registry in pipeline mode. Each call asks
-    the ContextStore within ``timeout`` seconds; an id outside the session is refused
-    with the same static sentence whatever the reason."""
+    the ContextStore within ``timeout`` seconds (through ``asker(ref, message, timeout)``:
+    the runtime's asks a restarted engine again what a crashed one never handled); an id
+    outside the session is refused with the same static sentence whatever the reason."""
     settings = settings or ContextEngineSettings()
     # the ContextStore bounds each answer itself (``expand_max_tokens`` a page): the
     # registry's cut, made for tools that do not, must not break a page's JSON
@@ -250,7 +253,7 @@ def context_tools(
 
     def ask(message: object) -> str:
         try:
-            answer = ask_context(ref, message, timeout)
+            answer = asker(ref, message, timeout)
         except ContextScopeError as exc:
             raise ToolError(str(exc), error_class="not_found") from None
         return msgspec.json.encode(answer).decode()

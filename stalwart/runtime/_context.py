@@ -156,5 +156,11 @@ class ContextLayer:
 
     def tools(self, session_id: str, tenant: str | None) -> tuple[Tool, ...]:
         """The session's ``ctx_*`` tools (none in pipeline mode)."""
-        registry = context_tools(self.ref, session_id, tenant, settings=self._config.context_engine)
+        registry = context_tools(
+            self.ref,
+            session_id,
+            tenant,
+            settings=self._config.context_engine,
+            asker=ask_until_handled,
+        )
         return tuple(registry)
