@@ -12,9 +12,12 @@ keeps secrets out of the line; only the CLI configures anything (``cli/_logging.
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import re
+import sys
 import threading
+import traceback
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -72,9 +75,23 @@ class _Secrets:
             self._compile()
 
     def _compile(self) -> None:
-        longest_first = sorted(self.counts, key=len, reverse=True)
+        shown = {form for secret in self.counts for form in _forms(secret)}
+        longest_first = sorted(shown, key=len, reverse=True)
         alternatives = "|".join(re.escape(secret) for secret in longest_first)
         self.pattern = re.compile(alternatives) if alternatives else None
+
+
+def _forms(secret: str) -> set[str]:
+    """``secret`` as a log line may show it: as it is, and as a string's repr, a bytes'
+    repr and JSON escape it (httpcore's wire trace prints the headers a server echoed
+    as bytes: a ``\\`` for each backslash, a ``\\'`` for a quote)."""
+    forms = {
+        secret,
+        repr(secret)[1:-1],
+        repr(secret.encode("utf-8", "surrogatepass"))[2:-1],
+        json.dumps(secret)[1:-1],
+    }
+    return {form for form in forms if len(form) >= _MIN_SECRET}
 
 
 _SECRETS = _Secrets()
@@ -127,6 +144,28 @@ def redact(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapp
     return event_dict
 
 
+def _traceback_of(info: Any) -> str:
+    """An exception (``sys.exc_info()``'s three) as a traceback's text, its secrets
+    scrubbed: an exception's text is anyone's (a host's callback quoting a url with its
+    token, a dependency quoting a header it refused)."""
+    return scrub_secrets("".join(traceback.format_exception(*info)).rstrip("\n"))
+
+
+class _ScrubbedTraceback(logging.Filter):
+    """On each standard library logger of stalwart (and pykka's): a record's traceback
+    is made here, its secrets scrubbed (``exc_text``, which a ``Formatter`` prints as it
+    is instead of formatting ``exc_info`` itself). ``exc_info`` stays: structlog's
+    ``ProcessorFormatter`` (the CLI's) formats it again and redacts that."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[0] is not None and record.exc_text is None:
+            record.exc_text = _traceback_of(record.exc_info)
+        return True
+
+
+_SCRUBBED_TRACEBACK = _ScrubbedTraceback()
+
+
 class Logger:
     """structlog's calls (``log.info("event", key=value)``), sent where the host wants them."""
 
@@ -135,10 +174,15 @@ class Logger:
     def __init__(self, name: str) -> None:
         self._name = name
         self._stdlib = logging.getLogger(name)
+        if _SCRUBBED_TRACEBACK not in self._stdlib.filters:
+            self._stdlib.addFilter(_SCRUBBED_TRACEBACK)
 
     def _emit(self, level: int, method: str, event: str, fields: dict[str, Any]) -> None:
         if structlog.is_configured():
             redact(None, method, fields)
+            if method == "exception" and sys.exc_info()[0] is not None:
+                fields["exception"] = _traceback_of(sys.exc_info())  # as text, scrubbed
+                method = "error"
             getattr(structlog.get_logger(self._name), method)(event, **fields)
             return
         stdlib = self._stdlib
@@ -242,6 +286,9 @@ class _RedactSecretValues(logging.Filter):
             record.msg, record.args = scrubbed, None
         return True
 
+
+# pykka logs an actor's crash, and an exception an ask returns, with its traceback
+logging.getLogger("pykka").addFilter(_SCRUBBED_TRACEBACK)
 
 # httpcore logs under these names; a logger's filters do not apply to its children
 for _name in ("httpcore.connection", "httpcore.http11", "httpcore.http2", "httpcore.proxy"):
