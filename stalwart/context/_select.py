@@ -10,6 +10,8 @@ back in chronological order.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 
 import msgspec
@@ -142,6 +144,19 @@ def clip_tail(messages: Sequence[ContextMessage], room: int) -> tuple[list[Conte
     return out, len(clipped) + dropped
 
 
+#: a message id shown as it is in the engine's marker line; any other is shown quoted
+_PLAIN_ID = re.compile(r"[A-Za-z0-9_.:@<>/+=-]{1,256}")
+
+
+def _expand_id(message_id: str) -> str:
+    """``message_id`` as the marker shows it for ``ctx_expand``: as it is when plain, else
+    as a JSON string (a host's id, an email's Message-ID say, with a newline or a bracket
+    in it cannot end the engine's line or start a forged one)."""
+    if _PLAIN_ID.fullmatch(message_id):
+        return message_id
+    return json.dumps(message_id)
+
+
 def cut_message(message: ContextMessage, target: int) -> ContextMessage | None:
     """``message`` cut to about ``target`` tokens with a marker, or None if it cannot
     get smaller. Its text (the content and each tool call's arguments) is capped at one
@@ -149,15 +164,20 @@ def cut_message(message: ContextMessage, target: int) -> ContextMessage | None:
     content = message.content
     calls = message.tool_calls
     texts = [content, *(call.arguments for call in calls)]
-    marker = (
-        "\n[stalwart: {cut} more characters and {images} images of this message are not "
-        f"shown to fit the context budget; ctx_expand id={message.message_id} returns it whole]"
-    )
+    shown_id = _expand_id(message.message_id)
+
+    def marker(cut: int) -> str:
+        return (
+            f"\n[stalwart: {cut} more characters and {len(message.images)} images of this "
+            f"message are not shown to fit the context budget; ctx_expand id={shown_id} "
+            "returns it whole]"
+        )
+
     keep = max(map(len, texts))
     for _ in range(32):
         keep = min(keep, max(40, keep - max(1, keep // 4)))
         cut = sum(max(0, len(text) - keep) for text in texts)
-        text = content[:keep] + marker.format(cut=cut, images=len(message.images))
+        text = content[:keep] + marker(cut)
         shorter = tuple(
             msgspec.structs.replace(call, arguments=call.arguments[:keep])
             if len(call.arguments) > keep

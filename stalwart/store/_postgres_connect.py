@@ -82,8 +82,9 @@ class PostgresUrl:
                 kept.append((key, value))
         _check_schema(schema)
         self.schema = schema
-        #: the URL sets libpq's connect_timeout itself (then it is not overridden)
-        self.own_connect_timeout = any(key == "connect_timeout" for key, _ in kept)
+        #: the libpq parameters the URL sets itself (the store's defaults do not override
+        #: them: ``connect_timeout``, the TCP keepalives, ``tcp_user_timeout``)
+        self.own_params = frozenset(key for key, _ in kept)
         named = quote(unquote(user), safe="")
         #: what the store connects to: the URL without ``schema=`` and without its secrets
         self.dsn = urlunsplit(
@@ -215,17 +216,40 @@ def connect(url: PostgresUrl, *, timeout: float, **kwargs: Any) -> psycopg.Conne
     """One autocommit connection, or a clear StoreError."""
     try:
         return psycopg.connect(
-            url.dsn, autocommit=True, **url.secret_params, **_timeout(url, timeout), **kwargs
+            url.dsn, autocommit=True, **url.secret_params, **_defaults(url, timeout), **kwargs
         )
     except psycopg.Error as exc:
         raise connect_error(exc, url) from exc
 
 
-def _timeout(url: PostgresUrl, timeout: float) -> dict[str, Any]:
-    """The ``connect_timeout`` to pass: none when the URL sets its own (libpq's wins)."""
-    if url.own_connect_timeout:
-        return {}
-    return {"connect_timeout": max(1, round(timeout))}
+#: libpq's TCP settings on every connection the store opens, unless the URL sets its own
+#: (docs/scaling.md, "A connection that goes quiet"): a database that stops answering
+#: without closing the connection (a partition, a firewall or NAT that forgot it) is
+#: noticed within about 30 s, and the statement waiting on it fails as a lost connection.
+#: An idle connection is probed after 10 s of silence, then every 5 s, 4 times; data left
+#: unacknowledged for 30 s gives it up too (on Linux that also caps the probes). libpq's
+#: own defaults are the system's: a first probe after 2 hours, unacknowledged data retried
+#: for about 15 minutes. A slow statement is not cut (the server's kernel answers the
+#: probes), and the probes keep a firewall's idle timeout from dropping a pooled
+#: connection. A Unix-domain socket ignores them.
+TCP_DEFAULTS: dict[str, str] = {
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "5",
+    "keepalives_count": "4",
+    "tcp_user_timeout": "30000",
+}
+#: libpq learned ``tcp_user_timeout`` in version 12; an older one refuses the option
+_USER_TIMEOUT_SINCE = 120000
+
+
+def _defaults(url: PostgresUrl, timeout: float) -> dict[str, Any]:
+    """The libpq parameters the store sets: ``connect_timeout`` and :data:`TCP_DEFAULTS`,
+    each only when the URL does not set it itself (the URL's value wins)."""
+    params: dict[str, Any] = {"connect_timeout": max(1, round(timeout)), **TCP_DEFAULTS}
+    if psycopg.pq.version() < _USER_TIMEOUT_SINCE:
+        del params["tcp_user_timeout"]
+    return {key: value for key, value in params.items() if key not in url.own_params}
 
 
 #: SQLSTATEs of a session the server ended (admin shutdown, crash shutdown, cannot
@@ -293,7 +317,7 @@ class Connections:
             psycopg_pool.ConnectionPool(
                 url.dsn,
                 connection_class=self._recording_class(),
-                kwargs={"autocommit": True, **url.secret_params, **_timeout(url, timeout)},
+                kwargs={"autocommit": True, **url.secret_params, **_defaults(url, timeout)},
                 min_size=1,
                 max_size=pool_size,
                 open=False,
