@@ -16,12 +16,15 @@ and fenced the same way whatever the claim said.
 A lease is renewed every ``renew_every_ms`` with a fenced append; a renewal that is
 fenced out means the lease was taken over (this process froze past the TTL, or an
 interrupt claimed the session): the Agent is told to stop (:class:`LeaseLost`) and the
-worker records ``activation:lease_lost``. A process stopping cleanly tells the worker
-:class:`Closing` (no new leases), stops the Agents, then :class:`Release`: each running
-wake's lease is handed back (``activation:released``, claiming the next epoch, so that a
-wake whose Agent did not stop in time has its later appends fenced out), so the next
-worker runs it at once and no failure is counted. The Agent settles the wake itself, in the same
-append as the turn's outcome, and tells the worker :class:`WakeEnded`.
+worker records ``activation:lease_lost``. A claim of the session whose fold shows a
+later epoch than the running wake's (an interrupt from another process lowers the due
+row to now) does the same at once, rather than at the next renewal. A process stopping
+cleanly tells the worker :class:`Closing` (no new leases), stops the Agents, then
+:class:`Release`: each running wake's lease is handed back (``activation:released``,
+claiming the next epoch, so that a wake whose Agent did not stop in time has its later
+appends fenced out), so the next worker runs it at once and no failure is counted. The
+Agent settles the wake itself, in the same append as the turn's outcome, and tells the
+worker :class:`WakeEnded`.
 
 The store may fail under it (a database gone away) without a wake being lost: a claimed
 session it cannot settle is put off with a doubling backoff (so it does not starve the
@@ -467,7 +470,7 @@ class ActivationWorker(Supervised):
         """
         for _ in range(LEASE_TRIES):
             state = self._states[stream]
-            if stream in self._running:
+            if stream in self._running and not self._lost_meanwhile(stream, state):
                 return False
             if stream in self._uncertain and self._recover(stream, state, now):
                 return True
@@ -508,6 +511,25 @@ class ActivationWorker(Supervised):
             self._start(stream, self._states[stream], leased)
             return True
         return False
+
+    def _lost_meanwhile(self, stream: str, state: ActivationsState) -> bool:
+        """Whether the lease of this worker's running wake of ``stream`` is gone in
+        ``state``, a fold newer than the lease: a later epoch was claimed (an interrupt
+        from another process, a takeover). The wake is stopped now, as the next renewal
+        would find it fenced out (up to ``renew_every_ms`` later, while its model call
+        ran on and the session's next message waited), and the stream is folded again:
+        its work may be leased at once. False while the lease is still the stream's."""
+        held = self._running[stream]
+        if state.epoch <= held:
+            return False
+        if self._settled(stream, held):  # its own end came first: WakeEnded is on its way
+            self._ended(WakeEnded(stream, held))
+        else:
+            claim = next((c for c in state.history if c.epoch == held), None)
+            activation_id = claim.activation_id if claim is not None else ""
+            self._lose(stream, held, activation_id, state.epoch)
+        self._sync(stream)  # with the lease_lost just recorded
+        return True
 
     def _recover(self, stream: str, state: ActivationsState, now: float) -> bool:
         """After a lease append that may or may not have been written, or a wake whose
