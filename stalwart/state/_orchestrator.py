@@ -21,6 +21,7 @@ from ._activation import ACTIVATIONS, ActivationsState, apply_activations
 from ._breaker import BREAKER, BreakerState, apply_breaker
 from ._deadletter import DeadLetterEntry, DeadLetterFolder, DeadLetterState
 from ._drafts import DRAFTS, DraftsState, apply_drafts
+from ._due import due_at
 from ._health import HEALTH, HealthState, apply_health
 from ._session import SESSION, SessionFolder, SessionState
 
@@ -46,7 +47,8 @@ class RetryPosture(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
     ``streak`` is the failure count of its most-failed unsettled activation (0: nothing
     is retrying); ``attempt`` the number of the next attempt of that activation (None
-    when nothing is queued); ``next_run_at`` when the earliest queued activation may run;
+    when nothing is queued); ``next_run_at`` when a worker may next run one of them (a
+    message queued behind a retrying one waits for it; None while a human is asked);
     ``last_error`` the error class of the retrying activation, else of the last outcome.
     """
 
@@ -112,7 +114,9 @@ def retry_posture(activations: ActivationsState) -> RetryPosture:
     if not queue:
         return RetryPosture(last_error=last_error)
     worst = max(queue, key=lambda a: a.streak)
-    next_run_at = min(a.run_at for a in queue)
+    # when a worker may next run something: messages run in order (one queued behind a
+    # retry waits for it), nothing runs while a human is asked; with a lease, the queue
+    next_run_at = min(a.run_at for a in queue) if activations.lease else due_at(activations)
     if worst.streak == 0:
         return RetryPosture(attempt=1, next_run_at=next_run_at, last_error=last_error)
     return RetryPosture(
