@@ -282,7 +282,8 @@ def decide_wake(
     the same ``dedupe_key`` (nothing to append), or why it is refused. The wake a live
     lease runs is not pending: a wake that re-arms itself (same key) gets a new one."""
     lease = state.lease
-    running = {lease.activation_id, *lease.covers} if lease is not None else set()
+    live = lease is not None and now < lease.expires_at  # an expired one's wake runs again
+    running = {lease.activation_id, *lease.covers} if lease is not None and live else set()
     waiting = [a for a in state.queue if a.kind == "wake" and a.activation_id not in running]
     if dedupe_key is not None:
         for activation in waiting:
