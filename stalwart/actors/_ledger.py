@@ -15,6 +15,10 @@ A refusal is recorded the same way (``context:summarizer_refused``, with the ver
 folded expected), once while neither the ledger nor the verdict changes: a worker refused
 for every summary of an assembly writes one refusal, not one per summary.
 
+Each decision is made at the clock's reading, or at the ledger's newest record's time
+when that is later (another worker's clock ahead of this one's): spend recorded "after"
+a worker's clock would otherwise be left out of its windows, and its cap passed.
+
 A call's end, ``context:summarizer_released``, needs no expected version (it only frees
 what its reservation held). When it cannot be appended (the store is down), it is kept
 and appended before the next admission; until then the reservation counts, at most for
@@ -41,7 +45,7 @@ import msgspec
 from stalwart._logs import get_logger
 from stalwart.clock import Clock
 from stalwart.context import Decide
-from stalwart.errors import ConcurrencyError, InvalidStreamError
+from stalwart.errors import ConcurrencyError, InvalidStreamError, StoreError
 from stalwart.events import (
     ContextLedgerOpened,
     ContextLegacyCounted,
@@ -63,7 +67,16 @@ from stalwart.state import (
     apply_governor_event,
     refusal,
 )
-from stalwart.store import EventStore, NewEvent, StreamInfo, check_stream, load_state
+from stalwart.store import (
+    DEFAULT_SNAPSHOT_EVERY,
+    EventStore,
+    NewEvent,
+    Snapshot,
+    StreamInfo,
+    check_stream,
+    load_state,
+    snapshot_name,
+)
 
 __all__ = [
     "LEDGER_STREAM",
@@ -153,6 +166,28 @@ class TenantLedgerAggregate:
 TENANT_LEDGER = TenantLedgerAggregate()
 
 
+class _Folded:
+    """A tenant's ledger as this worker folded it: the governor's fold, the version (and
+    position) of the newest record folded, the latest time of a record folded (from a
+    snapshot: of its spend, releases and failures), and the version the next snapshot
+    is due at."""
+
+    __slots__ = ("due", "folder", "latest", "position", "version")
+
+    def __init__(self, governor: GovernorState, version: int, due: int) -> None:
+        self.folder = GovernorFolder(governor)
+        self.version = version
+        self.position = 0  # none folded yet past the loaded state
+        self.latest = _newest(governor)
+        self.due = due
+
+
+def _newest(governor: GovernorState) -> float:
+    """The latest time ``governor`` recorded spend, a release or a failure at."""
+    times = [ts for ts, _ in governor.spend] + [ts for ts, _ in governor.released]
+    return max(times, default=governor.last_failure_at or 0.0)
+
+
 class StoreLedger:
     """A :class:`~stalwart.context.SummarizerLedger` over an event store (see the module).
     Lanes admit side by side: the store's expected version orders their admissions as it
@@ -170,8 +205,8 @@ class StoreLedger:
         self._clock = clock
         self._lease_ms = lease_ms
         self._make_id = make_id
-        #: per tenant: its governor's fold, and the ledger's version it folded
-        self._folded: dict[str | None, tuple[GovernorFolder, int]] = {}
+        #: per tenant: its governor's fold, the ledger's version and time it folded
+        self._folded: dict[str | None, _Folded] = {}
         #: per tenant: held while its ledger is folded (lanes admit side by side)
         self._folding: dict[str | None, threading.Lock] = {}
         #: releases not appended yet (the store refused them), oldest first
@@ -195,8 +230,9 @@ class StoreLedger:
         self._flush()
         stream = ledger_stream(tenant)
         for _ in range(ADMIT_ATTEMPTS):
-            state, version = self._fold(tenant)
-            now = self._clock.now()
+            state, version, latest = self._fold(tenant)
+            # never behind the ledger's newest record: another worker's clock may be ahead
+            now = max(self._clock.now(), latest)
             first: list[NewEvent] = []
             if version == 0:  # a new ledger: it opens with what older records hold
                 opened = self._opening(tenant, now)
@@ -230,7 +266,11 @@ class StoreLedger:
 
     def release(self, end: ContextSummarizerReleased) -> None:
         stream = ledger_stream(end.tenant)
-        self._unreleased.append((stream, NewEvent(event=end, ts=self._clock.now())))
+        # at the ledger's time as the admission was (never before its own reservation: a
+        # success recorded before the breaker's last failure would not close it)
+        known = self._folded.get(end.tenant)
+        now = max(self._clock.now(), known.latest if known is not None else 0.0)
+        self._unreleased.append((stream, NewEvent(event=end, ts=now)))
         self._flush()
 
     def _flush(self) -> None:
@@ -251,31 +291,77 @@ class StoreLedger:
                     return
                 self._unreleased.pop(0)
 
-    def _fold(self, tenant: str | None) -> tuple[GovernorState, int]:
+    def _fold(self, tenant: str | None) -> tuple[GovernorState, int, float]:
         """The tenant's governor with what its ledger gained since the last fold (the
-        first fold starts from the ledger's snapshot)."""
+        first fold starts from the ledger's snapshot), the version it was folded to and
+        the time of the newest record folded. A snapshot is saved every twice
+        ``snapshot_every`` records folded (see :meth:`_keep`), so a worker that ran for
+        months leaves the next one as little to fold as one that had just started."""
         stream = ledger_stream(tenant)
         with self._lock:
             folding = self._folding.setdefault(tenant, threading.Lock())
         with folding:
             known = self._folded.get(tenant)
             if known is None:
-                start = load_state(self._store, stream, TENANT_LEDGER)
-                governor = start.governor if start.version else GovernorState(tenant=tenant)
-                known = (GovernorFolder(governor), start.version)
-            folder, version = known
+                known = self._start(tenant, stream)
+            folder = known.folder
             try:
-                for record in self._store.read_stream(stream, version + 1):
+                for record in self._store.read_stream(stream, known.version + 1):
                     folder.add_event(record.event, record.ts)
-                    version = record.version
+                    known.version, known.position = record.version, record.position
+                    known.latest = max(known.latest, record.ts)
             except BaseException:
                 # the folder took in part of the read (a store that went away between two
                 # batches): folded again from the version it holds, those records would
                 # count twice, so the next fold starts again from the snapshot
                 self._folded.pop(tenant, None)
                 raise
-            self._folded[tenant] = (folder, version)
-            return folder.state(), version
+            self._folded[tenant] = known
+            governor = folder.state()
+            self._keep(stream, known, governor)
+            return governor, known.version, known.latest
+
+    def _start(self, tenant: str | None, stream: str) -> _Folded:
+        """The tenant's fold from the ledger's snapshot and the records after it."""
+        start = load_state(self._store, stream, TENANT_LEDGER)
+        governor = start.governor if start.version else GovernorState(tenant=tenant)
+        return _Folded(governor, start.version, start.version + self._snapshot_every())
+
+    def _snapshot_every(self) -> int:
+        """Records folded between two snapshots of a ledger this worker folds as it goes:
+        twice the store's cadence (a ledger's snapshot holds the day's spend and release
+        ids, thousands of entries); 0 when the store saves none."""
+        every: int = getattr(self._store, "snapshot_every", DEFAULT_SNAPSHOT_EVERY)
+        return 2 * every if every > 0 else 0
+
+    def _keep(self, stream: str, known: _Folded, governor: GovernorState) -> None:
+        """Save the ledger's snapshot when it is due: ``load_state`` saves one only at a
+        worker's first fold, so without these the next worker to start would fold every
+        record since this one started (a month at 8,000 calls a day: 480,000, 1.8 s)."""
+        every = self._snapshot_every()
+        if every <= 0 or known.position == 0 or known.version < known.due:
+            return
+        state = TenantLedger(governor=governor, version=known.version)
+        snapshot = Snapshot(
+            stream=stream,
+            name=snapshot_name(TENANT_LEDGER),
+            version=known.version,
+            position=known.position,
+            data=msgspec.msgpack.encode(state),
+        )
+        try:
+            self._store.put_snapshot(snapshot)
+        except StoreError as exc:  # a snapshot only saves time: the governor is still right
+            log.warning(
+                "state.snapshot_not_saved",
+                stream=stream,
+                fold=snapshot.name,
+                version=known.version,
+                error=type(exc).__name__,
+            )
+            known.due = known.version + 1  # tried again at the next fold
+            return
+        known.due = known.version + every
 
     def _opening(self, tenant: str | None, now: float) -> ContextLedgerOpened:
         with self._counting:

@@ -182,7 +182,9 @@ class Summaries:
         tokens = session.rendered(node.summary_id)[1]
         event = msgspec.structs.replace(event, tokens=tokens)
         session.nodes[node.summary_id] = msgspec.structs.replace(node, tokens=tokens)
-        if not event.fallback:
+        if not event.fallback and not (session.degraded == "spend_cap" and event.depth > 0):
+            # a condensation fits under a cap that refuses every leaf: the episode goes on
+            # (the fold, CONTEXT_DAG, ends it the same way)
             session.degraded = None
         turn.events.append(event)
         turn.made.append(event.summary_id)

@@ -124,7 +124,7 @@ def apply_context_event(
                     summaries=summaries,
                     roots=(*state.roots, event.summary_id),
                     last_covered=last,
-                    degraded=state.degraded if event.fallback else None,
+                    degraded=_episode_after(state.degraded, event),
                 )
             parents = dict(state.parents)
             covered = set(event.covers)
@@ -143,7 +143,7 @@ def apply_context_event(
                 summaries=summaries,
                 parents=parents,
                 roots=tuple(roots),
-                degraded=state.degraded if event.fallback else None,  # as the live engine
+                degraded=_episode_after(state.degraded, event),  # as the live engine
             )
         case ContextDagDegraded():
             clipped = state.tail_clipped or event.reason == "tail_over_budget"
@@ -156,6 +156,17 @@ def apply_context_event(
             return replace(state, version=version, tail_clipped=event.tail_clipped)
         case _:
             return replace(state, version=version)
+
+
+def _episode_after(degraded: str | None, event: ContextSummaryCreated) -> str | None:
+    """The summarizer's degraded episode after ``event``: a summary the summarizer made
+    ends it, but for a condensed one under a spend cap. Condensing a run of emergency
+    truncations asks little, and fits under a cap that refuses every leaf: ended there,
+    the episode began again at the next leaf, its WARN and ``context:dag_degraded``
+    repeated every few leaves while the cap held."""
+    if event.fallback or (degraded == "spend_cap" and event.depth > 0):
+        return degraded
+    return None
 
 
 def apply_context(state: ContextDagState, record: RecordedEvent) -> ContextDagState:
@@ -195,8 +206,7 @@ class ContextDagFolder:
         elif isinstance(event, ContextSummaryCreated):
             made = event.summary_id
             self._summaries[made] = summary_node(event, record.ts)
-            if not event.fallback:
-                scalars["degraded"] = None  # as the live engine
+            scalars["degraded"] = _episode_after(scalars["degraded"], event)  # as the engine
             if event.depth == 0:
                 self._roots.append(made)
                 if event.covers:
