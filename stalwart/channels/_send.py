@@ -128,8 +128,10 @@ LONGEST_BUSY_S = 3600.0
 #: retries wait as asked).
 SHORTEST_BUSY_MS = 30_000
 
-#: A receiver: the channel's name and its webhook url (None for a channel with no url).
-_Receiver = tuple[str, str | None]
+#: A receiver: the channel's name and its webhook url, or for any other channel the
+#: channel itself (its identity: two channels of a host's own kind under one name, one
+#: per runtime say, may reach two unrelated receivers).
+_Receiver = tuple[str, str | int | None]
 
 
 class _BusyReceivers:
@@ -184,7 +186,8 @@ def busy_gated(channel: Channel | None, clock: Clock) -> Channel | None:
     nothing: it fails at once with ChannelError ``receiver_busy`` (retryable, its
     ``retry_after`` what is left of the wait); and whose failure with a Retry-After holds
     back the sends to that receiver (from every sender of the process on ``clock``) for
-    as long, at most :data:`LONGEST_BUSY_S`. A receiver is a channel's name and its url.
+    as long, at most :data:`LONGEST_BUSY_S`. A receiver is a webhook channel's name and
+    its url, or any other channel itself.
     A :class:`RetryAfterNoted` notes the refusal's hint as the receiver's own."""
     if channel is None:
         return None
@@ -222,11 +225,14 @@ class _BusyGate:
 
 
 def _receiver_of(channel: Channel) -> _Receiver:
-    """Who receives what ``channel`` sends: its name and, for a webhook, its url."""
+    """Who receives what ``channel`` sends: its name and, for a webhook, its url (every
+    webhook channel to that url reaches the same receiver); for any other channel, that
+    channel (a name alone does not say where its sends go)."""
     if isinstance(channel, RetryAfterNoted):
         channel = channel.channel
-    url = channel.settings.url if isinstance(channel, WebhookChannel) else None
-    return (channel.name, url)
+    if isinstance(channel, WebhookChannel):
+        return (channel.name, channel.settings.url)
+    return (channel.name, id(channel))
 
 
 def _busy_error(name: str, left_s: float) -> ChannelError:

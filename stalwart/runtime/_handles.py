@@ -139,8 +139,9 @@ class LiveRef(pykka.ActorRef[Any]):
     With ``hold=True`` a ``tell`` while the part is down (between its crash and its
     restart) is kept instead, up to :data:`HELD_TELLS`, and :meth:`flush` delivers what
     was kept once the part runs again: the dead-letter queue loses no entry to its own
-    restart. While anything is kept, a tell is kept behind it even once the restarted
-    part runs (its restart's flush is due), so no tell overtakes an older one. A dying
+    restart. While anything is kept, a tell goes behind it: told after it once the part
+    runs again (before its restart's flush, if that is still due), kept behind it while
+    the part is down, so no tell overtakes an older one. A dying
     part gives what it never handled to :meth:`hand_over`, which keeps it ahead of the
     tells kept since, so the successor takes them all in order. Once the
     part is given up on (:meth:`give_up`), what was kept and every later ``tell`` go to
@@ -193,10 +194,13 @@ class LiveRef(pykka.ActorRef[Any]):
             return
         with self._lock:
             try:
-                if not self._held:  # else a restart's flush is due: after what is kept
-                    self._ref().tell(message)
-                    return
-                raise pykka.ActorDeadError(f"{self._name} has tells kept for it")
+                # what is kept goes first: a part running again takes it now, before this
+                # tell (its restart's flush may be due, or never come: a part first
+                # started after a tell was kept for it)
+                if self._held and self._tell_kept() < 0:
+                    raise pykka.ActorDeadError(f"{self._name} has tells kept for it")
+                self._ref().tell(message)
+                return
             except pykka.ActorDeadError:
                 fallback = self._fallback
                 if fallback is None:
@@ -237,6 +241,16 @@ class LiveRef(pykka.ActorRef[Any]):
                 return
         for message in messages:
             fallback(message)  # outside the lock: it may tell another part
+
+    def _tell_kept(self) -> int:
+        """Tell what is kept to the part running now (under the lock), in order: how many
+        it took, or -1 when it did not take them all (the rest stay kept, in order)."""
+        held, self._held = self._held, []
+        delivered = self._tell_in_order(held)
+        if delivered < len(held):
+            self._held = held[delivered:]
+            return -1
+        return delivered
 
     def _tell_in_order(self, messages: Sequence[Any]) -> int:
         """Tell ``messages`` to the part running now (under the lock), in order, until

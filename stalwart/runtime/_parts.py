@@ -112,6 +112,7 @@ class PartsLayer:
         self._supervisor = self._start_supervisor()
         self.supervisor_ref.flush()
         self._announcer = self._start_announcer()
+        self.announcer_ref.flush()  # a run the supervisor's first sweep started meanwhile
 
     def _make_restarts(self) -> Restarts:
         return Restarts(
