@@ -314,10 +314,12 @@ def schedule_wake(
     policy: ActivationPolicy,
     text: str = "",
     dedupe_key: str | None = None,
+    owner: str | None = None,
 ) -> str:
     """Schedule work for ``wake_at`` (a dedupe key returns the pending wake's id instead
     of adding one); SessionActionError ``wake_refused`` over the caps. TypeError for a
-    ``text`` or ``dedupe_key`` that is not a str."""
+    ``text`` or ``dedupe_key`` that is not a str. ``owner``: the calling runtime's worker
+    (the wake of a lease it holds is running, even with its renewal overdue)."""
     _typed("text", text, str)
     _typed("dedupe_key", dedupe_key, str | None)
     if isinstance(wake_at, bool) or not isinstance(wake_at, int | float) or not isfinite(wake_at):
@@ -334,7 +336,9 @@ def schedule_wake(
         session: SessionState, activations: ActivationsState
     ) -> tuple[list[Event], Fence | None]:
         _existing(session)
-        decision = decide_wake(activations, activation_id, wake_at, dedupe_key, text, now, policy)
+        decision = decide_wake(
+            activations, activation_id, wake_at, dedupe_key, text, now, policy, owner
+        )
         chosen.clear()
         if isinstance(decision, WakeRefused):
             limit = "pending wakes" if decision.reason == "too_many" else "ms ahead"

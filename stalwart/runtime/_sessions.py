@@ -751,6 +751,7 @@ class SessionLayer:
             policy=self._durable.policy,
             text=text,
             dedupe_key=dedupe_key,
+            owner=self._durable.owner,
         )
         self.nudge()
         self._worker_runs(session_id)

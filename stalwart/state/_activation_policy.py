@@ -277,13 +277,20 @@ def decide_wake(
     text: str,
     now: float,
     policy: ActivationPolicy,
+    owner: str | None = None,
 ) -> ActivationReady | Activation | WakeRefused:
     """Schedule a delayed wake: the ``activation:ready`` to append, the pending wake with
     the same ``dedupe_key`` (nothing to append), or why it is refused. The wake a live
-    lease runs is not pending: a wake that re-arms itself (same key) gets a new one."""
+    lease runs is not pending: a wake that re-arms itself (same key) gets a new one. Nor
+    is the wake of a lease ``owner`` (the deciding runtime's worker) holds, live or late:
+    its renewal may be overdue while it still runs here and acks. The wake of another
+    holder's expired lease is pending (that holder died: the next worker runs it again),
+    so a host that registers its wake again at start (same key) before the takeover adds
+    none."""
     lease = state.lease
-    live = lease is not None and now < lease.expires_at  # an expired one's wake runs again
-    running = {lease.activation_id, *lease.covers} if lease is not None and live else set()
+    running: set[str] = set()
+    if lease is not None and (now < lease.expires_at or lease.owner == owner):
+        running = {lease.activation_id, *lease.covers}
     waiting = [a for a in state.queue if a.kind == "wake" and a.activation_id not in running]
     if dedupe_key is not None:
         for activation in waiting:
