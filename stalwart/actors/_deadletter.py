@@ -1,7 +1,10 @@
 """DeadLetter: the ``deadletter`` stream's writer in its process (seed 000's dead-letter
 queue). Runtimes of other processes on the same store write it too: an append that finds
 the stream moved on folds what they appended and appends again (a decision, such as an
-expiry, is decided again first), so no entry is lost to a conflict.
+expiry, is decided again first), so no entry is lost to a conflict. A follower thread
+waits on the store's head and tells the queue when the stream moved past what it folded
+(:class:`_Moved`): it takes in what the others appended and re-arms, so an entry queued by
+a runtime that then stops for good is still retried and expired here.
 
 An announcement or notice that could not be delivered is queued
 (``announcement:dead_lettered``), retried up to ``max_retries`` times with deterministic
@@ -39,6 +42,7 @@ receiver can drop the duplicate.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
@@ -60,7 +64,13 @@ from stalwart.channels import (
 )
 from stalwart.clock import Clock
 from stalwart.config import DeadLetterSettings
-from stalwart.errors import ConcurrencyError, CorruptRecordError, StalwartError, StoreError
+from stalwart.errors import (
+    ConcurrencyError,
+    CorruptRecordError,
+    StalwartError,
+    StoreClosedError,
+    StoreError,
+)
 from stalwart.events import (
     AnnouncementDeadLetterDelivered,
     AnnouncementDeadLettered,
@@ -122,6 +132,10 @@ APPEND_TRIES = 20
 #: How long a sender waits for the queue to record an entry before it records the failed
 #: send that led to it (the entry is still recorded after: the Enqueue is in the mailbox).
 ENQUEUE_WAIT_S = 5.0
+#: The longest the follower waits on the store before it checks whether it should stop.
+FOLLOW_SLICE_S = 0.05
+#: How long the follower waits before it looks again at a store it could not reach.
+UNREACHABLE_WAIT_S = 0.5
 
 
 # -- messages -----------------------------------------------------------------------------
@@ -214,6 +228,10 @@ class Drain(msgspec.Struct, frozen=True):
 
 class _Outcomes(msgspec.Struct, frozen=True):
     """Append the outcomes of the sends that ended, then look at the queue."""
+
+
+class _Moved(msgspec.Struct, frozen=True):
+    """Another writer (a runtime of another process) appended to the stream: take it in."""
 
 
 class QueueState(msgspec.Struct, frozen=True):
@@ -371,6 +389,61 @@ class FoldSnapshots:
         self._next = self._version + self._every
 
 
+# -- what other runtimes append -----------------------------------------------------------
+
+
+class _StreamFollower:
+    """Waits on the store's head (``store.wait_for``, no decoding) and calls ``wake()``
+    when the queue's stream is past the version the queue folded (``folded()``): another
+    runtime on the store appended to it. Its own appends only move the head."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        stream: str,
+        folded: Callable[[], int],
+        wake: Callable[[], None],
+    ) -> None:
+        self._store = store
+        self._stream = stream
+        self._folded = folded
+        self._wake = wake
+        self._stop = threading.Event()
+        start = store.head()  # before the queue's first fold: nothing falls in between
+        name = f"stalwart-deadletter-{stream}"
+        self._thread = threading.Thread(target=self._run, args=(start,), name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self, seen: int) -> None:
+        unreachable = False
+        while not self._stop.is_set():
+            try:
+                head = self._store.wait_for(seen + 1, FOLLOW_SLICE_S)
+                moved = head > seen and self._store.stream_version(self._stream) > self._folded()
+            except StoreClosedError:  # the store closed under us: nothing more to follow
+                return
+            except StalwartError as exc:  # out of reach for now: the queue says it too
+                if not unreachable:
+                    log.info("deadletter.follower_waiting", error_class=type(exc).__name__)
+                unreachable = True
+                self._stop.wait(UNREACHABLE_WAIT_S)
+                continue
+            unreachable = False
+            if head <= seen:  # waited a slice: nothing new
+                continue
+            seen = head
+            if moved:
+                self._wake()
+            self._stop.wait(FOLLOW_SLICE_S)  # a busy store: one look (a query) a slice
+
+
 # -- the actor ----------------------------------------------------------------------------
 
 
@@ -437,6 +510,9 @@ class DeadLetterActor(Supervised):
         self._armed_version = -1
         #: a tick, a drain or outcomes the store failed are tried again a moment later
         self._outage = StoreOutage("deadletter", scheduler, clock, self._tell_self)
+        #: follows what other runtimes append to the stream (started with the actor)
+        self._follower: _StreamFollower | None = None
+        self._moved_pending = threading.Event()  # at most one _Moved in the mailbox
 
     def _tell_self(self, message: object) -> None:
         with contextlib.suppress(pykka.ActorDeadError):  # stopped meanwhile
@@ -445,6 +521,9 @@ class DeadLetterActor(Supervised):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def started(self) -> None:
+        self._follower = _StreamFollower(
+            self._store, self._stream, lambda: self._state.version, self._wake
+        )
         try:
             self._refold(load_state(self._store, self._stream, DEADLETTER))
             self._snapshots.loaded(self._state.version)
@@ -455,6 +534,7 @@ class DeadLetterActor(Supervised):
         state = self._state
         log.info("deadletter.started", entries=len(state.entries), version=state.version)
         self._tick(self._clock.now())
+        self._follower.start()
 
     def on_stop(self) -> None:
         try:  # a stop asked for records what already came back, so it is not sent again
@@ -493,7 +573,10 @@ class DeadLetterActor(Supervised):
             log.error("deadletter.mail_dropped", count=len(kept))
 
     def _release(self) -> None:
-        """Cancel the timer and the sends in flight; their outcomes reach no one."""
+        """Stop following the stream; cancel the timer and the sends in flight; their
+        outcomes reach no one."""
+        if self._follower is not None:
+            self._follower.stop()
         self._scheduler.cancel(self._timer_key)
         self._armed_at = None
         for sending in self._in_flight.values():
@@ -504,6 +587,9 @@ class DeadLetterActor(Supervised):
 
     def on_receive(self, message: Any) -> Any:
         match message:
+            case _Moved():
+                self._moved_pending.clear()
+                return self._outage.run(message, self._take_in)
             case _Outcomes() | RetryDue() | Drain():
                 # told by a timer, a send or a recovery: a store outage is waited out
                 return self._outage.run(message, lambda: self._handle(message))
@@ -544,6 +630,7 @@ class DeadLetterActor(Supervised):
                     entry_id=queued.entry_id,
                     announcement_id=queued.announcement_id,
                 )
+                self._rearm()  # the entry may be another runtime's, just taken in
                 return queued.entry_id
         event = entry_event(message)
         folded = self._state.version
@@ -557,6 +644,20 @@ class DeadLetterActor(Supervised):
         )
         self._arm_for(event.entry_id, folded)
         return event.entry_id
+
+    def _take_in(self) -> None:
+        """Fold what other runtimes appended to the stream (entries they queued, retries
+        they decided, outcomes) and re-arm: an entry queued by a runtime that stops for
+        good is still retried and expired here."""
+        self._record_outcomes()
+        self._catch_up()
+        self._rearm()
+
+    def _rearm(self) -> None:
+        """Re-arm when the state moved since the timer was armed (records of another
+        runtime taken in)."""
+        if self._armed_version != self._state.version:
+            self._arm()
 
     def _sent(self, message: RetrySent) -> None:
         """A send ended: its outcome waits to be appended with the others that came back
@@ -832,6 +933,14 @@ class DeadLetterActor(Supervised):
             self._scheduler.schedule(at, self._due, key=self._timer_key)
         self._armed_at = at
         self._armed_version = self._state.version
+
+    def _wake(self) -> None:
+        """Follower callback (its thread): at most one :class:`_Moved` waits in the mailbox."""
+        if self._moved_pending.is_set():
+            return
+        self._moved_pending.set()
+        with contextlib.suppress(pykka.ActorDeadError):  # stopped meanwhile
+            self.actor_ref.tell(_Moved())
 
     def _due(self, at: float) -> None:
         """Scheduler callback (its thread, or inside ``FakeClock.advance``)."""
