@@ -68,7 +68,6 @@ from stalwart.errors import (
     ConcurrencyError,
     CorruptRecordError,
     StalwartError,
-    StoreClosedError,
     StoreError,
 )
 from stalwart.events import (
@@ -102,6 +101,7 @@ from stalwart.store import (
     snapshot_name,
 )
 
+from ._follow import FOLLOW_SLICE_S, HeadFollower
 from ._outage import StoreOutage
 from ._portal import IoPortal
 from ._scheduler import Scheduler
@@ -132,10 +132,6 @@ APPEND_TRIES = 20
 #: How long a sender waits for the queue to record an entry before it records the failed
 #: send that led to it (the entry is still recorded after: the Enqueue is in the mailbox).
 ENQUEUE_WAIT_S = 5.0
-#: The longest the follower waits on the store before it checks whether it should stop.
-FOLLOW_SLICE_S = 0.05
-#: How long the follower waits before it looks again at a store it could not reach.
-UNREACHABLE_WAIT_S = 0.5
 
 
 # -- messages -----------------------------------------------------------------------------
@@ -392,58 +388,6 @@ class FoldSnapshots:
 # -- what other runtimes append -----------------------------------------------------------
 
 
-class _StreamFollower:
-    """Waits on the store's head (``store.wait_for``, no decoding) and calls ``wake()``
-    when the queue's stream is past the version the queue folded (``folded()``): another
-    runtime on the store appended to it. Its own appends only move the head."""
-
-    def __init__(
-        self,
-        store: EventStore,
-        stream: str,
-        folded: Callable[[], int],
-        wake: Callable[[], None],
-    ) -> None:
-        self._store = store
-        self._stream = stream
-        self._folded = folded
-        self._wake = wake
-        self._stop = threading.Event()
-        start = store.head()  # before the queue's first fold: nothing falls in between
-        name = f"stalwart-deadletter-{stream}"
-        self._thread = threading.Thread(target=self._run, args=(start,), name=name, daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    def _run(self, seen: int) -> None:
-        unreachable = False
-        while not self._stop.is_set():
-            try:
-                head = self._store.wait_for(seen + 1, FOLLOW_SLICE_S)
-                moved = head > seen and self._store.stream_version(self._stream) > self._folded()
-            except StoreClosedError:  # the store closed under us: nothing more to follow
-                return
-            except StalwartError as exc:  # out of reach for now: the queue says it too
-                if not unreachable:
-                    log.info("deadletter.follower_waiting", error_class=type(exc).__name__)
-                unreachable = True
-                self._stop.wait(UNREACHABLE_WAIT_S)
-                continue
-            unreachable = False
-            if head <= seen:  # waited a slice: nothing new
-                continue
-            seen = head
-            if moved:
-                self._wake()
-            self._stop.wait(FOLLOW_SLICE_S)  # a busy store: one look (a query) a slice
-
-
 # -- the actor ----------------------------------------------------------------------------
 
 
@@ -511,7 +455,7 @@ class DeadLetterActor(Supervised):
         #: a tick, a drain or outcomes the store failed are tried again a moment later
         self._outage = StoreOutage("deadletter", scheduler, clock, self._tell_self)
         #: follows what other runtimes append to the stream (started with the actor)
-        self._follower: _StreamFollower | None = None
+        self._follower: HeadFollower | None = None
         self._moved_pending = threading.Event()  # at most one _Moved in the mailbox
 
     def _tell_self(self, message: object) -> None:
@@ -521,8 +465,12 @@ class DeadLetterActor(Supervised):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def started(self) -> None:
-        self._follower = _StreamFollower(
-            self._store, self._stream, lambda: self._state.version, self._wake
+        self._follower = HeadFollower(
+            self._store,
+            self._stream_moved,
+            f"stalwart-deadletter-{self._stream}",
+            part="deadletter",
+            pace_s=FOLLOW_SLICE_S,  # a busy store: one look (a query) a slice
         )
         try:
             self._refold(load_state(self._store, self._stream, DEADLETTER))
@@ -933,6 +881,13 @@ class DeadLetterActor(Supervised):
             self._scheduler.schedule(at, self._due, key=self._timer_key)
         self._armed_at = at
         self._armed_version = self._state.version
+
+    def _stream_moved(self) -> None:
+        """Follower callback (its thread), the store's head moved: wake the queue when its
+        stream is past what it folded (another runtime appended to it; its own appends
+        only move the head)."""
+        if self._store.stream_version(self._stream) > self._state.version:
+            self._wake()
 
     def _wake(self) -> None:
         """Follower callback (its thread): at most one :class:`_Moved` waits in the mailbox."""

@@ -40,8 +40,6 @@ from stalwart.config import HealthSettings
 from stalwart.errors import (
     ConcurrencyError,
     CorruptRecordError,
-    StalwartError,
-    StoreClosedError,
 )
 from stalwart.events import ProviderDegraded, ProviderRecovered, RecordedEvent
 from stalwart.state import (
@@ -55,6 +53,7 @@ from stalwart.state import (
 from stalwart.store import EventStore, NewEvent, load_state, read_readable
 
 from ._deadletter import FoldSnapshots
+from ._follow import HeadFollower
 from ._outage import StoreOutage
 from ._restarts import crashed
 from ._scheduler import Scheduler, TimerHandle
@@ -67,10 +66,6 @@ HealthStatus = Literal["healthy", "degraded"]
 #: How many append conflicts in a row the actor folds and retries before it yields the
 #: mailbox (and re-polls itself).
 MAX_CONFLICTS = 64
-#: The longest the follower waits on the store before it checks whether it should stop.
-FOLLOW_SLICE_S = 0.05
-#: How long the follower waits before it looks again at a store it could not reach.
-UNREACHABLE_WAIT_S = 0.5
 
 
 # -- messages -----------------------------------------------------------------------------
@@ -205,49 +200,6 @@ class _WatchAggregate:
         return ApplyFolder(self.apply, state)
 
 
-# -- the follower --------------------------------------------------------------------------
-
-
-class _Follower:
-    """Waits on the store's head and calls ``wake()`` whenever it moved."""
-
-    def __init__(self, store: EventStore, wake: Callable[[], None], name: str) -> None:
-        self._store = store
-        self._wake = wake
-        self._stop = threading.Event()
-        start = store.head()  # before the actor's first fold: nothing falls in between
-        self._thread = threading.Thread(target=self._run, args=(start,), name=name, daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    def _run(self, seen: int) -> None:
-        unreachable = False
-        while not self._stop.is_set():
-            try:
-                head = self._store.wait_for(seen + 1, FOLLOW_SLICE_S)
-            except StoreClosedError:  # the store closed under us: nothing more to follow
-                log.info("health.follower_stopped")
-                return
-            except StalwartError as exc:  # out of reach for now (a database down): wait it out
-                if not unreachable:
-                    log.warning("health.follower_store_unreachable", error_class=type(exc).__name__)
-                unreachable = True
-                self._stop.wait(UNREACHABLE_WAIT_S)
-                continue
-            if unreachable:
-                log.info("health.follower_store_back")
-                unreachable = False
-            if head > seen:
-                seen = head
-                self._wake()
-
-
 # -- the actor -----------------------------------------------------------------------------
 
 
@@ -293,7 +245,7 @@ class ProviderHealthActor(Supervised):
         self._snapshots = FoldSnapshots(store, self._aggregate)
         self._timer: TimerHandle | None = None
         self._poll_pending = threading.Event()
-        self._follower: _Follower | None = None
+        self._follower: HeadFollower | None = None
         #: a check the store failed is made again a moment later, not a crash
         self._outage = StoreOutage("health", scheduler, clock, self._tell_self)
 
@@ -302,7 +254,7 @@ class ProviderHealthActor(Supervised):
     def started(self) -> None:
         if self._follow:
             name = f"stalwart-health-{self._provider}"
-            self._follower = _Follower(self._store, self._wake, name)
+            self._follower = HeadFollower(self._store, self._wake, name, part="health")
         self._state = self._load()
         log.info("health.started", provider=self._provider, status=self._state.health.status)
         self._settle()
