@@ -9,13 +9,15 @@ and only then tells its listeners :class:`HealthChanged` and updates the shared
 :class:`HealthView`.
 
 How it keeps up with its stream: it follows the log itself. A small follower thread waits
-on the store's head (``store.wait_for``, no decoding) and tells the actor :class:`PollHealth`
-(at most one pending); every message that can change the state (``PollHealth``,
-``CallOutcome``, the timer) first reads ``read_stream(from_version=version + 1)``. Reading
-by version is what makes it gap- and duplicate-free: a ``CallOutcome`` is only a hint
-that there is something to read, so whoever tells it (or nobody) cannot make the actor
-skip or double-count an event. The follower captures the head before the initial fold,
-so nothing appended around start-up is missed. ``follow=False`` leaves the feeding to
+on the store's head (``store.wait_for``, no decoding) and, when the actor's stream is
+past what it folded, tells it :class:`PollHealth` (at most one pending; one look at the
+stream's version every 50 ms at most: other streams' appends do not wake it); every
+message that can change the state (``PollHealth``, ``CallOutcome``, the timer) first
+reads ``read_stream(from_version=version + 1)``. Reading by version is what makes it gap-
+and duplicate-free: a ``CallOutcome`` is only a hint that there is something to read, so
+whoever tells it (or nobody) cannot make the actor skip or double-count an event. The
+follower captures the head before the initial fold, so nothing appended around start-up
+is missed. ``follow=False`` leaves the feeding to
 ``PollHealth`` / ``CallOutcome`` messages.
 
 Recovery does not wait for someone to ask: after every fold the actor arms a timer at
@@ -53,7 +55,7 @@ from stalwart.state import (
 from stalwart.store import EventStore, NewEvent, load_state, read_readable
 
 from ._deadletter import FoldSnapshots
-from ._follow import HeadFollower
+from ._follow import FOLLOW_SLICE_S, HeadFollower
 from ._outage import StoreOutage
 from ._restarts import crashed
 from ._scheduler import Scheduler, TimerHandle
@@ -254,7 +256,13 @@ class ProviderHealthActor(Supervised):
     def started(self) -> None:
         if self._follow:
             name = f"stalwart-health-{self._provider}"
-            self._follower = HeadFollower(self._store, self._wake, name, part="health")
+            self._follower = HeadFollower(
+                self._store,
+                self._stream_moved,
+                name,
+                part="health",
+                pace_s=FOLLOW_SLICE_S,  # a busy store: one look (a query) a slice
+            )
         self._state = self._load()
         log.info("health.started", provider=self._provider, status=self._state.health.status)
         self._settle()
@@ -418,8 +426,16 @@ class ProviderHealthActor(Supervised):
         with contextlib.suppress(pykka.ActorDeadError):  # stopped meanwhile
             self.actor_ref.tell(_Due(at))
 
+    def _stream_moved(self) -> None:
+        """Follower callback (its thread), the store's head moved: wake the actor when its
+        stream is past what it folded (a call's outcome or a decision another process
+        appended). Any other stream's append only moves the head: waking the actor for
+        each of those kept it reading and publishing for every writer on the store."""
+        if self._store.stream_version(self._stream) > self._state.health.version:
+            self._wake()
+
     def _wake(self) -> None:
-        """Follower callback: at most one PollHealth waits in the mailbox."""
+        """At most one PollHealth waits in the mailbox."""
         if self._poll_pending.is_set():
             return
         self._poll_pending.set()

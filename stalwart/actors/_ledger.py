@@ -17,7 +17,11 @@ for every summary of an assembly writes one refusal, not one per summary.
 
 Each decision is made at the clock's reading, or at the ledger's newest record's time
 when that is later (another worker's clock ahead of this one's): spend recorded "after"
-a worker's clock would otherwise be left out of its windows, and its cap passed.
+a worker's clock would otherwise be left out of its windows, and its cap passed. It goes
+at most :data:`MAX_LEAD_S` past the clock: a record further ahead is a host's clock gone
+wrong (logged once, ``context_ledger.clock_ahead``), and following it would record every
+later call at that one time, so the windows would stop moving and the caps refuse every
+call until the clocks reached it.
 
 A call's end, ``context:summarizer_released``, needs no expected version (it only frees
 what its reservation held). When it cannot be appended (the store is down), it is kept
@@ -102,6 +106,8 @@ READ_RUN = 32
 #: how many times an admission folds and decides again when other workers keep
 #: appending to the same ledger first
 ADMIT_ATTEMPTS = 64
+#: how far past its own clock a worker follows the ledger's newest record (see the module)
+MAX_LEAD_S = 300.0
 
 
 def ledger_stream(tenant: str | None) -> str:
@@ -220,6 +226,8 @@ class StoreLedger:
         self._lock = threading.Lock()
         #: held while the older logs are counted (a tenant with a ledger admits meanwhile)
         self._counting = threading.Lock()
+        #: the tenants whose ledger was found too far ahead of the clock (said once each)
+        self._ahead: set[str | None] = set()
 
     def governor(self, tenant: str | None) -> GovernorState:
         return self._fold(tenant)[0]
@@ -231,8 +239,7 @@ class StoreLedger:
         stream = ledger_stream(tenant)
         for _ in range(ADMIT_ATTEMPTS):
             state, version, latest = self._fold(tenant)
-            # never behind the ledger's newest record: another worker's clock may be ahead
-            now = max(self._clock.now(), latest)
+            now = self._ledger_now(tenant, latest)
             first: list[NewEvent] = []
             if version == 0:  # a new ledger: it opens with what older records hold
                 opened = self._opening(tenant, now)
@@ -269,9 +276,26 @@ class StoreLedger:
         # at the ledger's time as the admission was (never before its own reservation: a
         # success recorded before the breaker's last failure would not close it)
         known = self._folded.get(end.tenant)
-        now = max(self._clock.now(), known.latest if known is not None else 0.0)
+        now = self._ledger_now(end.tenant, known.latest if known is not None else 0.0)
         self._unreleased.append((stream, NewEvent(event=end, ts=now)))
         self._flush()
+
+    def _ledger_now(self, tenant: str | None, latest: float) -> float:
+        """The time to decide and record at: the clock's reading, or the ledger's newest
+        record's time ``latest`` when that is later (another worker's clock is ahead), but
+        never more than :data:`MAX_LEAD_S` past the clock (a clock gone wrong, said once)."""
+        now = self._clock.now()
+        if latest <= now + MAX_LEAD_S:
+            return max(now, latest)
+        if tenant not in self._ahead:
+            self._ahead.add(tenant)
+            log.warning(
+                "context_ledger.clock_ahead",
+                stream=ledger_stream(tenant),
+                lead_s=round(latest - now),
+                max_lead_s=MAX_LEAD_S,
+            )
+        return now + MAX_LEAD_S
 
     def _flush(self) -> None:
         """Append the releases the store refused before, oldest first."""

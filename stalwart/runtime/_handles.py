@@ -145,8 +145,9 @@ class LiveRef(pykka.ActorRef[Any]):
     part gives what it never handled to :meth:`hand_over`, which keeps it ahead of the
     tells kept since, so the successor takes them all in order. Once the
     part is given up on (:meth:`give_up`), what was kept and every later ``tell`` go to
-    the ``fallback`` the runtime gave instead: no tell waits for a restart that will not
-    come.
+    the ``fallback`` the runtime gave instead, in the order they came (a tell while the
+    kept ones are still being handed over goes behind them): no tell waits for a restart
+    that will not come.
 
     With ``down_for_good`` (whether the part will not run again: given up on, or the
     runtime stopped) an ``ask`` while the part is down waits for its restart, within the
@@ -172,6 +173,10 @@ class LiveRef(pykka.ActorRef[Any]):
         self._lock = threading.Lock()
         #: what a tell goes to once the part was given up on (None: it was not)
         self._fallback: Callable[[Any], None] | None = None
+        #: what waits to be handed to the fallback, in order, and whether a thread is
+        #: handing it on now (see :meth:`_hand_on`)
+        self._handing: list[Any] = []
+        self._handing_on = False
 
     def _ref(self) -> pykka.ActorRef[Any]:
         ref = self._current()
@@ -208,7 +213,9 @@ class LiveRef(pykka.ActorRef[Any]):
                         raise
                     self._held.append(message)
                     return
-        fallback(message)  # outside the lock: it may tell another part
+                hands_on = self._queue_for_fallback([message])
+        if hands_on:
+            self._hand_on(fallback)
 
     def flush(self) -> int:
         """Deliver the tells kept while the part was down (in order); how many. When the
@@ -239,8 +246,9 @@ class LiveRef(pykka.ActorRef[Any]):
                     rest = rest[self._tell_in_order(rest) :]
                 self._held[:0] = rest
                 return
-        for message in messages:
-            fallback(message)  # outside the lock: it may tell another part
+            hands_on = self._queue_for_fallback(messages)
+        if hands_on:
+            self._hand_on(fallback)
 
     def _tell_kept(self) -> int:
         """Tell what is kept to the part running now (under the lock), in order: how many
@@ -272,9 +280,38 @@ class LiveRef(pykka.ActorRef[Any]):
         with self._lock:
             held, self._held = self._held, []
             self._fallback = fallback
-        for message in held:
-            fallback(message)
+            hands_on = self._queue_for_fallback(held)
+        if hands_on:
+            self._hand_on(fallback)
         return len(held)
+
+    def _queue_for_fallback(self, messages: Sequence[Any]) -> bool:
+        """Put ``messages`` behind what waits for the fallback (under the lock): whether
+        the caller is to hand them on (no other thread is handing on now)."""
+        self._handing.extend(messages)
+        if self._handing_on or not self._handing:
+            return False
+        self._handing_on = True
+        return True
+
+    def _hand_on(self, fallback: Callable[[Any], None]) -> None:
+        """Hand what waits to ``fallback`` in the order it came, until nothing waits;
+        outside the lock (it may tell another part). A tell made meanwhile, from another
+        thread or from the fallback itself, is handed on here after what came before it,
+        and its own call returns at once: before, it went to the fallback at once, ahead
+        of the kept tells a give-up was still handing over (a dead-letter entry recorded
+        before older ones of its conversation, and retried first)."""
+        while True:
+            with self._lock:
+                waiting, self._handing = self._handing, []
+                if not waiting:
+                    self._handing_on = False
+                    return
+            for message in waiting:
+                try:
+                    fallback(message)
+                except Exception:  # a stand-in never raises; if one did, the rest go on
+                    log.exception("runtime.part_stand_in_failed", part=self._name)
 
     def ask(self, message: Any, *, block: bool = True, timeout: float | None = None) -> Any:
         if self._down_for_good is None:
