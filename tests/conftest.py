@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
 import os
 import subprocess
@@ -104,15 +106,13 @@ def chat() -> MemoryChannel:
 # -- one ``stalwart demo``, for the tests that read what it printed and logged ----------------
 
 
-@pytest.fixture(scope="session")
-def demo_run(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """``stalwart demo`` run once in a real subprocess (it plays its scenes in real time,
-    about 18 s) into a fresh directory: what it printed, and the directory holding its
-    log. The tests that read them only read."""
-    directory = tmp_path_factory.mktemp("demo") / "demo-log"
-    proc = subprocess.run(
+#: the one ``stalwart demo`` run's log directory: its path holds a space (the closing
+#: commands it prints quote it)
+DEMO_DIR = "demo log"
+
+
+def _play_demo(directory: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, "-m", "stalwart", "--store", str(directory), "demo"],
         capture_output=True,
         text=True,
@@ -120,7 +120,42 @@ def demo_run(
         check=False,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+
+
+def _shared_demo(shared: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The demo the pytest-xdist workers share: the first to ask plays it into
+    ``shared`` under a file lock, a later one reads what it printed from there."""
+    shared.mkdir(exist_ok=True)
+    directory, printed = shared / DEMO_DIR, shared / "printed.json"
+    with (shared / "lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+        if not printed.exists():
+            proc = _play_demo(directory)
+            seen = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+            printed.write_text(json.dumps(seen))
+        seen = json.loads(printed.read_text())
+    proc = subprocess.CompletedProcess(
+        [sys.executable, "-m", "stalwart", "--store", str(directory), "demo"],
+        seen["returncode"],
+        seen["stdout"],
+        seen["stderr"],
+    )
     return proc, directory
+
+
+@pytest.fixture(scope="session")
+def demo_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``stalwart demo`` run once in a real subprocess (it plays its scenes in real time,
+    about 18 s) into a fresh directory whose path holds a space: what it printed, and the
+    directory holding its log. One run serves the whole test session, its xdist workers
+    included (each session's workers share the parent of their temporary directories).
+    The tests that read them only read (the commands it prints only read too)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        directory = tmp_path_factory.mktemp("demo") / DEMO_DIR
+        return _play_demo(directory), directory
+    return _shared_demo(tmp_path_factory.getbasetemp().parent / "stalwart-demo-run")
 
 
 @pytest.fixture

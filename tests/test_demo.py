@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -49,7 +50,7 @@ def test_the_demo_plays_every_scene_and_leaves_an_inspectable_log(
         "user sees (grace): Done: 12.50 is back on your card.",
         "the wake failed (agent_crashed): requeued, retry 1 in 500 ms",
         "user sees (heidi): Your balance is 42.00.",
-        f"stalwart --store {directory} tail",
+        f"stalwart --store {shlex.quote(str(directory))} tail",  # a space in the path
     ):
         assert line in out, f"missing {line!r} in the demo's output:\n{out}"
     with store_module.open(directory, create=False) as log:
