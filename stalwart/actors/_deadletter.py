@@ -68,7 +68,6 @@ from stalwart.errors import (
     ConcurrencyError,
     CorruptRecordError,
     StalwartError,
-    StoreError,
 )
 from stalwart.events import (
     AnnouncementDeadLetterDelivered,
@@ -95,9 +94,9 @@ from stalwart.store import (
     DEFAULT_SNAPSHOT_EVERY,
     EventStore,
     NewEvent,
-    Snapshot,
     load_state,
     read_readable,
+    save_snapshot,
     snapshot_name,
 )
 
@@ -363,26 +362,10 @@ class FoldSnapshots:
         if self._version < self._next:
             return
         name = snapshot_name(self._aggregate)
-        snapshot = Snapshot(
-            stream=stream,
-            name=name,
-            version=self._version,
-            position=self._position,
-            data=msgspec.msgpack.encode(state),
-        )
-        try:
-            self._store.put_snapshot(snapshot)
-        except StoreError as exc:  # a snapshot only saves time: the state is still right
-            log.warning(
-                "state.snapshot_not_saved",
-                stream=stream,
-                fold=name,
-                version=self._version,
-                error=type(exc).__name__,
-            )
+        if save_snapshot(self._store, stream, name, self._version, self._position, state):
+            self._next = self._version + self._every
+        else:  # a snapshot only saves time: the state is still right
             self._next = self._version + 1
-            return
-        self._next = self._version + self._every
 
 
 # -- what other runtimes append -----------------------------------------------------------

@@ -49,7 +49,7 @@ import msgspec
 from stalwart._logs import get_logger
 from stalwart.clock import Clock
 from stalwart.context import Decide
-from stalwart.errors import ConcurrencyError, InvalidStreamError, StoreError
+from stalwart.errors import ConcurrencyError, InvalidStreamError
 from stalwart.events import (
     ContextLedgerOpened,
     ContextLegacyCounted,
@@ -75,10 +75,10 @@ from stalwart.store import (
     DEFAULT_SNAPSHOT_EVERY,
     EventStore,
     NewEvent,
-    Snapshot,
     StreamInfo,
     check_stream,
     load_state,
+    save_snapshot,
     snapshot_name,
 )
 
@@ -366,26 +366,11 @@ class StoreLedger:
         if every <= 0 or known.position == 0 or known.version < known.due:
             return
         state = TenantLedger(governor=governor, version=known.version)
-        snapshot = Snapshot(
-            stream=stream,
-            name=snapshot_name(TENANT_LEDGER),
-            version=known.version,
-            position=known.position,
-            data=msgspec.msgpack.encode(state),
-        )
-        try:
-            self._store.put_snapshot(snapshot)
-        except StoreError as exc:  # a snapshot only saves time: the governor is still right
-            log.warning(
-                "state.snapshot_not_saved",
-                stream=stream,
-                fold=snapshot.name,
-                version=known.version,
-                error=type(exc).__name__,
-            )
+        name = snapshot_name(TENANT_LEDGER)
+        if save_snapshot(self._store, stream, name, known.version, known.position, state):
+            known.due = known.version + every
+        else:  # a snapshot only saves time: the governor is still right
             known.due = known.version + 1  # tried again at the next fold
-            return
-        known.due = known.version + every
 
     def _opening(self, tenant: str | None, now: float) -> ContextLedgerOpened:
         with self._counting:

@@ -16,6 +16,7 @@ from ._projection import (
     read_all_passing,
     read_all_readable,
     read_readable,
+    save_snapshot,
     snapshot_name,
 )
 from ._protocol import (
@@ -62,6 +63,7 @@ __all__ = [
     "read_all_passing",
     "read_all_readable",
     "read_readable",
+    "save_snapshot",
     "snapshot_name",
 ]
 

@@ -23,7 +23,7 @@ S = TypeVar("S")
 
 _POSITION = attrgetter("position")
 
-__all__ = ["DEFAULT_SNAPSHOT_EVERY", "load_state", "snapshot_name"]
+__all__ = ["DEFAULT_SNAPSHOT_EVERY", "load_state", "save_snapshot", "snapshot_name"]
 
 
 def snapshot_name(aggregate: Aggregate[S]) -> str:
@@ -213,21 +213,32 @@ def load_state(
         and not skipped  # a load that does not skip must still meet the damage
         and last_version - base_version >= snapshot_every
     ):
-        snapshot = Snapshot(
-            stream=stream,
-            name=name,
-            version=last_version,
-            position=last_position,
-            data=msgspec.msgpack.encode(state),
-        )
-        try:
-            store.put_snapshot(snapshot)
-        except StoreError as exc:  # a snapshot only saves time: the state is still right
-            log.warning(
-                "state.snapshot_not_saved",
-                stream=stream,
-                fold=name,
-                version=last_version,
-                error=type(exc).__name__,
-            )
+        save_snapshot(store, stream, name, last_version, last_position, state)
     return state
+
+
+def save_snapshot(
+    store: EventStore, stream: str, name: str, version: int, position: int, state: object
+) -> bool:
+    """Save ``state`` as ``stream``'s snapshot ``name`` at ``version`` / ``position``;
+    False (logged ``state.snapshot_not_saved``) when the store refuses it: a snapshot only
+    saves time, the state is still right."""
+    snapshot = Snapshot(
+        stream=stream,
+        name=name,
+        version=version,
+        position=position,
+        data=msgspec.msgpack.encode(state),
+    )
+    try:
+        store.put_snapshot(snapshot)
+    except StoreError as exc:
+        log.warning(
+            "state.snapshot_not_saved",
+            stream=stream,
+            fold=name,
+            version=version,
+            error=type(exc).__name__,
+        )
+        return False
+    return True
